@@ -1,0 +1,42 @@
+# One command each, on a fresh machine: `make demo` runs the main job, `make test` the suite.
+# Each creates its virtual environment on first use and reuses it after.
+
+PYTHON ?= python3
+VENV := .venv
+VENV211 := .venv-211
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-211 venv venv-211 wheelhouse clean-venv
+
+$(VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q -e '.[dev]'
+	touch $@
+
+# torch 2.11 (the GPU machines' torch): Composer installed without its torch pin.
+$(VENV211)/.installed: setup.py requirements/torch-2.11.txt
+	$(PYTHON) -m venv $(VENV211)
+	$(VENV211)/bin/python -m pip install -q --upgrade pip
+	$(VENV211)/bin/python -m pip install -q -r requirements/torch-2.11.txt
+	$(VENV211)/bin/python -m pip install -q --no-deps mosaicml==0.32.1
+	$(VENV211)/bin/python -m pip install -q --no-deps -e .
+	touch $@
+
+venv: $(VENV)/.installed
+venv-211: $(VENV211)/.installed
+
+demo: $(VENV)/.installed
+	WANDB_MODE=$${WANDB_MODE:-offline} $(VENV)/bin/composer -n 2 scripts/train.py configs/tiny-cpu.yaml
+
+test: $(VENV)/.installed
+	$(VENV)/bin/python -m pytest tests $(PYTEST_ARGS)
+
+test-211: $(VENV211)/.installed
+	$(VENV211)/bin/python -m pytest tests $(PYTEST_ARGS)
+
+wheelhouse:
+	bash scripts/gpu_wheelhouse.sh
+
+clean-venv:
+	rm -rf $(VENV) $(VENV211)

@@ -1,0 +1,15 @@
+"""The FSDP2 engine: torch's `fully_shard` with explicit prefetch, async unshard,
+record-stream-free collectives and `recover()` after a failed attempt.
+
+```python
+from automicro.engine import FSDP2Config, shard
+sharded = shard(model, FSDP2Config(...), mesh=None)   # mesh None = all ranks, 1-D
+sharded.fsdp_modules      # FSDP2 modules in forward order
+sharded.recover()         # back to a clean state after a failed forward/backward
+```
+"""
+
+from automicro.engine.config import FSDP2Config, FSDP2ConfigError
+from automicro.engine.sharding import ShardedModel, ensure_record_stream_free, shard, sharded_of
+
+__all__ = ["FSDP2Config", "FSDP2ConfigError", "ShardedModel", "ensure_record_stream_free", "shard", "sharded_of"]

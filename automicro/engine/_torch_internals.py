@@ -1,0 +1,340 @@
+"""Every use of a private torch API in automicro lives in this module.
+
+Each function names the torch versions it was checked on. Supported: torch 2.7.x (Composer
+0.32.1's pin) and torch 2.11.x (the GPU machines). Any other version is refused at import of the
+engine with a message, instead of failing deep inside FSDP2 later.
+
+What is private here and why:
+- FSDP2 runtime state (`FSDPState`, `FSDPParamGroup`, `FSDPCommContext`): `recover()` must put
+  it back to IDLE/sharded after an exception, which torch has no public API for.
+- The module globals of `_fsdp_collectives` / `_fsdp_param_group`: the pre-collective sync
+  point must run *after* FSDP2 allocates its all-gather / reduce-scatter buffers and *before*
+  the collective is issued; nothing public runs there.
+- `_get_gradient_divide_factors` on torch < 2.8: gloo's reduce-scatter ignores `ReduceOp.AVG`
+  there (it sums), so gradients would be world-size times too large on CPU.
+- `_set_unshard_async_op` (private on both versions).
+- The composable activation checkpoint (`torch.distributed._composable.checkpoint`), which keeps
+  parameter names unchanged (the wrapper class would insert `_checkpoint_wrapped_module`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+
+from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param_group
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+TORCH_VERSION = _torch_version()
+CHECKED_VERSIONS = ((2, 7), (2, 11))
+# torch >= 2.8 avoids record_stream in c10d by default; 2.7 needs the env variable.
+NEEDS_AVOID_RECORD_STREAMS_ENV = TORCH_VERSION < (2, 8)
+# torch 2.7's gloo reduce-scatter sums where FSDP2 asks for AVG (measured on CPU, 2 ranks).
+GLOO_REDUCE_SCATTER_IGNORES_AVG = TORCH_VERSION < (2, 8)
+
+
+def check_supported_torch() -> None:
+    if TORCH_VERSION < (2, 7) or TORCH_VERSION > (2, 13):
+        raise RuntimeError(
+            f"automicro's FSDP2 engine supports torch 2.7 to 2.11 (checked on {CHECKED_VERSIONS}); "
+            f"found torch {torch.__version__}. Install torch 2.7.0 (Composer 0.32.1's pin) or 2.11.0."
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# FSDP2 state access (checked on torch 2.7.0 and 2.11.0)
+# --------------------------------------------------------------------------------------------
+
+
+def fsdp_state(module: FSDPModule) -> Any:
+    """The `FSDPState` behind one `fully_shard`ed module (private `_get_fsdp_state`)."""
+    return module._get_fsdp_state()
+
+
+def param_group(module: FSDPModule) -> Any:
+    """The module's `FSDPParamGroup`, or None for a module that owns no parameters."""
+    return fsdp_state(module)._fsdp_param_group
+
+
+def set_unshard_async_op(module: FSDPModule, async_op: bool) -> None:
+    # Private on 2.7 and 2.11 (`FSDPModule._set_unshard_async_op`).
+    module._set_unshard_async_op(async_op)
+
+
+def group_param_fqns(module: FSDPModule) -> list[str]:
+    group = param_group(module)
+    if group is None:
+        return []
+    return [getattr(p, "_param_fqn", "") for p in group.fsdp_params]
+
+
+def describe_states(modules: list[tuple[str, FSDPModule]]) -> list[dict[str, str]]:
+    """One row per FSDP2 module: state, param-group state and sharded state, as strings."""
+    rows = []
+    for name, module in modules:
+        state = fsdp_state(module)
+        group = state._fsdp_param_group
+        rows.append(
+            {
+                "module": name,
+                "state": state._training_state.name,
+                "group_state": group._training_state.name if group else "NONE",
+                "sharded": group._sharded_state.name if group else "NONE",
+                "pending_all_gather": str(group is not None and group._all_gather_result is not None),
+            }
+        )
+    return rows
+
+
+def unsharded_bytes(modules: list[FSDPModule]) -> int:
+    """Bytes still held by unsharded parameter storage or unsharded gradients."""
+    total = 0
+    for module in modules:
+        group = param_group(module)
+        if group is None:
+            continue
+        for fsdp_param in group.fsdp_params:
+            for tensor in getattr(fsdp_param, "all_gather_outputs", []) or []:
+                total += tensor.untyped_storage().nbytes()
+            if hasattr(fsdp_param, "_unsharded_param"):
+                total += fsdp_param._unsharded_param.untyped_storage().nbytes()
+                grad = fsdp_param._unsharded_param.grad
+                if grad is not None:
+                    total += grad.untyped_storage().nbytes()
+            if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
+                total += fsdp_param.unsharded_accumulated_grad.untyped_storage().nbytes()
+    return total
+
+
+# --------------------------------------------------------------------------------------------
+# Recovery (checked on torch 2.7.0 and 2.11.0)
+# --------------------------------------------------------------------------------------------
+
+
+def _wait_pending_all_gather(group: Any) -> None:
+    result = group._all_gather_result
+    if result is None:
+        return
+    # The collective was issued on every rank (the deadlock-freedom invariant puts a consensus
+    # point before it), so waiting for it cannot hang; dropping it unwaited could free a buffer
+    # NCCL is still writing.
+    event = getattr(result, "all_gather_event", None)
+    if event is not None:
+        group.device_handle.current_stream().wait_event(event)
+    work = getattr(result, "all_gather_work", None)
+    if isinstance(work, dist.distributed_c10d.Work):
+        work.wait()
+    group._all_gather_result = None
+
+
+def _drop_unsharded_grads(group: Any) -> None:
+    for fsdp_param in group.fsdp_params:
+        if hasattr(fsdp_param, "_unsharded_param"):
+            fsdp_param._unsharded_param.grad = None
+        if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
+            fsdp_param.unsharded_accumulated_grad = None
+        event = getattr(fsdp_param, "grad_offload_event", None)
+        if event is not None:
+            event.synchronize()
+            fsdp_param.grad_offload_event = None
+
+
+def reset_param_group(group: Any) -> None:
+    """Return one `FSDPParamGroup` to IDLE and SHARDED, freeing every unsharded buffer."""
+    _wait_pending_all_gather(group)
+    group._wait_for_post_backward()
+    _drop_unsharded_grads(group)
+    if group._reshard_after_forward_event is not None:
+        group.device_handle.current_stream().wait_event(group._reshard_after_forward_event)
+        group._reshard_after_forward_event = None
+    group._partial_reduce_output = None
+    group._post_forward_indices.clear()
+    group._training_state = TrainingState.IDLE
+    # `_to_sharded` frees the unsharded storage from SHARDED_POST_FORWARD or UNSHARDED alike.
+    group._to_sharded()
+
+
+def reset_fsdp_states(modules: list[FSDPModule]) -> None:
+    """Put every FSDP2 state reachable from `modules` back to a clean IDLE/sharded state."""
+    seen_ctx = set()
+    for module in modules:
+        state = fsdp_state(module)
+        state._training_state = TrainingState.IDLE
+        state._modules_to_run_forward.clear()
+        if state._fsdp_param_group is not None:
+            reset_param_group(state._fsdp_param_group)
+        comm_ctx = state._comm_ctx
+        state_ctx = state._state_ctx
+        if id(state_ctx) not in seen_ctx:
+            seen_ctx.add(id(state_ctx))
+            state_ctx.iter_forward_root = None
+            # A failed backward drops the autograd graph task with its queued final callback.
+            state_ctx.post_backward_final_callback_queued = False
+            state_ctx.is_last_backward = True
+        if getattr(comm_ctx, "all_gather_state", None) is not None:
+            comm_ctx.all_gather_state = None
+        rs_state = getattr(comm_ctx, "reduce_scatter_state", None)
+        if rs_state is not None:
+            # FSDP2 itself waits the same way at the end of backward (a no-op on CPU).
+            comm_ctx.device_handle.current_stream().wait_event(rs_state.event)
+            comm_ctx.reduce_scatter_state = None
+        if hasattr(comm_ctx, "post_forward_order"):
+            comm_ctx.post_forward_order.clear()
+
+
+def is_clean(modules: list[FSDPModule]) -> bool:
+    for module in modules:
+        state = fsdp_state(module)
+        if state._training_state != TrainingState.IDLE:
+            return False
+        group = state._fsdp_param_group
+        if group is None:
+            continue
+        if group._training_state != TrainingState.IDLE or group._sharded_state != ShardedState.SHARDED:
+            return False
+        if group._all_gather_result is not None:
+            return False
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# Pre-collective hook (checked on torch 2.7.0 and 2.11.0)
+# --------------------------------------------------------------------------------------------
+#
+# Both versions issue every FSDP2 collective through the module global `dist` of
+# `_fsdp_collectives` (`dist.all_gather_into_tensor`, `dist.reduce_scatter_tensor`,
+# `dist.all_reduce`), after the output/input buffers are allocated. Replacing that global with a
+# proxy gives a hook exactly between allocation and collective. `_fsdp_param_group` calls
+# `foreach_all_gather` / `foreach_reduce` by module global too; wrapping those tells the hook
+# which FSDP module the collective belongs to.
+
+PreCollectiveHook = Callable[[str, str], None]  # (site, module fqn) -> None
+
+
+class _Owner(threading.local):
+    fqn: str = ""
+
+
+_owner = _Owner()
+
+
+class _DistProxy(types.ModuleType):
+    def __init__(self, hook: PreCollectiveHook) -> None:
+        super().__init__("automicro_fsdp_dist_proxy")
+        self._hook = hook
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(dist, name)
+
+    def all_gather_into_tensor(self, *args: Any, **kwargs: Any) -> Any:
+        self._hook("unshard_alloc", _owner.fqn)
+        return dist.all_gather_into_tensor(*args, **kwargs)
+
+    def reduce_scatter_tensor(self, *args: Any, **kwargs: Any) -> Any:
+        self._hook("reduce_scatter_alloc", _owner.fqn)
+        return dist.reduce_scatter_tensor(*args, **kwargs)
+
+    def all_reduce(self, *args: Any, **kwargs: Any) -> Any:
+        self._hook("all_reduce_alloc", _owner.fqn)
+        return dist.all_reduce(*args, **kwargs)
+
+
+_ORIGINAL_FOREACH_ALL_GATHER = _fsdp_param_group.foreach_all_gather
+_ORIGINAL_FOREACH_REDUCE = _fsdp_param_group.foreach_reduce
+
+
+def _owned(fn: Callable[..., Any], fqn_of: Callable[[list[Any]], str]) -> Callable[..., Any]:
+    def wrapper(fsdp_params: list[Any], *args: Any, **kwargs: Any) -> Any:
+        previous = _owner.fqn
+        _owner.fqn = fqn_of(fsdp_params)
+        try:
+            return fn(fsdp_params, *args, **kwargs)
+        finally:
+            _owner.fqn = previous
+
+    return wrapper
+
+
+def install_pre_collective_hook(hook: PreCollectiveHook, fqn_of: Callable[[list[Any]], str]) -> None:
+    """Route every FSDP2 collective through `hook(site, module_fqn)` (idempotent per hook)."""
+    if isinstance(_fsdp_collectives.dist, _DistProxy):
+        raise RuntimeError("automicro: a pre-collective hook is already installed; remove it first")
+    _fsdp_collectives.dist = _DistProxy(hook)
+    _fsdp_param_group.foreach_all_gather = _owned(_ORIGINAL_FOREACH_ALL_GATHER, fqn_of)
+    _fsdp_param_group.foreach_reduce = _owned(_ORIGINAL_FOREACH_REDUCE, fqn_of)
+
+
+def remove_pre_collective_hook() -> None:
+    """Restore torch's own code paths (no proxy, no wrappers)."""
+    _fsdp_collectives.dist = dist
+    _fsdp_param_group.foreach_all_gather = _ORIGINAL_FOREACH_ALL_GATHER
+    _fsdp_param_group.foreach_reduce = _ORIGINAL_FOREACH_REDUCE
+
+
+def pre_collective_hook_installed() -> bool:
+    return isinstance(_fsdp_collectives.dist, _DistProxy)
+
+
+# --------------------------------------------------------------------------------------------
+# Gradient averaging on gloo (torch 2.7 only; checked on 2.7.0, not needed on 2.11.0)
+# --------------------------------------------------------------------------------------------
+
+_ORIGINAL_DIVIDE_FACTORS = getattr(_fsdp_collectives, "_get_gradient_divide_factors", None)
+
+
+def _gloo_safe_divide_factors(reduce_scatter_group, all_reduce_group, reduce_dtype, device_type=""):
+    backend_is_gloo = dist.get_backend(reduce_scatter_group) == "gloo"
+    if not backend_is_gloo:
+        return _ORIGINAL_DIVIDE_FACTORS(reduce_scatter_group, all_reduce_group, reduce_dtype, device_type)
+    data_parallel_size = reduce_scatter_group.size()
+    if all_reduce_group is not None:
+        data_parallel_size *= all_reduce_group.size()
+    # A pre-divide factor of 1.0 selects ReduceOp.SUM (and divides by nothing); the post-divide
+    # then turns the sum into the mean FSDP2 means to compute.
+    return 1.0, float(data_parallel_size)
+
+
+def install_gloo_gradient_average_fix() -> bool:
+    """On torch 2.7, make FSDP2 average (not sum) gradients over gloo. Returns True if applied."""
+    if not GLOO_REDUCE_SCATTER_IGNORES_AVG:
+        return False
+    if _fsdp_collectives._get_gradient_divide_factors is not _gloo_safe_divide_factors:
+        _fsdp_collectives._get_gradient_divide_factors = _gloo_safe_divide_factors
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# Activation checkpointing (checked on torch 2.7.0 and 2.11.0)
+# --------------------------------------------------------------------------------------------
+
+
+def apply_activation_checkpointing(module: nn.Module) -> None:
+    """Composable (hook-based) checkpointing: parameter names stay unchanged."""
+    from torch.distributed._composable import checkpoint
+
+    checkpoint(module)
+
+
+@contextlib.contextmanager
+def pre_collective_hook(hook: PreCollectiveHook, fqn_of: Callable[[list[Any]], str]) -> Iterator[None]:
+    install_pre_collective_hook(hook, fqn_of)
+    try:
+        yield
+    finally:
+        remove_pre_collective_hook()
+

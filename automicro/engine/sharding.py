@@ -1,0 +1,371 @@
+"""`shard()`: apply torch's `fully_shard` to a model the way `FSDP2Config` says.
+
+One function applies one parallelism (torchtitan's layout): wrap policy, tied-weight
+legalization, activation checkpointing, mixed precision, HSDP mesh, CPU offload, explicit
+prefetch chains and async unshard. The returned `ShardedModel` knows the FSDP2 modules in forward
+order and can `recover()` them after a failed attempt.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from automicro.engine import _torch_internals as internals
+from automicro.engine.config import FSDP2Config, FSDP2ConfigError
+
+log = logging.getLogger(__name__)
+
+AVOID_RECORD_STREAMS_ENV = "TORCH_NCCL_AVOID_RECORD_STREAMS"
+_warned_record_stream = False
+
+
+def ensure_record_stream_free() -> bool:
+    """Make c10d avoid `record_stream` on async collectives; call before any process group.
+
+    torch >= 2.8 does this by default. On torch 2.7 the variable must be set before the NCCL
+    process group exists (it is read when the group is created). Returns True when the setting
+    is (or will be) in effect; warns once with the fix when a group already exists without it.
+    """
+    global _warned_record_stream
+    if not internals.NEEDS_AVOID_RECORD_STREAMS_ENV:
+        return True
+    if os.environ.get(AVOID_RECORD_STREAMS_ENV) == "1":
+        return True
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_backend() != "nccl":
+            return True  # record_stream is an NCCL (CUDA caching allocator) matter only
+        if not _warned_record_stream:
+            _warned_record_stream = True
+            log.warning(
+                "automicro: the process group was created without %s=1, so torch %s's c10d calls "
+                "record_stream on async collectives (extra memory held until the next sync). "
+                "Export %s=1 before launching, or create the Trainer before any process group.",
+                AVOID_RECORD_STREAMS_ENV,
+                torch.__version__,
+                AVOID_RECORD_STREAMS_ENV,
+            )
+        return False
+    os.environ[AVOID_RECORD_STREAMS_ENV] = "1"
+    return True
+
+
+def _mixed_precision_policy(name: str) -> MixedPrecisionPolicy:
+    if name == "FULL":
+        return MixedPrecisionPolicy()
+    if name == "DEFAULT":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if name == "PURE":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    raise FSDP2ConfigError(f"parallelism_config.fsdp2.mixed_precision={name!r}: unknown")
+
+
+def _default_device() -> torch.device:
+    if dist.is_initialized() and dist.get_backend() == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def build_mesh(config: FSDP2Config, device: torch.device) -> DeviceMesh:
+    world = dist.get_world_size()
+    if world % config.replicate != 0:
+        raise FSDP2ConfigError(
+            f"parallelism_config.fsdp2.replicate={config.replicate}: must divide the world size {world}"
+        )
+    if config.replicate == 1:
+        return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    return init_device_mesh(
+        device.type, (config.replicate, world // config.replicate), mesh_dim_names=("replicate", "shard")
+    )
+
+
+def _wants_wrap(name: str, module: nn.Module, root: nn.Module, class_names: Optional[set[str]]) -> bool:
+    if module is root:
+        return False
+    if class_names is not None:
+        return type(module).__name__ in class_names
+    if getattr(module, "_fsdp_wrap", False):
+        return True
+    for owner in (root, getattr(root, "model", None)):
+        wrap_fn = getattr(owner, "fsdp_wrap_fn", None)
+        if callable(wrap_fn):
+            decision = wrap_fn(module)
+            if decision:
+                return True
+    return False
+
+
+def _param_owners(root: nn.Module) -> dict[int, list[str]]:
+    """Parameter id -> names of every module that holds it directly (ties show as >1)."""
+    owners: dict[int, list[str]] = {}
+    for name, module in root.named_modules(remove_duplicate=False):
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), [])
+            if name not in owners[id(param)]:
+                owners[id(param)].append(name)
+    return owners
+
+
+def _subtree_names(name: str, all_names: Iterable[str]) -> set[str]:
+    prefix = name + "."
+    return {n for n in all_names if n == name or n.startswith(prefix)}
+
+
+def plan_wrapping(root: nn.Module, config: FSDP2Config) -> tuple[list[str], list[str]]:
+    """Names of the modules to wrap (children before parents), and notes on tied weights.
+
+    A candidate whose parameters are also used outside its subtree cannot be its own FSDP unit
+    (the tied parameter would be sharded twice); it is left to the nearest wrapped ancestor,
+    which is the common parent of the tie. If the user named both sides of a tie explicitly in
+    `wrap`, that request cannot be honoured and is refused.
+    """
+    class_names = set(config.wrap) if config.wrap is not None else None
+    named = dict(root.named_modules())
+    all_names = list(named)
+    candidates = [n for n, m in named.items() if _wants_wrap(n, m, root, class_names)]
+    owners = _param_owners(root)
+    notes: list[str] = []
+    chosen: list[str] = []
+    for name in candidates:
+        subtree = _subtree_names(name, all_names)
+        outside: set[str] = set()
+        for sub in subtree:
+            for param in named[sub].parameters(recurse=False):
+                outside.update(o for o in owners[id(param)] if o not in subtree)
+        if not outside:
+            chosen.append(name)
+            continue
+        if class_names is not None and any(
+            type(named[o]).__name__ in class_names for o in outside if o in named
+        ):
+            raise FSDP2ConfigError(
+                f"parallelism_config.fsdp2.wrap: module '{name}' shares parameters with "
+                f"{sorted(outside)}, and both are listed for wrapping; a tied parameter must live in "
+                "one FSDP unit. Remove one of the classes from `wrap` so the tie is wrapped at their "
+                "common parent."
+            )
+        notes.append(
+            f"'{name}' shares parameters with {sorted(outside)}: wrapped with their common parent instead"
+        )
+    # fully_shard must see children before parents.
+    chosen.sort(key=lambda n: -n.count("."))
+    return chosen, notes
+
+
+@dataclass
+class ShardedModel:
+    """A model after `shard()`: the same module object, plus what the engine knows about it."""
+
+    module: nn.Module
+    config: FSDP2Config
+    mesh: DeviceMesh
+    device: torch.device
+    wrapped_names: list[str]
+    tie_notes: list[str] = field(default_factory=list)
+    _forward_order: list[str] = field(default_factory=list)
+    _order_hooks: list[Any] = field(default_factory=list)
+    _prefetch_plan: list[str] = field(default_factory=list)
+
+    @property
+    def named_fsdp_modules(self) -> list[tuple[str, FSDPModule]]:
+        """(name, module) of every FSDP2 module, in forward order once recorded (root first)."""
+        named = dict(self.module.named_modules())
+        order = self._forward_order or self.wrapped_names_in_registration_order()
+        rows = [("", self.module)] + [(n, named[n]) for n in order]
+        return [(n, m) for n, m in rows if isinstance(m, FSDPModule)]
+
+    @property
+    def fsdp_modules(self) -> list[FSDPModule]:
+        return [m for _, m in self.named_fsdp_modules]
+
+    def wrapped_names_in_registration_order(self) -> list[str]:
+        order = [n for n, _ in self.module.named_modules() if n in set(self.wrapped_names)]
+        return order
+
+    # ---- explicit prefetch -------------------------------------------------------------------
+
+    def _record_forward_order(self) -> None:
+        named = dict(self.module.named_modules())
+        recorded: list[str] = []
+
+        def make_pre_hook(name: str):
+            def hook(module: nn.Module, args: Any) -> None:
+                if name not in recorded:
+                    recorded.append(name)
+
+            return hook
+
+        for name in self.wrapped_names:
+            self._order_hooks.append(named[name].register_forward_pre_hook(make_pre_hook(name)))
+
+        def finish(module: nn.Module, args: Any, output: Any) -> None:
+            for handle in self._order_hooks:
+                handle.remove()
+            self._order_hooks.clear()
+            if recorded:
+                self._forward_order = list(recorded)
+                self._apply_prefetch()
+
+        self._order_hooks.append(self.module.register_forward_hook(finish))
+
+    def _apply_prefetch(self) -> None:
+        named = dict(self.module.named_modules())
+        order = self._forward_order or self.wrapped_names_in_registration_order()
+        blocks = [named[n] for n in order]
+        plan = []
+        fwd, bwd = self.config.forward_prefetch, self.config.backward_prefetch
+        for i, (name, block) in enumerate(zip(order, blocks)):
+            # Explicit lists replace FSDP2's implicit choice: forward prefetch overlaps the next
+            # blocks' all-gathers with this block's compute, and with async unshard the copy-in
+            # stays on the default stream, so no buffer is shared between streams.
+            if fwd > 0:
+                targets = blocks[i + 1 : i + 1 + fwd]
+                block.set_modules_to_forward_prefetch(targets)
+            if bwd > 0:
+                targets_b = list(reversed(blocks[max(0, i - bwd) : i]))
+                block.set_modules_to_backward_prefetch(targets_b)
+            fwd_names = order[i + 1 : i + 1 + fwd] if fwd > 0 else ["(implicit)"]
+            bwd_names = list(reversed(order[max(0, i - bwd) : i])) if bwd > 0 else ["(implicit)"]
+            plan.append(f"{name or '<root>'}: forward -> {fwd_names}, backward -> {bwd_names}")
+        self._prefetch_plan = plan
+
+    def prefetch_plan(self) -> str:
+        """The prefetch chains as text, one FSDP module per line."""
+        if not self._prefetch_plan:
+            self._apply_prefetch()
+        return "\n".join(self._prefetch_plan)
+
+    # ---- recovery ----------------------------------------------------------------------------
+
+    def recover(self) -> None:
+        """Return every FSDP2 state to IDLE and sharded after a failed forward/backward.
+
+        Frees unsharded parameters and gradients, waits for (then drops) any all-gather or
+        reduce-scatter already issued, forgets queued post-backward callbacks and sets every
+        sharded gradient to None: the next forward/backward runs as if the failed one had
+        never started. Safe to call when nothing failed, and at any failure point.
+        """
+        internals.reset_fsdp_states(self.fsdp_modules)
+        for param in self.module.parameters():
+            param.grad = None
+
+    def is_clean(self) -> bool:
+        return internals.is_clean(self.fsdp_modules)
+
+    def states(self) -> list[dict[str, str]]:
+        return internals.describe_states(self.named_fsdp_modules)
+
+    def unsharded_bytes(self) -> int:
+        return internals.unsharded_bytes(self.fsdp_modules)
+
+    def param_fqn_to_module(self) -> dict[str, str]:
+        mapping = {}
+        for name, module in self.named_fsdp_modules:
+            for fqn in internals.group_param_fqns(module):
+                mapping[fqn] = name
+        return mapping
+
+
+def _materialize_meta(model: nn.Module, device: torch.device) -> None:
+    if not any(p.is_meta for p in model.parameters()):
+        return
+    model.to_empty(device=device)
+    for owner in (model, getattr(model, "model", None)):
+        init = getattr(owner, "init_weights", None)
+        if callable(init):
+            with torch.no_grad():
+                init()
+            return
+    raise FSDP2ConfigError(
+        "the model was built on the meta device but has no `init_weights()` method to materialize "
+        "its shards; build it on cpu/cuda or give it `init_weights()`"
+    )
+
+
+def shard(
+    model: nn.Module,
+    config: Optional[FSDP2Config] = None,
+    mesh: Optional[DeviceMesh] = None,
+    device: Optional[torch.device] = None,
+) -> ShardedModel:
+    """Shard `model` in place with `fully_shard` and return its `ShardedModel` handle.
+
+    Args:
+        model: a `ComposerModel` or plain `nn.Module`; blocks are chosen by `config.wrap`.
+        config: the `FSDP2Config` (defaults when None).
+        mesh: a 1-D (FSDP) or 2-D ``(replicate, shard)`` (HSDP) mesh; None builds one over all
+            ranks from `config.replicate`.
+        device: where shards live; defaults to the current CUDA device under NCCL, else CPU.
+    """
+    internals.check_supported_torch()
+    if not dist.is_initialized():
+        raise RuntimeError("automicro.engine.shard needs torch.distributed to be initialized first")
+    config = config or FSDP2Config()
+    if isinstance(model, FSDPModule):
+        raise FSDP2ConfigError("the model is already sharded with fully_shard; shard it only once")
+    device = device or _default_device()
+    ensure_record_stream_free()
+    if device.type == "cpu" or dist.get_backend() == "gloo":
+        internals.install_gloo_gradient_average_fix()
+    mesh = mesh or build_mesh(config, device)
+    if config.cpu_offload and device.type == "cpu":
+        raise FSDP2ConfigError("parallelism_config.fsdp2.cpu_offload=true needs device: gpu")
+    if not any(p.is_meta for p in model.parameters()):
+        model.to(device)
+
+    wrapped, notes = plan_wrapping(model, config)
+    for note in notes:
+        log.warning("automicro: %s", note)
+    named = dict(model.named_modules())
+    kwargs: dict[str, Any] = {
+        "mesh": mesh,
+        "mp_policy": _mixed_precision_policy(config.mixed_precision),
+    }
+    if config.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for name in wrapped:
+        if config.activation_checkpointing:
+            internals.apply_activation_checkpointing(named[name])
+        fully_shard(named[name], reshard_after_forward=config.reshard_after_forward, **kwargs)
+    # The root keeps its parameters unsharded between forward and backward (FSDP2 does the same
+    # for the root by default), so no reshard_after_forward here.
+    fully_shard(model, **kwargs)
+    _materialize_meta(model, device)
+
+    sharded = ShardedModel(
+        module=model, config=config, mesh=mesh, device=device, wrapped_names=wrapped, tie_notes=notes
+    )
+    if config.unshard_async_op:
+        for module in sharded.fsdp_modules:
+            internals.set_unshard_async_op(module, True)
+    if config.forward_prefetch > 0 or config.backward_prefetch > 0:
+        sharded._apply_prefetch()
+        sharded._record_forward_order()
+    object.__setattr__(model, "_automicro_sharded", sharded)
+    log.info(
+        "automicro: applied FSDP2 to %d blocks + root (mesh %s, mixed precision %s, reshard_after_forward=%s, "
+        "prefetch fwd=%d bwd=%d, async unshard=%s, activation checkpointing=%s)",
+        len(wrapped),
+        tuple(mesh.shape),
+        config.mixed_precision,
+        config.reshard_after_forward,
+        config.forward_prefetch,
+        config.backward_prefetch,
+        config.unshard_async_op,
+        config.activation_checkpointing,
+    )
+    return sharded
+
+
+def sharded_of(model: nn.Module) -> Optional[ShardedModel]:
+    """The `ShardedModel` that `shard()` made for `model`, if any."""
+    return getattr(model, "_automicro_sharded", None)

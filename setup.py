@@ -1,0 +1,22 @@
+"""automicro: OOM-safe auto microbatching for MosaicML Composer on FSDP2."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="automicro",
+    version="0.1.0",
+    description="OOM-safe `device_train_microbatch_size: auto` for Composer on FSDP2",
+    packages=find_packages(include=["automicro", "automicro.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "mosaicml==0.32.1",
+        "omegaconf>=2.3",
+        "wandb>=0.17",
+    ],
+    extras_require={
+        "dev": [
+            "pytest>=8",
+            "pytest-timeout>=2.3",
+        ],
+    },
+)
