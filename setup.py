@@ -11,7 +11,7 @@ setup(
     install_requires=[
         "mosaicml==0.32.1",
         "omegaconf>=2.3",
-        "wandb>=0.17",
+        "wandb>=0.17,<0.29",  # Composer 0.32.1 WandBLogger calls run.get_url(), removed in wandb 0.29
     ],
     extras_require={
         "dev": [

@@ -19,10 +19,9 @@ What is private here and why:
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -223,34 +222,41 @@ def is_clean(modules: list[FSDPModule]) -> bool:
 # `foreach_all_gather` / `foreach_reduce` by module global too; wrapping those tells the hook
 # which FSDP module the collective belongs to.
 
-PreCollectiveHook = Callable[[str, str], None]  # (site, module fqn) -> None
+PreCollectiveHook = Callable[[str, list[Any]], None]  # (site, the collective's FSDPParams)
 
 
 class _Owner(threading.local):
-    fqn: str = ""
+    fsdp_params: list[Any] = []
 
 
 _owner = _Owner()
+_hooks: list[PreCollectiveHook] = []
+
+
+def _run_hooks(site: str) -> None:
+    for hook in list(_hooks):
+        hook(site, _owner.fsdp_params)
 
 
 class _DistProxy(types.ModuleType):
-    def __init__(self, hook: PreCollectiveHook) -> None:
+    """Stands in for `torch.distributed` inside `_fsdp_collectives` while hooks exist."""
+
+    def __init__(self) -> None:
         super().__init__("automicro_fsdp_dist_proxy")
-        self._hook = hook
 
     def __getattr__(self, name: str) -> Any:
         return getattr(dist, name)
 
     def all_gather_into_tensor(self, *args: Any, **kwargs: Any) -> Any:
-        self._hook("unshard_alloc", _owner.fqn)
+        _run_hooks("unshard_alloc")
         return dist.all_gather_into_tensor(*args, **kwargs)
 
     def reduce_scatter_tensor(self, *args: Any, **kwargs: Any) -> Any:
-        self._hook("reduce_scatter_alloc", _owner.fqn)
+        _run_hooks("reduce_scatter_alloc")
         return dist.reduce_scatter_tensor(*args, **kwargs)
 
     def all_reduce(self, *args: Any, **kwargs: Any) -> Any:
-        self._hook("all_reduce_alloc", _owner.fqn)
+        _run_hooks("all_reduce_alloc")
         return dist.all_reduce(*args, **kwargs)
 
 
@@ -258,32 +264,51 @@ _ORIGINAL_FOREACH_ALL_GATHER = _fsdp_param_group.foreach_all_gather
 _ORIGINAL_FOREACH_REDUCE = _fsdp_param_group.foreach_reduce
 
 
-def _owned(fn: Callable[..., Any], fqn_of: Callable[[list[Any]], str]) -> Callable[..., Any]:
+def _owned(fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(fsdp_params: list[Any], *args: Any, **kwargs: Any) -> Any:
-        previous = _owner.fqn
-        _owner.fqn = fqn_of(fsdp_params)
+        previous = _owner.fsdp_params
+        _owner.fsdp_params = fsdp_params
         try:
             return fn(fsdp_params, *args, **kwargs)
         finally:
-            _owner.fqn = previous
+            _owner.fsdp_params = previous
 
     return wrapper
 
 
-def install_pre_collective_hook(hook: PreCollectiveHook, fqn_of: Callable[[list[Any]], str]) -> None:
-    """Route every FSDP2 collective through `hook(site, module_fqn)` (idempotent per hook)."""
-    if isinstance(_fsdp_collectives.dist, _DistProxy):
-        raise RuntimeError("automicro: a pre-collective hook is already installed; remove it first")
-    _fsdp_collectives.dist = _DistProxy(hook)
-    _fsdp_param_group.foreach_all_gather = _owned(_ORIGINAL_FOREACH_ALL_GATHER, fqn_of)
-    _fsdp_param_group.foreach_reduce = _owned(_ORIGINAL_FOREACH_REDUCE, fqn_of)
+class _HookHandle:
+    def __init__(self, hook: PreCollectiveHook) -> None:
+        self._hook = hook
+
+    def remove(self) -> None:
+        if self._hook in _hooks:
+            _hooks.remove(self._hook)
+        if not _hooks:
+            _restore_collectives()
 
 
-def remove_pre_collective_hook() -> None:
-    """Restore torch's own code paths (no proxy, no wrappers)."""
+def _patch_collectives() -> None:
+    _fsdp_collectives.dist = _DistProxy()
+    _fsdp_param_group.foreach_all_gather = _owned(_ORIGINAL_FOREACH_ALL_GATHER)
+    _fsdp_param_group.foreach_reduce = _owned(_ORIGINAL_FOREACH_REDUCE)
+
+
+def _restore_collectives() -> None:
     _fsdp_collectives.dist = dist
     _fsdp_param_group.foreach_all_gather = _ORIGINAL_FOREACH_ALL_GATHER
     _fsdp_param_group.foreach_reduce = _ORIGINAL_FOREACH_REDUCE
+
+
+def add_pre_collective_hook(hook: PreCollectiveHook) -> _HookHandle:
+    """Call `hook(site, fsdp_params)` after FSDP2 allocates a collective's buffers, before it runs.
+
+    The patch is in place only while at least one hook exists; removing the last one restores
+    torch's own code paths exactly.
+    """
+    if not _hooks:
+        _patch_collectives()
+    _hooks.append(hook)
+    return _HookHandle(hook)
 
 
 def pre_collective_hook_installed() -> bool:
@@ -328,13 +353,3 @@ def apply_activation_checkpointing(module: nn.Module) -> None:
     from torch.distributed._composable import checkpoint
 
     checkpoint(module)
-
-
-@contextlib.contextmanager
-def pre_collective_hook(hook: PreCollectiveHook, fqn_of: Callable[[list[Any]], str]) -> Iterator[None]:
-    install_pre_collective_hook(hook, fqn_of)
-    try:
-        yield
-    finally:
-        remove_pre_collective_hook()
-

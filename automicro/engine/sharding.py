@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -115,11 +114,6 @@ def _param_owners(root: nn.Module) -> dict[int, list[str]]:
     return owners
 
 
-def _subtree_names(name: str, all_names: Iterable[str]) -> set[str]:
-    prefix = name + "."
-    return {n for n in all_names if n == name or n.startswith(prefix)}
-
-
 def plan_wrapping(root: nn.Module, config: FSDP2Config) -> tuple[list[str], list[str]]:
     """Names of the modules to wrap (children before parents), and notes on tied weights.
 
@@ -130,22 +124,20 @@ def plan_wrapping(root: nn.Module, config: FSDP2Config) -> tuple[list[str], list
     """
     class_names = set(config.wrap) if config.wrap is not None else None
     named = dict(root.named_modules())
-    all_names = list(named)
+    every_name = dict(root.named_modules(remove_duplicate=False))
     candidates = [n for n, m in named.items() if _wants_wrap(n, m, root, class_names)]
     owners = _param_owners(root)
     notes: list[str] = []
     chosen: list[str] = []
     for name in candidates:
-        subtree = _subtree_names(name, all_names)
         outside: set[str] = set()
-        for sub in subtree:
-            for param in named[sub].parameters(recurse=False):
-                outside.update(o for o in owners[id(param)] if o not in subtree)
+        for param in named[name].parameters():
+            outside.update(o for o in owners[id(param)] if not (o == name or o.startswith(name + ".")))
         if not outside:
             chosen.append(name)
             continue
         if class_names is not None and any(
-            type(named[o]).__name__ in class_names for o in outside if o in named
+            o in every_name and type(every_name[o]).__name__ in class_names for o in outside
         ):
             raise FSDP2ConfigError(
                 f"parallelism_config.fsdp2.wrap: module '{name}' shares parameters with "
@@ -316,6 +308,12 @@ def shard(
     ensure_record_stream_free()
     if device.type == "cpu" or dist.get_backend() == "gloo":
         internals.install_gloo_gradient_average_fix()
+    if config.replicate > 1 and device.type == "cpu" and internals.TORCH_VERSION < (2, 8):
+        raise FSDP2ConfigError(
+            f"parallelism_config.fsdp2.replicate={config.replicate}: HSDP on CPU needs torch >= 2.8 "
+            f"(torch {torch.__version__}'s FSDP2 needs a stream event for the replicate all-reduce, "
+            "which CPU streams do not record); use replicate: 1 on CPU, or a GPU"
+        )
     mesh = mesh or build_mesh(config, device)
     if config.cpu_offload and device.type == "cpu":
         raise FSDP2ConfigError("parallelism_config.fsdp2.cpu_offload=true needs device: gpu")

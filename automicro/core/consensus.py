@@ -1,0 +1,225 @@
+"""The cross-rank agreement run at every sync point (DESIGN.md, "consensus").
+
+One fused all-reduce (MAX) of an int64 vector per sync point, on a CPU (gloo) side group, so
+the control plane needs no device sync and never stalls the GPU stream:
+
+    [still_running] + world_size x [code, new_alloc_retries, peak_bytes, capacity_bytes, allocated_bytes]
+
+Each rank writes only its own slots, so after MAX every rank knows every rank's report.
+- a rank at a sync point sends still_running=1, code=0; if any code is set it raises
+  `OOMOnOtherRank` (or `FailedOnOtherRank`) and unwinds;
+- a rank that failed (or unwound) sends still_running=0 and its code, again and again, until a
+  round comes back with still_running == 0: then every rank agrees the attempt failed;
+- at the end of an attempt every rank sends still_running=0, code=0; if a round still shows a
+  running rank and no failure it sends again (a barrier), so no rank steps the optimizer unless
+  every rank finished forward and backward.
+All ranks see the same result in each round, so they leave the loop in the same round and the
+number of all-reduces matches on every rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from automicro.core.sites import ALL_SITES, site_index
+
+SLOTS = 5
+KIND_OOM = 1
+KIND_ERROR = 2
+_SITE_BASE = 64  # code = kind * _SITE_BASE + site index
+
+
+class OOMOnOtherRank(RuntimeError):
+    """Raised at a sync point when another rank ran out of memory in this attempt."""
+
+
+class FailedOnOtherRank(RuntimeError):
+    """Raised on every other rank when one rank failed with a non-OOM error."""
+
+
+@dataclass(frozen=True)
+class RankReport:
+    rank: int
+    kind: int  # 0 = fine, KIND_OOM, KIND_ERROR
+    site: str
+    new_alloc_retries: int
+    peak_bytes: int
+    capacity_bytes: int
+    allocated_bytes: int
+
+    @property
+    def failed(self) -> bool:
+        return self.kind != 0
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What every rank agreed about one attempt."""
+
+    reports: tuple[RankReport, ...]
+    rounds: int
+
+    @property
+    def failed(self) -> bool:
+        return any(r.failed for r in self.reports)
+
+    @property
+    def failed_ranks(self) -> list[int]:
+        return [r.rank for r in self.reports if r.failed]
+
+    @property
+    def error_ranks(self) -> list[int]:
+        return [r.rank for r in self.reports if r.kind == KIND_ERROR]
+
+    @property
+    def oom(self) -> bool:
+        return self.failed and not self.error_ranks
+
+    @property
+    def sites(self) -> list[str]:
+        return [r.site for r in self.reports if r.failed]
+
+    @property
+    def any_new_alloc_retries(self) -> bool:
+        return any(r.new_alloc_retries > 0 for r in self.reports)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max((r.peak_bytes for r in self.reports), default=0)
+
+    @property
+    def capacity_bytes(self) -> int:
+        known = [r.capacity_bytes for r in self.reports if r.capacity_bytes > 0]
+        return min(known) if known else 0
+
+
+@dataclass
+class LocalFigures:
+    """This rank's memory figures for the report (bytes; 0 = unknown)."""
+
+    new_alloc_retries: int = 0
+    peak_bytes: int = 0
+    capacity_bytes: int = 0
+    allocated_bytes: int = 0
+
+
+@dataclass
+class Consensus:
+    """The sync-point protocol for one process group. Create it on every rank at once."""
+
+    group: Optional[dist.ProcessGroup] = None
+    world_size: int = 1
+    rank: int = 0
+    sync_count: int = 0
+    _failed_seen: bool = field(default=False, repr=False)
+
+    @classmethod
+    def create(cls, use_cpu_group: bool = True) -> "Consensus":
+        """Collective: every rank must call it. A gloo side group carries the flags."""
+        if not dist.is_initialized():
+            return cls(group=None, world_size=1, rank=0)
+        group = None
+        if use_cpu_group and dist.get_backend() != "gloo":
+            group = dist.new_group(backend="gloo")
+        return cls(group=group, world_size=dist.get_world_size(), rank=dist.get_rank())
+
+    # ---- one round ------------------------------------------------------------------------
+
+    def _round(
+        self, still_running: int, code: int, figures: LocalFigures, timeout_s: Optional[float] = None
+    ) -> torch.Tensor:
+        vec = torch.zeros(1 + SLOTS * self.world_size, dtype=torch.int64)
+        vec[0] = still_running
+        base = 1 + SLOTS * self.rank
+        vec[base : base + SLOTS] = torch.tensor(
+            [code, figures.new_alloc_retries, figures.peak_bytes, figures.capacity_bytes, figures.allocated_bytes],
+            dtype=torch.int64,
+        )
+        if self.world_size > 1:
+            if timeout_s is None:
+                dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group)
+            else:
+                work = dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+                if not work.wait(timeout=datetime.timedelta(seconds=timeout_s)):
+                    raise RuntimeError(f"automicro consensus timed out after {timeout_s} s")
+        self.sync_count += 1
+        return vec
+
+    def _verdict(self, vec: torch.Tensor, rounds: int) -> Verdict:
+        reports = []
+        for rank in range(self.world_size):
+            base = 1 + SLOTS * rank
+            code, retries, peak, capacity, allocated = (int(x) for x in vec[base : base + SLOTS])
+            kind = code // _SITE_BASE
+            site = ALL_SITES[code % _SITE_BASE] if kind else ""
+            reports.append(RankReport(rank, kind, site, retries, peak, capacity, allocated))
+        return Verdict(tuple(reports), rounds)
+
+    @staticmethod
+    def _any_failed(vec: torch.Tensor) -> bool:
+        codes = vec[1::SLOTS]
+        return bool((codes > 0).any())
+
+    # ---- the three calls ------------------------------------------------------------------
+
+    def begin_attempt(self) -> None:
+        self._failed_seen = False
+
+    def sync(self) -> None:
+        """A sync point: raise if another rank already failed in this attempt."""
+        if self._failed_seen:
+            # Already unwinding: no more rounds as a running rank.
+            raise OOMOnOtherRank("automicro: another rank failed in this attempt")
+        vec = self._round(1, 0, LocalFigures())
+        if self._any_failed(vec):
+            self._failed_seen = True
+            verdict = self._verdict(vec, 1)
+            if verdict.error_ranks:
+                raise FailedOnOtherRank(
+                    f"automicro: rank(s) {verdict.error_ranks} failed with an error at "
+                    f"{[r.site for r in verdict.reports if r.kind == KIND_ERROR]}; stopping this rank too"
+                )
+            raise OOMOnOtherRank(
+                f"CUDA out of memory encountered on rank(s) {verdict.failed_ranks} "
+                f"at {verdict.sites} (automicro consensus)"
+            )
+
+    def finish(self, figures: LocalFigures) -> Verdict:
+        """End of an attempt on a rank that did not fail: agree whether every rank finished."""
+        rounds = 0
+        while True:
+            vec = self._round(0, 0, figures)
+            rounds += 1
+            if self._any_failed(vec):
+                self._failed_seen = True
+                if int(vec[0]) == 0:
+                    return self._verdict(vec, rounds)
+                return self.fail(KIND_OOM, None, figures, already_rounds=rounds, own_code_zero=True)
+            if int(vec[0]) == 0:
+                return self._verdict(vec, rounds)
+
+    def fail(
+        self,
+        kind: int,
+        site: Optional[str],
+        figures: LocalFigures,
+        already_rounds: int = 0,
+        own_code_zero: bool = False,
+        timeout_s: Optional[float] = None,
+    ) -> Verdict:
+        """This rank failed (or unwound because another did): drain until nobody is running."""
+        self._failed_seen = True
+        code = 0 if own_code_zero else kind * _SITE_BASE + site_index(site or "other")
+        rounds = already_rounds
+        while True:
+            vec = self._round(0, code, figures, timeout_s)
+            rounds += 1
+            if int(vec[0]) == 0:
+                return self._verdict(vec, rounds)
+

@@ -1,0 +1,134 @@
+"""Sync hooks: consensus points in front of every FSDP2 collective while searching.
+
+Installed on every FSDP2 module of a `ShardedModel`:
+- forward-pre hook, prepended so it runs before FSDP2's own pre-forward (the all-gather);
+- full-backward-pre hook, prepended, before FSDP2's pre-backward unshard;
+- full-backward hook (post-backward of the module), before the next block's work;
+- a pre-collective hook inside FSDP2's collectives module, between buffer allocation and the
+  all-gather / reduce-scatter / all-reduce call, so an OOM while allocating those buffers on
+  one rank can never leave another rank inside the collective (the FSDP1 "pre-realloc" fix,
+  generalised to FSDP2's prefetched and async collectives).
+`remove()` takes every handle off and restores torch's own collective code paths.
+
+Every site first calls the dispatcher (fault injectors listen there), then the consensus.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch.nn as nn
+
+from automicro.core.consensus import Consensus
+from automicro.core.sites import DISPATCHER, PRIORITY_SYNC, SiteDispatcher
+from automicro.engine import _torch_internals as internals
+from automicro.engine.sharding import ShardedModel
+
+SYNC_SITES = frozenset({"forward_pre", "backward_pre", "backward", "unshard_alloc", "reduce_scatter_alloc", "all_reduce_alloc"})
+
+
+class SiteHooks:
+    """Module and collective hooks that call `fire(site, module_name)` at every site of a model.
+
+    Used twice: by `SyncHooks` (firing the dispatcher, whose sync listener runs the consensus)
+    and by the fault injector (which must fire even while the sync hooks are off).
+    """
+
+    def __init__(self, sharded: ShardedModel, fire: Callable[[str, str], None]) -> None:
+        self.sharded = sharded
+        self.fire = fire
+        self._handles: list[Any] = []
+
+    @property
+    def active(self) -> bool:
+        return bool(self._handles)
+
+    def install(self) -> None:
+        if self._handles:
+            return
+        fire = self.fire
+        for name, module in self.sharded.named_fsdp_modules:
+            self._handles.append(module.register_forward_pre_hook(_fire_hook(fire, "forward_pre", name), prepend=True))
+            self._handles.append(module.register_forward_hook(_fire_hook(fire, "forward", name)))
+            self._handles.append(
+                module.register_full_backward_pre_hook(_fire_hook(fire, "backward_pre", name), prepend=True)
+            )
+            self._handles.append(module.register_full_backward_hook(_fire_hook(fire, "backward", name)))
+        fqn_to_module = self.sharded.param_fqn_to_module()
+
+        def owner(fsdp_params: list[Any]) -> str:
+            for fsdp_param in fsdp_params:
+                name = fqn_to_module.get(getattr(fsdp_param, "_param_fqn", ""), None)
+                if name is not None:
+                    return name
+            return ""
+
+        self._handles.append(internals.add_pre_collective_hook(lambda site, params: fire(site, owner(params))))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _fire_hook(fire: Callable[[str, str], None], site: str, name: str) -> Callable[..., None]:
+    def hook(*_: Any) -> None:
+        fire(site, name)
+
+    hook.__name__ = f"automicro_{site}_hook"
+    return hook
+
+
+class SyncHooks:
+    """The consensus points of the deadlock-freedom invariant, switchable on and off."""
+
+    def __init__(
+        self,
+        sharded: ShardedModel,
+        consensus: Consensus,
+        dispatcher: SiteDispatcher = DISPATCHER,
+    ) -> None:
+        self.consensus = consensus
+        self.dispatcher = dispatcher
+        self._site_hooks = SiteHooks(sharded, dispatcher.fire)
+        self._remove_listener: Optional[Callable[[], None]] = None
+
+    @property
+    def active(self) -> bool:
+        return self._remove_listener is not None
+
+    def handle_count(self) -> int:
+        return len(self._site_hooks._handles)
+
+    def _listener(self, site: str, module: str, context: Any) -> None:
+        if site in SYNC_SITES and context.in_attempt:
+            self.consensus.sync()
+
+    def set_active(self, active: bool) -> bool:
+        """Turn the hooks on or off; returns True if that changed anything."""
+        if active == self.active:
+            return False
+        if active:
+            self._site_hooks.install()
+            self._remove_listener = self.dispatcher.add(self._listener, PRIORITY_SYNC)
+        else:
+            self._site_hooks.remove()
+            assert self._remove_listener is not None
+            self._remove_listener()
+            self._remove_listener = None
+        return True
+
+
+def count_module_hooks(model: nn.Module, marker: str = "automicro_") -> int:
+    """How many automicro hooks are registered on the model's modules (for tests and logs)."""
+    total = 0
+    for module in model.modules():
+        for hooks in (
+            module._forward_pre_hooks,
+            module._forward_hooks,
+            module._backward_pre_hooks,
+            module._backward_hooks,
+        ):
+            total += sum(1 for h in hooks.values() if getattr(h, "__name__", "").startswith(marker))
+    return total

@@ -1,0 +1,543 @@
+"""The microbatch-size search policy: a pure state machine (no torch, no I/O, no collectives).
+
+In the style of FSDP2's `TrainingState`: an enum of phases (`Phase`) and one pure transition
+function, `transition(state, outcome, config) -> (new_state, decision)`. Every field of
+`SearchState` is plain data, so the state goes into a checkpoint through `to_dict()` /
+`SearchState.from_dict()`. All ranks feed it identical, already all-reduced outcomes, so all
+ranks take identical decisions.
+
+Phases:
+
+- ``SEARCHING``: the bounds have not converged; sync hooks on. The split is Composer's chunking
+  (chunks of the size under test and a smaller remainder), so that size itself is really tried.
+- ``SETTLING``: the size is chosen; sync hooks still on while `stable_batches` consecutive clean
+  batches are counted. The split is the fewest microbatches, as even as possible.
+- ``STEADY``: hooks off. Any OOM or thrash sends the policy back to ``SEARCHING`` (downward,
+  keeping the sizes known to fit); a `Rearm` sends it back to ``SETTLING``.
+
+Search modes (`PolicyConfig.search`):
+
+- ``bisect``: keeps `best_success` (largest size that fit, below the failure bound; 0 if none)
+  and `first_failure` (smallest size that failed or thrashed; None if none) and bisects between
+  them, downward after a failure and upward after a success, optionally jumping to a size
+  predicted from the peak memory of two successful sizes. Every size tried while searching is
+  strictly between the bounds, so the search ends in at most about log2(B) + 2 attempts.
+- ``halve``: Composer's own policy, as a baseline: halve on failure, settle on the first success,
+  split into chunks of that size.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Optional, Union
+
+#: Predicted sizes aim at this fraction of the usable memory.
+SAFETY_MARGIN = 0.95
+
+SEARCH_MODES = ("bisect", "halve")
+STATE_VERSION = 1
+
+
+class CannotFitError(RuntimeError):
+    """Even the smallest microbatch size (1 sample by default) ran out of memory."""
+
+    def __init__(self, size: int, message: Optional[str] = None) -> None:
+        self.size = size
+        if message is None:
+            if size <= 1:
+                message = "out of memory even with microbatch size 1: even microbatch size 1 does not fit"
+            else:
+                message = (
+                    f"out of memory at microbatch size {size}, the configured min_size: even microbatch "
+                    f"size {size} does not fit"
+                )
+        super().__init__(message)
+
+
+class Phase(enum.Enum):
+    SEARCHING = "SEARCHING"
+    SETTLING = "SETTLING"
+    STEADY = "STEADY"
+
+
+# ---- outcomes --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Success:
+    """A full batch at microbatch size `size` finished on every rank.
+
+    peak_bytes: max over ranks of the peak memory during the attempt; capacity_bytes: min over
+    ranks of the usable memory. Both optional; they feed the memory prediction.
+    """
+
+    size: int
+    peak_bytes: Optional[int] = None
+    capacity_bytes: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class OOM:
+    """An attempt at `size` ran out of memory on some rank; the batch is rerun."""
+
+    size: int
+
+
+@dataclass(frozen=True)
+class Thrash:
+    """The batch succeeded, but allocator retries in consecutive batches: `size` counts as failed."""
+
+    size: int
+
+
+@dataclass(frozen=True)
+class Rearm:
+    """Sync hooks are wanted again without changing the size (eval ran, checkpoint loaded)."""
+
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class BatchSizeChanged:
+    """The per-rank batch size is now `new_B` samples."""
+
+    new_B: int
+
+
+Outcome = Union[Success, OOM, Thrash, Rearm, BatchSizeChanged]
+
+
+# ---- config, state, decision -----------------------------------------------------------------
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    search: str = "bisect"
+    stable_batches: int = 3
+    use_prediction: bool = True
+    start_size: Optional[int] = None
+    min_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.search not in SEARCH_MODES:
+            raise ValueError(f"search={self.search!r}: must be one of {', '.join(repr(m) for m in SEARCH_MODES)}")
+        if not _is_int(self.stable_batches) or self.stable_batches < 1:
+            raise ValueError(f"stable_batches={self.stable_batches!r}: must be an int >= 1")
+        if not isinstance(self.use_prediction, bool):
+            raise ValueError(f"use_prediction={self.use_prediction!r}: must be true or false")
+        if self.start_size is not None and (not _is_int(self.start_size) or self.start_size < 1):
+            raise ValueError(f"start_size={self.start_size!r}: must be None (the batch size) or an int >= 1")
+        if not _is_int(self.min_size) or self.min_size < 1:
+            raise ValueError(f"min_size={self.min_size!r}: must be an int >= 1")
+
+
+@dataclass(frozen=True)
+class SearchState:
+    """Everything the policy knows; plain data only.
+
+    size: the microbatch size of the next attempt (the largest part of its split).
+    found: the chosen maximum size m_max while SETTLING/STEADY, else None.
+    best_success: largest size that succeeded and is below first_failure (0 if none).
+    first_failure: smallest size that failed or thrashed (None if none).
+    successes: every size that ever succeeded, sorted.
+    samples: up to two (size, peak_bytes, capacity_bytes) of the latest successes at distinct sizes.
+    """
+
+    batch_size: int
+    phase: Phase = Phase.SEARCHING
+    size: int = 1
+    found: Optional[int] = None
+    best_success: int = 0
+    first_failure: Optional[int] = None
+    successes: tuple[int, ...] = ()
+    stable_count: int = 0
+    samples: tuple[tuple[int, int, int], ...] = ()
+    attempts: int = 0
+
+    @property
+    def hooks(self) -> bool:
+        return self.phase != Phase.STEADY
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "batch_size": self.batch_size,
+            "phase": self.phase.value,
+            "size": self.size,
+            "found": self.found,
+            "best_success": self.best_success,
+            "first_failure": self.first_failure,
+            "successes": list(self.successes),
+            "stable_count": self.stable_count,
+            "samples": [list(s) for s in self.samples],
+            "attempts": self.attempts,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SearchState":
+        version = d.get("version", STATE_VERSION)
+        if version != STATE_VERSION:
+            raise ValueError(f"policy state version {version!r}: this automicro reads version {STATE_VERSION}")
+        try:
+            phase = Phase(d["phase"])
+        except ValueError:
+            raise ValueError(f"policy state phase {d['phase']!r}: must be one of {[p.value for p in Phase]}") from None
+        state = cls(
+            batch_size=int(d["batch_size"]),
+            phase=phase,
+            size=int(d["size"]),
+            found=None if d.get("found") is None else int(d["found"]),
+            best_success=int(d.get("best_success", 0)),
+            first_failure=None if d.get("first_failure") is None else int(d["first_failure"]),
+            successes=tuple(sorted({int(s) for s in d.get("successes", ())})),
+            stable_count=int(d.get("stable_count", 0)),
+            samples=tuple((int(m), int(p), int(c)) for m, p, c in d.get("samples", ())),
+            attempts=int(d.get("attempts", 0)),
+        )
+        if state.batch_size < 1 or not (1 <= state.size <= state.batch_size):
+            raise ValueError(f"policy state size {state.size} / batch size {state.batch_size}: out of range")
+        return state
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do for the next attempt."""
+
+    next_size: int
+    split: tuple[int, ...]
+    hooks: bool
+    rerun: bool
+    event: str
+    phase: Phase
+
+
+# ---- pure helpers ----------------------------------------------------------------------------
+
+
+def chunk_split(batch_size: int, size: int) -> tuple[int, ...]:
+    """Composer's split: chunks of `size`, the last one smaller (e.g. 10, 4 -> (4, 4, 2))."""
+    _check_split_args(batch_size, size)
+    full, rest = divmod(batch_size, size)
+    return (size,) * full + ((rest,) if rest else ())
+
+
+def even_split(batch_size: int, max_size: int) -> tuple[int, ...]:
+    """The fewest microbatches of at most `max_size`, sizes differing by at most 1, larger first.
+
+    e.g. (10, 4) -> (4, 3, 3); (16, 11) -> (8, 8).
+    """
+    _check_split_args(batch_size, max_size)
+    n = -(-batch_size // max_size)
+    q, r = divmod(batch_size, n)
+    return (q + 1,) * r + (q,) * (n - r)
+
+
+def _check_split_args(batch_size: int, size: int) -> None:
+    if not _is_int(batch_size) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r}: must be an int >= 1")
+    if not _is_int(size) or not (1 <= size <= batch_size):
+        raise ValueError(f"size={size!r}: must be an int in 1..{batch_size}")
+
+
+def predict_max_size(samples: tuple[tuple[int, int, int], ...], margin: float = SAFETY_MARGIN) -> Optional[int]:
+    """Largest size whose linear peak-memory estimate stays under margin * capacity.
+
+    From two (size, peak_bytes, capacity_bytes) samples at distinct sizes: bytes per sample =
+    (peak2 - peak1) / (m2 - m1), fixed = peak1 - m1 * bytes per sample. None when it cannot tell.
+    """
+    if len(samples) < 2:
+        return None
+    (m1, p1, c1), (m2, p2, c2) = samples[-2], samples[-1]
+    if m1 == m2:
+        return None
+    per_sample = (p2 - p1) / (m2 - m1)
+    if not per_sample > 0:
+        return None
+    fixed = p1 - m1 * per_sample
+    capacity = min(c1, c2)
+    value = (capacity * margin - fixed) / per_sample
+    if not math.isfinite(value):
+        return None
+    return math.floor(value)
+
+
+def _min_size(config: PolicyConfig, batch_size: int) -> int:
+    return min(config.min_size, batch_size)
+
+
+def _best_below(successes: tuple[int, ...], hi: int) -> int:
+    return max((s for s in successes if s < hi), default=0)
+
+
+def _hi(state: SearchState) -> int:
+    return state.first_failure if state.first_failure is not None else state.batch_size + 1
+
+
+def _bounds(state: SearchState) -> str:
+    hi = "?" if state.first_failure is None else str(state.first_failure)
+    return f"bounds {state.best_success}..{hi}"
+
+
+def initial_state(config: PolicyConfig, batch_size: int) -> SearchState:
+    if not _is_int(batch_size) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r}: must be an int >= 1")
+    start = config.start_size if config.start_size is not None else batch_size
+    start = max(_min_size(config, batch_size), min(start, batch_size))
+    return SearchState(batch_size=batch_size, phase=Phase.SEARCHING, size=start)
+
+
+def current_split(state: SearchState, config: PolicyConfig) -> tuple[int, ...]:
+    """The microbatch sizes of the next attempt (sum = batch size)."""
+    if state.phase == Phase.SEARCHING or state.found is None:
+        return chunk_split(state.batch_size, state.size)
+    if config.search == "halve":
+        return chunk_split(state.batch_size, state.found)
+    return even_split(state.batch_size, state.found)
+
+
+def _decide(state: SearchState, config: PolicyConfig, rerun: bool, event: str) -> Decision:
+    split = current_split(state, config)
+    return Decision(
+        next_size=max(split),
+        split=split,
+        hooks=state.hooks,
+        rerun=rerun,
+        event=event,
+        phase=state.phase,
+    )
+
+
+def _settle(state: SearchState, config: PolicyConfig, found: int) -> SearchState:
+    """Converged on `found`: SETTLING, counter reset, size = largest part of the final split."""
+    settled = replace(state, phase=Phase.SETTLING, found=found, stable_count=0)
+    split = current_split(settled, config)
+    return replace(settled, size=max(split))
+
+
+def _next_search_size(state: SearchState, config: PolicyConfig, upward: bool) -> tuple[int, bool]:
+    """Next size strictly between the bounds (bisect mode); (size, predicted)."""
+    lo, hi = state.best_success, _hi(state)
+    floor = _min_size(config, state.batch_size)
+    if config.use_prediction:
+        predicted = predict_max_size(state.samples)
+        if predicted is not None and lo <= predicted <= hi and predicted >= floor:
+            return predicted, True
+    if upward:
+        return (lo + hi + 1) // 2, False
+    return (max(lo, floor - 1) + hi) // 2, False
+
+
+# ---- the transition function -----------------------------------------------------------------
+
+
+def transition(state: SearchState, outcome: Outcome, config: PolicyConfig) -> tuple[SearchState, Decision]:
+    """Pure: the new state and the decision for the next attempt. Raises `CannotFitError`."""
+    if isinstance(outcome, Success):
+        _check_size(state, outcome.size)
+        return _on_success(replace(state, attempts=state.attempts + 1), outcome, config)
+    if isinstance(outcome, (OOM, Thrash)):
+        _check_size(state, outcome.size)
+        return _on_failure(replace(state, attempts=state.attempts + 1), outcome, config)
+    if isinstance(outcome, Rearm):
+        return _on_rearm(state, outcome, config)
+    if isinstance(outcome, BatchSizeChanged):
+        return _on_batch_size(state, outcome, config)
+    raise TypeError(f"unknown outcome {outcome!r}")
+
+
+def _check_size(state: SearchState, size: Any) -> None:
+    if not _is_int(size) or not (1 <= size <= state.batch_size):
+        raise ValueError(f"outcome size {size!r}: must be an int in 1..{state.batch_size}")
+
+
+def _record_success(state: SearchState, outcome: Success) -> SearchState:
+    m = outcome.size
+    successes = tuple(sorted(set(state.successes) | {m}))
+    samples = state.samples
+    if outcome.peak_bytes is not None and outcome.capacity_bytes is not None and outcome.capacity_bytes > 0:
+        samples = tuple(s for s in samples if s[0] != m) + ((m, int(outcome.peak_bytes), int(outcome.capacity_bytes)),)
+        samples = samples[-2:]
+    first_failure = state.first_failure
+    if first_failure is not None and m >= first_failure:
+        # The failure did not reproduce at this size: that bound is stale.
+        first_failure = None
+    new = replace(state, successes=successes, samples=samples, first_failure=first_failure)
+    return replace(new, best_success=_best_below(successes, _hi(new)))
+
+
+def _on_success(state: SearchState, outcome: Success, config: PolicyConfig) -> tuple[SearchState, Decision]:
+    m = outcome.size
+    state = _record_success(state, outcome)
+    if state.phase == Phase.STEADY:
+        return state, _decide(state, config, False, "")
+    if state.phase == Phase.SETTLING:
+        count = state.stable_count + 1
+        split = current_split(state, config)
+        if count >= config.stable_batches:
+            state = replace(state, phase=Phase.STEADY, stable_count=count)
+            return state, _decide(
+                state, config, False, f"stable for {count} batches at split {split}: sync hooks off"
+            )
+        state = replace(state, stable_count=count)
+        return state, _decide(state, config, False, f"clean batch {count}/{config.stable_batches} at split {split}")
+
+    # SEARCHING
+    if config.search == "halve":
+        state = _settle(state, config, m)
+        return state, _decide(state, config, False, f"ok at {m} -> settled on {m}, split {current_split(state, config)}")
+    lo, hi = state.best_success, _hi(state)
+    if hi - lo <= 1:
+        state = _settle(state, config, lo)
+        return state, _decide(
+            state, config, False, f"ok at {m} -> converged on {lo}, split {current_split(state, config)}"
+        )
+    size, predicted = _next_search_size(state, config, upward=True)
+    state = replace(state, size=size)
+    how = "predicted; " if predicted else ""
+    return state, _decide(state, config, False, f"ok at {m} -> try {size} ({how}{_bounds(state)})")
+
+
+def _on_failure(state: SearchState, outcome: Union[OOM, Thrash], config: PolicyConfig) -> tuple[SearchState, Decision]:
+    m = outcome.size
+    oom = isinstance(outcome, OOM)
+    what = "OOM" if oom else "thrash"
+    floor = _min_size(config, state.batch_size)
+    if m <= floor:
+        if oom:
+            raise CannotFitError(m)
+        # Thrashing at the smallest size: it still runs, there is nowhere lower to go.
+        state = _settle(replace(state, stable_count=0), config, floor)
+        return state, _decide(state, config, False, f"thrash at {m}: cannot go lower, staying at {floor}")
+
+    was = state.phase
+    first_failure = m if state.first_failure is None else min(state.first_failure, m)
+    state = replace(state, phase=Phase.SEARCHING, found=None, stable_count=0, first_failure=first_failure)
+    state = replace(state, best_success=_best_below(state.successes, first_failure))
+    again = "" if was == Phase.SEARCHING else f" in {was.value.lower()} phase"
+
+    if config.search == "halve":
+        size = max(floor, m // 2)
+        state = replace(state, size=size)
+        return state, _decide(state, config, oom, f"{what} at {m}{again} -> try {size} (halving)")
+
+    lo, hi = state.best_success, first_failure
+    if lo >= floor and hi - lo <= 1:
+        state = _settle(state, config, lo)
+        return state, _decide(
+            state, config, oom, f"{what} at {m}{again} -> converged on {lo}, split {current_split(state, config)}"
+        )
+    size, predicted = _next_search_size(state, config, upward=False)
+    state = replace(state, size=size)
+    how = "predicted; " if predicted else ""
+    return state, _decide(state, config, oom, f"{what} at {m}{again} -> try {size} ({how}{_bounds(state)})")
+
+
+def _on_rearm(state: SearchState, outcome: Rearm, config: PolicyConfig) -> tuple[SearchState, Decision]:
+    reason = f" ({outcome.reason})" if outcome.reason else ""
+    if state.phase == Phase.STEADY:
+        state = replace(state, phase=Phase.SETTLING, stable_count=0)
+        return state, _decide(
+            state, config, False, f"rearm{reason}: sync hooks on until {config.stable_batches} clean batches"
+        )
+    state = replace(state, stable_count=0)
+    return state, _decide(state, config, False, f"rearm{reason}: stable count reset")
+
+
+def _on_batch_size(state: SearchState, outcome: BatchSizeChanged, config: PolicyConfig) -> tuple[SearchState, Decision]:
+    new_b = outcome.new_B
+    if not _is_int(new_b) or new_b < 1:
+        raise ValueError(f"new_B={new_b!r}: must be an int >= 1")
+    old_b = state.batch_size
+    first_failure = state.first_failure
+    if first_failure is not None and first_failure > new_b:
+        first_failure = None
+    state = replace(state, batch_size=new_b, first_failure=first_failure, stable_count=0)
+    state = replace(state, best_success=_best_below(state.successes, _hi(state)))
+    floor = _min_size(config, new_b)
+    prefix = f"batch size {old_b} -> {new_b}"
+
+    if state.found is not None:
+        # m_max known: split the new batch with it; hooks on until stable again.
+        state = _settle(replace(state, phase=Phase.SETTLING), config, min(state.found, new_b))
+        return state, _decide(state, config, False, f"{prefix}: split {current_split(state, config)}")
+
+    if config.search == "halve":
+        state = replace(state, phase=Phase.SEARCHING, size=max(floor, min(state.size, new_b)))
+        return state, _decide(state, config, False, f"{prefix}: try {state.size}")
+
+    lo, hi = state.best_success, _hi(state)
+    if lo >= floor and hi - lo <= 1:
+        state = _settle(state, config, lo)
+        return state, _decide(state, config, False, f"{prefix}: converged on {lo}, split {current_split(state, config)}")
+    size = min(state.size, new_b)
+    if not (lo < size < hi and size >= floor):
+        size, _ = _next_search_size(state, config, upward=state.first_failure is None)
+    state = replace(state, phase=Phase.SEARCHING, size=size)
+    return state, _decide(state, config, False, f"{prefix}: try {size} ({_bounds(state)})")
+
+
+# ---- the stateful wrapper --------------------------------------------------------------------
+
+
+class SearchPolicy:
+    """Holds the config and the current `SearchState`; `observe()` runs one transition."""
+
+    def __init__(self, config: Optional[PolicyConfig], batch_size: int) -> None:
+        self.config = config if config is not None else PolicyConfig()
+        self.state: SearchState = initial_state(self.config, batch_size)
+
+    def observe(self, outcome: Outcome) -> Decision:
+        """Feed one (already all-reduced) outcome; on `CannotFitError` the state is unchanged."""
+        self.state, decision = transition(self.state, outcome, self.config)
+        return decision
+
+    def current_split(self) -> tuple[int, ...]:
+        return current_split(self.state, self.config)
+
+    @property
+    def batch_size(self) -> int:
+        return self.state.batch_size
+
+    @property
+    def found_size(self) -> Optional[int]:
+        return self.state.found
+
+    @property
+    def phase(self) -> Phase:
+        return self.state.phase
+
+    @property
+    def hooks(self) -> bool:
+        return self.state.hooks
+
+    def __repr__(self) -> str:
+        return f"SearchPolicy(config={self.config!r}, state={self.state!r})"
+
+
+__all__ = [
+    "SAFETY_MARGIN",
+    "BatchSizeChanged",
+    "CannotFitError",
+    "Decision",
+    "OOM",
+    "Outcome",
+    "Phase",
+    "PolicyConfig",
+    "Rearm",
+    "SearchPolicy",
+    "SearchState",
+    "Success",
+    "Thrash",
+    "chunk_split",
+    "current_split",
+    "even_split",
+    "initial_state",
+    "predict_max_size",
+    "transition",
+]

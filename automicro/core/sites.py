@@ -1,0 +1,85 @@
+"""Fault/sync sites and the per-attempt context every site sees.
+
+The site names are a public contract (`automicro.testing.FaultInjector` takes them):
+`forward_pre`, `forward`, `backward_pre`, `backward`, `unshard_alloc`, `reduce_scatter_alloc`,
+`loss`, `optimizer_step`, `eval_forward`.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+SITES = (
+    "forward_pre",
+    "forward",
+    "backward_pre",
+    "backward",
+    "unshard_alloc",
+    "reduce_scatter_alloc",
+    "loss",
+    "optimizer_step",
+    "eval_forward",
+)
+# Extra places a real failure can be attributed to; not accepted by the fault injector.
+INTERNAL_SITES = ("all_reduce_alloc", "other")
+ALL_SITES = SITES + INTERNAL_SITES
+
+
+def site_index(site: str) -> int:
+    return ALL_SITES.index(site) if site in ALL_SITES else ALL_SITES.index("other")
+
+
+@dataclass
+class AttemptContext:
+    """Where the current attempt is: read by fault injectors and failure reports."""
+
+    batch_index: int = 0
+    attempt: int = 0
+    microbatch_size: int = 0
+    num_microbatches: int = 0
+    microbatch_index: int = -1
+    last_site: str = "other"
+    last_module: str = ""
+    in_attempt: bool = False
+
+
+Listener = Callable[[str, str, AttemptContext], None]
+
+
+@dataclass
+class SiteDispatcher:
+    """Calls listeners (fault injectors, sync hooks) at a site, lowest priority first."""
+
+    context: AttemptContext = field(default_factory=AttemptContext)
+    _listeners: list[tuple[int, int, Listener]] = field(default_factory=list)
+    _counter: int = 0
+
+    def add(self, listener: Listener, priority: int) -> Callable[[], None]:
+        self._counter += 1
+        entry = (priority, self._counter, listener)
+        bisect.insort(self._listeners, entry, key=lambda e: (e[0], e[1]))
+
+        def remove() -> None:
+            if entry in self._listeners:
+                self._listeners.remove(entry)
+
+        return remove
+
+    def fire(self, site: str, module: str = "") -> None:
+        self.context.last_site = site
+        self.context.last_module = module
+        for _, _, listener in list(self._listeners):
+            listener(site, module, self.context)
+
+    def __len__(self) -> int:
+        return len(self._listeners)
+
+
+# Priorities: fault injection runs before the consensus sync at the same site, as a real
+# allocation failure happens before the rank could reach the sync point.
+PRIORITY_FAULT = 0
+PRIORITY_SYNC = 100
+
+DISPATCHER = SiteDispatcher()

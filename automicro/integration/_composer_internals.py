@@ -1,0 +1,133 @@
+"""Every use of a private Composer API in automicro lives in this module.
+
+Checked on Composer 0.32.1 (with torch 2.7.0 and 2.11.0). Another Composer version is refused
+when the Trainer is built, with a message, rather than misbehaving inside a batch.
+
+What is private here and why:
+- `Trainer._train_batch` is overridden (in `automicro.Trainer`) to run the guarded batch step.
+- `Trainer._train_microbatch` runs one microbatch (forward, loss, backward and their events);
+  we call it as Composer's own `_train_microbatches` does.
+- `_train_microbatches` itself is mirrored by `run_microbatches` below rather than called,
+  because the end-of-attempt consensus must come *before* `Event.AFTER_TRAIN_BATCH`: algorithms
+  there (gradient clipping) issue collectives that a rank which ran out of memory never reaches.
+- `Trainer._train_data_spec`, `_use_grad_scaling`, `_backwards_create_graph`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import composer
+import torch
+from composer.core import Event
+from composer.utils import dist, ensure_tuple
+
+CHECKED_COMPOSER_VERSIONS = ("0.32.1",)
+
+
+def check_supported_composer() -> None:
+    if composer.__version__ not in CHECKED_COMPOSER_VERSIONS:
+        raise RuntimeError(
+            f"automicro.Trainer was checked on Composer {CHECKED_COMPOSER_VERSIONS}; found "
+            f"{composer.__version__}. Install mosaicml==0.32.1."
+        )
+
+
+def train_data_spec(trainer: Any) -> Any:
+    spec = trainer._train_data_spec
+    if spec is None:
+        raise RuntimeError("automicro: the train data spec is not set; pass train_dataloader")
+    return spec
+
+
+def num_samples(trainer: Any, batch: Any) -> int:
+    return int(train_data_spec(trainer).get_num_samples_in_batch(batch))
+
+
+def uses_default_split(trainer: Any) -> bool:
+    from composer.core.data_spec import default_split_batch
+
+    return train_data_spec(trainer).split_batch is default_split_batch
+
+
+def split_batch_default(trainer: Any, batch: Any, microbatch_size: int) -> list[Any]:
+    return list(train_data_spec(trainer).split_batch(batch, microbatch_size))
+
+
+def use_grad_scaling(trainer: Any) -> bool:
+    return trainer._use_grad_scaling(trainer.state.precision, trainer.state.scaler)
+
+
+def run_microbatches(
+    trainer: Any,
+    microbatches: Sequence[Any],
+    total_loss_dict: dict[str, torch.Tensor],
+    before_microbatch: Callable[[int], None],
+    end_of_attempt: Callable[[], None],
+) -> None:
+    """Composer 0.32.1's `_train_microbatches`, with `end_of_attempt()` before AFTER_TRAIN_BATCH.
+
+    FSDP2 models are never wrapped in DDP, so there is no `no_sync` context here.
+    """
+    state = trainer.state
+    spec = train_data_spec(trainer)
+    trainer.engine.run_event(Event.BEFORE_TRAIN_BATCH)
+    grad_scaling = use_grad_scaling(trainer)
+    for optimizer in state.optimizers:
+        try:
+            optimizer.zero_grad(set_to_none=True)
+        except TypeError:
+            optimizer.zero_grad()
+    if trainer.accumulate_train_batch_on_tokens:
+        current_batch_size = sum(spec.get_num_tokens_in_batch(b, token_type="loss_generating") for b in microbatches)
+    else:
+        current_batch_size = sum(spec.get_num_samples_in_batch(b) for b in microbatches)
+    # Every rank contributes by its share of the global batch, as Composer does.
+    current_batch_size = state.device.tensor_to_device(torch.tensor(current_batch_size))
+    dist.all_reduce(current_batch_size, reduce_operation="SUM")
+    current_batch_size = current_batch_size.item() / dist.get_world_size()
+
+    device_batch = state.batch
+    for index, microbatch in enumerate(microbatches):
+        before_microbatch(index)
+        state.batch = state.device.batch_to_device(microbatch)
+        state.batch = spec.microbatch_transforms(state.batch)
+        is_final = index + 1 == len(microbatches)
+        loss_dict = trainer._train_microbatch(grad_scaling, current_batch_size, is_final)
+        for key, value in loss_dict.items():
+            loss_key = f"loss/train/{key}"
+            if loss_key not in total_loss_dict:
+                total_loss_dict[loss_key] = state.device.tensor_to_device(torch.zeros(size=(1,)))
+            total_loss_dict[loss_key] += value
+    state.batch = device_batch
+
+    end_of_attempt()
+
+    if grad_scaling:
+        for optimizer in ensure_tuple(state.optimizers):
+            state.scaler.unscale_(optimizer)
+    trainer.engine.run_event(Event.AFTER_TRAIN_BATCH)
+
+
+def step_optimizers(trainer: Any) -> None:
+    state = trainer.state
+    grad_scaling = use_grad_scaling(trainer)
+    for optimizer in state.optimizers:
+        if grad_scaling:
+            state.scaler.step(optimizer)
+        else:
+            optimizer.step()
+
+
+def reset_after_failure(trainer: Any, device_batch: Any) -> None:
+    """Drop everything a failed attempt left on the Composer state (outputs keep the graph)."""
+    state = trainer.state
+    state.outputs = None
+    state.loss = None
+    state.batch = device_batch
+    for optimizer in state.optimizers:
+        optimizer.zero_grad(set_to_none=True)
+    if state.train_metrics is not None:
+        for metric in state.train_metrics.values():
+            metric.reset()

@@ -1,0 +1,447 @@
+"""`AutoMicrobatching`: the OOM-safe microbatch-size search for FSDP2, as a Composer callback.
+
+Turn it on in YAML::
+
+    device_train_microbatch_size: auto
+    parallelism_config:
+      fsdp2: {}
+    callbacks:
+      auto_microbatching:
+        stable_batches: 3
+        thrash_batches: 2
+        search: bisect          # or `halve`, Composer's own policy, as a baseline
+
+or in Python::
+
+    from automicro import Trainer, AutoMicrobatching
+    trainer = Trainer(model=model, train_dataloader=dl, max_duration="20ba",
+                      parallelism_config={"fsdp2": {}}, device_train_microbatch_size="auto",
+                      callbacks=[AutoMicrobatching()])
+
+`automicro.Trainer` runs each batch through `train_batch()` below: every attempt is fenced by
+the consensus protocol, a failed attempt is wiped (outputs, grads, metrics, FSDP2 state through
+the engine's `recover()`) and the same batch is rerun at the next size the search policy picks.
+Sync hooks are on while searching and come off after `stable_batches` clean batches.
+
+Metrics logged each batch (rank 0, through Composer's loggers):
+
+| key | meaning |
+| --- | --- |
+| `automicro/microbatch_size` | largest microbatch of the split in use |
+| `automicro/num_microbatches` | microbatches per batch |
+| `automicro/attempts` | attempts of this batch (1 = no retry) |
+| `automicro/ooms_total` | failed attempts so far |
+| `automicro/searching` | 1 while the size is not settled |
+| `automicro/hooks_active` | 1 while sync hooks are installed |
+| `automicro/thrash_events` | thrash detections so far |
+| `automicro/search_time_s` | seconds spent in failed attempts so far |
+| `automicro/alloc_retries` | allocator retries seen this batch (any rank) |
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import torch
+from composer.core import Callback, State
+from composer.loggers import Logger
+
+from automicro.core import policy as search
+from automicro.core.consensus import (
+    KIND_ERROR,
+    KIND_OOM,
+    Consensus,
+    FailedOnOtherRank,
+    LocalFigures,
+    OOMOnOtherRank,
+    Verdict,
+)
+from automicro.core.hooks import SyncHooks
+from automicro.core.memory import CudaMemory, MemorySource, NoMemory
+from automicro.core.sites import DISPATCHER, SiteDispatcher
+from automicro.core.thrash import ThrashDetector
+from automicro.engine.sharding import ShardedModel
+from automicro.integration import _composer_internals as composer_internals
+from automicro.integration.splitting import UnsplittableBatch, split_by_sizes
+
+log = logging.getLogger(__name__)
+
+
+class MicrobatchSizeError(RuntimeError):
+    """Even a microbatch of one sample does not fit: raised on every rank."""
+
+
+def is_oom(error: BaseException) -> bool:
+    if isinstance(error, (torch.OutOfMemoryError, OOMOnOtherRank)):
+        return True
+    text = str(error)
+    return "CUDA out of memory" in text or "CUDA error: out of memory" in text
+
+
+@dataclass
+class AttemptRecord:
+    """One attempt of one batch, as every rank agreed on it."""
+
+    batch: int
+    attempt: int
+    size: int
+    split: tuple[int, ...]
+    outcome: str  # "ok", "oom", "thrash", "error"
+    failed_ranks: list[int] = field(default_factory=list)
+    sites: list[str] = field(default_factory=list)
+    next_size: int = 0
+    hooks: bool = True
+    seconds: float = 0.0
+    note: str = ""
+
+
+class AutoMicrobatching(Callback):
+    """Finds the largest microbatch that fits on every rank under FSDP2, without deadlocks."""
+
+    def __init__(
+        self,
+        stable_batches: int = 3,
+        thrash_batches: int = 2,
+        search: str = "bisect",
+        use_prediction: bool = True,
+        start_size: Optional[int] = None,
+        cpu_sync_group: bool = True,
+        memory_fraction: Optional[float] = None,
+        log_attempts: bool = True,
+        unguarded_timeout_s: float = 120.0,
+    ) -> None:
+        self.policy_config = search_config(search, stable_batches, use_prediction, start_size)
+        self.thrash = ThrashDetector(thrash_batches)
+        if not isinstance(cpu_sync_group, bool):
+            raise ValueError(f"cpu_sync_group={cpu_sync_group!r}: must be true or false")
+        if memory_fraction is not None and not (0.0 < float(memory_fraction) <= 1.0):
+            raise ValueError(f"memory_fraction={memory_fraction!r}: must be in (0, 1]")
+        self.cpu_sync_group = cpu_sync_group
+        self.memory_fraction = memory_fraction
+        self.log_attempts = log_attempts
+        if not isinstance(unguarded_timeout_s, (int, float)) or unguarded_timeout_s <= 0:
+            raise ValueError(f"unguarded_timeout_s={unguarded_timeout_s!r}: must be a positive number of seconds")
+        self.unguarded_timeout_s = float(unguarded_timeout_s)
+        self.history: list[AttemptRecord] = []
+        self.policy: Optional[search.SearchPolicy] = None
+        self.ooms_total = 0
+        self.search_time_s = 0.0
+        self._pending_state: Optional[dict[str, Any]] = None
+        self._sharded: Optional[ShardedModel] = None
+        self._consensus: Optional[Consensus] = None
+        self._hooks: Optional[SyncHooks] = None
+        self._memory: MemorySource = NoMemory()
+        self._dispatcher: SiteDispatcher = DISPATCHER
+        self._last_retries = 0
+        self._batch_attempts = 0
+        self._batch_retries = False
+        self._rank = 0
+
+    # ---- wiring ------------------------------------------------------------------------------
+
+    def attach(self, sharded: ShardedModel, memory: Optional[MemorySource] = None) -> None:
+        """Called by `automicro.Trainer` on every rank once the model is sharded (collective)."""
+        import torch.distributed as dist
+
+        self._sharded = sharded
+        self._consensus = Consensus.create(use_cpu_group=self.cpu_sync_group)
+        self._rank = dist.get_rank() if dist.is_initialized() else 0
+        self._hooks = SyncHooks(sharded, self._consensus, self._dispatcher)
+        if memory is not None:
+            self._memory = memory
+        elif torch.cuda.is_available() and sharded.device.type == "cuda":
+            if self.memory_fraction is not None:
+                torch.cuda.set_per_process_memory_fraction(self.memory_fraction)
+            self._memory = CudaMemory(self.memory_fraction)
+
+    def set_memory_source(self, memory: MemorySource) -> None:
+        self._memory = memory
+
+    @property
+    def hooks_active(self) -> bool:
+        return self._hooks is not None and self._hooks.active
+
+    @property
+    def found_size(self) -> Optional[int]:
+        return None if self.policy is None else self.policy.found_size
+
+    def _info(self, message: str) -> None:
+        if self._rank == 0 and self.log_attempts:
+            print(f"[automicro] {message}", flush=True)
+        log.info("automicro: %s", message)
+
+    # ---- Composer events ---------------------------------------------------------------------
+
+    def eval_end(self, state: State, logger: Logger) -> None:
+        # Evaluation can leave memory fragmented and a spike behind: guard the next batches.
+        self._rearm("eval")
+
+    def _rearm(self, reason: str) -> None:
+        if self.policy is None:
+            return
+        decision = self.policy.observe(search.Rearm(reason))
+        self._apply_hooks(decision.hooks, reason)
+
+    def _apply_hooks(self, want: bool, reason: str) -> None:
+        if self._hooks is None:
+            return
+        if self._hooks.set_active(want):
+            self._info(f"sync hooks {'on' if want else 'off'} ({reason})")
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        if self.policy is None:
+            return
+        split = self.policy.current_split()
+        logger.log_metrics(
+            {
+                "automicro/microbatch_size": max(split),
+                "automicro/num_microbatches": len(split),
+                "automicro/attempts": self._batch_attempts,
+                "automicro/ooms_total": self.ooms_total,
+                "automicro/searching": int(self.policy.phase == search.Phase.SEARCHING),
+                "automicro/hooks_active": int(self.hooks_active),
+                "automicro/thrash_events": self.thrash.events,
+                "automicro/search_time_s": self.search_time_s,
+                "automicro/alloc_retries": int(self._batch_retries),
+            }
+        )
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "policy": None if self.policy is None else self.policy.state.to_dict(),
+            "ooms_total": self.ooms_total,
+            "thrash_events": self.thrash.events,
+            "search_time_s": self.search_time_s,
+            "history": [asdict(r) for r in self.history[-1000:]],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._pending_state = state
+        self.ooms_total = int(state.get("ooms_total", 0))
+        self.thrash.events = int(state.get("thrash_events", 0))
+        self.search_time_s = float(state.get("search_time_s", 0.0))
+        self.history = [AttemptRecord(**{**r, "split": tuple(r["split"])}) for r in state.get("history", [])]
+
+    def _ensure_policy(self, batch_size: int) -> None:
+        if self.policy is None:
+            self.policy = search.SearchPolicy(self.policy_config, batch_size)
+            if self._pending_state is not None and self._pending_state.get("policy") is not None:
+                self.policy.state = search.SearchState.from_dict(self._pending_state["policy"])
+                self._pending_state = None
+                self.policy.observe(search.Rearm("checkpoint loaded"))
+                if self.policy.state.batch_size != batch_size:
+                    self.policy.observe(search.BatchSizeChanged(batch_size))
+                self._info(f"resumed with microbatch split {self.policy.current_split()} (hooks on until stable)")
+            self._apply_hooks(True, "searching")
+        elif self.policy.state.batch_size != batch_size:
+            decision = self.policy.observe(search.BatchSizeChanged(batch_size))
+            self._apply_hooks(decision.hooks, f"batch size changed to {batch_size}")
+
+    # ---- the guarded batch step --------------------------------------------------------------
+
+    def _figures(self) -> LocalFigures:
+        retries = self._memory.alloc_retries()
+        new = max(0, retries - self._last_retries)
+        return LocalFigures(
+            new_alloc_retries=new,
+            peak_bytes=self._memory.peak_bytes(),
+            capacity_bytes=self._memory.capacity_bytes(),
+            allocated_bytes=self._memory.allocated_bytes(),
+        )
+
+    def _split(self, trainer: Any, batch: Any, sizes: tuple[int, ...]) -> list[Any]:
+        if composer_internals.uses_default_split(trainer):
+            try:
+                return split_by_sizes(batch, sizes)
+            except UnsplittableBatch:
+                pass
+        return composer_internals.split_batch_default(trainer, batch, max(sizes))
+
+    def train_batch(self, trainer: Any) -> dict[str, torch.Tensor]:
+        """Run one batch with OOM-safe retries; returns Composer's total loss dict."""
+        assert self._consensus is not None and self._sharded is not None, "attach() was not called"
+        state = trainer.state
+        device_batch = state.batch
+        batch_size = composer_internals.num_samples(trainer, device_batch)
+        self._ensure_policy(batch_size)
+        assert self.policy is not None
+        batch_index = int(state.timestamp.batch)
+        context = self._dispatcher.context
+        self._batch_attempts = 0
+        while True:
+            self._batch_attempts += 1
+            sizes = tuple(self.policy.current_split())
+            microbatches = self._split(trainer, device_batch, sizes)
+            state.device_train_microbatch_size = max(sizes)
+            if state.train_metrics is not None:
+                for metric in state.train_metrics.values():
+                    metric.reset()
+            total_loss_dict = {"loss/train/total": state.device.tensor_to_device(torch.zeros(size=(1,)))}
+            context.batch_index, context.attempt = batch_index, self._batch_attempts
+            context.microbatch_size, context.num_microbatches = max(sizes), len(sizes)
+            context.microbatch_index = -1
+            self._memory.reset_peak()
+            self._consensus.begin_attempt()
+            started = time.perf_counter()
+            verdict: Optional[Verdict] = None
+            own_error: Optional[BaseException] = None
+
+            def before_microbatch(index: int) -> None:
+                context.microbatch_index = index
+
+            def end_of_attempt() -> None:
+                nonlocal verdict
+                context.microbatch_index = len(sizes) - 1
+                self._dispatcher.fire("optimizer_step", "")
+                context.in_attempt = False
+                verdict = self._consensus.finish(self._figures())
+                if verdict.failed:
+                    raise OOMOnOtherRank("automicro: another rank failed this attempt")
+
+            context.in_attempt = True
+            try:
+                composer_internals.run_microbatches(trainer, microbatches, total_loss_dict, before_microbatch, end_of_attempt)
+            except BaseException as error:  # noqa: BLE001 - every failure must reach the consensus
+                context.in_attempt = False
+                if verdict is None:
+                    followed = isinstance(error, (OOMOnOtherRank, FailedOnOtherRank))
+                    if not followed and not is_oom(error) and not self.hooks_active:
+                        # Hooks off: other ranks may already sit in an FSDP collective, so a
+                        # consensus could not complete; fail fast and let the launcher stop them.
+                        raise
+                    verdict = self._fail_consensus(error, followed, context.last_site)
+                    if not followed and not is_oom(error):
+                        own_error = error
+            finally:
+                context.in_attempt = False
+            seconds = time.perf_counter() - started
+            assert verdict is not None
+
+            if not verdict.failed:
+                composer_internals.step_optimizers(trainer)
+                self._after_success(verdict, batch_index, sizes, seconds)
+                return total_loss_dict
+
+            self._wipe_failed_attempt(trainer, device_batch)
+            self.ooms_total += 1
+            self.search_time_s += seconds
+            if own_error is not None or verdict.error_ranks:
+                self._record(batch_index, sizes, "error", verdict, sizes[0], seconds)
+                if own_error is not None:
+                    raise own_error
+                raise FailedOnOtherRank(
+                    f"automicro: rank(s) {verdict.error_ranks} failed with a non-OOM error at "
+                    f"{[r.site for r in verdict.reports if r.kind == KIND_ERROR]} during batch {batch_index}; "
+                    "see that rank's traceback for the cause"
+                ) from own_error
+            try:
+                decision = self.policy.observe(search.OOM(max(sizes)))
+            except search.CannotFitError as error:
+                self._record(batch_index, sizes, "oom", verdict, 0, seconds)
+                raise MicrobatchSizeError(self._cannot_fit_message(verdict)) from error
+            self._record(batch_index, sizes, "oom", verdict, decision.next_size, seconds, decision.event)
+            self._apply_hooks(decision.hooks, "out of memory")
+
+    def _fail_consensus(self, error: BaseException, followed: bool, site: str) -> Verdict:
+        assert self._consensus is not None
+        kind = KIND_OOM if is_oom(error) else KIND_ERROR
+        # With hooks off another rank can be stuck inside an FSDP collective waiting for this
+        # one; bound the wait so the job stops with a message instead of hanging.
+        timeout = None if self.hooks_active else self.unguarded_timeout_s
+        try:
+            return self._consensus.fail(kind, site, self._figures(), own_code_zero=followed, timeout_s=timeout)
+        except RuntimeError as timeout_error:
+            raise RuntimeError(
+                f"automicro: rank {self._rank} failed at {site} ({type(error).__name__}: {error}) while the sync "
+                f"hooks were off, and the other ranks did not reach the consensus within {timeout} s (they are "
+                "probably inside an FSDP collective). Stopping this rank; the launcher stops the rest."
+            ) from timeout_error
+
+    def _cannot_fit_message(self, verdict: Verdict) -> str:
+        rows = []
+        for r in verdict.reports:
+            if r.failed:
+                rows.append(
+                    f"rank {r.rank} at {r.site}: peak {r.peak_bytes / 2**20:.1f} MiB, "
+                    f"allocated {r.allocated_bytes / 2**20:.1f} MiB, capacity {r.capacity_bytes / 2**20:.1f} MiB"
+                )
+        return (
+            "automicro: out of memory even with device_train_microbatch_size=1; "
+            + "; ".join(rows)
+            + ". Reduce the model or sequence length, shard more (more ranks, reshard_after_forward, "
+            "activation_checkpointing, cpu_offload) or raise the memory limit."
+        )
+
+    def _wipe_failed_attempt(self, trainer: Any, device_batch: Any) -> None:
+        composer_internals.reset_after_failure(trainer, device_batch)
+        assert self._sharded is not None
+        self._sharded.recover()
+        self._memory.empty_cache()
+
+    def _after_success(self, verdict: Verdict, batch_index: int, sizes: tuple[int, ...], seconds: float) -> None:
+        assert self.policy is not None
+        self._last_retries = self._memory.alloc_retries()
+        self._batch_retries = verdict.any_new_alloc_retries
+        if self.thrash.observe(verdict.any_new_alloc_retries):
+            decision = self.policy.observe(search.Thrash(max(sizes)))
+            self._record(batch_index, sizes, "thrash", verdict, decision.next_size, seconds, decision.event)
+            self._apply_hooks(decision.hooks, "thrashing")
+            return
+        phase_before = self.policy.phase
+        decision = self.policy.observe(
+            search.Success(
+                max(sizes),
+                peak_bytes=verdict.peak_bytes or None,
+                capacity_bytes=verdict.capacity_bytes or None,
+            )
+        )
+        if phase_before != search.Phase.STEADY or self._batch_attempts > 1:
+            self._record(batch_index, sizes, "ok", verdict, decision.next_size, seconds, decision.event)
+        self._apply_hooks(decision.hooks, decision.event or "stable")
+
+    def _record(
+        self,
+        batch_index: int,
+        sizes: tuple[int, ...],
+        outcome: str,
+        verdict: Verdict,
+        next_size: int,
+        seconds: float,
+        note: str = "",
+    ) -> None:
+        record = AttemptRecord(
+            batch=batch_index,
+            attempt=self._batch_attempts,
+            size=max(sizes),
+            split=sizes,
+            outcome=outcome,
+            failed_ranks=verdict.failed_ranks,
+            sites=verdict.sites,
+            next_size=next_size,
+            hooks=self.hooks_active,
+            seconds=round(seconds, 4),
+            note=note,
+        )
+        self.history.append(record)
+        where = f" on rank(s) {record.failed_ranks} at {record.sites}" if record.failed_ranks else ""
+        self._info(
+            f"batch {batch_index} attempt {record.attempt}: size {record.size} split {list(sizes)} -> "
+            f"{outcome}{where}; next size {next_size}" + (f" ({note})" if note else "")
+        )
+
+
+def search_config(search_mode: str, stable_batches: int, use_prediction: bool, start_size: Optional[int]):
+    return search.PolicyConfig(
+        search=search_mode,
+        stable_batches=stable_batches,
+        use_prediction=use_prediction,
+        start_size=start_size,
+    )
+
+
+__all__ = ["AutoMicrobatching", "AttemptRecord", "MicrobatchSizeError", "is_oom"]

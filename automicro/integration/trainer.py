@@ -1,0 +1,134 @@
+"""`automicro.Trainer`: Composer's `Trainer` with FSDP2 through the engine and a guarded batch step.
+
+Differences from `composer.Trainer`, all opt-in through arguments Composer already has:
+- `parallelism_config={"fsdp2": {...}}` shards the model with `automicro.engine.shard` (the keys
+  are `automicro.engine.FSDP2Config` fields) instead of Composer's own FSDP2 path;
+- `device_train_microbatch_size="auto"` works with FSDP2 (Composer refuses it), driven by the
+  `AutoMicrobatching` callback (one is added with defaults if none is given).
+Everything else is passed to Composer unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Union
+
+import composer
+import torch
+from composer.devices import Device, DeviceCPU, DeviceGPU
+from composer.utils import dist as composer_dist
+
+from automicro.engine import FSDP2Config, ShardedModel, ensure_record_stream_free, shard
+from automicro.engine.config import FSDP2ConfigError
+from automicro.integration import _composer_internals as composer_internals
+from automicro.integration.callback import AutoMicrobatching
+
+log = logging.getLogger(__name__)
+
+
+def _fsdp2_config(parallelism_config: Any) -> Optional[FSDP2Config]:
+    if parallelism_config is None:
+        return None
+    if not isinstance(parallelism_config, dict):
+        raise FSDP2ConfigError(
+            "automicro.Trainer: parallelism_config must be a dict like {'fsdp2': {...}} "
+            f"(got {type(parallelism_config).__name__})"
+        )
+    unknown = sorted(set(parallelism_config) - {"fsdp2"})
+    if unknown:
+        raise FSDP2ConfigError(
+            f"automicro.Trainer: parallelism_config keys {unknown} are not supported; automicro shards "
+            "with FSDP2 only: use parallelism_config={'fsdp2': {...}}"
+        )
+    value = parallelism_config.get("fsdp2")
+    if isinstance(value, FSDP2Config):
+        return value
+    return FSDP2Config.from_dict(value)
+
+
+def _composer_device(device: Any) -> Device:
+    if device is None:
+        return DeviceGPU() if torch.cuda.is_available() else DeviceCPU()
+    if isinstance(device, Device):
+        return device
+    if device == "cpu":
+        return DeviceCPU()
+    if device == "gpu":
+        return DeviceGPU()
+    raise ValueError(f"automicro.Trainer: device={device!r}: use 'cpu', 'gpu' or a composer Device")
+
+
+class Trainer(composer.Trainer):
+    """Composer's Trainer, plus FSDP2 through automicro's engine and auto microbatching on it."""
+
+    def __init__(
+        self,
+        *,
+        model: Any,
+        parallelism_config: Optional[dict[str, Any]] = None,
+        device_train_microbatch_size: Optional[Union[int, str]] = None,
+        callbacks: Any = None,
+        device: Any = None,
+        dist_timeout: float = 300.0,
+        **kwargs: Any,
+    ) -> None:
+        composer_internals.check_supported_composer()
+        fsdp2 = _fsdp2_config(parallelism_config)
+        callback_list = list(callbacks) if isinstance(callbacks, (list, tuple)) else ([callbacks] if callbacks else [])
+        auto = device_train_microbatch_size == "auto"
+        if isinstance(device_train_microbatch_size, str) and not auto:
+            raise ValueError(
+                f"device_train_microbatch_size={device_train_microbatch_size!r}: must be a positive int or 'auto'"
+            )
+        automicro = next((c for c in callback_list if isinstance(c, AutoMicrobatching)), None)
+        if auto and fsdp2 is None:
+            raise ValueError(
+                "device_train_microbatch_size='auto' in automicro.Trainer needs FSDP2: pass "
+                "parallelism_config={'fsdp2': {}}"
+            )
+        if auto and automicro is None:
+            automicro = AutoMicrobatching()
+            callback_list.append(automicro)
+        if automicro is not None and not auto:
+            log.warning(
+                "automicro: AutoMicrobatching is configured but device_train_microbatch_size=%r; the callback stays idle",
+                device_train_microbatch_size,
+            )
+            automicro = None
+
+        # c10d reads this when a process group is created: set it before Composer creates one.
+        ensure_record_stream_free()
+        composer_device = _composer_device(device)
+        self._automicro_sharded: Optional[ShardedModel] = None
+        if fsdp2 is not None:
+            composer_dist.initialize_dist(composer_device, dist_timeout)
+            self._automicro_sharded = shard(model, fsdp2, device=composer_device.tensor_to_device(torch.empty(0)).device)
+        self._automicro = automicro
+        if automicro is not None:
+            assert self._automicro_sharded is not None
+            automicro.attach(self._automicro_sharded)
+
+        super().__init__(
+            model=model,
+            parallelism_config=None,
+            # None lets Composer take the per-rank batch size; the callback picks the real split.
+            device_train_microbatch_size=None if auto else device_train_microbatch_size,
+            callbacks=callback_list,
+            device=composer_device,
+            dist_timeout=dist_timeout,
+            **kwargs,
+        )
+
+    @property
+    def sharded_model(self) -> Optional[ShardedModel]:
+        """The engine's handle on the sharded model (None without FSDP2)."""
+        return self._automicro_sharded
+
+    @property
+    def auto_microbatching(self) -> Optional[AutoMicrobatching]:
+        return self._automicro
+
+    def _train_batch(self, use_grad_scaling: bool) -> dict[str, torch.Tensor]:  # Composer private hook
+        if self._automicro is None:
+            return super()._train_batch(use_grad_scaling)
+        return self._automicro.train_batch(self)

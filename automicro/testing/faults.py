@@ -1,0 +1,156 @@
+"""`FaultInjector`: raise an exception at an exact site, rank, microbatch and size.
+
+A Composer callback, usable from YAML::
+
+    callbacks:
+      fault_injector:
+        site: backward_pre
+        module: blocks.1
+        ranks: [1]
+        above: 5
+
+Raises at `site` of the FSDP2 module named `module` (names as in `model.named_modules()` of the
+model given to the Trainer; None = every FSDP module) on `ranks` (None = all), only while the
+microbatch size is > `above`, at microbatch `microbatch_index` (None = any; -1 = the last), at
+most `times` times. The default exception is a `torch.OutOfMemoryError` whose message contains
+"CUDA out of memory" and "injected".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from composer.core import Callback, State
+from composer.loggers import Logger
+
+from automicro.core.hooks import SiteHooks
+from automicro.core.sites import DISPATCHER, PRIORITY_FAULT, SITES, AttemptContext, SiteDispatcher
+
+MODULE_SITES = frozenset({"forward_pre", "forward", "backward_pre", "backward", "unshard_alloc", "reduce_scatter_alloc"})
+
+
+class InjectedFault(RuntimeError):
+    """The default non-OOM exception when `exception="error"` is asked for."""
+
+
+def _default_oom(site: str, module: str, rank: int, size: int) -> BaseException:
+    return torch.OutOfMemoryError(
+        f"CUDA out of memory (injected by automicro.testing.FaultInjector at {site}"
+        f"{':' + module if module else ''} on rank {rank}, microbatch size {size})"
+    )
+
+
+class FaultInjector(Callback):
+    """Raise at a fault site (see `automicro.core.sites.SITES`) under exact conditions."""
+
+    def __init__(
+        self,
+        site: str,
+        module: Optional[str] = None,
+        ranks: Optional[list[int]] = None,
+        above: Optional[int] = None,
+        microbatch_index: Optional[int] = None,
+        times: Optional[int] = None,
+        exception: Any = None,
+    ) -> None:
+        if site not in SITES:
+            raise ValueError(f"FaultInjector: site={site!r}: must be one of {list(SITES)}")
+        if module is not None and site not in MODULE_SITES:
+            raise ValueError(f"FaultInjector: module={module!r} only applies to the module sites {sorted(MODULE_SITES)}")
+        if ranks is not None and (not isinstance(ranks, (list, tuple)) or not all(isinstance(r, int) and r >= 0 for r in ranks)):
+            raise ValueError(f"FaultInjector: ranks={ranks!r}: must be a list of ranks (ints >= 0) or null for all")
+        for name, value, low in (("above", above, 0), ("times", times, 1)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise ValueError(f"FaultInjector: {name}={value!r}: must be an int >= {low} or null")
+        if microbatch_index is not None and (isinstance(microbatch_index, bool) or not isinstance(microbatch_index, int) or microbatch_index < -1):
+            raise ValueError(f"FaultInjector: microbatch_index={microbatch_index!r}: must be an int >= -1 (-1 = last) or null")
+        if exception not in (None, "oom", "error") and not callable(exception):
+            raise ValueError("FaultInjector: exception must be 'oom' (default), 'error', or a callable returning one")
+        self.site = site
+        self.module = module
+        self.ranks = None if ranks is None else set(ranks)
+        self.above = above
+        self.microbatch_index = microbatch_index
+        self.times = times
+        self.exception = exception
+        self.fired = 0
+        self._dispatcher: SiteDispatcher = DISPATCHER
+        self._site_hooks: Optional[SiteHooks] = None
+        self._remove_listener: Optional[Callable[[], None]] = None
+        self._rank = 0
+
+    # ---- conditions --------------------------------------------------------------------------
+
+    def _matches(self, site: str, module: str, context: AttemptContext) -> bool:
+        if site != self.site or not context.in_attempt and site != "eval_forward":
+            return False
+        if self.module is not None and module != self.module:
+            return False
+        if self.ranks is not None and self._rank not in self.ranks:
+            return False
+        if self.above is not None and context.microbatch_size <= self.above:
+            return False
+        if self.microbatch_index is not None:
+            wanted = context.num_microbatches - 1 if self.microbatch_index == -1 else self.microbatch_index
+            if context.microbatch_index != wanted:
+                return False
+        if self.times is not None and self.fired >= self.times:
+            return False
+        return True
+
+    def _make(self, site: str, module: str, context: AttemptContext) -> BaseException:
+        if self.exception in (None, "oom"):
+            return _default_oom(site, module, self._rank, context.microbatch_size)
+        if self.exception == "error":
+            return InjectedFault(f"injected error at {site} on rank {self._rank}")
+        return self.exception()
+
+    def _listener(self, site: str, module: str, context: AttemptContext) -> None:
+        if self._matches(site, module, context):
+            self.fired += 1
+            context.last_site, context.last_module = site, module
+            raise self._make(site, module, context)
+
+    def _fire_own(self, site: str, module: str) -> None:
+        # The injector's own module hooks call only the injector (the sync hooks fire the
+        # dispatcher themselves), so no site runs its consensus twice.
+        if site == self.site:
+            self._listener(site, module, self._dispatcher.context)
+
+    # ---- Composer events ---------------------------------------------------------------------
+
+    def fit_start(self, state: State, logger: Logger) -> None:
+        self._rank = dist.get_rank() if dist.is_initialized() else 0
+        if self._remove_listener is None and self.site not in MODULE_SITES:
+            self._remove_listener = self._dispatcher.add(self._listener, PRIORITY_FAULT)
+        if self.site in MODULE_SITES and self._site_hooks is None:
+            from automicro.engine import sharded_of
+
+            sharded = sharded_of(state.model)
+            if sharded is None:
+                raise ValueError("FaultInjector: module sites need a model sharded by automicro's engine")
+            if self.module is not None and self.module not in dict(sharded.named_fsdp_modules):
+                names = [n for n, _ in sharded.named_fsdp_modules]
+                raise ValueError(f"FaultInjector: module={self.module!r} is not an FSDP2 module; choose one of {names}")
+            self._site_hooks = SiteHooks(sharded, self._fire_own)
+            self._site_hooks.install()
+
+    def after_loss(self, state: State, logger: Logger) -> None:
+        self._dispatcher.fire("loss", "")
+
+    def eval_before_forward(self, state: State, logger: Logger) -> None:
+        self._dispatcher.fire("eval_forward", "")
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        self.close_hooks()
+
+    def close_hooks(self) -> None:
+        if self._site_hooks is not None:
+            self._site_hooks.remove()
+            self._site_hooks = None
+        if self._remove_listener is not None:
+            self._remove_listener()
+            self._remove_listener = None

@@ -1,0 +1,456 @@
+"""CPU emulation of a per-rank GPU memory limit.
+
+`MemoryCap` counts the bytes of *live tensor storages* created while it is active and raises
+`torch.OutOfMemoryError` (message starts like the CUDA allocator's, "CUDA out of memory. Tried to
+allocate ...", so Composer-style string checks match) as soon as an op's new output would push
+the live total over the limit::
+
+    cap = MemoryCap(64 * 2**20)                   # or {0: 10_000_000, 1: 20_000_000} keyed by rank
+    cap.track_existing(model)                     # optional: count parameters created before
+    with cap:                                     # active on this thread (backward included)
+        loss = model(x).sum(); loss.backward()
+    cap.stats()         # live_bytes, peak_bytes, limit_bytes, num_alloc_retries, num_ooms, ...
+    cap.memory_stats()  # the same numbers under torch.cuda.memory_stats() names
+    cap.reset_peak()
+
+How it counts:
+
+- A `TorchDispatchMode` looks at every op's outputs after the op ran. An output whose storage
+  was not seen before and is not the storage of one of the op's inputs (views, in-place and
+  `out=` ops alias their inputs) is a new allocation: its `untyped_storage().nbytes()` is added.
+  A storage is counted once however many views it has.
+- Each counted storage gets a weak reference whose callback subtracts its bytes when the storage
+  is freed (torch keeps one Python object per storage for the storage's whole life), so the work
+  per op is proportional to its outputs, never a sweep of all storages.
+- `UntypedStorage.resize_` (FSDP2 frees and re-allocates unsharded parameters that way, outside
+  the dispatcher) is wrapped while a cap is active: growth of a counted storage is checked
+  against the limit like an allocation, shrinking is subtracted.
+- Tensor subclasses (DTensor, the sharded parameters of `fully_shard`) take no storage of their
+  own: their inner plain tensors are counted. Storages that existed before the cap became active
+  (model parameters) are counted only through `track_existing`.
+- Allocator retries are emulated: an allocation after which the live bytes lie within
+  `retry_band` (default 10 %) below the limit counts one `num_alloc_retries`, as the CUDA caching
+  allocator frees its cache and retries when it is close to full. An emulated OOM counts one
+  retry and one `num_ooms` (the CUDA allocator also retries before it gives up).
+
+An op that would cross the limit still ran (the check happens on its outputs), but its outputs
+are never returned and never counted: they are freed as the exception unwinds.
+
+Only `torch` is needed; wrapping this in a Composer callback is left to `automicro.integration`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Any, Optional, Union
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["MemoryCap", "current_rank"]
+
+LimitSpec = Union[int, float, None, Mapping[int, Union[int, float, None]]]
+
+_EMULATION_TAG = "emulated by automicro.testing.MemoryCap"
+
+
+def current_rank() -> int:
+    """Global rank: from torch.distributed if initialized, else env RANK, else 0."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except Exception:  # pragma: no cover - broken distributed install
+        pass
+    return int(os.environ.get("RANK", "0"))
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.2f} {unit}" if unit != "bytes" else f"{int(n)} bytes"
+        n /= 1024
+    return f"{n:.2f} GiB"  # pragma: no cover
+
+
+def _plain_storages(obj: Any, out: list) -> None:
+    """Append the UntypedStorage of every plain tensor in the pytree `obj` (subclasses are
+    flattened into their inner tensors; tensors without a real storage are skipped)."""
+    leaves, _ = tree_flatten(obj)
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            _tensor_storages(leaf, out)
+
+
+def _tensor_storages(t: torch.Tensor, out: list) -> None:
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        if is_traceable_wrapper_subclass(t):
+            attrs, _ = t.__tensor_flatten__()
+            for name in attrs:
+                inner = getattr(t, name)
+                if isinstance(inner, torch.Tensor):
+                    _tensor_storages(inner, out)
+            return
+        if torch._C._is_wrapper_subclass(t):
+            return
+    if t.is_sparse or t.layout != torch.strided:
+        return
+    try:
+        st = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return
+    if st.device.type == "meta":
+        return
+    out.append(st)
+
+
+class _Entry:
+    __slots__ = ("nbytes", "ref")
+
+    def __init__(self, nbytes: int, ref: "weakref.ref"):
+        self.nbytes = nbytes
+        self.ref = ref
+
+
+class _CapMode(TorchDispatchMode):
+    """The dispatch mode of one activation of a MemoryCap (on one thread)."""
+
+    def __init__(self, cap: "MemoryCap"):
+        super().__init__()
+        self.cap = cap
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # The mode is popped while we run: neither the op nor our bookkeeping re-enters it.
+        out = func(*args, **kwargs)
+        self.cap._after_op(func, args, kwargs, out)
+        return out
+
+
+# ---- UntypedStorage.resize_ wrapper, installed while at least one cap is active ---------------
+
+_patch_lock = threading.Lock()
+_active_caps: dict["MemoryCap", int] = {}
+_orig_resize = None
+
+
+def _patched_resize_(storage, size):
+    caps = list(_active_caps)
+    if not caps:
+        return _orig_resize(storage, size)
+    key = storage._cdata
+    tracked = [c for c in caps if c._tracks(key)]
+    for cap in tracked:
+        cap._before_resize(key, int(size) - storage.nbytes())
+    result = _orig_resize(storage, size)
+    for cap in tracked:
+        cap._resync_one(key, storage)
+    return result
+
+
+def _activate(cap: "MemoryCap") -> None:
+    global _orig_resize
+    with _patch_lock:
+        if not _active_caps:
+            _orig_resize = torch.UntypedStorage.resize_  # inherited from torch._C.StorageBase
+            torch.UntypedStorage.resize_ = _patched_resize_
+        _active_caps[cap] = _active_caps.get(cap, 0) + 1
+
+
+def _deactivate(cap: "MemoryCap") -> None:
+    with _patch_lock:
+        n = _active_caps.get(cap, 0) - 1
+        if n > 0:
+            _active_caps[cap] = n
+        else:
+            _active_caps.pop(cap, None)
+        if not _active_caps and torch.UntypedStorage.__dict__.get("resize_") is _patched_resize_:
+            del torch.UntypedStorage.resize_
+
+
+class MemoryCap:
+    """Emulated per-rank device memory limit on live tensor bytes (see module docstring).
+
+    Args:
+        limit_bytes: the limit for this process; or a mapping global rank -> limit (the rank is
+            read when the cap is entered: torch.distributed if initialized, else env RANK, else
+            0; a rank missing from the mapping raises KeyError). None means no limit (counting
+            only).
+        retry_band: fraction of the limit below it where an allocation counts as an emulated
+            allocator retry.
+        rank: override the rank used for the mapping and the messages.
+    """
+
+    def __init__(self, limit_bytes: LimitSpec, *, retry_band: float = 0.10, rank: Optional[int] = None):
+        if not 0 <= retry_band < 1:
+            raise ValueError(f"retry_band must be in [0, 1), got {retry_band}")
+        self._limit_spec = limit_bytes
+        self.retry_band = retry_band
+        self._rank_override = rank
+        self._lock = threading.RLock()
+        self._entries: dict[int, _Entry] = {}
+        self._live_bytes = 0
+        self._peak_bytes = 0
+        self._num_alloc_retries = 0
+        self._num_ooms = 0
+        self._num_allocs = 0
+        self._limit: Optional[float] = None
+        self._limit_resolved = False
+        self._tls = threading.local()
+
+    # ---- configuration -------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self._rank_override if self._rank_override is not None else current_rank()
+
+    def _resolve_limit(self) -> Optional[float]:
+        spec = self._limit_spec
+        if isinstance(spec, Mapping):
+            rank = self.rank
+            if rank not in spec:
+                raise KeyError(f"MemoryCap: no limit given for rank {rank} (limits for ranks {sorted(spec)})")
+            spec = spec[rank]
+        if spec is not None and spec < 0:
+            raise ValueError(f"MemoryCap: negative limit {spec}")
+        self._limit = spec
+        self._limit_resolved = True
+        return spec
+
+    @property
+    def limit_bytes(self) -> Optional[float]:
+        if not self._limit_resolved:
+            return self._resolve_limit()
+        return self._limit
+
+    # ---- activation ----------------------------------------------------------------------------
+
+    def __enter__(self) -> "MemoryCap":
+        depth = getattr(self._tls, "depth", 0)
+        if depth == 0:
+            self._resolve_limit()
+            self.resync()
+            mode = _CapMode(self)
+            _activate(self)
+            try:
+                mode.__enter__()
+            except BaseException:
+                _deactivate(self)
+                raise
+            self._tls.mode = mode
+        self._tls.depth = depth + 1
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        depth = self._tls.depth - 1
+        self._tls.depth = depth
+        if depth == 0:
+            mode, self._tls.mode = self._tls.mode, None
+            try:
+                mode.__exit__(exc_type, exc, tb)
+            finally:
+                _deactivate(self)
+
+    @property
+    def active(self) -> bool:
+        """Whether the cap is active on the calling thread."""
+        return getattr(self._tls, "depth", 0) > 0
+
+    # ---- public bookkeeping API ----------------------------------------------------------------
+
+    def track_existing(self, tensors: Union[torch.Tensor, torch.nn.Module, Iterable[torch.Tensor]], *, check: bool = True) -> int:
+        """Count already-existing tensors (e.g. the model's parameters and buffers) against the
+        limit. Storages already counted are skipped. Returns the bytes newly counted. With
+        `check`, raises torch.OutOfMemoryError (counting nothing) if they do not fit."""
+        if isinstance(tensors, torch.nn.Module):
+            tensors = list(tensors.parameters()) + list(tensors.buffers())
+        elif isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+        storages: list = []
+        for t in tensors:
+            if t is not None:
+                _tensor_storages(t, storages)
+        limit = self.limit_bytes if check else None
+        return self._allocate(storages, "track_existing", limit, count_retries=False)
+
+    def stats(self) -> dict:
+        """live_bytes, peak_bytes, limit_bytes, num_alloc_retries, num_ooms (+ num_allocs,
+        num_tracked_storages, rank)."""
+        self.resync()
+        with self._lock:
+            return dict(
+                live_bytes=self._live_bytes,
+                peak_bytes=self._peak_bytes,
+                limit_bytes=self.limit_bytes,
+                num_alloc_retries=self._num_alloc_retries,
+                num_ooms=self._num_ooms,
+                num_allocs=self._num_allocs,
+                num_tracked_storages=len(self._entries),
+                rank=self.rank,
+            )
+
+    def memory_stats(self) -> dict:
+        """The counters under torch.cuda.memory_stats() key names."""
+        s = self.stats()
+        return {
+            "num_alloc_retries": s["num_alloc_retries"],
+            "num_ooms": s["num_ooms"],
+            "allocated_bytes.all.current": s["live_bytes"],
+            "allocated_bytes.all.peak": s["peak_bytes"],
+            "active_bytes.all.current": s["live_bytes"],
+            "active_bytes.all.peak": s["peak_bytes"],
+            "reserved_bytes.all.current": s["live_bytes"],
+            "reserved_bytes.all.peak": s["peak_bytes"],
+            "allocation.all.current": s["num_tracked_storages"],
+        }
+
+    @property
+    def live_bytes(self) -> int:
+        return self._live_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return self._peak_bytes
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self._peak_bytes = self._live_bytes
+
+    def reset_counters(self) -> None:
+        """Zero num_alloc_retries / num_ooms / num_allocs (live bytes are kept)."""
+        with self._lock:
+            self._num_alloc_retries = self._num_ooms = self._num_allocs = 0
+
+    def resync(self) -> None:
+        """Re-read the size of every counted storage (catches resizes that happened while no cap
+        was active). O(number of counted storages); run on enter and by stats()."""
+        with self._lock:
+            for key, entry in list(self._entries.items()):
+                st = entry.ref()
+                if st is not None:
+                    self._resync_one(key, st)
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _tracks(self, key: int) -> bool:
+        return key in self._entries
+
+    def _oom(self, requested: int, what: str, limit: float) -> torch.OutOfMemoryError:
+        self._num_ooms += 1
+        self._num_alloc_retries += 1
+        live = self._live_bytes
+        return torch.OutOfMemoryError(
+            f"CUDA out of memory. Tried to allocate {_fmt_bytes(requested)} ({_EMULATION_TAG}): "
+            f"rank {self.rank}, op {what}, requested_bytes={requested}, live_bytes={live}, "
+            f"limit_bytes={int(limit)}; {_fmt_bytes(live)} live of {_fmt_bytes(limit)} limit, "
+            f"{_fmt_bytes(max(limit - live, 0))} free."
+        )
+
+    def _allocate(self, storages: list, what: str, limit: Optional[float], *, count_retries: bool = True) -> int:
+        """Count the new storages among `storages`, all or none: raise OOM (counting nothing)
+        if one of them crosses `limit`."""
+        with self._lock:
+            new = []
+            seen = set()
+            running = self._live_bytes
+            band_floor = None if limit is None else limit * (1.0 - self.retry_band)
+            retries = 0
+            for st in storages:
+                key = st._cdata
+                if key in seen or key in self._entries:
+                    continue
+                seen.add(key)
+                nbytes = st.nbytes()
+                running += nbytes
+                if limit is not None:
+                    if running > limit:
+                        self._num_alloc_retries += retries
+                        raise self._oom(nbytes, what, limit)
+                    if count_retries and nbytes and running > band_floor:
+                        retries += 1
+                new.append((key, st, nbytes))
+            for key, st, nbytes in new:
+                ref = weakref.ref(st, functools.partial(self._on_free, key))
+                self._entries[key] = _Entry(nbytes, ref)
+            added = running - self._live_bytes
+            self._live_bytes = running
+            self._num_allocs += len(new)
+            self._num_alloc_retries += retries
+            if running > self._peak_bytes:
+                self._peak_bytes = running
+            return added
+
+    def _on_free(self, key: int, ref: "weakref.ref") -> None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry.ref is ref:
+                del self._entries[key]
+                self._live_bytes -= entry.nbytes
+
+    def _resync_one(self, key: int, st) -> None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return
+            nbytes = st.nbytes()
+            if nbytes != entry.nbytes:
+                self._live_bytes += nbytes - entry.nbytes
+                entry.nbytes = nbytes
+                if self._live_bytes > self._peak_bytes:
+                    self._peak_bytes = self._live_bytes
+
+    def _before_resize(self, key: int, delta: int, what: str = "UntypedStorage.resize_") -> None:
+        """Limit check for a counted storage growing by `delta` bytes (resize_)."""
+        if delta <= 0 or not self.active:
+            return
+        with self._lock:
+            limit = self._limit
+            if limit is None:
+                return
+            after = self._live_bytes + delta
+            if after > limit:
+                raise self._oom(delta, what, limit)
+            if after > limit * (1.0 - self.retry_band):
+                self._num_alloc_retries += 1
+
+    def _after_op(self, func, args, kwargs, out) -> None:
+        outs: list = []
+        _plain_storages(out, outs)
+        if not outs:
+            if getattr(func, "namespace", None) == "inductor":  # inductor.resize_storage_bytes_
+                ins: list = []
+                _plain_storages((args, kwargs), ins)
+                for st in ins:
+                    self._resync_one(st._cdata, st)
+            return
+        entries = self._entries
+        unknown = []
+        for st in outs:
+            key = st._cdata
+            entry = entries.get(key)
+            if entry is None:
+                unknown.append(st)
+            elif st.nbytes() != entry.nbytes:  # e.g. aten.resize_ grew or shrank it in place
+                with self._lock:
+                    self._before_resize(key, st.nbytes() - entry.nbytes, str(func))
+                    self._resync_one(key, st)
+        if not unknown:
+            return
+        ins = []
+        _plain_storages((args, kwargs), ins)
+        in_keys = {st._cdata for st in ins}
+        new = [st for st in unknown if st._cdata not in in_keys]
+        if new:
+            self._allocate(new, str(func), self._limit)
+
+    def __repr__(self) -> str:
+        return (
+            f"MemoryCap(limit_bytes={self._limit_spec!r}, live_bytes={self._live_bytes}, "
+            f"peak_bytes={self._peak_bytes})"
+        )

@@ -1,0 +1,511 @@
+"""Run a function on N local processes under torch.distributed, with a hang watchdog.
+
+::
+
+    from automicro.testing.multiprocess import run_multiprocess, MultiprocessFailure
+
+    def _allreduce_rank(rank, world_size, scale):      # top level of an importable module
+        t = torch.tensor([float(rank)]) * scale
+        torch.distributed.all_reduce(t)
+        return t.item()
+
+    results = run_multiprocess(_allreduce_rank, world_size=2, args=(10.0,), timeout_s=120)
+    # results == [10.0, 10.0]: the return values, indexed by rank
+
+Each worker process gets MASTER_ADDR=127.0.0.1, a free MASTER_PORT, RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK=0 and the entries of `env`, initializes the default
+process group (`init_process_group(backend, rank=rank, world_size=world_size)`; `backend=None`
+skips it, for code that initializes it itself), calls `fn(rank, world_size, *args, **kwargs)`,
+sends the return value back and destroys the process group.
+
+`fn`, `args`, `kwargs` and the return value travel by pickle to and from fresh processes: `fn`
+must be a top-level function of a module the worker can import (a test module is fine: pytest's
+sys.path is passed on; lambdas, closures and functions defined inside a test are not). They are
+pickled in the caller first, so an unpicklable `fn` fails at once with a clear error.
+
+Watchdog.
+- Start-up (interpreter, imports, unpickling `fn`, `init_process_group`) has its own budget,
+  `startup_timeout_s`; `timeout_s` is the budget of `fn` itself, counted from the moment the
+  last rank finished start-up. Start-up takes seconds per process and varies with machine load;
+  keeping it out of `timeout_s` lets tests use tight timeouts without flaking.
+- When a worker raises, its formatted traceback is collected; the other ranks are then given
+  `failure_grace_s` (default 10 s; they may be blocked in a collective waiting for the failed
+  rank) and not the whole timeout. A worker that dies without returning (segfault, os._exit) is
+  reported with its exit code.
+- When a deadline passes, the parent sends SIGUSR1 to every unfinished worker (each registered
+  `faulthandler` on SIGUSR1, dumping all its threads' Python stacks to a per-rank file), waits
+  up to `dump_wait_s` for the dumps, kills every worker with SIGKILL (with its children: each
+  worker leads its own process group) and raises `MultiprocessFailure`. Its message starts with a
+  summary line, e.g. "hang: ranks [0, 1] did not finish within 30 s", then every failed rank's
+  traceback and every unfinished rank's stack dump.
+- Workers get PR_SET_PDEATHSIG (Linux), so they die with the parent (e.g. pytest killed).
+
+Many cases in one process group. Process start-up costs seconds per process, so test many cases
+with one call: let `fn` loop over them and return one result per case, then assert in the
+parent::
+
+    CASES = [(4, 1), (8, 2), (16, 4)]
+
+    def _check_cases(rank, world_size, cases):
+        out = {}
+        for case in cases:                      # every rank runs the same cases in the same order
+            out[case] = run_one(case, rank)     # so collectives stay matched across ranks
+        return out
+
+    @pytest.mark.multiproc
+    def test_cases():
+        per_rank = run_multiprocess(_check_cases, world_size=2, args=(CASES,), timeout_s=120)
+        for case in CASES:
+            assert per_rank[0][case] == per_rank[1][case], case
+
+A case that raises on one rank only must not be followed by collectives on the other ranks (they
+would wait for it): either let the exception end the worker (the runner reports it with the
+rank's traceback and stops the others after `failure_grace_s`) or catch it on every rank the
+same way and return it as that case's result. Name the case in assertion messages inside `fn`;
+the traceback in the failure shows them.
+
+Start method. "spawn" (default) starts every worker from a fresh interpreter: it imports torch,
+the package and the module of `fn` each time (3-5 s per process, CPU bound). "forkserver"
+forks workers from a server process that imported torch, torch.distributed and automicro once
+(plus `forkserver_preload`), typically 10x faster after the server's own start; the caller's
+os.environ at call time is given to each worker, but settings torch reads at import (thread
+counts) are the server's. The env variable AUTOMICRO_MP_START_METHOD picks the default.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import pickle
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from multiprocessing import connection as mp_connection
+from typing import Any, Optional
+
+__all__ = ["MultiprocessFailure", "run_multiprocess", "free_port"]
+
+# Imported once by the forkserver (this module imports the automicro package, hence Composer).
+_FORKSERVER_PRELOAD = ["torch", "torch.distributed", __name__]
+_START_METHOD_ENV = "AUTOMICRO_MP_START_METHOD"
+
+
+class MultiprocessFailure(RuntimeError):
+    """A rank raised, died, or did not finish in time.
+
+    Attributes: `errors` (rank -> formatted traceback or exit description, in order of
+    detection), `hung` (ranks that did not finish), `stacks` (rank -> stack dump text of the
+    hung ranks), `exitcodes` (rank -> exit code after the kill), `results` (rank -> return value,
+    for the ranks that returned)."""
+
+    def __init__(self, message: str, *, errors=None, hung=None, stacks=None, exitcodes=None, results=None):
+        super().__init__(message)
+        self.errors: dict[int, str] = dict(errors or {})
+        self.hung: list[int] = list(hung or [])
+        self.stacks: dict[int, str] = dict(stacks or {})
+        self.exitcodes: dict[int, Optional[int]] = dict(exitcodes or {})
+        self.results: dict[int, Any] = dict(results or {})
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (bound to port 0, then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------------------------
+# worker side
+# ------------------------------------------------------------------------------------------------
+
+_dump_file = None  # keeps the faulthandler file open for the life of the worker
+
+
+def _set_parent_death_signal(parent_pid: Optional[int]) -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except Exception:
+        return
+    if parent_pid is not None and os.getppid() != parent_pid:  # the parent died before prctl
+        os._exit(1)
+
+
+def _send(conn, kind: str, value: Any) -> None:
+    try:
+        conn.send_bytes(pickle.dumps((kind, value)))
+    except Exception:
+        pass
+
+
+def _worker(rank, world_size, payload, port, backend, env, base_env, conn, dump_path, parent_pid):
+    global _dump_file
+    try:
+        os.setpgid(0, 0)  # own process group: the parent kills our children with us
+    except OSError:
+        pass
+    _set_parent_death_signal(parent_pid)
+    _dump_file = open(dump_path, "w")
+    faulthandler.register(signal.SIGUSR1, file=_dump_file, all_threads=True, chain=False)
+
+    if base_env is not None:  # forkserver: take the caller's environment of now
+        os.environ.clear()
+        os.environ.update(base_env)
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        NODE_RANK="0",
+    )
+
+    ok = False
+    dist = None
+    try:
+        fn, args, kwargs = pickle.loads(payload)
+        if backend is not None:
+            import torch
+            import torch.distributed as dist
+
+            if "nccl" in str(backend) and torch.cuda.is_available():
+                torch.cuda.set_device(rank % torch.cuda.device_count())
+            dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
+        _send(conn, "started", None)
+        result = fn(rank, world_size, *args, **kwargs)
+        try:
+            msg = pickle.dumps(("ok", result))
+        except Exception as e:
+            raise TypeError(
+                f"the return value of {getattr(fn, '__qualname__', fn)!r} on rank {rank} cannot be "
+                f"pickled back to the parent: {e!r}"
+            ) from e
+        ok = True
+    except BaseException:
+        msg = pickle.dumps(("error", traceback.format_exc()))
+    try:
+        conn.send_bytes(msg)
+    except Exception:
+        pass
+    if not ok:
+        # Skip destroy_process_group and interpreter teardown: other ranks may be stuck in a
+        # collective with us, and the parent is waiting to report.
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(1)
+    if dist is not None and dist.is_initialized():
+        # Every rank has returned: a barrier first, as destroying while a peer is still mid-way
+        # can hang in gloo's teardown (seen on torch 2.7 and 2.11, about 1 run in 3 under load).
+        dist.barrier()
+        dist.destroy_process_group()
+    conn.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# parent side
+# ------------------------------------------------------------------------------------------------
+
+
+def _describe_exit(code: Optional[int]) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name} (exit code {code})"
+        except ValueError:
+            return f"exit code {code}"
+    return f"exit code {code}"
+
+
+def _kill_worker(proc) -> None:
+    """SIGKILL the worker's process group (itself and its children), then the worker."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the worker made its pid its group id
+    except OSError:
+        pass
+    try:
+        proc.kill()
+    except Exception:
+        pass
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _collect_dumps(procs, ranks, paths, wait_s: float) -> dict[int, str]:
+    """SIGUSR1 each live rank in `ranks`, wait until their dump files stop growing (at most
+    `wait_s`), return rank -> dump text."""
+    signalled = []
+    for r in ranks:
+        p = procs[r]
+        if p.exitcode is None:
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+                signalled.append(r)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + wait_s
+    sizes = {r: -1 for r in signalled}
+    while signalled and time.monotonic() < deadline:
+        time.sleep(0.05)
+        stable = True
+        for r in signalled:
+            try:
+                size = os.path.getsize(paths[r])
+            except OSError:
+                size = 0
+            if size == 0 or size != sizes[r]:
+                stable = False
+            sizes[r] = size
+        if stable:
+            break
+    return {r: _read(paths[r]) for r in ranks}
+
+
+def run_multiprocess(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    args: Sequence[Any] = (),
+    kwargs: Optional[Mapping[str, Any]] = None,
+    *,
+    timeout_s: float = 120.0,
+    backend: Optional[str] = "gloo",
+    env: Optional[Mapping[str, str]] = None,
+    startup_timeout_s: float = 300.0,
+    failure_grace_s: float = 10.0,
+    dump_wait_s: float = 2.0,
+    teardown_timeout_s: float = 30.0,
+    start_method: Optional[str] = None,
+    forkserver_preload: Sequence[str] = (),
+) -> list[Any]:
+    """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` fresh processes; return the
+    results indexed by rank, or raise `MultiprocessFailure` (see the module docstring).
+
+    Args:
+        fn: top-level function of an importable module (pickled by reference).
+        timeout_s: budget for every rank to return from `fn`, counted from the moment the last
+            rank finished start-up.
+        backend: torch.distributed backend of the default process group ("gloo", "nccl",
+            "cpu:gloo,cuda:nccl", ...); None to not initialize one.
+        env: extra environment variables for the workers.
+        startup_timeout_s: budget for all ranks to start (imports, unpickling, init).
+        failure_grace_s: once a rank failed, how long the others may still take.
+        dump_wait_s: how long to wait for the stack dumps of unfinished ranks.
+        teardown_timeout_s: after every rank returned, how long each may take to exit before it
+            is killed (with a warning; the results are still returned).
+        start_method: "spawn" or "forkserver"; default: env AUTOMICRO_MP_START_METHOD, else
+            "spawn".
+        forkserver_preload: more modules for the forkserver to import (only used when this
+            process starts its forkserver, i.e. on the first forkserver call).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    start_method = start_method or os.environ.get(_START_METHOD_ENV) or "spawn"
+    if start_method not in ("spawn", "forkserver"):
+        raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {start_method!r}")
+    try:
+        payload = pickle.dumps((fn, tuple(args), dict(kwargs or {})))
+    except Exception as e:
+        raise TypeError(
+            f"run_multiprocess: cannot pickle fn/args for the worker processes ({e!r}). `fn` must be "
+            "a top-level function of an importable module (not a lambda, closure or a function "
+            "defined inside another function), and args/kwargs must be picklable."
+        ) from e
+
+    import multiprocessing
+
+    ctx = multiprocessing.get_context(start_method)
+    extra_env = {str(k): str(v) for k, v in (env or {}).items()}
+    base_env = None
+    parent_pid: Optional[int] = os.getpid()
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(_FORKSERVER_PRELOAD + [m for m in forkserver_preload if m not in _FORKSERVER_PRELOAD])
+        base_env = dict(os.environ)
+        parent_pid = None  # the workers' parent is the server, which exits with us
+    fn_name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+    port = free_port()
+    tmpdir = tempfile.mkdtemp(prefix="automicro-mp-")
+    dump_paths = [os.path.join(tmpdir, f"rank{r}.stacks.txt") for r in range(world_size)]
+    procs: list = []
+    conns: list = []
+    clean = False
+    try:
+        for rank in range(world_size):
+            reader, writer = ctx.Pipe(duplex=False)
+            p = ctx.Process(
+                target=_worker,
+                args=(rank, world_size, payload, port, backend, extra_env, base_env, writer, dump_paths[rank], parent_pid),
+                name=f"automicro-rank{rank}",
+                daemon=False,  # workers may start their own children (DataLoader workers)
+            )
+            p.start()
+            writer.close()
+            procs.append(p)
+            conns.append(reader)
+
+        start = time.monotonic()
+        started: set[int] = set()
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}  # insertion order = order of detection
+        run_deadline: Optional[float] = None
+        first_failure_at: Optional[float] = None
+        open_conns = {conns[r]: r for r in range(world_size)}
+        sentinels = {procs[r].sentinel: r for r in range(world_size)}
+
+        def pending() -> list[int]:
+            return [r for r in range(world_size) if r not in results and r not in errors]
+
+        def deadline() -> float:
+            d = run_deadline if run_deadline is not None else start + startup_timeout_s
+            if first_failure_at is not None:
+                d = min(d, first_failure_at + failure_grace_s)
+            return d
+
+        def drain(conn) -> None:
+            r = open_conns[conn]
+            while conn in open_conns and conn.poll(0):
+                try:
+                    kind, value = pickle.loads(conn.recv_bytes())
+                except (EOFError, OSError):
+                    open_conns.pop(conn, None)
+                    return
+                except Exception:
+                    errors.setdefault(r, f"rank {r}: could not unpickle its message:\n{traceback.format_exc()}")
+                    open_conns.pop(conn, None)
+                    return
+                if kind == "started":
+                    started.add(r)
+                elif kind == "ok":
+                    results[r] = value
+                    open_conns.pop(conn, None)
+                else:
+                    errors[r] = value
+                    open_conns.pop(conn, None)
+
+        while pending():
+            now = time.monotonic()
+            if now >= deadline():
+                break
+            live_pending = pending()
+            waitables = list(open_conns) + [procs[r].sentinel for r in live_pending]
+            ready = mp_connection.wait(waitables, timeout=deadline() - now)
+            for obj in ready:
+                if obj in open_conns:
+                    drain(obj)
+            for obj in ready:
+                r = sentinels.get(obj)
+                if r is None or r not in pending():
+                    continue
+                if conns[r] in open_conns:
+                    drain(conns[r])
+                if r in pending():
+                    procs[r].join(0.1)
+                    errors[r] = (
+                        f"rank {r} died without returning a result: {_describe_exit(procs[r].exitcode)} "
+                        f"(its stderr may say why)\n"
+                    )
+                    open_conns.pop(conns[r], None)
+            if run_deadline is None and len(started) == world_size:
+                run_deadline = time.monotonic() + timeout_s
+            if errors and first_failure_at is None:
+                first_failure_at = time.monotonic()
+
+        hung = pending()
+        if not hung and not errors:
+            teardown_deadline = time.monotonic() + teardown_timeout_s
+            for p in procs:
+                p.join(max(0.0, teardown_deadline - time.monotonic()))
+            stuck = [r for r in range(world_size) if procs[r].exitcode is None]
+            if stuck:
+                stacks = _collect_dumps(procs, stuck, dump_paths, dump_wait_s)
+                for r in stuck:
+                    _kill_worker(procs[r])
+                    procs[r].join(5)
+                warnings.warn(
+                    f"run_multiprocess({fn_name}): ranks {stuck} returned their results but did not "
+                    f"exit within {teardown_timeout_s:g} s; killed them. Stacks:\n"
+                    + "\n".join(f"--- rank {r} ---\n{stacks[r].rstrip() or '(no dump)'}" for r in stuck)
+                )
+            for p in procs:
+                if p.exitcode is not None and p.exitcode != 0 and p.exitcode != -signal.SIGKILL:
+                    warnings.warn(
+                        f"run_multiprocess: {p.name} returned its result, then exited with "
+                        f"{_describe_exit(p.exitcode)}"
+                    )
+            clean = True
+            return [results[r] for r in range(world_size)]
+
+        stacks = _collect_dumps(procs, hung, dump_paths, dump_wait_s) if hung else {}
+        for p in procs:
+            _kill_worker(p)
+        for p in procs:
+            p.join(5)
+        exitcodes = {r: procs[r].exitcode for r in range(world_size)}
+
+        summary = []
+        if errors:
+            summary.append(f"ranks {sorted(errors)} failed (first: rank {next(iter(errors))})")
+        not_started = [r for r in hung if r not in started]
+        running = [r for r in hung if r in started]
+        grace_cut = first_failure_at is not None and (
+            first_failure_at + failure_grace_s
+            <= (run_deadline if run_deadline is not None else start + startup_timeout_s)
+        )
+        if hung and grace_cut:
+            summary.append(
+                f"hang: ranks {hung} did not finish within {failure_grace_s:g} s after the first failure"
+            )
+        elif running:
+            summary.append(f"hang: ranks {running} did not finish within {timeout_s:g} s")
+        if not_started and not grace_cut:
+            summary.append(
+                f"hang: ranks {not_started} did not start (imports, init_process_group) within "
+                f"{startup_timeout_s:g} s"
+            )
+        lines = [f"run_multiprocess({fn_name}, world_size={world_size}): " + "; ".join(summary)]
+        for r, text in errors.items():
+            lines.append(f"\n===== rank {r} failed =====\n{text.rstrip()}")
+        for r in hung:
+            dump = stacks.get(r, "").rstrip() or (
+                "(no stack dump: the worker had not installed its SIGUSR1 handler yet, or did not answer)"
+            )
+            lines.append(f"\n===== rank {r} did not finish: stack dump (most recent call first) =====\n{dump}")
+        if results:
+            lines.append(f"\n(ranks {sorted(results)} returned normally)")
+        raise MultiprocessFailure(
+            "\n".join(lines), errors=errors, hung=hung, stacks=stacks, exitcodes=exitcodes, results=results
+        )
+    finally:
+        if not clean:
+            for p in procs:
+                if p.exitcode is None:
+                    _kill_worker(p)
+            for p in procs:
+                p.join(5)
+        for c in conns:
+            try:
+                c.close()
+            except Exception:
+                pass
+        shutil.rmtree(tmpdir, ignore_errors=True)

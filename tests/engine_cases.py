@@ -1,0 +1,166 @@
+"""Multi-rank engine cases, run many per process group (start-up dominates on CPU).
+
+Each case returns plain data; the tests in test_engine.py assert on it.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from automicro.engine import FSDP2Config, shard
+from automicro.engine import _torch_internals as internals
+from tests.toy_models import Stack, full_state, make_data
+
+STEPS = 3
+GLOBAL_BATCH = 8
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def _reference(steps: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = Stack()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for x, y in make_data(steps, GLOBAL_BATCH):
+        opt.zero_grad(set_to_none=True)
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _local(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    share = x.shape[0] // world
+    return x[rank * share : (rank + 1) * share]
+
+
+def _raise(*_: Any) -> None:
+    raise Boom("injected failure")
+
+
+def _inject(sharded, model, point: str):
+    """Arrange for a plain exception at `point` during the next forward/backward."""
+    block = model.blocks[1]
+    if point == "pre_forward":
+        return [block.register_forward_pre_hook(_raise, prepend=True)]
+    if point == "mid_forward":
+        return [block.register_forward_hook(_raise)]
+    if point == "pre_backward":
+        return [block.register_full_backward_pre_hook(_raise, prepend=True)]
+    if point == "mid_backward":
+        return [block.register_full_backward_hook(_raise)]
+    if point == "post_backward_reduce_scatter":
+        return [internals.add_pre_collective_hook(lambda site, params: _raise() if site == "reduce_scatter_alloc" else None)]
+    if point == "forward_all_gather":
+        state = {"n": 0}
+
+        def hook(site, params):
+            if site == "unshard_alloc":
+                state["n"] += 1
+                if state["n"] == 3:
+                    _raise()
+
+        return [internals.add_pre_collective_hook(hook)]
+    raise ValueError(point)
+
+
+def train_sharded(
+    rank: int,
+    world: int,
+    config: FSDP2Config,
+    fail_at: Optional[str] = None,
+    mesh=None,
+) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = Stack()
+    sharded = shard(model, config, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    report: dict[str, Any] = {"failed": False}
+    for step, (x, y) in enumerate(make_data(STEPS, GLOBAL_BATCH)):
+        x, y = _local(x, rank, world), _local(y, rank, world)
+        if fail_at is not None and step == 1:
+            handles = _inject(sharded, model, fail_at)
+            try:
+                out = model(x)
+                loss = ((out - y) ** 2).mean()
+                loss.backward()
+            except Boom:
+                report["failed"] = True
+            finally:
+                for handle in handles:
+                    handle.remove()
+            out = loss = None
+            sharded.recover()
+            report["clean_after_recover"] = sharded.is_clean()
+            report["unsharded_bytes_after_recover"] = sharded.unsharded_bytes()
+            report["grads_after_recover"] = sum(p.grad is not None for p in model.parameters())
+        opt.zero_grad(set_to_none=True)
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+    report["clean_at_end"] = sharded.is_clean()
+    report["params"] = full_state(model)
+    report["plan"] = sharded.prefetch_plan()
+    return report
+
+
+def max_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert set(a) == set(b), (sorted(a), sorted(b))
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+NUMERICS_CONFIGS = {
+    "defaults": FSDP2Config(),
+    "prefetch0": FSDP2Config(forward_prefetch=0, backward_prefetch=0),
+    "prefetch2": FSDP2Config(forward_prefetch=2, backward_prefetch=2),
+    "no_reshard_after_forward": FSDP2Config(reshard_after_forward=False),
+    "activation_checkpointing": FSDP2Config(activation_checkpointing=True),
+    "async_unshard": FSDP2Config(unshard_async_op=True),
+    "async_unshard_prefetch2_ac": FSDP2Config(unshard_async_op=True, forward_prefetch=2, backward_prefetch=2, activation_checkpointing=True),
+}
+
+FAIL_POINTS = ["pre_forward", "mid_forward", "forward_all_gather", "pre_backward", "mid_backward", "post_backward_reduce_scatter"]
+
+
+def run_engine_cases(rank: int, world: int) -> dict[str, Any]:
+    """Numerics for every config and recovery from every failure point, in one process group."""
+    results: dict[str, Any] = {"torch": torch.__version__}
+    reference = _reference(STEPS)
+    for name, config in NUMERICS_CONFIGS.items():
+        try:
+            report = train_sharded(rank, world, config)
+            results[f"numerics/{name}"] = {"error": max_error(report["params"], reference), "clean": report["clean_at_end"]}
+        except Exception:  # noqa: BLE001 - report which case broke
+            results[f"numerics/{name}"] = {"exception": traceback.format_exc()}
+    for point in FAIL_POINTS:
+        for config_name in ("defaults", "async_unshard_prefetch2_ac"):
+            config = NUMERICS_CONFIGS[config_name]
+            try:
+                report = train_sharded(rank, world, config, fail_at=point)
+                results[f"recover/{point}/{config_name}"] = {
+                    "error": max_error(report["params"], reference),
+                    "failed": report["failed"],
+                    "clean": report["clean_after_recover"],
+                    "unsharded_bytes": report["unsharded_bytes_after_recover"],
+                    "grads": report["grads_after_recover"],
+                }
+            except Exception:  # noqa: BLE001
+                results[f"recover/{point}/{config_name}"] = {"exception": traceback.format_exc()}
+    results["plan"] = train_sharded(rank, world, NUMERICS_CONFIGS["prefetch2"])["plan"]
+    return results
+
+
+def run_hsdp_case(rank: int, world: int) -> dict[str, Any]:
+    reference = _reference(STEPS)
+    if internals.TORCH_VERSION < (2, 8):
+        try:
+            train_sharded(rank, world, FSDP2Config(replicate=2))
+        except Exception as error:  # noqa: BLE001 - the test checks the type and message
+            return {"refused": f"{type(error).__name__}: {error}"}
+        return {"refused": None}
+    report = train_sharded(rank, world, FSDP2Config(replicate=2))
+    return {"error": max_error(report["params"], reference), "clean": report["clean_at_end"], "world": dist.get_world_size()}

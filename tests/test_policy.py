@@ -1,0 +1,705 @@
+"""The microbatch-size search policy, read as a specification.
+
+Most tests are tables: a batch size, a threshold (a microbatch of size m fits iff m <= T), and
+the sizes the policy must try, in order, with the size and split it must settle on.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from automicro.core import policy as P
+from automicro.core.policy import (
+    OOM,
+    SAFETY_MARGIN,
+    BatchSizeChanged,
+    CannotFitError,
+    Decision,
+    Phase,
+    PolicyConfig,
+    Rearm,
+    SearchPolicy,
+    SearchState,
+    Success,
+    Thrash,
+    chunk_split,
+    even_split,
+    predict_max_size,
+    transition,
+)
+
+POLICY_FILE = Path(P.__file__)
+
+
+def drive(policy: SearchPolicy, threshold: int, max_attempts: int = 1000, memory=None):
+    """Run the search against a device where size m fits iff m <= threshold.
+
+    memory=(fixed, per_sample): successes also report a linear peak and a capacity consistent
+    with the threshold, so the memory prediction takes part. Returns the list of (size, ok) tried. Checks on every step that the split covers the batch
+    and that every size is strictly between the facts known so far (largest size seen to fit,
+    smallest seen to fail).
+    """
+    tried: list[tuple[int, bool]] = []
+    while policy.phase == Phase.SEARCHING:
+        split = policy.current_split()
+        m = max(split)
+        b = policy.state.batch_size
+        assert sum(split) == b and all(1 <= s <= b for s in split), split
+        assert split == chunk_split(b, m), "while searching the size itself must be tried"
+        known_ok = max((s for s, ok in tried if ok), default=0)
+        known_bad = min((s for s, ok in tried if not ok), default=b + 1)
+        assert known_ok < m < known_bad, (tried, m)
+        ok = m <= threshold
+        tried.append((m, ok))
+        if not ok:
+            policy.observe(OOM(m))
+        elif memory is None:
+            policy.observe(Success(m))
+        else:
+            fixed, per = memory
+            policy.observe(Success(m, fixed + per * m, fixed + per * threshold + per // 2))
+        assert len(tried) <= max_attempts, tried
+    return tried
+
+
+def settle_to_steady(policy: SearchPolicy) -> list[Decision]:
+    decisions = []
+    while policy.phase == Phase.SETTLING:
+        decisions.append(policy.observe(Success(max(policy.current_split()))))
+    return decisions
+
+
+# ---- the search, as tables -------------------------------------------------------------------
+
+SEARCH_TABLE = [
+    # id, B, threshold, config, sizes tried (+ fits, x OOM), found, final split
+    ("B16-fits-11", 16, 11, {}, "16x 8+ 12x 10+ 11+", 11, (8, 8)),
+    ("never-fails", 16, 16, {}, "16+", 16, (16,)),
+    ("B1", 1, 1, {}, "1+", 1, (1,)),
+    ("fits-only-1", 16, 1, {}, "16x 8x 4x 2x 1+", 1, (1,) * 16),
+    ("B10-fits-4-even-split", 10, 4, {}, "10x 5x 2+ 4+", 4, (4, 3, 3)),
+    ("B64-fits-37", 64, 37, {}, "64x 32+ 48x 40x 36+ 38x 37+", 37, (32, 32)),
+    ("B12-fits-7", 12, 7, {}, "12x 6+ 9x 7+ 8x", 7, (6, 6)),
+    ("not-power-of-two-B", 24, 13, {}, "24x 12+ 18x 15x 13+ 14x", 13, (12, 12)),
+    ("start-size-searches-up", 16, 16, {"start_size": 4}, "4+ 11+ 14+ 16+", 16, (16,)),
+    ("start-size-up-then-down", 16, 12, {"start_size": 4}, "4+ 11+ 14x 12+ 13x", 12, (8, 8)),
+    ("start-size-clamped-to-B", 8, 8, {"start_size": 100}, "8+", 8, (8,)),
+    ("min-size-floor", 16, 5, {"min_size": 4}, "16x 9x 6x 4+ 5+", 5, (4, 4, 4, 4)),
+    # halve: Composer's policy (m -> max(int(m/2), 1), settle on the first success, chunked split)
+    ("halve-16-to-4", 16, 5, {"search": "halve"}, "16x 8x 4+", 4, (4, 4, 4, 4)),
+    ("halve-16-fits-11", 16, 11, {"search": "halve"}, "16x 8+", 8, (8, 8)),
+    ("halve-10-chunked", 10, 3, {"search": "halve"}, "10x 5x 2+", 2, (2, 2, 2, 2, 2)),
+    ("halve-to-1", 16, 1, {"search": "halve"}, "16x 8x 4x 2x 1+", 1, (1,) * 16),
+    ("halve-remainder", 16, 6, {"search": "halve", "start_size": 6}, "6+", 6, (6, 6, 4)),
+    ("halve-no-upward-search", 16, 16, {"search": "halve", "start_size": 4}, "4+", 4, (4, 4, 4, 4)),
+]
+
+
+def _fmt(tried: list[tuple[int, bool]]) -> str:
+    return " ".join(f"{m}{'+' if ok else 'x'}" for m, ok in tried)
+
+
+@pytest.mark.parametrize(
+    "batch_size, threshold, config, expected, found, split",
+    [row[1:] for row in SEARCH_TABLE],
+    ids=[row[0] for row in SEARCH_TABLE],
+)
+def test_search_table(batch_size, threshold, config, expected, found, split):
+    policy = SearchPolicy(PolicyConfig(**config), batch_size)
+    assert policy.phase == Phase.SEARCHING and policy.found_size is None and policy.state.hooks
+    tried = drive(policy, threshold)
+    assert _fmt(tried) == expected
+    assert policy.found_size == found
+    assert policy.phase == Phase.SETTLING
+    assert policy.current_split() == split
+
+
+def test_example_decisions_step_by_step():
+    """B=16, fits up to 11: 16(OOM) -> 8(ok) -> 12(OOM) -> 10(ok) -> 11(ok) -> m_max=11, (8, 8)."""
+    policy = SearchPolicy(PolicyConfig(), 16)
+    assert policy.current_split() == (16,)
+    steps = [
+        (OOM(16), 8, (8, 8), True, Phase.SEARCHING),
+        (Success(8), 12, (12, 4), False, Phase.SEARCHING),
+        (OOM(12), 10, (10, 6), True, Phase.SEARCHING),
+        (Success(10), 11, (11, 5), False, Phase.SEARCHING),
+        (Success(11), 8, (8, 8), False, Phase.SETTLING),
+    ]
+    for outcome, next_size, split, rerun, phase in steps:
+        d = policy.observe(outcome)
+        assert (d.next_size, d.split, d.rerun, d.phase, d.hooks) == (next_size, split, rerun, phase, True), d
+        assert d.event
+    assert policy.found_size == 11
+    assert policy.state.best_success == 11 and policy.state.first_failure == 12
+    assert policy.state.successes == (8, 10, 11)
+
+
+def test_event_text_names_sizes_and_bounds():
+    policy = SearchPolicy(PolicyConfig(), 16)
+    policy.observe(OOM(16))
+    policy.observe(Success(8))
+    d = policy.observe(OOM(12))
+    assert d.event == "OOM at 12 -> try 10 (bounds 8..12)"
+
+
+# ---- failure at the floor --------------------------------------------------------------------
+
+
+def test_cannot_fit_at_size_1():
+    policy = SearchPolicy(PolicyConfig(), 8)
+    for m in (8, 4, 2):
+        policy.observe(OOM(m))
+    before = policy.state
+    with pytest.raises(CannotFitError, match="even microbatch size 1 does not fit") as info:
+        policy.observe(OOM(1))
+    assert info.value.size == 1
+    assert policy.state == before, "a failed transition leaves the state alone"
+
+
+def test_cannot_fit_at_min_size():
+    policy = SearchPolicy(PolicyConfig(min_size=4), 16)
+    with pytest.raises(CannotFitError, match="size 4"):
+        drive(policy, threshold=2)
+
+
+@pytest.mark.parametrize("search", ["bisect", "halve"])
+def test_cannot_fit_halve_and_bisect_batch_of_one(search):
+    policy = SearchPolicy(PolicyConfig(search=search), 1)
+    with pytest.raises(CannotFitError):
+        policy.observe(OOM(1))
+
+
+def test_thrash_at_size_1_stays_at_1():
+    """Thrashing at the floor still runs: nowhere lower to go, so settle there instead of failing."""
+    policy = SearchPolicy(PolicyConfig(), 4)
+    for m in (4, 2):
+        policy.observe(OOM(m))
+    policy.observe(Success(1))
+    d = policy.observe(Thrash(1))
+    assert (d.next_size, d.phase, d.hooks, d.rerun) == (1, Phase.SETTLING, True, False)
+    assert policy.found_size == 1
+
+
+# ---- thrash ----------------------------------------------------------------------------------
+
+
+def test_thrash_counts_as_failure_without_rerun():
+    policy = SearchPolicy(PolicyConfig(), 16)
+    policy.observe(OOM(16))
+    policy.observe(Success(8))  # next 12
+    d = policy.observe(Thrash(12))  # the batch at 12 succeeded, but thrashed
+    assert (d.next_size, d.rerun, d.hooks, d.phase) == (10, False, True, Phase.SEARCHING)
+    assert d.event.startswith("thrash at 12")
+    assert policy.state.first_failure == 12
+    policy.observe(Success(10))  # next 11
+    policy.observe(Success(11))
+    d = policy.observe(Thrash(11))  # 11 succeeded once, then thrashed: no longer trusted
+    assert policy.found_size == 10 and d.phase == Phase.SETTLING
+    assert d.split == (8, 8) and policy.state.first_failure == 11
+
+
+def test_thrash_in_steady_searches_down():
+    policy = SearchPolicy(PolicyConfig(), 10)
+    drive(policy, threshold=4)  # found 4, split (4, 3, 3)
+    settle_to_steady(policy)
+    d = policy.observe(Thrash(4))
+    assert (d.phase, d.hooks, d.rerun, d.next_size) == (Phase.SEARCHING, True, False, 3)
+
+
+@pytest.mark.parametrize("search", ["bisect", "halve"])
+def test_halve_thrash_halves(search):
+    policy = SearchPolicy(PolicyConfig(search=search), 16)
+    d = policy.observe(Thrash(16))
+    assert d.next_size == 8 and not d.rerun
+
+
+# ---- settling, steady, re-search, rearm ------------------------------------------------------
+
+
+@pytest.mark.parametrize("stable_batches", [1, 3, 5])
+def test_settle_then_steady_after_stable_batches(stable_batches):
+    policy = SearchPolicy(PolicyConfig(stable_batches=stable_batches), 16)
+    drive(policy, threshold=11)
+    decisions = settle_to_steady(policy)
+    assert len(decisions) == stable_batches
+    for i, d in enumerate(decisions[:-1], start=1):
+        assert (d.phase, d.hooks, d.split) == (Phase.SETTLING, True, (8, 8))
+        assert d.event == f"clean batch {i}/{stable_batches} at split (8, 8)"
+    last = decisions[-1]
+    assert (last.phase, last.hooks, last.split, last.rerun) == (Phase.STEADY, False, (8, 8), False)
+    assert "hooks off" in last.event
+    d = policy.observe(Success(8))
+    assert (d.phase, d.hooks, d.event) == (Phase.STEADY, False, "")
+    assert policy.found_size == 11
+
+
+@pytest.mark.parametrize("search", ["bisect", "halve"])
+def test_converging_batch_is_not_counted_as_clean(search):
+    policy = SearchPolicy(PolicyConfig(search=search, stable_batches=2), 8)
+    d = policy.observe(Success(8))
+    assert d.phase == Phase.SETTLING and policy.state.stable_count == 0
+    assert policy.observe(Success(8)).phase == Phase.SETTLING
+    assert policy.observe(Success(8)).phase == Phase.STEADY
+
+
+def test_oom_in_steady_searches_down_keeping_known_successes():
+    policy = SearchPolicy(PolicyConfig(), 10)
+    assert _fmt(drive(policy, threshold=4)) == "10x 5x 2+ 4+"
+    settle_to_steady(policy)
+    d = policy.observe(OOM(4))  # e.g. fragmentation: 4 no longer fits
+    assert (d.phase, d.hooks, d.rerun, d.next_size, d.split) == (Phase.SEARCHING, True, True, 3, (3, 3, 3, 1))
+    assert policy.found_size is None
+    assert (policy.state.best_success, policy.state.first_failure) == (2, 4), "2 is still known to fit"
+    assert "steady" in d.event
+    d = policy.observe(Success(3))
+    assert (d.phase, d.split, policy.found_size) == (Phase.SETTLING, (3, 3, 2, 2), 3)
+
+
+def test_oom_in_steady_ignores_successes_at_or_above_the_failure():
+    policy = SearchPolicy(PolicyConfig(), 16)
+    drive(policy, threshold=11)  # successes 8, 10, 11; split (8, 8)
+    settle_to_steady(policy)
+    d = policy.observe(OOM(8))
+    assert (policy.state.best_success, policy.state.first_failure) == (0, 8)
+    assert (d.next_size, d.split) == (4, (4, 4, 4, 4))
+    assert _fmt(drive(policy, threshold=6)) == "4+ 6+ 7x"
+    assert policy.found_size == 6 and policy.current_split() == (6, 5, 5)
+
+
+def test_oom_in_settling_converges_at_once_when_bounds_are_adjacent():
+    policy = SearchPolicy(PolicyConfig(), 10)
+    drive(policy, threshold=4)  # successes 2, 4; split (4, 3, 3)
+    policy.observe(Success(4))  # one clean batch, then 4 stops fitting
+    d = policy.observe(OOM(4))
+    assert d.phase == Phase.SEARCHING and d.next_size == 3
+    policy.observe(Success(3))
+    settle_to_steady(policy)
+    d = policy.observe(OOM(3))  # 2 is known to fit and 3 failed: converged immediately
+    assert (d.phase, d.split, d.rerun, policy.found_size) == (Phase.SETTLING, (2, 2, 2, 2, 2), True, 2)
+
+
+def test_halve_oom_in_steady_halves_from_current_size():
+    policy = SearchPolicy(PolicyConfig(search="halve"), 16)
+    drive(policy, threshold=5)  # found 4
+    settle_to_steady(policy)
+    d = policy.observe(OOM(4))
+    assert (d.phase, d.next_size, d.hooks, d.rerun) == (Phase.SEARCHING, 2, True, True)
+    assert policy.observe(Success(2)).split == (2,) * 8
+
+
+def test_rearm_in_steady_turns_hooks_on_until_stable_again():
+    policy = SearchPolicy(PolicyConfig(), 16)
+    drive(policy, threshold=11)
+    settle_to_steady(policy)
+    d = policy.observe(Rearm("eval"))
+    assert (d.phase, d.hooks, d.split, d.rerun) == (Phase.SETTLING, True, (8, 8), False)
+    assert "eval" in d.event
+    assert policy.found_size == 11
+    assert len(settle_to_steady(policy)) == 3
+
+
+def test_rearm_in_settling_resets_the_count():
+    policy = SearchPolicy(PolicyConfig(), 16)
+    drive(policy, threshold=11)
+    policy.observe(Success(8))
+    policy.observe(Success(8))
+    d = policy.observe(Rearm("checkpoint loaded"))
+    assert (d.phase, d.hooks, policy.state.stable_count) == (Phase.SETTLING, True, 0)
+    assert len(settle_to_steady(policy)) == 3
+
+
+def test_rearm_while_searching_changes_nothing_else():
+    policy = SearchPolicy(PolicyConfig(), 16)
+    policy.observe(OOM(16))
+    before = policy.state
+    d = policy.observe(Rearm("eval"))
+    assert (d.phase, d.hooks, d.next_size, d.rerun) == (Phase.SEARCHING, True, 8, False)
+    assert policy.state == before
+
+
+# ---- prediction ------------------------------------------------------------------------------
+
+FIXED, PER_SAMPLE, CAPACITY = 1000, 100, 5000  # peak(m) = 1000 + 100 m; fits iff m <= 40
+
+
+def _peak(m: int) -> int:
+    return FIXED + PER_SAMPLE * m
+
+
+def test_predict_max_size():
+    # (5000 * 0.95 - 1000) / 100 = 37.5 -> 37
+    assert SAFETY_MARGIN == 0.95
+    assert predict_max_size(((4, _peak(4), CAPACITY), (35, _peak(35), CAPACITY))) == 37
+    assert predict_max_size(((35, _peak(35), CAPACITY), (4, _peak(4), CAPACITY))) == 37
+    assert predict_max_size(((4, _peak(4), CAPACITY),)) is None
+    assert predict_max_size(()) is None
+    assert predict_max_size(((4, 2000, CAPACITY), (8, 2000, CAPACITY))) is None, "no growth: cannot tell"
+    assert predict_max_size(((4, 2000, CAPACITY), (8, 1500, CAPACITY))) is None
+    assert predict_max_size(((4, _peak(4), 6000), (8, _peak(8), CAPACITY))) == 37, "the smaller capacity"
+    assert predict_max_size(((4, _peak(4), CAPACITY), (8, _peak(8), CAPACITY)), margin=1.0) == 40
+
+
+def test_prediction_used_when_strictly_between_bounds():
+    policy = SearchPolicy(PolicyConfig(start_size=4), 64)
+    d = policy.observe(Success(4, _peak(4), CAPACITY))  # one sample: bisect up
+    assert d.next_size == (4 + 65 + 1) // 2 == 35 and "predicted" not in d.event
+    d = policy.observe(Success(35, _peak(35), CAPACITY))
+    assert d.next_size == 37 and "predicted" in d.event
+    d = policy.observe(Success(37, _peak(37), CAPACITY))  # prediction 37 == lo: bisect
+    assert d.next_size == (37 + 65 + 1) // 2 == 51 and "predicted" not in d.event
+    assert [s[0] for s in policy.state.samples] == [35, 37], "the two latest distinct sizes"
+
+
+def test_prediction_ignored_when_disabled():
+    policy = SearchPolicy(PolicyConfig(start_size=4, use_prediction=False), 64)
+    policy.observe(Success(4, _peak(4), CAPACITY))
+    d = policy.observe(Success(35, _peak(35), CAPACITY))
+    assert d.next_size == (35 + 65 + 1) // 2 == 50
+
+
+def test_prediction_ignored_below_lower_bound():
+    policy = SearchPolicy(PolicyConfig(), 64)
+    policy.observe(OOM(64))
+    policy.observe(Success(32, _peak(32), CAPACITY))  # next 48
+    policy.observe(OOM(48))  # next 40
+    d = policy.observe(Success(40, _peak(40), CAPACITY))  # predicts 37 < lo = 40
+    assert d.next_size == (40 + 48 + 1) // 2 == 44 and "predicted" not in d.event
+
+
+def test_prediction_ignored_at_or_above_upper_bound():
+    big = 10**9  # predicts far beyond the batch
+    policy = SearchPolicy(PolicyConfig(start_size=2), 64)
+    policy.observe(Success(2, _peak(2), big))
+    d = policy.observe(Success(34, _peak(34), big))
+    assert d.next_size == (34 + 65 + 1) // 2 == 50
+    state = replace(
+        SearchState(batch_size=64, size=38, best_success=35, first_failure=38, successes=(4, 35)),
+        samples=((4, _peak(4), CAPACITY), (35, _peak(35), CAPACITY)),
+    )
+    state, d = transition(state, OOM(37), PolicyConfig())  # predicts 37, not < first failure 37
+    assert d.next_size == 36 and "predicted" not in d.event
+
+
+def test_prediction_used_downward_after_oom():
+    state = SearchState(
+        batch_size=64,
+        size=64,
+        best_success=8,
+        successes=(4, 8),
+        samples=((4, _peak(4), CAPACITY), (8, _peak(8), CAPACITY)),
+    )
+    state, d = transition(state, OOM(64), PolicyConfig())
+    assert (d.next_size, d.rerun) == (37, True) and "predicted" in d.event
+    assert d.event == "OOM at 64 -> try 37 (predicted; bounds 8..64)"
+
+
+def test_prediction_not_used_in_halve_mode():
+    policy = SearchPolicy(PolicyConfig(search="halve", start_size=4), 64)
+    policy.observe(Success(4, _peak(4), CAPACITY))
+    assert policy.found_size == 4
+
+
+def test_samples_keep_two_latest_distinct_sizes_and_need_capacity():
+    policy = SearchPolicy(PolicyConfig(start_size=4), 64)
+    policy.observe(Success(4, _peak(4), CAPACITY))
+    policy.observe(Success(35, _peak(35)))  # no capacity: not a sample
+    assert [s[0] for s in policy.state.samples] == [4]
+    state = replace(policy.state, samples=((4, 1, 2), (35, 3, 4)))
+    state, _ = transition(state, Success(4, _peak(4), CAPACITY), PolicyConfig())
+    assert [s[0] for s in state.samples] == [35, 4]
+
+
+@pytest.mark.parametrize("capacity", [3000, 4000, 5000, 7000, 9000])
+def test_prediction_with_a_linear_memory_model_finds_the_exact_limit(capacity):
+    limit = (capacity - FIXED) // PER_SAMPLE  # true largest fitting size
+    for start in (None, 2, 5):
+        policy = SearchPolicy(PolicyConfig(start_size=start), 64)
+        tried = []
+        while policy.phase == Phase.SEARCHING:
+            m = max(policy.current_split())
+            ok = m <= limit
+            tried.append(m)
+            policy.observe(Success(m, _peak(m), capacity) if ok else OOM(m))
+        assert policy.found_size == min(limit, 64), (capacity, start, tried)
+        assert len(tried) <= math.ceil(math.log2(64)) + 2, tried
+
+
+# ---- splits ----------------------------------------------------------------------------------
+
+EVEN_SPLITS = [
+    (10, 4, (4, 3, 3)),
+    (16, 11, (8, 8)),
+    (16, 16, (16,)),
+    (16, 8, (8, 8)),
+    (16, 1, (1,) * 16),
+    (7, 3, (3, 2, 2)),
+    (9, 4, (3, 3, 3)),
+    (17, 8, (6, 6, 5)),
+    (64, 37, (32, 32)),
+    (1, 1, (1,)),
+]
+
+
+@pytest.mark.parametrize("batch_size, max_size, expected", EVEN_SPLITS, ids=[f"{b}/{m}" for b, m, _ in EVEN_SPLITS])
+def test_even_split_table(batch_size, max_size, expected):
+    assert even_split(batch_size, max_size) == expected
+
+
+def test_even_split_properties():
+    for b in range(1, 65):
+        for m in range(1, b + 1):
+            parts = even_split(b, m)
+            assert sum(parts) == b
+            assert len(parts) == math.ceil(b / m), "fewest microbatches"
+            assert max(parts) <= m and max(parts) - min(parts) <= 1
+            assert list(parts) == sorted(parts, reverse=True), "larger first"
+
+
+@pytest.mark.parametrize(
+    "batch_size, size, expected",
+    [(10, 4, (4, 4, 2)), (16, 6, (6, 6, 4)), (16, 8, (8, 8)), (16, 16, (16,)), (5, 1, (1,) * 5)],
+)
+def test_chunk_split_is_composers(batch_size, size, expected):
+    assert chunk_split(batch_size, size) == expected
+
+
+@pytest.mark.parametrize("args", [(0, 1), (4, 0), (4, 5), (4, 2.0), (True, 1)])
+def test_split_argument_checks(args):
+    with pytest.raises(ValueError):
+        even_split(*args)
+    with pytest.raises(ValueError):
+        chunk_split(*args)
+
+
+# ---- batch size changes ----------------------------------------------------------------------
+
+
+def test_batch_size_grows_after_convergence():
+    policy = SearchPolicy(PolicyConfig(), 16)
+    drive(policy, threshold=11)
+    settle_to_steady(policy)
+    d = policy.observe(BatchSizeChanged(32))
+    assert (d.phase, d.hooks, d.split, d.next_size, d.rerun) == (Phase.SETTLING, True, (11, 11, 10), 11, False)
+    assert policy.found_size == 11 and policy.state.first_failure == 12
+    assert policy.batch_size == 32 and policy.state.stable_count == 0
+
+
+def test_batch_size_shrinks_below_found_size():
+    policy = SearchPolicy(PolicyConfig(), 16)
+    drive(policy, threshold=11)
+    d = policy.observe(BatchSizeChanged(8))
+    assert (d.split, policy.found_size, policy.state.first_failure) == ((8,), 8, None)
+    assert d.hooks and d.phase == Phase.SETTLING
+
+
+def test_batch_size_change_while_searching_clips_bounds():
+    policy = SearchPolicy(PolicyConfig(), 16)
+    policy.observe(OOM(16))  # next 8
+    d = policy.observe(BatchSizeChanged(32))
+    assert (d.phase, d.next_size, d.split, policy.state.first_failure) == (Phase.SEARCHING, 8, (8, 8, 8, 8), 16)
+    d = policy.observe(BatchSizeChanged(4))
+    assert (d.phase, d.next_size, d.split, policy.state.first_failure) == (Phase.SEARCHING, 4, (4,), None)
+    assert _fmt(drive(policy, threshold=4)) == "4+"
+
+
+def test_batch_size_change_halve_mode_keeps_chunking():
+    policy = SearchPolicy(PolicyConfig(search="halve"), 16)
+    drive(policy, threshold=5)  # found 4
+    assert policy.observe(BatchSizeChanged(10)).split == (4, 4, 2)
+
+
+def test_batch_size_change_rejects_non_positive():
+    policy = SearchPolicy(PolicyConfig(), 16)
+    with pytest.raises(ValueError, match="new_B"):
+        policy.observe(BatchSizeChanged(0))
+
+
+# ---- state round trip, purity ----------------------------------------------------------------
+
+
+def _scripted_policy() -> SearchPolicy:
+    policy = SearchPolicy(PolicyConfig(), 64)
+    policy.observe(OOM(64))
+    policy.observe(Success(32, _peak(32), CAPACITY))
+    policy.observe(OOM(48))
+    return policy
+
+
+def test_state_round_trip_through_json():
+    policy = _scripted_policy()
+    d = json.loads(json.dumps(policy.state.to_dict()))
+    restored = SearchState.from_dict(d)
+    assert restored == policy.state
+    assert d["phase"] == "SEARCHING" and d["first_failure"] == 48 and d["samples"] == [[32, _peak(32), CAPACITY]]
+    # the restored policy takes the same decisions
+    other = SearchPolicy(PolicyConfig(), 64)
+    other.state = restored
+    for outcome in (Success(40, _peak(40), CAPACITY), OOM(44), Success(42), Success(43)):
+        assert other.observe(outcome) == policy.observe(outcome)
+    assert other.state == policy.state
+
+
+@pytest.mark.parametrize("phase", list(Phase))
+def test_state_round_trip_every_phase(phase):
+    policy = SearchPolicy(PolicyConfig(), 16)
+    drive(policy, threshold=11)
+    if phase == Phase.STEADY:
+        settle_to_steady(policy)
+    elif phase == Phase.SEARCHING:
+        policy.observe(OOM(8))
+    assert policy.phase == phase
+    assert SearchState.from_dict(policy.state.to_dict()) == policy.state
+
+
+@pytest.mark.parametrize(
+    "patch, match",
+    [({"version": 99}, "version"), ({"phase": "NAPPING"}, "phase"), ({"size": 0}, "out of range")],
+)
+def test_state_from_dict_rejects_bad_data(patch, match):
+    d = {**_scripted_policy().state.to_dict(), **patch}
+    with pytest.raises(ValueError, match=match):
+        SearchState.from_dict(d)
+
+
+def test_transition_is_pure():
+    state = _scripted_policy().state
+    snapshot = state.to_dict()
+    a = transition(state, Success(40), PolicyConfig())
+    b = transition(state, Success(40), PolicyConfig())
+    assert a == b and state.to_dict() == snapshot
+
+
+def test_outcome_size_checked():
+    policy = SearchPolicy(PolicyConfig(), 16)
+    for bad in (0, 17, 2.5):
+        with pytest.raises(ValueError, match="outcome size"):
+            policy.observe(OOM(bad))
+    with pytest.raises(TypeError):
+        policy.observe("oom")  # type: ignore[arg-type]
+
+
+def test_policy_module_is_pure_python():
+    tree = ast.parse(POLICY_FILE.read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add((node.module or "").split(".")[0])
+    assert imported <= {"__future__", "enum", "math", "dataclasses", "typing"}, imported
+    # loaded on its own (not through the automicro package), it pulls in no torch or composer
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('policy_alone', {str(POLICY_FILE)!r})\n"
+        "mod = importlib.util.module_from_spec(spec); sys.modules['policy_alone'] = mod\n"
+        "spec.loader.exec_module(mod)\n"
+        "p = mod.SearchPolicy(mod.PolicyConfig(), 16); p.observe(mod.OOM(16))\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'composer', 'automicro')]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- config validation -----------------------------------------------------------------------
+
+BAD_CONFIGS = [
+    ({"search": "linear"}, r"search='linear'.*'bisect', 'halve'"),
+    ({"stable_batches": 0}, "stable_batches=0: must be an int >= 1"),
+    ({"stable_batches": "3"}, "stable_batches"),
+    ({"stable_batches": True}, "stable_batches"),
+    ({"use_prediction": "yes"}, "use_prediction='yes': must be true or false"),
+    ({"start_size": 0}, "start_size=0"),
+    ({"start_size": 2.5}, "start_size"),
+    ({"min_size": 0}, "min_size=0: must be an int >= 1"),
+]
+
+
+@pytest.mark.parametrize("kwargs, match", BAD_CONFIGS, ids=[next(iter(k)) + "-" + repr(v) for k, _ in BAD_CONFIGS for v in k.values()])
+def test_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PolicyConfig(**kwargs)
+
+
+def test_config_defaults_and_bad_batch_size():
+    c = PolicyConfig()
+    assert (c.search, c.stable_batches, c.use_prediction, c.start_size, c.min_size) == ("bisect", 3, True, None, 1)
+    with pytest.raises(ValueError, match="batch_size"):
+        SearchPolicy(c, 0)
+    assert SearchPolicy(None, 4).config == c
+
+
+# ---- the convergence guarantee, exhaustively -------------------------------------------------
+
+MAX_B = 64
+
+
+@pytest.mark.parametrize(
+    "use_prediction, memory",
+    [(False, None), (True, None), (True, (1000, 100)), (True, (100_000, 10)), (True, (10, 1000))],
+    ids=["no-prediction", "prediction-no-peaks", "linear-1000+100m", "linear-100000+10m", "linear-10+1000m"],
+)
+def test_bisect_converges_to_exact_threshold_for_every_b_and_t(use_prediction, memory):
+    """For every B <= 64 and every threshold T in 1..B: found == T within ceil(log2 B) + 2 tries."""
+    for b in range(1, MAX_B + 1):
+        bound = math.ceil(math.log2(b)) + 2
+        for t in range(1, b + 1):
+            policy = SearchPolicy(PolicyConfig(use_prediction=use_prediction), b)
+            tried = drive(policy, t, max_attempts=bound, memory=memory)
+            assert policy.found_size == t, (b, t, tried)
+            split = policy.current_split()
+            assert sum(split) == b and max(split) <= t and len(split) == math.ceil(b / t)
+
+
+@pytest.mark.parametrize("start_size", [1, 3, 8, 33])
+def test_bisect_converges_from_any_start_size(start_size):
+    for b in range(1, MAX_B + 1):
+        for t in range(1, b + 1):
+            policy = SearchPolicy(PolicyConfig(start_size=start_size), b)
+            tried = drive(policy, t, max_attempts=math.ceil(math.log2(b)) + 3)
+            assert policy.found_size == t, (b, t, tried)
+
+
+@pytest.mark.parametrize("search", ["bisect", "halve"])
+def test_reconverges_after_the_limit_drops_in_steady(search):
+    """Memory shrinks later (fragmentation, a longer sequence): run batches against the new,
+    lower limit until steady again; the final split must fit it. Stale successes above the new
+    limit cost extra OOMs but never a wrong final answer."""
+    for b in range(2, 33):
+        for t in range(1, b + 1):
+            policy = SearchPolicy(PolicyConfig(search=search), b)
+            drive(policy, t)
+            settle_to_steady(policy)
+            steady = policy.state
+            for lower in range(1, max(policy.current_split())):
+                p = SearchPolicy(PolicyConfig(search=search), b)
+                p.state = steady
+                for _ in range(40):
+                    split = p.current_split()
+                    assert sum(split) == b
+                    m = max(split)
+                    p.observe(Success(m) if m <= lower else OOM(m))
+                    if p.phase == Phase.STEADY:
+                        break
+                assert p.phase == Phase.STEADY, (b, t, lower)
+                assert max(p.current_split()) <= lower, (b, t, lower, p.state)
+
+
+def test_halve_converges_to_largest_b_over_power_of_two_under_t():
+    for b in range(1, MAX_B + 1):
+        for t in range(1, b + 1):
+            k = 0
+            while b // 2**k > t:
+                k += 1
+            policy = SearchPolicy(PolicyConfig(search="halve"), b)
+            tried = drive(policy, t)
+            assert [m for m, _ in tried] == [b // 2**i for i in range(k + 1)], (b, t, tried)
+            assert policy.found_size == b // 2**k
+            assert policy.current_split() == chunk_split(b, b // 2**k)

@@ -1,0 +1,376 @@
+"""Tests of automicro.testing: the multi-process runner (`run_multiprocess`) and `MemoryCap`.
+
+Worker functions are at module top level: the runner pickles them by reference. Most multi-process
+tests use the forkserver start method (workers fork from a server that imported torch and
+automicro once); one test covers the default "spawn".
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from automicro.testing.memory_cap import MemoryCap
+from automicro.testing.multiprocess import MultiprocessFailure, free_port, run_multiprocess
+
+FAST = dict(start_method="forkserver")
+
+
+# ------------------------------------------------------------------------------------------------
+# worker functions (top level: pickled by reference)
+# ------------------------------------------------------------------------------------------------
+
+
+def _allreduce_and_env(rank, world_size, scale, *, tag):
+    t = torch.tensor([float(rank)]) * scale
+    dist.all_reduce(t)
+    env = {k: os.environ.get(k) for k in ("MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                          "LOCAL_WORLD_SIZE", "NODE_RANK", "AUTOMICRO_TEST_VAR")}
+    return dict(rank=rank, world_size=world_size, dist_rank=dist.get_rank(), total=t.item(), tag=tag, env=env)
+
+
+def _wait_in_barrier():
+    dist.barrier()  # rank 1 never enters
+
+
+def _sleep_forever():
+    while True:
+        time.sleep(0.2)
+
+
+def _hang(rank, world_size):
+    if rank == 0:
+        _wait_in_barrier()
+    else:
+        _sleep_forever()
+
+
+def _raise_on_rank1_other_in_collective(rank, world_size):
+    if rank == 1:
+        raise ValueError("deliberate failure on rank 1")
+    t = torch.ones(1)
+    dist.all_reduce(t)  # waits for rank 1, which never comes
+    return t.item()
+
+
+def _raise_on_rank1_other_sleeps(rank, world_size):
+    if rank == 1:
+        raise ValueError("deliberate failure on rank 1, rank 0 sleeps")
+    _sleep_forever()
+
+
+def _exit_on_rank1(rank, world_size):
+    if rank == 1:
+        os._exit(3)
+    dist.barrier()
+
+
+def _fsdp_mlp_under_cap(rank, world_size, limits, steps):
+    """Two steps of a fully_shard-ed MLP (forward, backward, Adam) with a MemoryCap active."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8))
+    for m in model:
+        if isinstance(m, nn.Linear):
+            fully_shard(m)
+    fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    cap = MemoryCap(limits)
+    sharded_param_bytes = sum(p.to_local().nbytes for p in model.parameters())
+    tracked = cap.track_existing(model)
+    x = torch.randn(32, 64)
+    phases = []
+    try:
+        with cap:
+            for _ in range(steps):
+                out = model(x)
+                phases.append(("forward", cap.stats()["live_bytes"]))
+                out.sum().backward()
+                phases.append(("backward", cap.stats()["live_bytes"]))
+                opt.step()
+                opt.zero_grad()
+                del out
+                phases.append(("step", cap.stats()["live_bytes"]))
+    except torch.OutOfMemoryError as e:
+        return dict(oom=str(e), stats=cap.stats())
+    return dict(oom=None, stats=cap.stats(), phases=phases, tracked=tracked,
+                sharded_param_bytes=sharded_param_bytes, resize_patched="resize_" in torch.UntypedStorage.__dict__)
+
+
+# ------------------------------------------------------------------------------------------------
+# run_multiprocess
+# ------------------------------------------------------------------------------------------------
+
+
+def test_free_port():
+    port = free_port()
+    assert 0 < port < 65536
+
+
+def test_unpicklable_fn_fails_fast():
+    t0 = time.monotonic()
+    with pytest.raises(TypeError, match="top-level function"):
+        run_multiprocess(lambda rank, ws: rank, world_size=2)
+    assert time.monotonic() - t0 < 1
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world_size,start_method", [(2, "spawn"), (4, "forkserver")])
+def test_results_by_rank(world_size, start_method):
+    results = run_multiprocess(
+        _allreduce_and_env, world_size=world_size, args=(2.0,), kwargs=dict(tag="t"), timeout_s=60,
+        env={"AUTOMICRO_TEST_VAR": "yes"}, start_method=start_method,
+    )
+    assert len(results) == world_size
+    expected_total = 2.0 * sum(range(world_size))
+    for rank, res in enumerate(results):
+        assert res["rank"] == res["dist_rank"] == rank
+        assert res["world_size"] == world_size
+        assert res["total"] == expected_total
+        assert res["tag"] == "t"
+        assert res["env"] == {
+            "MASTER_ADDR": "127.0.0.1", "RANK": str(rank), "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size), "NODE_RANK": "0",
+            "AUTOMICRO_TEST_VAR": "yes",
+        }
+
+
+@pytest.mark.multiproc
+def test_hang_is_reported_with_every_rank_stack():
+    timeout_s = 3
+    t0 = time.monotonic()
+    with pytest.raises(MultiprocessFailure) as info:
+        run_multiprocess(_hang, world_size=2, timeout_s=timeout_s, **FAST)
+    elapsed = time.monotonic() - t0
+    msg = str(info.value)
+    assert msg.splitlines()[0].endswith(f"hang: ranks [0, 1] did not finish within {timeout_s} s"), msg
+    assert info.value.hung == [0, 1]
+    assert "_wait_in_barrier" in info.value.stacks[0] and "barrier" in info.value.stacks[0], msg
+    assert "_sleep_forever" in info.value.stacks[1], msg
+    assert "_wait_in_barrier" in msg and "_sleep_forever" in msg
+    assert info.value.exitcodes == {0: -9, 1: -9}  # killed
+    assert elapsed < 60 + timeout_s + 15  # start-up (forkserver, first use) + timeout + dumps
+
+
+@pytest.mark.multiproc
+def test_raising_rank_reported_fast_while_other_blocks_in_collective():
+    t0 = time.monotonic()
+    with pytest.raises(MultiprocessFailure) as info:
+        run_multiprocess(_raise_on_rank1_other_in_collective, world_size=2, timeout_s=120, **FAST)
+    elapsed = time.monotonic() - t0
+    msg = str(info.value)
+    assert next(iter(info.value.errors)) == 1
+    assert "ValueError: deliberate failure on rank 1" in info.value.errors[1]
+    assert "===== rank 1 failed =====" in msg and "_raise_on_rank1_other_in_collective" in msg
+    assert elapsed < 40, elapsed  # not the 120 s timeout
+
+
+@pytest.mark.multiproc
+def test_raising_rank_others_get_grace_then_stack_dump():
+    t0 = time.monotonic()
+    with pytest.raises(MultiprocessFailure) as info:
+        run_multiprocess(_raise_on_rank1_other_sleeps, world_size=2, timeout_s=120, failure_grace_s=2, **FAST)
+    elapsed = time.monotonic() - t0
+    msg = str(info.value)
+    assert "deliberate failure on rank 1, rank 0 sleeps" in info.value.errors[1]
+    assert info.value.hung == [0]
+    assert "hang: ranks [0] did not finish within 2 s after the first failure" in msg
+    assert "_sleep_forever" in info.value.stacks[0]
+    assert elapsed < 40, elapsed
+
+
+@pytest.mark.multiproc
+def test_worker_dying_without_result_reports_exit_code():
+    with pytest.raises(MultiprocessFailure) as info:
+        run_multiprocess(_exit_on_rank1, world_size=2, timeout_s=60, failure_grace_s=5, **FAST)
+    assert "rank 1 died without returning a result: exit code 3" in info.value.errors[1]
+
+
+@pytest.mark.multiproc
+def test_memory_cap_under_fully_shard_two_ranks():
+    limits = {0: 1 << 30, 1: 1 << 29}
+    results = run_multiprocess(_fsdp_mlp_under_cap, world_size=2, args=(limits, 2), timeout_s=120, **FAST)
+    for rank, res in enumerate(results):
+        s = res["stats"]
+        assert res["oom"] is None
+        assert s["rank"] == rank and s["limit_bytes"] == limits[rank]
+        assert res["tracked"] == res["sharded_param_bytes"] > 0  # DTensor params: local shards
+        assert s["peak_bytes"] > res["tracked"]
+        assert s["num_ooms"] == 0 and s["num_alloc_retries"] == 0
+        assert not res["resize_patched"]  # UntypedStorage.resize_ restored on exit
+        (_, step1), (_, fwd2), (_, bwd2), (_, step2) = res["phases"][2:]
+        # FSDP2 frees the unsharded parameters (storage resize_(0)) after forward: what forward
+        # leaves live is the activations, less than the unsharded copy (2x the shard here)
+        assert 0 < fwd2 - step1 < 2 * res["sharded_param_bytes"]
+        assert bwd2 > step1  # sharded grads live
+        # after step: params + Adam's two states (grads freed by zero_grad)
+        assert 3 * res["tracked"] <= step2 < 3 * res["tracked"] + 4096
+    assert results[0]["stats"]["peak_bytes"] == results[1]["stats"]["peak_bytes"]
+    assert results[0]["phases"] == results[1]["phases"]
+
+    # the same limit on both ranks, below the peak: both OOM at the same op (no deadlock)
+    small = results[0]["stats"]["peak_bytes"] // 2
+    results = run_multiprocess(_fsdp_mlp_under_cap, world_size=2, args=(small, 1), timeout_s=120, **FAST)
+    for rank, res in enumerate(results):
+        assert res["oom"] is not None and f"rank {rank}," in res["oom"]
+        assert "CUDA out of memory" in res["oom"] and f"limit_bytes={small}" in res["oom"]
+        assert res["stats"]["num_ooms"] == 1 and res["stats"]["live_bytes"] <= small
+
+
+# ------------------------------------------------------------------------------------------------
+# MemoryCap, single process
+# ------------------------------------------------------------------------------------------------
+
+MB = 1_000_000
+
+
+def test_oom_raised_at_crossing_allocation_with_message_fields():
+    cap = MemoryCap(10 * MB)
+    with cap:
+        a = torch.empty(MB // 4)  # 1 MB
+        b = torch.empty(4 * MB // 4)  # 4 MB
+        c = torch.empty(4 * MB // 4)  # 4 MB: 9 MB live
+        assert cap.stats()["live_bytes"] == 9 * MB
+        with pytest.raises(torch.OutOfMemoryError) as info:
+            b + c  # 4 MB more: 13 MB > 10 MB
+        assert cap.stats()["live_bytes"] == 9 * MB  # the failed output is not counted
+        d = a * 2  # 1 MB still fits exactly
+    msg = str(info.value)
+    for part in ("CUDA out of memory", "emulated by automicro.testing.MemoryCap", "rank 0",
+                 f"requested_bytes={4 * MB}", f"live_bytes={9 * MB}", f"limit_bytes={10 * MB}", "aten.add"):
+        assert part in msg, (part, msg)
+    assert isinstance(info.value, RuntimeError)  # Composer's string check applies
+    s = cap.stats()
+    assert s["live_bytes"] == s["peak_bytes"] == 10 * MB and s["num_ooms"] == 1
+    del a, b, c, d
+
+
+def test_live_bytes_drop_when_freed_and_peak_kept():
+    cap = MemoryCap(None)
+    with cap:
+        a = torch.empty(250_000)
+        b = torch.empty(500_000)
+        assert cap.live_bytes == 3 * MB
+        del a
+        assert cap.live_bytes == 2 * MB
+    del b  # freed after the cap exited: still subtracted
+    s = cap.stats()
+    assert s["live_bytes"] == 0 and s["peak_bytes"] == 3 * MB and s["num_tracked_storages"] == 0
+    cap.reset_peak()
+    assert cap.stats()["peak_bytes"] == 0
+
+
+def test_views_inplace_and_preexisting_storages_not_counted():
+    pre = torch.randn(1000)  # created before the cap
+    cap = MemoryCap(None)
+    with cap:
+        v = pre[10:].view(-1, 10)
+        pre.add_(1)
+        torch.mul(pre, 2, out=pre)
+        assert cap.live_bytes == 0
+        a = pre * 2
+        views = [a[1:], a.view(10, 100), a.unsqueeze(0), a.detach()]
+        a.mul_(3)
+        assert cap.live_bytes == 4000 and cap.stats()["num_allocs"] == 1
+    del v, views
+
+
+def test_retries_counted_in_band_and_memory_stats_names():
+    cap = MemoryCap(1000, retry_band=0.10)
+    with cap:
+        a = torch.empty(200)  # 800 B: below 900
+        assert cap.stats()["num_alloc_retries"] == 0
+        b = torch.empty(30)  # 920 B: in the band
+        assert cap.stats()["num_alloc_retries"] == 1
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(100)  # 1320 B: OOM (the allocator retried, then gave up)
+    ms = cap.memory_stats()
+    assert ms["num_alloc_retries"] == 2 and ms["num_ooms"] == 1
+    assert ms["allocated_bytes.all.current"] == 920 and ms["allocated_bytes.all.peak"] == 920
+    del a, b
+
+
+def test_backward_ops_are_seen_and_can_oom():
+    x = torch.randn(64, 128, requires_grad=True)
+    w = torch.randn(128, 256, requires_grad=True)
+    loss = (x @ w).relu().sum()  # graph built outside the cap
+    cap = MemoryCap(None)
+    with cap:
+        loss.backward()
+    s = cap.stats()
+    assert s["num_allocs"] > 2  # grad of relu, of matmul, ... all ran under the mode
+    assert s["live_bytes"] == x.grad.nbytes + w.grad.nbytes  # intermediates freed
+    assert s["peak_bytes"] > s["live_bytes"]
+
+    x.grad = w.grad = None
+    loss = (x @ w).relu().sum()
+    with MemoryCap(x.nbytes) as small:
+        with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
+            loss.backward()
+    assert small.stats()["num_ooms"] == 1
+
+
+def test_track_existing_counts_parameters():
+    model = nn.Linear(100, 100)  # 40400 bytes of parameters
+    cap = MemoryCap(50_000)
+    assert cap.track_existing(model) == 40_400
+    assert cap.track_existing(model.parameters()) == 0  # counted once
+    with cap:
+        with pytest.raises(torch.OutOfMemoryError):
+            model(torch.randn(40, 100))  # input 16 KB + output 16 KB
+    with pytest.raises(torch.OutOfMemoryError):
+        MemoryCap(1000).track_existing(model)
+    del model
+    assert cap.stats()["live_bytes"] == 0
+
+
+def test_limit_per_rank(monkeypatch):
+    limits = {0: 10_000, 1: 20_000}
+    monkeypatch.setenv("RANK", "1")
+    cap = MemoryCap(limits)
+    with cap:
+        pass
+    assert cap.stats()["limit_bytes"] == 20_000 and cap.stats()["rank"] == 1
+    assert MemoryCap(limits, rank=0).limit_bytes == 10_000
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(KeyError, match="no limit given for rank 2"):
+        with MemoryCap(limits):
+            pass
+
+
+def test_storage_resize_is_tracked_and_patch_removed():
+    cap = MemoryCap(10_000)
+    with cap:
+        t = torch.empty(1000)  # 4000 B
+        t.untyped_storage().resize_(0)  # what FSDP2 does to free unsharded params
+        assert cap.live_bytes == 0
+        t.untyped_storage().resize_(4000)
+        assert cap.live_bytes == 4000
+        with pytest.raises(torch.OutOfMemoryError, match="resize_"):
+            t.untyped_storage().resize_(40_000)
+        assert t.untyped_storage().nbytes() == 4000 and cap.live_bytes == 4000
+    assert "resize_" not in torch.UntypedStorage.__dict__
+    t.untyped_storage().resize_(0)  # while inactive: picked up by stats()
+    assert cap.stats()["live_bytes"] == 0
+
+
+def test_reentrant_and_nested_caps_and_thread_local():
+    outer, inner = MemoryCap(None), MemoryCap(None)
+    with outer:
+        with outer:  # re-entering the same cap: counted once
+            with inner:
+                a = torch.empty(100)
+        b = torch.empty(100)
+        seen_from_thread = []
+        th = threading.Thread(target=lambda: seen_from_thread.append(torch.empty(1000)))
+        th.start()
+        th.join()
+    assert outer.live_bytes == 800 and inner.live_bytes == 400  # the thread's 4000 B not counted
+    del a, b, seen_from_thread
