@@ -68,12 +68,14 @@ def test_shipped_configs_load(path, device, precision, gbs, seq_len, mixed_preci
     assert isinstance(cfg, TrainConfig)
     assert cfg.device == device and cfg.precision == precision
     assert cfg.global_train_batch_size == gbs and cfg.data.seq_len == seq_len
-    assert cfg.device_train_microbatch_size == 4
+    assert cfg.device_train_microbatch_size == "auto"
     assert cfg.device_eval_microbatch_size == "auto"
     assert cfg.model.preset == "tiny" and cfg.data.kind == "text" and cfg.data.paths is None
     assert cfg.max_duration == "30ba"
     assert isinstance(cfg.fsdp2, FSDP2Config) and cfg.fsdp2.mixed_precision == mixed_precision
-    assert cfg.callbacks == {"speed_monitor": {"window_size": 5}}
+    assert cfg.callbacks["speed_monitor"] == {"window_size": 5}
+    assert "auto_microbatching" in cfg.callbacks
+    assert ("memory_cap" in cfg.callbacks) == (device == "cpu")
     assert cfg.loggers.console is True
     assert cfg.run_dir == f"runs/{cfg.run_name}"  # interpolation resolved
     assert isinstance(cfg.optimizer.lr, float) and cfg.optimizer.betas == [0.9, 0.95]
@@ -118,7 +120,7 @@ OVERRIDE_CASES = [
     pytest.param(
         ["callbacks.lr_monitor={}"],
         lambda c: c.callbacks,
-        {"speed_monitor": {"window_size": 5}, "lr_monitor": {}},
+        {**load_config(CPU_YAML).callbacks, "lr_monitor": {}},
         id="callback-added",
     ),
     pytest.param(["callbacks.lr_monitor=null"], lambda c: c.callbacks["lr_monitor"], {}, id="callback-null-kwargs"),

@@ -74,6 +74,7 @@ def settle_to_steady(policy: SearchPolicy) -> list[Decision]:
     decisions = []
     while policy.phase == Phase.SETTLING:
         decisions.append(policy.observe(Success(max(policy.current_split()))))
+        assert len(decisions) <= policy.config.stable_batches, "must go steady after stable_batches"
     return decisions
 
 
@@ -428,8 +429,8 @@ def test_prediction_with_a_linear_memory_model_finds_the_exact_limit(capacity):
             ok = m <= limit
             tried.append(m)
             policy.observe(Success(m, _peak(m), capacity) if ok else OOM(m))
+            assert len(tried) <= math.ceil(math.log2(64)) + 2, tried
         assert policy.found_size == min(limit, 64), (capacity, start, tried)
-        assert len(tried) <= math.ceil(math.log2(64)) + 2, tried
 
 
 # ---- splits ----------------------------------------------------------------------------------
@@ -703,3 +704,16 @@ def test_halve_converges_to_largest_b_over_power_of_two_under_t():
             assert [m for m, _ in tried] == [b // 2**i for i in range(k + 1)], (b, t, tried)
             assert policy.found_size == b // 2**k
             assert policy.current_split() == chunk_split(b, b // 2**k)
+
+
+def test_success_at_or_above_the_failure_bound_lifts_the_stale_bound():
+    """A size that failed once and then ran clean: that failure did not reproduce, drop the bound."""
+    policy = SearchPolicy(PolicyConfig(), 16)
+    policy.observe(OOM(12))
+    assert policy.state.first_failure == 12
+    d = policy.observe(Success(12))
+    assert policy.state.first_failure is None and policy.state.best_success == 12
+    assert (d.phase, d.next_size) == (Phase.SEARCHING, (12 + 17 + 1) // 2)
+    d = policy.observe(Success(15))
+    assert d.next_size == 16
+    assert policy.observe(Success(16)).split == (16,)

@@ -326,7 +326,7 @@ def _next_search_size(state: SearchState, config: PolicyConfig, upward: bool) ->
     floor = _min_size(config, state.batch_size)
     if config.use_prediction:
         predicted = predict_max_size(state.samples)
-        if predicted is not None and lo <= predicted <= hi and predicted >= floor:
+        if predicted is not None and lo < predicted < hi and predicted >= floor:
             return predicted, True
     if upward:
         return (lo + hi + 1) // 2, False

@@ -286,6 +286,8 @@ class AutoMicrobatching(Callback):
             context.microbatch_size, context.num_microbatches = max(sizes), len(sizes)
             context.microbatch_index = -1
             self._memory.reset_peak()
+            # Retries are counted per attempt: a failed attempt's retries say nothing about thrashing.
+            self._last_retries = self._memory.alloc_retries()
             self._consensus.begin_attempt()
             started = time.perf_counter()
             verdict: Optional[Verdict] = None
@@ -385,9 +387,10 @@ class AutoMicrobatching(Callback):
 
     def _after_success(self, verdict: Verdict, batch_index: int, sizes: tuple[int, ...], seconds: float) -> None:
         assert self.policy is not None
-        self._last_retries = self._memory.alloc_retries()
         self._batch_retries = verdict.any_new_alloc_retries
-        if self.thrash.observe(verdict.any_new_alloc_retries):
+        # As in Composer's rule, a batch that already ran out of memory is not counted for thrashing.
+        retried_clean_batch = verdict.any_new_alloc_retries and self._batch_attempts == 1
+        if self.thrash.observe(retried_clean_batch):
             decision = self.policy.observe(search.Thrash(max(sizes)))
             self._record(batch_index, sizes, "thrash", verdict, decision.next_size, seconds, decision.event)
             self._apply_hooks(decision.hooks, "thrashing")

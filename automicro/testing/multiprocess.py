@@ -148,7 +148,8 @@ def _send(conn, kind: str, value: Any) -> None:
         pass
 
 
-def _worker(rank, world_size, payload, port, backend, env, base_env, conn, dump_path, parent_pid):
+def _worker(rank, world_size, payload, port, backend, env, base_env, conn, dump_path, parent_pid,
+            teardown_watchdog_s):
     global _dump_file
     try:
         os.setpgid(0, 0)  # own process group: the parent kills our children with us
@@ -209,10 +210,17 @@ def _worker(rank, world_size, payload, port, backend, env, base_env, conn, dump_
                 pass
         os._exit(1)
     if dist is not None and dist.is_initialized():
-        # Every rank has returned: a barrier first, as destroying while a peer is still mid-way
-        # can hang in gloo's teardown (seen on torch 2.7 and 2.11, about 1 run in 3 under load).
+        # torch 2.7 / 2.11 gloo: destroying the process group joins gloo's worker threads while
+        # holding the GIL; a worker thread still releasing a finished work that holds a Python
+        # tensor needs the GIL: deadlock (seen on torch 2.7 in 2 of 6 runs of 4 ranks under load).
+        # The barrier makes sure no peer is mid-collective, the sleep (GIL released) lets the
+        # worker threads release their works, and a GIL-free watchdog ends the process (exit
+        # code 1, stacks in the dump file) should teardown still hang.
+        faulthandler.dump_traceback_later(teardown_watchdog_s, exit=True, file=_dump_file)
         dist.barrier()
+        time.sleep(0.1)
         dist.destroy_process_group()
+        faulthandler.cancel_dump_traceback_later()
     conn.close()
 
 
@@ -355,7 +363,8 @@ def run_multiprocess(
             reader, writer = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_worker,
-                args=(rank, world_size, payload, port, backend, extra_env, base_env, writer, dump_paths[rank], parent_pid),
+                args=(rank, world_size, payload, port, backend, extra_env, base_env, writer, dump_paths[rank], parent_pid,
+                      max(1.0, teardown_timeout_s / 2)),
                 name=f"automicro-rank{rank}",
                 daemon=False,  # workers may start their own children (DataLoader workers)
             )
@@ -447,11 +456,12 @@ def run_multiprocess(
                     f"exit within {teardown_timeout_s:g} s; killed them. Stacks:\n"
                     + "\n".join(f"--- rank {r} ---\n{stacks[r].rstrip() or '(no dump)'}" for r in stuck)
                 )
-            for p in procs:
-                if p.exitcode is not None and p.exitcode != 0 and p.exitcode != -signal.SIGKILL:
+            for r, p in enumerate(procs):
+                if r not in stuck and p.exitcode != 0:
+                    dump = _read(dump_paths[r]).rstrip()
                     warnings.warn(
-                        f"run_multiprocess: {p.name} returned its result, then exited with "
-                        f"{_describe_exit(p.exitcode)}"
+                        f"run_multiprocess({fn_name}): rank {r} returned its result, then exited with "
+                        f"{_describe_exit(p.exitcode)}" + (f"; its teardown watchdog dumped:\n{dump}" if dump else "")
                     )
             clean = True
             return [results[r] for r in range(world_size)]

@@ -1,0 +1,112 @@
+"""The main job: train a Llama-style decoder with Composer, FSDP2 and (optionally) auto microbatching.
+
+    python scripts/train.py configs/tiny-cpu.yaml [key=value ...]          # one process
+    composer -n 2 scripts/train.py configs/tiny-cpu.yaml [key=value ...]   # N processes
+
+The config is read and checked before any process group starts.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from automicro.config import ConfigError, load_config, parse_cli  # noqa: E402
+
+
+def main(argv: list[str]) -> int:
+    try:
+        path, overrides = parse_cli(argv)
+        cfg = load_config(path, overrides)
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        per_rank_batch = cfg.per_rank_batch_size(world_size)
+    except ConfigError as error:
+        print(f"config error: {error}", file=sys.stderr)
+        return 2
+
+    from automicro.engine import ensure_record_stream_free
+
+    ensure_record_stream_free()  # before Composer creates any process group
+
+    from composer.core import Evaluator
+    from composer.utils import dist, reproducibility
+
+    from automicro import AutoMicrobatching, Trainer
+    from automicro.integration import builders
+
+    try:
+        callbacks = builders.build_callbacks(cfg)
+        loggers = builders.build_loggers(cfg)
+    except ConfigError as error:
+        print(f"config error: {error}", file=sys.stderr)
+        return 2
+
+    reproducibility.seed_all(cfg.seed)
+    model = builders.build_model_from(cfg)
+    dataset = builders.build_dataset(cfg, model.model.config.vocab_size)
+    train_dl = builders.build_train_dataloader(cfg, dataset, per_rank_batch)
+    eval_dataloader = None
+    if cfg.eval_interval is not None:
+        eval_microbatch = None if cfg.device_eval_microbatch_size == "auto" else cfg.device_eval_microbatch_size
+        eval_dataloader = Evaluator(
+            label="eval",
+            dataloader=builders.build_dataloader(dataset, per_rank_batch, shuffle=False, drop_last=True),
+            subset_num_batches=cfg.eval_subset_num_batches,
+            device_eval_microbatch_size=eval_microbatch,
+        )
+
+    optimizer = builders.build_optimizer(cfg, model)
+    parallelism = None if cfg.fsdp2 is None else {"fsdp2": cfg.fsdp2}
+    trainer = Trainer(
+        model=model,
+        train_dataloader=train_dl,
+        eval_dataloader=eval_dataloader,
+        eval_interval=cfg.eval_interval or 1,
+        max_duration=cfg.max_duration,
+        optimizers=optimizer,
+        schedulers=builders.build_scheduler(cfg),
+        device=cfg.device,
+        precision=cfg.precision,
+        device_train_microbatch_size=cfg.device_train_microbatch_size,
+        parallelism_config=parallelism,
+        callbacks=callbacks,
+        loggers=loggers,
+        seed=cfg.seed,
+        run_name=cfg.run_name,
+        save_folder=cfg.save_folder,
+        save_interval=cfg.save_interval,
+        load_path=cfg.load_path,
+        dist_timeout=cfg.dist_timeout,
+        progress_bar=False,
+    )
+    started = time.perf_counter()
+    trainer.fit()
+    seconds = time.perf_counter() - started
+
+    if dist.get_global_rank() == 0:
+        batches = int(trainer.state.timestamp.batch)
+        tokens = int(trainer.state.timestamp.token)
+        loss = trainer.state.total_loss_dict.get("loss/train/total", float("nan"))
+        print(
+            f"[automicro] done: {batches} batches, final loss {loss:.4f}, "
+            f"{tokens / seconds:,.0f} tokens/s over the whole fit ({seconds:.1f} s, {world_size} rank(s))"
+        )
+        auto = next((c for c in trainer.state.callbacks if isinstance(c, AutoMicrobatching)), None)
+        if auto is not None and auto.policy is not None:
+            split = list(auto.policy.current_split())
+            print(
+                f"[automicro] microbatch size found: {auto.found_size} (per-rank batch {per_rank_batch}); "
+                f"split in use {split}; attempts {len(auto.history)}, OOMs {auto.ooms_total}; "
+                f"sync hooks {'on' if auto.hooks_active else 'off'}"
+            )
+        elif cfg.device_train_microbatch_size != "auto":
+            print(f"[automicro] fixed microbatch size {cfg.device_train_microbatch_size}")
+    trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
