@@ -43,7 +43,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from composer.core import Callback, State
@@ -109,7 +109,7 @@ class AutoMicrobatching(Callback):
         use_prediction: bool = True,
         start_size: Optional[int] = None,
         cpu_sync_group: bool = True,
-        memory_fraction: Optional[float] = None,
+        memory_fraction: Optional[Union[float, dict[int, float]]] = None,
         log_attempts: bool = True,
         unguarded_timeout_s: float = 120.0,
     ) -> None:
@@ -117,8 +117,12 @@ class AutoMicrobatching(Callback):
         self.thrash = ThrashDetector(thrash_batches)
         if not isinstance(cpu_sync_group, bool):
             raise ValueError(f"cpu_sync_group={cpu_sync_group!r}: must be true or false")
-        if memory_fraction is not None and not (0.0 < float(memory_fraction) <= 1.0):
-            raise ValueError(f"memory_fraction={memory_fraction!r}: must be in (0, 1]")
+        fractions = memory_fraction.values() if isinstance(memory_fraction, dict) else [memory_fraction]
+        for fraction in fractions:
+            if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1.0):
+                raise ValueError(
+                    f"memory_fraction={memory_fraction!r}: must be a number in (0, 1] or a {{rank: fraction}} map"
+                )
         self.cpu_sync_group = cpu_sync_group
         self.memory_fraction = memory_fraction
         self.log_attempts = log_attempts
@@ -138,6 +142,7 @@ class AutoMicrobatching(Callback):
         self._last_retries = 0
         self._batch_attempts = 0
         self._batch_retries = False
+        self._used_split: tuple[int, ...] = ()
         self._rank = 0
 
     # ---- wiring ------------------------------------------------------------------------------
@@ -153,9 +158,13 @@ class AutoMicrobatching(Callback):
         if memory is not None:
             self._memory = memory
         elif torch.cuda.is_available() and sharded.device.type == "cuda":
-            if self.memory_fraction is not None:
-                torch.cuda.set_per_process_memory_fraction(self.memory_fraction)
-            self._memory = CudaMemory(self.memory_fraction)
+            fraction = self.memory_fraction
+            if isinstance(fraction, dict):
+                fraction = fraction.get(self._rank)
+            if fraction is not None:
+                # Makes memory tight (and different per rank) on purpose: tests and benchmarks.
+                torch.cuda.set_per_process_memory_fraction(float(fraction))
+            self._memory = CudaMemory(fraction)
 
     def set_memory_source(self, memory: MemorySource) -> None:
         self._memory = memory
@@ -175,6 +184,19 @@ class AutoMicrobatching(Callback):
 
     # ---- Composer events ---------------------------------------------------------------------
 
+    def fit_start(self, state: State, logger: Logger) -> None:
+        # Another fit() of the same trainer: the hooks come back if the policy still wants them.
+        if self.policy is not None:
+            self._apply_hooks(self.policy.hooks, "fit start")
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        # The hooks and the collective patch are process-wide: none may outlive this fit.
+        self._apply_hooks(False, "fit end")
+
+    def close(self, state: State, logger: Logger) -> None:
+        # `trainer.close()`, also after a fit that raised (fit_end did not run).
+        self._apply_hooks(False, "trainer closed")
+
     def eval_end(self, state: State, logger: Logger) -> None:
         # Evaluation can leave memory fragmented and a spike behind: guard the next batches.
         self._rearm("eval")
@@ -192,9 +214,9 @@ class AutoMicrobatching(Callback):
             self._info(f"sync hooks {'on' if want else 'off'} ({reason})")
 
     def batch_end(self, state: State, logger: Logger) -> None:
-        if self.policy is None:
+        if self.policy is None or not self._used_split:
             return
-        split = self.policy.current_split()
+        split = self._used_split
         logger.log_metrics(
             {
                 "automicro/microbatch_size": max(split),
@@ -326,6 +348,7 @@ class AutoMicrobatching(Callback):
 
             if not verdict.failed:
                 composer_internals.step_optimizers(trainer)
+                self._used_split = sizes
                 self._after_success(verdict, batch_index, sizes, seconds)
                 return total_loss_dict
 

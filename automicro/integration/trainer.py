@@ -58,6 +58,22 @@ def _composer_device(device: Any) -> Device:
     raise ValueError(f"automicro.Trainer: device={device!r}: use 'cpu', 'gpu' or a composer Device")
 
 
+def _rebind_optimizers(optimizers: Any, names_before: dict[int, str], model: torch.nn.Module) -> None:
+    """`fully_shard` replaces every parameter by a new (DTensor) one: point the optimizers, built on
+    the unsharded model, at those (as Composer's own FSDP2 path does); parameter names do not change."""
+    if optimizers is None:
+        return
+    after = dict(model.named_parameters())
+    for optimizer in optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]:
+        if optimizer.state:
+            raise ValueError(
+                "automicro.Trainer: the optimizer already has state; with FSDP2 pass an optimizer that has "
+                "not stepped yet (its parameters are replaced by the sharded ones)"
+            )
+        for group in optimizer.param_groups:
+            group["params"] = [after[names_before[id(p)]] if id(p) in names_before else p for p in group["params"]]
+
+
 class Trainer(composer.Trainer):
     """Composer's Trainer, plus FSDP2 through automicro's engine and auto microbatching on it."""
 
@@ -102,7 +118,9 @@ class Trainer(composer.Trainer):
         self._automicro_sharded: Optional[ShardedModel] = None
         if fsdp2 is not None:
             composer_dist.initialize_dist(composer_device, dist_timeout)
+            names_before = {id(p): n for n, p in model.named_parameters()}
             self._automicro_sharded = shard(model, fsdp2, device=composer_device.tensor_to_device(torch.empty(0)).device)
+            _rebind_optimizers(kwargs.get("optimizers"), names_before, model)
         self._automicro = automicro
         if automicro is not None:
             assert self._automicro_sharded is not None
@@ -131,4 +149,7 @@ class Trainer(composer.Trainer):
     def _train_batch(self, use_grad_scaling: bool) -> dict[str, torch.Tensor]:  # Composer private hook
         if self._automicro is None:
             return super()._train_batch(use_grad_scaling)
-        return self._automicro.train_batch(self)
+        total_loss_dict = self._automicro.train_batch(self)
+        # As Composer's own `_train_batch` does; without it Composer warns "No batches were trained".
+        self.first_train_batch_complete = True
+        return total_loss_dict

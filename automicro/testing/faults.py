@@ -147,6 +147,10 @@ class FaultInjector(Callback):
     def fit_end(self, state: State, logger: Logger) -> None:
         self.close_hooks()
 
+    def close(self, state: State, logger: Logger) -> None:
+        # `trainer.close()` after a fit that raised: fit_end did not run.
+        self.close_hooks()
+
     def close_hooks(self) -> None:
         if self._site_hooks is not None:
             self._site_hooks.remove()

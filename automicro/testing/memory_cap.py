@@ -30,8 +30,14 @@ How it counts:
   (model parameters) are counted only through `track_existing`.
 - Allocator retries are emulated: an allocation after which the live bytes lie within
   `retry_band` (default 10 %) below the limit counts one `num_alloc_retries`, as the CUDA caching
-  allocator frees its cache and retries when it is close to full. An emulated OOM counts one
-  retry and one `num_ooms` (the CUDA allocator also retries before it gives up).
+  allocator frees its cache and retries when it is close to full. An allocation over the limit
+  first releases the GIL a few times (1 ms each) so that frees pending in other threads land:
+  gloo's worker threads drop the buffers of finished collectives asynchronously, so without it
+  the same program would OOM on one run and not on the next. If it then fits, it counts one
+  retry; if not, it raises and counts one retry and one `num_ooms` (CUDA also retries before it
+  gives up).
+- Live bytes read between ops (stats()) can still include such a buffer for a few milliseconds
+  after its collective finished: compare them across ranks or runs with that margin.
 
 An op that would cross the limit still ran (the check happens on its outputs), but its outputs
 are never returned and never counted: they are freed as the exception unwinds.
@@ -44,6 +50,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import time
 import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any, Optional, Union
@@ -185,11 +192,25 @@ class MemoryCap:
         retry_band: fraction of the limit below it where an allocation counts as an emulated
             allocator retry.
         rank: override the rank used for the mapping and the messages.
+        settle_attempts, settle_s: before raising an OOM, release the GIL `settle_attempts`
+            times for `settle_s` each, so that frees pending in other threads land first (gloo
+            worker threads release finished collectives' buffers asynchronously). Costs nothing
+            unless an allocation is over the limit; 0 disables it.
     """
 
-    def __init__(self, limit_bytes: LimitSpec, *, retry_band: float = 0.10, rank: Optional[int] = None):
+    def __init__(
+        self,
+        limit_bytes: LimitSpec,
+        *,
+        retry_band: float = 0.10,
+        rank: Optional[int] = None,
+        settle_attempts: int = 3,
+        settle_s: float = 0.001,
+    ):
         if not 0 <= retry_band < 1:
             raise ValueError(f"retry_band must be in [0, 1), got {retry_band}")
+        self._settle_attempts = max(0, int(settle_attempts))
+        self._settle_s = settle_s
         self._limit_spec = limit_bytes
         self.retry_band = retry_band
         self._rank_override = rank
@@ -352,39 +373,55 @@ class MemoryCap:
             f"{_fmt_bytes(max(limit - live, 0))} free."
         )
 
+    def _settle(self) -> None:
+        """Let other threads run (GIL released) so that buffers they are about to free get freed:
+        gloo's worker threads release the tensors of finished collectives asynchronously (and
+        need the GIL to do so). The emulated counterpart of the CUDA allocator freeing its cache
+        before it retries a failed allocation."""
+        time.sleep(self._settle_s)
+
     def _allocate(self, storages: list, what: str, limit: Optional[float], *, count_retries: bool = True) -> int:
         """Count the new storages among `storages`, all or none: raise OOM (counting nothing)
-        if one of them crosses `limit`."""
-        with self._lock:
-            new = []
-            seen = set()
-            running = self._live_bytes
-            band_floor = None if limit is None else limit * (1.0 - self.retry_band)
-            retries = 0
-            for st in storages:
-                key = st._cdata
-                if key in seen or key in self._entries:
-                    continue
-                seen.add(key)
-                nbytes = st.nbytes()
-                running += nbytes
-                if limit is not None:
-                    if running > limit:
-                        self._num_alloc_retries += retries
-                        raise self._oom(nbytes, what, limit)
-                    if count_retries and nbytes and running > band_floor:
-                        retries += 1
-                new.append((key, st, nbytes))
-            for key, st, nbytes in new:
-                ref = weakref.ref(st, functools.partial(self._on_free, key))
-                self._entries[key] = _Entry(nbytes, ref)
-            added = running - self._live_bytes
-            self._live_bytes = running
-            self._num_allocs += len(new)
-            self._num_alloc_retries += retries
-            if running > self._peak_bytes:
-                self._peak_bytes = running
-            return added
+        if one of them crosses `limit` even after letting pending frees land."""
+        for attempt in range(self._settle_attempts + 1):
+            with self._lock:
+                new = []
+                seen = set()
+                running = self._live_bytes
+                band_floor = None if limit is None else limit * (1.0 - self.retry_band)
+                retries = 0
+                crossing = None
+                for st in storages:
+                    key = st._cdata
+                    if key in seen or key in self._entries:
+                        continue
+                    seen.add(key)
+                    nbytes = st.nbytes()
+                    running += nbytes
+                    if limit is not None:
+                        if running > limit:
+                            crossing = nbytes
+                            break
+                        if count_retries and nbytes and running > band_floor:
+                            retries += 1
+                    new.append((key, st, nbytes))
+                if crossing is not None:
+                    if attempt == self._settle_attempts:
+                        raise self._oom(crossing, what, limit)
+                else:
+                    for key, st, nbytes in new:
+                        ref = weakref.ref(st, functools.partial(self._on_free, key))
+                        self._entries[key] = _Entry(nbytes, ref)
+                    added = running - self._live_bytes
+                    self._live_bytes = running
+                    self._num_allocs += len(new)
+                    # a retry that succeeded after settling counts once, like CUDA's
+                    self._num_alloc_retries += 1 if attempt else retries
+                    if running > self._peak_bytes:
+                        self._peak_bytes = running
+                    return added
+            self._settle()  # outside the lock: the frees we wait for take it
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _on_free(self, key: int, ref: "weakref.ref") -> None:
         with self._lock:
@@ -409,15 +446,19 @@ class MemoryCap:
         """Limit check for a counted storage growing by `delta` bytes (resize_)."""
         if delta <= 0 or not self.active:
             return
-        with self._lock:
-            limit = self._limit
-            if limit is None:
-                return
-            after = self._live_bytes + delta
-            if after > limit:
-                raise self._oom(delta, what, limit)
-            if after > limit * (1.0 - self.retry_band):
-                self._num_alloc_retries += 1
+        for attempt in range(self._settle_attempts + 1):
+            with self._lock:
+                limit = self._limit
+                if limit is None:
+                    return
+                after = self._live_bytes + delta
+                if after <= limit:
+                    if attempt or after > limit * (1.0 - self.retry_band):
+                        self._num_alloc_retries += 1
+                    return
+                if attempt == self._settle_attempts:
+                    raise self._oom(delta, what, limit)
+            self._settle()
 
     def _after_op(self, func, args, kwargs, out) -> None:
         outs: list = []
@@ -437,9 +478,8 @@ class MemoryCap:
             if entry is None:
                 unknown.append(st)
             elif st.nbytes() != entry.nbytes:  # e.g. aten.resize_ grew or shrank it in place
-                with self._lock:
-                    self._before_resize(key, st.nbytes() - entry.nbytes, str(func))
-                    self._resync_one(key, st)
+                self._before_resize(key, st.nbytes() - entry.nbytes, str(func))
+                self._resync_one(key, st)
         if not unknown:
             return
         ins = []
