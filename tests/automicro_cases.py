@@ -22,6 +22,7 @@ import automicro
 from automicro.core.hooks import count_module_hooks
 from automicro.core.sites import DISPATCHER
 from automicro.engine import _torch_internals as internals
+from automicro.engine import sharded_of
 from automicro.integration.callback import AutoMicrobatching
 from automicro.testing.faults import FaultInjector
 from tests.toy_models import ComposerStack, full_state
@@ -42,10 +43,12 @@ def make_loader(world: int, batches: int, seed: int = 1) -> DataLoader:
 
 
 class Probe(Callback):
-    """Records, at every `after_forward` (every microbatch of every attempt), what the hooks are."""
+    """Records, at every `after_forward` (every microbatch of every attempt), what the hooks are;
+    and the batch count at every `eval_end`."""
 
     def __init__(self) -> None:
         self.rows: list[dict[str, Any]] = []
+        self.eval_ends: list[dict[str, Any]] = []
         self.auto: Optional[AutoMicrobatching] = None
 
     def fit_start(self, state: State, logger: Logger) -> None:
@@ -63,6 +66,18 @@ class Probe(Callback):
                 "module_hooks": count_module_hooks(state.model),
                 "collective_patch": internals.pre_collective_hook_installed(),
                 "listeners": len(DISPATCHER),
+            }
+        )
+
+
+    def eval_end(self, state: State, logger: Logger) -> None:
+        sharded = sharded_of(state.model)
+        self.eval_ends.append(
+            {
+                "batch": int(state.timestamp.batch),
+                "clean": sharded.is_clean(),
+                "unsharded_bytes": sharded.unsharded_bytes(),
+                "not_idle_or_sharded": [r for r in sharded.states() if r["state"] != "IDLE" or r["sharded"] != "SHARDED"],
             }
         )
 
@@ -88,10 +103,11 @@ def build_trainer(
     microbatch: Any = "auto",
     callbacks: tuple = (),
     loader_batches: Optional[int] = None,
+    width: int = 16,
     **kwargs: Any,
 ) -> automicro.Trainer:
     torch.manual_seed(0)  # the same initial parameters in every case
-    model = ComposerStack()
+    model = ComposerStack(width=width)
     return automicro.Trainer(
         model=model,
         train_dataloader=make_loader(world, loader_batches or batches),
@@ -145,13 +161,26 @@ def _error_text(error: BaseException) -> dict[str, str]:
 
 # ---- 1. the fault matrix -----------------------------------------------------------------------
 
-MATRIX_SITES = ("forward_pre", "forward", "backward_pre", "backward", "unshard_alloc", "reduce_scatter_alloc", "loss", "optimizer_step")
+MATRIX_SITES = (
+    "forward_pre",
+    "forward",
+    "backward_pre",
+    "backward",
+    "unshard_alloc",
+    "reduce_scatter_alloc",
+    "loss",
+    "optimizer_step",
+)  # every fault site but eval_forward (eval auto microbatching is not built)
 MICROBATCH = {"first": 0, "middle": 1, "last": -1}
 ABOVE = 5
-MATRIX_BATCHES = 5
+# Enough to converge (batch 0: 8 fails, 4 fits; batch 1: 6 fails, 5 fits -> 5) and to run one batch
+# on the final split; the sync hooks are still on when fit ends, so fit_end must take them off.
+MATRIX_BATCHES = 3
+REFERENCE_MICROBATCH = 4
 
 
-def reference_params(world: int, batches: int, microbatch: int = 4) -> dict[str, torch.Tensor]:
+def reference_params(world: int, batches: int, microbatch: int = REFERENCE_MICROBATCH) -> dict[str, torch.Tensor]:
+    """Parameters after `batches` batches at a fixed microbatch size, without automicro."""
     trainer = build_trainer(world, batches, microbatch=microbatch)
     trainer.fit()
     params = full_state(trainer.state.model)
@@ -159,7 +188,9 @@ def reference_params(world: int, batches: int, microbatch: int = 4) -> dict[str,
     return params
 
 
-def fault_case(world: int, site: str, ranks: Optional[list[int]], index: int, reference: dict[str, torch.Tensor]) -> dict[str, Any]:
+def fault_case(
+    world: int, site: str, ranks: Optional[list[int]], index: int, reference: dict[str, torch.Tensor]
+) -> dict[str, Any]:
     auto = AutoMicrobatching(log_attempts=False)
     injector = FaultInjector(site, ranks=ranks, above=ABOVE, microbatch_index=index)
     trainer = build_trainer(world, MATRIX_BATCHES, callbacks=(auto, injector))
@@ -178,6 +209,7 @@ def fault_case(world: int, site: str, ranks: Optional[list[int]], index: int, re
         history=history(auto),
         fired=injector.fired,
         injector_hooks_after_fit=injector._site_hooks is not None,
+        sync_hooks_after_fit=auto.hooks_active,
         clean=sharded.is_clean(),
         states=sharded.states(),
         unsharded_bytes=sharded.unsharded_bytes(),
@@ -189,16 +221,194 @@ def fault_case(world: int, site: str, ranks: Optional[list[int]], index: int, re
     return result
 
 
-def run_fault_matrix(rank: int, world: int, cases: list[tuple[str, str, str]]) -> dict[str, Any]:
-    """cases: (site, who, where) with who in {"one", "every"} and where in MICROBATCH."""
+def run_fault_matrix(rank: int, world: int, cases: list[tuple[str, str, str]], one_rank: int) -> dict[str, Any]:
+    """cases: (site, who, where), who in {"one", "every"}, where in MICROBATCH; "one" = `one_rank`."""
+    torch.set_num_threads(1)
     out: dict[str, Any] = {"torch": torch.__version__}
-    started = time.perf_counter()
     reference = reference_params(world, MATRIX_BATCHES)
-    out["reference_seconds"] = time.perf_counter() - started
     for site, who, where in cases:
-        ranks = [1] if who == "one" else None
+        ranks = [one_rank] if who == "one" else None
         try:
             out[f"{site}/{who}/{where}"] = fault_case(world, site, ranks, MICROBATCH[where], reference)
         except Exception as error:  # noqa: BLE001 - report which case broke
             out[f"{site}/{who}/{where}"] = {"exception": _error_text(error)}
+    return out
+
+
+# ---- 2.-6. lifecycle, thrash, errors, checkpoints ----------------------------------------------
+
+LIFECYCLE_BATCHES = 9
+OOM_BATCH = 6  # timestamp.batch of the batch whose first attempt runs out of memory on every rank
+
+
+def hooks_after_oom_case(world: int) -> dict[str, Any]:
+    """No faults until an OOM on every rank at batch OOM_BATCH (hooks long off by then)."""
+    auto = AutoMicrobatching(log_attempts=False)
+    probe = Probe()
+    oom = OOMAtBatch(OOM_BATCH)
+    trainer = build_trainer(world, LIFECYCLE_BATCHES, callbacks=(auto, oom, probe))
+    trainer.fit()
+    result = {"rows": probe.rows, "history": history(auto), "fired": oom.fired, "found_size": auto.found_size}
+    result["clean"] = trainer.sharded_model.is_clean()
+    result.update(cleanup_report(trainer))
+    return result
+
+
+EVAL_INTERVAL = 5
+EVAL_BATCHES = 7
+
+
+def hooks_after_eval_case(world: int) -> dict[str, Any]:
+    from composer.core import Evaluator
+
+    auto = AutoMicrobatching(log_attempts=False)
+    probe = Probe()
+    evaluator = Evaluator(
+        label="eval", dataloader=make_loader(world, 2, seed=2), device_eval_microbatch_size=8, subset_num_batches=1
+    )
+    trainer = build_trainer(
+        world, EVAL_BATCHES, callbacks=(auto, probe), eval_dataloader=evaluator, eval_interval=f"{EVAL_INTERVAL}ba"
+    )
+    trainer.fit()
+    result = {"rows": probe.rows, "history": history(auto), "eval_ends": probe.eval_ends}
+    result.update(cleanup_report(trainer))
+    return result
+
+
+# The thrash case uses ComposerStack(width=4): at the default width 16 the peak is set by fixed
+# costs and does not grow with the microbatch size (size 8, one microbatch, has the *lowest* peak:
+# no gradient accumulated from an earlier microbatch), so no retry band can single size 8 out.
+# MemoryCap peaks of ComposerStack(width=4), AdamW, 2 ranks, B=8, both ranks, torch 2.7 and 2.11
+# (fixed-size runs; batch 0 is lower, before AdamW's state exists):
+#   size:  1     2     3     4     5     6     7     8
+#   peak:  4345  4489  4633  4809  4633  4773  4965  5157  bytes
+# Limit 5400 with a retry band of 6.5 % puts the band floor at 5049: size 8 (5157) retries on every
+# batch after the first without running out of memory, every smaller size (<= 4965) never retries.
+THRASH_WIDTH = 4
+THRASH_LIMIT = 5400
+THRASH_BAND = 0.065
+THRASH_BATCHES = 6
+
+
+def thrash_case(world: int) -> dict[str, Any]:
+    from automicro.integration.builders import MemoryCapCallback
+
+    auto = AutoMicrobatching(log_attempts=False, thrash_batches=2)
+    cap = MemoryCapCallback(limit_bytes=THRASH_LIMIT, retry_band=THRASH_BAND)
+    trainer = build_trainer(world, THRASH_BATCHES, callbacks=(cap, auto), width=THRASH_WIDTH)
+    trainer.fit()
+    stats = cap.cap.stats()
+    result = {
+        "history": history(auto),
+        "thrash_events": auto.thrash.events,
+        "found_size": auto.found_size,
+        "ooms_total": auto.ooms_total,
+        "cap_ooms": stats["num_ooms"],
+        "cap_retries": stats["num_alloc_retries"],
+        "clean": trainer.sharded_model.is_clean(),
+    }
+    result.update(cleanup_report(trainer))
+    return result
+
+
+def _failing_case(world: int, injector: FaultInjector) -> dict[str, Any]:
+    """A run expected to raise on every rank: the exception as data, then the cleanup."""
+    auto = AutoMicrobatching(log_attempts=False)
+    trainer = build_trainer(world, 3, callbacks=(auto, injector))
+    started = time.perf_counter()
+    result: dict[str, Any] = {"exception": None}
+    try:
+        trainer.fit()
+    except Exception as error:  # noqa: BLE001 - the test checks type and message
+        result["exception"] = _error_text(error)
+    result["seconds"] = time.perf_counter() - started
+    result["history"] = history(auto)
+    result["clean"] = trainer.sharded_model.is_clean()
+    result["injector_hooks_before_close"] = injector._site_hooks is not None
+    result.update(cleanup_report(trainer))
+    result["injector_hooks_after_close"] = injector._site_hooks is not None
+    return result
+
+
+def non_oom_error_case(world: int) -> dict[str, Any]:
+    return _failing_case(world, FaultInjector("backward_pre", ranks=[1], exception="error"))
+
+
+def oom_at_size_one_case(world: int) -> dict[str, Any]:
+    return _failing_case(world, FaultInjector("forward_pre", ranks=[0], above=0))
+
+
+CHECKPOINT_AT = 4
+RESUMED_BATCHES = 8
+
+
+def checkpoint_case(world: int, folder: str) -> dict[str, Any]:
+    """Search with the injector (found size 5), save at batch 4, resume in a new Trainer to batch 8;
+    and an uninterrupted 8-batch run to compare the parameters with."""
+    import os
+
+    site = "backward_pre"
+    first = AutoMicrobatching(log_attempts=False)
+    trainer = build_trainer(
+        world,
+        CHECKPOINT_AT,
+        callbacks=(first, FaultInjector(site, above=ABOVE)),
+        loader_batches=RESUMED_BATCHES,
+        save_folder=folder,
+        save_interval=f"{CHECKPOINT_AT}ba",
+    )
+    trainer.fit()
+    result: dict[str, Any] = {"saved_found_size": first.found_size, "saved_history": history(first)}
+    result.update({f"first_{k}": v for k, v in cleanup_report(trainer).items()})
+    composer_dist.barrier()
+    result["files"] = sorted(os.listdir(folder))
+
+    resumed = AutoMicrobatching(log_attempts=False)
+    probe = Probe()
+    injector = FaultInjector(site, above=ABOVE)
+    trainer = build_trainer(
+        world,
+        RESUMED_BATCHES,
+        callbacks=(resumed, injector, probe),
+        load_path=os.path.join(folder, f"ep0-ba{CHECKPOINT_AT}-rank0.pt"),
+    )
+    trainer.fit()
+    result.update(
+        history=history(resumed),
+        rows=probe.rows,
+        fired=injector.fired,
+        found_size=resumed.found_size,
+        adam_steps=adam_steps(trainer),
+        injector_module_hooks=4 * len(trainer.sharded_model.named_fsdp_modules),
+    )
+    params = full_state(trainer.state.model)
+    result.update(cleanup_report(trainer))
+
+    uninterrupted = build_trainer(
+        world, RESUMED_BATCHES, callbacks=(AutoMicrobatching(log_attempts=False), FaultInjector(site, above=ABOVE))
+    )
+    uninterrupted.fit()
+    result["error_vs_uninterrupted"] = max_error(params, full_state(uninterrupted.state.model))
+    uninterrupted.close()
+    return result
+
+
+def run_misc_cases(rank: int, world: int, folder: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {"torch": torch.__version__}
+    cases = {
+        "hooks_after_oom": lambda: hooks_after_oom_case(world),
+        "hooks_after_eval": lambda: hooks_after_eval_case(world),
+        "thrash": lambda: thrash_case(world),
+        "non_oom_error": lambda: non_oom_error_case(world),
+        "oom_at_size_one": lambda: oom_at_size_one_case(world),
+        "checkpoint": lambda: checkpoint_case(world, folder),
+    }
+    for name, case in cases.items():
+        started = time.perf_counter()
+        try:
+            out[name] = case()
+        except Exception as error:  # noqa: BLE001 - report which case broke
+            out[name] = {"exception": _error_text(error)}
+        out[name]["case_seconds"] = round(time.perf_counter() - started, 2)
     return out

@@ -164,3 +164,47 @@ def run_hsdp_case(rank: int, world: int) -> dict[str, Any]:
         return {"refused": None}
     report = train_sharded(rank, world, FSDP2Config(replicate=2))
     return {"error": max_error(report["params"], reference), "clean": report["clean_at_end"], "world": dist.get_world_size()}
+
+
+def _llama_batches(steps: int, batch: int, seq: int) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(steps):
+        tokens = torch.randint(0, 256, (batch, seq + 1), generator=generator)
+        out.append({"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]})
+    return out
+
+
+def run_llama_case(rank: int, world: int) -> dict[str, Any]:
+    """Tiny Llama: 2-rank FSDP2 (engine defaults) vs one process, 3 AdamW steps, fp32."""
+    from automicro.models import build_model
+
+    batches = _llama_batches(STEPS, 4, 32)
+
+    def run(sharded: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        model = build_model("tiny", max_seq_len=32)
+        if sharded:
+            shard(model, FSDP2Config())
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        losses = []
+        for batch in batches:
+            if sharded:
+                share = batch["input_ids"].shape[0] // world
+                batch = {k: v[rank * share : (rank + 1) * share] for k, v in batch.items()}
+            opt.zero_grad(set_to_none=True)
+            loss = model.loss(model(batch), batch)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+        return losses, full_state(model)
+
+    ref_losses, ref_params = run(sharded=False)
+    losses, params = run(sharded=True)
+    local_mean = torch.tensor(losses)
+    dist.all_reduce(local_mean)
+    global_losses = (local_mean / world).tolist()
+    return {
+        "loss_error": max(abs(a - b) for a, b in zip(global_losses, ref_losses)),
+        "param_error": max_error(params, ref_params),
+    }

@@ -120,3 +120,10 @@ def test_tied_blocks_are_wrapped_at_their_common_parent():
 def test_tied_modules_both_listed_for_wrapping_are_refused_naming_them():
     with pytest.raises(FSDP2ConfigError, match=r"blocks\.0.*blocks\.2"):
         plan_wrapping(TiedStack(), FSDP2Config(wrap=["Linear"]))
+
+
+@pytest.mark.multiproc
+def test_tiny_llama_on_two_ranks_matches_one_process_in_loss_and_parameters_after_three_steps():
+    for result in run_multiprocess(engine_cases.run_llama_case, world_size=2, timeout_s=300):
+        assert result["loss_error"] < 1e-5
+        assert result["param_error"] < TOLERANCE

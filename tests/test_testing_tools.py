@@ -376,3 +376,42 @@ def test_reentrant_and_nested_caps_and_thread_local():
         th.join()
     assert outer.live_bytes == 800 and inner.live_bytes == 400  # the thread's 4000 B not counted
     del a, b, seen_from_thread
+
+
+def test_oom_waits_for_frees_pending_in_other_threads():
+    cap = MemoryCap(1000, settle_attempts=5, settle_s=0.01)
+    go = threading.Event()
+    with cap:
+        holder = [torch.empty(200)]  # 800 B, to be freed by another thread
+    th = threading.Thread(target=lambda: (go.wait(), holder.clear()))
+    th.start()
+    with cap:
+        go.set()
+        t = torch.empty(100)  # 400 B: fits once the other thread's free landed
+    th.join()
+    assert cap.stats()["live_bytes"] == 400 and cap.stats()["num_ooms"] == 0
+    del t
+
+
+def test_wrapper_subclass_without_flatten_is_not_counted():
+    class Wrapper(torch.Tensor):
+        @staticmethod
+        def __new__(cls, elem):
+            return torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype)
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            raise NotImplementedError
+
+    assert MemoryCap(None).track_existing(Wrapper(torch.randn(4))) == 0
+
+
+def _env_without_process_group(rank, world_size):
+    return dist.is_initialized(), os.environ["RANK"], os.environ["WORLD_SIZE"]
+
+
+@pytest.mark.multiproc
+def test_backend_none_skips_init():
+    assert run_multiprocess(_env_without_process_group, world_size=1, backend=None, timeout_s=60, **FAST) == [
+        (False, "0", "1")
+    ]

@@ -307,6 +307,8 @@ class AutoMicrobatching(Callback):
             context.batch_index, context.attempt = batch_index, self._batch_attempts
             context.microbatch_size, context.num_microbatches = max(sizes), len(sizes)
             context.microbatch_index = -1
+            # A site of an earlier attempt must not be blamed for a failure before any site fires.
+            context.last_site, context.last_module = "other", ""
             self._memory.reset_peak()
             # Retries are counted per attempt: a failed attempt's retries say nothing about thrashing.
             self._last_retries = self._memory.alloc_retries()

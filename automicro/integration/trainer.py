@@ -17,6 +17,7 @@ import composer
 import torch
 from composer.devices import Device, DeviceCPU, DeviceGPU
 from composer.utils import dist as composer_dist
+from torch.distributed.fsdp import register_fsdp_forward_method
 
 from automicro.engine import FSDP2Config, ShardedModel, ensure_record_stream_free, shard
 from automicro.engine.config import FSDP2ConfigError
@@ -121,6 +122,10 @@ class Trainer(composer.Trainer):
             names_before = {id(p): n for n, p in model.named_parameters()}
             self._automicro_sharded = shard(model, fsdp2, device=composer_device.tensor_to_device(torch.empty(0)).device)
             _rebind_optimizers(kwargs.get("optimizers"), names_before, model)
+            if callable(getattr(model, "eval_forward", None)):
+                # Composer calls `model.eval_forward()` directly, not through `__call__`: without
+                # this the root's own parameters stay sharded in eval (mixed Tensor/DTensor error).
+                register_fsdp_forward_method(model, "eval_forward")
         self._automicro = automicro
         if automicro is not None:
             assert self._automicro_sharded is not None

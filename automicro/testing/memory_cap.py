@@ -26,8 +26,15 @@ How it counts:
   the dispatcher) is wrapped while a cap is active: growth of a counted storage is checked
   against the limit like an allocation, shrinking is subtracted.
 - Tensor subclasses (DTensor, the sharded parameters of `fully_shard`) take no storage of their
-  own: their inner plain tensors are counted. Storages that existed before the cap became active
-  (model parameters) are counted only through `track_existing`.
+  own: their inner plain tensors are counted. An op on a subclass is one op for the cap (its
+  inner local ops run below the mode): the inner tensors of its outputs are counted, transient
+  buffers inside it (e.g. a DTensor redistribution) are not. FSDP2's own buffers and all module
+  compute are on plain tensors and are counted. Wrapper subclasses without `__tensor_flatten__`
+  are not counted at all.
+- Storages that existed before the cap became active (model parameters) are counted only
+  through `track_existing`.
+- Counting is per thread that entered the cap (the dispatch mode is thread-local; CPU backward
+  runs on the calling thread and is counted); frees are seen from any thread.
 - Allocator retries are emulated: an allocation after which the live bytes lie within
   `retry_band` (default 10 %) below the limit counts one `num_alloc_retries`, as the CUDA caching
   allocator frees its cache and retries when it is close to full. An allocation over the limit
@@ -96,23 +103,24 @@ def _plain_storages(obj: Any, out: list) -> None:
 
 
 def _tensor_storages(t: torch.Tensor, out: list) -> None:
-    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
-        if is_traceable_wrapper_subclass(t):
-            attrs, _ = t.__tensor_flatten__()
-            for name in attrs:
-                inner = getattr(t, name)
-                if isinstance(inner, torch.Tensor):
-                    _tensor_storages(inner, out)
-            return
-        if torch._C._is_wrapper_subclass(t):
-            return
-    if t.is_sparse or t.layout != torch.strided:
+    tp = type(t)
+    plain = tp is torch.Tensor or tp is torch.nn.Parameter
+    if not plain and is_traceable_wrapper_subclass(t):  # DTensor & co: count the inner tensors
+        attrs, _ = t.__tensor_flatten__()
+        for name in attrs:
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):
+                _tensor_storages(inner, out)
+        return
+    if t.layout != torch.strided:  # sparse, nested, ...
         return
     try:
         st = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):
+        if not plain:
+            st.data_ptr()  # a wrapper subclass has a storage without data: this raises
+    except (RuntimeError, NotImplementedError, TypeError):
         return
-    if st.device.type == "meta":
+    if st.device.type == "meta":  # meta / fake tensors allocate nothing
         return
     out.append(st)
 

@@ -16,7 +16,8 @@ Each worker process gets MASTER_ADDR=127.0.0.1, a free MASTER_PORT, RANK, WORLD_
 LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK=0 and the entries of `env`, initializes the default
 process group (`init_process_group(backend, rank=rank, world_size=world_size)`; `backend=None`
 skips it, for code that initializes it itself), calls `fn(rank, world_size, *args, **kwargs)`,
-sends the return value back and destroys the process group.
+sends the return value back and, once every rank got there (a barrier), destroys the process
+group. (A GIL-free faulthandler watchdog ends a worker whose teardown hangs, see `_worker`.)
 
 `fn`, `args`, `kwargs` and the return value travel by pickle to and from fresh processes: `fn`
 must be a top-level function of a module the worker can import (a test module is fine: pytest's
@@ -69,7 +70,9 @@ the package and the module of `fn` each time (3-5 s per process, CPU bound). "fo
 forks workers from a server process that imported torch, torch.distributed and automicro once
 (plus `forkserver_preload`), typically 10x faster after the server's own start; the caller's
 os.environ at call time is given to each worker, but settings torch reads at import (thread
-counts) are the server's. The env variable AUTOMICRO_MP_START_METHOD picks the default.
+counts) are the server's. The workers' stdout/stderr are those the server inherited when it
+started (under pytest: the capture of the test that started it). The env variable
+AUTOMICRO_MP_START_METHOD picks the default.
 """
 
 from __future__ import annotations
@@ -320,7 +323,8 @@ def run_multiprocess(
         failure_grace_s: once a rank failed, how long the others may still take.
         dump_wait_s: how long to wait for the stack dumps of unfinished ranks.
         teardown_timeout_s: after every rank returned, how long each may take to exit before it
-            is killed (with a warning; the results are still returned).
+            is killed (with a warning and its stacks; the results are still returned). Each
+            worker's own watchdog ends a hanging teardown after half of it.
         start_method: "spawn" or "forkserver"; default: env AUTOMICRO_MP_START_METHOD, else
             "spawn".
         forkserver_preload: more modules for the forkserver to import (only used when this
