@@ -1,8 +1,26 @@
-"""automicro: OOM-safe `device_train_microbatch_size: auto` for MosaicML Composer on FSDP2."""
+"""automicro: OOM-safe `device_train_microbatch_size: auto` for MosaicML Composer on FSDP2.
+
+`Trainer`, `AutoMicrobatching` and `MicrobatchSizeError` are imported on first use, so that
+`import automicro.engine` (or a test worker) does not pay for importing Composer.
+"""
+
+from typing import Any
 
 __version__ = "0.1.0"
 
-from automicro.integration.callback import AutoMicrobatching, MicrobatchSizeError  # noqa: E402
-from automicro.integration.trainer import Trainer  # noqa: E402
+_LAZY = {
+    "AutoMicrobatching": "automicro.integration.callback",
+    "MicrobatchSizeError": "automicro.integration.callback",
+    "Trainer": "automicro.integration.trainer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'automicro' has no attribute {name!r}")
+
 
 __all__ = ["AutoMicrobatching", "MicrobatchSizeError", "Trainer", "__version__"]

@@ -412,6 +412,11 @@ class TrainConfig:
                 f"{prefix}precision={self.precision!r}: precision {self.precision!r} needs device: gpu "
                 f"(device is {self.device!r}; use precision: fp32 on cpu)"
             )
+        if self.eval_interval is not None and self.device_eval_microbatch_size == "auto":
+            raise ConfigError(
+                f"{prefix}device_eval_microbatch_size='auto': the eval-time search is not built yet; "
+                "set a positive int (the sync hooks are re-armed after every eval either way)"
+            )
 
     @property
     def fsdp2(self) -> Optional[FSDP2Config]:

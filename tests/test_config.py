@@ -129,7 +129,7 @@ OVERRIDE_CASES = [
     pytest.param([f"data.paths=[{THIS_FILE}]"], lambda c: c.data.paths, [THIS_FILE], id="data-paths-exist"),
     pytest.param(["run_name=foo"], lambda c: c.run_dir, "runs/foo", id="interpolation-follows-override"),
     pytest.param(["loggers.wandb=true", "loggers.wandb_project=p"], lambda c: (c.loggers.wandb, c.loggers.wandb_project), (True, "p"), id="loggers"),
-    pytest.param(["eval_interval=5ba"], lambda c: c.eval_interval, "5ba", id="optional-time"),
+    pytest.param(["eval_interval=5ba", "device_eval_microbatch_size=8"], lambda c: c.eval_interval, "5ba", id="optional-time"),
     pytest.param(["scheduler.t_warmup=0.1dur"], lambda c: c.scheduler.t_warmup, "0.1dur", id="warmup-dur"),
     pytest.param(["seed=1", "seed=2"], lambda c: c.seed, 2, id="last-override-wins"),
     pytest.param(["device=gpu", "precision=amp_fp16"], lambda c: c.precision, "amp_fp16", id="amp-on-gpu"),
@@ -174,6 +174,7 @@ BAD_CASES = [
     pytest.param("scheduler.name=cosine", ["scheduler.name='cosine'", "cosine_with_warmup"], id="enum-scheduler"),
     pytest.param("data.kind=images", ["data.kind='images'", "text, synthetic"], id="enum-data-kind"),
     # microbatch sizes
+    pytest.param("eval_interval=5ba", ["device_eval_microbatch_size='auto'", "positive int"], id="eval-auto-with-eval"),
     pytest.param("device_train_microbatch_size=0", ["device_train_microbatch_size=0", "positive int or 'auto'"], id="mb-zero"),
     pytest.param("device_train_microbatch_size=-1", ["device_train_microbatch_size=-1", "positive int or 'auto'"], id="mb-negative"),
     pytest.param("device_train_microbatch_size=big", ["device_train_microbatch_size='big'", "positive int or 'auto'"], id="mb-big"),
