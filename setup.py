@@ -14,9 +14,13 @@ setup(
         "wandb>=0.17,<0.29",  # Composer 0.32.1 WandBLogger calls run.get_url(), removed in wandb 0.29
     ],
     extras_require={
+        "plot": [
+            "matplotlib>=3.7",  # scripts/plot_run.py
+        ],
         "dev": [
             "pytest>=8",
             "pytest-timeout>=2.3",
+            "matplotlib>=3.7",  # tests/test_dashboard.py renders scripts/plot_run.py's PNG
         ],
     },
 )

@@ -2,7 +2,8 @@
 
 Every worker loops over its cases in the same order on every rank, so collectives stay matched,
 and returns plain data (numbers, strings, lists, dicts); the tests in test_automicro.py assert on
-it. A case that raises is caught on every rank and returned as that case's result.
+it. A case that breaks is caught on every rank and returned as {"crash": ...}; an exception that
+a case expects (from `fit()`) is returned under "exception".
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def make_loader(world: int, batches: int, seed: int = 1) -> DataLoader:
 
 class Probe(Callback):
     """Records, at every `after_forward` (every microbatch of every attempt), what the hooks are;
-    and the batch count at every `eval_end`."""
+    and, at every `eval_end`, the batch count and which FSDP2 states are not IDLE and sharded."""
 
     def __init__(self) -> None:
         self.rows: list[dict[str, Any]] = []
@@ -231,7 +232,7 @@ def run_fault_matrix(rank: int, world: int, cases: list[tuple[str, str, str]], o
         try:
             out[f"{site}/{who}/{where}"] = fault_case(world, site, ranks, MICROBATCH[where], reference)
         except Exception as error:  # noqa: BLE001 - report which case broke
-            out[f"{site}/{who}/{where}"] = {"exception": _error_text(error)}
+            out[f"{site}/{who}/{where}"] = {"crash": _error_text(error)}
     return out
 
 
@@ -409,6 +410,6 @@ def run_misc_cases(rank: int, world: int, folder: str) -> dict[str, Any]:
         try:
             out[name] = case()
         except Exception as error:  # noqa: BLE001 - report which case broke
-            out[name] = {"exception": _error_text(error)}
+            out[name] = {"crash": _error_text(error)}
         out[name]["case_seconds"] = round(time.perf_counter() - started, 2)
     return out

@@ -36,6 +36,13 @@ Metrics logged each batch (rank 0, through Composer's loggers):
 | `automicro/thrash_events` | thrash detections so far |
 | `automicro/search_time_s` | seconds spent in failed attempts so far |
 | `automicro/alloc_retries` | allocator retries seen this batch (any rank) |
+| `automicro/found_size` | largest microbatch size that fit on every rank (0 while searching) |
+| `automicro/last_oom_rank` | lowest failed rank of the latest OOM (-1: none yet) |
+| `automicro/last_oom_site` | its site as an index into `automicro.core.sites.ALL_SITES` (-1: none) |
+
+Each failed attempt (OOM or thrash) is also logged as one `automicro/event` trace through
+`Logger.log_traces` (never a training step): batch, attempt, size, split, outcome, failed ranks,
+site name and index, next size.
 """
 
 from __future__ import annotations
@@ -61,7 +68,7 @@ from automicro.core.consensus import (
 )
 from automicro.core.hooks import SyncHooks
 from automicro.core.memory import CudaMemory, MemorySource, NoMemory
-from automicro.core.sites import DISPATCHER, SiteDispatcher
+from automicro.core.sites import DISPATCHER, SiteDispatcher, site_index
 from automicro.core.thrash import ThrashDetector
 from automicro.engine.sharding import ShardedModel
 from automicro.integration import _composer_internals as composer_internals
@@ -211,7 +218,7 @@ class AutoMicrobatching(Callback):
         if self._hooks is None:
             return
         if self._hooks.set_active(want):
-            self._info(f"sync hooks {'on' if want else 'off'} ({reason})")
+            self._info(self._hooks_message(want, reason))
 
     def batch_end(self, state: State, logger: Logger) -> None:
         if self.policy is None or not self._used_split:
@@ -228,8 +235,62 @@ class AutoMicrobatching(Callback):
                 "automicro/thrash_events": self.thrash.events,
                 "automicro/search_time_s": self.search_time_s,
                 "automicro/alloc_retries": int(self._batch_retries),
+                "automicro/found_size": self.found_size or 0,
+                **self._last_oom_metrics(),
             }
         )
+        self._log_events(state, logger)
+
+    # ---- dashboard helpers (metrics, events, console) ------------------------------------------
+
+    def _last_oom_metrics(self) -> dict[str, int]:
+        """`automicro/last_oom_rank` and `automicro/last_oom_site` (an index into `ALL_SITES`)."""
+        last = next((r for r in reversed(self.history) if r.outcome == "oom" and r.failed_ranks), None)
+        if last is None:
+            return {"automicro/last_oom_rank": -1, "automicro/last_oom_site": -1}
+        site = last.sites[0] if last.sites else "other"
+        return {"automicro/last_oom_rank": int(last.failed_ranks[0]), "automicro/last_oom_site": site_index(site)}
+
+    def _log_events(self, state: State, logger: Logger) -> None:
+        """One `automicro/event` trace per failed attempt of the batch that just ended.
+
+        Traces (`Logger.log_traces`) do not advance the step; the batch's own attempts are the
+        records of its index (Composer moves the timestamp to the next batch before BATCH_END)."""
+        batch_index = int(state.timestamp.batch) - 1
+        failed = []
+        for record in reversed(self.history):
+            if record.batch != batch_index:
+                break
+            if record.outcome != "ok":
+                failed.append(record)
+        for record in reversed(failed):
+            site = record.sites[0] if record.sites else ""
+            logger.log_traces(
+                {
+                    "automicro/event": {
+                        "batch": record.batch,
+                        "attempt": record.attempt,
+                        "size": record.size,
+                        "split": list(record.split),
+                        "outcome": record.outcome,
+                        "ranks": list(record.failed_ranks),
+                        "site": site,
+                        "site_index": site_index(site) if site else -1,
+                        "sites": list(record.sites),
+                        "next_size": record.next_size,
+                        "seconds": record.seconds,
+                    }
+                }
+            )
+
+    def _hooks_message(self, want: bool, reason: str) -> str:
+        if not want and self.policy is not None and reason.startswith("stable for"):
+            return (
+                f"sync hooks off after {self.policy_config.stable_batches} clean batches "
+                f"at split {list(self.policy.current_split())}"
+            )
+        reason = reason.removesuffix(": sync hooks on" if want else ": sync hooks off")
+        return f"sync hooks {'on' if want else 'off'} ({reason})"
 
     # ---- checkpoints -------------------------------------------------------------------------
 
@@ -316,6 +377,7 @@ class AutoMicrobatching(Callback):
             started = time.perf_counter()
             verdict: Optional[Verdict] = None
             own_error: Optional[BaseException] = None
+            caught: Optional[BaseException] = None
 
             def before_microbatch(index: int) -> None:
                 context.microbatch_index = index
@@ -333,6 +395,7 @@ class AutoMicrobatching(Callback):
             try:
                 composer_internals.run_microbatches(trainer, microbatches, total_loss_dict, before_microbatch, end_of_attempt)
             except BaseException as error:  # noqa: BLE001 - every failure must reach the consensus
+                caught = error
                 context.in_attempt = False
                 if verdict is None:
                     followed = isinstance(error, (OOMOnOtherRank, FailedOnOtherRank))
@@ -348,6 +411,15 @@ class AutoMicrobatching(Callback):
             seconds = time.perf_counter() - started
             assert verdict is not None
 
+            if not verdict.failed and caught is not None:
+                # This rank raised although no rank reported a failure: never count that as a
+                # success (the batch would be skipped silently, or the error swallowed).
+                if isinstance(caught, (OOMOnOtherRank, FailedOnOtherRank)):
+                    raise RuntimeError(
+                        "automicro: this rank stopped at a sync point for a failure no rank reported "
+                        "(stale sync hooks of an earlier Trainer in this process that was not closed?)"
+                    ) from caught
+                raise caught
             if not verdict.failed:
                 composer_internals.step_optimizers(trainer)
                 self._used_split = sizes

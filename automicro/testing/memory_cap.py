@@ -94,12 +94,23 @@ def _fmt_bytes(n: float) -> str:
 
 
 def _plain_storages(obj: Any, out: list) -> None:
-    """Append the UntypedStorage of every plain tensor in the pytree `obj` (subclasses are
-    flattened into their inner tensors; tensors without a real storage are skipped)."""
-    leaves, _ = tree_flatten(obj)
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            _tensor_storages(leaf, out)
+    """Append the UntypedStorage of every plain tensor in `obj` (subclasses are flattened into
+    their inner tensors; tensors without a real storage are skipped)."""
+    if isinstance(obj, torch.Tensor):
+        _tensor_storages(obj, out)
+    elif isinstance(obj, (tuple, list)):  # op args and outputs: flat, or lists of tensors
+        for item in obj:
+            if isinstance(item, torch.Tensor):
+                _tensor_storages(item, out)
+            elif isinstance(item, (tuple, list, dict)):
+                _plain_storages(item, out)
+    elif isinstance(obj, dict):
+        _plain_storages(list(obj.values()), out)
+    elif obj is not None and not isinstance(obj, (int, float, bool, str, torch.dtype, torch.device)):
+        leaves, _ = tree_flatten(obj)
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                _tensor_storages(leaf, out)
 
 
 def _tensor_storages(t: torch.Tensor, out: list) -> None:
@@ -370,7 +381,7 @@ class MemoryCap:
     def _tracks(self, key: int) -> bool:
         return key in self._entries
 
-    def _oom(self, requested: int, what: str, limit: float) -> torch.OutOfMemoryError:
+    def _oom(self, requested: int, what: Any, limit: float) -> torch.OutOfMemoryError:
         self._num_ooms += 1
         self._num_alloc_retries += 1
         live = self._live_bytes
@@ -388,7 +399,7 @@ class MemoryCap:
         before it retries a failed allocation."""
         time.sleep(self._settle_s)
 
-    def _allocate(self, storages: list, what: str, limit: Optional[float], *, count_retries: bool = True) -> int:
+    def _allocate(self, storages: list, what: Any, limit: Optional[float], *, count_retries: bool = True) -> int:
         """Count the new storages among `storages`, all or none: raise OOM (counting nothing)
         if one of them crosses `limit` even after letting pending frees land."""
         for attempt in range(self._settle_attempts + 1):
@@ -450,7 +461,7 @@ class MemoryCap:
                 if self._live_bytes > self._peak_bytes:
                     self._peak_bytes = self._live_bytes
 
-    def _before_resize(self, key: int, delta: int, what: str = "UntypedStorage.resize_") -> None:
+    def _before_resize(self, key: int, delta: int, what: Any = "UntypedStorage.resize_") -> None:
         """Limit check for a counted storage growing by `delta` bytes (resize_)."""
         if delta <= 0 or not self.active:
             return
@@ -486,16 +497,18 @@ class MemoryCap:
             if entry is None:
                 unknown.append(st)
             elif st.nbytes() != entry.nbytes:  # e.g. aten.resize_ grew or shrank it in place
-                self._before_resize(key, st.nbytes() - entry.nbytes, str(func))
+                self._before_resize(key, st.nbytes() - entry.nbytes, func)
                 self._resync_one(key, st)
         if not unknown:
             return
-        ins = []
-        _plain_storages((args, kwargs), ins)
+        ins: list = []
+        _plain_storages(args, ins)
+        if kwargs:
+            _plain_storages(kwargs, ins)
         in_keys = {st._cdata for st in ins}
         new = [st for st in unknown if st._cdata not in in_keys]
         if new:
-            self._allocate(new, str(func), self._limit)
+            self._allocate(new, func, self._limit)  # func: named only in an OOM message
 
     def __repr__(self) -> str:
         return (

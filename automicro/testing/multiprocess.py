@@ -144,6 +144,24 @@ def _set_parent_death_signal(parent_pid: Optional[int]) -> None:
         os._exit(1)
 
 
+def _release_forkserver_alive_fd() -> None:
+    """A forkserver child inherits the write end of the pipe by which the server notices that
+    its client (our caller) died; while any worker holds it, the server outlives a killed caller
+    and so do the workers (their parent is the server). Closing our copy lets the server exit
+    with the caller, which then kills us through PR_SET_PDEATHSIG. (A worker that starts its own
+    forkserver processes gets a new server.)"""
+    try:
+        from multiprocessing import forkserver
+
+        server = forkserver._forkserver
+        fd = getattr(server, "_forkserver_alive_fd", None)
+        if fd is not None:
+            server._forkserver_alive_fd = None
+            os.close(fd)
+    except Exception:
+        pass
+
+
 def _send(conn, kind: str, value: Any) -> None:
     try:
         conn.send_bytes(pickle.dumps((kind, value)))
@@ -158,6 +176,8 @@ def _worker(rank, world_size, payload, port, backend, env, base_env, conn, dump_
         os.setpgid(0, 0)  # own process group: the parent kills our children with us
     except OSError:
         pass
+    if parent_pid is None:  # forkserver
+        _release_forkserver_alive_fd()
     _set_parent_death_signal(parent_pid)
     _dump_file = open(dump_path, "w")
     faulthandler.register(signal.SIGUSR1, file=_dump_file, all_threads=True, chain=False)
@@ -177,7 +197,6 @@ def _worker(rank, world_size, payload, port, backend, env, base_env, conn, dump_
     )
 
     ok = False
-    dist = None
     try:
         fn, args, kwargs = pickle.loads(payload)
         if backend is not None:
@@ -212,10 +231,11 @@ def _worker(rank, world_size, payload, port, backend, env, base_env, conn, dump_
             except Exception:
                 pass
         os._exit(1)
-    if dist is not None and dist.is_initialized():
-        # torch 2.7 / 2.11 gloo: destroying the process group joins gloo's worker threads while
-        # holding the GIL; a worker thread still releasing a finished work that holds a Python
-        # tensor needs the GIL: deadlock (seen on torch 2.7 in 2 of 6 runs of 4 ranks under load).
+    dist = sys.modules.get("torch.distributed")  # also a group that `fn` initialized itself
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        # gloo: destroying the process group joins gloo's worker threads while holding the GIL;
+        # a worker thread still releasing a finished work that holds a Python tensor needs the
+        # GIL: deadlock (seen on torch 2.7 in 2 of 6 runs of 4 ranks under load; gdb stacks).
         # The barrier makes sure no peer is mid-collective, the sleep (GIL released) lets the
         # worker threads release their works, and a GIL-free watchdog ends the process (exit
         # code 1, stacks in the dump file) should teardown still hang.
