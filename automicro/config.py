@@ -412,10 +412,10 @@ class TrainConfig:
                 f"{prefix}precision={self.precision!r}: precision {self.precision!r} needs device: gpu "
                 f"(device is {self.device!r}; use precision: fp32 on cpu)"
             )
-        if self.eval_interval is not None and self.device_eval_microbatch_size == "auto":
+        if self.eval_interval is not None and self.device_eval_microbatch_size == "auto" and self.parallelism_config is None:
             raise ConfigError(
-                f"{prefix}device_eval_microbatch_size='auto': the eval-time search is not built yet; "
-                "set a positive int (the sync hooks are re-armed after every eval either way)"
+                f"{prefix}device_eval_microbatch_size='auto': needs parallelism_config.fsdp2 (automicro's "
+                "eval search runs on its FSDP2 engine); set a positive int or enable fsdp2"
             )
 
     @property

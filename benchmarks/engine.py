@@ -454,7 +454,13 @@ def check_seed_losses(env: Env, suite: str, result: dict[str, Any], out_dir: str
         if os.path.exists(other):
             with open(other) as fh:
                 prior = json.load(fh)
-        if prior and prior.get("world_size") == env.world and prior.get("variants"):
+        same_setup = bool(prior) and (
+            prior.get("world_size") == env.world
+            and prior.get("device_type") == env.device.type
+            and prior.get("settings", {}).get("hidden") == env.args.hidden
+            and prior.get("settings", {}).get("total_batch") == env.args.total_batch
+        )
+        if same_setup and prior.get("variants"):
             pname, prow = next(iter(prior["variants"].items()))
             per_rank = prow.get("first_loss_per_rank")
             fp_per_rank = prow.get("first_fingerprint_per_rank")
@@ -490,6 +496,20 @@ def compile_blocks(model: nn.Module) -> None:
         block.forward = torch.compile(block.forward)
 
 
+def shard_llama_baseline(env: Env, model: nn.Module, mp: MixedPrecisionPolicy) -> None:
+    """Composer 0.32.1's FSDP2 path: fully_shard each Block, then the root; materialize.
+
+    (A function, so that no loop variable keeps a Block -- and through FSDP2's shared state the
+    whole model -- alive into the next variant.)
+    """
+    for block in model.model.blocks:
+        fully_shard(block, mesh=env.mesh, mp_policy=mp, reshard_after_forward=True)
+    fully_shard(model, mesh=env.mesh, mp_policy=mp, reshard_after_forward=True)
+    model.to_empty(device=env.device)
+    with torch.no_grad():
+        model.model.init_weights()
+
+
 def _compiled_graphs() -> int:
     from torch._dynamo.utils import counters
 
@@ -523,12 +543,7 @@ def run_llama_suite(env: Env) -> dict[str, Any]:
         torch.manual_seed(0)  # init_weights draws from the global RNG: same weights everywhere
         sharded = None
         if name == "baseline":
-            for block in model.model.blocks:
-                fully_shard(block, mesh=env.mesh, mp_policy=mp, reshard_after_forward=True)
-            fully_shard(model, mesh=env.mesh, mp_policy=mp, reshard_after_forward=True)
-            model.to_empty(device=env.device)
-            with torch.no_grad():
-                model.model.init_weights()
+            shard_llama_baseline(env, model, mp)
         elif name == "engine":
             sharded = shard(model, FSDP2Config(mixed_precision="DEFAULT"), mesh=env.mesh, device=env.device)
         elif name == "engine_async_prefetch2":

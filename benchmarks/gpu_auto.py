@@ -553,6 +553,11 @@ def run_case(
 
     # ---- tear down: nothing of this case may stay on the device ----
     trainer.close()
+    # The last outputs carry FSDP2's pre-backward hooks (-> model) and their autograd graph is
+    # held from C++: a cycle the garbage collector cannot see through. Cut it.
+    trainer.state.outputs = None
+    trainer.state.loss = None
+    trainer.state.batch = None
     # Composer's Engine registers atexit(_close, state, logger): that keeps the state (model,
     # optimizer) alive for the whole process. Every engine here is closed: drop them.
     atexit.unregister(Engine._close)

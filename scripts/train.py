@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
     train_dl = builders.build_train_dataloader(cfg, dataset, per_rank_batch)
     eval_dataloader = None
     if cfg.eval_interval is not None:
-        eval_microbatch = None if cfg.device_eval_microbatch_size == "auto" else cfg.device_eval_microbatch_size
+        eval_microbatch = cfg.device_eval_microbatch_size
         eval_dataloader = Evaluator(
             label="eval",
             dataloader=builders.build_dataloader(dataset, per_rank_batch, shuffle=False, drop_last=True),

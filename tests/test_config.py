@@ -174,7 +174,7 @@ BAD_CASES = [
     pytest.param("scheduler.name=cosine", ["scheduler.name='cosine'", "cosine_with_warmup"], id="enum-scheduler"),
     pytest.param("data.kind=images", ["data.kind='images'", "text, synthetic"], id="enum-data-kind"),
     # microbatch sizes
-    pytest.param("eval_interval=5ba", ["device_eval_microbatch_size='auto'", "positive int"], id="eval-auto-with-eval"),
+    pytest.param(["eval_interval=5ba", "parallelism_config=null"], ["device_eval_microbatch_size='auto'", "fsdp2"], id="eval-auto-without-fsdp2"),
     pytest.param("device_train_microbatch_size=0", ["device_train_microbatch_size=0", "positive int or 'auto'"], id="mb-zero"),
     pytest.param("device_train_microbatch_size=-1", ["device_train_microbatch_size=-1", "positive int or 'auto'"], id="mb-negative"),
     pytest.param("device_train_microbatch_size=big", ["device_train_microbatch_size='big'", "positive int or 'auto'"], id="mb-big"),
@@ -224,7 +224,7 @@ BAD_CASES = [
 @pytest.mark.parametrize("override, fragments", BAD_CASES)
 def test_bad_values_raise_config_error(override, fragments):
     with pytest.raises(ConfigError) as info:
-        _load(override)
+        _load(*override) if isinstance(override, list) else _load(override)
     msg = str(info.value)
     for fragment in fragments:
         assert fragment in msg, f"{fragment!r} not in {msg!r}"

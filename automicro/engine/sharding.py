@@ -250,6 +250,10 @@ class ShardedModel:
         for param in self.module.parameters():
             param.grad = None
 
+    def reshard_root(self) -> None:
+        """Free the root's unsharded parameters (FSDP2 keeps them after a forward without backward)."""
+        self.module.reshard()
+
     def is_clean(self) -> bool:
         return internals.is_clean(self.fsdp_modules)
 

@@ -47,8 +47,10 @@ site name and index, next size.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Union
 
@@ -150,6 +152,10 @@ class AutoMicrobatching(Callback):
         self._batch_attempts = 0
         self._batch_retries = False
         self._used_split: tuple[int, ...] = ()
+        self._eval_auto = False
+        self._in_eval = False
+        self._eval_metrics: dict[str, Any] = {}
+        self._eval_snapshot: dict[str, Any] = {}
         self._rank = 0
 
     # ---- wiring ------------------------------------------------------------------------------
@@ -204,9 +210,92 @@ class AutoMicrobatching(Callback):
         # `trainer.close()`, also after a fit that raised (fit_end did not run).
         self._apply_hooks(False, "trainer closed")
 
+    def eval_start(self, state: State, logger: Logger) -> None:
+        self._in_eval = True
+        if self._eval_auto:
+            # An eval forward all-gathers like a training forward: with the eval search on, every
+            # all-gather needs its consensus point too.
+            self._apply_hooks(True, "eval")
+
+    def eval_batch_start(self, state: State, logger: Logger) -> None:
+        if self._eval_auto:
+            metrics = state.eval_metrics.get(state.dataloader_label, {}) if state.dataloader_label else {}
+            self._eval_metrics = metrics
+            self._eval_snapshot = {name: copy.deepcopy(m.metric_state) for name, m in metrics.items()}
+
     def eval_end(self, state: State, logger: Logger) -> None:
+        self._in_eval = False
         # Evaluation can leave memory fragmented and a spike behind: guard the next batches.
+        if self.policy is None:
+            self._apply_hooks(self._eval_auto, "after eval")
         self._rearm("eval")
+
+    # ---- eval-time search ----------------------------------------------------------------------
+
+    def guard_eval_forward(self, eval_forward: Callable[..., Any]) -> Callable[..., Any]:
+        """Fence one eval microbatch like a training attempt.
+
+        Composer's eval loop retries a batch at half the microbatch size when the forward raises
+        "CUDA out of memory" on any rank. Under FSDP2 that alone would deadlock (a rank that failed
+        skips all-gathers the others wait in); here every rank agrees through the consensus first,
+        the FSDP2 state is recovered, the batch's metric updates are rolled back, and only then
+        does every rank raise the OOM that Composer's retry expects.
+        """
+        self._eval_auto = True
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            if not self._in_eval:
+                # Composer also calls eval_forward for training metrics, inside a training
+                # attempt that is already fenced.
+                return eval_forward(*args, **kwargs)
+            assert self._consensus is not None
+            context = self._dispatcher.context
+            context.microbatch_size = _leading_size(args[0] if args else None)
+            context.num_microbatches, context.microbatch_index = 1, 0
+            context.last_site, context.last_module = "eval_forward", ""
+            self._consensus.begin_attempt()
+            context.in_attempt = True
+            try:
+                self._dispatcher.fire("eval_forward", "")
+                outputs = eval_forward(*args, **kwargs)
+            except BaseException as error:  # noqa: BLE001 - every failure must reach the consensus
+                context.in_attempt = False
+                followed = isinstance(error, (OOMOnOtherRank, FailedOnOtherRank))
+                verdict = self._fail_consensus(error, followed, context.last_site)
+                self._wipe_failed_eval()
+                if not followed and not is_oom(error):
+                    raise
+                self._raise_eval_failure(verdict, error)
+            context.in_attempt = False
+            verdict = self._consensus.finish(self._figures())
+            if verdict.failed:
+                outputs = None
+                self._wipe_failed_eval()
+                self._raise_eval_failure(verdict, None)
+            return outputs
+
+        return guarded
+
+    def _wipe_failed_eval(self) -> None:
+        for name, metric in self._eval_metrics.items():
+            for key, value in self._eval_snapshot.get(name, {}).items():
+                setattr(metric, key, copy.deepcopy(value))
+        assert self._sharded is not None
+        self._sharded.recover()
+        self._memory.empty_cache()
+
+    def _raise_eval_failure(self, verdict: Verdict, cause: Optional[BaseException]) -> None:
+        self.ooms_total += 1
+        if verdict.error_ranks:
+            raise FailedOnOtherRank(
+                f"automicro: rank(s) {verdict.error_ranks} failed with a non-OOM error during eval; "
+                "see that rank's traceback for the cause"
+            ) from cause
+        self._info(f"eval: out of memory on rank(s) {verdict.failed_ranks} at {verdict.sites}; Composer retries at half the size")
+        # The message is the one Composer's eval loop recognises as an OOM to retry.
+        raise OOMOnOtherRank(
+            f"CUDA out of memory encountered on rank(s) {verdict.failed_ranks} at {verdict.sites} during eval (automicro)"
+        ) from cause
 
     def _rearm(self, reason: str) -> None:
         if self.policy is None:
@@ -533,6 +622,18 @@ class AutoMicrobatching(Callback):
             f"batch {batch_index} attempt {record.attempt}: size {record.size} split {list(sizes)} -> "
             f"{outcome}{where}; next size {next_size}" + (f" ({note})" if note else "")
         )
+
+
+def _leading_size(batch: Any) -> int:
+    """Samples in a batch: the first dimension of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else []
+    for value in values:
+        size = _leading_size(value)
+        if size:
+            return size
+    return 0
 
 
 def search_config(search_mode: str, stable_batches: int, use_prediction: bool, start_size: Optional[int]):

@@ -15,6 +15,7 @@ from typing import Any, Optional, Union
 
 import composer
 import torch
+from composer.core import Callback, Evaluator
 from composer.devices import Device, DeviceCPU, DeviceGPU
 from composer.utils import dist as composer_dist
 from torch.distributed.fsdp import register_fsdp_forward_method
@@ -75,6 +76,45 @@ def _rebind_optimizers(optimizers: Any, names_before: dict[int, str], model: tor
             group["params"] = [after[names_before[id(p)]] if id(p) in names_before else p for p in group["params"]]
 
 
+def _route_eval_forward_through_fsdp(model: Any) -> None:
+    """Composer calls `model.eval_forward()` directly, not through `__call__`, so FSDP2's hooks
+    would not unshard the root's own parameters (a mixed Tensor/DTensor error in eval).
+
+    Only a real eval forward goes through FSDP2. Composer also calls `eval_forward(batch, outputs)`
+    for training metrics, after backward and before the optimizer step: routed through FSDP2, that
+    call would unshard the root and leave it unsharded holding pre-step values, which the next
+    forward would then use. With `outputs` given no parameter is needed, so it skips FSDP2.
+    """
+    if not callable(getattr(model, "eval_forward", None)):
+        return
+    plain = model.eval_forward
+    register_fsdp_forward_method(model, "eval_forward")
+    through_fsdp = model.eval_forward
+
+    def eval_forward(batch: Any, outputs: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if outputs is not None:
+            return plain(batch, outputs, *args, **kwargs)
+        return through_fsdp(batch, *args, **kwargs)
+
+    model.eval_forward = eval_forward
+
+
+class _ReshardRootAfterEval(Callback):
+    """FSDP2 keeps the root unsharded after a forward; after eval nothing may hold unsharded
+    parameters into training (a checkpoint load or any change to the shards would go unseen)."""
+
+    def __init__(self, sharded: ShardedModel) -> None:
+        self.sharded = sharded
+
+    def eval_end(self, state: Any, logger: Any) -> None:
+        self.sharded.reshard_root()
+
+
+def _evaluators(eval_dataloader: Any) -> list[Evaluator]:
+    items = eval_dataloader if isinstance(eval_dataloader, (list, tuple)) else [eval_dataloader]
+    return [item for item in items if isinstance(item, Evaluator)]
+
+
 class Trainer(composer.Trainer):
     """Composer's Trainer, plus FSDP2 through automicro's engine and auto microbatching on it."""
 
@@ -122,14 +162,25 @@ class Trainer(composer.Trainer):
             names_before = {id(p): n for n, p in model.named_parameters()}
             self._automicro_sharded = shard(model, fsdp2, device=composer_device.tensor_to_device(torch.empty(0)).device)
             _rebind_optimizers(kwargs.get("optimizers"), names_before, model)
-            if callable(getattr(model, "eval_forward", None)):
-                # Composer calls `model.eval_forward()` directly, not through `__call__`: without
-                # this the root's own parameters stay sharded in eval (mixed Tensor/DTensor error).
-                register_fsdp_forward_method(model, "eval_forward")
+            _route_eval_forward_through_fsdp(model)
+            callback_list.append(_ReshardRootAfterEval(self._automicro_sharded))
         self._automicro = automicro
         if automicro is not None:
             assert self._automicro_sharded is not None
             automicro.attach(self._automicro_sharded)
+
+        auto_evaluators = [e for e in _evaluators(kwargs.get("eval_dataloader")) if e.auto_microbatching]
+        if auto_evaluators:
+            if automicro is None:
+                raise ValueError(
+                    "device_eval_microbatch_size='auto' in automicro.Trainer needs FSDP2 and "
+                    "device_train_microbatch_size='auto' (the eval search runs on the same consensus)"
+                )
+            # Composer only checks that an auto evaluator runs on a GPU; automicro's eval search is
+            # device-independent, so the flag is lowered while Composer validates and raised after.
+            for evaluator in auto_evaluators:
+                evaluator.auto_microbatching = False
+            model.eval_forward = automicro.guard_eval_forward(model.eval_forward)
 
         super().__init__(
             model=model,
@@ -141,6 +192,8 @@ class Trainer(composer.Trainer):
             dist_timeout=dist_timeout,
             **kwargs,
         )
+        for evaluator in auto_evaluators:
+            evaluator.auto_microbatching = True
 
     @property
     def sharded_model(self) -> Optional[ShardedModel]:

@@ -141,9 +141,6 @@ class FaultInjector(Callback):
     def after_loss(self, state: State, logger: Logger) -> None:
         self._dispatcher.fire("loss", "")
 
-    def eval_before_forward(self, state: State, logger: Logger) -> None:
-        self._dispatcher.fire("eval_forward", "")
-
     def fit_end(self, state: State, logger: Logger) -> None:
         self.close_hooks()
 

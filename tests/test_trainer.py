@@ -1,0 +1,50 @@
+"""`device_eval_microbatch_size: auto` under FSDP2: OOMs in eval on some ranks never deadlock."""
+
+from __future__ import annotations
+
+import pytest
+
+from automicro.testing.multiprocess import run_multiprocess
+from tests import trainer_cases as eval_cases
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_multiprocess(eval_cases.run_eval_cases, world_size=2, timeout_s=300)
+
+
+def _ok(result):
+    assert "crash" not in result, result.get("crash")
+    return result
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(
+    "case, final_microbatch",
+    [("auto_rank1_ooms_above_4", 4), ("auto_every_rank_ooms_above_2", 2)],
+)
+def test_eval_oom_on_some_or_all_ranks_retries_at_half_size_with_the_same_metric(results, case, final_microbatch):
+    for per_rank in results:
+        reference = _ok(per_rank["fixed_4"])
+        result = _ok(per_rank[case])
+        assert result["eval_microbatch"] == final_microbatch
+        assert result["ooms_total"] >= 1
+        # The failed attempt's metric updates were rolled back: the eval loss equals a run that
+        # used a fitting size from the start (no sample counted twice).
+        assert abs(result["eval_loss"] - reference["eval_loss"]) < 1e-5, (result, reference)
+        assert result["clean_blocks"]
+
+
+@pytest.mark.multiproc
+def test_the_injector_fired_only_on_the_ranks_it_targets(results):
+    assert _ok(results[0]["auto_rank1_ooms_above_4"])["fired"] == 0
+    assert _ok(results[1]["auto_rank1_ooms_above_4"])["fired"] >= 1
+
+
+@pytest.mark.multiproc
+def test_trainer_on_two_ranks_matches_one_process_loop_with_training_metrics_on():
+    for per_rank in run_multiprocess(eval_cases.run_parity, world_size=2, timeout_s=300):
+        for name in ("fixed_4", "auto"):
+            error = per_rank[name]
+            assert not isinstance(error, dict), error.get("crash")
+            assert error < 5e-5, f"{name}: parameters differ from one process by {error}"

@@ -1,0 +1,124 @@
+"""Eval-time auto microbatching on 2 ranks: one rank runs out of memory in an eval forward."""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any, Optional
+
+import torch
+from composer.core import Evaluator
+
+import automicro
+from automicro.data import SyntheticTokens, build_dataloader
+from automicro.integration.callback import AutoMicrobatching
+from automicro.models import build_model
+from automicro.testing.faults import FaultInjector
+
+PER_RANK_BATCH = 8
+SEQ = 16
+
+
+def _eval_run(eval_microbatch: Any, injector: Optional[FaultInjector]) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = build_model("tiny", max_seq_len=SEQ)
+    train = build_dataloader(SyntheticTokens(64, SEQ, 256, seed=1), PER_RANK_BATCH, shuffle=False)
+    evaluator = Evaluator(
+        label="eval",
+        dataloader=build_dataloader(SyntheticTokens(32, SEQ, 256, seed=2), PER_RANK_BATCH, shuffle=False),
+        device_eval_microbatch_size=eval_microbatch,
+    )
+    auto = AutoMicrobatching(log_attempts=False)
+    callbacks = [auto] + ([injector] if injector is not None else [])
+    trainer = automicro.Trainer(
+        model=model,
+        train_dataloader=train,
+        eval_dataloader=evaluator,
+        eval_interval="2ba",
+        max_duration="2ba",
+        optimizers=torch.optim.AdamW(model.parameters(), lr=1e-3),
+        device="cpu",
+        parallelism_config={"fsdp2": {}},
+        device_train_microbatch_size="auto",
+        callbacks=callbacks,
+        loggers=[],
+        progress_bar=False,
+        log_to_console=False,
+        seed=17,
+    )
+    try:
+        trainer.fit()
+        metric = trainer.state.eval_metrics["eval"]["LanguageCrossEntropy"]
+        return {
+            "eval_loss": float(metric.compute()),
+            "eval_microbatch": evaluator.device_eval_microbatch_size,
+            "fired": None if injector is None else injector.fired,
+            "ooms_total": auto.ooms_total,
+            "clean_blocks": all(r["state"] == "IDLE" for r in trainer.sharded_model.states()),
+        }
+    finally:
+        trainer.close()
+
+
+def run_eval_cases(rank: int, world: int) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for name, microbatch, injector in (
+        ("fixed_4", 4, None),
+        ("auto_rank1_ooms_above_4", "auto", FaultInjector("eval_forward", ranks=[1], above=4)),
+        ("auto_every_rank_ooms_above_2", "auto", FaultInjector("eval_forward", above=2)),
+    ):
+        try:
+            results[name] = _eval_run(microbatch, injector)
+        except Exception:  # noqa: BLE001 - the test reports which case broke
+            results[name] = {"crash": traceback.format_exc()}
+    return results
+
+
+def run_parity(rank: int, world: int) -> dict[str, Any]:
+    """automicro.Trainer on `world` ranks vs a plain single-process loop over the same global
+    batches: tiny Llama with training metrics on (Composer then calls eval_forward after every
+    backward), fixed microbatch 4 and auto, 3 AdamW steps."""
+    from automicro.data.datasets import SyntheticTokens as Tokens
+
+    from tests.toy_models import full_state
+
+    steps, per_rank = 3, PER_RANK_BATCH
+    dataset = Tokens(per_rank * world * steps, SEQ, 256, seed=5)
+
+    torch.manual_seed(0)
+    reference = build_model("tiny", max_seq_len=SEQ)
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    for step in range(steps):
+        # DistributedSampler without shuffle deals sample i to rank i % world.
+        idx = range(step * per_rank * world, (step + 1) * per_rank * world)
+        batch = {k: torch.stack([dataset[i][k] for i in idx]) for k in ("input_ids", "labels")}
+        opt.zero_grad(set_to_none=True)
+        reference.loss(reference(batch), batch).backward()
+        opt.step()
+    expected = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+
+    results: dict[str, Any] = {}
+    for name, microbatch in (("fixed_4", 4), ("auto", "auto")):
+        torch.manual_seed(0)
+        model = build_model("tiny", max_seq_len=SEQ)
+        trainer = automicro.Trainer(
+            model=model,
+            train_dataloader=build_dataloader(dataset, per_rank, shuffle=False),
+            max_duration=f"{steps}ba",
+            optimizers=torch.optim.AdamW(model.parameters(), lr=1e-3),
+            device="cpu",
+            parallelism_config={"fsdp2": {}},
+            device_train_microbatch_size=microbatch,
+            loggers=[],
+            progress_bar=False,
+            log_to_console=False,
+            seed=17,
+        )
+        try:
+            trainer.fit()
+            got = full_state(model)
+            results[name] = max(float((got[k] - expected[k]).abs().max()) for k in expected)
+        except Exception:  # noqa: BLE001
+            results[name] = {"crash": traceback.format_exc()}
+        finally:
+            trainer.close()
+    return results
