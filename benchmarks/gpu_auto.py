@@ -75,7 +75,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=None, help="default 3e-4 (3e-3 with --tiny)")
     p.add_argument("--seed", type=int, default=17)
     p.add_argument("--speed-window", type=int, default=3, help="SpeedMonitor window_size")
-    p.add_argument("--steady-window", type=int, default=6, help="last N steady batches measured")
+    p.add_argument("--steady-window", type=int, default=8, help="last N steady batches measured")
     p.add_argument("--budget-s", type=float, default=1e9,
                    help="start no new case after this many seconds in the suite (rank 0 decides)")
     p.add_argument("--case-timeout", type=float, default=150.0,
@@ -190,9 +190,11 @@ class Ctx:
             self.extra.setdefault("skipped_for_budget", []).append(name)
         return go
 
-    def say(self, message: str) -> None:
+    def say(self, message: str, detail: bool = False) -> None:
+        """Rank 0 prints; `[gpu_auto]` lines are the console summary (gpu_auto.sh shows only those),
+        `[gpu_auto:detail]` lines go to the log."""
         if self.rank == 0:
-            print(f"[gpu_auto] {message}", flush=True)
+            print(f"[gpu_auto{':detail' if detail else ''}] {message}", flush=True)
 
     def write(self, in_progress: Optional[str] = None, done: bool = False) -> None:
         if self.rank != 0:
@@ -290,6 +292,8 @@ def make_recorder_classes():
             self.index = -1
             self._finish_s = 0.0
             self._wrapped = False
+            self.stop_on_step_down = False
+            self.stopped_early = False
             self._attempt = 0
             self._failed: list[list[Any]] = []
             self._phase, self._microbatch = "batch_start", -1
@@ -390,6 +394,11 @@ def make_recorder_classes():
                 }
             )
             self._attempt = 0
+            # Sweep runs: a size that had to step down has shown what it had to show. ooms_total and
+            # thrash events are agreed by every rank, so every rank stops at the same batch.
+            if self.stop_on_step_down and auto is not None and (auto.ooms_total or auto.thrash.events):
+                self.stopped_early = True
+                state.stop_training()
 
     class MetricsLog(LoggerDestination):
         """Metrics in memory, keyed by the batch index the recorder is on when they arrive."""
@@ -427,6 +436,7 @@ def run_case(
     text: bool = False,
     probe: bool = False,
     losses: bool = False,
+    stop_on_step_down: bool = False,
     note: str = "",
 ) -> dict[str, Any]:
     """Runs one Trainer on every rank; returns (on rank 0) the case record, also appended to ctx.cases."""
@@ -445,7 +455,10 @@ def run_case(
     args = ctx.args
     Recorder, MetricsLog = make_recorder_classes()
     ctx.write(in_progress=name)
-    ctx.say(f"case {name}: fractions {fractions} microbatch {micro} {auto_kwargs or ''} {note}".rstrip())
+    ctx.say(f"case {name}: fractions {fractions} microbatch {micro} {auto_kwargs or ''} {note}".rstrip(), detail=True)
+    # Per-case hang watchdog (build, fit, teardown, gather): dump every thread's stack and end the
+    # process; the launcher then stops the other rank and the JSON keeps this case as in_progress.
+    faulthandler.dump_traceback_later(args.case_timeout, exit=True)
 
     gc.collect()
     own_fraction = None if fractions is None else float(fractions[ctx.rank])
@@ -469,6 +482,7 @@ def run_case(
 
     mem = Mem(ctx.gpu)
     recorder = Recorder(mem, probe=probe)
+    recorder.stop_on_step_down = stop_on_step_down
     metrics = MetricsLog(recorder)
     callbacks: list[Any] = [recorder, SpeedMonitor(window_size=args.speed_window)]
     auto = None
@@ -502,7 +516,6 @@ def run_case(
     )
 
     status, error_text = "ok", None
-    faulthandler.dump_traceback_later(args.case_timeout, exit=True)
     started = time.perf_counter()
     try:
         trainer.fit()
@@ -519,7 +532,6 @@ def run_case(
         sys.stdout.flush()
         os._exit(3)
     fit_s = time.perf_counter() - started
-    faulthandler.cancel_dump_traceback_later()
 
     batches_done = int(trainer.state.timestamp.batch)
     local: dict[str, Any] = {
@@ -535,6 +547,7 @@ def run_case(
     if ctx.rank == 0:
         shared = {
             "batches_done": batches_done,
+            "stopped_early": recorder.stopped_early,
             "speed": {k: {str(i): rnd(v, 2) for i, v in d.items()} for k, d in metrics.rows.items() if k != "loss/train/total"},
             "losses": [metrics.rows["loss/train/total"].get(i) for i in range(batches_done)] if losses else None,
         }
@@ -570,6 +583,7 @@ def run_case(
     local["allocated_before"] = allocated_before
 
     per_rank = ctx.gather(local)
+    faulthandler.cancel_dump_traceback_later()
     if ctx.rank != 0:
         return {}
     case = {
@@ -606,12 +620,21 @@ def run_case(
     ctx.cases.append(case)
     ctx.write()
     s = case["summary"]
+    split = case.get("final_split")
     ctx.say(
-        f"  -> {status} in {fit_s:.1f} s: batches {case['batches_done']}/{batches}, found {case.get('found_size')}, "
-        f"split {case.get('final_split')}, attempts {s.get('attempts_total')}, OOMs {case.get('ooms_total')}, "
-        f"thrash {case.get('thrash_events')}, steady {fmt(s.get('tokens_per_s_speedmonitor'), ',.0f')} tok/s"
+        f"{name}: {status} {fit_s:.1f}s ba {case['batches_done']}/{batches} "
+        + (f"found {case.get('found_size')} split {splitfmt(split)} " if split else f"size {micro} ")
+        + f"att {s.get('attempts_total')} oom {case.get('ooms_total', '-')} ranks {s.get('failing_ranks', '-')} "
+        f"thr {case.get('thrash_events', '-')} {fmt(s.get('tokens_per_s_speedmonitor'), ',.0f')} tok/s "
+        f"leakfree {s.get('leak_free')} (t={ctx.elapsed():.0f}s)"
     )
     return case
+
+
+def splitfmt(split: Optional[list[int]]) -> str:
+    if not split:
+        return "-"
+    return ",".join(map(str, split)) if len(split) <= 4 else f"{max(split)}x{len(split)}" + ("" if len(set(split)) == 1 else "~")
 
 
 def fmt(value: Any, spec: str = ".3f") -> str:
@@ -631,7 +654,7 @@ def summarize(ctx: Ctx, case: dict[str, Any]) -> dict[str, Any]:
     rows = case["rows"]
     history = case.get("history") or []
     out: dict[str, Any] = {
-        "ended": case["status"] == "ok" and case["batches_done"] == case["batches"],
+        "ended": case["status"] == "ok" and (case["batches_done"] == case["batches"] or bool(case.get("stopped_early"))),
         "attempts_total": sum(r["attempts"] for r in rows),
     }
     # OOM/thrash events: where and on whom
@@ -693,6 +716,7 @@ def summarize(ctx: Ctx, case: dict[str, Any]) -> dict[str, Any]:
             if all((int(k) - d) in steady_set for d in range(args.speed_window))
         ]
         out["tokens_per_s_speedmonitor"] = rnd(median(window), 1)
+        out["step_s_hooks_off_speedmonitor"] = rnd(ctx.tokens_per_batch / out["tokens_per_s_speedmonitor"], 5) if window else None
         out["speedmonitor_values"] = len(window)
         mfu = case.get("speed", {}).get("throughput/device/mfu", {})
         mfu_window = [v for k, v in mfu.items() if all((int(k) - d) in steady_set for d in range(args.speed_window))]
@@ -708,6 +732,10 @@ def summarize(ctx: Ctx, case: dict[str, Any]) -> dict[str, Any]:
             out["history_s_hooks_on"] = rnd(median(hist_on), 5)
             if out.get("step_s_hooks_off"):
                 out["hooks_on_overhead"] = rnd(out["step_s_hooks_on"] / out["step_s_hooks_off"] - 1.0, 4)
+            if out.get("history_s_hooks_on") and out.get("step_s_hooks_off_speedmonitor"):
+                # the history's attempt seconds (hooks on) vs SpeedMonitor's batch time (hooks off)
+                out["hooks_on_overhead_history_vs_speedmonitor"] = rnd(
+                    out["history_s_hooks_on"] / out["step_s_hooks_off_speedmonitor"] - 1.0, 4)
     out["stepped_down"] = any(h["outcome"] in ("oom", "thrash") for h in history)
     out["alloc_retries_per_rank"] = [r["alloc_retries"] for r in case["ranks"]]
     out["leak_free"] = all(r["model_freed"] for r in case["ranks"])
@@ -731,10 +759,15 @@ def table(ctx: Ctx, header: list[str], rows: list[list[Any]]) -> None:
         return
     text = [[str(c) for c in header]] + [["-" if c is None else str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in text) for i in range(len(header))]
+    lines = []
     for n, row in enumerate(text):
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths)), flush=True)
+        lines.append(" ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
         if n == 0:
-            print("  ".join("-" * w for w in widths), flush=True)
+            lines.append(" ".join("-" * w for w in widths))
+    for line in lines:
+        print(f"[gpu_auto] | {line}", flush=True)
+    with open(os.path.join(ctx.args.out, f"gpu_auto_{ctx.args.suite}_table.txt"), "w", encoding="utf-8") as handle:
+        handle.write("\n".join(lines) + "\n")
 
 
 # ---- suite: nohang ------------------------------------------------------------------------------------
@@ -851,7 +884,7 @@ def suite_nohang(ctx: Ctx) -> None:
             s.get("attempts_total"), c.get("ooms_total"), s.get("failing_ranks"),
             ",".join(s.get("oom_sites", [])) or "-",
             ",".join(sorted({p.split("@")[0] for p in s.get("oom_phases", [])})) or "-", s.get("seconds_to_stable"), c.get("found_size"),
-            c.get("final_split"), c.get("thrash_events"), "no" if s.get("ended") else "?",
+            splitfmt(c.get("final_split")), c.get("thrash_events"), "no" if s.get("ended") else "?",
         ])
     table(ctx, ["run", "fractions", "status", "batches", "attempts", "OOMs", "OOM ranks", "OOM sites",
                 "OOM phases", "s to stable", "found", "split", "thrash", "hung"], rows)
@@ -897,27 +930,24 @@ def suite_throughput(ctx: Ctx) -> None:
     else:
         sizes = [int(x) for x in args.sweep.split(",")]
     ctx.extra["sweep_sizes"] = sizes
-    for m in sizes:
-        if not ctx.within_budget(f"fixed-{m}"):
-            break
-        run_case(ctx, f"fixed-{m}", fractions=fractions, batches=N,
-                 auto_kwargs={"search": "halve", "start_size": m, "stable_batches": args.sweep_stable},
-                 note="fixed size as AutoMicrobatching(search=halve, start_size=m): an OOM steps down instead of hanging")
-
-    # best hand-tuned: the fastest sweep size that ran at its own size (no step-down)
-    best = None
-    if ctx.rank == 0:
-        fitting = [c for c in ctx.cases if c["name"].startswith("fixed-") and not c["summary"].get("stepped_down")
-                   and c["summary"].get("tokens_per_s_speedmonitor")]
-        if fitting:
-            top_case = max(fitting, key=lambda c: c["summary"]["tokens_per_s_speedmonitor"])
-            best = {"size": int(top_case["name"].split("-")[1]), "tokens_per_s": top_case["summary"]["tokens_per_s_speedmonitor"]}
-    best = ctx.decide(best)
-    if best and not args.no_plain and ctx.within_budget(f"plain-{best['size']}"):
-        # Plain Composer (no automicro in the batch step) at a size the sweep proved to fit. An OOM
-        # here would end the launch (that is exactly what automicro prevents): it runs last.
-        run_case(ctx, f"plain-{best['size']}", fractions=fractions, micro=best["size"], batches=N,
-                 note="plain Composer fixed size, automicro only shards (FSDP2 engine)")
+    # Plain Composer runs once the sizes most likely to be best (found, found+1, found-1) are measured,
+    # before the small sizes, so a tight budget cuts those first.
+    plain_after = min(len(sizes), 3)
+    best: Optional[dict[str, Any]] = None
+    for i, m in enumerate(sizes):
+        if ctx.within_budget(f"fixed-{m}"):
+            run_case(ctx, f"fixed-{m}", fractions=fractions, batches=N, stop_on_step_down=True,
+                     auto_kwargs={"search": "halve", "start_size": m, "stable_batches": args.sweep_stable},
+                     note="fixed size as AutoMicrobatching(search=halve, start_size=m): an OOM steps down instead of hanging")
+        if i + 1 == plain_after and not args.no_plain:
+            best = ctx.decide(best_fixed(ctx) if ctx.rank == 0 else None)
+            if best and ctx.within_budget(f"plain-{best['size']}"):
+                # Plain Composer (automicro only shards; Composer's own batch step) at a size the sweep
+                # ran without stepping down. An OOM here would end the launch: that is what automicro
+                # prevents, and why this uses a size already proven under the same limits.
+                run_case(ctx, f"plain-{best['size']}", fractions=fractions, micro=best["size"], batches=N,
+                         note="plain Composer fixed size, automicro only shards (FSDP2 engine)")
+    best = ctx.decide(best_fixed(ctx) if ctx.rank == 0 else None)
 
     ctx.extra["gloo_allreduce"] = gloo_allreduce_bench(ctx)
     if ctx.rank == 0:
@@ -927,7 +957,7 @@ def suite_throughput(ctx: Ctx) -> None:
     for c in ctx.cases:
         s = c["summary"]
         rows.append([
-            c["name"], c["status"], c.get("found_size", c["micro"]), c.get("final_split"), s.get("attempts_to_converge"),
+            c["name"], c["status"], c.get("found_size", c["micro"]), splitfmt(c.get("final_split")), s.get("attempts_to_converge"),
             s.get("ooms_to_converge"), "yes" if s.get("stepped_down") else "no", fmt(s.get("tokens_per_s_speedmonitor"), ",.0f"),
             fmt(s.get("tokens_per_s_own"), ",.0f"), fmt(s.get("step_s_hooks_on"), ".4f"), fmt(s.get("step_s_hooks_off"), ".4f"),
             fmt(s.get("hooks_on_overhead"), "+.2%"), s.get("rounds_per_batch_hooks_on"), s.get("rounds_per_batch_hooks_off"),
@@ -935,7 +965,53 @@ def suite_throughput(ctx: Ctx) -> None:
     table(ctx, ["case", "status", "found/size", "split", "att→conv", "OOM→conv", "stepped", "tok/s SM",
                 "tok/s own", "step on", "step off", "overhead", "rounds on", "rounds off"], rows)
     if ctx.rank == 0:
-        print(f"[gpu_auto] throughput report: {json.dumps(ctx.extra['report'])}", flush=True)
+        print_throughput_report(ctx.extra["report"])
+
+
+def print_throughput_report(rep: dict[str, Any]) -> None:
+    best = rep.get("best_hand_tuned") or {}
+    sweep = sorted(rep.get("sweep") or [], key=lambda r: r["size"])
+    print("[gpu_auto] fixed-size sweep: " + " | ".join(
+        f"{r['size']}: {fmt(r['tokens_per_s'], ',.0f')} tok/s" if r["fits"]
+        else f"{r['size']}: OOM at {','.join(r['oom_sites'] or []) or '?'} -> stepped to {r['stepped_down_to']}"
+        for r in sweep), flush=True)
+    for key in ("auto-bisect", "auto-halve"):
+        r = rep.get(key)
+        if not r:
+            continue
+        print(
+            f"[gpu_auto] {key}: found {r['found_size']} split {splitfmt(r['split'])}; {r['attempts_to_converge']} attempts / "
+            f"{r['ooms_to_converge']} OOMs to converge ({fmt(r['search_seconds'], '.2f')} s in attempts, "
+            f"{fmt(r['seconds_to_stable'], '.2f')} s to stable); {fmt(r['tokens_per_s'], ',.0f')} tok/s = "
+            f"{fmt(r['ratio_to_best_hand_tuned'], '.4f')} x best hand-tuned (size {best.get('size')}, "
+            f"{fmt(best.get('tokens_per_s'), ',.0f')} tok/s; median step times: {fmt(r.get('ratio_own_median'), '.4f')}); step hooks on {fmt(r['step_s_hooks_on'], '.4f')} s vs off "
+            f"{fmt(r['step_s_hooks_off'], '.4f')} s ({fmt(r['hooks_on_overhead'], '+.2%')}; history {fmt(r['history_s_hooks_on'], '.4f')} s "
+            f"vs SpeedMonitor {fmt(r['step_s_hooks_off_speedmonitor'], '.4f')} s: {fmt(r['hooks_on_overhead_history_vs_speedmonitor'], '+.2%')}); consensus all-reduces per batch "
+            f"on {r['rounds_per_batch_hooks_on']} / off {r['rounds_per_batch_hooks_off']} "
+            f"(off: {fmt((r['finish_s_per_batch_hooks_off'] or 0) * 1e3, '.3f')} ms in it)",
+            flush=True,
+        )
+    print(f"[gpu_auto] target auto/best >= 0.995 met: {rep.get('target_ratio_met')}; hooks-on overhead per sweep size: "
+          f"{ {k: fmt(v, '+.2%') for k, v in (rep.get('sweep_hooks_on_overhead') or {}).items()} }", flush=True)
+    if rep.get("plain_composer"):
+        print(f"[gpu_auto] plain Composer at {rep['plain_composer']['size']}: {fmt(rep['plain_composer']['tokens_per_s'], ',.0f')} tok/s; "
+              f"auto/plain {rep.get('auto_over_plain')}; automicro hooks-off/plain at the same size "
+              f"{rep.get('hooks_off_automicro_over_plain_same_size')}", flush=True)
+    g = rep.get("gloo_allreduce") or {}
+    print(f"[gpu_auto] one gloo all-reduce of {g.get('elements')} int64 (the consensus left per batch once hooks are off): "
+          f"{fmt((g.get('seconds_per_allreduce') or 0) * 1e6, '.1f')} us", flush=True)
+
+
+def best_fixed(ctx: Ctx) -> Optional[dict[str, Any]]:
+    """Best hand-tuned size: the fastest sweep run that stayed at its own size (no step-down)."""
+    fitting = [c for c in ctx.cases if c["name"].startswith("fixed-") and not c["summary"].get("stepped_down")
+               and c["summary"].get("tokens_per_s_speedmonitor")]
+    if not fitting:
+        return None
+    top = max(fitting, key=lambda c: c["summary"]["tokens_per_s_speedmonitor"])
+    own = max((c["summary"].get("tokens_per_s_own") or 0 for c in fitting), default=0) or None
+    return {"size": int(top["name"].split("-")[1]), "tokens_per_s": top["summary"]["tokens_per_s_speedmonitor"],
+            "tokens_per_s_own": own}
 
 
 def throughput_report(ctx: Ctx, best: Optional[dict[str, Any]]) -> dict[str, Any]:
@@ -956,15 +1032,36 @@ def throughput_report(ctx: Ctx, best: Optional[dict[str, Any]]) -> dict[str, Any
             "tokens_per_s": s.get("tokens_per_s_speedmonitor"),
             "ratio_to_best_hand_tuned": rnd(s["tokens_per_s_speedmonitor"] / best["tokens_per_s"], 4)
             if best and s.get("tokens_per_s_speedmonitor") else None,
+            "tokens_per_s_own_median": s.get("tokens_per_s_own"),
+            "ratio_own_median": rnd(s["tokens_per_s_own"] / best["tokens_per_s_own"], 4)
+            if best and best.get("tokens_per_s_own") and s.get("tokens_per_s_own") else None,
             "step_s_hooks_on": s.get("step_s_hooks_on"),
             "step_s_hooks_off": s.get("step_s_hooks_off"),
             "hooks_on_overhead": s.get("hooks_on_overhead"),
+            "history_s_hooks_on": s.get("history_s_hooks_on"),
+            "step_s_hooks_off_speedmonitor": s.get("step_s_hooks_off_speedmonitor"),
+            "hooks_on_overhead_history_vs_speedmonitor": s.get("hooks_on_overhead_history_vs_speedmonitor"),
             "rounds_per_batch_hooks_on": s.get("rounds_per_batch_hooks_on"),
             "rounds_per_batch_hooks_off": s.get("rounds_per_batch_hooks_off"),
             "finish_s_per_batch_hooks_off": s.get("finish_s_per_batch_hooks_off"),
         }
     if "auto-bisect" in rep:
         rep["target_ratio_met"] = (rep["auto-bisect"]["ratio_to_best_hand_tuned"] or 0) >= 0.995
+    rep["sweep"] = [
+        {
+            "size": int(c["name"].split("-")[1]),
+            "fits": not c["summary"].get("stepped_down"),
+            "stepped_down_to": c["summary"].get("final_size") if c["summary"].get("stepped_down") else None,
+            "oom_sites": c["summary"].get("oom_sites"),
+            "oom_phases": c["summary"].get("oom_phases"),
+            "tokens_per_s": c["summary"].get("tokens_per_s_speedmonitor"),
+            "tokens_per_s_own": c["summary"].get("tokens_per_s_own"),
+            "step_s_hooks_on": c["summary"].get("step_s_hooks_on"),
+            "step_s_hooks_off": c["summary"].get("step_s_hooks_off"),
+        }
+        for c in ctx.cases
+        if c["name"].startswith("fixed-")
+    ]
     overheads = {c["name"]: c["summary"].get("hooks_on_overhead") for c in ctx.cases if c["name"].startswith("fixed-")}
     rep["sweep_hooks_on_overhead"] = overheads
     plain = [c for c in ctx.cases if c["name"].startswith("plain-")]
