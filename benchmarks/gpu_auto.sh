@@ -8,7 +8,7 @@
 # Writes OUT/gpu_auto_<suite>.json (rewritten after every case), OUT/<suite>.log, OUT/summary.txt;
 # OUT defaults to runs/gpu_auto.
 # Env knobs: K=12 (nohang runs; the issue asks >= 20: raise NOHANG_S too), SUITES="nohang throughput thrash",
-#   TOTAL_S=520 (all suites together, launches included), NOHANG_S=200 THROUGHPUT_S=200 THRASH_S=120
+#   TOTAL_S=500 (all suites together, launches included), NOHANG_S=190 THROUGHPUT_S=190 THRASH_S=120
 #   (per-suite hard timeouts), PARITY=1 (adds the 300-step parity suite, ~8-9 min on 1B, outside TOTAL_S;
 #   better alone: SUITES=parity, PARITY_S=560),
 #   DRIVER_ARGS="..." (appended to every driver call; the last value of a flag wins).
@@ -22,7 +22,7 @@ export WANDB_MODE=offline PYTHONUNBUFFERED=1
 K=${K:-12}
 SUITES=${SUITES:-"nohang throughput thrash"}
 [ "${PARITY:-0}" = 1 ] && SUITES="$SUITES parity"
-TOTAL_S=${TOTAL_S:-520}
+TOTAL_S=${TOTAL_S:-500}
 script_start=$(date +%s)
 
 if [ "${AUTO_DEVICE:-gpu}" = cpu ]; then
@@ -50,10 +50,11 @@ run_suite() {  # name, hard cap (s), then driver arguments
     return
   fi
   # The driver stops starting new cases at --budget-s; the timeout is the hang watchdog.
-  local budget=$(( limit - 50 ))
+  local budget=$(( limit - 40 ))
   echo "=== $suite (timeout ${limit} s, case budget ${budget} s)"
+  rm -f "$OUT/gpu_auto_$suite.json"
   local start=$(date +%s)
-  timeout --signal=TERM --kill-after=15 "$limit" "${LAUNCH[@]}" --suite "$suite" --out "$OUT" \
+  timeout --signal=TERM --kill-after=10 "$limit" "${LAUNCH[@]}" --suite "$suite" --out "$OUT" \
     --budget-s "$budget" ${DEVICE_ARGS[@]+"${DEVICE_ARGS[@]}"} "$@" ${DRIVER_ARGS:-} > "$OUT/$suite.log" 2>&1
   local rc=$?
   local took=$(( $(date +%s) - start ))
@@ -72,6 +73,7 @@ print(f"{word}, {len(cases)} case(s){extra}")
 PY
 )
   echo "suite $suite: exit $rc in ${took} s; $state" | tee -a "$OUT/summary.txt"
+  case $state in complete*) ;; *) grep '^\[gpu_auto:detail\]' "$OUT/$suite.log" | tail -4 ;; esac
   if [ "$rc" -ne 0 ]; then
     [ "$rc" -eq 124 ] && echo "suite $suite: TIMEOUT after ${limit} s" | tee -a "$OUT/summary.txt"
     grep -n "Traceback\|Error\|error\|Timeout\|timeout\|Thread 0x\|File \"" "$OUT/$suite.log" | grep -v Warning | tail -25
@@ -80,8 +82,8 @@ PY
 
 for suite in $SUITES; do
   case $suite in
-    nohang) run_suite nohang "${NOHANG_S:-200}" --runs "$K" --case-timeout 90 ;;
-    throughput) run_suite throughput "${THROUGHPUT_S:-200}" --case-timeout 90 ;;
+    nohang) run_suite nohang "${NOHANG_S:-190}" --runs "$K" --case-timeout 90 ;;
+    throughput) run_suite throughput "${THROUGHPUT_S:-190}" --case-timeout 90 ;;
     thrash) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False run_suite thrash "${THRASH_S:-120}" --case-timeout 90 ;;
     # parity is outside TOTAL_S: ~2 x 300 batches of ~0.8 s on 1B; run it alone (SUITES=parity).
     parity) TOTAL_S=$(( TOTAL_S + ${PARITY_S:-560} )) run_suite parity "${PARITY_S:-560}" --case-timeout 400 ;;
