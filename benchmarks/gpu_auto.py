@@ -81,6 +81,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--case-timeout", type=float, default=150.0,
                    help="per-case watchdog: dump all stacks and exit if one case takes longer")
     p.add_argument("--dist-timeout", type=float, default=120.0)
+    p.add_argument("--sync-points", default="all", choices=("all", "collectives"),
+                   help="AutoMicrobatching(sync_points=...): consensus at module boundaries too, or only before collectives")
     p.add_argument("--quiet", action="store_true", help="no [automicro] attempt lines")
     p.add_argument("--cpu-total-mb", type=float, default=60.0,
                    help="CPU only: the emulated device size; a fraction f limits a rank to f * this")
@@ -491,6 +493,7 @@ def run_case(
     if micro == "auto":
         kwargs = dict(auto_kwargs or {})
         kwargs.setdefault("log_attempts", not args.quiet)
+        kwargs.setdefault("sync_points", args.sync_points)
         auto = AutoMicrobatching(memory_fraction=fraction_map(fractions) if ctx.gpu else None, **kwargs)
         callbacks.append(auto)
     cap_cb = None

@@ -190,9 +190,14 @@ def reference_params(world: int, batches: int, microbatch: int = REFERENCE_MICRO
 
 
 def fault_case(
-    world: int, site: str, ranks: Optional[list[int]], index: int, reference: dict[str, torch.Tensor]
+    world: int,
+    site: str,
+    ranks: Optional[list[int]],
+    index: int,
+    reference: dict[str, torch.Tensor],
+    sync_points: str = "all",
 ) -> dict[str, Any]:
-    auto = AutoMicrobatching(log_attempts=False)
+    auto = AutoMicrobatching(log_attempts=False, sync_points=sync_points)
     injector = FaultInjector(site, ranks=ranks, above=ABOVE, microbatch_index=index)
     trainer = build_trainer(world, MATRIX_BATCHES, callbacks=(auto, injector))
     started = time.perf_counter()
@@ -222,7 +227,9 @@ def fault_case(
     return result
 
 
-def run_fault_matrix(rank: int, world: int, cases: list[tuple[str, str, str]], one_rank: int) -> dict[str, Any]:
+def run_fault_matrix(
+    rank: int, world: int, cases: list[tuple[str, str, str]], one_rank: int, sync_points: str = "all"
+) -> dict[str, Any]:
     """cases: (site, who, where), who in {"one", "every"}, where in MICROBATCH; "one" = `one_rank`."""
     torch.set_num_threads(1)
     out: dict[str, Any] = {"torch": torch.__version__}
@@ -230,7 +237,7 @@ def run_fault_matrix(rank: int, world: int, cases: list[tuple[str, str, str]], o
     for site, who, where in cases:
         ranks = [one_rank] if who == "one" else None
         try:
-            out[f"{site}/{who}/{where}"] = fault_case(world, site, ranks, MICROBATCH[where], reference)
+            out[f"{site}/{who}/{where}"] = fault_case(world, site, ranks, MICROBATCH[where], reference, sync_points)
         except Exception as error:  # noqa: BLE001 - report which case broke
             out[f"{site}/{who}/{where}"] = {"crash": _error_text(error)}
     return out

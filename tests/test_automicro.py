@@ -34,6 +34,21 @@ def matrix_two_ranks():
     )
 
 
+COLLECTIVES_ONLY_SITES = ["forward_pre", "backward", "unshard_alloc", "reduce_scatter_alloc", "loss"]
+COLLECTIVES_ONLY_CASES = [(site, "one", where) for site in COLLECTIVES_ONLY_SITES for where in ("first", "last")]
+
+
+@pytest.fixture(scope="module")
+def matrix_collectives_only():
+    return run_multiprocess(
+        cases.run_fault_matrix,
+        world_size=2,
+        args=(COLLECTIVES_ONLY_CASES, WORLD2_ONE_RANK, "collectives"),
+        timeout_s=300,
+        **FAST,
+    )
+
+
 @pytest.fixture(scope="module")
 def matrix_four_ranks():
     return run_multiprocess(
@@ -151,6 +166,17 @@ def test_four_ranks_oom_at_collective_site_on_rank3_or_every_rank_finds_largest_
 ):
     failing = [WORLD4_ONE_RANK] if who == "one" else [0, 1, 2, 3]
     _check_fault_case(matrix_four_ranks, f"{site}/{who}/{where}", site, cases.MICROBATCH[where], failing, cases.MATRIX_BATCHES)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("where", ["first", "last"])
+@pytest.mark.parametrize("site", COLLECTIVES_ONLY_SITES)
+def test_consensus_only_before_collectives_still_never_deadlocks_and_finds_the_size(matrix_collectives_only, site, where):
+    # sync_points="collectives": no consensus at module boundaries, only between FSDP2's buffer
+    # allocation and its collectives; rank 1 fails and rank 0 must notice at its next collective.
+    _check_fault_case(
+        matrix_collectives_only, f"{site}/one/{where}", site, cases.MICROBATCH[where], [WORLD2_ONE_RANK], cases.MATRIX_BATCHES
+    )
 
 
 # ---- hooks lifecycle ---------------------------------------------------------------------------

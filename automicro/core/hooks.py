@@ -25,6 +25,7 @@ from automicro.core.sites import DISPATCHER, PRIORITY_SYNC, SiteDispatcher
 from automicro.engine import _torch_internals as internals
 from automicro.engine.sharding import ShardedModel
 
+SYNC_POINTS = ("all", "collectives")
 SYNC_SITES = frozenset({"forward_pre", "backward_pre", "backward", "unshard_alloc", "reduce_scatter_alloc", "all_reduce_alloc"})
 
 
@@ -35,9 +36,10 @@ class SiteHooks:
     and by the fault injector (which must fire even while the sync hooks are off).
     """
 
-    def __init__(self, sharded: ShardedModel, fire: Callable[[str, str], None]) -> None:
+    def __init__(self, sharded: ShardedModel, fire: Callable[[str, str], None], module_sites: bool = True) -> None:
         self.sharded = sharded
         self.fire = fire
+        self.module_sites = module_sites
         self._handles: list[Any] = []
 
     @property
@@ -48,7 +50,7 @@ class SiteHooks:
         if self._handles:
             return
         fire = self.fire
-        for name, module in self.sharded.named_fsdp_modules:
+        for name, module in self.sharded.named_fsdp_modules if self.module_sites else []:
             self._handles.append(module.register_forward_pre_hook(_fire_hook(fire, "forward_pre", name), prepend=True))
             self._handles.append(module.register_forward_hook(_fire_hook(fire, "forward", name)))
             self._handles.append(
@@ -88,10 +90,16 @@ class SyncHooks:
         sharded: ShardedModel,
         consensus: Consensus,
         dispatcher: SiteDispatcher = DISPATCHER,
+        sync_points: str = "all",
     ) -> None:
+        if sync_points not in SYNC_POINTS:
+            raise ValueError(f"sync_points={sync_points!r}: must be one of {list(SYNC_POINTS)}")
         self.consensus = consensus
         self.dispatcher = dispatcher
-        self._site_hooks = SiteHooks(sharded, dispatcher.fire)
+        # "collectives" keeps only the consensus points in front of FSDP2's collectives: enough
+        # for deadlock freedom (the invariant), fewer rounds while searching; a rank then notices
+        # another's failure at the next collective instead of the next module boundary.
+        self._site_hooks = SiteHooks(sharded, dispatcher.fire, module_sites=sync_points == "all")
         self._remove_listener: Optional[Callable[[], None]] = None
 
     @property

@@ -68,7 +68,7 @@ from automicro.core.consensus import (
     OOMOnOtherRank,
     Verdict,
 )
-from automicro.core.hooks import SyncHooks
+from automicro.core.hooks import SYNC_POINTS, SyncHooks
 from automicro.core.memory import CudaMemory, MemorySource, NoMemory
 from automicro.core.sites import DISPATCHER, SiteDispatcher, site_index
 from automicro.core.thrash import ThrashDetector
@@ -121,6 +121,7 @@ class AutoMicrobatching(Callback):
         memory_fraction: Optional[Union[float, dict[int, float]]] = None,
         log_attempts: bool = True,
         unguarded_timeout_s: float = 120.0,
+        sync_points: str = "all",
     ) -> None:
         self.policy_config = search_config(search, stable_batches, use_prediction, start_size)
         self.thrash = ThrashDetector(thrash_batches)
@@ -132,6 +133,12 @@ class AutoMicrobatching(Callback):
                 raise ValueError(
                     f"memory_fraction={memory_fraction!r}: must be a number in (0, 1] or a {{rank: fraction}} map"
                 )
+        if sync_points not in SYNC_POINTS:
+            raise ValueError(
+                f"sync_points={sync_points!r}: must be 'all' (module boundaries and collectives) or "
+                "'collectives' (only in front of FSDP2's collectives: fewer consensus rounds while searching)"
+            )
+        self.sync_points = sync_points
         self.cpu_sync_group = cpu_sync_group
         self.memory_fraction = memory_fraction
         self.log_attempts = log_attempts
@@ -167,7 +174,7 @@ class AutoMicrobatching(Callback):
         self._sharded = sharded
         self._consensus = Consensus.create(use_cpu_group=self.cpu_sync_group)
         self._rank = dist.get_rank() if dist.is_initialized() else 0
-        self._hooks = SyncHooks(sharded, self._consensus, self._dispatcher)
+        self._hooks = SyncHooks(sharded, self._consensus, self._dispatcher, sync_points=self.sync_points)
         if memory is not None:
             self._memory = memory
         elif torch.cuda.is_available() and sharded.device.type == "cuda":
