@@ -136,7 +136,7 @@ def title_of(run: Run) -> str:
     if found:
         facts.append(f"microbatch size found {int(found)}")
     if split_size is not None and split_count is not None:
-        facts.append(f"in use {int(split_count)} x <= {int(split_size)}")
+        facts.append(f"in use: {int(split_count)} microbatch{'es' if split_count != 1 else ''} of up to {int(split_size)}")
     ooms = run.last("automicro/ooms_total")
     if ooms is not None:
         oom_events = sum(1 for e in run.events if e.get("outcome") == "oom")
@@ -145,7 +145,7 @@ def title_of(run: Run) -> str:
         if oom_events != ooms and run.events:
             facts[-1] += f" ({oom_events} OOM events logged)"
         search_s = run.last("automicro/search_time_s")
-        if search_s is not None:
+        if search_s:
             facts.append(f"{search_s:.1f} s in failed attempts")
     batches = max(run.batches) + 1 if run.batches else 0
     facts.append(f"{batches} batches")
@@ -155,7 +155,14 @@ def title_of(run: Run) -> str:
     mfu = run.last(MFU)
     if mfu is not None:
         facts.append(f"MFU {100 * mfu:.1f}%")
-    lines.append(" | ".join(facts))
+    line = ""
+    for fact in facts:  # wrap between facts, about 105 characters a line
+        if line and len(line) + 3 + len(fact) > 105:
+            lines.append(line)
+            line = fact
+        else:
+            line = f"{line} | {fact}" if line else fact
+    lines.append(line)
     return "\n".join(lines)
 
 
@@ -169,15 +176,20 @@ def plot(run: Run, out_path: str) -> None:
     from matplotlib.ticker import MaxNLocator
 
     auto = any(SIZE in m for m in run.batches.values()) or bool(run.events)
-    nrows = 2 if auto else 1
+    ratios = [1.0, 1.0, 0.38] if auto else [1.0]
     fig, axes = plt.subplots(
-        nrows, 1, figsize=(11, 7.5 if auto else 4.5), sharex=True, squeeze=False, gridspec_kw={"height_ratios": [1] * nrows}
+        len(ratios), 1, figsize=(11, 8.2 if auto else 4.5), sharex=True, squeeze=False,
+        gridspec_kw={"height_ratios": ratios},
     )
     axes = [row[0] for row in axes]
     ax_tp = axes[0]
 
     hook_xs, hook_flags = run.series(HOOKS)
-    hook_spans = spans(hook_xs, hook_flags)
+    # automicro/hooks_active is read at batch end: the batch at whose end the hooks came off
+    # still ran with them, so a batch counts as guarded if its flag or its predecessor's is 1.
+    at_end = dict(zip(hook_xs, hook_flags))
+    guarded = [max(at_end[x], at_end.get(x - 1, 0.0)) for x in hook_xs]
+    hook_spans = spans(hook_xs, guarded)
     oom_events = [e for e in run.events if e.get("outcome") == "oom"]
     thrash_events = [e for e in run.events if e.get("outcome") == "thrash"]
     for ax in axes:
@@ -224,13 +236,17 @@ def plot(run: Run, out_path: str) -> None:
         sx, sizes = run.series(SIZE)
         ax_mb.step(sx, sizes, where="mid", color="#2ca02c", lw=2.2, label="microbatch size (largest of the split)", zorder=3)
         ax_mb.plot(sx, sizes, ls="", marker="o", ms=3, color="#2ca02c", zorder=3)
-        ax_n = ax_mb.twinx()
+        found = run.last("automicro/found_size")
+        if found:
+            ax_mb.axhline(found, color="#555555", ls="--", lw=1, zorder=2,
+                          label=f"largest size that fit: {int(found)} (the batch is then split evenly)")
+        ax_n = axes[2]
         cx, counts = run.series(COUNT)
-        ax_n.step(cx, counts, where="mid", color="#9467bd", lw=1.5, ls="--", label="microbatches per batch", zorder=2)
-        ax_n.set_ylabel("microbatches per batch", color="#9467bd")
-        ax_n.tick_params(axis="y", colors="#9467bd")
-        ax_n.yaxis.set_major_locator(MaxNLocator(integer=True))
-        ax_n.set_ylim(0, max(counts or [1]) * 1.6 + 0.5)
+        ax_n.step(cx, counts, where="mid", color="#9467bd", lw=2, zorder=3)
+        ax_n.plot(cx, counts, ls="", marker="o", ms=3, color="#9467bd", zorder=3)
+        ax_n.set_ylabel("microbatches\nper batch")
+        ax_n.yaxis.set_major_locator(MaxNLocator(integer=True, nbins=4))
+        ax_n.set_ylim(0, max(counts or [1]) * 1.35 + 0.3)
         top = max(sizes + [float(e.get("size", 0)) for e in run.events] + [1.0])
         for events, color, word in ((oom_events, OOM_COLOR, "OOM"), (thrash_events, THRASH_COLOR, "thrash")):
             for e in events:
@@ -241,19 +257,16 @@ def plot(run: Run, out_path: str) -> None:
                     ranks = ",".join(str(r) for r in e["ranks"])
                     where = f"\nrank {ranks}" + (f" @ {e['site']}" if e.get("site") else "")
                 ax_mb.annotate(
-                    f"{word} at {int(y)}{where}", xy=(x, y), xytext=(9, -4), textcoords="offset points",
-                    fontsize=8, color=color, va="top", zorder=6,
+                    f"{word} at {int(y)}{where}", xy=(x, y), xytext=(8, 5), textcoords="offset points",
+                    fontsize=8, color=color, va="bottom", zorder=6,
                     bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none", "alpha": 0.8},
                 )
-        ax_mb.set_ylim(0, top * 1.3 + 0.5)
+        ax_mb.set_ylim(0, top * 1.55 + 0.5)  # headroom for the legend above the curve
         ax_mb.yaxis.set_major_locator(MaxNLocator(integer=True))
-        ax_mb.set_ylabel("samples per microbatch", color="#2ca02c")
-        ax_mb.tick_params(axis="y", colors="#2ca02c")
-        ax_mb.set_title("auto microbatching", loc="left", fontsize=10)
-        lines = ax_mb.get_legend_handles_labels()[0] + ax_n.get_legend_handles_labels()[0]
-        ax_mb.legend(handles=lines + handles, loc="upper right", fontsize=8, framealpha=0.9, ncol=2)
-        ax_mb.set_zorder(ax_n.get_zorder() + 1)
-        ax_mb.patch.set_visible(False)
+        ax_mb.set_ylabel("samples per microbatch")
+        ax_mb.set_title("auto microbatching: microbatch size per batch, failed attempts marked", loc="left", fontsize=10)
+        lines = ax_mb.get_legend_handles_labels()[0]
+        ax_mb.legend(handles=lines + handles, loc="upper right", fontsize=8, framealpha=0.9)
     elif handles:
         ax_tp.legend(handles=handles, loc="lower right", fontsize=8)
     if tokens:

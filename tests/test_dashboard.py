@@ -1,104 +1,280 @@
-"""What a user watches: wandb (offline) and the local record carry the automicro and throughput
-metrics, every failed attempt is an event, the plot renders, and the README documents each key."""
+"""Throughput dashboards: the demo under the Composer launcher with `loggers.wandb: true` (offline),
+read back with wandb's own record reader; the plot script on that run's metrics.jsonl; the
+`automicro/event` traces; the README's metrics table; the console lines.
+
+One launcher run (module-scoped fixture) serves every test that needs a real run.
+"""
 
 from __future__ import annotations
 
 import glob
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.test_e2e import COMPOSER, REPO, _run
+REPO = Path(__file__).resolve().parent.parent
+COMPOSER = Path(sys.executable).parent / "composer"
+PLOT = REPO / "scripts" / "plot_run.py"
+BATCHES = 8
+# scripts/plot_run.py: figsize (11, 8.2) inches at 110 dpi with auto microbatching.
+PNG_SHAPE = (902, 1210)
+
+
+def _run(args: list[str], timeout_s: int, env: dict[str, str]) -> subprocess.CompletedProcess:
+    proc = subprocess.Popen(
+        args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"hang: {' '.join(args)} did not finish within {timeout_s} s\n{out[-4000:]}")
+    return subprocess.CompletedProcess(args, proc.returncode, out, None)
+
+
+def _offline_env(tmp: Path) -> dict[str, str]:
+    # WANDB_MODE unset on purpose: `build_loggers` must choose offline itself (no project set).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(PYTHONUNBUFFERED="1", WANDB_CONFIG_DIR=str(tmp / "wandb-config"), WANDB_SILENT="false")
+    return env
 
 
 @pytest.fixture(scope="module")
-def demo_run(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("dashboard")
+def demo(tmp_path_factory) -> dict[str, Any]:
+    """configs/tiny-cpu.yaml on 2 gloo ranks with wandb on. `memory_monitor` rides along to show
+    that it only warns on CPU."""
+    tmp = tmp_path_factory.mktemp("dashboard")
+    run_dir = tmp / "run"
     result = _run(
-        [str(COMPOSER), "-n", "2", "scripts/train.py", "configs/tiny-cpu.yaml", "loggers.wandb=true",
-         "loggers.console=false", "max_duration=8ba", f"run_dir={run_dir}"],
-        timeout_s=300,
+        [
+            str(COMPOSER), "-n", "2", "scripts/train.py", "configs/tiny-cpu.yaml", "loggers.wandb=true",
+            f"max_duration={BATCHES}ba", f"run_dir={run_dir}", "callbacks.memory_monitor={}",
+        ],
+        timeout_s=420,
+        env=_offline_env(tmp),
     )
-    assert result.returncode == 0, result.stdout[-4000:]
-    return run_dir, result.stdout
+    assert result.returncode == 0, result.stdout[-6000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {"tmp": tmp, "run_dir": run_dir, "stdout": result.stdout, "rows": rows}
 
 
-def _wandb_history_keys(run_dir: Path) -> set[str]:
-    """Read the offline run file with wandb's own record reader (no mocking)."""
+def _metric_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in rows if not r.get("trace")]
+
+
+def _events(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in rows if r.get("trace") and "automicro/event" in r]
+
+
+def _logged_automicro_keys(rows: list[dict[str, Any]]) -> set[str]:
+    return {k for r in _metric_rows(rows) for k in r if k.startswith("automicro/")}
+
+
+def _read_wandb_records(run_dir: Path) -> dict[str, Any]:
+    """The offline run's `.wandb` file through wandb's own reader (what `wandb sync --view` uses)."""
     from wandb.proto import wandb_internal_pb2
-    from wandb.sdk.internal import datastore
+    from wandb.sdk.internal.datastore import DataStore
 
-    paths = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
-    assert len(paths) == 1, paths
-    store = datastore.DataStore()
-    store.open_for_scan(paths[0])
-    keys: set[str] = set()
-    while (data := store.scan_data()) is not None:
+    files = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert len(files) == 1, f"expected one offline run under {run_dir / 'wandb'}, found {files}"
+    store = DataStore()
+    store.open_for_scan(files[0])
+    history: list[dict[str, Any]] = []
+    summary: dict[str, Any] = {}
+    kinds: set[str] = set()
+    while True:
+        data = store.scan_data()
+        if data is None:
+            break
         record = wandb_internal_pb2.Record()
         record.ParseFromString(data)
-        if record.WhichOneof("record_type") == "history":
-            keys.update(item.key or "/".join(item.nested_key) for item in record.history.item)
-    return keys
+        kind = record.WhichOneof("record_type")
+        kinds.add(kind)
+        if kind == "history":
+            history.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item})
+        elif kind == "summary":
+            for item in record.summary.update:
+                summary[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+    return {"history": history, "summary": summary, "kinds": kinds, "file": files[0]}
 
 
-def _jsonl(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def _readme_metric_keys() -> set[str]:
+    text = (REPO / "README.md").read_text()
+    match = re.search(r"^## Metrics\n(.*?)(?=^## )", text, flags=re.S | re.M)
+    assert match, "README.md has no '## Metrics' section"
+    return set(re.findall(r"^\| `(automicro/[a-z_]+)` \|", match.group(1), flags=re.M))
 
 
-@pytest.mark.multiproc
-def test_offline_wandb_run_holds_automicro_and_throughput_metrics(demo_run):
-    run_dir, _ = demo_run
-    keys = _wandb_history_keys(run_dir)
-    for key in ("automicro/microbatch_size", "automicro/num_microbatches", "automicro/attempts", "automicro/ooms_total",
-                "automicro/searching", "automicro/hooks_active", "automicro/thrash_events", "automicro/search_time_s",
-                "automicro/alloc_retries", "automicro/last_oom_rank", "automicro/last_oom_site",
-                "throughput/tokens_per_sec", "throughput/samples_per_sec", "loss/train/total"):
-        assert key in keys, f"{key} missing from the wandb run; has {sorted(keys)}"
-
-
-@pytest.mark.multiproc
-def test_every_failed_attempt_is_an_event_trace_not_a_training_step(demo_run):
-    run_dir, stdout = demo_run
-    rows = _jsonl(run_dir)
-    events = [row["automicro/event"] for row in rows if "automicro/event" in row]
-    oom_lines = [line for line in stdout.splitlines() if "-> oom on rank(s)" in line]
-    assert len(events) == len(oom_lines) >= 1
-    assert all(row.get("trace") is True for row in rows if "automicro/event" in row)
-    assert all(event["outcome"] == "oom" and event["ranks"] == [0] and event["site"] for event in events)
-    # The logged microbatch size per step is the one each batch trained with, never a failed size.
-    sizes = [row["automicro/microbatch_size"] for row in rows if "automicro/microbatch_size" in row]
-    assert len(sizes) == 8 and max(sizes) <= 5
+# ---- (a) wandb, offline, read back with wandb's reader ----------------------------------------
 
 
 @pytest.mark.multiproc
-def test_plot_script_renders_a_png_from_the_run_record(demo_run, tmp_path):
-    run_dir, _ = demo_run
-    png = tmp_path / "run.png"
-    result = subprocess.run([sys.executable, "scripts/plot_run.py", str(run_dir), "-o", str(png)],
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
+def test_wandb_offline_run_holds_automicro_and_throughput_metrics(demo):
+    assert "[automicro] wandb offline" in demo["stdout"], demo["stdout"][-3000:]
+    records = _read_wandb_records(demo["run_dir"])
+    assert "exit" in records["kinds"], "the offline run did not finish cleanly"
+    keys = {k for row in records["history"] for k in row}
+    expected = _logged_automicro_keys(demo["rows"]) | {"throughput/tokens_per_sec", "throughput/samples_per_sec"}
+    assert expected - keys == set(), f"missing from the wandb history: {sorted(expected - keys)}"
+    # Same values as the JSONL: the last batch's size, the OOM count and where the last OOM was.
+    steps = {row["_step"]: row for row in records["history"] if "_step" in row}
+    last = steps[BATCHES]
+    assert last["automicro/microbatch_size"] == 4 and last["automicro/num_microbatches"] == 2
+    assert last["automicro/ooms_total"] == 2 and last["automicro/found_size"] == 5
+    assert last["automicro/last_oom_rank"] == 0
+    from automicro.core.sites import ALL_SITES
+
+    assert ALL_SITES[last["automicro/last_oom_site"]] == "forward"
+    # Events do not advance wandb's step: one history row per step, and they sit in the summary.
+    assert sorted(steps) == list(range(len(steps)))
+    events = records["summary"]["automicro/events"]
+    assert [(e["batch"], e["size"], e["outcome"], e["site"]) for e in events] == [
+        (0, 8, "oom", "forward_pre"),
+        (1, 6, "oom", "forward"),
+    ]
+
+
+# ---- (b) the plot script on the same run --------------------------------------------------------
+
+
+@pytest.mark.multiproc
+def test_plot_script_renders_the_real_run(demo):
     import matplotlib.image
 
-    image = matplotlib.image.imread(str(png))
-    assert image.shape[0] > 400 and image.shape[1] > 600
-    assert image.std() > 0.01  # not a blank canvas
+    out = demo["tmp"] / "run.png"
+    result = _run([sys.executable, str(PLOT), str(demo["run_dir"]), "-o", str(out)], 120, _offline_env(demo["tmp"]))
+    assert result.returncode == 0, result.stdout
+    assert f"({'tiny-cpu'}: {BATCHES} batches, 2 events)" in result.stdout, result.stdout
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 30_000, len(data)
+    image = matplotlib.image.imread(str(out))
+    assert image.shape[:2] == PNG_SHAPE, image.shape
+    # Not blank: red OOM marks are drawn (matplotlib's tab:red, #d62728).
+    rgb = image[..., :3]
+    red = (abs(rgb[..., 0] - 0xD6 / 255) < 0.03) & (abs(rgb[..., 1] - 0x27 / 255) < 0.03) & (abs(rgb[..., 2] - 0x28 / 255) < 0.03)
+    assert red.sum() > 50, red.sum()
 
 
-def test_plot_script_refuses_a_missing_run_dir_naming_it(tmp_path):
-    missing = tmp_path / "nope"
-    result = subprocess.run([sys.executable, "scripts/plot_run.py", str(missing), "-o", str(tmp_path / "x.png")],
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
-    assert str(missing) in result.stderr + result.stdout
+def test_plot_script_fails_clearly_without_a_run(tmp_path):
+    env = _offline_env(tmp_path)
+    missing = tmp_path / "no-such-run"
+    result = _run([sys.executable, str(PLOT), str(missing)], 120, env)
+    assert result.returncode == 2 and str(missing) in result.stdout, result.stdout
+    (tmp_path / "empty").mkdir()
+    result = _run([sys.executable, str(PLOT), str(tmp_path / "empty")], 120, env)
+    assert result.returncode == 2 and str(tmp_path / "empty" / "metrics.jsonl") in result.stdout, result.stdout
+
+
+def test_plot_script_draws_a_run_without_auto_microbatching(tmp_path):
+    import matplotlib.image
+
+    rows = [{"step": 0, "trace": True, "run_start": {"run_name": "fixed"}}]
+    rows += [{"step": s, "throughput/tokens_per_sec": 1000.0 + s} for s in range(1, 11)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 11, "thr')
+    result = _run([sys.executable, str(PLOT), str(tmp_path), "-o", str(tmp_path / "p.png")], 120, _offline_env(tmp_path))
+    assert result.returncode == 0, result.stdout
+    assert "skipped 1 unreadable line" in result.stdout
+    assert matplotlib.image.imread(str(tmp_path / "p.png")).shape[:2] == (495, 1210)
+
+
+# ---- (c) one event trace per OOM in metrics.jsonl -----------------------------------------------
 
 
 @pytest.mark.multiproc
-def test_readme_metrics_table_documents_every_logged_automicro_key(demo_run):
-    run_dir, _ = demo_run
-    logged = {key for row in _jsonl(run_dir) for key in row if key.startswith("automicro/") and key != "automicro/event"}
-    documented = set(re.findall(r"`(automicro/[a-z_]+)`", (REPO / "README.md").read_text()))
-    assert logged and logged <= documented, sorted(logged - documented)
+def test_metrics_jsonl_has_one_event_trace_per_oom(demo):
+    rows, stdout = demo["rows"], demo["stdout"]
+    metrics = _metric_rows(rows)
+    ooms_total = [r["automicro/ooms_total"] for r in metrics if "automicro/ooms_total" in r][-1]
+    events = _events(rows)
+    oom_lines = [line for line in stdout.splitlines() if line.startswith("[automicro] batch") and "-> oom" in line]
+    assert len(events) == ooms_total == len(oom_lines) == 2, (events, oom_lines)
+    for row, line in zip(events, oom_lines):
+        event = row["automicro/event"]
+        assert set(event) >= {"batch", "attempt", "size", "outcome", "ranks", "site", "site_index", "next_size"}
+        assert line.startswith(f"[automicro] batch {event['batch']} attempt {event['attempt']}: size {event['size']} ")
+        assert f"next size {event['next_size']}" in line
+        # Logged at the step of the batch's own metrics (Composer logs batch N's at step N + 1).
+        assert row["step"] == event["batch"] + 1
+    assert [(e["automicro/event"]["size"], e["automicro/event"]["ranks"], e["automicro/event"]["site_index"]) for e in events] == [
+        (8, [0], 0),
+        (6, [0], 1),
+    ]
+    # Throughput is in the JSONL too, and traces never replace a metric row.
+    assert any("throughput/tokens_per_sec" in r for r in metrics)
+    assert any("throughput/samples_per_sec" in r for r in metrics)
+    assert len([r for r in metrics if "automicro/microbatch_size" in r]) == BATCHES
+    starts = [r for r in rows if r.get("trace") and "run_start" in r]
+    assert starts == [{"step": 0, "trace": True, "run_start": {"run_name": "tiny-cpu"}}]
+
+
+# ---- (d) README metrics table -------------------------------------------------------------------
+
+
+@pytest.mark.multiproc
+def test_readme_metrics_table_lists_every_logged_automicro_key(demo):
+    logged = _logged_automicro_keys(demo["rows"])
+    documented = _readme_metric_keys()
+    assert logged - documented == set(), f"logged but not in README ## Metrics: {sorted(logged - documented)}"
+    assert documented - logged == set(), f"in README ## Metrics but never logged: {sorted(documented - logged)}"
+
+
+# ---- console ------------------------------------------------------------------------------------
+
+
+@pytest.mark.multiproc
+def test_console_has_one_line_per_search_event_and_one_when_hooks_come_off(demo):
+    lines = [line for line in demo["stdout"].splitlines() if line.startswith("[automicro]")]
+    attempts = [line for line in lines if line.startswith("[automicro] batch")]
+    assert len(attempts) == 7 and len(set(attempts)) == 7, lines  # 2 + 2 + 3 clean batches, as the summary says
+    assert lines.count("[automicro] sync hooks off after 3 clean batches at split [4, 4]") == 1, lines
+    assert not [line for line in lines if "sync hooks off (" in line], lines
+    assert "[automicro] microbatch size found: 5 (per-rank batch 8); split in use [4, 4]; attempts 7, OOMs 2" in demo["stdout"]
+    # memory_monitor on CPU only warns.
+    assert "memory monitor only works on CUDA devices" in demo["stdout"]
+
+
+# ---- builders: wandb mode, the GPU config --------------------------------------------------------
+
+
+def test_build_loggers_chooses_offline_wandb_only_when_nothing_says_otherwise(tmp_path, monkeypatch):
+    from composer.loggers import WandBLogger
+
+    from automicro.config import load_config
+    from automicro.integration import builders
+
+    for key in ("WANDB_MODE", "WANDB_PROJECT"):
+        monkeypatch.setenv(key, "")  # records the original value, so what build_loggers sets is undone
+        monkeypatch.delenv(key)
+    cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", ["loggers.wandb=true", f"run_dir={tmp_path}"])
+    wandb_loggers = [lg for lg in builders.build_loggers(cfg) if isinstance(lg, WandBLogger)]
+    assert len(wandb_loggers) == 1 and os.environ["WANDB_MODE"] == "offline"
+    assert wandb_loggers[0]._init_kwargs["dir"] == str(tmp_path)
+
+    monkeypatch.delenv("WANDB_MODE")
+    cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", ["loggers.wandb=true", "loggers.wandb_project=p", f"run_dir={tmp_path}"])
+    builders.build_loggers(cfg)
+    assert "WANDB_MODE" not in os.environ
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", ["loggers.wandb=true", f"run_dir={tmp_path}"])
+    builders.build_loggers(cfg)
+    assert os.environ["WANDB_MODE"] == "disabled"
+
+
+def test_gpu_config_has_the_memory_monitor():
+    from composer.callbacks import MemoryMonitor, SpeedMonitor
+
+    from automicro.config import load_config
+    from automicro.integration import builders
+
+    cfg = load_config(REPO / "configs" / "tiny-gpu.yaml")
+    kinds = {type(c) for c in builders.build_callbacks(cfg)}
+    assert {MemoryMonitor, SpeedMonitor} <= kinds
