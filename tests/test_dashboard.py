@@ -11,33 +11,19 @@ import glob
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-COMPOSER = Path(sys.executable).parent / "composer"
+from tests.launch import COMPOSER, REPO
+from tests.launch import run as _run
+
 PLOT = REPO / "scripts" / "plot_run.py"
 BATCHES = 8
 # scripts/plot_run.py: figsize (11, 8.2) inches at 110 dpi with auto microbatching.
 PNG_SHAPE = (902, 1210)
-
-
-def _run(args: list[str], timeout_s: int, env: dict[str, str]) -> subprocess.CompletedProcess:
-    proc = subprocess.Popen(
-        args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"hang: {' '.join(args)} did not finish within {timeout_s} s\n{out[-4000:]}")
-    return subprocess.CompletedProcess(args, proc.returncode, out, None)
 
 
 def _offline_env(tmp: Path) -> dict[str, str]:

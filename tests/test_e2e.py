@@ -3,30 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-COMPOSER = Path(sys.executable).parent / "composer"
-
-
-def _run(args: list[str], timeout_s: int) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"hang: {' '.join(args)} did not finish within {timeout_s} s\n{out[-4000:]}")
-    return subprocess.CompletedProcess(args, proc.returncode, out, None)
+from tests.launch import COMPOSER
+from tests.launch import run as _run
 
 
 @pytest.mark.multiproc

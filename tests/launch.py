@@ -1,0 +1,32 @@
+"""Run a command (the Composer launcher, a script) from the repo root under a hang timeout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+COMPOSER = Path(sys.executable).parent / "composer"
+
+
+def run(args: list[str], timeout_s: int, env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
+    """stdout+stderr together; a command still running after `timeout_s` is killed with its
+    process group and fails the test as a hang."""
+    if env is None:
+        env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"hang: {' '.join(args)} did not finish within {timeout_s} s\n{out[-4000:]}")
+    return subprocess.CompletedProcess(args, proc.returncode, out, None)
