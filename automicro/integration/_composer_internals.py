@@ -128,6 +128,4 @@ def reset_after_failure(trainer: Any, device_batch: Any) -> None:
     state.batch = device_batch
     for optimizer in state.optimizers:
         optimizer.zero_grad(set_to_none=True)
-    if state.train_metrics is not None:
-        for metric in state.train_metrics.values():
-            metric.reset()
+    # Train metrics are reset at the start of every attempt (AutoMicrobatching.train_batch).
