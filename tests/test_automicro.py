@@ -16,7 +16,9 @@ from automicro.testing.multiprocess import run_multiprocess
 from tests import automicro_cases as cases
 
 TOLERANCE = 1e-5
-FAST = dict(start_method="forkserver")
+# spawn, not forkserver: workers forked from a server that already ran torch hit a heap corruption
+# ("malloc(): unaligned tcache chunk", rank aborted) once in ~10 runs of the matrix on torch 2.11.
+FAST: dict = {}
 
 WORLD2_CASES = [
     (site, who, where) for site in cases.MATRIX_SITES for who in ("one", "every") for where in cases.MICROBATCH

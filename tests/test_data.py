@@ -238,7 +238,7 @@ def _first_epoch_indices(rank, world_size):
 def test_build_dataloader_gives_each_rank_a_disjoint_shard():
     from automicro.testing.multiprocess import run_multiprocess
 
-    per_rank = run_multiprocess(_first_epoch_indices, world_size=2, timeout_s=60, start_method="forkserver")
+    per_rank = run_multiprocess(_first_epoch_indices, world_size=2, timeout_s=60)
     assert [len(indices) for indices in per_rank] == [20, 20]
     assert set(per_rank[0]).isdisjoint(per_rank[1])
     assert set(per_rank[0]) | set(per_rank[1]) == set(range(40))

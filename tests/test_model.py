@@ -341,7 +341,7 @@ def test_fsdp2_sharded_meta_model_initializes_to_the_same_weights_as_an_unsharde
     from automicro.testing.multiprocess import run_multiprocess
 
     results = run_multiprocess(
-        _sharded_init_matches_unsharded, world_size=2, args=(tie,), timeout_s=120, start_method="forkserver"
+        _sharded_init_matches_unsharded, world_size=2, args=(tie,), timeout_s=120
     )
     for result in results:
         assert result["mismatched"] == []
