@@ -31,6 +31,9 @@ rank 0; a case that is running when the process dies is left under "in_progress"
   then run auto at that size with the limit a few percent above the peak (largest margin first)
   until the thrash detector fires; its step-down and tokens/s before and after.
 - parity: auto vs the found size fixed (plain Composer) on real text, per-batch losses of both.
+- hooks: step time with the sync hooks on vs off at one size (`--hooks-size`, started there with
+  `stable_batches=--sweep-stable`, so the first batches run hooks on and the rest hooks off), for
+  sync points all / collectives x consensus transport shm / process_group.
 
 Memory limits: on GPU `torch.cuda.set_per_process_memory_fraction` (set on every rank before
 every case, 1.0 when the case has none, since it persists in a process); on CPU
@@ -57,7 +60,7 @@ from typing import Any, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SUITES = ("nohang", "throughput", "thrash", "parity")
+SUITES = ("nohang", "throughput", "thrash", "parity", "hooks")
 
 
 # ---- arguments ------------------------------------------------------------------------------------
@@ -83,6 +86,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--dist-timeout", type=float, default=120.0)
     p.add_argument("--sync-points", default="all", choices=("all", "collectives"),
                    help="AutoMicrobatching(sync_points=...): consensus at module boundaries too, or only before collectives")
+    p.add_argument("--transport", default="auto", choices=("auto", "shm", "process_group"),
+                   help="AutoMicrobatching(consensus_transport=...)")
+    p.add_argument("--hooks-size", type=int, default=4, help="hooks: the fixed microbatch size measured")
     p.add_argument("--quiet", action="store_true", help="no [automicro] attempt lines")
     p.add_argument("--cpu-total-mb", type=float, default=60.0,
                    help="CPU only: the emulated device size; a fraction f limits a rank to f * this")
@@ -494,6 +500,7 @@ def run_case(
         kwargs = dict(auto_kwargs or {})
         kwargs.setdefault("log_attempts", not args.quiet)
         kwargs.setdefault("sync_points", args.sync_points)
+        kwargs.setdefault("consensus_transport", args.transport)
         auto = AutoMicrobatching(memory_fraction=fraction_map(fractions) if ctx.gpu else None, **kwargs)
         callbacks.append(auto)
     cap_cb = None
@@ -565,6 +572,7 @@ def run_case(
                     "ooms_total": auto.ooms_total,
                     "thrash_events": auto.thrash.events,
                     "hooks_on_at_end": auto.hooks_active,
+                    "consensus_transport": auto._consensus.transport_name if auto._consensus else None,
                     "search": auto.policy_config.search,
                 }
             )
@@ -1228,6 +1236,29 @@ def suite_parity(ctx: Ctx) -> None:
     ctx.write(done=True)
 
 
+def suite_hooks(ctx: Ctx) -> None:
+    args = ctx.args
+    fractions = pair(args.fractions)
+    rows = []
+    for sync_points in ("collectives", "all"):
+        for transport in ("shm", "process_group"):
+            name = f"hooks-{sync_points}-{transport}"
+            if not ctx.within_budget(name):
+                continue
+            case = run_case(ctx, name, fractions=fractions, batches=args.batches,
+                            auto_kwargs={"search": "halve", "start_size": args.hooks_size,
+                                         "stable_batches": args.sweep_stable, "sync_points": sync_points,
+                                         "consensus_transport": transport},
+                            note="hooks on for the first batches, then off, same size")
+            if ctx.rank == 0:
+                s = case["summary"]
+                rows.append([name, case["status"], s.get("final_size"), fmt(s.get("step_s_hooks_on"), ".4f"),
+                             fmt(s.get("step_s_hooks_off"), ".4f"), fmt(s.get("hooks_on_overhead"), "+.2%"),
+                             s.get("rounds_per_batch_hooks_on"), "yes" if s.get("stepped_down") else "no"])
+    ctx.write(done=True)
+    table(ctx, ["case", "status", "size", "step on", "step off", "overhead", "rounds on", "stepped"], rows)
+
+
 # ---- main -----------------------------------------------------------------------------------------------
 
 
@@ -1250,7 +1281,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ctx.say(f"suite {args.suite}: {ctx.world} ranks on {ctx.device_name}, model {args.model}, seq {args.seq_len}, "
             f"per-rank batch {args.per_rank_batch}; torch {torch.__version__}")
     ctx.write()
-    {"nohang": suite_nohang, "throughput": suite_throughput, "thrash": suite_thrash, "parity": suite_parity}[args.suite](ctx)
+    {"nohang": suite_nohang, "throughput": suite_throughput, "thrash": suite_thrash, "parity": suite_parity,
+     "hooks": suite_hooks}[args.suite](ctx)
     ctx.say(f"suite {args.suite} finished in {ctx.elapsed():.1f} s -> {ctx.out_path}")
     import torch.distributed as tdist
 

@@ -7,10 +7,11 @@
 #   bash benchmarks/gpu_auto.sh
 # Writes OUT/gpu_auto_<suite>.json (rewritten after every case), OUT/<suite>.log, OUT/summary.txt;
 # OUT defaults to runs/gpu_auto.
-# Env knobs: K=12 (nohang runs; the issue asks >= 20: raise NOHANG_S too), SUITES="nohang throughput thrash",
+# Env knobs: NPROC=2 (ranks), SKIP_INSTALL=1 (wheels already in /tmp/site), K=12 (nohang runs; the issue asks >= 20: raise NOHANG_S too), SUITES="nohang throughput thrash",
 #   TOTAL_S=500 (all suites together, launches included), NOHANG_S=190 THROUGHPUT_S=190 THRASH_S=120
 #   (per-suite hard timeouts), PARITY=1 (adds the 300-step parity suite, ~8-9 min on 1B, outside TOTAL_S;
 #   better alone: SUITES=parity, PARITY_S=560),
+#   hooks (sync hooks on vs off at one size, per sync-point mode and consensus transport; HOOKS_S=200),
 #   DRIVER_ARGS="..." (appended to every driver call; the last value of a flag wins).
 # CPU check of the same script: AUTO_DEVICE=cpu PYTHON=.venv/bin/python bash benchmarks/gpu_auto.sh
 set -uo pipefail
@@ -31,12 +32,14 @@ if [ "${AUTO_DEVICE:-gpu}" = cpu ]; then
 else
   PY=${PYTHON:-python3}
   DEVICE_ARGS=()
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD || exit 1
+  if [ "${SKIP_INSTALL:-0}" != 1 ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  fi
+  export PYTHONPATH=/tmp/site:$PWD
   nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpus.txt"
 fi
 "$PY" -c "import torch, composer; print('torch', torch.__version__, 'composer', composer.__version__)" | tee "$OUT/versions.txt"
-LAUNCH=("$PY" -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/gpu_auto.py)
+LAUNCH=("$PY" -m torch.distributed.run --standalone --nproc_per_node "${NPROC:-2}" benchmarks/gpu_auto.py)
 : > "$OUT/summary.txt"
 suites_start=$(date +%s)
 
@@ -86,6 +89,7 @@ for suite in $SUITES; do
     throughput) run_suite throughput "${THROUGHPUT_S:-190}" --case-timeout 90 ;;
     thrash) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False run_suite thrash "${THRASH_S:-120}" --case-timeout 90 ;;
     # parity is outside TOTAL_S: ~2 x 300 batches of ~0.8 s on 1B; run it alone (SUITES=parity).
+    hooks) run_suite hooks "${HOOKS_S:-200}" --case-timeout 90 --batches 10 ;;
     parity) TOTAL_S=$(( TOTAL_S + ${PARITY_S:-560} )) run_suite parity "${PARITY_S:-560}" --case-timeout 400 ;;
     *) echo "unknown suite $suite" ;;
   esac

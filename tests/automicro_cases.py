@@ -189,8 +189,9 @@ def fault_case(
     index: int,
     reference: dict[str, torch.Tensor],
     sync_points: str = "all",
+    transport: str = "auto",
 ) -> dict[str, Any]:
-    auto = AutoMicrobatching(log_attempts=False, sync_points=sync_points)
+    auto = AutoMicrobatching(log_attempts=False, sync_points=sync_points, consensus_transport=transport)
     injector = FaultInjector(site, ranks=ranks, above=ABOVE, microbatch_index=index)
     trainer = build_trainer(world, MATRIX_BATCHES, callbacks=(auto, injector))
     started = time.perf_counter()
@@ -203,6 +204,7 @@ def fault_case(
     assert sharded is not None
     result.update(
         seconds=round(time.perf_counter() - started, 3),
+        transport=auto._consensus.transport_name if auto._consensus else None,
         found_size=auto.found_size,
         split=list(auto.policy.current_split()) if auto.policy else None,
         history=history(auto),
@@ -221,7 +223,12 @@ def fault_case(
 
 
 def run_fault_matrix(
-    rank: int, world: int, cases: list[tuple[str, str, str]], one_rank: int, sync_points: str = "all"
+    rank: int,
+    world: int,
+    cases: list[tuple[str, str, str]],
+    one_rank: int,
+    sync_points: str = "all",
+    transport: str = "auto",
 ) -> dict[str, Any]:
     """cases: (site, who, where), who in {"one", "every"}, where in MICROBATCH; "one" = `one_rank`."""
     torch.set_num_threads(1)
@@ -230,7 +237,9 @@ def run_fault_matrix(
     for site, who, where in cases:
         ranks = [one_rank] if who == "one" else None
         try:
-            out[f"{site}/{who}/{where}"] = fault_case(world, site, ranks, MICROBATCH[where], reference, sync_points)
+            out[f"{site}/{who}/{where}"] = fault_case(
+                world, site, ranks, MICROBATCH[where], reference, sync_points, transport
+            )
         except Exception as error:  # noqa: BLE001 - report which case broke
             out[f"{site}/{who}/{where}"] = {"crash": _error_text(error)}
     return out

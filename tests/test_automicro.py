@@ -27,6 +27,11 @@ WORLD2_ONE_RANK = 1
 WORLD4_SITES = ("forward_pre", "backward_pre", "unshard_alloc", "reduce_scatter_alloc")
 WORLD4_CASES = [(site, who, where) for site in WORLD4_SITES for who in ("one", "every") for where in cases.MICROBATCH]
 WORLD4_ONE_RANK = 3
+# Consensus transports (automicro.core.transport): the two-rank matrix and the collectives-only
+# subset run on the default ("auto": shared memory, every rank is on this host), the four-rank
+# matrix on the gloo process group (what ranks on several hosts use). Each case checks which one ran.
+WORLD2_TRANSPORT = "shm"
+WORLD4_TRANSPORT = "process_group"
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +59,11 @@ def matrix_collectives_only():
 @pytest.fixture(scope="module")
 def matrix_four_ranks():
     return run_multiprocess(
-        cases.run_fault_matrix, world_size=4, args=(WORLD4_CASES, WORLD4_ONE_RANK), timeout_s=300, **FAST
+        cases.run_fault_matrix,
+        world_size=4,
+        args=(WORLD4_CASES, WORLD4_ONE_RANK, "all", WORLD4_TRANSPORT),
+        timeout_s=300,
+        **FAST,
     )
 
 
@@ -109,12 +118,15 @@ def _ok(result):
     return result
 
 
-def _check_fault_case(results, key: str, site: str, index: int, failing: list[int], batches: int) -> None:
+def _check_fault_case(
+    results, key: str, site: str, index: int, failing: list[int], batches: int, transport: str
+) -> None:
     expected = expected_found_size(site, index)
     for rank, per_rank in enumerate(results):
         result = _ok(per_rank[key])
         where = f"{key} on rank {rank}"
         assert "exception" not in result, f"{where}: {result['exception']['traceback']}"
+        assert result["transport"] == transport, where
         assert result["found_size"] == expected, f"{where}: found {result['found_size']}, expected {expected}"
         assert result["split"] == list(even_split(cases.B, expected)), where
         # The injector fired exactly where its conditions hold, on exactly the targeted ranks,
@@ -156,7 +168,10 @@ def test_two_ranks_oom_at_site_on_rank1_or_every_rank_finds_largest_allowed_size
     matrix_two_ranks, site, who, where
 ):
     failing = [WORLD2_ONE_RANK] if who == "one" else [0, 1]
-    _check_fault_case(matrix_two_ranks, f"{site}/{who}/{where}", site, cases.MICROBATCH[where], failing, cases.MATRIX_BATCHES)
+    _check_fault_case(
+        matrix_two_ranks, f"{site}/{who}/{where}", site, cases.MICROBATCH[where], failing, cases.MATRIX_BATCHES,
+        WORLD2_TRANSPORT,
+    )
 
 
 @pytest.mark.multiproc
@@ -167,7 +182,10 @@ def test_four_ranks_oom_at_collective_site_on_rank3_or_every_rank_finds_largest_
     matrix_four_ranks, site, who, where
 ):
     failing = [WORLD4_ONE_RANK] if who == "one" else [0, 1, 2, 3]
-    _check_fault_case(matrix_four_ranks, f"{site}/{who}/{where}", site, cases.MICROBATCH[where], failing, cases.MATRIX_BATCHES)
+    _check_fault_case(
+        matrix_four_ranks, f"{site}/{who}/{where}", site, cases.MICROBATCH[where], failing, cases.MATRIX_BATCHES,
+        WORLD4_TRANSPORT,
+    )
 
 
 @pytest.mark.multiproc
@@ -177,7 +195,8 @@ def test_consensus_only_before_collectives_still_never_deadlocks_and_finds_the_s
     # sync_points="collectives": no consensus at module boundaries, only between FSDP2's buffer
     # allocation and its collectives; rank 1 fails and rank 0 must notice at its next collective.
     _check_fault_case(
-        matrix_collectives_only, f"{site}/one/{where}", site, cases.MICROBATCH[where], [WORLD2_ONE_RANK], cases.MATRIX_BATCHES
+        matrix_collectives_only, f"{site}/one/{where}", site, cases.MICROBATCH[where], [WORLD2_ONE_RANK],
+        cases.MATRIX_BATCHES, WORLD2_TRANSPORT,
     )
 
 

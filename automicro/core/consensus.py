@@ -19,15 +19,14 @@ number of all-reduces matches on every rank.
 
 from __future__ import annotations
 
-import datetime
-
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
-import torch
+import numpy as np
 import torch.distributed as dist
 
 from automicro.core.sites import ALL_SITES, site_index
+from automicro.core.transport import TRANSPORTS, ProcessGroupTransport, ShmTransport
 
 SLOTS = 5
 KIND_OOM = 1
@@ -117,41 +116,69 @@ class Consensus:
     world_size: int = 1
     rank: int = 0
     sync_count: int = 0
+    transport: Any = None  # ProcessGroupTransport or ShmTransport (automicro.core.transport)
     _failed_seen: bool = field(default=False, repr=False)
 
+    def __post_init__(self) -> None:
+        if self.transport is None:
+            self.transport = ProcessGroupTransport(self.group, self.world_size)
+        self._vec = np.zeros(1 + SLOTS * self.world_size, dtype=np.int64)
+
+    @property
+    def transport_name(self) -> str:
+        return self.transport.name
+
     @classmethod
-    def create(cls, use_cpu_group: bool = True) -> "Consensus":
-        """Collective: every rank must call it. A gloo side group carries the flags."""
+    def create(cls, use_cpu_group: bool = True, transport: str = "auto") -> "Consensus":
+        """Collective: every rank must call it.
+
+        `transport`: "shm" (shared memory, every rank on one x86-64 host), "process_group" (a
+        gloo side group, or the default group when `use_cpu_group` is False) or "auto" (shm
+        where possible, else the process group)."""
+        if transport not in TRANSPORTS:
+            raise ValueError(f"consensus transport {transport!r}: must be one of {list(TRANSPORTS)}")
         if not dist.is_initialized():
             return cls(group=None, world_size=1, rank=0)
         group = None
         if use_cpu_group and dist.get_backend() != "gloo":
             group = dist.new_group(backend="gloo")
-        return cls(group=group, world_size=dist.get_world_size(), rank=dist.get_rank())
+        world, rank = dist.get_world_size(), dist.get_rank()
+        chosen = None
+        if transport in ("auto", "shm") and world > 1:
+            if group is None and dist.get_backend() != "gloo":
+                if transport == "shm":
+                    raise ValueError(
+                        "consensus transport 'shm' needs a CPU group to set itself up: keep cpu_sync_group true"
+                    )
+            else:
+                try:
+                    chosen = ShmTransport.create(group, 1 + SLOTS * world)
+                except RuntimeError as error:
+                    if transport == "shm":
+                        raise ValueError(f"consensus transport 'shm': {error}; use 'auto' or 'process_group'") from None
+        return cls(group=group, world_size=world, rank=rank, transport=chosen)
+
+    def close(self) -> None:
+        self.transport.close()
 
     # ---- one round ------------------------------------------------------------------------
 
     def _round(
         self, still_running: int, code: int, figures: LocalFigures, timeout_s: Optional[float] = None
-    ) -> torch.Tensor:
-        vec = torch.zeros(1 + SLOTS * self.world_size, dtype=torch.int64)
+    ) -> np.ndarray:
+        vec = self._vec
+        vec.fill(0)
         vec[0] = still_running
         base = 1 + SLOTS * self.rank
-        vec[base : base + SLOTS] = torch.tensor(
-            [code, figures.new_alloc_retries, figures.peak_bytes, figures.capacity_bytes, figures.allocated_bytes],
-            dtype=torch.int64,
+        vec[base : base + SLOTS] = (
+            code, figures.new_alloc_retries, figures.peak_bytes, figures.capacity_bytes, figures.allocated_bytes
         )
         if self.world_size > 1:
-            if timeout_s is None:
-                dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group)
-            else:
-                work = dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-                if not work.wait(timeout=datetime.timedelta(seconds=timeout_s)):
-                    raise RuntimeError(f"automicro consensus timed out after {timeout_s} s")
+            vec = self.transport.max_reduce(vec, timeout_s)
         self.sync_count += 1
         return vec
 
-    def _verdict(self, vec: torch.Tensor, rounds: int) -> Verdict:
+    def _verdict(self, vec: np.ndarray, rounds: int) -> Verdict:
         reports = []
         for rank in range(self.world_size):
             base = 1 + SLOTS * rank
@@ -162,9 +189,8 @@ class Consensus:
         return Verdict(tuple(reports), rounds)
 
     @staticmethod
-    def _any_failed(vec: torch.Tensor) -> bool:
-        codes = vec[1::SLOTS]
-        return bool((codes > 0).any())
+    def _any_failed(vec: np.ndarray) -> bool:
+        return bool(vec[1::SLOTS].any())
 
     # ---- the three calls ------------------------------------------------------------------
 

@@ -72,6 +72,7 @@ from automicro.core.hooks import SYNC_POINTS, SyncHooks
 from automicro.core.memory import CudaMemory, MemorySource, NoMemory
 from automicro.core.sites import DISPATCHER, SiteDispatcher, site_index
 from automicro.core.thrash import ThrashDetector
+from automicro.core.transport import TRANSPORTS
 from automicro.engine.sharding import ShardedModel
 from automicro.integration import _composer_internals as composer_internals
 from automicro.integration.splitting import UnsplittableBatch, split_by_sizes
@@ -122,6 +123,7 @@ class AutoMicrobatching(Callback):
         log_attempts: bool = True,
         unguarded_timeout_s: float = 120.0,
         sync_points: str = "all",
+        consensus_transport: str = "auto",
     ) -> None:
         self.policy_config = search_config(search, stable_batches, use_prediction, start_size)
         self.thrash = ThrashDetector(thrash_batches)
@@ -139,6 +141,12 @@ class AutoMicrobatching(Callback):
                 "'collectives' (only in front of FSDP2's collectives: fewer consensus rounds while searching)"
             )
         self.sync_points = sync_points
+        if consensus_transport not in TRANSPORTS:
+            raise ValueError(
+                f"consensus_transport={consensus_transport!r}: must be 'auto' (shared memory when every rank is "
+                "on one x86-64 host, else the process group), 'shm' or 'process_group'"
+            )
+        self.consensus_transport = consensus_transport
         self.cpu_sync_group = cpu_sync_group
         self.memory_fraction = memory_fraction
         self.log_attempts = log_attempts
@@ -172,7 +180,7 @@ class AutoMicrobatching(Callback):
         import torch.distributed as dist
 
         self._sharded = sharded
-        self._consensus = Consensus.create(use_cpu_group=self.cpu_sync_group)
+        self._consensus = Consensus.create(use_cpu_group=self.cpu_sync_group, transport=self.consensus_transport)
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self._hooks = SyncHooks(sharded, self._consensus, self._dispatcher, sync_points=self.sync_points)
         if memory is not None:

@@ -1,0 +1,222 @@
+"""How a consensus round travels: an element-wise MAX of one small int64 vector over all ranks.
+
+Two transports, same result:
+- `ProcessGroupTransport`: `dist.all_reduce(MAX)` on a process group (the gloo side group, or the
+  default group when `cpu_sync_group=False`). Works across hosts. One round costs a gloo
+  round trip (~0.1 ms on one host).
+- `ShmTransport`: when every rank runs on one host, a shared-memory segment in /dev/shm. Each rank
+  writes its vector into its own slot and then a round number; a rank reads once every rank's
+  round number has reached its own. A few microseconds per round, so a search with sync hooks
+  on thousands of rounds per batch costs little host time. x86-64 only: the protocol relies on
+  x86's store order (the slot is visible before the round number); elsewhere `auto` picks the
+  process group.
+
+Both are collective to create and must be used in the same order on every rank (the consensus
+protocol guarantees each rank runs the same number of rounds).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import socket
+import time
+import uuid
+
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+TRANSPORTS = ("auto", "shm", "process_group")
+DEFAULT_TIMEOUT_S = 1800.0  # when a round has no timeout of its own: as long as a c10d default
+
+
+class TransportTimeout(RuntimeError):
+    """A consensus round did not complete in time (a rank is gone or stuck elsewhere)."""
+
+
+class ProcessGroupTransport:
+    name = "process_group"
+
+    def __init__(self, group: Optional[dist.ProcessGroup], world_size: int) -> None:
+        self.group = group
+        self.world_size = world_size
+
+    def max_reduce(self, vec: np.ndarray, timeout_s: Optional[float] = None) -> np.ndarray:
+        if self.world_size == 1:
+            return vec
+        tensor = torch.from_numpy(vec)  # shares memory: the result lands in `vec`
+        if timeout_s is None:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        else:
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+            if not work.wait(timeout=datetime.timedelta(seconds=timeout_s)):
+                raise TransportTimeout(f"automicro consensus timed out after {timeout_s} s")
+        return vec
+
+    def close(self) -> None:
+        pass
+
+
+def _host_identity() -> tuple[str, str, str, str]:
+    """(hostname, boot id, machine, pid namespace): equal on two ranks that can share /dev/shm and pids."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    try:
+        pid_ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pid_ns = ""
+    return socket.gethostname(), boot, platform.machine(), pid_ns
+
+
+def shm_unavailable_reason(identities: list[tuple[str, str, str, str]]) -> Optional[str]:
+    """Why the shared-memory transport cannot serve these ranks (None: it can)."""
+    hosts = {(h, b) for h, b, _, _ in identities}
+    if len(hosts) > 1:
+        return f"the ranks run on {len(hosts)} hosts"
+    machine = identities[0][2]
+    if machine not in ("x86_64", "AMD64"):
+        return f"the host is {machine}, not x86-64 (the shared-memory protocol relies on x86 store order)"
+    if not os.path.isdir("/dev/shm"):
+        return "/dev/shm does not exist"
+    return None
+
+
+class ShmTransport:
+    """MAX-reduce through a shared-memory segment; every rank on one x86-64 host.
+
+    Layout (int64): a header of `world` pids, then `world` round numbers, then two buffers of
+    `world` x `length` slots (round r uses buffer r % 2). A rank that has seen every round number
+    reach r knows every other rank finished reading round r - 1, so writing round r + 1 into
+    buffer (r + 1) % 2 can never overwrite a slot someone still reads.
+    """
+
+    name = "shm"
+    _SPIN = 200  # busy checks before yielding the CPU
+    _YIELD_S = 0.002  # then sched_yield until this long, then short sleeps
+
+    def __init__(self, path: str, rank: int, world_size: int, length: int, check_pids: bool) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.length = length
+        self.check_pids = check_pids
+        total = world_size * (2 + 2 * length)
+        self._map = np.memmap(path, dtype=np.int64, mode="r+", shape=(total,))
+        self._pids = self._map[:world_size]
+        self._seq = self._map[world_size : 2 * world_size]
+        self._bufs = self._map[2 * world_size :].reshape(2, world_size, length)
+        self._round = 0
+        self._pids[rank] = os.getpid()
+
+    @classmethod
+    def create(cls, group: Optional[dist.ProcessGroup], length: int) -> "ShmTransport":
+        """Collective over `group` (a CPU-capable group). Raises RuntimeError with the reason if
+        the ranks cannot share memory; every rank raises together."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        identities: list = [None] * world
+        dist.all_gather_object(identities, _host_identity(), group=group)
+        reason = shm_unavailable_reason(identities)
+        if reason is not None:
+            raise RuntimeError(f"shared-memory consensus is not possible: {reason}")
+        check_pids = len({ident[3] for ident in identities}) == 1 and identities[0][3] != ""
+        path_box = [None]
+        error = ""
+        if rank == 0:
+            path = f"/dev/shm/automicro-consensus-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+            try:
+                with open(path, "wb") as f:
+                    f.write(b"\0" * (8 * world * (2 + 2 * length)))
+                os.chmod(path, 0o600)
+                path_box[0] = path
+            except OSError as e:
+                error = f"rank 0 could not create {path}: {e}"
+        dist.broadcast_object_list(path_box, src=0, group=group)
+        transport: Optional[ShmTransport] = None
+        if path_box[0] is not None:
+            try:
+                transport = cls(path_box[0], rank, world, length, check_pids)
+            except (OSError, ValueError) as e:
+                error = f"rank {rank} could not map {path_box[0]}: {e}"
+        errors: list = [None] * world
+        dist.all_gather_object(errors, error, group=group)
+        if rank == 0 and path_box[0] is not None:
+            try:
+                os.unlink(path_box[0])  # every rank has mapped it (or failed): nothing is left behind
+            except OSError:
+                pass
+        problems = [e for e in errors if e]
+        if problems:
+            raise RuntimeError("shared-memory consensus is not possible: " + "; ".join(problems))
+        assert transport is not None
+        return transport
+
+    def max_reduce(self, vec: np.ndarray, timeout_s: Optional[float] = None) -> np.ndarray:
+        if vec.shape != (self.length,):
+            raise ValueError(f"consensus vector of shape {vec.shape}, transport built for ({self.length},)")
+        r = self._round + 1
+        buf = self._bufs[r % 2]
+        buf[self.rank, :] = vec
+        self._seq[self.rank] = r  # after the slot: x86 keeps stores in order
+        self._wait(r, DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
+        self._round = r
+        return buf.max(axis=0)
+
+    def _wait(self, r: int, timeout_s: float) -> None:
+        seq = self._seq
+        for _ in range(self._SPIN):
+            if (seq >= r).all():
+                return
+        start = time.monotonic()
+        next_check = start + 1.0
+        delay = 0.0
+        while not (seq >= r).all():
+            now = time.monotonic()
+            if now - start < self._YIELD_S:
+                os.sched_yield()
+                continue
+            delay = min(max(delay * 2, 2e-5), 1e-3)
+            time.sleep(delay)
+            if now >= next_check:
+                next_check = now + 1.0
+                self._check_alive(r)
+                if now - start > timeout_s:
+                    late = [j for j in range(self.world_size) if seq[j] < r]
+                    raise TransportTimeout(
+                        f"automicro consensus timed out after {timeout_s} s: rank(s) {late} did not reach "
+                        f"round {r} (stuck elsewhere, or gone)"
+                    )
+
+    def _check_alive(self, r: int) -> None:
+        if not self.check_pids:
+            return
+        for j in range(self.world_size):
+            if self._seq[j] >= r:
+                continue
+            pid = int(self._pids[j])
+            if pid <= 0:
+                continue
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                raise TransportTimeout(
+                    f"automicro consensus: rank {j} (pid {pid}) exited while the others waited in a consensus round"
+                ) from None
+            except PermissionError:
+                pass
+
+    def close(self) -> None:
+        if self._map is None:
+            return
+        mm = getattr(self._map, "_mmap", None)
+        self._map = self._pids = self._seq = self._bufs = None  # type: ignore[assignment]
+        if mm is not None:
+            try:
+                mm.close()
+            except (BufferError, ValueError):
+                pass  # a view is still alive somewhere: the mapping goes with the process
