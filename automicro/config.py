@@ -49,6 +49,7 @@ KNOWN_CALLBACKS = (
     "memory_cap",
 )
 PARALLELISM_KEYS = ("fsdp2",)
+CHECKPOINT_FORMATS = ("full", "sharded")  # = automicro.integration.checkpointing.CHECKPOINT_FORMATS
 
 _OVERRIDE_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
 
@@ -321,11 +322,22 @@ class ParallelismConfig:
     """FSDP2 engine settings; ``fsdp2: {}`` (or ``fsdp2:`` with no value) uses every default."""
 
 
+def _state_dict_type_error(key: str, value: Any) -> ConfigError:
+    """Composer's `fsdp_config.state_dict_type` has no place in automicro's engine config."""
+    return ConfigError(
+        f"{key}={value!r}: Composer's FSDP key is not used by automicro's engine; set the top-level "
+        f"key checkpoint_format: {value if value in CHECKPOINT_FORMATS else 'sharded'} instead "
+        f"(one of {', '.join(CHECKPOINT_FORMATS)})"
+    )
+
+
 def _fsdp2_parse(value: Any, key: str) -> FSDP2Config:
     if value is not None and not isinstance(value, Mapping):
         raise ConfigError(f"{key}={value!r}: must be a mapping of FSDP2 settings (or {{}} for defaults)")
     known = [f.name for f in dataclasses.fields(FSDP2Config)]
     for k, v in (value or {}).items():
+        if k == "state_dict_type":
+            raise _state_dict_type_error(f"{key}.{k}", v)
         if k not in known:
             raise ConfigError(
                 f"{key}.{k}={v!r}: unknown key{_did_you_mean(str(k), known)}; "
@@ -400,7 +412,12 @@ class TrainConfig:
     save_interval: str = _cfg("1000ba", check=_time_check(allow_dur=False, positive=True))
     """How often to checkpoint, a Composer time string."""
     load_path: Optional[str] = None
-    """Checkpoint to resume from (null: start fresh)."""
+    """Checkpoint to resume from (null: start fresh); with ``checkpoint_format: sharded`` the
+    folder a sharded save wrote (``<save_folder>/ep0-ba100``)."""
+    checkpoint_format: str = _cfg("full", choices=CHECKPOINT_FORMATS)
+    """``full``: rank 0 writes one ``.pt`` file with the whole state; ``sharded``: every rank writes
+    its own FSDP2 shards (torch.distributed.checkpoint; needs ``parallelism_config.fsdp2``).
+    Applies to saving and to loading ``load_path``."""
     dist_timeout: float = _cfg(300.0, check=_positive)
     """Seconds before a collective is declared hung."""
     run_dir: str = "runs/${run_name}"
@@ -411,6 +428,11 @@ class TrainConfig:
             raise ConfigError(
                 f"{prefix}precision={self.precision!r}: precision {self.precision!r} needs device: gpu "
                 f"(device is {self.device!r}; use precision: fp32 on cpu)"
+            )
+        if self.checkpoint_format == "sharded" and self.fsdp2 is None:
+            raise ConfigError(
+                f"{prefix}checkpoint_format='sharded': saves FSDP2 shards and needs parallelism_config.fsdp2 "
+                "(e.g. parallelism_config: {fsdp2: {}}); without FSDP2 use checkpoint_format: full"
             )
         if self.eval_interval is not None and self.device_eval_microbatch_size == "auto" and self.parallelism_config is None:
             raise ConfigError(
@@ -674,6 +696,8 @@ def _check_override_key(key: str, item: str) -> None:
         fields = {f.name: f for f in dataclasses.fields(inner)}
         if part not in fields and hasattr(inner, "_fold_extra"):
             return  # e.g. model.n_layers: a LlamaConfig field, checked when the tree is built
+        if part not in fields and inner is FSDP2Config and part == "state_dict_type":
+            raise _state_dict_type_error(key, item.split("=", 1)[1] if "=" in item else None)
         if part not in fields:
             here = ".".join(parts[:i]) or "top level"
             raise ConfigError(

@@ -120,6 +120,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--thrash-search", default="bisect", choices=("bisect", "halve"))
     # parity
     p.add_argument("--parity-steps", type=int, default=300)
+    p.add_argument("--parity-control", type=int, default=0,
+                   help="parity: the noise floor instead: two plain runs at this fixed size, same seed and data")
     args = p.parse_args(argv)
     if args.device == "cpu" and not args.tiny:
         p.error("--device cpu needs --tiny (a 1B model on CPU is not a check, it is a wait)")
@@ -1211,9 +1213,15 @@ def suite_parity(ctx: Ctx) -> None:
     args = ctx.args
     fractions = pair(args.fractions)
     steps = args.parity_steps
-    auto = run_case(ctx, "parity-auto", fractions=fractions, batches=steps, text=True, losses=True)
-    split = ctx.decide(auto.get("final_split") if ctx.rank == 0 else None)
-    size = int(max(split)) if split else args.per_rank_batch
+    if args.parity_control:
+        # Same run twice: how far two identical bf16 GPU runs drift apart (non-deterministic kernels).
+        auto = run_case(ctx, f"control-fixed-{args.parity_control}", fractions=fractions, micro=args.parity_control,
+                        batches=steps, text=True, losses=True, note="control: first of two identical runs")
+        size = args.parity_control
+    else:
+        auto = run_case(ctx, "parity-auto", fractions=fractions, batches=steps, text=True, losses=True)
+        split = ctx.decide(auto.get("final_split") if ctx.rank == 0 else None)
+        size = int(max(split)) if split else args.per_rank_batch
     fixed = None
     if ctx.within_budget(f"parity-fixed-{size}"):
         fixed = run_case(ctx, f"parity-fixed-{size}", fractions=fractions, micro=size, batches=steps, text=True, losses=True,

@@ -11,16 +11,20 @@ What is private here and why:
   because the end-of-attempt consensus must come *before* `Event.AFTER_TRAIN_BATCH`: algorithms
   there (gradient clipping) issue collectives that a rank which ran out of memory never reaches.
 - `Trainer._train_data_spec`, `_use_grad_scaling`, `_backwards_create_graph`.
+- `enable_sharded_checkpoints` sets a Composer `FSDP2Config` on `State.fsdp_config` (a public
+  setter) at `Event.BEFORE_LOAD`; what is version specific is *when* Composer reads it (see there).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Optional
 
 import composer
 import torch
 from composer.core import Event
+from composer.utils import FSDP2Config as ComposerFSDP2Config
 from composer.utils import dist, ensure_tuple
 
 CHECKED_COMPOSER_VERSIONS = ("0.32.1",)
@@ -129,3 +133,44 @@ def reset_after_failure(trainer: Any, device_batch: Any) -> None:
     for optimizer in state.optimizers:
         optimizer.zero_grad(set_to_none=True)
     # Train metrics are reset at the start of every attempt (AutoMicrobatching.train_batch).
+
+
+class _ShardedCheckpointConfig(ComposerFSDP2Config):
+    """Composer's FSDP2 config, used only as the switch for Composer's sharded checkpoint path:
+    `state_dict_type='sharded'`, plus a DCP load planner (Composer's own FSDP2Config has none)."""
+
+    load_planner_factory: Optional[Callable[[], Any]] = None  # a class attribute, not a dataclass field
+
+    @property
+    def load_planner(self) -> Optional[Any]:
+        return None if self.load_planner_factory is None else self.load_planner_factory()
+
+
+def enable_sharded_checkpoints(state: Any, load_planner_factory: Optional[Callable[[], Any]] = None) -> None:
+    """Turn on Composer 0.32.1's sharded (torch.distributed.checkpoint) save and load for a model
+    that automicro's engine sharded, without Composer sharding it again.
+
+    Composer decides everything about checkpoints from `State.fsdp_sharded_state_dict_enabled`
+    (`fsdp_config is not None`, an FSDP/FSDP2 module in the model, `fsdp_config.state_dict_type ==
+    'sharded'`) at the time it saves or loads: `checkpoint.load_checkpoint` /
+    `load_sharded_checkpoint`, `checkpoint.save_checkpoint` / `get_save_filename`,
+    `CheckpointSaver._save_checkpoint` (symlinks, rotation), `State.get_model_state_dict` /
+    `get_optim_state_dict` / `load_model_state` / `load_optim_state`. The only place Composer
+    acts on `fsdp_config` itself is `Trainer._wrap_model_for_distributed` (it would shard the model
+    with `parallelize_composer_model`), which runs right *before* `Event.BEFORE_LOAD`, and the
+    checkpoint load runs right after it. So this is called at BEFORE_LOAD: the model is never
+    sharded twice, the load (`load_path` or autoresume) already takes the sharded path, and DDP is
+    not applied (`fsdp_enabled` is true). Composer's `State.__init__` check that `save_metrics` is
+    off with sharded state dicts has run by then, so `automicro.Trainer` repeats it.
+    """
+    if state.fsdp_config is not None:
+        raise RuntimeError(
+            "automicro: Composer already has an FSDP config on this run; sharded checkpoints are turned on "
+            "by automicro.Trainer(checkpoint_format='sharded') with parallelism_config={'fsdp2': {...}} only"
+        )
+    with warnings.catch_warnings():
+        # "FSDP2 Config/APIs are experimental": this config never shards anything.
+        warnings.simplefilter("ignore", UserWarning)
+        config = _ShardedCheckpointConfig(state_dict_type="sharded")
+    config.load_planner_factory = load_planner_factory
+    state.fsdp_config = config

@@ -5,6 +5,9 @@ Differences from `composer.Trainer`, all opt-in through arguments Composer alrea
   are `automicro.engine.FSDP2Config` fields) instead of Composer's own FSDP2 path;
 - `device_train_microbatch_size="auto"` works with FSDP2 (Composer refuses it), driven by the
   `AutoMicrobatching` callback (one is added with defaults if none is given).
+One argument of its own: `checkpoint_format="full" | "sharded"` (see
+`automicro.integration.checkpointing`); `"sharded"` saves and loads torch.distributed.checkpoint
+shards, Composer's `state_dict_type: sharded`.
 Everything else is passed to Composer unchanged.
 """
 
@@ -24,6 +27,7 @@ from automicro.engine import FSDP2Config, ShardedModel, ensure_record_stream_fre
 from automicro.engine.config import FSDP2ConfigError
 from automicro.integration import _composer_internals as composer_internals
 from automicro.integration.callback import AutoMicrobatching
+from automicro.integration.checkpointing import ShardedCheckpointing, check_checkpoint_format
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +47,12 @@ def _fsdp2_config(parallelism_config: Any) -> Optional[FSDP2Config]:
             "with FSDP2 only: use parallelism_config={'fsdp2': {...}}"
         )
     value = parallelism_config.get("fsdp2")
+    if isinstance(value, dict) and "state_dict_type" in value:
+        raise FSDP2ConfigError(
+            f"automicro.Trainer: parallelism_config.fsdp2.state_dict_type={value['state_dict_type']!r} is "
+            "Composer's own FSDP key; automicro's engine takes the checkpoint format as "
+            "automicro.Trainer(checkpoint_format='full' | 'sharded') (YAML: top-level checkpoint_format)"
+        )
     if isinstance(value, FSDP2Config):
         return value
     return FSDP2Config.from_dict(value)
@@ -127,10 +137,17 @@ class Trainer(composer.Trainer):
         callbacks: Any = None,
         device: Any = None,
         dist_timeout: float = 300.0,
+        checkpoint_format: str = "full",
         **kwargs: Any,
     ) -> None:
         composer_internals.check_supported_composer()
         fsdp2 = _fsdp2_config(parallelism_config)
+        check_checkpoint_format(
+            checkpoint_format,
+            sharded_model=fsdp2 is not None,
+            load_path=kwargs.get("load_path"),
+            save_metrics=bool(kwargs.get("save_metrics", False)),
+        )
         callback_list = list(callbacks) if isinstance(callbacks, (list, tuple)) else ([callbacks] if callbacks else [])
         auto = device_train_microbatch_size == "auto"
         if isinstance(device_train_microbatch_size, str) and not auto:
@@ -164,6 +181,8 @@ class Trainer(composer.Trainer):
             _rebind_optimizers(kwargs.get("optimizers"), names_before, model)
             _route_eval_forward_through_fsdp(model)
             callback_list.append(_ReshardRootAfterEval(self._automicro_sharded))
+            if checkpoint_format == "sharded":
+                callback_list.append(ShardedCheckpointing())
         self._automicro = automicro
         if automicro is not None:
             assert self._automicro_sharded is not None
@@ -199,6 +218,11 @@ class Trainer(composer.Trainer):
     def sharded_model(self) -> Optional[ShardedModel]:
         """The engine's handle on the sharded model (None without FSDP2)."""
         return self._automicro_sharded
+
+    @property
+    def checkpoint_format(self) -> str:
+        """'sharded' when Composer saves and loads this run's checkpoints as DCP shards, else 'full'."""
+        return "sharded" if self.state.fsdp_sharded_state_dict_enabled else "full"
 
     @property
     def auto_microbatching(self) -> Optional[AutoMicrobatching]:

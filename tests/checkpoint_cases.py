@@ -1,0 +1,177 @@
+"""Rank functions for tests/test_checkpoint.py: sharded (DCP) checkpoints through `automicro.Trainer`.
+
+Every case runs on every rank in the same order (collectives stay matched) and returns plain data;
+a case that breaks is caught on every rank and returned as {"crash": ...}.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Any, Optional
+
+import torch
+from composer.core import Callback, State
+from composer.loggers import Logger
+from composer.optim import LinearWithWarmupScheduler
+from composer.utils import dist as composer_dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.nn.parallel import DistributedDataParallel
+
+import automicro
+from automicro.integration.callback import AutoMicrobatching
+from automicro.testing.faults import FaultInjector
+from tests.automicro_cases import ABOVE, SEED, make_loader
+from tests.toy_models import ComposerStack
+
+CHECKPOINT_AT = 3  # the search (injector: OOM above 5 per microbatch) has settled on 5 by then
+TOTAL = 6
+FIXED_MICROBATCH = 4
+SITE = "backward_pre"
+
+
+class LossLog(Callback):
+    """The all-reduced training loss of every batch, by batch index."""
+
+    def __init__(self) -> None:
+        self.losses: dict[int, float] = {}
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        self.losses[int(state.timestamp.batch) - 1] = float(state.total_loss_dict["loss/train/total"])
+
+
+def _trainer(world: int, batches: int, microbatch: Any, callbacks: list, **kwargs: Any) -> automicro.Trainer:
+    torch.manual_seed(0)  # the same initial parameters in every run
+    model = ComposerStack(width=16)
+    return automicro.Trainer(
+        model=model,
+        train_dataloader=make_loader(world, TOTAL),
+        max_duration=f"{batches}ba",
+        optimizers=torch.optim.AdamW(model.parameters(), lr=1e-2),
+        # The learning rate depends on the batch count: a resume that lost the timestamp or the
+        # scheduler's state trains differently.
+        schedulers=LinearWithWarmupScheduler(t_warmup="2ba", alpha_f=0.1),
+        device="cpu",
+        parallelism_config={"fsdp2": {}},
+        device_train_microbatch_size=microbatch,
+        callbacks=callbacks,
+        loggers=[],
+        progress_bar=False,
+        log_to_console=False,
+        seed=SEED,
+        **kwargs,
+    )
+
+
+def _callbacks(auto: bool) -> list:
+    if not auto:
+        return []
+    return [AutoMicrobatching(log_attempts=False), FaultInjector(SITE, above=ABOVE)]
+
+
+def full_snapshot(trainer: automicro.Trainer) -> dict[str, torch.Tensor]:
+    """Model and optimizer state as full tensors (gathered on every rank), flat keys."""
+    model = trainer.state.model
+    options = StateDictOptions(full_state_dict=True)
+    out = {f"model/{k}": v.detach().clone() for k, v in get_model_state_dict(model, options=options).items()}
+    optim = get_optimizer_state_dict(model, trainer.state.optimizers[0], options=options)
+    for param, values in optim["state"].items():
+        for key, value in values.items():
+            out[f"optim/{param}/{key}"] = torch.as_tensor(value).detach().clone()
+    for index, group in enumerate(optim["param_groups"]):
+        for key, value in group.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                out[f"group{index}/{key}"] = torch.tensor(float(value))
+    return out
+
+
+def differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """Keys whose values are not exactly equal (or that only one side has)."""
+    keys = sorted(set(a) | set(b))
+    return [k for k in keys if k not in a or k not in b or not torch.equal(a[k], b[k])]
+
+
+def max_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], prefix: str = "model/") -> float:
+    keys = [k for k in a if k.startswith(prefix)]
+    assert keys and set(keys) == {k for k in b if k.startswith(prefix)}
+    return max(float((a[k] - b[k]).abs().max()) for k in keys)
+
+
+def _auto_of(trainer: automicro.Trainer) -> Optional[AutoMicrobatching]:
+    return trainer.auto_microbatching
+
+
+def resume_case(world: int, folder: str, auto: bool) -> dict[str, Any]:
+    """Save a sharded checkpoint at batch CHECKPOINT_AT, load it in a new Trainer (full model and
+    optimizer state compared before training on), train on to TOTAL; and an uninterrupted run."""
+    microbatch = "auto" if auto else FIXED_MICROBATCH
+    result: dict[str, Any] = {}
+
+    losses = LossLog()
+    first = _trainer(
+        world,
+        CHECKPOINT_AT,
+        microbatch,
+        _callbacks(auto) + [losses],
+        checkpoint_format="sharded",
+        save_folder=folder,
+        save_interval=f"{CHECKPOINT_AT}ba",
+    )
+    first.fit()
+    saved = full_snapshot(first)
+    result["first_checkpoint_format"] = first.checkpoint_format
+    result["first_is_ddp"] = isinstance(first.state.model, DistributedDataParallel) or first.state.is_model_ddp
+    result["saved_checkpoints"] = [os.path.relpath(p, folder) for p in first.saved_checkpoints]
+    result["saved_losses"] = losses.losses
+    if auto:
+        result["saved_found_size"] = _auto_of(first).found_size
+    first.close()
+    composer_dist.barrier()
+
+    losses = LossLog()
+    resumed = _trainer(
+        world,
+        TOTAL,
+        microbatch,
+        _callbacks(auto) + [losses],
+        checkpoint_format="sharded",
+        load_path=os.path.join(folder, f"ep0-ba{CHECKPOINT_AT}"),
+    )
+    loaded = full_snapshot(resumed)
+    result["loaded_keys"] = len(loaded)
+    result["load_differences"] = differences(saved, loaded)
+    result["resumed_at_batch"] = int(resumed.state.timestamp.batch)
+    result["resumed_is_ddp"] = isinstance(resumed.state.model, DistributedDataParallel) or resumed.state.is_model_ddp
+    resumed.fit()
+    final = full_snapshot(resumed)
+    result["resumed_losses"] = losses.losses
+    if auto:
+        resumed_auto = _auto_of(resumed)
+        result["resumed_found_size"] = resumed_auto.found_size
+        result["resumed_history"] = [
+            {"batch": r.batch, "attempt": r.attempt, "split": list(r.split), "outcome": r.outcome}
+            for r in resumed_auto.history
+        ]
+        result["resumed_ooms_total"] = resumed_auto.ooms_total
+    resumed.close()
+
+    losses = LossLog()
+    uninterrupted = _trainer(world, TOTAL, microbatch, _callbacks(auto) + [losses])
+    uninterrupted.fit()
+    reference = full_snapshot(uninterrupted)
+    result["uninterrupted_losses"] = losses.losses
+    uninterrupted.close()
+    result["param_error_vs_uninterrupted"] = max_error(final, reference, "model/")
+    result["optim_error_vs_uninterrupted"] = max_error(final, reference, "optim/")
+    return result
+
+
+def run_checkpoint_cases(rank: int, world: int, folder: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    for name, auto in (("auto", True), ("fixed", False)):
+        try:
+            out[name] = resume_case(world, os.path.join(folder, name), auto)
+        except Exception:  # noqa: BLE001 - the test reports which case broke
+            out[name] = {"crash": traceback.format_exc()}
+    return out
