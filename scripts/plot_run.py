@@ -12,6 +12,15 @@ The x axis is the 0-based batch index, as in the ``[automicro] batch N attempt M
 lines (Composer logs a batch's metrics at step N + 1). ``metrics.jsonl`` is appended to by each
 launch into the same RUN_DIR; the plot shows the latest launch unless ``--all`` is given.
 
+Loss parity (issue: auto vs the found size fixed from the start)::
+
+    python scripts/plot_run.py --parity gpu_auto_parity.json [--control gpu_auto_parity_control.json] -o parity.png
+
+reads the JSON of `benchmarks/gpu_auto.py --suite parity`: panel 1 the two loss curves (grey
+background while the auto run searched, red x at batches with an OOM), panel 2 |auto - fixed| per
+batch and, with `--control` (the same suite run with `--parity-control SIZE`: two identical
+fixed-size runs), the run-to-run noise floor |fixed - fixed| beside it, both with a 20-batch mean.
+
 Needs matplotlib (``pip install -e '.[plot]'``). Exit status 2 with a message naming the path
 when RUN_DIR or its metrics.jsonl is missing or holds no metrics.
 """
@@ -286,13 +295,95 @@ def plot(run: Run, out_path: str) -> None:
     plt.close(fig)
 
 
+def read_parity(path: str) -> dict[str, Any]:
+    """Losses and the auto run's search batches from a gpu_auto parity JSON."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, json.JSONDecodeError) as error:
+        raise PlotError(f"{path}: cannot read the parity JSON ({error})") from None
+    report = doc.get("report") or {}
+    losses = report.get("losses") or {}
+    first, second = losses.get("auto") or [], losses.get("fixed") or []
+    if not first or not second:
+        raise PlotError(f"{path}: no losses under report.losses (is it the JSON of `gpu_auto.py --suite parity`?)")
+    cases = doc.get("cases") or []
+    names = [c.get("name", "") for c in cases]
+    rows = cases[0].get("rows", []) if cases else []
+    return {
+        "names": names,
+        "first": first,
+        "second": second,
+        "size": report.get("size"),
+        "searching": [i for i, r in enumerate(rows) if r.get("hooks")],
+        "oom_batches": [r["batch"] for r in rows if r.get("attempts", 1) > 1],
+        "title": f"{doc.get('model')} seq {doc.get('seq_len')}, {doc.get('world_size')} x {doc.get('device')}, torch {doc.get('torch')}",
+    }
+
+
+def _moving_mean(values: list[float], window: int = 20) -> list[float]:
+    out = []
+    for i in range(len(values)):
+        chunk = values[max(0, i - window + 1) : i + 1]
+        out.append(sum(chunk) / len(chunk))
+    return out
+
+
+def plot_parity(parity: dict[str, Any], control: Optional[dict[str, Any]], out: str) -> dict[str, float]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    a, f = parity["first"], parity["second"]
+    n = min(len(a), len(f))
+    xs = list(range(n))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    for lo, hi in spans(xs, [1.0 if i in set(parity["searching"]) else 0.0 for i in xs]):
+        top.axvspan(lo, hi, color=HOOKS_COLOR, lw=0)
+    top.plot(xs, a[:n], lw=1.2, label=f"auto ({parity['names'][0] if parity['names'] else 'auto'})")
+    top.plot(xs, f[:n], lw=1.2, ls="--", label=f"fixed size {parity['size']} from the start")
+    for b in parity["oom_batches"]:
+        if b < n:
+            top.plot([b], [a[b]], "x", color=OOM_COLOR, ms=8)
+    top.set_yscale("log")
+    top.set_ylabel("train loss (per batch)")
+    top.legend(loc="upper right")
+    top.set_title(f"Loss parity: auto microbatching vs the found size fixed\n{parity['title']}")
+    diff = [abs(x - y) for x, y in zip(a[:n], f[:n])]
+    bottom.plot(xs, diff, lw=0.6, alpha=0.5, color="C0")
+    bottom.plot(xs, _moving_mean(diff), lw=1.6, color="C0", label="|auto - fixed|, 20-batch mean")
+    summary = {"mean_abs_diff": sum(diff) / len(diff)}
+    if control is not None:
+        c1, c2 = control["first"], control["second"]
+        m = min(len(c1), len(c2), n)
+        noise = [abs(x - y) for x, y in zip(c1[:m], c2[:m])]
+        bottom.plot(xs[:m], noise, lw=0.6, alpha=0.4, color="grey")
+        bottom.plot(xs[:m], _moving_mean(noise), lw=1.6, color="black", ls=":",
+                    label="noise floor: |fixed - fixed| (two identical runs), 20-batch mean")
+        summary["control_mean_abs_diff"] = sum(noise) / len(noise)
+    bottom.set_ylabel("absolute loss difference")
+    bottom.set_xlabel("batch")
+    bottom.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return summary
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dir", help="the run's run_dir (holding metrics.jsonl), or the metrics.jsonl itself")
+    parser.add_argument("run_dir", nargs="?", help="the run's run_dir (holding metrics.jsonl), or the metrics.jsonl itself")
+    parser.add_argument("--parity", default=None, help="plot loss parity from a gpu_auto parity JSON instead")
+    parser.add_argument("--control", default=None, help="with --parity: the parity-control JSON (noise floor)")
     parser.add_argument("-o", "--output", default=None, help="PNG to write (default: RUN_DIR/run.png)")
     parser.add_argument("--all", action="store_true", help="plot every launch appended to metrics.jsonl, not just the latest")
     parser.add_argument("--name", default=None, help="run name for the title (default: the name the run logged)")
     args = parser.parse_args(argv)
+    if args.parity is not None or args.control is not None:
+        return _main_parity(args)
+    if args.run_dir is None:
+        parser.error("give RUN_DIR (or --parity JSON)")
     try:
         path = metrics_path(args.run_dir)
         default_name = os.path.basename(os.path.normpath(os.path.dirname(os.path.abspath(path))))
@@ -312,6 +403,28 @@ def main(argv: list[str]) -> int:
     if run.skipped_lines:
         print(f"plot_run: skipped {run.skipped_lines} unreadable line(s) of {path}", file=sys.stderr)
     print(f"plot_run: wrote {out} ({run.name}: {len(run.batches)} batches, {len(run.events)} events)")
+    return 0
+
+
+def _main_parity(args: argparse.Namespace) -> int:
+    if args.parity is None:
+        print("plot_run: --control needs --parity", file=sys.stderr)
+        return 2
+    try:
+        parity = read_parity(args.parity)
+        control = read_parity(args.control) if args.control else None
+    except PlotError as error:
+        print(f"plot_run: {error}", file=sys.stderr)
+        return 2
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("plot_run: matplotlib is not installed: pip install -e '.[plot]' (or pip install matplotlib)", file=sys.stderr)
+        return 2
+    out = args.output or os.path.splitext(args.parity)[0] + ".png"
+    summary = plot_parity(parity, control, out)
+    print(f"plot_run: wrote {out} ({len(parity['first'])} batches; "
+          + ", ".join(f"{k} {v:.4f}" for k, v in summary.items()) + ")")
     return 0
 
 

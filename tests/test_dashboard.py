@@ -264,3 +264,40 @@ def test_gpu_config_has_the_memory_monitor():
     cfg = load_config(REPO / "configs" / "tiny-gpu.yaml")
     kinds = {type(c) for c in builders.build_callbacks(cfg)}
     assert {MemoryMonitor, SpeedMonitor} <= kinds
+
+
+# ---- loss parity plot (issue 6.5) ---------------------------------------------------------------
+
+
+def _parity_doc(first, second, searching=(0, 1), oom_batches=(0,)):
+    rows = [{"batch": i, "hooks": i in searching, "attempts": 2 if i in oom_batches else 1} for i in range(len(first))]
+    return {"model": "1b", "seq_len": 2048, "world_size": 2, "device": "GPU", "torch": "2.x",
+            "cases": [{"name": "parity-auto", "rows": rows}, {"name": "parity-fixed-3", "rows": []}],
+            "report": {"size": 3, "losses": {"auto": first, "fixed": second}}}
+
+
+def test_plot_script_draws_loss_parity_with_the_noise_floor(tmp_path):
+    import matplotlib.image
+
+    auto = [5.0 / (1 + 0.05 * i) for i in range(60)]
+    fixed = [x + (0.01 if i % 2 else -0.01) for i, x in enumerate(auto)]
+    (tmp_path / "parity.json").write_text(json.dumps(_parity_doc(auto, fixed)))
+    (tmp_path / "control.json").write_text(json.dumps(_parity_doc(fixed, [x + 0.005 for x in fixed], (), ())))
+    out = tmp_path / "parity.png"
+    result = _run([sys.executable, str(PLOT), "--parity", str(tmp_path / "parity.json"), "--control",
+                   str(tmp_path / "control.json"), "-o", str(out)], 120, _offline_env(tmp_path))
+    assert result.returncode == 0, result.stdout
+    # The printed means are computed from the two files: 0.01 between auto and fixed, 0.005 in the control.
+    assert "60 batches; mean_abs_diff 0.0100, control_mean_abs_diff 0.0050" in result.stdout, result.stdout
+    image = matplotlib.image.imread(str(out))
+    rgb = image[..., :3]
+    red = (abs(rgb[..., 0] - 0xD6 / 255) < 0.03) & (abs(rgb[..., 1] - 0x27 / 255) < 0.03) & (abs(rgb[..., 2] - 0x28 / 255) < 0.03)
+    assert red.sum() > 20, "the OOM batch of the auto run is not marked"
+
+
+def test_plot_script_refuses_a_json_without_parity_losses(tmp_path):
+    (tmp_path / "nohang.json").write_text(json.dumps({"suite": "nohang", "cases": []}))
+    result = _run([sys.executable, str(PLOT), "--parity", str(tmp_path / "nohang.json")], 120, _offline_env(tmp_path))
+    assert result.returncode == 2 and "no losses under report.losses" in result.stdout, result.stdout
+    result = _run([sys.executable, str(PLOT), "--control", str(tmp_path / "nohang.json")], 120, _offline_env(tmp_path))
+    assert result.returncode == 2 and "--control needs --parity" in result.stdout, result.stdout
