@@ -49,7 +49,7 @@ KNOWN_CALLBACKS = (
     "memory_cap",
 )
 PARALLELISM_KEYS = ("fsdp2",)
-CHECKPOINT_FORMATS = ("full", "sharded")  # = automicro.integration.checkpointing.CHECKPOINT_FORMATS
+CHECKPOINT_FORMATS = ("full", "sharded")  # automicro.Trainer(checkpoint_format=...) checks against these too
 
 _OVERRIDE_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
 

@@ -211,12 +211,5 @@ class ShmTransport:
                 pass
 
     def close(self) -> None:
-        if self._map is None:
-            return
-        mm = getattr(self._map, "_mmap", None)
+        """Drop this rank's mapping (results handed out are copies, so nothing else holds it)."""
         self._map = self._pids = self._seq = self._bufs = None  # type: ignore[assignment]
-        if mm is not None:
-            try:
-                mm.close()
-            except (BufferError, ValueError):
-                pass  # a view is still alive somewhere: the mapping goes with the process

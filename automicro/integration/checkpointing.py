@@ -39,9 +39,9 @@ from composer.loggers import Logger
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from automicro.config import CHECKPOINT_FORMATS
 from automicro.integration import _composer_internals as composer_internals
 
-CHECKPOINT_FORMATS = ("full", "sharded")
 DCP_METADATA_FILENAME = ".metadata"  # what `torch.distributed.checkpoint.FileSystemWriter` writes
 _CALLBACKS_PATH = ("state", "callbacks")
 
