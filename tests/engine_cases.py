@@ -69,18 +69,30 @@ def _inject(sharded, model, point: str):
     raise ValueError(point)
 
 
+def _rs_comm_stats(sharded) -> Optional[dict[str, int]]:
+    comm = sharded._reduce_scatter_comm
+    if comm is None:
+        return None
+    return {"outputs": comm.outputs_from_compute_stream, "max_held": comm.max_held, "held": comm.held}
+
+
 def train_sharded(
     rank: int,
     world: int,
     config: FSDP2Config,
     fail_at: Optional[str] = None,
     mesh=None,
+    accum: int = 1,
 ) -> dict[str, Any]:
+    """3 AdamW steps; `accum` > 1 splits each rank's batch into that many microbatches whose
+    gradients accumulate (every backward reduce-scatters, as Composer's loop does)."""
     torch.manual_seed(0)
     model = Stack()
     sharded = shard(model, config, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    report: dict[str, Any] = {"failed": False}
+    report: dict[str, Any] = {"failed": False, "held_after_backward": []}
+    comms = {id(internals.reduce_scatter_comm(m)) for m in sharded.fsdp_modules if internals.param_group(m) is not None}
+    report["one_comm_for_all_modules"] = len(comms) == 1
     for step, (x, y) in enumerate(make_data(STEPS, GLOBAL_BATCH)):
         x, y = _local(x, rank, world), _local(y, rank, world)
         if fail_at is not None and step == 1:
@@ -99,10 +111,15 @@ def train_sharded(
             report["clean_after_recover"] = sharded.is_clean()
             report["unsharded_bytes_after_recover"] = sharded.unsharded_bytes()
             report["grads_after_recover"] = sum(p.grad is not None for p in model.parameters())
+            report["rs_comm_after_recover"] = _rs_comm_stats(sharded)
         opt.zero_grad(set_to_none=True)
-        ((model(x) - y) ** 2).mean().backward()
+        for xm, ym in zip(x.chunk(accum), y.chunk(accum)):
+            (((model(xm) - ym) ** 2).mean() / accum).backward()
+            stats = _rs_comm_stats(sharded)
+            report["held_after_backward"].append(None if stats is None else stats["held"])
         opt.step()
     report["clean_at_end"] = sharded.is_clean()
+    report["rs_comm"] = _rs_comm_stats(sharded)
     report["params"] = full_state(model)
     report["plan"] = sharded.prefetch_plan()
     return report
@@ -121,6 +138,7 @@ NUMERICS_CONFIGS = {
     "activation_checkpointing": FSDP2Config(activation_checkpointing=True),
     "async_unshard": FSDP2Config(unshard_async_op=True),
     "async_unshard_prefetch2_ac": FSDP2Config(unshard_async_op=True, forward_prefetch=2, backward_prefetch=2, activation_checkpointing=True),
+    "grads_on_fsdp_stream": FSDP2Config(grads_on_compute_stream=False),
 }
 
 FAIL_POINTS = ["pre_forward", "mid_forward", "forward_all_gather", "pre_backward", "mid_backward", "post_backward_reduce_scatter"]
@@ -136,6 +154,20 @@ def run_engine_cases(rank: int, world: int) -> dict[str, Any]:
             results[f"numerics/{name}"] = {"error": max_error(report["params"], reference), "clean": report["clean_at_end"]}
         except Exception:  # noqa: BLE001 - report which case broke
             results[f"numerics/{name}"] = {"exception": traceback.format_exc()}
+    # Gradient accumulation: 2 microbatches per step, each reduce-scattered; FSDP2 adds each
+    # output into `.grad` on the reduce-scatter stream (the case the held outputs are for).
+    for name in ("defaults", "async_unshard_prefetch2_ac", "grads_on_fsdp_stream"):
+        try:
+            report = train_sharded(rank, world, NUMERICS_CONFIGS[name], accum=2)
+            results[f"accum/{name}"] = {
+                "error": max_error(report["params"], reference),
+                "clean": report["clean_at_end"],
+                "rs_comm": report["rs_comm"],
+                "held_after_backward": report["held_after_backward"],
+                "one_comm": report["one_comm_for_all_modules"],
+            }
+        except Exception:  # noqa: BLE001
+            results[f"accum/{name}"] = {"exception": traceback.format_exc()}
     for point in FAIL_POINTS:
         for config_name in ("defaults", "async_unshard_prefetch2_ac"):
             config = NUMERICS_CONFIGS[config_name]
@@ -147,6 +179,7 @@ def run_engine_cases(rank: int, world: int) -> dict[str, Any]:
                     "clean": report["clean_after_recover"],
                     "unsharded_bytes": report["unsharded_bytes_after_recover"],
                     "grads": report["grads_after_recover"],
+                    "rs_comm": report["rs_comm_after_recover"],
                 }
             except Exception:  # noqa: BLE001
                 results[f"recover/{point}/{config_name}"] = {"exception": traceback.format_exc()}

@@ -49,6 +49,46 @@ def test_recover_after_failure_trains_as_if_it_never_failed(two_rank_results, po
         assert result["error"] < TOLERANCE, f"parameters differ from a run that never failed by {result['error']}"
 
 
+COMPUTE_STREAM_GRADS = internals.HAS_CUSTOM_REDUCE_SCATTER
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", ["defaults", "async_unshard_prefetch2_ac", "grads_on_fsdp_stream"])
+def test_gradient_accumulation_matches_single_process(two_rank_results, name):
+    for rank_result in two_rank_results:
+        result = _ok(rank_result[f"accum/{name}"])
+        assert result["error"] < TOLERANCE, f"{name}: max parameter difference {result['error']}"
+        assert result["clean"]
+
+
+@pytest.mark.multiproc
+def test_grads_on_compute_stream_is_the_default_where_torch_has_custom_reduce_scatter(two_rank_results):
+    for rank_result in two_rank_results:
+        on = _ok(rank_result["accum/defaults"])
+        off = _ok(rank_result["accum/grads_on_fsdp_stream"])
+        assert off["rs_comm"] is None
+        if not COMPUTE_STREAM_GRADS:
+            assert on["rs_comm"] is None, "torch < 2.9 has no set_custom_reduce_scatter; the engine must not use it"
+            continue
+        assert on["one_comm"], "every FSDP2 module of one root must share one reduce-scatter comm"
+        # 3 steps x 2 microbatches x 4 parameter groups (3 blocks + root), every output from
+        # the compute stream's pool (CPU streams are distinct objects, so the path is the GPU one).
+        assert on["rs_comm"]["outputs"] == 3 * 2 * 4, on["rs_comm"]
+        assert on["rs_comm"]["max_held"] == 2, "at most the previous and the current output are held"
+        assert on["held_after_backward"] == [0] * 6, "every held output is dropped at the end of backward"
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("point", engine_cases.FAIL_POINTS)
+def test_recover_drops_held_reduce_scatter_outputs(two_rank_results, point):
+    for rank_result in two_rank_results:
+        result = _ok(rank_result[f"recover/{point}/defaults"])
+        if not COMPUTE_STREAM_GRADS:
+            assert result["rs_comm"] is None
+            continue
+        assert result["rs_comm"]["held"] == 0, f"recover() after a failure at {point} left outputs held"
+
+
 @pytest.mark.multiproc
 def test_prefetch_plan_chains_follow_forward_order(two_rank_results):
     plan = two_rank_results[0]["plan"]
@@ -96,6 +136,9 @@ def test_record_stream_env_is_set_before_a_group_exists_on_torch_27(monkeypatch)
         ({"wrap": "Block"}, "wrap='Block'"),
         ({"activation_checkpointing": "yes"}, "activation_checkpointing='yes'"),
         ({"bogus": 1}, "unknown key(s) ['bogus']"),
+        ({"grads_on_compute_stream": "auto"}, "grads_on_compute_stream='auto'"),
+        ({"grads_on_compute_stream": True, "replicate": 2}, "not supported with HSDP"),
+        ({"grads_on_compute_stream": True, "cpu_offload": True}, "cpu_offload"),
     ],
     ids=lambda v: str(v) if isinstance(v, dict) else "",
 )
@@ -127,3 +170,94 @@ def test_tiny_llama_on_two_ranks_matches_one_process_in_loss_and_parameters_afte
     for result in run_multiprocess(engine_cases.run_llama_case, world_size=2, timeout_s=300):
         assert result["loss_error"] < 1e-5
         assert result["param_error"] < TOLERANCE
+
+
+def test_grads_on_compute_stream_resolves_per_torch_version():
+    assert FSDP2Config().use_compute_stream_grads(internals.TORCH_VERSION, internals.HAS_CUSTOM_REDUCE_SCATTER) == (
+        internals.TORCH_VERSION >= (2, 9)
+    )
+    assert not FSDP2Config(replicate=2).use_compute_stream_grads((2, 11), True), "auto stays off under HSDP"
+    assert not FSDP2Config(grads_on_compute_stream=False).use_compute_stream_grads((2, 11), True)
+    if internals.HAS_CUSTOM_REDUCE_SCATTER:
+        assert FSDP2Config(grads_on_compute_stream=True).use_compute_stream_grads((2, 11), True)
+    else:
+        with pytest.raises(FSDP2ConfigError, match=r"needs torch >= 2.9 .*this is torch 2.7"):
+            FSDP2Config(grads_on_compute_stream=True)
+
+
+class _FakeStream:
+    def __init__(self, name):
+        self.name = name
+        self.waited_for = []
+
+    def wait_stream(self, other):
+        self.waited_for.append(other.name)
+
+
+class _FakeHandle:
+    """torch.cuda's stream API in miniature: a current stream and a `stream()` context."""
+
+    def __init__(self):
+        self.compute = _FakeStream("compute")
+        self.reduce = _FakeStream("reduce_scatter")
+        self.current = self.compute
+        self.allocated_on = []
+
+    def current_stream(self):
+        return self.current
+
+    def stream(self, stream):
+        handle = self
+
+        class _Ctx:
+            def __enter__(self):
+                self.prev, handle.current = handle.current, stream
+
+            def __exit__(self, *exc):
+                handle.current = self.prev
+
+        return _Ctx()
+
+
+def _fake_reduce(comm, handle, numel=4):
+    """What `foreach_reduce` does with the comm: input on the compute stream, output inside
+    `with stream(reduce_scatter_stream)`."""
+    inp = comm.allocate((numel * 2,), dtype=torch.float32, device=torch.device("cpu"))
+    with handle.stream(handle.reduce):
+        out = comm.allocate((numel,), dtype=torch.float32, device=torch.device("cpu"))
+    return inp, out
+
+
+def test_compute_stream_reduce_scatter_holds_only_the_outputs_pending_work_may_use():
+    import weakref
+
+    handle = _FakeHandle()
+    comm = internals.ComputeStreamReduceScatter(handle_for=lambda device: handle)
+    refs = []
+    for k in range(5):
+        _, out = _fake_reduce(comm, handle)
+        refs.append(weakref.ref(out))
+        del out  # FSDP2 drops the output after queueing its `+=` (gradient accumulation)
+        assert comm.held == min(k + 1, 2)
+        # Output k-1 (its reduce-scatter may still be running) and k are alive; older ones freed.
+        assert [r() is not None for r in refs] == [False] * max(0, k - 1) + [True] * min(k + 1, 2)
+    assert comm.outputs_from_compute_stream == 5 and comm.max_held == 2
+    assert handle.compute.waited_for == []
+    comm.release_all()
+    assert comm.held == 0 and all(r() is None for r in refs)
+    assert handle.compute.waited_for == ["reduce_scatter"], "release must order the compute stream after the reduce-scatter stream"
+
+
+def test_compute_stream_reduce_scatter_after_a_failure_between_its_two_allocations():
+    handle = _FakeHandle()
+    comm = internals.ComputeStreamReduceScatter(handle_for=lambda device: handle)
+    _fake_reduce(comm, handle)
+    # A reduction fails after allocating its input (e.g. OOM in the copy-in): the next input,
+    # on the compute stream again, must still be taken for an input.
+    comm.allocate((8,), dtype=torch.float32, device=torch.device("cpu"))
+    comm.allocate((8,), dtype=torch.float32, device=torch.device("cpu"))
+    assert comm.outputs_from_compute_stream == 1
+    comm.reset()
+    assert comm.held == 0
+    _fake_reduce(comm, handle)
+    assert comm.outputs_from_compute_stream == 2 and comm.held == 1

@@ -15,6 +15,9 @@ What is private here and why:
 - `_set_unshard_async_op` (private on both versions).
 - The composable activation checkpoint (`torch.distributed._composable.checkpoint`), which keeps
   parameter names unchanged (the wrapper class would insert `_checkpoint_wrapped_module`).
+- The `ReduceScatter` comm interface (`_fsdp_api`, torch >= 2.9) behind the public
+  `FSDPModule.set_custom_reduce_scatter`: `ComputeStreamReduceScatter` allocates the
+  reduce-scatter outputs (the sharded gradients) from the compute stream's memory.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ CHECKED_VERSIONS = ((2, 7), (2, 11))
 NEEDS_AVOID_RECORD_STREAMS_ENV = TORCH_VERSION < (2, 8)
 # torch 2.7's gloo reduce-scatter sums where FSDP2 asks for AVG (measured on CPU, 2 ranks).
 GLOO_REDUCE_SCATTER_IGNORES_AVG = TORCH_VERSION < (2, 8)
+# `FSDPModule.set_custom_reduce_scatter` and the `ReduceScatter` interface exist from torch 2.9.
+HAS_CUSTOM_REDUCE_SCATTER = TORCH_VERSION >= (2, 9) and hasattr(FSDPModule, "set_custom_reduce_scatter")
 
 
 def check_supported_torch() -> None:
@@ -353,3 +358,153 @@ def apply_activation_checkpointing(module: nn.Module) -> None:
     from torch.distributed._composable import checkpoint
 
     checkpoint(module)
+
+
+# --------------------------------------------------------------------------------------------
+# Reduce-scatter outputs from the compute stream's memory (torch >= 2.9; checked on 2.11.0)
+# --------------------------------------------------------------------------------------------
+#
+# FSDP2's `foreach_reduce` allocates the reduce-scatter *input* on the compute stream and the
+# *output* inside `with stream(reduce_scatter_stream)`. With an fp32 reduce the output is kept as
+# the sharded `.grad` (views into it), so every step's gradients come from a second caching-
+# allocator pool (the reduce-scatter stream's) that the optimizer and the next forward, which run
+# on the compute stream, can never reuse: that pool is most of what is left of the seed's
+# reserved/allocated gap once the all-gathers run on the compute stream (async unshard).
+#
+# Allocating the output from the compute stream's pool is safe for its first use: FSDP2 makes
+# the reduce-scatter stream wait for the compute stream right before it allocates the output, so
+# everything the compute stream did with a reused block is ordered before the reduce-scatter.
+# The danger is its *free*. Under gradient accumulation FSDP2 adds the output into the existing
+# `.grad` on the reduce-scatter stream and drops it at once; a compute-stream block freed like
+# that could be handed to the next compute-stream allocation before the reduce-scatter and the
+# `+=` ran. So this comm keeps every output it allocated alive until the compute stream is
+# ordered after the reduce-scatter-stream work that uses it:
+#   - FSDP2's `post_backward` makes the compute stream wait for the previous reduce-scatter's
+#     event before it calls `foreach_reduce` again. That event follows, on the reduce-scatter
+#     stream, every op of all earlier reductions (their `+=` included), so when output k is
+#     allocated, outputs k-2 and older are safe to drop; output k-1 is kept;
+#   - at the end of each backward (an autograd final callback) and in `recover()`, the compute
+#     stream waits for the reduce-scatter stream and every held output is dropped.
+# At most two outputs are held beyond what FSDP2 itself keeps; without accumulation the output
+# *is* the gradient and holding it costs nothing. HSDP (the replicate all-reduce adds a third
+# stream) and CPU offload (gradients live on the host) keep FSDP2's own allocation.
+
+
+def _stream_handle(device: torch.device) -> Any:
+    """torch.cuda (or the device type's module); CPU has no streams worth separating."""
+    return getattr(torch, device.type, None)
+
+
+if HAS_CUSTOM_REDUCE_SCATTER:
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
+else:  # torch 2.7: never instantiated (FSDP2Config refuses it there)
+
+    class _ReduceScatterBase:  # type: ignore[no-redef]
+        pass
+
+
+class ComputeStreamReduceScatter(_ReduceScatterBase):
+    """A `ReduceScatter` comm whose outputs come from the compute stream's memory pool.
+
+    One instance serves every FSDP2 module of one root (they share one reduce-scatter stream
+    and FSDP2's "wait for the previous reduce-scatter" rule). `handle_for(device)` returns the
+    stream module for a device (tests pass fake streams to check the release rule on CPU).
+    """
+
+    def __init__(self, handle_for: Callable[[torch.device], Any] = _stream_handle) -> None:
+        self._handle_for = handle_for
+        self._compute_stream: Any = None
+        self._reduce_stream: Any = None
+        self._held: list[torch.Tensor] = []
+        self._expect_output = False
+        self._release_queued = False
+        self.outputs_from_compute_stream = 0  # counters, for tests and benchmarks
+        self.max_held = 0
+
+    # -- the ReduceScatter interface ------------------------------------------------------------
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        handle = self._handle_for(device)
+        if handle is None or not hasattr(handle, "current_stream"):
+            return torch.empty(*size, dtype=dtype, device=device)
+        current = handle.current_stream()
+        if not self._expect_output or current == self._compute_stream:
+            # `foreach_reduce` allocates the input first, on the compute stream (the current
+            # stream when `post_backward` runs); remember which stream that is. (Equal streams
+            # with an output due: the previous reduction failed between its two allocations.)
+            self._compute_stream = current
+            self._expect_output = True
+            return torch.empty(*size, dtype=dtype, device=device)
+        # The output, inside FSDP2's `with stream(reduce_scatter_stream)`.
+        self._expect_output = False
+        self._reduce_stream = current
+        # The compute stream has waited for the previous reduce-scatter's event: every output but
+        # the newest held one is no longer used by pending reduce-scatter-stream work.
+        del self._held[:-1]
+        with handle.stream(self._compute_stream):
+            output = torch.empty(*size, dtype=dtype, device=device)
+        self._held.append(output)
+        self.outputs_from_compute_stream += 1
+        self.max_held = max(self.max_held, len(self._held))
+        self._queue_release_after_backward()
+        return output
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> Any:
+        # Through `_fsdp_collectives.dist`, so the pre-collective hook (its proxy) still fires.
+        return _fsdp_collectives.dist.reduce_scatter_tensor(
+            output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op
+        )
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    def _queue_release_after_backward(self) -> None:
+        if self._release_queued:
+            return
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._release_after_backward)
+        except RuntimeError:
+            return  # not inside a backward: the next output or `release_all()` drops them
+        self._release_queued = True
+
+    def _release_after_backward(self) -> None:
+        self._release_queued = False
+        self.release_all()
+
+    def release_all(self) -> None:
+        """Order the compute stream after all reduce-scatter work, then drop every held output."""
+        if self._held and self._reduce_stream is not None and self._compute_stream is not None:
+            self._compute_stream.wait_stream(self._reduce_stream)
+        self._held.clear()
+
+    def reset(self) -> None:
+        """After a failed attempt (`recover()`): nothing pending, nothing held."""
+        self.release_all()
+        self._release_queued = False
+        self._expect_output = False
+
+
+def install_compute_stream_reduce_scatter(modules: list[FSDPModule]) -> ComputeStreamReduceScatter:
+    """Give every FSDP2 module of one root the same `ComputeStreamReduceScatter` (torch >= 2.9)."""
+    if not HAS_CUSTOM_REDUCE_SCATTER:
+        raise RuntimeError(f"set_custom_reduce_scatter needs torch >= 2.9 (found {torch.__version__})")
+    comm = ComputeStreamReduceScatter()
+    for module in modules:
+        module.set_custom_reduce_scatter(comm)
+    return comm
+
+
+def reduce_scatter_comm(module: FSDPModule) -> Any:
+    """The comm object FSDP2 uses for this module's reduce-scatter (None without parameters)."""
+    group = param_group(module)
+    return None if group is None else group._reduce_scatter_comm

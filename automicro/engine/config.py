@@ -36,6 +36,12 @@ class FSDP2Config:
         backward_prefetch: how many earlier blocks each block all-gathers ahead in backward.
         unshard_async_op: issue all-gathers as async ops; the copy-in runs on the default
             stream (no inter-stream fragmentation) and the overlap comes from explicit prefetch.
+        grads_on_compute_stream: allocate FSDP2's reduce-scatter outputs (with an fp32 reduce,
+            the sharded gradients themselves) from the compute stream's memory instead of the
+            reduce-scatter stream's own caching-allocator pool, so the optimizer and the next
+            forward can reuse that memory. ``None`` (default): on wherever it is supported
+            (torch >= 2.9, ``replicate: 1``, no ``cpu_offload``); ``True``: required (an error
+            says why it cannot be); ``False``: FSDP2's own allocation.
     """
 
     reshard_after_forward: Union[bool, int] = True
@@ -47,6 +53,7 @@ class FSDP2Config:
     forward_prefetch: int = 1
     backward_prefetch: int = 1
     unshard_async_op: bool = False
+    grads_on_compute_stream: Optional[bool] = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -74,6 +81,11 @@ class FSDP2Config:
                     f"parallelism_config.fsdp2.{name}={value!r}: must be an int >= 0 "
                     "(0 leaves FSDP2's implicit prefetch)"
                 )
+        if self.grads_on_compute_stream is not None and not isinstance(self.grads_on_compute_stream, bool):
+            raise FSDP2ConfigError(
+                f"parallelism_config.fsdp2.grads_on_compute_stream={self.grads_on_compute_stream!r}: "
+                "must be true, false or null (null: on where supported)"
+            )
         if isinstance(self.replicate, bool) or not isinstance(self.replicate, int) or self.replicate < 1:
             raise FSDP2ConfigError(
                 f"parallelism_config.fsdp2.replicate={self.replicate!r}: must be an int >= 1 (HSDP replicate degree)"
@@ -85,6 +97,35 @@ class FSDP2Config:
                     "or null for Composer's `_fsdp_wrap` / `fsdp_wrap_fn` conventions"
                 )
             self.wrap = list(self.wrap)
+        if self.grads_on_compute_stream:
+            from automicro.engine import _torch_internals as internals
+
+            self.use_compute_stream_grads(internals.TORCH_VERSION, internals.HAS_CUSTOM_REDUCE_SCATTER)
+
+    def compute_stream_grads_blocker(self, torch_version: tuple[int, int], has_api: bool) -> Optional[str]:
+        """Why `grads_on_compute_stream` cannot be on here, or None when it can."""
+        if not has_api:
+            return (
+                f"needs torch >= 2.9 (FSDPModule.set_custom_reduce_scatter); this is torch "
+                f"{torch_version[0]}.{torch_version[1]}"
+            )
+        if self.replicate > 1:
+            return "is not supported with HSDP (replicate > 1): the replicate all-reduce runs on a third stream"
+        if self.cpu_offload:
+            return "has nothing to do with cpu_offload: true (sharded gradients live on the host)"
+        return None
+
+    def use_compute_stream_grads(self, torch_version: tuple[int, int], has_api: bool) -> bool:
+        """Resolve `grads_on_compute_stream` (None = where supported); True that cannot be is an error."""
+        blocker = self.compute_stream_grads_blocker(torch_version, has_api)
+        if self.grads_on_compute_stream is None:
+            return blocker is None
+        if self.grads_on_compute_stream and blocker is not None:
+            raise FSDP2ConfigError(
+                f"parallelism_config.fsdp2.grads_on_compute_stream=true {blocker}; "
+                "set it to null (on where supported) or false"
+            )
+        return self.grads_on_compute_stream
 
     @classmethod
     def from_dict(cls, values: Optional[dict[str, Any]]) -> "FSDP2Config":

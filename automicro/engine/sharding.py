@@ -166,6 +166,12 @@ class ShardedModel:
     _forward_order: list[str] = field(default_factory=list)
     _order_hooks: list[Any] = field(default_factory=list)
     _prefetch_plan: list[str] = field(default_factory=list)
+    _reduce_scatter_comm: Any = None  # internals.ComputeStreamReduceScatter when in use
+
+    @property
+    def grads_on_compute_stream(self) -> bool:
+        """Whether reduce-scatter outputs (sharded gradients) come from the compute stream's pool."""
+        return self._reduce_scatter_comm is not None
 
     @property
     def named_fsdp_modules(self) -> list[tuple[str, FSDPModule]]:
@@ -247,6 +253,9 @@ class ShardedModel:
         never started. Safe to call when nothing failed, and at any failure point.
         """
         internals.reset_fsdp_states(self.fsdp_modules)
+        if self._reduce_scatter_comm is not None:
+            # After the waits above: no reduce-scatter work is pending on what it holds.
+            self._reduce_scatter_comm.reset()
         for param in self.module.parameters():
             param.grad = None
 
@@ -349,13 +358,15 @@ def shard(
     if config.unshard_async_op:
         for module in sharded.fsdp_modules:
             internals.set_unshard_async_op(module, True)
+    if config.use_compute_stream_grads(internals.TORCH_VERSION, internals.HAS_CUSTOM_REDUCE_SCATTER):
+        sharded._reduce_scatter_comm = internals.install_compute_stream_reduce_scatter(sharded.fsdp_modules)
     if config.forward_prefetch > 0 or config.backward_prefetch > 0:
         sharded._apply_prefetch()
         sharded._record_forward_order()
     object.__setattr__(model, "_automicro_sharded", sharded)
     log.info(
         "automicro: applied FSDP2 to %d blocks + root (mesh %s, mixed precision %s, reshard_after_forward=%s, "
-        "prefetch fwd=%d bwd=%d, async unshard=%s, activation checkpointing=%s)",
+        "prefetch fwd=%d bwd=%d, async unshard=%s, grads on compute stream=%s, activation checkpointing=%s)",
         len(wrapped),
         tuple(mesh.shape),
         config.mixed_precision,
@@ -363,6 +374,7 @@ def shard(
         config.forward_prefetch,
         config.backward_prefetch,
         config.unshard_async_op,
+        sharded.grads_on_compute_stream,
         config.activation_checkpointing,
     )
     return sharded
