@@ -507,4 +507,5 @@ def install_compute_stream_reduce_scatter(modules: list[FSDPModule]) -> ComputeS
 def reduce_scatter_comm(module: FSDPModule) -> Any:
     """The comm object FSDP2 uses for this module's reduce-scatter (None without parameters)."""
     group = param_group(module)
-    return None if group is None else group._reduce_scatter_comm
+    # torch 2.7 has no comm objects (the attribute appears with the comm API).
+    return None if group is None else getattr(group, "_reduce_scatter_comm", None)

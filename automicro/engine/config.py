@@ -104,15 +104,15 @@ class FSDP2Config:
 
     def compute_stream_grads_blocker(self, torch_version: tuple[int, int], has_api: bool) -> Optional[str]:
         """Why `grads_on_compute_stream` cannot be on here, or None when it can."""
+        if self.replicate > 1:
+            return "is not supported with HSDP (replicate > 1): the replicate all-reduce runs on a third stream"
+        if self.cpu_offload:
+            return "has nothing to do with cpu_offload: true (sharded gradients live on the host)"
         if not has_api:
             return (
                 f"needs torch >= 2.9 (FSDPModule.set_custom_reduce_scatter); this is torch "
                 f"{torch_version[0]}.{torch_version[1]}"
             )
-        if self.replicate > 1:
-            return "is not supported with HSDP (replicate > 1): the replicate all-reduce runs on a third stream"
-        if self.cpu_offload:
-            return "has nothing to do with cpu_offload: true (sharded gradients live on the host)"
         return None
 
     def use_compute_stream_grads(self, torch_version: tuple[int, int], has_api: bool) -> bool:
