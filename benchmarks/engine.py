@@ -11,23 +11,29 @@ One process per GPU (or per CPU rank with ``--device cpu``), launched with torch
 Suites
 ------
 ``seed`` (the issue "FSDP2 record_stream over-allocation" repro: MultiMLP, hidden 10240, 4 MLP
-layers between a pre and a post LayerNorm, fp32, no bias; total batch 16 split over the ranks):
+layers between a pre and a post LayerNorm, fp32, no bias; total batch 16 split over the ranks,
+``--accum`` microbatches per step):
 
-  1. ``implicit``         plain ``fully_shard`` per MLP + root (reshard_after_forward=True, as the
-                          seed passes it), FSDP2's implicit prefetch;
-  2. ``explicit_async``   as 1 + ``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``
-                          chains of depth 1 + ``_set_unshard_async_op(True)`` (the seed's setup);
-  4. ``engine_default``   ``automicro.engine.shard(model, FSDP2Config())``;
-  5. ``engine_async``     ``shard(model, FSDP2Config(unshard_async_op=True))`` -- run by the
-                          ``seed_expandable`` suite only (see below).
+  ``implicit``                plain ``fully_shard`` per MLP + root (reshard_after_forward=True, as
+                              the seed passes it), FSDP2's implicit prefetch;
+  ``explicit_async``          as above + ``set_modules_to_forward_prefetch`` /
+                              ``..._backward_prefetch`` chains of depth 1 +
+                              ``_set_unshard_async_op(True)`` (the seed's setup);
+  ``engine_default``          ``automicro.engine.shard(model, FSDP2Config())``;
+  ``engine_sync``             ``FSDP2Config(unshard_async_op=False)``;
+  ``engine_async``            ``FSDP2Config(unshard_async_op=True)``;
+  ``engine_*_fsdpgrads``      the same with ``grads_on_compute_stream=False`` (FSDP2 allocates the
+                              sharded gradients on its reduce-scatter stream).
 
-``seed_expandable`` runs variant 3 (``explicit_async_expandable``: variant 2 under
-``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``) and variant 5 (``engine_async``, also under
-expandable segments) in their own launch: the allocator reads its configuration when CUDA
-initializes, so it cannot change inside one process. When the variable does not already ask for
-expandable segments, this script adds ``expandable_segments:True`` to it before importing torch
-(the JSON records the value in effect and whether the allocator really made expandable segments).
-If ``DIR/engine_seed.json`` exists, the first-iteration losses are compared with it too.
+``seed_expandable`` runs the same variants in their own launch under
+``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: the allocator reads its configuration when
+CUDA initializes, so it cannot change inside one process. When the variable does not already ask
+for expandable segments, this script adds ``expandable_segments:True`` to it before importing
+torch (the JSON records the value in effect and whether the allocator really made expandable
+segments). If ``DIR/engine_seed.json`` exists, the first-iteration losses are compared with it.
+After the timed loop each variant records an exact checksum of its parameter shards; the pairs
+``engine_X`` / ``engine_X_fsdpgrads`` must be bitwise equal (with ``--accum`` > 1 this is the
+check that reusing compute-stream memory for gradients races with nothing).
 
 ``llama``: ``build_model("1b", init_device="meta", max_seq_len=seq)``, bf16 params / fp32 reduce,
 fixed per-rank microbatch (``--microbatch``, default 4) of synthetic tokens at ``--seq`` (2048):
@@ -36,10 +42,13 @@ fixed per-rank microbatch (``--microbatch``, default 4) of synthetic tokens at `
                               0.32.1's FSDP2 path calls it (reshard_after_forward=True on every
                               module, root included), ``to_empty`` + ``model.model.init_weights()``;
   ``engine``                  ``shard(model, FSDP2Config(mixed_precision="DEFAULT"))``;
-  ``engine_async_prefetch2``  ``FSDP2Config(mixed_precision="DEFAULT", unshard_async_op=True,
-                              forward_prefetch=2, backward_prefetch=2)``.
+  ``engine_fsdpgrads``        + ``grads_on_compute_stream=False``;
+  ``engine_async``            + ``unshard_async_op=True``;
+  ``engine_async_prefetch2``  + ``unshard_async_op=True, forward_prefetch=2, backward_prefetch=2``.
 
 ``--compile`` compiles each Block's forward (``torch.compile``) before sharding, in every variant.
+``--rounds N`` runs every variant N times, interleaved; the step time is then the median of the
+N per-round medians and the memory figures are the worst round's.
 
 Per variant: ``--warmup`` (3) untimed iterations, then ``--iters`` (10) timed ones (Adam,
 zero_grad, forward, loss, backward, step). Each timed iteration's time is read from CUDA events
@@ -86,6 +95,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--variants", default=None, help="comma-separated subset of the suite's variants (default: all)"
     )
+    p.add_argument("--accum", type=int, default=1, help="seed: microbatches per step (gradient accumulation)")
+    p.add_argument(
+        "--rounds", type=int, default=1,
+        help="run every variant this many times, interleaved (round 1: all variants, round 2: all ...)",
+    )
     args = p.parse_args(argv)
     if args.hidden is None:
         args.hidden = 64 if args.tiny else 10240
@@ -93,6 +107,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.seq = 32 if args.tiny else 2048
     if args.preset is None:
         args.preset = "tiny" if args.tiny else "1b"
+    if args.accum < 1 or args.rounds < 1:
+        p.error("--accum and --rounds must be >= 1")
     if args.warmup < 1 or args.iters < 1:
         p.error("--warmup and --iters must be >= 1 (the first warm-up iteration gives the first loss)")
     return args
@@ -366,10 +382,66 @@ def shard_plain(env: Env, model: MultiMLP, explicit_async: bool) -> nn.Module:
     return model
 
 
-SEED_VARIANTS = {
-    "seed": ["implicit", "explicit_async", "engine_default"],
-    "seed_expandable": ["explicit_async_expandable", "engine_async"],
+# Engine variants of the seed suite: FSDP2Config keyword arguments. `*_fsdpgrads` keep FSDP2's
+# own reduce-scatter-stream allocation of the sharded gradients (grads_on_compute_stream=False).
+SEED_ENGINE_CONFIGS: dict[str, dict[str, Any]] = {
+    "engine_default": {},
+    "engine_sync_fsdpgrads": {"grads_on_compute_stream": False},
+    "engine_sync": {"unshard_async_op": False},
+    "engine_async_fsdpgrads": {"unshard_async_op": True, "grads_on_compute_stream": False},
+    "engine_async": {"unshard_async_op": True},
 }
+SEED_VARIANT_LIST = ["implicit", "explicit_async"] + list(SEED_ENGINE_CONFIGS)
+SEED_VARIANTS = {"seed": SEED_VARIANT_LIST, "seed_expandable": SEED_VARIANT_LIST}
+# Pairs that differ only in where the sharded gradients are allocated: their parameters after the
+# timed loop must be bitwise equal (a stream race on a reused gradient block would break that).
+SEED_BITWISE_PAIRS = [("engine_sync", "engine_sync_fsdpgrads"), ("engine_async", "engine_async_fsdpgrads")]
+
+
+def param_checksum(model: nn.Module) -> list[float]:
+    """Exact fingerprint of this rank's parameter shards: the int64 sum of their fp32 bit
+    patterns (exact on any device), and their float64 sum."""
+    bits = torch.zeros((), dtype=torch.int64, device=next(model.parameters()).device)
+    total = torch.zeros((), dtype=torch.float64, device=bits.device)
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        local = local.detach().float().contiguous()
+        bits += local.view(torch.int32).to(torch.int64).sum()
+        total += local.double().sum()
+    return [float(bits.item()), float(total.item())]
+
+
+def merge_round(rows: dict[str, Any], name: str, row: dict[str, Any]) -> None:
+    """Keep the first round's row; aggregate repeated rounds of one variant into it."""
+    keep = ("median_step_ms_max_over_ranks", "reserved_over_allocated_max_over_ranks",
+            "peak_allocated_gib_max_over_ranks", "peak_reserved_gib_max_over_ranks")
+    compact = {k: row.get(k) for k in keep}
+    if name not in rows:
+        row["rounds"] = [compact]
+        rows[name] = row
+        return
+    first = rows[name]
+    first["rounds"].append(compact)
+    first["loss_finite_all_ranks"] = first["loss_finite_all_ranks"] and row["loss_finite_all_ranks"]
+    if "param_checksum" in row:
+        first.setdefault("param_checksum_rounds", [first["param_checksum"]]).append(row["param_checksum"])
+
+
+def summarize_rounds(rows: dict[str, Any]) -> None:
+    """Step time: median over rounds of the per-round medians; memory: the worst round."""
+    for row in rows.values():
+        rounds = row.get("rounds") or []
+        if len(rounds) < 2:
+            continue
+        steps = [r["median_step_ms_max_over_ranks"] for r in rounds]
+        row["step_ms_rounds"] = steps
+        row["median_step_ms_max_over_ranks"] = statistics.median(steps)
+        for key in ("reserved_over_allocated_max_over_ranks", "peak_allocated_gib_max_over_ranks",
+                    "peak_reserved_gib_max_over_ranks"):
+            values = [r[key] for r in rounds if r[key] is not None]
+            if values:
+                row[f"{key.replace('_max_over_ranks', '')}_rounds"] = values
+                row[key] = max(values)
 
 
 def run_seed_suite(env: Env, suite: str) -> dict[str, Any]:
@@ -384,20 +456,21 @@ def run_seed_suite(env: Env, suite: str) -> dict[str, Any]:
     # has zero mean per row), so it cannot tell two models apart. The check also compares a
     # fingerprint of the first output: sum(out * probe) for a fixed random probe.
     probe = torch.randn((bsz, args.hidden), device=env.device, generator=gen)
+    if bsz % args.accum != 0:
+        raise SystemExit(f"--accum {args.accum} must divide the per-rank batch {bsz}")
     rows: dict[str, Any] = {}
-    for name in selected(SEED_VARIANTS[suite], args):
-        env.log(f"[{suite}] {name} ...")
+    for round_index in range(args.rounds):
+      for name in selected(SEED_VARIANTS[suite], args):  # noqa: E111 - one level for the rounds
+        env.log(f"[{suite}] round {round_index + 1}/{args.rounds} {name} ...")
         leftover = allocated_now_gib(env)
         model = build_seed_model(env)
         sharded = None
         if name == "implicit":
             shard_plain(env, model, explicit_async=False)
-        elif name in ("explicit_async", "explicit_async_expandable"):
+        elif name == "explicit_async":
             shard_plain(env, model, explicit_async=True)
-        elif name == "engine_default":
-            sharded = shard(model, FSDP2Config(), mesh=env.mesh, device=env.device)
-        elif name == "engine_async":
-            sharded = shard(model, FSDP2Config(unshard_async_op=True), mesh=env.mesh, device=env.device)
+        elif name in SEED_ENGINE_CONFIGS:
+            sharded = shard(model, FSDP2Config(**SEED_ENGINE_CONFIGS[name]), mesh=env.mesh, device=env.device)
         else:
             raise AssertionError(name)
         optim = torch.optim.Adam(model.parameters())
@@ -405,27 +478,33 @@ def run_seed_suite(env: Env, suite: str) -> dict[str, Any]:
 
         def step(i: int, model=model, optim=optim, fingerprint=fingerprint) -> torch.Tensor:
             optim.zero_grad()
-            out = model(inputs[i])
-            if i == 0:
-                fingerprint.append((out.detach() * probe).sum())
-            loss = out.mean()
-            loss.backward()
+            total = None
+            for m, x in enumerate(inputs[i].chunk(args.accum)):
+                out = model(x)
+                if i == 0 and m == 0:
+                    fingerprint.append((out.detach() * probe[: x.shape[0]]).sum())
+                loss = out.mean() / args.accum
+                loss.backward()
+                total = loss.detach() if total is None else total + loss.detach()
             optim.step()
-            return loss
+            return total
 
         row = run_loop(env, step, args.warmup, args.iters)
         row["first_fingerprint"] = float(fingerprint[0].item())
+        row["param_checksum"] = param_checksum(model)
         row["allocated_before_build_gib"] = leftover
         row["config"] = sharded.config.to_dict() if sharded is not None else None
+        row["grads_on_compute_stream"] = sharded.grads_on_compute_stream if sharded is not None else False
         row["prefetch_plan"] = sharded.prefetch_plan() if sharded is not None else None
         if suite == "seed_expandable":
             row["expandable_segments_active"] = expandable_segments_active(env)
-        rows[name] = row
+        merge_round(rows, name, row)
         model_ref = weakref.ref(model)
         del step, optim, model, sharded
         env.cleanup()
         # A model still alive here would hold memory into the next variant's peaks.
         row["model_freed_after_variant"] = model_ref() is None
+    summarize_rounds(rows)
     return {
         "variants": rows,
         "settings": {
@@ -434,6 +513,8 @@ def run_seed_suite(env: Env, suite: str) -> dict[str, Any]:
             "dtype": "float32",
             "total_batch": args.total_batch,
             "per_rank_batch": bsz,
+            "accum": args.accum,
+            "rounds": args.rounds,
             "optimizer": "Adam (defaults)",
             "plain_variants_reshard_after_forward": True,
         },
@@ -480,6 +561,14 @@ def check_seed_losses(env: Env, suite: str, result: dict[str, Any], out_dir: str
             and row["first_fingerprint_rel_diff_max_over_ranks"] <= SEED_LOSS_TOL
         )
         ok = ok and row["first_loss_match"] and row["loss_finite_all_ranks"]
+    for a, b in SEED_BITWISE_PAIRS:
+        if a in rows and b in rows:
+            sums_a = rows[a].get("param_checksum_rounds", [rows[a]["param_checksum"]])
+            sums_b = rows[b].get("param_checksum_rounds", [rows[b]["param_checksum"]])
+            equal = all(x == y for x in sums_a for y in sums_b)
+            equal_all = env.all_min(1.0 if equal else 0.0) == 1.0
+            rows[a][f"params_bitwise_equal_to_{b}"] = equal_all
+            ok = ok and equal_all
     return ok
 
 
@@ -487,7 +576,14 @@ def check_seed_losses(env: Env, suite: str, result: dict[str, Any], out_dir: str
 # Suite: llama
 # --------------------------------------------------------------------------------------------
 
-LLAMA_VARIANTS = ["baseline", "engine", "engine_async_prefetch2"]
+# Engine variants of the llama suite (FSDP2Config keyword arguments on top of DEFAULT precision).
+LLAMA_ENGINE_CONFIGS: dict[str, dict[str, Any]] = {
+    "engine": {},
+    "engine_fsdpgrads": {"grads_on_compute_stream": False},
+    "engine_async": {"unshard_async_op": True},
+    "engine_async_prefetch2": {"unshard_async_op": True, "forward_prefetch": 2, "backward_prefetch": 2},
+}
+LLAMA_VARIANTS = ["baseline"] + list(LLAMA_ENGINE_CONFIGS)
 
 
 def compile_blocks(model: nn.Module) -> None:
@@ -534,8 +630,9 @@ def run_llama_suite(env: Env) -> dict[str, Any]:
     tokens_per_step = args.microbatch * args.seq * env.world
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     rows: dict[str, Any] = {}
-    for name in selected(LLAMA_VARIANTS, args):
-        env.log(f"[llama] {name} ...")
+    for round_index in range(args.rounds):
+      for name in selected(LLAMA_VARIANTS, args):  # noqa: E111 - one level for the rounds
+        env.log(f"[llama] round {round_index + 1}/{args.rounds} {name} ...")
         leftover = allocated_now_gib(env)
         model = build_model(args.preset, init_device="meta", max_seq_len=args.seq)
         if args.compile:
@@ -544,12 +641,8 @@ def run_llama_suite(env: Env) -> dict[str, Any]:
         sharded = None
         if name == "baseline":
             shard_llama_baseline(env, model, mp)
-        elif name == "engine":
-            sharded = shard(model, FSDP2Config(mixed_precision="DEFAULT"), mesh=env.mesh, device=env.device)
-        elif name == "engine_async_prefetch2":
-            cfg = FSDP2Config(
-                mixed_precision="DEFAULT", unshard_async_op=True, forward_prefetch=2, backward_prefetch=2
-            )
+        elif name in LLAMA_ENGINE_CONFIGS:
+            cfg = FSDP2Config(mixed_precision="DEFAULT", **LLAMA_ENGINE_CONFIGS[name])
             sharded = shard(model, cfg, mesh=env.mesh, device=env.device)
         else:
             raise AssertionError(name)
@@ -566,18 +659,24 @@ def run_llama_suite(env: Env) -> dict[str, Any]:
         graphs_before = _compiled_graphs()
         row = run_loop(env, step, args.warmup, args.iters)
         row["compiled_graphs"] = _compiled_graphs() - graphs_before if args.compile else None
-        step_s = row["median_step_ms_max_over_ranks"] / 1e3
-        row["tokens_per_s"] = tokens_per_step / step_s
-        row["mfu"] = flops_per_token * row["tokens_per_s"] / (env.world * args.peak_tflops * 1e12)
         row["allocated_before_build_gib"] = leftover
         row["config"] = sharded.config.to_dict() if sharded is not None else None
+        row["grads_on_compute_stream"] = sharded.grads_on_compute_stream if sharded is not None else False
         row["prefetch_plan"] = sharded.prefetch_plan() if sharded is not None else None
-        rows[name] = row
+        merge_round(rows, name, row)
         model_ref = weakref.ref(model)
         del step, optim, model, sharded
         env.cleanup()
         # A model still alive here would hold memory into the next variant's peaks.
         row["model_freed_after_variant"] = model_ref() is None
+    summarize_rounds(rows)
+    for row in rows.values():
+        step_s = row["median_step_ms_max_over_ranks"] / 1e3
+        row["tokens_per_s"] = tokens_per_step / step_s
+        row["mfu"] = flops_per_token * row["tokens_per_s"] / (env.world * args.peak_tflops * 1e12)
+    if "baseline" in rows:
+        for row in rows.values():
+            row["speedup_vs_baseline"] = rows["baseline"]["median_step_ms_max_over_ranks"] / row["median_step_ms_max_over_ranks"]
     return {
         "variants": rows,
         "settings": {
@@ -630,7 +729,7 @@ def print_table(env: Env, suite: str, result: dict[str, Any]) -> None:
     rows = result["variants"]
     llama = suite == "llama"
     head = f"{'variant':<28}{'step ms':>10}{'res/alloc':>11}{'peak alloc GiB':>16}{'peak res GiB':>14}"
-    head += f"{'tokens/s':>12}{'MFU':>8}" if llama else f"{'first loss':>13}{'fingerprint':>14}"
+    head += f"{'tokens/s':>12}{'MFU':>8}{'x base':>8}" if llama else f"{'first loss':>13}{'fingerprint':>14}"
     head += f"{'dloss':>10}" + ("" if llama else f"{'dfprint':>10}") + f"{'finite':>8}"
     print(f"\n== engine benchmark: suite {suite} | {result['device']} x{result['world_size']} | "
           f"torch {result['torch']} ==")
@@ -644,6 +743,7 @@ def print_table(env: Env, suite: str, result: dict[str, Any]) -> None:
         )
         if llama:
             line += f"{_fmt(r['tokens_per_s'], ',.0f'):>12}{_fmt(100 * r['mfu'], '.1f'):>7}%"
+            line += f"{_fmt(r.get('speedup_vs_baseline'), '.3f'):>8}"
         else:
             line += f"{_fmt(r['first_loss'], '.3g'):>13}{_fmt(r['first_fingerprint'], '.7g'):>14}"
         line += f"{_fmt(r.get('first_loss_abs_diff_max_over_ranks'), '.1e'):>10}"
@@ -651,6 +751,11 @@ def print_table(env: Env, suite: str, result: dict[str, Any]) -> None:
             line += f"{_fmt(r.get('first_fingerprint_rel_diff_max_over_ranks'), '.1e'):>10}"
         line += f"{_fmt(r['loss_finite_all_ranks'], ''):>8}"
         print(line)
+    for name, r in rows.items():
+        for key, value in r.items():
+            if key.startswith("params_bitwise_equal_to_"):
+                other = key[len("params_bitwise_equal_to_"):]
+                print(f"parameters after the loop: {name} vs {other}: {'bitwise equal' if value else 'DIFFERENT'}")
     notes = result.get("notes") or []
     for note in notes:
         print(f"note: {note}")
@@ -723,7 +828,7 @@ def main() -> int:
             ok = check_seed_losses(env, suite, result, args.out)
             if suite == "seed":
                 notes.append(
-                    "variants 3 (explicit_async_expandable) and 5 (engine_async) run in their own launch: "
+                    "the same variants under expandable segments run in their own launch: "
                     "--suite seed_expandable (allocator settings are fixed at CUDA init)"
                 )
             elif not env.cuda:
