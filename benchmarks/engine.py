@@ -22,7 +22,7 @@ layers between a pre and a post LayerNorm, fp32, no bias; total batch 16 split o
   ``engine_default``          ``automicro.engine.shard(model, FSDP2Config())``;
   ``engine_sync``             ``FSDP2Config(unshard_async_op=False)``;
   ``engine_async``            ``FSDP2Config(unshard_async_op=True)``;
-  ``engine_*_fsdpgrads``      the same with ``grads_on_compute_stream=False`` (FSDP2 allocates the
+  ``engine_*_fsdpbufs``      the same with ``compute_stream_buffers=False`` (FSDP2 allocates the
                               sharded gradients on its reduce-scatter stream).
 
 ``seed_expandable`` runs the same variants in their own launch under
@@ -32,7 +32,7 @@ for expandable segments, this script adds ``expandable_segments:True`` to it bef
 torch (the JSON records the value in effect and whether the allocator really made expandable
 segments). If ``DIR/engine_seed.json`` exists, the first-iteration losses are compared with it.
 After the timed loop each variant records an exact checksum of its parameter shards; the pairs
-``engine_X`` / ``engine_X_fsdpgrads`` must be bitwise equal (with ``--accum`` > 1 this is the
+``engine_X`` / ``engine_X_fsdpbufs`` must be bitwise equal (with ``--accum`` > 1 this is the
 check that reusing compute-stream memory for gradients races with nothing).
 
 ``llama``: ``build_model("1b", init_device="meta", max_seq_len=seq)``, bf16 params / fp32 reduce,
@@ -42,7 +42,7 @@ fixed per-rank microbatch (``--microbatch``, default 4) of synthetic tokens at `
                               0.32.1's FSDP2 path calls it (reshard_after_forward=True on every
                               module, root included), ``to_empty`` + ``model.model.init_weights()``;
   ``engine``                  ``shard(model, FSDP2Config(mixed_precision="DEFAULT"))``;
-  ``engine_fsdpgrads``        + ``grads_on_compute_stream=False``;
+  ``engine_fsdpbufs``        + ``compute_stream_buffers=False``;
   ``engine_async``            + ``unshard_async_op=True``;
   ``engine_async_prefetch2``  + ``unshard_async_op=True, forward_prefetch=2, backward_prefetch=2``.
 
@@ -382,20 +382,20 @@ def shard_plain(env: Env, model: MultiMLP, explicit_async: bool) -> nn.Module:
     return model
 
 
-# Engine variants of the seed suite: FSDP2Config keyword arguments. `*_fsdpgrads` keep FSDP2's
-# own reduce-scatter-stream allocation of the sharded gradients (grads_on_compute_stream=False).
+# Engine variants of the seed suite: FSDP2Config keyword arguments. `*_fsdpbufs` keep FSDP2's
+# own reduce-scatter-stream allocation of the sharded gradients (compute_stream_buffers=False).
 SEED_ENGINE_CONFIGS: dict[str, dict[str, Any]] = {
     "engine_default": {},
-    "engine_sync_fsdpgrads": {"grads_on_compute_stream": False},
+    "engine_sync_fsdpbufs": {"compute_stream_buffers": False},
     "engine_sync": {"unshard_async_op": False},
-    "engine_async_fsdpgrads": {"unshard_async_op": True, "grads_on_compute_stream": False},
+    "engine_async_fsdpbufs": {"unshard_async_op": True, "compute_stream_buffers": False},
     "engine_async": {"unshard_async_op": True},
 }
 SEED_VARIANT_LIST = ["implicit", "explicit_async"] + list(SEED_ENGINE_CONFIGS)
 SEED_VARIANTS = {"seed": SEED_VARIANT_LIST, "seed_expandable": SEED_VARIANT_LIST}
 # Pairs that differ only in where the sharded gradients are allocated: their parameters after the
 # timed loop must be bitwise equal (a stream race on a reused gradient block would break that).
-SEED_BITWISE_PAIRS = [("engine_sync", "engine_sync_fsdpgrads"), ("engine_async", "engine_async_fsdpgrads")]
+SEED_BITWISE_PAIRS = [("engine_sync", "engine_sync_fsdpbufs"), ("engine_async", "engine_async_fsdpbufs")]
 
 
 def param_checksum(model: nn.Module) -> list[float]:
@@ -494,7 +494,7 @@ def run_seed_suite(env: Env, suite: str) -> dict[str, Any]:
         row["param_checksum"] = param_checksum(model)
         row["allocated_before_build_gib"] = leftover
         row["config"] = sharded.config.to_dict() if sharded is not None else None
-        row["grads_on_compute_stream"] = sharded.grads_on_compute_stream if sharded is not None else False
+        row["compute_stream_buffers"] = sharded.compute_stream_buffers if sharded is not None else False
         row["prefetch_plan"] = sharded.prefetch_plan() if sharded is not None else None
         if suite == "seed_expandable":
             row["expandable_segments_active"] = expandable_segments_active(env)
@@ -579,7 +579,7 @@ def check_seed_losses(env: Env, suite: str, result: dict[str, Any], out_dir: str
 # Engine variants of the llama suite (FSDP2Config keyword arguments on top of DEFAULT precision).
 LLAMA_ENGINE_CONFIGS: dict[str, dict[str, Any]] = {
     "engine": {},
-    "engine_fsdpgrads": {"grads_on_compute_stream": False},
+    "engine_fsdpbufs": {"compute_stream_buffers": False},
     "engine_async": {"unshard_async_op": True},
     "engine_async_prefetch2": {"unshard_async_op": True, "forward_prefetch": 2, "backward_prefetch": 2},
 }
@@ -661,7 +661,7 @@ def run_llama_suite(env: Env) -> dict[str, Any]:
         row["compiled_graphs"] = _compiled_graphs() - graphs_before if args.compile else None
         row["allocated_before_build_gib"] = leftover
         row["config"] = sharded.config.to_dict() if sharded is not None else None
-        row["grads_on_compute_stream"] = sharded.grads_on_compute_stream if sharded is not None else False
+        row["compute_stream_buffers"] = sharded.compute_stream_buffers if sharded is not None else False
         row["prefetch_plan"] = sharded.prefetch_plan() if sharded is not None else None
         merge_round(rows, name, row)
         model_ref = weakref.ref(model)

@@ -3,7 +3,7 @@
 # root, `.whl` carried; two 2-GPU jobs side by side (they share the host, not the GPUs):
 #   GPUs 0,1: the seed repro, every variant, 3 interleaved rounds, plain allocator and expandable
 #             segments; then with 4 microbatches a step (gradient accumulation: the parameters of
-#             engine_X and engine_X_fsdpgrads must stay bitwise equal); then Llama 1B, microbatch 8,
+#             engine_X and engine_X_fsdpbufs must stay bitwise equal); then Llama 1B, microbatch 8,
 #             per-block compile.
 #   GPUs 2,3: Llama 1B without compile at microbatch 2 and 4 (2 rounds each), and the baseline at
 #             microbatch 8 without compile (what Composer's FSDP2 path runs).
@@ -29,7 +29,7 @@ start=$(date +%s)
     $RUN --suite seed --rounds 3 --iters 20 --out $R/seed
     $RUN --suite seed_expandable --rounds 3 --iters 20 --out $R/seed
     $RUN --suite seed --accum 4 --rounds 2 --iters 20 --out $R/seed_accum4
-    $RUN --suite llama --microbatch 8 --compile --variants baseline,engine,engine_fsdpgrads,engine_async --out $R/llama_mb8_compile
+    $RUN --suite llama --microbatch 8 --compile --variants baseline,engine,engine_fsdpbufs,engine_async --out $R/llama_mb8_compile
   "
 ) > "$R/job01.out" 2>&1 &
 ( export CUDA_VISIBLE_DEVICES=2,3

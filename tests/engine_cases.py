@@ -73,7 +73,12 @@ def _rs_comm_stats(sharded) -> Optional[dict[str, int]]:
     comm = sharded._reduce_scatter_comm
     if comm is None:
         return None
-    return {"outputs": comm.outputs_from_compute_stream, "max_held": comm.max_held, "held": comm.held}
+    return {
+        "outputs": comm.outputs_from_compute_stream,
+        "max_held": comm.max_held,
+        "held": comm.held,
+        "all_gather_outputs": sharded._all_gather_comm.outputs_from_compute_stream,
+    }
 
 
 def train_sharded(
@@ -91,8 +96,11 @@ def train_sharded(
     sharded = shard(model, config, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     report: dict[str, Any] = {"failed": False, "held_after_backward": []}
-    comms = {id(internals.reduce_scatter_comm(m)) for m in sharded.fsdp_modules if internals.param_group(m) is not None}
-    report["one_comm_for_all_modules"] = len(comms) == 1
+    groups = [m for m in sharded.fsdp_modules if internals.param_group(m) is not None]
+    report["one_comm_for_all_modules"] = (
+        len({id(internals.reduce_scatter_comm(m)) for m in groups}) == 1
+        and len({id(internals.all_gather_comm(m)) for m in groups}) == 1
+    )
     for step, (x, y) in enumerate(make_data(STEPS, GLOBAL_BATCH)):
         x, y = _local(x, rank, world), _local(y, rank, world)
         if fail_at is not None and step == 1:
@@ -138,7 +146,7 @@ NUMERICS_CONFIGS = {
     "activation_checkpointing": FSDP2Config(activation_checkpointing=True),
     "async_unshard": FSDP2Config(unshard_async_op=True),
     "async_unshard_prefetch2_ac": FSDP2Config(unshard_async_op=True, forward_prefetch=2, backward_prefetch=2, activation_checkpointing=True),
-    "grads_on_fsdp_stream": FSDP2Config(grads_on_compute_stream=False),
+    "buffers_on_fsdp_streams": FSDP2Config(compute_stream_buffers=False),
 }
 
 FAIL_POINTS = ["pre_forward", "mid_forward", "forward_all_gather", "pre_backward", "mid_backward", "post_backward_reduce_scatter"]
@@ -156,7 +164,7 @@ def run_engine_cases(rank: int, world: int) -> dict[str, Any]:
             results[f"numerics/{name}"] = {"exception": traceback.format_exc()}
     # Gradient accumulation: 2 microbatches per step, each reduce-scattered; FSDP2 adds each
     # output into `.grad` on the reduce-scatter stream (the case the held outputs are for).
-    for name in ("defaults", "async_unshard_prefetch2_ac", "grads_on_fsdp_stream"):
+    for name in ("defaults", "async_unshard_prefetch2_ac", "buffers_on_fsdp_streams"):
         try:
             report = train_sharded(rank, world, NUMERICS_CONFIGS[name], accum=2)
             results[f"accum/{name}"] = {

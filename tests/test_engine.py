@@ -49,11 +49,11 @@ def test_recover_after_failure_trains_as_if_it_never_failed(two_rank_results, po
         assert result["error"] < TOLERANCE, f"parameters differ from a run that never failed by {result['error']}"
 
 
-COMPUTE_STREAM_GRADS = internals.HAS_CUSTOM_REDUCE_SCATTER
+COMPUTE_STREAM_BUFFERS = internals.HAS_CUSTOM_COMMS
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", ["defaults", "async_unshard_prefetch2_ac", "grads_on_fsdp_stream"])
+@pytest.mark.parametrize("name", ["defaults", "async_unshard_prefetch2_ac", "buffers_on_fsdp_streams"])
 def test_gradient_accumulation_matches_single_process(two_rank_results, name):
     for rank_result in two_rank_results:
         result = _ok(rank_result[f"accum/{name}"])
@@ -62,12 +62,12 @@ def test_gradient_accumulation_matches_single_process(two_rank_results, name):
 
 
 @pytest.mark.multiproc
-def test_grads_on_compute_stream_is_the_default_where_torch_has_custom_reduce_scatter(two_rank_results):
+def test_compute_stream_buffers_are_the_default_where_torch_has_custom_comms(two_rank_results):
     for rank_result in two_rank_results:
         on = _ok(rank_result["accum/defaults"])
-        off = _ok(rank_result["accum/grads_on_fsdp_stream"])
+        off = _ok(rank_result["accum/buffers_on_fsdp_streams"])
         assert off["rs_comm"] is None
-        if not COMPUTE_STREAM_GRADS:
+        if not COMPUTE_STREAM_BUFFERS:
             assert on["rs_comm"] is None, "torch < 2.9 has no set_custom_reduce_scatter; the engine must not use it"
             continue
         assert on["one_comm"], "every FSDP2 module of one root must share one reduce-scatter comm"
@@ -76,6 +76,12 @@ def test_grads_on_compute_stream_is_the_default_where_torch_has_custom_reduce_sc
         assert on["rs_comm"]["outputs"] == 3 * 2 * 4, on["rs_comm"]
         assert on["rs_comm"]["max_held"] == 2, "at most the previous and the current output are held"
         assert on["held_after_backward"] == [0] * 6, "every held output is dropped at the end of backward"
+        # Sync unshard: every flat all-gather output comes from the compute stream's pool ...
+        assert on["rs_comm"]["all_gather_outputs"] > 0, on["rs_comm"]
+        # ... async unshard already copies in on the compute stream: nothing to redirect.
+        async_run = _ok(rank_result["accum/async_unshard_prefetch2_ac"])
+        assert async_run["rs_comm"]["all_gather_outputs"] == 0, async_run["rs_comm"]
+        assert async_run["rs_comm"]["outputs"] == 3 * 2 * 4
 
 
 @pytest.mark.multiproc
@@ -83,7 +89,7 @@ def test_grads_on_compute_stream_is_the_default_where_torch_has_custom_reduce_sc
 def test_recover_drops_held_reduce_scatter_outputs(two_rank_results, point):
     for rank_result in two_rank_results:
         result = _ok(rank_result[f"recover/{point}/defaults"])
-        if not COMPUTE_STREAM_GRADS:
+        if not COMPUTE_STREAM_BUFFERS:
             assert result["rs_comm"] is None
             continue
         assert result["rs_comm"]["held"] == 0, f"recover() after a failure at {point} left outputs held"
@@ -136,9 +142,10 @@ def test_record_stream_env_is_set_before_a_group_exists_on_torch_27(monkeypatch)
         ({"wrap": "Block"}, "wrap='Block'"),
         ({"activation_checkpointing": "yes"}, "activation_checkpointing='yes'"),
         ({"bogus": 1}, "unknown key(s) ['bogus']"),
-        ({"grads_on_compute_stream": "auto"}, "grads_on_compute_stream='auto'"),
-        ({"grads_on_compute_stream": True, "replicate": 2}, "not supported with HSDP"),
-        ({"grads_on_compute_stream": True, "cpu_offload": True}, "cpu_offload"),
+        ({"compute_stream_buffers": "auto"}, "compute_stream_buffers='auto'"),
+        ({"expandable_segments": 1}, "expandable_segments=1"),
+        ({"compute_stream_buffers": True, "replicate": 2}, "not supported with HSDP"),
+        ({"compute_stream_buffers": True, "cpu_offload": True}, "cpu_offload"),
     ],
     ids=lambda v: str(v) if isinstance(v, dict) else "",
 )
@@ -172,17 +179,17 @@ def test_tiny_llama_on_two_ranks_matches_one_process_in_loss_and_parameters_afte
         assert result["param_error"] < TOLERANCE
 
 
-def test_grads_on_compute_stream_resolves_per_torch_version():
-    assert FSDP2Config().use_compute_stream_grads(internals.TORCH_VERSION, internals.HAS_CUSTOM_REDUCE_SCATTER) == (
+def test_compute_stream_buffers_resolve_per_torch_version():
+    assert FSDP2Config().use_compute_stream_buffers(internals.TORCH_VERSION, internals.HAS_CUSTOM_COMMS) == (
         internals.TORCH_VERSION >= (2, 9)
     )
-    assert not FSDP2Config(replicate=2).use_compute_stream_grads((2, 11), True), "auto stays off under HSDP"
-    assert not FSDP2Config(grads_on_compute_stream=False).use_compute_stream_grads((2, 11), True)
-    if internals.HAS_CUSTOM_REDUCE_SCATTER:
-        assert FSDP2Config(grads_on_compute_stream=True).use_compute_stream_grads((2, 11), True)
+    assert not FSDP2Config(replicate=2).use_compute_stream_buffers((2, 11), True), "auto stays off under HSDP"
+    assert not FSDP2Config(compute_stream_buffers=False).use_compute_stream_buffers((2, 11), True)
+    if internals.HAS_CUSTOM_COMMS:
+        assert FSDP2Config(compute_stream_buffers=True).use_compute_stream_buffers((2, 11), True)
     else:
         with pytest.raises(FSDP2ConfigError, match=r"needs torch >= 2.9 .*this is torch 2.7"):
-            FSDP2Config(grads_on_compute_stream=True)
+            FSDP2Config(compute_stream_buffers=True)
 
 
 class _FakeStream:
@@ -248,6 +255,22 @@ def test_compute_stream_reduce_scatter_holds_only_the_outputs_pending_work_may_u
     assert handle.compute.waited_for == ["reduce_scatter"], "release must order the compute stream after the reduce-scatter stream"
 
 
+def test_compute_stream_all_gather_orders_the_copy_in_stream_after_the_compute_stream():
+    handle = _FakeHandle()
+    comm = internals.ComputeStreamAllGather(handle_for=lambda device: handle)
+    cpu = torch.device("cpu")
+    comm.allocate((8,), dtype=torch.float32, device=cpu)  # before any forward: plain allocation
+    assert comm.outputs_from_compute_stream == 0
+    comm.note_compute_stream(cpu)
+    copy_in = _FakeStream("copy_in")
+    with handle.stream(copy_in):
+        comm.allocate((8,), dtype=torch.float32, device=cpu)
+    assert copy_in.waited_for == ["compute"], "the copy-in stream must wait for the compute stream first"
+    assert comm.outputs_from_compute_stream == 1
+    comm.allocate((8,), dtype=torch.float32, device=cpu)  # async unshard: already the compute stream
+    assert comm.outputs_from_compute_stream == 1 and handle.compute.waited_for == []
+
+
 def test_compute_stream_reduce_scatter_after_a_failure_between_its_two_allocations():
     handle = _FakeHandle()
     comm = internals.ComputeStreamReduceScatter(handle_for=lambda device: handle)
@@ -261,3 +284,44 @@ def test_compute_stream_reduce_scatter_after_a_failure_between_its_two_allocatio
     assert comm.held == 0
     _fake_reduce(comm, handle)
     assert comm.outputs_from_compute_stream == 2 and comm.held == 1
+
+
+@pytest.mark.parametrize(
+    "choice, device, env, expected",
+    [
+        (None, "cuda", {}, True),
+        (None, "cuda", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, False),
+        (None, "cuda", {"PYTORCH_ALLOC_CONF": "max_split_size_mb:128,expandable_segments:True"}, False),
+        (None, "cuda", {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}, True),
+        (True, "cuda", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, True),
+        (False, "cuda", {}, False),
+        (None, "cpu", {}, False),
+        (True, "cpu", {}, False),
+    ],
+)
+def test_expandable_segments_default_respects_an_explicit_allocator_setting(monkeypatch, choice, device, env, expected):
+    from automicro.engine import sharding
+
+    calls = []
+    monkeypatch.setattr(internals, "set_expandable_segments", lambda: calls.append(1))
+    for key in sharding.ALLOC_CONF_ENVS:
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert sharding.apply_expandable_segments(choice, torch.device(device)) is expected
+    assert calls == ([1] if expected else [])
+
+
+def test_set_expandable_segments_works_on_this_torch_without_initializing_cuda():
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from automicro.engine import _torch_internals as internals\n"
+        "internals.set_expandable_segments()\n"
+        "assert not torch.cuda.is_initialized()\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

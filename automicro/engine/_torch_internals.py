@@ -15,9 +15,10 @@ What is private here and why:
 - `_set_unshard_async_op` (private on both versions).
 - The composable activation checkpoint (`torch.distributed._composable.checkpoint`), which keeps
   parameter names unchanged (the wrapper class would insert `_checkpoint_wrapped_module`).
-- The `ReduceScatter` comm interface (`_fsdp_api`, torch >= 2.9) behind the public
-  `FSDPModule.set_custom_reduce_scatter`: `ComputeStreamReduceScatter` allocates the
-  reduce-scatter outputs (the sharded gradients) from the compute stream's memory.
+- The `AllGather` / `ReduceScatter` comm interfaces (`_fsdp_api`, torch >= 2.9) behind the
+  public `FSDPModule.set_custom_all_gather` / `set_custom_reduce_scatter`:
+  `ComputeStreamAllGather` and `ComputeStreamReduceScatter` allocate FSDP2's side-stream buffers
+  from the compute stream's memory.
 """
 
 from __future__ import annotations
@@ -48,8 +49,13 @@ CHECKED_VERSIONS = ((2, 7), (2, 11))
 NEEDS_AVOID_RECORD_STREAMS_ENV = TORCH_VERSION < (2, 8)
 # torch 2.7's gloo reduce-scatter sums where FSDP2 asks for AVG (measured on CPU, 2 ranks).
 GLOO_REDUCE_SCATTER_IGNORES_AVG = TORCH_VERSION < (2, 8)
-# `FSDPModule.set_custom_reduce_scatter` and the `ReduceScatter` interface exist from torch 2.9.
-HAS_CUSTOM_REDUCE_SCATTER = TORCH_VERSION >= (2, 9) and hasattr(FSDPModule, "set_custom_reduce_scatter")
+# `FSDPModule.set_custom_all_gather` / `set_custom_reduce_scatter` and the comm interfaces exist
+# from torch 2.9.
+HAS_CUSTOM_COMMS = (
+    TORCH_VERSION >= (2, 9)
+    and hasattr(FSDPModule, "set_custom_reduce_scatter")
+    and hasattr(FSDPModule, "set_custom_all_gather")
+)
 
 
 def check_supported_torch() -> None:
@@ -349,6 +355,24 @@ def install_gloo_gradient_average_fix() -> bool:
 
 
 # --------------------------------------------------------------------------------------------
+# CUDA allocator settings after start-up (checked on torch 2.7.0 and 2.11.0)
+# --------------------------------------------------------------------------------------------
+
+
+def set_expandable_segments() -> None:
+    """Turn on the caching allocator's expandable segments now (new segments only).
+
+    torch 2.7: `torch._C._cuda_cudaCachingAllocator_set_allocator_settings` (what the private
+    `torch.cuda.memory._set_allocator_settings` calls); torch >= 2.9 deprecates that wrapper for
+    `torch._C._accelerator_setAllocatorSettings`. Neither initializes CUDA.
+    """
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:
+        setter = torch._C._cuda_cudaCachingAllocator_set_allocator_settings
+    setter("expandable_segments:True")
+
+
+# --------------------------------------------------------------------------------------------
 # Activation checkpointing (checked on torch 2.7.0 and 2.11.0)
 # --------------------------------------------------------------------------------------------
 
@@ -361,24 +385,33 @@ def apply_activation_checkpointing(module: nn.Module) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Reduce-scatter outputs from the compute stream's memory (torch >= 2.9; checked on 2.11.0)
+# FSDP2's side-stream buffers from the compute stream's memory (torch >= 2.9; checked on 2.11.0)
 # --------------------------------------------------------------------------------------------
 #
-# FSDP2's `foreach_reduce` allocates the reduce-scatter *input* on the compute stream and the
-# *output* inside `with stream(reduce_scatter_stream)`. With an fp32 reduce the output is kept as
-# the sharded `.grad` (views into it), so every step's gradients come from a second caching-
-# allocator pool (the reduce-scatter stream's) that the optimizer and the next forward, which run
-# on the compute stream, can never reuse: that pool is most of what is left of the seed's
-# reserved/allocated gap once the all-gathers run on the compute stream (async unshard).
+# The caching allocator keeps one pool per stream: a block freed by one stream is never handed to
+# another. FSDP2 allocates two big kinds of buffers on its side streams:
+#   - the flat all-gather output (sync unshard: on the all-gather copy-in stream), one per
+#     unshard, freed right after its copy-out into the unsharded parameters;
+#   - the reduce-scatter output (on the reduce-scatter stream). With an fp32 reduce it is kept as
+#     the sharded `.grad` (views into it), so every step's gradients come from that pool.
+# Both pools stay reserved while the compute stream (the optimizer, activations, the next
+# forward) cannot use them: that is most of what is left of the seed's reserved/allocated gap
+# once record_stream is gone. The two comms below take these blocks from the compute stream's
+# pool instead, keeping FSDP2's streams, overlap and events unchanged.
 #
-# Allocating the output from the compute stream's pool is safe for its first use: FSDP2 makes
-# the reduce-scatter stream wait for the compute stream right before it allocates the output, so
-# everything the compute stream did with a reused block is ordered before the reduce-scatter.
-# The danger is its *free*. Under gradient accumulation FSDP2 adds the output into the existing
-# `.grad` on the reduce-scatter stream and drops it at once; a compute-stream block freed like
-# that could be handed to the next compute-stream allocation before the reduce-scatter and the
-# `+=` ran. So this comm keeps every output it allocated alive until the compute stream is
-# ordered after the reduce-scatter-stream work that uses it:
+# All-gather output. Its first user is the copy-in stream, so `allocate` first makes the copy-in
+# stream wait for the compute stream (everything a reused block was used for by the compute
+# stream was queued before it was freed). That costs no overlap: FSDP2 already makes the copy-in
+# stream wait for the previous copy-out, queued on the compute stream just before the next
+# unshard is issued. When FSDP2 drops the buffer, the compute stream has waited for the
+# all-gather and queued the copy-out, so the block is safe for the compute stream at once.
+#
+# Reduce-scatter output. FSDP2 makes the reduce-scatter stream wait for the compute stream right
+# before it allocates the output, so its first use is safe. The danger is its *free*: under
+# gradient accumulation FSDP2 adds the output into the existing `.grad` on the reduce-scatter
+# stream and drops it at once; a compute-stream block freed like that could be handed to the next
+# compute-stream allocation before the reduce-scatter and the `+=` ran. So the comm keeps every
+# output alive until the compute stream is ordered after the reduce-scatter-stream work on it:
 #   - FSDP2's `post_backward` makes the compute stream wait for the previous reduce-scatter's
 #     event before it calls `foreach_reduce` again. That event follows, on the reduce-scatter
 #     stream, every op of all earlier reductions (their `+=` included), so when output k is
@@ -391,16 +424,62 @@ def apply_activation_checkpointing(module: nn.Module) -> None:
 
 
 def _stream_handle(device: torch.device) -> Any:
-    """torch.cuda (or the device type's module); CPU has no streams worth separating."""
+    """torch.cuda (or the device type's module, e.g. torch.cpu, whose streams are distinct
+    objects too, so the CPU tests run the same code path)."""
     return getattr(torch, device.type, None)
 
 
-if HAS_CUSTOM_REDUCE_SCATTER:
+if HAS_CUSTOM_COMMS:
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as _AllGatherBase
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
 else:  # torch 2.7: never instantiated (FSDP2Config refuses it there)
 
+    class _AllGatherBase:  # type: ignore[no-redef]
+        pass
+
     class _ReduceScatterBase:  # type: ignore[no-redef]
         pass
+
+
+class ComputeStreamAllGather(_AllGatherBase):
+    """An `AllGather` comm whose flat outputs come from the compute stream's memory pool.
+
+    The compute stream is the current stream when the root module's forward starts
+    (`note_compute_stream`, a forward pre-hook the engine puts before FSDP2's own).
+    """
+
+    def __init__(self, handle_for: Callable[[torch.device], Any] = _stream_handle) -> None:
+        self._handle_for = handle_for
+        self.compute_stream: Any = None
+        self.outputs_from_compute_stream = 0
+
+    def note_compute_stream(self, device: torch.device) -> None:
+        handle = self._handle_for(device)
+        if handle is not None and hasattr(handle, "current_stream"):
+            self.compute_stream = handle.current_stream()
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        handle = self._handle_for(device)
+        if handle is None or self.compute_stream is None or not hasattr(handle, "current_stream"):
+            return torch.empty(*size, dtype=dtype, device=device)
+        current = handle.current_stream()
+        if current == self.compute_stream:  # async unshard: FSDP2 already uses the compute stream
+            return torch.empty(*size, dtype=dtype, device=device)
+        current.wait_stream(self.compute_stream)
+        with handle.stream(self.compute_stream):
+            output = torch.empty(*size, dtype=dtype, device=device)
+        self.outputs_from_compute_stream += 1
+        return output
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> Any:
+        # Through `_fsdp_collectives.dist`, so the pre-collective hook (its proxy) still fires.
+        return _fsdp_collectives.dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 class ComputeStreamReduceScatter(_ReduceScatterBase):
@@ -494,14 +573,34 @@ class ComputeStreamReduceScatter(_ReduceScatterBase):
         self._expect_output = False
 
 
-def install_compute_stream_reduce_scatter(modules: list[FSDPModule]) -> ComputeStreamReduceScatter:
-    """Give every FSDP2 module of one root the same `ComputeStreamReduceScatter` (torch >= 2.9)."""
-    if not HAS_CUSTOM_REDUCE_SCATTER:
-        raise RuntimeError(f"set_custom_reduce_scatter needs torch >= 2.9 (found {torch.__version__})")
-    comm = ComputeStreamReduceScatter()
+def install_compute_stream_comms(
+    root: nn.Module, modules: list[FSDPModule]
+) -> tuple[ComputeStreamAllGather, ComputeStreamReduceScatter, Any]:
+    """Give every FSDP2 module of one root the same compute-stream all-gather and reduce-scatter
+    comms (torch >= 2.9). Returns them and the handle of the root pre-forward hook that tells the
+    all-gather comm which stream computes."""
+    if not HAS_CUSTOM_COMMS:
+        raise RuntimeError(f"custom FSDP2 comms need torch >= 2.9 (found {torch.__version__})")
+    all_gather = ComputeStreamAllGather()
+    reduce_scatter = ComputeStreamReduceScatter()
     for module in modules:
-        module.set_custom_reduce_scatter(comm)
-    return comm
+        module.set_custom_all_gather(all_gather)
+        module.set_custom_reduce_scatter(reduce_scatter)
+
+    def note(module: nn.Module, args: Any) -> None:
+        param = next(module.parameters(), None)
+        if param is not None:
+            all_gather.note_compute_stream(param.device)
+
+    # prepend: before FSDP2's root pre-forward, which issues the root's all-gather.
+    handle = root.register_forward_pre_hook(note, prepend=True)
+    return all_gather, reduce_scatter, handle
+
+
+def all_gather_comm(module: FSDPModule) -> Any:
+    """The comm object FSDP2 uses for this module's all-gather (None without parameters)."""
+    group = param_group(module)
+    return None if group is None else getattr(group, "_all_gather_comm", None)
 
 
 def reduce_scatter_comm(module: FSDPModule) -> Any:

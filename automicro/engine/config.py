@@ -36,12 +36,20 @@ class FSDP2Config:
         backward_prefetch: how many earlier blocks each block all-gathers ahead in backward.
         unshard_async_op: issue all-gathers as async ops; the copy-in runs on the default
             stream (no inter-stream fragmentation) and the overlap comes from explicit prefetch.
-        grads_on_compute_stream: allocate FSDP2's reduce-scatter outputs (with an fp32 reduce,
-            the sharded gradients themselves) from the compute stream's memory instead of the
-            reduce-scatter stream's own caching-allocator pool, so the optimizer and the next
-            forward can reuse that memory. ``None`` (default): on wherever it is supported
-            (torch >= 2.9, ``replicate: 1``, no ``cpu_offload``); ``True``: required (an error
-            says why it cannot be); ``False``: FSDP2's own allocation.
+        compute_stream_buffers: allocate FSDP2's side-stream buffers -- the flat all-gather
+            outputs and the reduce-scatter outputs (with an fp32 reduce, the sharded gradients
+            themselves) -- from the compute stream's caching-allocator pool instead of the
+            all-gather / reduce-scatter streams' own pools, which the optimizer, activations and
+            the next forward can never reuse. Streams, overlap and numerics are unchanged.
+            ``None`` (default): on wherever it is supported (torch >= 2.9, ``replicate: 1``, no
+            ``cpu_offload``); ``True``: required (an error says why it cannot be); ``False``:
+            FSDP2's own allocation.
+        expandable_segments: the CUDA caching allocator's ``expandable_segments`` mode (one
+            growing segment per stream instead of many fixed ones; what closes the rest of the
+            reserved/allocated gap). A process-wide allocator setting: ``None`` (default) turns
+            it on when the job runs on CUDA and neither ``PYTORCH_CUDA_ALLOC_CONF`` nor
+            ``PYTORCH_ALLOC_CONF`` mentions ``expandable_segments`` (an explicit choice there
+            wins); ``True`` turns it on regardless; ``False`` leaves the allocator alone.
     """
 
     reshard_after_forward: Union[bool, int] = True
@@ -53,7 +61,8 @@ class FSDP2Config:
     forward_prefetch: int = 1
     backward_prefetch: int = 1
     unshard_async_op: bool = False
-    grads_on_compute_stream: Optional[bool] = None
+    compute_stream_buffers: Optional[bool] = None
+    expandable_segments: Optional[bool] = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -81,11 +90,13 @@ class FSDP2Config:
                     f"parallelism_config.fsdp2.{name}={value!r}: must be an int >= 0 "
                     "(0 leaves FSDP2's implicit prefetch)"
                 )
-        if self.grads_on_compute_stream is not None and not isinstance(self.grads_on_compute_stream, bool):
-            raise FSDP2ConfigError(
-                f"parallelism_config.fsdp2.grads_on_compute_stream={self.grads_on_compute_stream!r}: "
-                "must be true, false or null (null: on where supported)"
-            )
+        for name in ("compute_stream_buffers", "expandable_segments"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise FSDP2ConfigError(
+                    f"parallelism_config.fsdp2.{name}={value!r}: must be true, false or null "
+                    "(null: on where supported)"
+                )
         if isinstance(self.replicate, bool) or not isinstance(self.replicate, int) or self.replicate < 1:
             raise FSDP2ConfigError(
                 f"parallelism_config.fsdp2.replicate={self.replicate!r}: must be an int >= 1 (HSDP replicate degree)"
@@ -97,13 +108,13 @@ class FSDP2Config:
                     "or null for Composer's `_fsdp_wrap` / `fsdp_wrap_fn` conventions"
                 )
             self.wrap = list(self.wrap)
-        if self.grads_on_compute_stream:
+        if self.compute_stream_buffers:
             from automicro.engine import _torch_internals as internals
 
-            self.use_compute_stream_grads(internals.TORCH_VERSION, internals.HAS_CUSTOM_REDUCE_SCATTER)
+            self.use_compute_stream_buffers(internals.TORCH_VERSION, internals.HAS_CUSTOM_COMMS)
 
-    def compute_stream_grads_blocker(self, torch_version: tuple[int, int], has_api: bool) -> Optional[str]:
-        """Why `grads_on_compute_stream` cannot be on here, or None when it can."""
+    def compute_stream_buffers_blocker(self, torch_version: tuple[int, int], has_api: bool) -> Optional[str]:
+        """Why `compute_stream_buffers` cannot be on here, or None when it can."""
         if self.replicate > 1:
             return "is not supported with HSDP (replicate > 1): the replicate all-reduce runs on a third stream"
         if self.cpu_offload:
@@ -115,17 +126,17 @@ class FSDP2Config:
             )
         return None
 
-    def use_compute_stream_grads(self, torch_version: tuple[int, int], has_api: bool) -> bool:
-        """Resolve `grads_on_compute_stream` (None = where supported); True that cannot be is an error."""
-        blocker = self.compute_stream_grads_blocker(torch_version, has_api)
-        if self.grads_on_compute_stream is None:
+    def use_compute_stream_buffers(self, torch_version: tuple[int, int], has_api: bool) -> bool:
+        """Resolve `compute_stream_buffers` (None = where supported); True that cannot be is an error."""
+        blocker = self.compute_stream_buffers_blocker(torch_version, has_api)
+        if self.compute_stream_buffers is None:
             return blocker is None
-        if self.grads_on_compute_stream and blocker is not None:
+        if self.compute_stream_buffers and blocker is not None:
             raise FSDP2ConfigError(
-                f"parallelism_config.fsdp2.grads_on_compute_stream=true {blocker}; "
+                f"parallelism_config.fsdp2.compute_stream_buffers=true {blocker}; "
                 "set it to null (on where supported) or false"
             )
-        return self.grads_on_compute_stream
+        return self.compute_stream_buffers
 
     @classmethod
     def from_dict(cls, values: Optional[dict[str, Any]]) -> "FSDP2Config":

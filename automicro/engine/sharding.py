@@ -58,6 +58,29 @@ def ensure_record_stream_free() -> bool:
     return True
 
 
+ALLOC_CONF_ENVS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def apply_expandable_segments(choice: Optional[bool], device: torch.device) -> bool:
+    """Carry out `FSDP2Config.expandable_segments`; True when the engine turned them on."""
+    if device.type != "cuda" or choice is False:
+        return False
+    user = ",".join(os.environ.get(k, "") for k in ALLOC_CONF_ENVS).replace(" ", "").lower()
+    if choice is None and "expandable_segments" in user:
+        return False  # the user's explicit allocator setting wins
+    if "expandable_segments:false" in user:
+        log.warning(
+            "automicro: parallelism_config.fsdp2.expandable_segments=true overrides "
+            "expandable_segments:False in the allocator environment variable"
+        )
+    internals.set_expandable_segments()
+    log.info(
+        "automicro: turned on the CUDA allocator's expandable segments (process-wide; "
+        "parallelism_config.fsdp2.expandable_segments: false leaves the allocator alone)"
+    )
+    return True
+
+
 def _mixed_precision_policy(name: str) -> MixedPrecisionPolicy:
     if name == "FULL":
         return MixedPrecisionPolicy()
@@ -166,11 +189,15 @@ class ShardedModel:
     _forward_order: list[str] = field(default_factory=list)
     _order_hooks: list[Any] = field(default_factory=list)
     _prefetch_plan: list[str] = field(default_factory=list)
-    _reduce_scatter_comm: Any = None  # internals.ComputeStreamReduceScatter when in use
+    # internals.ComputeStreamAllGather / ComputeStreamReduceScatter when compute_stream_buffers
+    _all_gather_comm: Any = None
+    _reduce_scatter_comm: Any = None
+    _comm_hook: Any = None
+    expandable_segments_set_by_engine: bool = False
 
     @property
-    def grads_on_compute_stream(self) -> bool:
-        """Whether reduce-scatter outputs (sharded gradients) come from the compute stream's pool."""
+    def compute_stream_buffers(self) -> bool:
+        """Whether FSDP2's all-gather and reduce-scatter buffers come from the compute stream's pool."""
         return self._reduce_scatter_comm is not None
 
     @property
@@ -319,6 +346,7 @@ def shard(
         raise FSDP2ConfigError("the model is already sharded with fully_shard; shard it only once")
     device = device or _default_device()
     ensure_record_stream_free()
+    expandable_set = apply_expandable_segments(config.expandable_segments, device)
     if device.type == "cpu" or dist.get_backend() == "gloo":
         internals.install_gloo_gradient_average_fix()
     if config.replicate > 1 and device.type == "cpu" and internals.TORCH_VERSION < (2, 8):
@@ -355,18 +383,20 @@ def shard(
     sharded = ShardedModel(
         module=model, config=config, mesh=mesh, device=device, wrapped_names=wrapped, tie_notes=notes
     )
+    sharded.expandable_segments_set_by_engine = expandable_set
     if config.unshard_async_op:
         for module in sharded.fsdp_modules:
             internals.set_unshard_async_op(module, True)
-    if config.use_compute_stream_grads(internals.TORCH_VERSION, internals.HAS_CUSTOM_REDUCE_SCATTER):
-        sharded._reduce_scatter_comm = internals.install_compute_stream_reduce_scatter(sharded.fsdp_modules)
+    if config.use_compute_stream_buffers(internals.TORCH_VERSION, internals.HAS_CUSTOM_COMMS):
+        comms = internals.install_compute_stream_comms(model, sharded.fsdp_modules)
+        sharded._all_gather_comm, sharded._reduce_scatter_comm, sharded._comm_hook = comms
     if config.forward_prefetch > 0 or config.backward_prefetch > 0:
         sharded._apply_prefetch()
         sharded._record_forward_order()
     object.__setattr__(model, "_automicro_sharded", sharded)
     log.info(
         "automicro: applied FSDP2 to %d blocks + root (mesh %s, mixed precision %s, reshard_after_forward=%s, "
-        "prefetch fwd=%d bwd=%d, async unshard=%s, grads on compute stream=%s, activation checkpointing=%s)",
+        "prefetch fwd=%d bwd=%d, async unshard=%s, buffers on compute stream=%s, activation checkpointing=%s)",
         len(wrapped),
         tuple(mesh.shape),
         config.mixed_precision,
@@ -374,7 +404,7 @@ def shard(
         config.forward_prefetch,
         config.backward_prefetch,
         config.unshard_async_op,
-        sharded.grads_on_compute_stream,
+        sharded.compute_stream_buffers,
         config.activation_checkpointing,
     )
     return sharded
