@@ -19,20 +19,23 @@ layers between a pre and a post LayerNorm, fp32, no bias; total batch 16 split o
   ``explicit_async``          as above + ``set_modules_to_forward_prefetch`` /
                               ``..._backward_prefetch`` chains of depth 1 +
                               ``_set_unshard_async_op(True)`` (the seed's setup);
-  ``engine_default``          ``automicro.engine.shard(model, FSDP2Config())``;
-  ``engine_sync``             ``FSDP2Config(unshard_async_op=False)``;
+  ``engine_default``          ``automicro.engine.shard(model, FSDP2Config())`` (sync unshard);
   ``engine_async``            ``FSDP2Config(unshard_async_op=True)``;
-  ``engine_*_fsdpbufs``      the same with ``compute_stream_buffers=False`` (FSDP2 allocates the
-                              sharded gradients on its reduce-scatter stream).
+  ``engine_*_fsdpbufs``       the same with ``compute_stream_buffers=False`` (FSDP2 allocates its
+                              all-gather / reduce-scatter buffers on its own streams).
+
+Engine variants get ``expandable_segments=False`` (the allocator is what the environment says)
+unless ``--expandable-by-engine``: the engine's default turns expandable segments on for the
+whole process, so a launch with that flag must contain only engine variants.
 
 ``seed_expandable`` runs the same variants in their own launch under
-``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: the allocator reads its configuration when
-CUDA initializes, so it cannot change inside one process. When the variable does not already ask
+``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: the allocator reads that variable when
+CUDA initializes. When the variable does not already ask
 for expandable segments, this script adds ``expandable_segments:True`` to it before importing
 torch (the JSON records the value in effect and whether the allocator really made expandable
 segments). If ``DIR/engine_seed.json`` exists, the first-iteration losses are compared with it.
 After the timed loop each variant records an exact checksum of its parameter shards; the pairs
-``engine_X`` / ``engine_X_fsdpbufs`` must be bitwise equal (with ``--accum`` > 1 this is the
+``engine_default`` / ``engine_sync_fsdpbufs`` and ``engine_async`` / ``engine_async_fsdpbufs`` must be bitwise equal (with ``--accum`` > 1 this is the
 check that reusing compute-stream memory for gradients races with nothing).
 
 ``llama``: ``build_model("1b", init_device="meta", max_seq_len=seq)``, bf16 params / fp32 reduce,
@@ -42,8 +45,9 @@ fixed per-rank microbatch (``--microbatch``, default 4) of synthetic tokens at `
                               0.32.1's FSDP2 path calls it (reshard_after_forward=True on every
                               module, root included), ``to_empty`` + ``model.model.init_weights()``;
   ``engine``                  ``shard(model, FSDP2Config(mixed_precision="DEFAULT"))``;
-  ``engine_fsdpbufs``        + ``compute_stream_buffers=False``;
+  ``engine_fsdpbufs``         + ``compute_stream_buffers=False``;
   ``engine_async``            + ``unshard_async_op=True``;
+  ``engine_async_fsdpbufs``   + ``unshard_async_op=True, compute_stream_buffers=False``;
   ``engine_async_prefetch2``  + ``unshard_async_op=True, forward_prefetch=2, backward_prefetch=2``.
 
 ``--compile`` compiles each Block's forward (``torch.compile``) before sharding, in every variant.
@@ -94,6 +98,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--total-batch", type=int, default=16, help="seed: global batch split over the ranks")
     p.add_argument(
         "--variants", default=None, help="comma-separated subset of the suite's variants (default: all)"
+    )
+    p.add_argument(
+        "--expandable-by-engine", action="store_true",
+        help="let engine variants apply their expandable_segments default (process-wide: run them alone)",
     )
     p.add_argument("--accum", type=int, default=1, help="seed: microbatches per step (gradient accumulation)")
     p.add_argument(
@@ -249,19 +257,20 @@ class Env:
         return f"cpu ({platform.processor() or platform.machine()})"
 
 
-def expandable_segments_active(env: Env) -> Optional[bool]:
-    """Whether the caching allocator's segments are expandable (read from a memory snapshot)."""
+def expandable_segments_active(env: Env) -> Optional[float]:
+    """The fraction of reserved bytes that sit in expandable segments (from a memory snapshot;
+    segments made before the engine switched the mode on stay fixed-size)."""
     if not env.cuda:
         return None
     try:
         segments = torch.cuda.memory._snapshot().get("segments", [])
     except Exception:  # noqa: BLE001 - diagnostics only
         return None
-    flags = [s.get("is_expandable") for s in segments if s.get("device", env.local_rank) == env.local_rank]
-    flags = [f for f in flags if f is not None]
-    if not flags:
+    mine = [s for s in segments if s.get("device", env.local_rank) == env.local_rank]
+    total = sum(s.get("total_size", 0) for s in mine)
+    if not total:
         return None
-    return all(flags)
+    return sum(s.get("total_size", 0) for s in mine if s.get("is_expandable")) / total
 
 
 def run_loop(
@@ -387,15 +396,24 @@ def shard_plain(env: Env, model: MultiMLP, explicit_async: bool) -> nn.Module:
 SEED_ENGINE_CONFIGS: dict[str, dict[str, Any]] = {
     "engine_default": {},
     "engine_sync_fsdpbufs": {"compute_stream_buffers": False},
-    "engine_sync": {"unshard_async_op": False},
-    "engine_async_fsdpbufs": {"unshard_async_op": True, "compute_stream_buffers": False},
     "engine_async": {"unshard_async_op": True},
+    "engine_async_fsdpbufs": {"unshard_async_op": True, "compute_stream_buffers": False},
 }
 SEED_VARIANT_LIST = ["implicit", "explicit_async"] + list(SEED_ENGINE_CONFIGS)
 SEED_VARIANTS = {"seed": SEED_VARIANT_LIST, "seed_expandable": SEED_VARIANT_LIST}
 # Pairs that differ only in where the sharded gradients are allocated: their parameters after the
 # timed loop must be bitwise equal (a stream race on a reused gradient block would break that).
-SEED_BITWISE_PAIRS = [("engine_sync", "engine_sync_fsdpbufs"), ("engine_async", "engine_async_fsdpbufs")]
+SEED_BITWISE_PAIRS = [("engine_default", "engine_sync_fsdpbufs"), ("engine_async", "engine_async_fsdpbufs")]
+
+
+def engine_config(base: dict[str, Any], args: argparse.Namespace, **extra: Any) -> FSDP2Config:
+    """The variant's FSDP2Config. Unless --expandable-by-engine, the engine is told to leave the
+    allocator alone (`expandable_segments=False`): its default would switch expandable segments on
+    for the whole process, and so for every later variant of the same launch."""
+    values = dict(extra, **base)
+    if not args.expandable_by_engine:
+        values.setdefault("expandable_segments", False)
+    return FSDP2Config(**values)
 
 
 def param_checksum(model: nn.Module) -> list[float]:
@@ -470,7 +488,7 @@ def run_seed_suite(env: Env, suite: str) -> dict[str, Any]:
         elif name == "explicit_async":
             shard_plain(env, model, explicit_async=True)
         elif name in SEED_ENGINE_CONFIGS:
-            sharded = shard(model, FSDP2Config(**SEED_ENGINE_CONFIGS[name]), mesh=env.mesh, device=env.device)
+            sharded = shard(model, engine_config(SEED_ENGINE_CONFIGS[name], args), mesh=env.mesh, device=env.device)
         else:
             raise AssertionError(name)
         optim = torch.optim.Adam(model.parameters())
@@ -496,8 +514,8 @@ def run_seed_suite(env: Env, suite: str) -> dict[str, Any]:
         row["config"] = sharded.config.to_dict() if sharded is not None else None
         row["compute_stream_buffers"] = sharded.compute_stream_buffers if sharded is not None else False
         row["prefetch_plan"] = sharded.prefetch_plan() if sharded is not None else None
-        if suite == "seed_expandable":
-            row["expandable_segments_active"] = expandable_segments_active(env)
+        row["expandable_segments_active"] = expandable_segments_active(env)
+        row["expandable_segments_set_by_engine"] = bool(sharded is not None and sharded.expandable_segments_set_by_engine)
         merge_round(rows, name, row)
         model_ref = weakref.ref(model)
         del step, optim, model, sharded
@@ -581,6 +599,7 @@ LLAMA_ENGINE_CONFIGS: dict[str, dict[str, Any]] = {
     "engine": {},
     "engine_fsdpbufs": {"compute_stream_buffers": False},
     "engine_async": {"unshard_async_op": True},
+    "engine_async_fsdpbufs": {"unshard_async_op": True, "compute_stream_buffers": False},
     "engine_async_prefetch2": {"unshard_async_op": True, "forward_prefetch": 2, "backward_prefetch": 2},
 }
 LLAMA_VARIANTS = ["baseline"] + list(LLAMA_ENGINE_CONFIGS)
@@ -642,7 +661,7 @@ def run_llama_suite(env: Env) -> dict[str, Any]:
         if name == "baseline":
             shard_llama_baseline(env, model, mp)
         elif name in LLAMA_ENGINE_CONFIGS:
-            cfg = FSDP2Config(mixed_precision="DEFAULT", **LLAMA_ENGINE_CONFIGS[name])
+            cfg = engine_config(LLAMA_ENGINE_CONFIGS[name], args, mixed_precision="DEFAULT")
             sharded = shard(model, cfg, mesh=env.mesh, device=env.device)
         else:
             raise AssertionError(name)
@@ -659,6 +678,8 @@ def run_llama_suite(env: Env) -> dict[str, Any]:
         graphs_before = _compiled_graphs()
         row = run_loop(env, step, args.warmup, args.iters)
         row["compiled_graphs"] = _compiled_graphs() - graphs_before if args.compile else None
+        row["expandable_segments_active"] = expandable_segments_active(env)
+        row["expandable_segments_set_by_engine"] = bool(sharded is not None and sharded.expandable_segments_set_by_engine)
         row["allocated_before_build_gib"] = leftover
         row["config"] = sharded.config.to_dict() if sharded is not None else None
         row["compute_stream_buffers"] = sharded.compute_stream_buffers if sharded is not None else False
