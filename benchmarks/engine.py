@@ -354,11 +354,11 @@ def allocated_now_gib(env: Env) -> Optional[float]:
     return torch.cuda.memory_allocated() / GIB if env.cuda else None
 
 
-def selected(variants: list[str], args: argparse.Namespace) -> list[str]:
-    """The suite's variants, or those named by --variants in the order given (unknown names are
-    skipped, so one --variants list can serve several suites)."""
+def selected(variants: list[str], args: argparse.Namespace, default: Optional[list[str]] = None) -> list[str]:
+    """The suite's default variants, or those named by --variants in the order given (unknown
+    names are skipped, so one --variants list can serve several suites)."""
     if not args.variants:
-        return variants
+        return default or variants
     wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
     return [v for v in wanted if v in variants]
 
@@ -398,12 +398,23 @@ SEED_ENGINE_CONFIGS: dict[str, dict[str, Any]] = {
     "engine_sync_fsdpbufs": {"compute_stream_buffers": False},
     "engine_async": {"unshard_async_op": True},
     "engine_async_fsdpbufs": {"unshard_async_op": True, "compute_stream_buffers": False},
+    # Forward prefetch depth 2 (only with --variants): hides the copy-in stream's wait for the
+    # compute stream behind the all-gather already in flight.
+    "engine_fwd2": {"forward_prefetch": 2},
+    "engine_fwd2_fsdpbufs": {"forward_prefetch": 2, "compute_stream_buffers": False},
+    "engine_async_fwd2": {"unshard_async_op": True, "forward_prefetch": 2},
 }
+SEED_DEFAULT_VARIANTS = ["engine_default", "engine_sync_fsdpbufs", "engine_async", "engine_async_fsdpbufs"]
 SEED_VARIANT_LIST = ["implicit", "explicit_async"] + list(SEED_ENGINE_CONFIGS)
 SEED_VARIANTS = {"seed": SEED_VARIANT_LIST, "seed_expandable": SEED_VARIANT_LIST}
+SEED_DEFAULT_LIST = ["implicit", "explicit_async"] + SEED_DEFAULT_VARIANTS
 # Pairs that differ only in where the sharded gradients are allocated: their parameters after the
 # timed loop must be bitwise equal (a stream race on a reused gradient block would break that).
-SEED_BITWISE_PAIRS = [("engine_default", "engine_sync_fsdpbufs"), ("engine_async", "engine_async_fsdpbufs")]
+SEED_BITWISE_PAIRS = [
+    ("engine_default", "engine_sync_fsdpbufs"),
+    ("engine_async", "engine_async_fsdpbufs"),
+    ("engine_fwd2", "engine_fwd2_fsdpbufs"),
+]
 
 
 def engine_config(base: dict[str, Any], args: argparse.Namespace, **extra: Any) -> FSDP2Config:
@@ -478,7 +489,7 @@ def run_seed_suite(env: Env, suite: str) -> dict[str, Any]:
         raise SystemExit(f"--accum {args.accum} must divide the per-rank batch {bsz}")
     rows: dict[str, Any] = {}
     for round_index in range(args.rounds):
-      for name in selected(SEED_VARIANTS[suite], args):  # noqa: E111 - one level for the rounds
+      for name in selected(SEED_VARIANTS[suite], args, SEED_DEFAULT_LIST):  # noqa: E111 - one level for the rounds
         env.log(f"[{suite}] round {round_index + 1}/{args.rounds} {name} ...")
         leftover = allocated_now_gib(env)
         model = build_seed_model(env)
@@ -601,8 +612,10 @@ LLAMA_ENGINE_CONFIGS: dict[str, dict[str, Any]] = {
     "engine_async": {"unshard_async_op": True},
     "engine_async_fsdpbufs": {"unshard_async_op": True, "compute_stream_buffers": False},
     "engine_async_prefetch2": {"unshard_async_op": True, "forward_prefetch": 2, "backward_prefetch": 2},
+    "engine_fwd2": {"forward_prefetch": 2},
 }
 LLAMA_VARIANTS = ["baseline"] + list(LLAMA_ENGINE_CONFIGS)
+LLAMA_DEFAULT_LIST = [v for v in LLAMA_VARIANTS if v != "engine_fwd2"]
 
 
 def compile_blocks(model: nn.Module) -> None:
@@ -650,7 +663,7 @@ def run_llama_suite(env: Env) -> dict[str, Any]:
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     rows: dict[str, Any] = {}
     for round_index in range(args.rounds):
-      for name in selected(LLAMA_VARIANTS, args):  # noqa: E111 - one level for the rounds
+      for name in selected(LLAMA_VARIANTS, args, LLAMA_DEFAULT_LIST):  # noqa: E111 - one level for the rounds
         env.log(f"[llama] round {round_index + 1}/{args.rounds} {name} ...")
         leftover = allocated_now_gib(env)
         model = build_model(args.preset, init_device="meta", max_seq_len=args.seq)
