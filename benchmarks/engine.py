@@ -19,10 +19,12 @@ layers between a pre and a post LayerNorm, fp32, no bias; total batch 16 split o
   ``explicit_async``          as above + ``set_modules_to_forward_prefetch`` /
                               ``..._backward_prefetch`` chains of depth 1 +
                               ``_set_unshard_async_op(True)`` (the seed's setup);
-  ``engine_default``          ``automicro.engine.shard(model, FSDP2Config())`` (sync unshard);
-  ``engine_async``            ``FSDP2Config(unshard_async_op=True)``;
+  ``engine_default``          ``automicro.engine.shard(model, FSDP2Config())``;
+  ``engine_{sync,async}_f{1,2}``  ``FSDP2Config(unshard_async_op=..., forward_prefetch=1|2)``;
   ``engine_*_fsdpbufs``       the same with ``compute_stream_buffers=False`` (FSDP2 allocates its
                               all-gather / reduce-scatter buffers on its own streams).
+  Without ``--variants``: implicit, explicit_async, engine_default(+_fsdpbufs),
+  engine_sync_f1(+_fsdpbufs) (the engine default before compute-stream buffers).
 
 Engine variants get ``expandable_segments=False`` (the allocator is what the environment says)
 unless ``--expandable-by-engine``: the engine's default turns expandable segments on for the
@@ -35,8 +37,8 @@ for expandable segments, this script adds ``expandable_segments:True`` to it bef
 torch (the JSON records the value in effect and whether the allocator really made expandable
 segments). If ``DIR/engine_seed.json`` exists, the first-iteration losses are compared with it.
 After the timed loop each variant records an exact checksum of its parameter shards; the pairs
-``engine_default`` / ``engine_sync_fsdpbufs`` and ``engine_async`` / ``engine_async_fsdpbufs`` must be bitwise equal (with ``--accum`` > 1 this is the
-check that reusing compute-stream memory for gradients races with nothing).
+every ``X`` / ``X_fsdpbufs`` pair must be bitwise equal (with ``--accum`` > 1 this is the check
+that reusing compute-stream memory for FSDP2's buffers races with nothing).
 
 ``llama``: ``build_model("1b", init_device="meta", max_seq_len=seq)``, bf16 params / fp32 reduce,
 fixed per-rank microbatch (``--microbatch``, default 4) of synthetic tokens at ``--seq`` (2048):
@@ -46,9 +48,11 @@ fixed per-rank microbatch (``--microbatch``, default 4) of synthetic tokens at `
                               module, root included), ``to_empty`` + ``model.model.init_weights()``;
   ``engine``                  ``shard(model, FSDP2Config(mixed_precision="DEFAULT"))``;
   ``engine_fsdpbufs``         + ``compute_stream_buffers=False``;
-  ``engine_async``            + ``unshard_async_op=True``;
-  ``engine_async_fsdpbufs``   + ``unshard_async_op=True, compute_stream_buffers=False``;
+  ``engine_sync_f1[_fsdpbufs]``  + ``unshard_async_op=False, forward_prefetch=1`` (the engine
+                              default before compute-stream buffers, with/without them);
+  ``engine_async_f1``         + ``unshard_async_op=True, forward_prefetch=1``;
   ``engine_async_prefetch2``  + ``unshard_async_op=True, forward_prefetch=2, backward_prefetch=2``.
+  Without ``--variants``: baseline, engine, engine_fsdpbufs, engine_sync_f1.
 
 ``--compile`` compiles each Block's forward (``torch.compile``) before sharding, in every variant.
 ``--rounds N`` runs every variant N times, interleaved; the step time is then the median of the
@@ -392,29 +396,22 @@ def shard_plain(env: Env, model: MultiMLP, explicit_async: bool) -> nn.Module:
 
 
 # Engine variants of the seed suite: FSDP2Config keyword arguments. `*_fsdpbufs` keep FSDP2's
-# own reduce-scatter-stream allocation of the sharded gradients (compute_stream_buffers=False).
-SEED_ENGINE_CONFIGS: dict[str, dict[str, Any]] = {
-    "engine_default": {},
-    "engine_sync_fsdpbufs": {"compute_stream_buffers": False},
-    "engine_async": {"unshard_async_op": True},
-    "engine_async_fsdpbufs": {"unshard_async_op": True, "compute_stream_buffers": False},
-    # Forward prefetch depth 2 (only with --variants): hides the copy-in stream's wait for the
-    # compute stream behind the all-gather already in flight.
-    "engine_fwd2": {"forward_prefetch": 2},
-    "engine_fwd2_fsdpbufs": {"forward_prefetch": 2, "compute_stream_buffers": False},
-    "engine_async_fwd2": {"unshard_async_op": True, "forward_prefetch": 2},
-}
-SEED_DEFAULT_VARIANTS = ["engine_default", "engine_sync_fsdpbufs", "engine_async", "engine_async_fsdpbufs"]
+# own side-stream allocation of all-gather / reduce-scatter buffers (compute_stream_buffers=False).
+SEED_ENGINE_CONFIGS: dict[str, dict[str, Any]] = {"engine_default": {}}
+# Named variants spell out unshard mode and forward prefetch depth, so their meaning does not move
+# with the defaults: sync/async unshard x forward prefetch 1/2.
+for _mode, _async in (("sync", False), ("async", True)):
+    for _depth in (1, 2):
+        SEED_ENGINE_CONFIGS[f"engine_{_mode}_f{_depth}"] = {"unshard_async_op": _async, "forward_prefetch": _depth}
+for _name in list(SEED_ENGINE_CONFIGS):
+    SEED_ENGINE_CONFIGS[f"{_name}_fsdpbufs"] = dict(SEED_ENGINE_CONFIGS[_name], compute_stream_buffers=False)
+SEED_DEFAULT_VARIANTS = ["engine_default", "engine_default_fsdpbufs", "engine_sync_f1", "engine_sync_f1_fsdpbufs"]
 SEED_VARIANT_LIST = ["implicit", "explicit_async"] + list(SEED_ENGINE_CONFIGS)
 SEED_VARIANTS = {"seed": SEED_VARIANT_LIST, "seed_expandable": SEED_VARIANT_LIST}
 SEED_DEFAULT_LIST = ["implicit", "explicit_async"] + SEED_DEFAULT_VARIANTS
 # Pairs that differ only in where the sharded gradients are allocated: their parameters after the
 # timed loop must be bitwise equal (a stream race on a reused gradient block would break that).
-SEED_BITWISE_PAIRS = [
-    ("engine_default", "engine_sync_fsdpbufs"),
-    ("engine_async", "engine_async_fsdpbufs"),
-    ("engine_fwd2", "engine_fwd2_fsdpbufs"),
-]
+SEED_BITWISE_PAIRS = [(n[: -len("_fsdpbufs")], n) for n in SEED_ENGINE_CONFIGS if n.endswith("_fsdpbufs")]
 
 
 def engine_config(base: dict[str, Any], args: argparse.Namespace, **extra: Any) -> FSDP2Config:
@@ -609,13 +606,13 @@ def check_seed_losses(env: Env, suite: str, result: dict[str, Any], out_dir: str
 LLAMA_ENGINE_CONFIGS: dict[str, dict[str, Any]] = {
     "engine": {},
     "engine_fsdpbufs": {"compute_stream_buffers": False},
-    "engine_async": {"unshard_async_op": True},
-    "engine_async_fsdpbufs": {"unshard_async_op": True, "compute_stream_buffers": False},
+    "engine_sync_f1": {"unshard_async_op": False, "forward_prefetch": 1},
+    "engine_sync_f1_fsdpbufs": {"unshard_async_op": False, "forward_prefetch": 1, "compute_stream_buffers": False},
+    "engine_async_f1": {"unshard_async_op": True, "forward_prefetch": 1},
     "engine_async_prefetch2": {"unshard_async_op": True, "forward_prefetch": 2, "backward_prefetch": 2},
-    "engine_fwd2": {"forward_prefetch": 2},
 }
 LLAMA_VARIANTS = ["baseline"] + list(LLAMA_ENGINE_CONFIGS)
-LLAMA_DEFAULT_LIST = [v for v in LLAMA_VARIANTS if v != "engine_fwd2"]
+LLAMA_DEFAULT_LIST = ["baseline", "engine", "engine_fsdpbufs", "engine_sync_f1"]
 
 
 def compile_blocks(model: nn.Module) -> None:

@@ -144,8 +144,9 @@ NUMERICS_CONFIGS = {
     "prefetch2": FSDP2Config(forward_prefetch=2, backward_prefetch=2),
     "no_reshard_after_forward": FSDP2Config(reshard_after_forward=False),
     "activation_checkpointing": FSDP2Config(activation_checkpointing=True),
-    "async_unshard": FSDP2Config(unshard_async_op=True),
+    "sync_unshard": FSDP2Config(unshard_async_op=False, forward_prefetch=1),
     "async_unshard_prefetch2_ac": FSDP2Config(unshard_async_op=True, forward_prefetch=2, backward_prefetch=2, activation_checkpointing=True),
+    "sync_unshard_ac": FSDP2Config(unshard_async_op=False, forward_prefetch=1, activation_checkpointing=True),
     "buffers_on_fsdp_streams": FSDP2Config(compute_stream_buffers=False),
 }
 
@@ -164,7 +165,7 @@ def run_engine_cases(rank: int, world: int) -> dict[str, Any]:
             results[f"numerics/{name}"] = {"exception": traceback.format_exc()}
     # Gradient accumulation: 2 microbatches per step, each reduce-scattered; FSDP2 adds each
     # output into `.grad` on the reduce-scatter stream (the case the held outputs are for).
-    for name in ("defaults", "async_unshard_prefetch2_ac", "buffers_on_fsdp_streams"):
+    for name in ("defaults", "sync_unshard_ac", "buffers_on_fsdp_streams"):
         try:
             report = train_sharded(rank, world, NUMERICS_CONFIGS[name], accum=2)
             results[f"accum/{name}"] = {
@@ -177,7 +178,7 @@ def run_engine_cases(rank: int, world: int) -> dict[str, Any]:
         except Exception:  # noqa: BLE001
             results[f"accum/{name}"] = {"exception": traceback.format_exc()}
     for point in FAIL_POINTS:
-        for config_name in ("defaults", "async_unshard_prefetch2_ac"):
+        for config_name in ("defaults", "sync_unshard_ac"):
             config = NUMERICS_CONFIGS[config_name]
             try:
                 report = train_sharded(rank, world, config, fail_at=point)

@@ -37,7 +37,7 @@ def test_two_ranks_match_single_process_after_three_steps(two_rank_results, name
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("config_name", ["defaults", "async_unshard_prefetch2_ac"])
+@pytest.mark.parametrize("config_name", ["defaults", "sync_unshard_ac"])
 @pytest.mark.parametrize("point", engine_cases.FAIL_POINTS)
 def test_recover_after_failure_trains_as_if_it_never_failed(two_rank_results, point, config_name):
     for rank_result in two_rank_results:
@@ -53,7 +53,7 @@ COMPUTE_STREAM_BUFFERS = internals.HAS_CUSTOM_COMMS
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", ["defaults", "async_unshard_prefetch2_ac", "buffers_on_fsdp_streams"])
+@pytest.mark.parametrize("name", ["defaults", "sync_unshard_ac", "buffers_on_fsdp_streams"])
 def test_gradient_accumulation_matches_single_process(two_rank_results, name):
     for rank_result in two_rank_results:
         result = _ok(rank_result[f"accum/{name}"])
@@ -76,12 +76,12 @@ def test_compute_stream_buffers_are_the_default_where_torch_has_custom_comms(two
         assert on["rs_comm"]["outputs"] == 3 * 2 * 4, on["rs_comm"]
         assert on["rs_comm"]["max_held"] == 2, "at most the previous and the current output are held"
         assert on["held_after_backward"] == [0] * 6, "every held output is dropped at the end of backward"
-        # Sync unshard: every flat all-gather output comes from the compute stream's pool ...
-        assert on["rs_comm"]["all_gather_outputs"] > 0, on["rs_comm"]
-        # ... async unshard already copies in on the compute stream: nothing to redirect.
-        async_run = _ok(rank_result["accum/async_unshard_prefetch2_ac"])
-        assert async_run["rs_comm"]["all_gather_outputs"] == 0, async_run["rs_comm"]
-        assert async_run["rs_comm"]["outputs"] == 3 * 2 * 4
+        # The default (async unshard) copies in on the compute stream already: nothing to redirect ...
+        assert on["rs_comm"]["all_gather_outputs"] == 0, on["rs_comm"]
+        # ... with sync unshard every flat all-gather output comes from the compute stream's pool.
+        sync_run = _ok(rank_result["accum/sync_unshard_ac"])
+        assert sync_run["rs_comm"]["all_gather_outputs"] > 0, sync_run["rs_comm"]
+        assert sync_run["rs_comm"]["outputs"] == 3 * 2 * 4
 
 
 @pytest.mark.multiproc

@@ -32,10 +32,13 @@ class FSDP2Config:
         wrap: ``None`` follows Composer's conventions (a module's ``_fsdp_wrap`` attribute or
             the model's ``fsdp_wrap_fn``); a list of class names wraps every module of those
             classes.
-        forward_prefetch: how many following blocks each block all-gathers ahead in forward.
+        forward_prefetch: how many following blocks each block all-gathers ahead in forward
+            (default 2: with the copy-in on the compute stream, depth 1 would make each
+            all-gather wait for the previous one's copy-out; depth 2 keeps one in flight).
         backward_prefetch: how many earlier blocks each block all-gathers ahead in backward.
-        unshard_async_op: issue all-gathers as async ops; the copy-in runs on the default
-            stream (no inter-stream fragmentation) and the overlap comes from explicit prefetch.
+        unshard_async_op: issue all-gathers as async ops (default true); the copy-in runs on the
+            compute stream (no inter-stream fragmentation) and the overlap comes from explicit
+            prefetch.
         compute_stream_buffers: allocate FSDP2's side-stream buffers -- the flat all-gather
             outputs and the reduce-scatter outputs (with an fp32 reduce, the sharded gradients
             themselves) -- from the compute stream's caching-allocator pool instead of the
@@ -58,9 +61,9 @@ class FSDP2Config:
     replicate: int = 1
     cpu_offload: bool = False
     wrap: Optional[list[str]] = None
-    forward_prefetch: int = 1
+    forward_prefetch: int = 2
     backward_prefetch: int = 1
-    unshard_async_op: bool = False
+    unshard_async_op: bool = True
     compute_stream_buffers: Optional[bool] = None
     expandable_segments: Optional[bool] = None
 
