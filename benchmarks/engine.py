@@ -358,6 +358,19 @@ def allocated_now_gib(env: Env) -> Optional[float]:
     return torch.cuda.memory_allocated() / GIB if env.cuda else None
 
 
+def variant_facts(env: Env, sharded: Any, leftover: Optional[float]) -> dict[str, Any]:
+    """What a variant ran with: engine config and prefetch plan (None for plain fully_shard),
+    where FSDP2's buffers came from, and the allocator's state."""
+    return {
+        "allocated_before_build_gib": leftover,
+        "config": sharded.config.to_dict() if sharded is not None else None,
+        "compute_stream_buffers": bool(sharded is not None and sharded.compute_stream_buffers),
+        "prefetch_plan": sharded.prefetch_plan() if sharded is not None else None,
+        "expandable_segments_active": expandable_segments_active(env),
+        "expandable_segments_set_by_engine": bool(sharded is not None and sharded.expandable_segments_set_by_engine),
+    }
+
+
 def selected(variants: list[str], args: argparse.Namespace, default: Optional[list[str]] = None) -> list[str]:
     """The suite's default variants, or those named by --variants in the order given (unknown
     names are skipped, so one --variants list can serve several suites)."""
@@ -518,12 +531,7 @@ def run_seed_suite(env: Env, suite: str) -> dict[str, Any]:
         row = run_loop(env, step, args.warmup, args.iters)
         row["first_fingerprint"] = float(fingerprint[0].item())
         row["param_checksum"] = param_checksum(model)
-        row["allocated_before_build_gib"] = leftover
-        row["config"] = sharded.config.to_dict() if sharded is not None else None
-        row["compute_stream_buffers"] = sharded.compute_stream_buffers if sharded is not None else False
-        row["prefetch_plan"] = sharded.prefetch_plan() if sharded is not None else None
-        row["expandable_segments_active"] = expandable_segments_active(env)
-        row["expandable_segments_set_by_engine"] = bool(sharded is not None and sharded.expandable_segments_set_by_engine)
+        row.update(variant_facts(env, sharded, leftover))
         merge_round(rows, name, row)
         model_ref = weakref.ref(model)
         del step, optim, model, sharded
@@ -688,12 +696,7 @@ def run_llama_suite(env: Env) -> dict[str, Any]:
         graphs_before = _compiled_graphs()
         row = run_loop(env, step, args.warmup, args.iters)
         row["compiled_graphs"] = _compiled_graphs() - graphs_before if args.compile else None
-        row["expandable_segments_active"] = expandable_segments_active(env)
-        row["expandable_segments_set_by_engine"] = bool(sharded is not None and sharded.expandable_segments_set_by_engine)
-        row["allocated_before_build_gib"] = leftover
-        row["config"] = sharded.config.to_dict() if sharded is not None else None
-        row["compute_stream_buffers"] = sharded.compute_stream_buffers if sharded is not None else False
-        row["prefetch_plan"] = sharded.prefetch_plan() if sharded is not None else None
+        row.update(variant_facts(env, sharded, leftover))
         merge_round(rows, name, row)
         model_ref = weakref.ref(model)
         del step, optim, model, sharded
