@@ -210,7 +210,7 @@ class _FakeHandle:
         self.current = self.compute
         self.allocated_on = []
 
-    def current_stream(self):
+    def current_stream(self, device=None):
         return self.current
 
     def stream(self, stream):

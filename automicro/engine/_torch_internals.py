@@ -456,13 +456,13 @@ class ComputeStreamAllGather(_AllGatherBase):
     def note_compute_stream(self, device: torch.device) -> None:
         handle = self._handle_for(device)
         if handle is not None and hasattr(handle, "current_stream"):
-            self.compute_stream = handle.current_stream()
+            self.compute_stream = handle.current_stream(device)
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         handle = self._handle_for(device)
         if handle is None or self.compute_stream is None or not hasattr(handle, "current_stream"):
             return torch.empty(*size, dtype=dtype, device=device)
-        current = handle.current_stream()
+        current = handle.current_stream(device)
         if current == self.compute_stream:  # async unshard: FSDP2 already uses the compute stream
             return torch.empty(*size, dtype=dtype, device=device)
         current.wait_stream(self.compute_stream)
@@ -506,7 +506,7 @@ class ComputeStreamReduceScatter(_ReduceScatterBase):
         handle = self._handle_for(device)
         if handle is None or not hasattr(handle, "current_stream"):
             return torch.empty(*size, dtype=dtype, device=device)
-        current = handle.current_stream()
+        current = handle.current_stream(device)
         if not self._expect_output or current == self._compute_stream:
             # `foreach_reduce` allocates the input first, on the compute stream (the current
             # stream when `post_backward` runs); remember which stream that is. (Equal streams
@@ -574,7 +574,7 @@ class ComputeStreamReduceScatter(_ReduceScatterBase):
 
 
 def install_compute_stream_comms(
-    root: nn.Module, modules: list[FSDPModule]
+    root: nn.Module, modules: list[FSDPModule], device: torch.device
 ) -> tuple[ComputeStreamAllGather, ComputeStreamReduceScatter, Any]:
     """Give every FSDP2 module of one root the same compute-stream all-gather and reduce-scatter
     comms (torch >= 2.9). Returns them and the handle of the root pre-forward hook that tells the
@@ -588,9 +588,7 @@ def install_compute_stream_comms(
         module.set_custom_reduce_scatter(reduce_scatter)
 
     def note(module: nn.Module, args: Any) -> None:
-        param = next(module.parameters(), None)
-        if param is not None:
-            all_gather.note_compute_stream(param.device)
+        all_gather.note_compute_stream(device)
 
     # prepend: before FSDP2's root pre-forward, which issues the root's all-gather.
     handle = root.register_forward_pre_hook(note, prepend=True)

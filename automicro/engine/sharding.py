@@ -388,7 +388,7 @@ def shard(
         for module in sharded.fsdp_modules:
             internals.set_unshard_async_op(module, True)
     if config.use_compute_stream_buffers(internals.TORCH_VERSION, internals.HAS_CUSTOM_COMMS):
-        comms = internals.install_compute_stream_comms(model, sharded.fsdp_modules)
+        comms = internals.install_compute_stream_comms(model, sharded.fsdp_modules, device)
         sharded._all_gather_comm, sharded._reduce_scatter_comm, sharded._comm_hook = comms
     if config.forward_prefetch > 0 or config.backward_prefetch > 0:
         sharded._apply_prefetch()
