@@ -251,15 +251,30 @@ def test_converging_batch_is_not_counted_as_clean(search):
     assert policy.observe(Success(8)).phase == Phase.STEADY
 
 
-def test_oom_in_steady_searches_down_keeping_known_successes():
+def test_one_oom_in_steady_reruns_the_same_split_with_hooks_on():
+    policy = SearchPolicy(PolicyConfig(), 10)
+    drive(policy, threshold=4)
+    settle_to_steady(policy)
+    split = policy.current_split()
+    d = policy.observe(OOM(max(split)))  # a one-off: a long sequence, memory left over from eval
+    assert (d.phase, d.hooks, d.rerun, d.split) == (Phase.SETTLING, True, True, split)
+    assert policy.found_size == 4 and policy.state.first_failure == 5, "the bounds do not move"
+    assert "steady" in d.event
+    for _ in range(3):
+        d = policy.observe(Success(max(split)))
+    assert (d.phase, d.hooks, d.split) == (Phase.STEADY, False, split)
+
+
+def test_oom_in_steady_then_in_its_rerun_searches_down_keeping_known_successes():
     policy = SearchPolicy(PolicyConfig(), 10)
     assert _fmt(drive(policy, threshold=4)) == "10x 5x 2+ 4+"
     settle_to_steady(policy)
+    assert policy.observe(OOM(4)).phase == Phase.SETTLING  # the rerun, same split
     d = policy.observe(OOM(4))  # e.g. fragmentation: 4 no longer fits
     assert (d.phase, d.hooks, d.rerun, d.next_size, d.split) == (Phase.SEARCHING, True, True, 3, (3, 3, 3, 1))
     assert policy.found_size is None
     assert (policy.state.best_success, policy.state.first_failure) == (2, 4), "2 is still known to fit"
-    assert "steady" in d.event
+    assert "settling" in d.event
     d = policy.observe(Success(3))
     assert (d.phase, d.split, policy.found_size) == (Phase.SETTLING, (3, 3, 2, 2), 3)
 
@@ -268,6 +283,7 @@ def test_oom_in_steady_ignores_successes_at_or_above_the_failure():
     policy = SearchPolicy(PolicyConfig(), 16)
     drive(policy, threshold=11)  # successes 8, 10, 11; split (8, 8)
     settle_to_steady(policy)
+    policy.observe(OOM(8))  # steady: rerun at 8
     d = policy.observe(OOM(8))
     assert (policy.state.best_success, policy.state.first_failure) == (0, 8)
     assert (d.next_size, d.split) == (4, (4, 4, 4, 4))
@@ -283,7 +299,8 @@ def test_oom_in_settling_converges_at_once_when_bounds_are_adjacent():
     assert d.phase == Phase.SEARCHING and d.next_size == 3
     policy.observe(Success(3))
     settle_to_steady(policy)
-    d = policy.observe(OOM(3))  # 2 is known to fit and 3 failed: converged immediately
+    policy.observe(OOM(3))  # steady: the rerun at 3 ...
+    d = policy.observe(OOM(3))  # ... fails too; 2 is known to fit and 3 failed: converged immediately
     assert (d.phase, d.split, d.rerun, policy.found_size) == (Phase.SETTLING, (2, 2, 2, 2, 2), True, 2)
 
 
@@ -291,6 +308,7 @@ def test_halve_oom_in_steady_halves_from_current_size():
     policy = SearchPolicy(PolicyConfig(search="halve"), 16)
     drive(policy, threshold=5)  # found 4
     settle_to_steady(policy)
+    assert policy.observe(OOM(4)).phase == Phase.SETTLING  # steady: rerun at 4 first
     d = policy.observe(OOM(4))
     assert (d.phase, d.next_size, d.hooks, d.rerun) == (Phase.SEARCHING, 2, True, True)
     assert policy.observe(Success(2)).split == (2,) * 8

@@ -3,7 +3,8 @@
 One fused all-reduce (MAX) of an int64 vector per sync point, on a CPU (gloo) side group, so
 the control plane needs no device sync and never stalls the GPU stream:
 
-    [still_running] + world_size x [code, new_alloc_retries, peak_bytes, capacity_bytes, allocated_bytes]
+    [still_running] + world_size x [code, new_alloc_retries, peak_bytes, capacity_bytes, allocated_bytes,
+                                    collectives issued in the attempt]
 
 Each rank writes only its own slots, so after MAX every rank knows every rank's report.
 - a rank at a sync point sends still_running=1, code=0; if any code is set it raises
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from automicro.core.sites import ALL_SITES, site_index
 from automicro.core.transport import TRANSPORTS, ProcessGroupTransport, ShmTransport
 
-SLOTS = 5
+SLOTS = 6
 KIND_OOM = 1
 KIND_ERROR = 2
 _SITE_BASE = 64  # code = kind * _SITE_BASE + site index
@@ -51,6 +52,7 @@ class RankReport:
     peak_bytes: int
     capacity_bytes: int
     allocated_bytes: int
+    collectives: int = 0
 
     @property
     def failed(self) -> bool:
@@ -106,6 +108,7 @@ class LocalFigures:
     peak_bytes: int = 0
     capacity_bytes: int = 0
     allocated_bytes: int = 0
+    collectives: int = 0  # collectives this rank issued in the attempt (automicro.core.ledger)
 
 
 @dataclass
@@ -171,7 +174,12 @@ class Consensus:
         vec[0] = still_running
         base = 1 + SLOTS * self.rank
         vec[base : base + SLOTS] = (
-            code, figures.new_alloc_retries, figures.peak_bytes, figures.capacity_bytes, figures.allocated_bytes
+            code,
+            figures.new_alloc_retries,
+            figures.peak_bytes,
+            figures.capacity_bytes,
+            figures.allocated_bytes,
+            figures.collectives,
         )
         if self.world_size > 1:
             vec = self.transport.max_reduce(vec, timeout_s)
@@ -182,10 +190,10 @@ class Consensus:
         reports = []
         for rank in range(self.world_size):
             base = 1 + SLOTS * rank
-            code, retries, peak, capacity, allocated = (int(x) for x in vec[base : base + SLOTS])
+            code, retries, peak, capacity, allocated, collectives = (int(x) for x in vec[base : base + SLOTS])
             kind = code // _SITE_BASE
             site = ALL_SITES[code % _SITE_BASE] if kind else ""
-            reports.append(RankReport(rank, kind, site, retries, peak, capacity, allocated))
+            reports.append(RankReport(rank, kind, site, retries, peak, capacity, allocated, collectives))
         return Verdict(tuple(reports), rounds)
 
     @staticmethod

@@ -12,8 +12,9 @@ Phases:
   (chunks of the size under test and a smaller remainder), so that size itself is really tried.
 - ``SETTLING``: the size is chosen; sync hooks still on while `stable_batches` consecutive clean
   batches are counted. The split is the fewest microbatches, as even as possible.
-- ``STEADY``: hooks off. Any OOM or thrash sends the policy back to ``SEARCHING`` (downward,
-  keeping the sizes known to fit); a `Rearm` sends it back to ``SETTLING``.
+- ``STEADY``: hooks off. An OOM sends the policy back to ``SETTLING`` at the same split (the
+  batch is rerun with the hooks on); an OOM there, or a thrash, sends it back to ``SEARCHING``
+  (downward, keeping the sizes known to fit); a `Rearm` sends it back to ``SETTLING``.
 
 Search modes (`PolicyConfig.search`):
 
@@ -416,6 +417,14 @@ def _on_failure(state: SearchState, outcome: Union[OOM, Thrash], config: PolicyC
         return state, _decide(state, config, False, f"thrash at {m}: cannot go lower, staying at {floor}")
 
     was = state.phase
+    if oom and was == Phase.STEADY:
+        # One OOM at a size that ran clean for `stable_batches` batches is an event (a long
+        # sequence, fragmentation, memory left by eval), not a new limit: rerun the same split
+        # with the sync hooks on. Only an OOM in that rerun (SETTLING) moves the bounds.
+        state = replace(state, phase=Phase.SETTLING, stable_count=0)
+        return state, _decide(
+            state, config, True, f"OOM at {m} in steady phase -> rerun at {m} with sync hooks on"
+        )
     first_failure = m if state.first_failure is None else min(state.first_failure, m)
     state = replace(state, phase=Phase.SEARCHING, found=None, stable_count=0, first_failure=first_failure)
     state = replace(state, best_success=_best_below(state.successes, first_failure))

@@ -88,6 +88,66 @@ def shm_unavailable_reason(identities: list[tuple[str, str, str, str]]) -> Optio
     return None
 
 
+def process_exists(pid: int) -> bool:
+    """False only when `pid` (> 0) is known to be gone; unknown pids count as alive."""
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def open_shared_segment(group: Optional[dist.ProcessGroup], words: int, purpose: str) -> tuple[np.ndarray, bool]:
+    """Collective over `group`: map one zeroed int64 segment of `words` in /dev/shm on every rank.
+
+    Returns (segment, check_pids): check_pids is True when every rank is in one pid namespace, so
+    a rank may probe another's pid to tell "gone" from "slow". Raises RuntimeError with the reason
+    (on every rank together) when the ranks cannot share memory. The file is unlinked as soon as
+    every rank has mapped it: nothing is left behind in /dev/shm, even after a crash.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    identities: list = [None] * world
+    dist.all_gather_object(identities, _host_identity(), group=group)
+    reason = shm_unavailable_reason(identities)
+    if reason is not None:
+        raise RuntimeError(f"shared-memory {purpose} is not possible: {reason}")
+    check_pids = len({ident[3] for ident in identities}) == 1 and identities[0][3] != ""
+    path_box = [None]
+    error = ""
+    if rank == 0:
+        path = f"/dev/shm/automicro-{purpose}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        try:
+            with open(path, "wb") as f:
+                f.write(b"\0" * (8 * words))
+            os.chmod(path, 0o600)
+            path_box[0] = path
+        except OSError as e:
+            error = f"rank 0 could not create {path}: {e}"
+    dist.broadcast_object_list(path_box, src=0, group=group)
+    segment: Optional[np.ndarray] = None
+    if path_box[0] is not None:
+        try:
+            segment = np.memmap(path_box[0], dtype=np.int64, mode="r+", shape=(words,))
+        except (OSError, ValueError) as e:
+            error = f"rank {rank} could not map {path_box[0]}: {e}"
+    errors: list = [None] * world
+    dist.all_gather_object(errors, error, group=group)
+    if rank == 0 and path_box[0] is not None:
+        try:
+            os.unlink(path_box[0])
+        except OSError:
+            pass
+    problems = [e for e in errors if e]
+    if problems:
+        raise RuntimeError(f"shared-memory {purpose} is not possible: " + "; ".join(problems))
+    assert segment is not None
+    return segment, check_pids
+
+
 class ShmTransport:
     """MAX-reduce through a shared-memory segment; every rank on one x86-64 host.
 
@@ -101,13 +161,12 @@ class ShmTransport:
     _SPIN = 200  # busy checks before yielding the CPU
     _YIELD_S = 0.002  # then sched_yield until this long, then short sleeps
 
-    def __init__(self, path: str, rank: int, world_size: int, length: int, check_pids: bool) -> None:
+    def __init__(self, segment: np.ndarray, rank: int, world_size: int, length: int, check_pids: bool) -> None:
         self.rank = rank
         self.world_size = world_size
         self.length = length
         self.check_pids = check_pids
-        total = world_size * (2 + 2 * length)
-        self._map = np.memmap(path, dtype=np.int64, mode="r+", shape=(total,))
+        self._map = segment
         self._pids = self._map[:world_size]
         self._seq = self._map[world_size : 2 * world_size]
         self._bufs = self._map[2 * world_size :].reshape(2, world_size, length)
@@ -119,42 +178,8 @@ class ShmTransport:
         """Collective over `group` (a CPU-capable group). Raises RuntimeError with the reason if
         the ranks cannot share memory; every rank raises together."""
         rank, world = dist.get_rank(), dist.get_world_size()
-        identities: list = [None] * world
-        dist.all_gather_object(identities, _host_identity(), group=group)
-        reason = shm_unavailable_reason(identities)
-        if reason is not None:
-            raise RuntimeError(f"shared-memory consensus is not possible: {reason}")
-        check_pids = len({ident[3] for ident in identities}) == 1 and identities[0][3] != ""
-        path_box = [None]
-        error = ""
-        if rank == 0:
-            path = f"/dev/shm/automicro-consensus-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-            try:
-                with open(path, "wb") as f:
-                    f.write(b"\0" * (8 * world * (2 + 2 * length)))
-                os.chmod(path, 0o600)
-                path_box[0] = path
-            except OSError as e:
-                error = f"rank 0 could not create {path}: {e}"
-        dist.broadcast_object_list(path_box, src=0, group=group)
-        transport: Optional[ShmTransport] = None
-        if path_box[0] is not None:
-            try:
-                transport = cls(path_box[0], rank, world, length, check_pids)
-            except (OSError, ValueError) as e:
-                error = f"rank {rank} could not map {path_box[0]}: {e}"
-        errors: list = [None] * world
-        dist.all_gather_object(errors, error, group=group)
-        if rank == 0 and path_box[0] is not None:
-            try:
-                os.unlink(path_box[0])  # every rank has mapped it (or failed): nothing is left behind
-            except OSError:
-                pass
-        problems = [e for e in errors if e]
-        if problems:
-            raise RuntimeError("shared-memory consensus is not possible: " + "; ".join(problems))
-        assert transport is not None
-        return transport
+        segment, check_pids = open_shared_segment(group, world * (2 + 2 * length), "consensus")
+        return cls(segment, rank, world, length, check_pids)
 
     def max_reduce(self, vec: np.ndarray, timeout_s: Optional[float] = None) -> np.ndarray:
         if vec.shape != (self.length,):
@@ -199,16 +224,10 @@ class ShmTransport:
             if self._seq[j] >= r:
                 continue
             pid = int(self._pids[j])
-            if pid <= 0:
-                continue
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
+            if not process_exists(pid):
                 raise TransportTimeout(
                     f"automicro consensus: rank {j} (pid {pid}) exited while the others waited in a consensus round"
-                ) from None
-            except PermissionError:
-                pass
+                )
 
     def close(self) -> None:
         """Drop this rank's mapping (results handed out are copies, so nothing else holds it)."""

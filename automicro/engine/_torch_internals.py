@@ -236,12 +236,26 @@ def is_clean(modules: list[FSDPModule]) -> bool:
 PreCollectiveHook = Callable[[str, list[Any]], None]  # (site, the collective's FSDPParams)
 
 
+class CollectiveObserver:
+    """Told about every FSDP2 collective right before it is issued and right after the call
+    returns (`automicro.core.ledger.CollectiveLedger`). `kind` is "all_gather", "reduce_scatter"
+    or "all_reduce"; `tensor` is the rank's own contribution (input of an all-gather, output of
+    a reduce-scatter); `group` as FSDP2 passed it (None: the default group)."""
+
+    def before(self, kind: str, tensor: torch.Tensor, group: Any, op: Any) -> None:
+        raise NotImplementedError
+
+    def after(self) -> None:
+        raise NotImplementedError
+
+
 class _Owner(threading.local):
     fsdp_params: list[Any] = []
 
 
 _owner = _Owner()
 _hooks: list[PreCollectiveHook] = []
+_observers: list[CollectiveObserver] = []
 
 
 def _run_hooks(site: str) -> None:
@@ -249,8 +263,28 @@ def _run_hooks(site: str) -> None:
         hook(site, _owner.fsdp_params)
 
 
+def _arg(args: tuple, kwargs: dict, position: int, name: str, default: Any = None) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    return args[position] if len(args) > position else default
+
+
+def _observed(kind: str, call: Callable[..., Any], tensor: torch.Tensor, group: Any, op: Any, args: tuple, kwargs: dict) -> Any:
+    if not _observers:
+        return call(*args, **kwargs)
+    observer = _observers[-1]
+    observer.before(kind, tensor, group, op)
+    work = call(*args, **kwargs)
+    observer.after()
+    return work
+
+
 class _DistProxy(types.ModuleType):
-    """Stands in for `torch.distributed` inside `_fsdp_collectives` while hooks exist."""
+    """Stands in for `torch.distributed` inside `_fsdp_collectives` while hooks or an observer exist.
+
+    Signatures (the same on 2.7 and 2.11): all_gather_into_tensor(output_tensor, input_tensor,
+    group, async_op); reduce_scatter_tensor(output, input, op, group, async_op);
+    all_reduce(tensor, op, group, async_op)."""
 
     def __init__(self) -> None:
         super().__init__("automicro_fsdp_dist_proxy")
@@ -260,15 +294,24 @@ class _DistProxy(types.ModuleType):
 
     def all_gather_into_tensor(self, *args: Any, **kwargs: Any) -> Any:
         _run_hooks("unshard_alloc")
-        return dist.all_gather_into_tensor(*args, **kwargs)
+        return _observed(
+            "all_gather", dist.all_gather_into_tensor, _arg(args, kwargs, 1, "input_tensor"),
+            _arg(args, kwargs, 2, "group"), None, args, kwargs,
+        )
 
     def reduce_scatter_tensor(self, *args: Any, **kwargs: Any) -> Any:
         _run_hooks("reduce_scatter_alloc")
-        return dist.reduce_scatter_tensor(*args, **kwargs)
+        return _observed(
+            "reduce_scatter", dist.reduce_scatter_tensor, _arg(args, kwargs, 0, "output"),
+            _arg(args, kwargs, 3, "group"), _arg(args, kwargs, 2, "op", dist.ReduceOp.SUM), args, kwargs,
+        )
 
     def all_reduce(self, *args: Any, **kwargs: Any) -> Any:
         _run_hooks("all_reduce_alloc")
-        return dist.all_reduce(*args, **kwargs)
+        return _observed(
+            "all_reduce", dist.all_reduce, _arg(args, kwargs, 0, "tensor"),
+            _arg(args, kwargs, 2, "group"), _arg(args, kwargs, 1, "op", dist.ReduceOp.SUM), args, kwargs,
+        )
 
 
 _ORIGINAL_FOREACH_ALL_GATHER = _fsdp_param_group.foreach_all_gather
@@ -294,7 +337,18 @@ class _HookHandle:
     def remove(self) -> None:
         if self._hook in _hooks:
             _hooks.remove(self._hook)
-        if not _hooks:
+        if not _hooks and not _observers:
+            _restore_collectives()
+
+
+class _ObserverHandle:
+    def __init__(self, observer: CollectiveObserver) -> None:
+        self._observer = observer
+
+    def remove(self) -> None:
+        if self._observer in _observers:
+            _observers.remove(self._observer)
+        if not _hooks and not _observers:
             _restore_collectives()
 
 
@@ -313,16 +367,33 @@ def _restore_collectives() -> None:
 def add_pre_collective_hook(hook: PreCollectiveHook) -> _HookHandle:
     """Call `hook(site, fsdp_params)` after FSDP2 allocates a collective's buffers, before it runs.
 
-    The patch is in place only while at least one hook exists; removing the last one restores
-    torch's own code paths exactly.
+    The patch is in place only while at least one hook (or observer) exists; removing the last
+    one restores torch's own code paths exactly.
     """
-    if not _hooks:
+    if not _hooks and not _observers:
         _patch_collectives()
     _hooks.append(hook)
     return _HookHandle(hook)
 
 
+def add_collective_observer(observer: CollectiveObserver) -> _ObserverHandle:
+    """Tell `observer` about every FSDP2 collective (the newest observer only) until removed.
+
+    Uses the same module-global patch as the pre-collective hooks; it stays in place while any
+    hook or observer exists."""
+    if not _hooks and not _observers:
+        _patch_collectives()
+    _observers.append(observer)
+    return _ObserverHandle(observer)
+
+
 def pre_collective_hook_installed() -> bool:
+    """Whether a pre-collective hook (a sync point) runs in front of FSDP2's collectives."""
+    return bool(_hooks) and isinstance(_fsdp_collectives.dist, _DistProxy)
+
+
+def collectives_patched() -> bool:
+    """Whether FSDP2's collectives go through automicro's proxy at all (hooks or an observer)."""
     return isinstance(_fsdp_collectives.dist, _DistProxy)
 
 

@@ -69,10 +69,13 @@ def run_microbatches(
     total_loss_dict: dict[str, torch.Tensor],
     before_microbatch: Callable[[int], None],
     end_of_attempt: Callable[[], None],
+    all_reduce: Callable[[torch.Tensor], None],
 ) -> None:
     """Composer 0.32.1's `_train_microbatches`, with `end_of_attempt()` before AFTER_TRAIN_BATCH.
 
-    FSDP2 models are never wrapped in DDP, so there is no `no_sync` context here.
+    `all_reduce(tensor)` sums over every rank (the batch-size all-reduce Composer does with
+    `dist.all_reduce`; automicro's collective ledger records it). FSDP2 models are never wrapped
+    in DDP, so there is no `no_sync` context here.
     """
     state = trainer.state
     spec = train_data_spec(trainer)
@@ -89,7 +92,7 @@ def run_microbatches(
         current_batch_size = sum(spec.get_num_samples_in_batch(b) for b in microbatches)
     # Every rank contributes by its share of the global batch, as Composer does.
     current_batch_size = state.device.tensor_to_device(torch.tensor(current_batch_size))
-    dist.all_reduce(current_batch_size, reduce_operation="SUM")
+    all_reduce(current_batch_size)
     current_batch_size = current_batch_size.item() / dist.get_world_size()
 
     device_batch = state.batch

@@ -59,9 +59,9 @@ from composer.core import Callback, State
 from composer.loggers import Logger
 
 from automicro.core import policy as search
+from automicro.core.attempt import AttemptFence, RandomState, is_oom
 from automicro.core.consensus import (
     KIND_ERROR,
-    KIND_OOM,
     Consensus,
     FailedOnOtherRank,
     LocalFigures,
@@ -69,6 +69,8 @@ from automicro.core.consensus import (
     Verdict,
 )
 from automicro.core.hooks import SYNC_POINTS, SyncHooks
+from automicro.core.ledger import Board, CollectiveLedger
+from automicro.engine import _torch_internals as torch_internals
 from automicro.core.memory import CudaMemory, MemorySource, NoMemory
 from automicro.core.sites import DISPATCHER, SiteDispatcher, site_index
 from automicro.core.thrash import ThrashDetector
@@ -82,13 +84,6 @@ log = logging.getLogger(__name__)
 
 class MicrobatchSizeError(RuntimeError):
     """Even a microbatch of one sample does not fit: raised on every rank."""
-
-
-def is_oom(error: BaseException) -> bool:
-    if isinstance(error, (torch.OutOfMemoryError, OOMOnOtherRank)):
-        return True
-    text = str(error)
-    return "CUDA out of memory" in text or "CUDA error: out of memory" in text
 
 
 @dataclass
@@ -160,6 +155,9 @@ class AutoMicrobatching(Callback):
         self._pending_state: Optional[dict[str, Any]] = None
         self._sharded: Optional[ShardedModel] = None
         self._consensus: Optional[Consensus] = None
+        self._ledger: Optional[CollectiveLedger] = None
+        self._ledger_handle: Any = None
+        self._fence: Optional[AttemptFence] = None
         self._hooks: Optional[SyncHooks] = None
         self._memory: MemorySource = NoMemory()
         self._dispatcher: SiteDispatcher = DISPATCHER
@@ -182,6 +180,10 @@ class AutoMicrobatching(Callback):
         self._sharded = sharded
         self._consensus = Consensus.create(use_cpu_group=self.cpu_sync_group, transport=self.consensus_transport)
         self._rank = dist.get_rank() if dist.is_initialized() else 0
+        self._ledger = _build_ledger(sharded, self._consensus, self._rank)
+        self._fence = AttemptFence(
+            self._consensus, self._dispatcher.context, self._figures, self._ledger, self.unguarded_timeout_s
+        )
         self._hooks = SyncHooks(sharded, self._consensus, self._dispatcher, sync_points=self.sync_points)
         if memory is not None:
             self._memory = memory
@@ -216,14 +218,35 @@ class AutoMicrobatching(Callback):
         # Another fit() of the same trainer: the hooks come back if the policy still wants them.
         if self.policy is not None:
             self._apply_hooks(self.policy.hooks, "fit start")
+        self._observe_collectives(True)
 
     def fit_end(self, state: State, logger: Logger) -> None:
         # The hooks and the collective patch are process-wide: none may outlive this fit.
         self._apply_hooks(False, "fit end")
+        self._observe_collectives(False)
 
     def close(self, state: State, logger: Logger) -> None:
         # `trainer.close()`, also after a fit that raised (fit_end did not run).
         self._apply_hooks(False, "trainer closed")
+        self._observe_collectives(False)
+        if self._ledger is not None:
+            self._ledger.close()
+            self._ledger = None
+        if self._consensus is not None:
+            self._consensus.close()
+
+    def _observe_collectives(self, on: bool) -> None:
+        """The collective ledger sees FSDP2's collectives during fit (the steady-state recovery)."""
+        if on and self._ledger_handle is None and self._ledger is not None:
+            self._ledger_handle = torch_internals.add_collective_observer(self._ledger)
+        elif not on and self._ledger_handle is not None:
+            self._ledger_handle.remove()
+            self._ledger_handle = None
+
+    @property
+    def collectives_replayed(self) -> int:
+        """Collectives this rank replayed to get back in step after failures with the hooks off."""
+        return 0 if self._ledger is None else self._ledger.replayed_total
 
     def eval_start(self, state: State, logger: Logger) -> None:
         self._in_eval = True
@@ -263,31 +286,25 @@ class AutoMicrobatching(Callback):
                 # Composer also calls eval_forward for training metrics, inside a training
                 # attempt that is already fenced.
                 return eval_forward(*args, **kwargs)
-            assert self._consensus is not None
+            assert self._fence is not None
             context = self._dispatcher.context
             context.microbatch_size = _leading_size(args[0] if args else None)
             context.num_microbatches, context.microbatch_index = 1, 0
             context.last_site, context.last_module = "eval_forward", ""
-            self._consensus.begin_attempt()
-            context.in_attempt = True
-            try:
+
+            def body(finish: Callable[[], None]) -> Any:
                 self._dispatcher.fire("eval_forward", "")
-                outputs = eval_forward(*args, **kwargs)
-            except BaseException as error:  # noqa: BLE001 - every failure must reach the consensus
-                context.in_attempt = False
-                followed = isinstance(error, (OOMOnOtherRank, FailedOnOtherRank))
-                verdict = self._fail_consensus(error, followed, context.last_site)
-                self._wipe_failed_eval()
-                if not followed and not is_oom(error):
-                    raise
-                self._raise_eval_failure(verdict, error)
-            context.in_attempt = False
-            verdict = self._consensus.finish(self._figures())
-            if verdict.failed:
-                outputs = None
-                self._wipe_failed_eval()
-                self._raise_eval_failure(verdict, None)
-            return outputs
+                return eval_forward(*args, **kwargs)
+
+            result = self._fence.run(body, self._wipe_failed_eval, self.hooks_active)
+            if result.unreported is not None:
+                raise result.unreported
+            if result.own_error is not None:
+                self.ooms_total += 1
+                raise result.own_error
+            if result.verdict.failed:
+                self._raise_eval_failure(result.verdict, None)
+            return result.value
 
         return guarded
 
@@ -450,8 +467,12 @@ class AutoMicrobatching(Callback):
         return composer_internals.split_batch_default(trainer, batch, max(sizes))
 
     def train_batch(self, trainer: Any) -> dict[str, torch.Tensor]:
-        """Run one batch with OOM-safe retries; returns Composer's total loss dict."""
-        assert self._consensus is not None and self._sharded is not None, "attach() was not called"
+        """Run one batch with OOM-safe retries; returns Composer's total loss dict.
+
+        Every attempt runs through the attempt fence (`automicro.core.attempt`), with the sync
+        hooks on or off; every retry starts from the random state the batch started with, so a
+        retry at the same split computes exactly what the first attempt would have."""
+        assert self._fence is not None and self._sharded is not None, "attach() was not called"
         state = trainer.state
         device_batch = state.batch
         batch_size = composer_internals.num_samples(trainer, device_batch)
@@ -459,9 +480,12 @@ class AutoMicrobatching(Callback):
         assert self.policy is not None
         batch_index = int(state.timestamp.batch)
         context = self._dispatcher.context
+        random_state = RandomState.capture(self._sharded.device)
         self._batch_attempts = 0
         while True:
             self._batch_attempts += 1
+            if self._batch_attempts > 1:
+                random_state.restore()
             sizes = tuple(self.policy.current_split())
             microbatches = self._split(trainer, device_batch, sizes)
             state.device_train_microbatch_size = max(sizes)
@@ -477,93 +501,63 @@ class AutoMicrobatching(Callback):
             self._memory.reset_peak()
             # Retries are counted per attempt: a failed attempt's retries say nothing about thrashing.
             self._last_retries = self._memory.alloc_retries()
-            self._consensus.begin_attempt()
-            started = time.perf_counter()
-            verdict: Optional[Verdict] = None
-            own_error: Optional[BaseException] = None
-            caught: Optional[BaseException] = None
+            hooks_on = self.hooks_active
 
-            def before_microbatch(index: int) -> None:
-                context.microbatch_index = index
+            def body(finish: Callable[[], None]) -> None:
+                def before_microbatch(index: int) -> None:
+                    context.microbatch_index = index
 
-            def end_of_attempt() -> None:
-                nonlocal verdict
-                context.microbatch_index = len(sizes) - 1
-                self._dispatcher.fire("optimizer_step", "")
-                context.in_attempt = False
-                verdict = self._consensus.finish(self._figures())
-                if verdict.failed:
-                    raise OOMOnOtherRank("automicro: another rank failed this attempt")
+                def end_of_attempt() -> None:
+                    context.microbatch_index = len(sizes) - 1
+                    self._dispatcher.fire("optimizer_step", "")
+                    finish()
 
-            context.in_attempt = True
-            try:
-                composer_internals.run_microbatches(trainer, microbatches, total_loss_dict, before_microbatch, end_of_attempt)
-            except BaseException as error:  # noqa: BLE001 - every failure must reach the consensus
-                caught = error
-                context.in_attempt = False
-                if verdict is None:
-                    followed = isinstance(error, (OOMOnOtherRank, FailedOnOtherRank))
-                    if not followed and not is_oom(error) and not self.hooks_active:
-                        # Hooks off: other ranks may already sit in an FSDP collective, so a
-                        # consensus could not complete; fail fast and let the launcher stop them.
-                        raise
-                    verdict = self._fail_consensus(error, followed, context.last_site)
-                    if not followed and not is_oom(error):
-                        own_error = error
-            finally:
-                context.in_attempt = False
-            seconds = time.perf_counter() - started
-            assert verdict is not None
+                composer_internals.run_microbatches(
+                    trainer, microbatches, total_loss_dict, before_microbatch, end_of_attempt, self._all_reduce_sum
+                )
 
-            if not verdict.failed and caught is not None:
+            result = self._fence.run(body, lambda: self._wipe_failed_attempt(trainer, device_batch), hooks_on)
+            verdict, seconds = result.verdict, result.seconds
+            if result.unreported is not None:
                 # This rank raised although no rank reported a failure: never count that as a
                 # success (the batch would be skipped silently, or the error swallowed).
-                if isinstance(caught, (OOMOnOtherRank, FailedOnOtherRank)):
+                if isinstance(result.unreported, (OOMOnOtherRank, FailedOnOtherRank)):
                     raise RuntimeError(
                         "automicro: this rank stopped at a sync point for a failure no rank reported "
                         "(stale sync hooks of an earlier Trainer in this process that was not closed?)"
-                    ) from caught
-                raise caught
+                    ) from result.unreported
+                raise result.unreported
             if not verdict.failed:
                 composer_internals.step_optimizers(trainer)
                 self._used_split = sizes
                 self._after_success(verdict, batch_index, sizes, seconds)
                 return total_loss_dict
 
-            self._wipe_failed_attempt(trainer, device_batch)
             self.ooms_total += 1
             self.search_time_s += seconds
-            if own_error is not None or verdict.error_ranks:
-                self._record(batch_index, sizes, "error", verdict, sizes[0], seconds)
-                if own_error is not None:
-                    raise own_error
+            if result.own_error is not None or verdict.error_ranks:
+                self._record(batch_index, sizes, "error", verdict, sizes[0], seconds, hooks=hooks_on)
+                if result.own_error is not None:
+                    raise result.own_error
                 raise FailedOnOtherRank(
                     f"automicro: rank(s) {verdict.error_ranks} failed with a non-OOM error at "
                     f"{[r.site for r in verdict.reports if r.kind == KIND_ERROR]} during batch {batch_index}; "
                     "see that rank's traceback for the cause"
-                ) from own_error
+                )
             try:
                 decision = self.policy.observe(search.OOM(max(sizes)))
             except search.CannotFitError as error:
-                self._record(batch_index, sizes, "oom", verdict, 0, seconds)
+                self._record(batch_index, sizes, "oom", verdict, 0, seconds, hooks=hooks_on)
                 raise MicrobatchSizeError(self._cannot_fit_message(verdict)) from error
-            self._record(batch_index, sizes, "oom", verdict, decision.next_size, seconds, decision.event)
+            note = decision.event
+            if result.replayed:
+                note += f"; {result.replayed} collectives replayed to get the ranks back in step"
+            self._record(batch_index, sizes, "oom", verdict, decision.next_size, seconds, note, hooks=hooks_on)
             self._apply_hooks(decision.hooks, "out of memory")
 
-    def _fail_consensus(self, error: BaseException, followed: bool, site: str) -> Verdict:
-        assert self._consensus is not None
-        kind = KIND_OOM if is_oom(error) else KIND_ERROR
-        # With hooks off another rank can be stuck inside an FSDP collective waiting for this
-        # one; bound the wait so the job stops with a message instead of hanging.
-        timeout = None if self.hooks_active else self.unguarded_timeout_s
-        try:
-            return self._consensus.fail(kind, site, self._figures(), own_code_zero=followed, timeout_s=timeout)
-        except RuntimeError as timeout_error:
-            raise RuntimeError(
-                f"automicro: rank {self._rank} failed at {site} ({type(error).__name__}: {error}) while the sync "
-                f"hooks were off, and the other ranks did not reach the consensus within {timeout} s (they are "
-                "probably inside an FSDP collective). Stopping this rank; the launcher stops the rest."
-            ) from timeout_error
+    def _all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        assert self._ledger is not None
+        self._ledger.all_reduce(tensor)
 
     def _cannot_fit_message(self, verdict: Verdict) -> str:
         rows = []
@@ -617,6 +611,7 @@ class AutoMicrobatching(Callback):
         next_size: int,
         seconds: float,
         note: str = "",
+        hooks: Optional[bool] = None,
     ) -> None:
         record = AttemptRecord(
             batch=batch_index,
@@ -627,7 +622,7 @@ class AutoMicrobatching(Callback):
             failed_ranks=verdict.failed_ranks,
             sites=verdict.sites,
             next_size=next_size,
-            hooks=self.hooks_active,
+            hooks=self.hooks_active if hooks is None else hooks,
             seconds=round(seconds, 4),
             note=note,
         )
@@ -637,6 +632,21 @@ class AutoMicrobatching(Callback):
             f"batch {batch_index} attempt {record.attempt}: size {record.size} split {list(sizes)} -> "
             f"{outcome}{where}; next size {next_size}" + (f" ({note})" if note else "")
         )
+
+
+def _build_ledger(sharded: ShardedModel, consensus: Consensus, rank: int) -> CollectiveLedger:
+    """Collective: the ledger over the default group and the FSDP2 mesh's groups, with a
+    shared-memory board when every rank is on one host."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return CollectiveLedger(None, [None], sharded.device, rank, poll_s=0)
+    groups: list[Any] = [dist.group.WORLD]
+    for dim in range(sharded.mesh.ndim):
+        group = sharded.mesh.get_group(dim)
+        if group not in groups:
+            groups.append(group)
+    return CollectiveLedger(Board.create(consensus.group), groups, sharded.device, rank)
 
 
 def _leading_size(batch: Any) -> int:
