@@ -105,10 +105,11 @@ def build_trainer(
     callbacks: tuple = (),
     loader_batches: Optional[int] = None,
     width: int = 16,
+    dropout: bool = False,
     **kwargs: Any,
 ) -> automicro.Trainer:
     torch.manual_seed(0)  # the same initial parameters in every case
-    model = ComposerStack(width=width)
+    model = ComposerStack(width=width, dropout=0.2 if dropout else 0.0)
     return automicro.Trainer(
         model=model,
         train_dataloader=make_loader(world, loader_batches or batches),

@@ -10,20 +10,21 @@ from composer.models import ComposerModel
 class Block(nn.Module):
     _fsdp_wrap = True
 
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.up = nn.Linear(width, 2 * width)
         self.down = nn.Linear(2 * width, width)
+        self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.tanh(self.up(x)))
+        return x + self.down(self.drop(torch.tanh(self.up(x))))
 
 
 class Stack(nn.Module):
-    def __init__(self, width: int = 16, depth: int = 3, inputs: int = 8, outputs: int = 4) -> None:
+    def __init__(self, width: int = 16, depth: int = 3, inputs: int = 8, outputs: int = 4, dropout: float = 0.0) -> None:
         super().__init__()
         self.inp = nn.Linear(inputs, width)
-        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.blocks = nn.ModuleList(Block(width, dropout) for _ in range(depth))
         self.out = nn.Linear(width, outputs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -44,9 +45,9 @@ class TiedStack(Stack):
 class ComposerStack(ComposerModel):
     """Regression on (x, y) batches; loss = mean squared error."""
 
-    def __init__(self, width: int = 16, depth: int = 3) -> None:
+    def __init__(self, width: int = 16, depth: int = 3, dropout: float = 0.0) -> None:
         super().__init__()
-        self.model = Stack(width, depth)
+        self.model = Stack(width, depth, dropout=dropout)
 
     def forward(self, batch):
         x, _ = batch

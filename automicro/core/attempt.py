@@ -136,7 +136,7 @@ class AttemptFence:
 
         self.consensus.begin_attempt()
         if self.ledger is not None:
-            self.ledger.begin_attempt()
+            self.ledger.begin_attempt(stop_early=not hooks_active)
         started = time.perf_counter()
         context.in_attempt = True
         try:

@@ -234,6 +234,7 @@ class CollectiveLedger:
         self.replayed_total = 0
         self._entries: list[tuple[int, int, int, int, int]] = []
         self._untracked = False
+        self._stop_early = False
         self.last_failure: tuple[str, int] = ("other", -1)  # (site, batch) for messages
         self._watcher: Optional[threading.Thread] = None
         self._stop_watcher = threading.Event()
@@ -250,7 +251,11 @@ class CollectiveLedger:
 
     # ---- the attempt --------------------------------------------------------------------------
 
-    def begin_attempt(self) -> None:
+    def begin_attempt(self, stop_early: bool = True) -> None:
+        """`stop_early`: stop at the next collective once another rank failed. Only with the sync
+        hooks off: with them on, two ranks that passed a consensus point must both issue the
+        collective behind it (the other may already have), so only the hooks may stop a rank."""
+        self._stop_early = stop_early and self.board is not None
         self.epoch += 1
         self.committed = self.issued = 0
         self._entries.clear()
@@ -262,7 +267,7 @@ class CollectiveLedger:
         """Called right before this rank issues a collective of the current attempt
         (`kind`: "all_gather", "reduce_scatter" or "all_reduce"; the engine's observer API)."""
         board = self.board
-        if board is not None and board.failed_in(self.epoch):
+        if self._stop_early and board.failed_in(self.epoch):  # type: ignore[union-attr]
             raise OOMOnOtherRank("automicro: another rank failed in this attempt (collective ledger)")
         index = self._group_index.get(group if group is not None else self.groups[0], -1)
         if index < 0:

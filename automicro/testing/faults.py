@@ -11,8 +11,9 @@ A Composer callback, usable from YAML::
 
 Raises at `site` of the FSDP2 module named `module` (names as in `model.named_modules()` of the
 model given to the Trainer; None = every FSDP module) on `ranks` (None = all), only while the
-microbatch size is > `above`, at microbatch `microbatch_index` (None = any; -1 = the last), at
-most `times` times. The default exception is a `torch.OutOfMemoryError` whose message contains
+microbatch size is > `above`, at microbatch `microbatch_index` (None = any; -1 = the last), only
+in batch `batch` (Composer's `timestamp.batch`, counted from 0; None = any), at most `times`
+times. With `batch` late enough the fault hits after the sync hooks came off (the steady phase). The default exception is a `torch.OutOfMemoryError` whose message contains
 "CUDA out of memory" and "injected".
 """
 
@@ -55,6 +56,7 @@ class FaultInjector(Callback):
         microbatch_index: Optional[int] = None,
         times: Optional[int] = None,
         exception: Any = None,
+        batch: Optional[int] = None,
     ) -> None:
         if site not in SITES:
             raise ValueError(f"FaultInjector: site={site!r}: must be one of {list(SITES)}")
@@ -62,7 +64,7 @@ class FaultInjector(Callback):
             raise ValueError(f"FaultInjector: module={module!r} only applies to the module sites {sorted(MODULE_SITES)}")
         if ranks is not None and (not isinstance(ranks, (list, tuple)) or not all(isinstance(r, int) and r >= 0 for r in ranks)):
             raise ValueError(f"FaultInjector: ranks={ranks!r}: must be a list of ranks (ints >= 0) or null for all")
-        for name, value, low in (("above", above, 0), ("times", times, 1)):
+        for name, value, low in (("above", above, 0), ("times", times, 1), ("batch", batch, 0)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 raise ValueError(f"FaultInjector: {name}={value!r}: must be an int >= {low} or null")
         if microbatch_index is not None and (isinstance(microbatch_index, bool) or not isinstance(microbatch_index, int) or microbatch_index < -1):
@@ -75,6 +77,7 @@ class FaultInjector(Callback):
         self.above = above
         self.microbatch_index = microbatch_index
         self.times = times
+        self.batch = batch
         self.exception = exception
         self.fired = 0
         self._dispatcher: SiteDispatcher = DISPATCHER
@@ -92,6 +95,8 @@ class FaultInjector(Callback):
         if self.ranks is not None and self._rank not in self.ranks:
             return False
         if self.above is not None and context.microbatch_size <= self.above:
+            return False
+        if self.batch is not None and context.batch_index != self.batch:
             return False
         if self.microbatch_index is not None:
             wanted = context.num_microbatches - 1 if self.microbatch_index == -1 else self.microbatch_index

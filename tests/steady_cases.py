@@ -1,0 +1,195 @@
+"""Multi-rank cases for failures after the sync hooks are off (the steady phase).
+
+A search driver (`FaultInjector("forward", above=ABOVE)`) makes the search settle on size 5 with
+the split (4, 4); after `stable_batches` clean batches the hooks come off. Then one more injector
+fails at an exact site, rank set and microbatch in batch `FAULT_BATCH`. Every case returns plain
+data for tests/test_steady_state.py; a case that breaks is returned as {"crash": ...}.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from composer.core import Callback, State
+from composer.loggers import Logger
+
+from automicro.core.ledger import FatalRecoveryError
+from automicro.core.sites import DISPATCHER
+from automicro.integration.callback import AutoMicrobatching
+from automicro.testing.faults import FaultInjector
+from tests.automicro_cases import adam_steps, build_trainer, history, max_error
+from tests.toy_models import full_state
+
+ABOVE = 5  # search: 8 fails, 4 fits, 6 fails, 5 fits -> split (4, 4)
+SPLIT = (4, 4)
+BATCHES = 9
+FAULT_BATCH = 7  # the hooks are off from batch 5 (batch 1 converges, batches 2-4 are clean)
+MICROBATCH = {"first": 0, "last": -1}
+SITES = ("forward_pre", "forward", "backward_pre", "backward", "unshard_alloc", "reduce_scatter_alloc", "loss",
+         "optimizer_step", "grad_hook")
+
+
+class GradHookOOM(Callback):
+    """A gradient hook of the user's model (on a block's output) that raises an OOM in backward, on
+    `ranks`, in batch `batch`, at microbatch `microbatch_index` (-1: the last), once."""
+
+    def __init__(self, ranks: Optional[list[int]], batch: int, microbatch_index: int) -> None:
+        self.ranks, self.batch, self.microbatch_index = ranks, batch, microbatch_index
+        self.fired = 0
+        self._handle: Any = None
+
+    def fit_start(self, state: State, logger: Logger) -> None:
+        self._handle = state.model.model.blocks[1].register_forward_hook(self._on_output)
+
+    def _on_output(self, module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        context = DISPATCHER.context
+        wanted = context.num_microbatches - 1 if self.microbatch_index == -1 else self.microbatch_index
+        rank = dist.get_rank()
+        armed = (
+            output.requires_grad
+            and context.in_attempt
+            and context.batch_index == self.batch
+            and (self.ranks is None or rank in self.ranks)
+            and context.microbatch_index == wanted
+            and self.fired == 0
+        )
+        if armed:
+            def hook(grad: torch.Tensor) -> None:
+                self.fired += 1
+                raise torch.OutOfMemoryError(f"CUDA out of memory (test: gradient hook on rank {rank})")
+
+            output.register_hook(hook)
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
+def _fault(site: str, ranks: Optional[list[int]], index: int, batch: int = FAULT_BATCH, exception: Any = None) -> Callback:
+    if site == "grad_hook":
+        return GradHookOOM(ranks, batch, index)
+    return FaultInjector(site, ranks=ranks, microbatch_index=index, batch=batch, times=1, exception=exception)
+
+
+def _run(world: int, fault: Optional[Callback], transport: str = "auto", timeout_s: float = 60.0,
+         batches: int = BATCHES, dropout: bool = False, extra: tuple = ()) -> dict[str, Any]:
+    auto = AutoMicrobatching(log_attempts=False, consensus_transport=transport, unguarded_timeout_s=timeout_s)
+    driver = FaultInjector("forward", above=ABOVE)
+    callbacks = (auto, driver) + ((fault,) if fault is not None else ()) + extra
+    trainer = build_trainer(world, batches, callbacks=callbacks, dropout=dropout)
+    started = time.perf_counter()
+    result: dict[str, Any] = {}
+    try:
+        trainer.fit()
+    except Exception as error:  # noqa: BLE001 - returned to the test
+        result["exception"] = {"type": type(error).__name__, "message": str(error), "traceback": traceback.format_exc()}
+    result.update(
+        seconds=round(time.perf_counter() - started, 3),
+        history=history(auto),
+        fired=getattr(fault, "fired", None),
+        split=list(auto.policy.current_split()) if auto.policy else None,
+        found_size=auto.found_size,
+        hooks_after=auto.hooks_active,
+        clean=trainer.sharded_model.is_clean(),
+        adam_steps=adam_steps(trainer),
+        batches=int(trainer.state.timestamp.batch),
+        replayed=auto.collectives_replayed,
+        params=None,
+    )
+    if "exception" not in result:
+        result["params"] = full_state(trainer.state.model)
+    trainer.close()
+    return result
+
+
+def _reference(world: int, dropout: bool = False) -> dict[str, torch.Tensor]:
+    """The same run without the steady-phase fault (the search driver only)."""
+    result = _run(world, None, dropout=dropout)
+    assert "exception" not in result, result
+    return result["params"]
+
+
+def run_steady_matrix(rank: int, world: int, cases: list[tuple[str, str, str]], one_rank: int,
+                      transport: str = "auto") -> dict[str, Any]:
+    """cases: (site, who, where); who "one" = [one_rank], "every" = all ranks."""
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {"torch": torch.__version__}
+    reference = _reference(world)
+    for site, who, where in cases:
+        ranks = [one_rank] if who == "one" else None
+        key = f"{site}/{who}/{where}"
+        try:
+            result = _run(world, _fault(site, ranks, MICROBATCH[where]), transport)
+            params = result.pop("params")
+            result["error"] = None if params is None else max_error(params, reference)
+            out[key] = result
+        except Exception:  # noqa: BLE001 - report which case broke
+            out[key] = {"crash": traceback.format_exc()}
+    return out
+
+
+def run_steady_misc(rank: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+
+    def case(name: str, fn: Any) -> None:
+        try:
+            out[name] = fn()
+        except Exception:  # noqa: BLE001
+            out[name] = {"crash": traceback.format_exc()}
+
+    def strip(result: dict[str, Any], reference: Optional[dict[str, torch.Tensor]] = None) -> dict[str, Any]:
+        params = result.pop("params")
+        if reference is not None and params is not None:
+            result["bitwise_equal"] = all(torch.equal(params[k], reference[k]) for k in reference)
+            result["error"] = max_error(params, reference)
+        return result
+
+    # Dropout on: the retry at the same split must draw the same random numbers.
+    dropout_reference = _reference(world, dropout=True)
+    case("dropout_one_rank_oom", lambda: strip(_run(world, _fault("backward", [1], 0), dropout=True), dropout_reference))
+    # The rerun at the same size runs out of memory again: then the size steps down.
+    case("oom_twice", lambda: strip(_run(world, FaultInjector("forward", ranks=[0], batch=FAULT_BATCH, times=2))))
+    # A non-OOM error on one rank with the hooks off: every rank stops, naming it.
+    case("error_one_rank", lambda: strip(_run(world, _fault("backward", [1], -1, exception="error"))))
+    return out
+
+
+class StrayCollective(Callback):
+    """At `after_loss` in `batch`, an all-reduce of the model's own code that automicro does not
+    see (outside the collective ledger); rank 1 runs out of memory before reaching it."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+
+    def after_loss(self, state: State, logger: Logger) -> None:
+        if int(state.timestamp.batch) == self.batch:
+            dist.all_reduce(torch.ones(3))
+
+
+def run_unrecoverable(rank: int, world: int, timeout_s: float) -> dict[str, Any]:
+    """Rank 1 runs out of memory in forward while rank 0 goes on into an all-reduce the ledger
+    does not know: recovery is impossible, every rank must stop within the bound. Nothing here
+    runs a collective after `fit()` raised (the job is lost; the launcher ends it)."""
+    torch.set_num_threads(1)
+    auto = AutoMicrobatching(log_attempts=False, unguarded_timeout_s=timeout_s)
+    fault = FaultInjector("forward", ranks=[1], microbatch_index=0, batch=FAULT_BATCH, times=1)
+    callbacks = (auto, FaultInjector("forward", above=ABOVE), fault, StrayCollective(FAULT_BATCH))
+    trainer = build_trainer(world, BATCHES, callbacks=callbacks)
+    started = time.perf_counter()
+    result: dict[str, Any] = {"exception": None}
+    try:
+        trainer.fit()
+    except Exception as error:  # noqa: BLE001 - returned to the test
+        result["exception"] = {"type": type(error).__name__, "message": str(error)}
+    result["history"] = history(auto)
+    result["total_seconds"] = round(time.perf_counter() - started, 3)
+    result["fatal"] = (result["exception"] or {}).get("type") == FatalRecoveryError.__name__
+    return result
