@@ -117,6 +117,11 @@ def run_microbatches(
     trainer.engine.run_event(Event.AFTER_TRAIN_BATCH)
 
 
+def all_reduce_sum(tensor: torch.Tensor) -> None:
+    """Composer's own batch-size all-reduce (no-op without a process group)."""
+    dist.all_reduce(tensor, reduce_operation="SUM")
+
+
 def step_optimizers(trainer: Any) -> None:
     state = trainer.state
     grad_scaling = use_grad_scaling(trainer)

@@ -119,6 +119,7 @@ class AutoMicrobatching(Callback):
         unguarded_timeout_s: float = 120.0,
         sync_points: str = "all",
         consensus_transport: str = "auto",
+        steady_recovery: bool = True,
     ) -> None:
         self.policy_config = search_config(search, stable_batches, use_prediction, start_size)
         self.thrash = ThrashDetector(thrash_batches)
@@ -142,6 +143,11 @@ class AutoMicrobatching(Callback):
                 "on one x86-64 host, else the process group), 'shm' or 'process_group'"
             )
         self.consensus_transport = consensus_transport
+        if not isinstance(steady_recovery, bool):
+            raise ValueError(f"steady_recovery={steady_recovery!r}: must be true or false")
+        # False: no collective ledger; a failure with the hooks off then stops the job after
+        # unguarded_timeout_s (the behaviour before in-process recovery; for measuring its cost).
+        self.steady_recovery = steady_recovery
         self.cpu_sync_group = cpu_sync_group
         self.memory_fraction = memory_fraction
         self.log_attempts = log_attempts
@@ -180,7 +186,7 @@ class AutoMicrobatching(Callback):
         self._sharded = sharded
         self._consensus = Consensus.create(use_cpu_group=self.cpu_sync_group, transport=self.consensus_transport)
         self._rank = dist.get_rank() if dist.is_initialized() else 0
-        self._ledger = _build_ledger(sharded, self._consensus, self._rank)
+        self._ledger = _build_ledger(sharded, self._consensus, self._rank) if self.steady_recovery else None
         self._fence = AttemptFence(
             self._consensus, self._dispatcher.context, self._figures, self._ledger, self.unguarded_timeout_s
         )
@@ -556,8 +562,10 @@ class AutoMicrobatching(Callback):
             self._apply_hooks(decision.hooks, "out of memory")
 
     def _all_reduce_sum(self, tensor: torch.Tensor) -> None:
-        assert self._ledger is not None
-        self._ledger.all_reduce(tensor)
+        if self._ledger is not None:
+            self._ledger.all_reduce(tensor)
+        else:
+            composer_internals.all_reduce_sum(tensor)
 
     def _cannot_fit_message(self, verdict: Verdict) -> str:
         rows = []

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Steady-phase OOM recovery on 2 GPUs through the device tool (torch 2.11, NCCL), one call:
+#   bash benchmarks/gpu_steady.sh         (from the repo root, `.whl` carried: scripts/gpu_wheelhouse.sh)
+# 1. benchmarks/steady_oom.py --suite oom: 12 runs of Llama 1B with a real CUDA OOM after the sync
+#    hooks are off (rank 1, rank 0, both; in forward and in backward; twice each).
+# 2. --suite overhead: the collective ledger on vs off, 3 interleaved rounds, steady tokens/s.
+set -uo pipefail
+OUT=${OUT:-runs/gpu_steady}
+mkdir -p "$OUT"
+# Keep NVLink multicast off (shared hosts: see the device tool's KINDS.md).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export WANDB_MODE=offline PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site:$PWD || exit 1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
+python3 -c "import torch, composer; print('torch', torch.__version__, 'composer', composer.__version__)" | tee "$OUT/versions.txt"
+RUN="python3 -m torch.distributed.run --nproc-per-node 2"
+start=$(date +%s)
+$RUN --master-port 29601 benchmarks/steady_oom.py --out "$OUT" --suite oom ${OOM_ARGS:-} 2>&1 \
+  | grep -v Warning | tee "$OUT/oom.log" | grep "steady_oom\]\|Error\|Traceback\|Timeout\|File \"/" | head -80
+echo "oom suite exit ${PIPESTATUS[0]} in $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
+start=$(date +%s)
+$RUN --master-port 29602 benchmarks/steady_oom.py --out "$OUT" --suite overhead ${OVERHEAD_ARGS:-} 2>&1 \
+  | grep -v Warning | tee "$OUT/overhead.log" | grep "steady_oom\]\|Error\|Traceback" | head -40
+echo "overhead suite exit ${PIPESTATUS[0]} in $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"

@@ -1,0 +1,337 @@
+"""Steady-phase OOMs on real hardware: no hang, one batch retry, and what the ledger costs.
+
+Two suites, one launch (every rank runs this file):
+
+    python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/steady_oom.py --out OUT --suite oom
+    python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/steady_oom.py --out OUT --suite overhead
+
+- `oom`: Llama (default 1b, seq 2048), `device_train_microbatch_size: auto`; the search settles and
+  the sync hooks come off; in batch `--fault-batch` the chosen ranks get a CUDA memory limit
+  (`torch.cuda.set_per_process_memory_fraction`) just below what the first attempt needs in its
+  forward, or in its backward (limits from the previous batch's measured memory), and their
+  limit is lifted for the retry: a real CUDA OOM after the hooks are off. Per run: finished or
+  not, where it ran out (the last Composer event before the OOM on that rank), the retry, the
+  seconds the failure cost (the fault batch's time minus the median steady batch), replayed
+  collectives. A per-run hang watchdog ends the launch with every stack.
+- `overhead`: the same steady run with the collective ledger on (`steady_recovery: true`, the
+  default) and off, interleaved A B A B ..., tokens/s over the steady batches; median and spread.
+
+`--device cpu --tiny` runs both on CPU/gloo (the OOM is raised by a callback at the same event,
+no memory limit): the logic check, not a measurement. Rank 0 writes steady_oom_<suite>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", required=True, choices=("oom", "overhead"))
+    p.add_argument("--out", required=True)
+    p.add_argument("--device", default="gpu", choices=("gpu", "cpu"))
+    p.add_argument("--tiny", action="store_true", help="tiny Llama, seq 64 (the CPU check)")
+    p.add_argument("--per-rank-batch", type=int, default=8)
+    p.add_argument("--batches", type=int, default=9)
+    p.add_argument("--fault-batch", type=int, default=6)
+    p.add_argument("--runs", default="1:forward,1:backward,0:forward,0:backward,both:forward,both:backward",
+                   help="oom: comma list of ranks:phase (ranks 0, 1 or both), each run --repeat times")
+    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3, help="overhead: A/B rounds")
+    p.add_argument("--overhead-batches", type=int, default=16)
+    p.add_argument("--case-timeout", type=float, default=240.0)
+    return p.parse_args()
+
+
+class Clock:
+    """Per-batch wall time (device-synchronized at the batch end) and the memory of the batch."""
+
+    def __init__(self, gpu: bool) -> None:
+        self.gpu = gpu
+        self.batch_s: dict[int, float] = {}
+        self.base: dict[int, int] = {}
+        self.forward_peak: dict[int, int] = {}
+        self.peak: dict[int, int] = {}
+        self._started = 0.0
+
+    def sync(self) -> None:
+        if self.gpu:
+            torch.cuda.synchronize()
+
+
+def make_callbacks(args: argparse.Namespace, clock: Clock, fault_ranks: list[int], phase: str):
+    from composer.core import Callback
+
+    from automicro.core.sites import DISPATCHER
+
+    rank = dist.get_rank()
+
+    class Timing(Callback):
+        def batch_start(self, state, logger) -> None:
+            clock.sync()
+            clock._started = time.perf_counter()
+
+        def before_train_batch(self, state, logger) -> None:
+            if clock.gpu and DISPATCHER.context.attempt == 1:
+                torch.cuda.reset_peak_memory_stats()
+                clock.base[int(state.timestamp.batch)] = torch.cuda.memory_allocated()
+
+        def after_forward(self, state, logger) -> None:
+            if clock.gpu:
+                batch = int(state.timestamp.batch)
+                clock.forward_peak[batch] = max(clock.forward_peak.get(batch, 0), torch.cuda.max_memory_allocated())
+
+        def batch_end(self, state, logger) -> None:
+            clock.sync()
+            batch = int(state.timestamp.batch) - 1
+            clock.batch_s[batch] = time.perf_counter() - clock._started
+            if clock.gpu:
+                clock.peak[batch] = torch.cuda.max_memory_allocated()
+
+    class Provoke(Callback):
+        """A real CUDA OOM in attempt 1 of the fault batch on `fault_ranks` (CPU: a raised one)."""
+
+        def __init__(self) -> None:
+            self.last_event = ""
+            self.limit_bytes = 0
+            self.fired_at = ""
+            self._armed = False
+
+        def _in_fault(self, state) -> bool:
+            return int(state.timestamp.batch) == args.fault_batch and rank in fault_ranks
+
+        def before_train_batch(self, state, logger) -> None:
+            if not self._in_fault(state):
+                return
+            context = DISPATCHER.context
+            if context.attempt == 1:
+                self._armed = True
+                if clock.gpu:
+                    prev = args.fault_batch - 1
+                    base, fwd, peak = clock.base[prev], clock.forward_peak[prev], clock.peak[prev]
+                    limit = base + (fwd - base) // 2 if phase == "forward" else fwd + (peak - fwd) // 2
+                    total = torch.cuda.get_device_properties(0).total_memory
+                    torch.cuda.empty_cache()
+                    torch.cuda.set_per_process_memory_fraction(limit / total)
+                    self.limit_bytes = limit
+            elif self._armed:
+                self._armed = False
+                if clock.gpu:
+                    torch.cuda.set_per_process_memory_fraction(1.0)
+
+        def before_forward(self, state, logger) -> None:
+            self.last_event = "forward" if self._armed else self.last_event
+
+        def after_forward(self, state, logger) -> None:
+            if self._armed and not clock.gpu and phase == "forward":
+                self.fired_at = "forward"
+                raise torch.OutOfMemoryError("CUDA out of memory (steady_oom CPU check)")
+
+        def before_backward(self, state, logger) -> None:
+            self.last_event = "backward" if self._armed else self.last_event
+            if self._armed and not clock.gpu and phase == "backward":
+                def hook(grad):
+                    self.fired_at = "backward"
+                    raise torch.OutOfMemoryError("CUDA out of memory (steady_oom CPU check)")
+
+                state.loss.register_hook(hook) if torch.is_tensor(state.loss) else None
+
+        def fit_end(self, state, logger) -> None:
+            if clock.gpu:
+                torch.cuda.set_per_process_memory_fraction(1.0)
+
+    return Timing(), Provoke()
+
+
+def build_trainer(args: argparse.Namespace, callbacks: list[Any], steady_recovery: bool, batches: int):
+    from composer.callbacks import SpeedMonitor
+    from composer.optim import DecoupledAdamW
+    from composer.utils import reproducibility
+
+    import automicro
+    from automicro.data import SyntheticTokens, build_dataloader
+    from automicro.integration.callback import AutoMicrobatching
+    from automicro.models import build_model
+
+    gpu = args.device == "gpu"
+    seq = 64 if args.tiny else 2048
+    reproducibility.seed_all(17)
+    model = build_model("tiny" if args.tiny else "1b", init_device="meta", max_seq_len=seq)
+    world = dist.get_world_size()
+    dataset = SyntheticTokens(args.per_rank_batch * world * batches, seq, model.model.config.vocab_size, seed=17)
+    loader = build_dataloader(dataset, args.per_rank_batch, shuffle=False, drop_last=True)
+    auto = AutoMicrobatching(log_attempts=dist.get_rank() == 0, steady_recovery=steady_recovery, unguarded_timeout_s=60)
+    trainer = automicro.Trainer(
+        model=model,
+        parallelism_config={"fsdp2": {"mixed_precision": "DEFAULT" if gpu else "FULL"}},
+        precision="amp_bf16" if gpu else "fp32",
+        device=args.device,
+        train_dataloader=loader,
+        optimizers=DecoupledAdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0),
+        max_duration=f"{batches}ba",
+        device_train_microbatch_size="auto",
+        callbacks=[auto, SpeedMonitor(window_size=1), *callbacks],
+        loggers=[],
+        progress_bar=False,
+        log_to_console=False,
+        seed=17,
+        dist_timeout=120.0,
+    )
+    return trainer, auto
+
+
+def release(trainer: Any) -> None:
+    trainer.close()
+    del trainer
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_oom(args: argparse.Namespace, ranks_text: str, phase: str) -> dict[str, Any]:
+    fault_ranks = [0, 1] if ranks_text == "both" else [int(ranks_text)]
+    clock = Clock(args.device == "gpu")
+    timing, provoke = make_callbacks(args, clock, fault_ranks, phase)
+    trainer, auto = build_trainer(args, [timing, provoke], True, args.batches)
+    faulthandler.dump_traceback_later(args.case_timeout, exit=True)
+    started = time.perf_counter()
+    error = None
+    try:
+        trainer.fit()
+    except Exception as e:  # noqa: BLE001 - recorded, and the launch goes on only if every rank got here
+        error = f"{type(e).__name__}: {e}"[:500]
+    faulthandler.cancel_dump_traceback_later()
+    steady = [s for b, s in clock.batch_s.items() if b >= 4 and b != args.fault_batch]
+    fault_s = clock.batch_s.get(args.fault_batch)
+    record = {
+        "ranks": ranks_text,
+        "phase_asked": phase,
+        "phase_seen": provoke.last_event if rank_in(fault_ranks) else "",
+        "limit_gib": round(provoke.limit_bytes / 2**30, 2),
+        "finished": error is None and int(trainer.state.timestamp.batch) == args.batches,
+        "error": error,
+        "batches": int(trainer.state.timestamp.batch),
+        "fault_batch_history": [
+            {k: r[k] for k in ("attempt", "size", "outcome", "hooks", "failed_ranks", "seconds", "note")}
+            for r in map(vars, auto.history) if r["batch"] == args.fault_batch
+        ],
+        "found_size": auto.found_size,
+        "steady_batch_s": round(statistics.median(steady), 4) if steady else None,
+        "fault_batch_s": round(fault_s, 4) if fault_s is not None else None,
+        "lost_s": round(fault_s - statistics.median(steady), 3) if fault_s is not None and steady else None,
+        "replayed": auto.collectives_replayed,
+        "fit_s": round(time.perf_counter() - started, 2),
+    }
+    if error is None:
+        release(trainer)
+    return record
+
+
+def rank_in(ranks: list[int]) -> bool:
+    return dist.get_rank() in ranks
+
+
+def run_overhead(args: argparse.Namespace, steady_recovery: bool) -> dict[str, Any]:
+    clock = Clock(args.device == "gpu")
+    timing, _ = make_callbacks(args, clock, [], "forward")
+    trainer, auto = build_trainer(args, [timing], steady_recovery, args.overhead_batches)
+    faulthandler.dump_traceback_later(args.case_timeout, exit=True)
+    trainer.fit()
+    faulthandler.cancel_dump_traceback_later()
+    steady = [s for b, s in sorted(clock.batch_s.items()) if b >= 6]
+    tokens = args.per_rank_batch * (64 if args.tiny else 2048) * dist.get_world_size()
+    record = {
+        "steady_recovery": steady_recovery,
+        "hooks_off_from": next((r.batch for r in auto.history if "stable" in r.note), None),
+        "median_batch_s": round(statistics.median(steady), 5),
+        "tokens_per_s": round(tokens / statistics.median(steady), 1),
+        "batch_s": [round(s, 5) for s in steady],
+    }
+    release(trainer)
+    return record
+
+
+def gather(record: dict[str, Any]) -> list[dict[str, Any]]:
+    rows: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, record)
+    return rows
+
+
+def main() -> int:
+    args = parse_args()
+    if args.device == "gpu":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    from automicro.engine import ensure_record_stream_free
+
+    ensure_record_stream_free()
+    dist.init_process_group("nccl" if args.device == "gpu" else "gloo")
+    rank = dist.get_rank()
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"steady_oom_{args.suite}.json")
+    results: list[Any] = []
+
+    def write() -> None:
+        if rank == 0:
+            with open(path, "w") as f:
+                json.dump({"torch": torch.__version__, "args": vars(args), "results": results}, f, indent=1)
+
+    if args.suite == "oom":
+        for repeat in range(args.repeat):
+            for spec in args.runs.split(","):
+                ranks_text, phase = spec.split(":")
+                per_rank = gather(run_oom(args, ranks_text, phase))
+                results.append({"repeat": repeat, "per_rank": per_rank})
+                write()
+                r0 = per_rank[0]
+                seen = ",".join(p["phase_seen"] for p in per_rank if p["phase_seen"])
+                hist = " ".join(f"{h['attempt']}:{h['size']}:{h['outcome']}{'' if h['hooks'] else '(off)'}" for h in r0["fault_batch_history"])
+                if rank == 0:
+                    print(f"[steady_oom] ranks {ranks_text:4s} {phase:8s} seen {seen:17s} finished {all(p['finished'] for p in per_rank)} "
+                          f"batch {r0['fault_batch_s']} s vs {r0['steady_batch_s']} s lost {r0['lost_s']} s "
+                          f"replayed {[p['replayed'] for p in per_rank]} history {hist} found {r0['found_size']}", flush=True)
+                if not all(p["finished"] for p in per_rank):
+                    write()
+                    dist.destroy_process_group()
+                    return 1
+    else:
+        for round_index in range(args.rounds):
+            for on in (True, False):
+                per_rank = gather(run_overhead(args, on))
+                results.append({"round": round_index, "per_rank": per_rank})
+                write()
+                if rank == 0:
+                    r0 = per_rank[0]
+                    print(f"[steady_oom] round {round_index} ledger {'on ' if on else 'off'} median batch "
+                          f"{r0['median_batch_s']} s tokens/s {r0['tokens_per_s']} (hooks off from batch {r0['hooks_off_from']})", flush=True)
+        if rank == 0:
+            on = [r["per_rank"][0]["tokens_per_s"] for r in results if r["per_rank"][0]["steady_recovery"]]
+            off = [r["per_rank"][0]["tokens_per_s"] for r in results if not r["per_rank"][0]["steady_recovery"]]
+            summary = {
+                "on_median": statistics.median(on), "off_median": statistics.median(off),
+                "ratio_on_over_off": round(statistics.median(on) / statistics.median(off), 4),
+                "on_spread": round((max(on) - min(on)) / statistics.median(on), 4),
+                "off_spread": round((max(off) - min(off)) / statistics.median(off), 4),
+            }
+            results.append({"summary": summary})
+            write()
+            print(f"[steady_oom] ledger on/off tokens/s: {summary}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
