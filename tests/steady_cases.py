@@ -164,7 +164,7 @@ def run_steady_misc(rank: int, world: int) -> dict[str, Any]:
 
 class StrayCollective(Callback):
     """At `after_loss` in `batch`, an all-reduce of the model's own code that automicro does not
-    see (outside the collective ledger); rank 1 runs out of memory before reaching it."""
+    see (outside the collective ledger)."""
 
     def __init__(self, batch: int) -> None:
         self.batch = batch
@@ -174,15 +174,28 @@ class StrayCollective(Callback):
             dist.all_reduce(torch.ones(3))
 
 
-def run_unrecoverable(rank: int, world: int, timeout_s: float) -> dict[str, Any]:
-    """Rank 1 runs out of memory in forward while rank 0 goes on into an all-reduce the ledger
+RUN_NAME = "steady"
+
+
+def _checkpointing(folder: Optional[str]) -> dict[str, Any]:
+    if folder is None:
+        return {}
+    return {"save_folder": folder, "save_interval": "1ba", "run_name": RUN_NAME, "autoresume": True,
+            "save_overwrite": False}
+
+
+def run_unrecoverable(rank: int, world: int, timeout_s: float, folder: Optional[str] = None) -> dict[str, Any]:
+    """Rank 1 runs out of memory after its loss while rank 0 goes on into an all-reduce the ledger
     does not know: recovery is impossible, every rank must stop within the bound. Nothing here
     runs a collective after `fit()` raised (the job is lost; the launcher ends it)."""
     torch.set_num_threads(1)
     auto = AutoMicrobatching(log_attempts=False, unguarded_timeout_s=timeout_s)
-    fault = FaultInjector("forward", ranks=[1], microbatch_index=0, batch=FAULT_BATCH, times=1)
+    # At `after_loss` of the first microbatch: rank 1 raises there, rank 0 goes on into the stray
+    # all-reduce at the same event, with no collective of the ledger in between (so rank 0 cannot
+    # see rank 1's failure first and stop early: the case is deterministic).
+    fault = FaultInjector("loss", ranks=[1], microbatch_index=0, batch=FAULT_BATCH, times=1)
     callbacks = (auto, FaultInjector("forward", above=ABOVE), fault, StrayCollective(FAULT_BATCH))
-    trainer = build_trainer(world, BATCHES, callbacks=callbacks)
+    trainer = build_trainer(world, BATCHES, callbacks=callbacks, **_checkpointing(folder))
     started = time.perf_counter()
     result: dict[str, Any] = {"exception": None}
     try:
@@ -192,4 +205,18 @@ def run_unrecoverable(rank: int, world: int, timeout_s: float) -> dict[str, Any]
     result["history"] = history(auto)
     result["total_seconds"] = round(time.perf_counter() - started, 3)
     result["fatal"] = (result["exception"] or {}).get("type") == FatalRecoveryError.__name__
+    return result
+
+
+def run_resume(rank: int, world: int, folder: str) -> dict[str, Any]:
+    """The restart of `run_unrecoverable` (Composer's autoresume from the same folder, the same
+    faults armed again except the one that made the job unrecoverable)."""
+    torch.set_num_threads(1)
+    auto = AutoMicrobatching(log_attempts=False)
+    trainer = build_trainer(world, BATCHES, callbacks=(auto, FaultInjector("forward", above=ABOVE)), **_checkpointing(folder))
+    resumed_at = int(trainer.state.timestamp.batch)
+    trainer.fit()
+    result = {"resumed_at": resumed_at, "history": history(auto), "batches": int(trainer.state.timestamp.batch),
+              "adam_steps": adam_steps(trainer), "split": list(auto.policy.current_split()) if auto.policy else None}
+    trainer.close()
     return result

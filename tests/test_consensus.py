@@ -112,26 +112,25 @@ def test_consensus_protocol_same_verdict_and_round_count_on_each_transport(trans
     assert per_rank[0]["syncs"] == per_rank[1]["syncs"], "ranks ran different numbers of rounds"
 
 
-def _single_rank_view(tmp_path, other_pid: int) -> ShmTransport:
-    path = tmp_path / "segment"
-    path.write_bytes(b"\0" * (8 * 2 * (2 + 2 * 3)))
-    transport = ShmTransport(str(path), rank=0, world_size=2, length=3, check_pids=True)
+def _single_rank_view(other_pid: int) -> ShmTransport:
+    segment = np.zeros(2 * (2 + 2 * 3), dtype=np.int64)  # what open_shared_segment maps, in plain memory
+    transport = ShmTransport(segment, rank=0, world_size=2, length=3, check_pids=True)
     transport._pids[1] = other_pid
     return transport
 
 
-def test_shared_memory_round_names_a_rank_that_exited(tmp_path):
+def test_shared_memory_round_names_a_rank_that_exited():
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    transport = _single_rank_view(tmp_path, gone.pid)
+    transport = _single_rank_view(gone.pid)
     started = time.monotonic()
     with pytest.raises(TransportTimeout, match=rf"rank 1 \(pid {gone.pid}\) exited"):
         transport.max_reduce(np.zeros(3, dtype=np.int64), timeout_s=60)
     assert time.monotonic() - started < 10, "a dead rank must be noticed at once, not at the timeout"
 
 
-def test_shared_memory_round_times_out_naming_the_late_rank(tmp_path):
-    transport = _single_rank_view(tmp_path, os.getpid())  # "rank 1" is alive but never arrives
+def test_shared_memory_round_times_out_naming_the_late_rank():
+    transport = _single_rank_view(os.getpid())  # "rank 1" is alive but never arrives
     with pytest.raises(TransportTimeout, match=r"timed out after 1.5 s: rank\(s\) \[1\] did not reach round 1"):
         transport.max_reduce(np.zeros(3, dtype=np.int64), timeout_s=1.5)
 

@@ -145,10 +145,26 @@ def test_unrecoverable_failure_stops_every_rank_within_the_bound_naming_rank_sit
     assert rank1 is not None, info.errors
     assert rank1["fatal"], rank1
     message = rank1["exception"]["message"]
-    assert "rank 1" in message and "forward" in message and f"batch {cases.FAULT_BATCH}" in message, message
+    assert "rank 1" in message and "loss" in message and f"batch {cases.FAULT_BATCH}" in message, message
     assert "did not stop within" in message
     failed_attempt = rank1["total_seconds"] - sum(r["seconds"] for r in rank1["history"] if r["outcome"] == "ok")
     assert failed_attempt < UNRECOVERABLE_TIMEOUT_S + 15, rank1
     assert info.exitcodes.get(0) == 3, info.exitcodes
     err = capfd.readouterr().err
-    assert "rank 0 stops: failure on rank 1 at forward in batch 7" in err, err[-3000:]
+    assert "rank 0 stops: failure on rank 1 at loss in batch 7" in err, err[-3000:]
+
+
+@pytest.mark.multiproc
+def test_after_an_unrecoverable_failure_autoresume_starts_below_the_size_that_failed(tmp_path):
+    folder = str(tmp_path / "checkpoints")
+    with pytest.raises(MultiprocessFailure) as failure:
+        run_multiprocess(cases.run_unrecoverable, world_size=2, args=(UNRECOVERABLE_TIMEOUT_S, folder), timeout_s=120,
+                         failure_grace_s=30)
+    assert failure.value.results[1]["fatal"], failure.value.results
+    per_rank = run_multiprocess(cases.run_resume, world_size=2, args=(folder,), timeout_s=200)
+    for result in per_rank:
+        assert result["resumed_at"] == cases.FAULT_BATCH, "the checkpoint of the batch before the failure"
+        assert result["batches"] == cases.BATCHES and result["adam_steps"] == [cases.BATCHES]
+        first = next(r for r in result["history"] if r["batch"] == cases.FAULT_BATCH)
+        assert first["hooks"] and first["size"] < max(cases.SPLIT), (first, "hooks on, below the size that failed")
+        assert max(result["split"]) < max(cases.SPLIT)

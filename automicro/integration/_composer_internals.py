@@ -117,6 +117,19 @@ def run_microbatches(
     trainer.engine.run_event(Event.AFTER_TRAIN_BATCH)
 
 
+def checkpoint_folder(state: Any) -> Optional[str]:
+    """The local folder Composer's `CheckpointSaver` writes this run's checkpoints to (None
+    without one). `CheckpointSaver.folder` is a format string (`{run_name}`); the saver formats it
+    the same way when it saves."""
+    from composer.callbacks import CheckpointSaver
+    from composer.utils import format_name_with_dist
+
+    for callback in state.callbacks:
+        if isinstance(callback, CheckpointSaver):
+            return format_name_with_dist(callback.folder, state.run_name)
+    return None
+
+
 def all_reduce_sum(tensor: torch.Tensor) -> None:
     """Composer's own batch-size all-reduce (no-op without a process group)."""
     dist.all_reduce(tensor, reduce_operation="SUM")

@@ -48,7 +48,9 @@ site name and index, next size.
 from __future__ import annotations
 
 import copy
+import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -69,7 +71,7 @@ from automicro.core.consensus import (
     Verdict,
 )
 from automicro.core.hooks import SYNC_POINTS, SyncHooks
-from automicro.core.ledger import Board, CollectiveLedger
+from automicro.core.ledger import Board, CollectiveLedger, FatalRecoveryError
 from automicro.engine import _torch_internals as torch_internals
 from automicro.core.memory import CudaMemory, MemorySource, NoMemory
 from automicro.core.sites import DISPATCHER, SiteDispatcher, site_index
@@ -437,7 +439,7 @@ class AutoMicrobatching(Callback):
         self.search_time_s = float(state.get("search_time_s", 0.0))
         self.history = [AttemptRecord(**{**r, "split": tuple(r["split"])}) for r in state.get("history", [])]
 
-    def _ensure_policy(self, batch_size: int) -> None:
+    def _ensure_policy(self, batch_size: int, state: Optional[State] = None) -> None:
         if self.policy is None:
             self.policy = search.SearchPolicy(self.policy_config, batch_size)
             if self._pending_state is not None and self._pending_state.get("policy") is not None:
@@ -446,11 +448,54 @@ class AutoMicrobatching(Callback):
                 self.policy.observe(search.Rearm("checkpoint loaded"))
                 if self.policy.state.batch_size != batch_size:
                     self.policy.observe(search.BatchSizeChanged(batch_size))
+                self._step_below_unrecovered_failure(state)
                 self._info(f"resumed with microbatch split {self.policy.current_split()} (hooks on until stable)")
             self._apply_hooks(True, "searching")
         elif self.policy.state.batch_size != batch_size:
             decision = self.policy.observe(search.BatchSizeChanged(batch_size))
             self._apply_hooks(decision.hooks, f"batch size changed to {batch_size}")
+
+    # ---- a run that could not recover in-process -------------------------------------------------
+
+    FAILURE_NOTE = "automicro_failure.json"
+
+    def _write_failure_note(self, state: State, batch: int, sizes: tuple[int, ...]) -> None:
+        """Leave the size that failed beside the checkpoints, so that a restarted run (autoresume,
+        or `load_path` to this folder) starts below it instead of failing the same way again."""
+        folder = composer_internals.checkpoint_folder(state)
+        if folder is None or "://" in folder:
+            return
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, self.FAILURE_NOTE)
+        temporary = f"{path}.rank{self._rank}.tmp"
+        with open(temporary, "w") as f:
+            json.dump({"batch": batch, "size": max(sizes), "split": list(sizes)}, f)
+        os.replace(temporary, path)
+
+    def _step_below_unrecovered_failure(self, state: Optional[State]) -> None:
+        assert self.policy is not None
+        folder = None if state is None else composer_internals.checkpoint_folder(state)
+        path = None if folder is None else os.path.join(folder, self.FAILURE_NOTE)
+        if path is None or not os.path.exists(path):
+            return
+        with open(path) as f:
+            note = json.load(f)
+        resumed_at = int(state.timestamp.batch) if state is not None else 0
+        size = int(note.get("size", 0))
+        # Only a failure after this checkpoint, at the size this run would use again, counts.
+        if int(note.get("batch", -1)) < resumed_at or size != max(self.policy.current_split()):
+            return
+        try:
+            decision = self.policy.observe(search.OOM(size))
+        except search.CannotFitError as error:
+            raise MicrobatchSizeError(
+                f"automicro: the run stopped at microbatch size {size} in batch {note['batch']}, and no smaller size "
+                "is left to try"
+            ) from error
+        self._info(
+            f"the previous launch could not recover from an OOM at size {size} in batch {note['batch']} "
+            f"({path}); resuming at size {decision.next_size} with the sync hooks on"
+        )
 
     # ---- the guarded batch step --------------------------------------------------------------
 
@@ -482,7 +527,7 @@ class AutoMicrobatching(Callback):
         state = trainer.state
         device_batch = state.batch
         batch_size = composer_internals.num_samples(trainer, device_batch)
-        self._ensure_policy(batch_size)
+        self._ensure_policy(batch_size, state)
         assert self.policy is not None
         batch_index = int(state.timestamp.batch)
         context = self._dispatcher.context
@@ -522,7 +567,11 @@ class AutoMicrobatching(Callback):
                     trainer, microbatches, total_loss_dict, before_microbatch, end_of_attempt, self._all_reduce_sum
                 )
 
-            result = self._fence.run(body, lambda: self._wipe_failed_attempt(trainer, device_batch), hooks_on)
+            try:
+                result = self._fence.run(body, lambda: self._wipe_failed_attempt(trainer, device_batch), hooks_on)
+            except FatalRecoveryError:
+                self._write_failure_note(state, batch_index, sizes)
+                raise
             verdict, seconds = result.verdict, result.seconds
             if result.unreported is not None:
                 # This rank raised although no rank reported a failure: never count that as a
