@@ -414,6 +414,9 @@ class TrainConfig:
     load_path: Optional[str] = None
     """Checkpoint to resume from (null: start fresh); with ``checkpoint_format: sharded`` the
     folder a sharded save wrote (``<save_folder>/ep0-ba100``)."""
+    autoresume: bool = False
+    """Composer's autoresume: resume from the latest checkpoint in ``save_folder`` if there is one
+    (needs ``save_folder``; the run name must stay the same across restarts)."""
     checkpoint_format: str = _cfg("full", choices=CHECKPOINT_FORMATS)
     """``full``: rank 0 writes one ``.pt`` file with the whole state; ``sharded``: every rank writes
     its own FSDP2 shards (torch.distributed.checkpoint; needs ``parallelism_config.fsdp2``).
@@ -428,6 +431,11 @@ class TrainConfig:
             raise ConfigError(
                 f"{prefix}precision={self.precision!r}: precision {self.precision!r} needs device: gpu "
                 f"(device is {self.device!r}; use precision: fp32 on cpu)"
+            )
+        if self.autoresume and self.save_folder is None:
+            raise ConfigError(
+                f"{prefix}autoresume=true: resumes from the latest checkpoint in save_folder; set save_folder "
+                "(e.g. save_folder: runs/${{run_name}}/checkpoints) or autoresume: false"
             )
         if self.checkpoint_format == "sharded" and self.fsdp2 is None:
             raise ConfigError(

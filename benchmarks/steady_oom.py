@@ -6,10 +6,13 @@ Two suites, one launch (every rank runs this file):
     python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/steady_oom.py --out OUT --suite overhead
 
 - `oom`: Llama (default 1b, seq 2048), `device_train_microbatch_size: auto`; the search settles and
-  the sync hooks come off; in batch `--fault-batch` the chosen ranks get a CUDA memory limit
-  (`torch.cuda.set_per_process_memory_fraction`) just below what the first attempt needs in its
-  forward, or in its backward (limits from the previous batch's measured memory), and their
-  limit is lifted for the retry: a real CUDA OOM after the hooks are off. Per run: finished or
+  the sync hooks come off; in batch `--fault-batch` the chosen ranks run out of CUDA memory in
+  the first attempt, and not in the retry: a real CUDA OOM from the caching allocator after the
+  hooks are off. Forward: a memory limit (`torch.cuda.set_per_process_memory_fraction`) halfway
+  between the memory at the batch start and the forward's peak (measured in the previous batch),
+  lifted for the retry. Backward: a gradient hook on the loss asks the allocator for more than
+  the device has left (a memory limit cannot single out the backward: the caching allocator's
+  reserved memory already reaches the limit in the forward). Per run: finished or
   not, where it ran out (the last Composer event before the OOM on that rank), the retry, the
   seconds the failure cost (the fault batch's time minus the median steady batch), replayed
   collectives. A per-run hang watchdog ends the launch with every stack.
@@ -119,10 +122,10 @@ def make_callbacks(args: argparse.Namespace, clock: Clock, fault_ranks: list[int
             context = DISPATCHER.context
             if context.attempt == 1:
                 self._armed = True
-                if clock.gpu:
+                if clock.gpu and phase == "forward":
                     prev = args.fault_batch - 1
-                    base, fwd, peak = clock.base[prev], clock.forward_peak[prev], clock.peak[prev]
-                    limit = base + (fwd - base) // 2 if phase == "forward" else fwd + (peak - fwd) // 2
+                    base, fwd = clock.base[prev], clock.forward_peak[prev]
+                    limit = base + (fwd - base) // 2
                     total = torch.cuda.get_device_properties(0).total_memory
                     torch.cuda.empty_cache()
                     torch.cuda.set_per_process_memory_fraction(limit / total)
@@ -142,10 +145,16 @@ def make_callbacks(args: argparse.Namespace, clock: Clock, fault_ranks: list[int
 
         def before_backward(self, state, logger) -> None:
             self.last_event = "backward" if self._armed else self.last_event
-            if self._armed and not clock.gpu and phase == "backward":
+            if self._armed and phase == "backward":
                 def hook(grad):
                     self.fired_at = "backward"
-                    raise torch.OutOfMemoryError("CUDA out of memory (steady_oom CPU check)")
+                    if not clock.gpu:
+                        raise torch.OutOfMemoryError("CUDA out of memory (steady_oom CPU check)")
+                    # More than the device holds: the caching allocator frees its cache, retries
+                    # and raises torch.OutOfMemoryError (free memory alone is not enough: the
+                    # allocator's cached blocks would satisfy a request of free + a little).
+                    total = torch.cuda.get_device_properties(grad.device).total_memory
+                    torch.empty(total + 2**30, dtype=torch.uint8, device=grad.device)
 
                 state.loss.register_hook(hook) if torch.is_tensor(state.loss) else None
 
@@ -308,7 +317,7 @@ def main() -> int:
                     return 1
     else:
         for round_index in range(args.rounds):
-            for on in (True, False):
+            for on in ((True, False) if round_index % 2 == 0 else (False, True)):
                 per_rank = gather(run_overhead(args, on))
                 results.append({"round": round_index, "per_rank": per_rank})
                 write()
@@ -319,7 +328,12 @@ def main() -> int:
         if rank == 0:
             on = [r["per_rank"][0]["tokens_per_s"] for r in results if r["per_rank"][0]["steady_recovery"]]
             off = [r["per_rank"][0]["tokens_per_s"] for r in results if not r["per_rank"][0]["steady_recovery"]]
+            pairs = [r["per_rank"][0]["tokens_per_s"] for r in results]
+            paired = [pairs[i] / pairs[i + 1] if results[i]["per_rank"][0]["steady_recovery"] else pairs[i + 1] / pairs[i]
+                      for i in range(0, len(pairs) - 1, 2)]
             summary = {
+                "paired_on_over_off": [round(x, 4) for x in paired],
+                "paired_median": round(statistics.median(paired), 4),
                 "on_median": statistics.median(on), "off_median": statistics.median(off),
                 "ratio_on_over_off": round(statistics.median(on) / statistics.median(off), 4),
                 "on_spread": round((max(on) - min(on)) / statistics.median(on), 4),

@@ -79,6 +79,7 @@ def main(argv: list[str]) -> int:
         save_folder=cfg.save_folder,
         save_interval=cfg.save_interval,
         load_path=cfg.load_path,
+        autoresume=cfg.autoresume,
         checkpoint_format=cfg.checkpoint_format,
         dist_timeout=cfg.dist_timeout,
         progress_bar=False,

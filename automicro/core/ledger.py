@@ -61,9 +61,11 @@ DTYPES = (
     torch.int64, torch.int32, torch.uint8, torch.int8, torch.bool,
 )
 _OPS = ("SUM", "AVG", "MAX", "MIN", "PRODUCT")
+_DTYPE_CODES = {dtype: code for code, dtype in enumerate(DTYPES)}
+_OP_CODES = {getattr(dist.ReduceOp, name): code for code, name in enumerate(_OPS)}
 FIELDS = 6  # kind, group, dtype, numel, op, spare
 CAPACITY = 8192  # entries per rank; a rank never gets this far ahead of one that stopped
-_FATAL = 5  # [flag, declared by, reason, batch, epoch]
+_FATAL = 6  # [flag, declared by, reason, batch, epoch, the latest epoch in which a rank failed]
 _HEADER = 6  # per rank: epoch, committed, done, failed (epoch), pid, site index of its failure
 REASON_TIMEOUT, REASON_GONE, REASON_UNTRACKED = 1, 2, 3
 
@@ -106,19 +108,20 @@ class Entry:
 
 
 def _op_code(op: Any) -> int:
-    for code, name in enumerate(_OPS):
-        try:
-            if op == getattr(dist.ReduceOp, name):
-                return code
-        except TypeError:  # a premultiplied-sum op object: on the wire it is a SUM
-            return 0
-    return 0
+    if op is None:
+        return 0
+    try:
+        return _OP_CODES.get(op, 0)
+    except TypeError:  # a premultiplied-sum op object (unhashable): on the wire it is a SUM
+        return 0
 
 
 class Board:
     """The shared-memory rows every rank publishes its ledger into (one host, x86 store order).
 
-    Layout (int64): the fatal record [flag, declared by, reason, batch, epoch]; then per rank a
+    Layout (int64): the fatal record [flag, declared by, reason, batch, epoch] and the latest
+    attempt (epoch) in which some rank failed (one word: the check before every collective reads
+    only it); then per rank a
     header [epoch, committed, done, failed epoch, pid, site index]; then per rank a ring of
     `CAPACITY` descriptors.
     A row is valid for attempt `epoch` only while its header says that epoch.
@@ -126,11 +129,16 @@ class Board:
 
     def __init__(self, segment: np.ndarray, rank: int, world: int, check_pids: bool) -> None:
         self.rank, self.world, self.check_pids = rank, world, check_pids
+        # Plain ndarray views of the mapping: np.memmap's subclass costs microseconds per access.
+        segment = np.asarray(segment)
         self._map = segment
         self.fatal = segment[:_FATAL]
         self.headers = segment[_FATAL : _FATAL + world * _HEADER].reshape(world, _HEADER)
         self.entries = segment[_FATAL + world * _HEADER :].reshape(world, CAPACITY, FIELDS)
         self.headers[rank, 4] = os.getpid()
+        self._own_header = self.headers[rank]
+        self._own_entries = self.entries[rank]
+        self._failed_epoch = segment[5:6]
 
     @staticmethod
     def words(world: int) -> int:
@@ -156,8 +164,9 @@ class Board:
         row[0] = epoch  # last: a reader that sees the new epoch sees the cleared fields
 
     def publish(self, index: int, entry: tuple[int, int, int, int, int]) -> None:
-        self.entries[self.rank, index % CAPACITY, :5] = entry
-        self.headers[self.rank, 1] = index + 1  # after the entry: x86 keeps stores in order
+        row = self._own_entries[index % CAPACITY]
+        row[0], row[1], row[2], row[3], row[4] = entry
+        self._own_header[1] = index + 1  # after the entry: x86 keeps stores in order
 
     def mark_done(self) -> None:
         self.headers[self.rank, 2] = 1
@@ -165,11 +174,12 @@ class Board:
     def mark_failed(self, epoch: int, site: str) -> None:
         self.headers[self.rank, 5] = site_index(site)
         self.headers[self.rank, 3] = epoch
+        self._failed_epoch[0] = epoch  # every failing rank writes the same value
 
     # ---- every rank ---------------------------------------------------------------------------
 
     def failed_in(self, epoch: int) -> bool:
-        return bool((self.headers[:, 3] == epoch).any())
+        return self._failed_epoch[0] == epoch
 
     def snapshot(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """(committed, done) per rank for `epoch`; a rank still in an earlier attempt counts as
@@ -205,6 +215,7 @@ class Board:
 
     def close(self) -> None:
         self._map = self.fatal = self.headers = self.entries = None  # type: ignore[assignment]
+        self._own_header = self._own_entries = self._failed_epoch = None  # type: ignore[assignment]
 
 
 class CollectiveLedger:
@@ -272,7 +283,7 @@ class CollectiveLedger:
         index = self._group_index.get(group if group is not None else self.groups[0], -1)
         if index < 0:
             self._untracked = True
-        entry = (KINDS[kind], index, DTYPES.index(tensor.dtype) if tensor.dtype in DTYPES else -1, tensor.numel(), _op_code(op))
+        entry = (KINDS[kind], index, _DTYPE_CODES.get(tensor.dtype, -1), tensor.numel(), _op_code(op))
         self._entries.append(entry)
         if board is not None:
             board.publish(self.committed, entry)
