@@ -5,15 +5,8 @@
 # Writes logs and metrics under $OUT (or ./runs/gpu_smoke when OUT is unset).
 set -uo pipefail
 OUT=${OUT:-runs/gpu_smoke}
-mkdir -p "$OUT"
-# Keep NVLink multicast off (shared hosts: see the device tool's KINDS.md).
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export WANDB_MODE=offline PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:$PWD || exit 1
+source benchmarks/gpu_env.sh
 COMPOSER="python3 -m composer.cli.launcher"
-nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpus.txt"
-python3 -c "import torch, composer; print('torch', torch.__version__, 'composer', composer.__version__)" | tee "$OUT/versions.txt"
 
 echo "=== 1. main job: configs/tiny-gpu.yaml on 2 GPUs"
 start=$(date +%s)

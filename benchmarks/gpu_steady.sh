@@ -6,14 +6,7 @@
 # 2. --suite overhead: the collective ledger on vs off, 3 interleaved rounds, steady tokens/s.
 set -uo pipefail
 OUT=${OUT:-runs/gpu_steady}
-mkdir -p "$OUT"
-# Keep NVLink multicast off (shared hosts: see the device tool's KINDS.md).
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export WANDB_MODE=offline PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:$PWD || exit 1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
-python3 -c "import torch, composer; print('torch', torch.__version__, 'composer', composer.__version__)" | tee "$OUT/versions.txt"
+source benchmarks/gpu_env.sh
 RUN="python3 -m torch.distributed.run --nproc-per-node 2"
 start=$(date +%s)
 $RUN --master-port 29601 benchmarks/steady_oom.py --out "$OUT" --suite oom ${OOM_ARGS:-} 2>&1 \

@@ -148,7 +148,7 @@ def cleanup_report(trainer: automicro.Trainer) -> dict[str, Any]:
     trainer.close()
     return {
         "listeners_after_close": len(DISPATCHER),
-        "collective_patch_after_close": internals.pre_collective_hook_installed(),
+        "collective_patch_after_close": internals.collectives_patched(),  # hooks and the ledger
         "module_hooks_after_close": count_module_hooks(model),
     }
 

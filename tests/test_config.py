@@ -396,3 +396,10 @@ def test_the_real_llama_config_tells_model_shorthand_keys_from_typos(monkeypatch
     assert _load("model.n_layers=3").model.overrides == {"n_layers": 3}
     with pytest.raises(ConfigError, match="n_layrs"):
         _load("model.n_layrs=3")
+
+
+def test_autoresume_needs_a_save_folder_and_is_passed_on_with_one():
+    with pytest.raises(ConfigError, match=r"autoresume=true: .* set save_folder"):
+        _load("autoresume=true")
+    cfg = _load("autoresume=true", "save_folder=/tmp/ckpt")
+    assert cfg.autoresume is True and cfg.save_folder == "/tmp/ckpt"

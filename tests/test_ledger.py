@@ -256,3 +256,21 @@ def test_a_rank_that_stopped_replays_what_the_other_issued_and_both_are_back_in_
     assert zero["gathered"] == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0], "rank 1 contributed zeros"
     assert zero["scattered"] == [1.0, 1.0]
     assert zero["after"] == one["after"] == [30.0, 30.0]
+
+
+def test_fence_without_a_board_stops_the_job_when_the_ranks_issued_different_collectives():
+    """Ranks on several hosts: no replay possible; a failed attempt whose ranks issued different
+    numbers of collectives must end the job on every rank, not be retried out of step."""
+
+    class Uneven(FakeConsensus):
+        def _verdict(self, kind, site):
+            me = RankReport(0, kind, site, 0, 0, 0, 0, collectives=5)
+            other = RankReport(1, 1, "forward", 0, 0, 0, 0, collectives=3)
+            return Verdict((me, other), 1)
+
+    consensus = Uneven()
+    context = AttemptContext()
+    ledger = CollectiveLedger(None, [None], torch.device("cpu"), poll_s=0)
+    fence = AttemptFence(consensus, context, LocalFigures, ledger)  # type: ignore[arg-type]
+    with pytest.raises(FatalRecoveryError, match=r"different numbers of collectives \(\[5, 3\]\)"):
+        fence.run(lambda finish: finish(), lambda: None, hooks_active=False)

@@ -36,7 +36,7 @@ from automicro.core.consensus import (
     OOMOnOtherRank,
     Verdict,
 )
-from automicro.core.ledger import CollectiveLedger
+from automicro.core.ledger import CollectiveLedger, FatalRecoveryError
 from automicro.core.sites import AttemptContext
 
 T = TypeVar("T")
@@ -143,6 +143,8 @@ class AttemptFence:
             value = body(finish)
             if verdict is None:
                 finish()
+        except FatalRecoveryError:
+            raise  # the job is lost: nothing to agree on any more
         except BaseException as error:  # noqa: BLE001 - every failure must reach the consensus
             context.in_attempt = False
             if verdict is not None:

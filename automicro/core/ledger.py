@@ -243,8 +243,6 @@ class CollectiveLedger:
         self.committed = 0
         self.issued = 0
         self.replayed_total = 0
-        self._entries: list[tuple[int, int, int, int, int]] = []
-        self._untracked = False
         self._stop_early = False
         self.last_failure: tuple[str, int] = ("other", -1)  # (site, batch) for messages
         self._watcher: Optional[threading.Thread] = None
@@ -269,8 +267,6 @@ class CollectiveLedger:
         self._stop_early = stop_early and self.board is not None
         self.epoch += 1
         self.committed = self.issued = 0
-        self._entries.clear()
-        self._untracked = False
         if self.board is not None:
             self.board.begin(self.epoch)
 
@@ -281,10 +277,7 @@ class CollectiveLedger:
         if self._stop_early and board.failed_in(self.epoch):  # type: ignore[union-attr]
             raise OOMOnOtherRank("automicro: another rank failed in this attempt (collective ledger)")
         index = self._group_index.get(group if group is not None else self.groups[0], -1)
-        if index < 0:
-            self._untracked = True
         entry = (KINDS[kind], index, _DTYPE_CODES.get(tensor.dtype, -1), tensor.numel(), _op_code(op))
-        self._entries.append(entry)
         if board is not None:
             board.publish(self.committed, entry)
         self.committed += 1
