@@ -159,7 +159,39 @@ def run_steady_misc(rank: int, world: int) -> dict[str, Any]:
     case("oom_twice", lambda: strip(_run(world, FaultInjector("forward", ranks=[0], batch=FAULT_BATCH, times=2))))
     # A non-OOM error on one rank with the hooks off: every rank stops, naming it.
     case("error_one_rank", lambda: strip(_run(world, _fault("backward", [1], -1, exception="error"))))
+    # An OOM in an eval forward after the training hooks came off (eval auto turns them on).
+    case("eval_oom_after_hooks_off", lambda: _eval_after_hooks_off(world))
     return out
+
+
+def _eval_after_hooks_off(world: int) -> dict[str, Any]:
+    from composer.core import Evaluator
+
+    from tests.automicro_cases import make_loader
+
+    evaluator = Evaluator(label="eval", dataloader=make_loader(world, 1, seed=3), device_eval_microbatch_size="auto")
+    fault = FaultInjector("eval_forward", ranks=[1], above=4)
+    auto = AutoMicrobatching(log_attempts=False)
+    seen: list[bool] = []
+
+    class HooksAtEval(Callback):
+        def eval_before_all(self, state: State, logger: Logger) -> None:
+            seen.append(auto.hooks_active)
+
+    trainer = build_trainer(world, BATCHES, callbacks=(auto, FaultInjector("forward", above=ABOVE), fault, HooksAtEval()),
+                            eval_dataloader=evaluator, eval_interval=f"{FAULT_BATCH}ba")
+    trainer.fit()
+    result = {
+        "batches": int(trainer.state.timestamp.batch),
+        "adam_steps": adam_steps(trainer),
+        "fired": fault.fired,
+        "eval_microbatch": evaluator.device_eval_microbatch_size,
+        "ooms_total": auto.ooms_total,
+        "hooks_when_eval_began": seen,
+        "clean": trainer.sharded_model.is_clean(),
+    }
+    trainer.close()
+    return result
 
 
 class StrayCollective(Callback):

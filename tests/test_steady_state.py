@@ -130,6 +130,18 @@ def test_a_non_oom_error_with_hooks_off_stops_every_rank_naming_the_rank(steady_
     assert "rank(s) [1]" in other["exception"]["message"] and f"batch {cases.FAULT_BATCH}" in other["exception"]["message"]
 
 
+@pytest.mark.multiproc
+def test_an_eval_oom_after_the_training_hooks_came_off_is_retried_and_training_goes_on(steady_misc):
+    for per_rank in steady_misc:
+        result = per_rank["eval_oom_after_hooks_off"]
+        assert "crash" not in result, result["crash"]
+        assert result["fired"] >= 1 or per_rank is steady_misc[0]  # rank 1 runs out of memory
+        assert result["eval_microbatch"] <= 4 and result["clean"], result
+        assert result["hooks_when_eval_began"] and not any(result["hooks_when_eval_began"]), "hooks off when eval began"
+        assert result["batches"] == cases.BATCHES and result["adam_steps"] == [cases.BATCHES]
+    assert steady_misc[1]["eval_oom_after_hooks_off"]["fired"] >= 1
+
+
 UNRECOVERABLE_TIMEOUT_S = 4.0
 
 
