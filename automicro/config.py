@@ -347,8 +347,6 @@ def _fsdp2_parse(value: Any, key: str) -> FSDP2Config:
         return FSDP2Config.from_dict(dict(value) if value is not None else None)
     except FSDP2ConfigError as e:
         raise ConfigError(str(e)) from e
-    except TypeError as e:  # should not happen: from_dict checks keys
-        raise ConfigError(f"{key}: {e}") from e
 
 
 def _callbacks_parse(value: Any, key: str) -> dict:

@@ -16,9 +16,6 @@ from automicro.testing.multiprocess import run_multiprocess
 from tests import automicro_cases as cases
 
 TOLERANCE = 1e-5
-# spawn, not forkserver: workers forked from a server that already ran torch hit a heap corruption
-# ("malloc(): unaligned tcache chunk", rank aborted) once in ~10 runs of the matrix on torch 2.11.
-FAST: dict = {}
 
 WORLD2_CASES = [
     (site, who, where) for site in cases.MATRIX_SITES for who in ("one", "every") for where in cases.MICROBATCH
@@ -37,7 +34,7 @@ WORLD4_TRANSPORT = "process_group"
 @pytest.fixture(scope="module")
 def matrix_two_ranks():
     return run_multiprocess(
-        cases.run_fault_matrix, world_size=2, args=(WORLD2_CASES, WORLD2_ONE_RANK), timeout_s=300, **FAST
+        cases.run_fault_matrix, world_size=2, args=(WORLD2_CASES, WORLD2_ONE_RANK), timeout_s=300
     )
 
 
@@ -52,7 +49,6 @@ def matrix_collectives_only():
         world_size=2,
         args=(COLLECTIVES_ONLY_CASES, WORLD2_ONE_RANK, "collectives"),
         timeout_s=300,
-        **FAST,
     )
 
 
@@ -63,14 +59,13 @@ def matrix_four_ranks():
         world_size=4,
         args=(WORLD4_CASES, WORLD4_ONE_RANK, "all", WORLD4_TRANSPORT),
         timeout_s=300,
-        **FAST,
     )
 
 
 @pytest.fixture(scope="module")
 def misc(tmp_path_factory):
     folder = tmp_path_factory.mktemp("automicro_checkpoints")
-    return run_multiprocess(cases.run_misc_cases, world_size=2, args=(str(folder),), timeout_s=300, **FAST)
+    return run_multiprocess(cases.run_misc_cases, world_size=2, args=(str(folder),), timeout_s=300)
 
 
 # ---- what the injector lets through -----------------------------------------------------------

@@ -325,3 +325,15 @@ def test_set_expandable_segments_works_on_this_torch_without_initializing_cuda()
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+@pytest.mark.parametrize("version, supported", [((2, 6), False), ((2, 7), True), ((2, 11), True), ((2, 12), False)])
+def test_torch_version_gate_and_its_message_agree(monkeypatch, version, supported):
+    from automicro.engine import _torch_internals as internals
+
+    monkeypatch.setattr(internals, "TORCH_VERSION", version)
+    if supported:
+        internals.check_supported_torch()
+    else:
+        with pytest.raises(RuntimeError, match=r"supports torch 2\.7 to 2\.11 \(checked on 2\.7, 2\.11\)"):
+            internals.check_supported_torch()

@@ -18,9 +18,6 @@ import torch.nn as nn
 from automicro.testing.memory_cap import MemoryCap
 from automicro.testing.multiprocess import MultiprocessFailure, free_port, run_multiprocess
 
-# spawn, not forkserver: workers forked from a server that already ran torch hit a heap corruption
-# ("malloc(): unaligned tcache chunk", rank aborted) once in ~10 runs of the matrix on torch 2.11.
-FAST: dict = {}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -148,7 +145,7 @@ def test_hang_is_reported_with_every_rank_stack():
     timeout_s = 3
     t0 = time.monotonic()
     with pytest.raises(MultiprocessFailure) as info:
-        run_multiprocess(_hang, world_size=2, timeout_s=timeout_s, **FAST)
+        run_multiprocess(_hang, world_size=2, timeout_s=timeout_s)
     elapsed = time.monotonic() - t0
     msg = str(info.value)
     assert msg.splitlines()[0].endswith(f"hang: ranks [0, 1] did not finish within {timeout_s} s"), msg
@@ -164,7 +161,7 @@ def test_hang_is_reported_with_every_rank_stack():
 def test_raising_rank_reported_fast_while_other_blocks_in_collective():
     t0 = time.monotonic()
     with pytest.raises(MultiprocessFailure) as info:
-        run_multiprocess(_raise_on_rank1_other_in_collective, world_size=2, timeout_s=120, **FAST)
+        run_multiprocess(_raise_on_rank1_other_in_collective, world_size=2, timeout_s=120)
     elapsed = time.monotonic() - t0
     msg = str(info.value)
     assert next(iter(info.value.errors)) == 1
@@ -177,7 +174,7 @@ def test_raising_rank_reported_fast_while_other_blocks_in_collective():
 def test_raising_rank_others_get_grace_then_stack_dump():
     t0 = time.monotonic()
     with pytest.raises(MultiprocessFailure) as info:
-        run_multiprocess(_raise_on_rank1_other_sleeps, world_size=2, timeout_s=120, failure_grace_s=2, **FAST)
+        run_multiprocess(_raise_on_rank1_other_sleeps, world_size=2, timeout_s=120, failure_grace_s=2)
     elapsed = time.monotonic() - t0
     msg = str(info.value)
     assert "deliberate failure on rank 1, rank 0 sleeps" in info.value.errors[1]
@@ -190,14 +187,14 @@ def test_raising_rank_others_get_grace_then_stack_dump():
 @pytest.mark.multiproc
 def test_worker_dying_without_result_reports_exit_code():
     with pytest.raises(MultiprocessFailure) as info:
-        run_multiprocess(_exit_on_rank1, world_size=2, timeout_s=60, failure_grace_s=5, **FAST)
+        run_multiprocess(_exit_on_rank1, world_size=2, timeout_s=60, failure_grace_s=5)
     assert "rank 1 died without returning a result: exit code 3" in info.value.errors[1]
 
 
 @pytest.mark.multiproc
 def test_memory_cap_under_fully_shard_two_ranks():
     limits = {0: 1 << 30, 1: 1 << 29}
-    results = run_multiprocess(_fsdp_mlp_under_cap, world_size=2, args=(limits, 2), timeout_s=120, **FAST)
+    results = run_multiprocess(_fsdp_mlp_under_cap, world_size=2, args=(limits, 2), timeout_s=120)
     for rank, res in enumerate(results):
         s = res["stats"]
         assert res["oom"] is None
@@ -220,7 +217,7 @@ def test_memory_cap_under_fully_shard_two_ranks():
     # the same limit on both ranks, twice the sharded params: both OOM at the first all-gather
     # (the same op on both, so no rank is left waiting in a collective)
     small = 2 * results[0]["tracked"]
-    results = run_multiprocess(_fsdp_mlp_under_cap, world_size=2, args=(small, 1), timeout_s=30, **FAST)
+    results = run_multiprocess(_fsdp_mlp_under_cap, world_size=2, args=(small, 1), timeout_s=30)
     for rank, res in enumerate(results):
         assert res["oom"] is not None and f"rank {rank}," in res["oom"]
         assert "CUDA out of memory" in res["oom"] and f"limit_bytes={small}" in res["oom"]
@@ -413,6 +410,6 @@ def _env_without_process_group(rank, world_size):
 
 @pytest.mark.multiproc
 def test_backend_none_skips_init():
-    assert run_multiprocess(_env_without_process_group, world_size=1, backend=None, timeout_s=60, **FAST) == [
+    assert run_multiprocess(_env_without_process_group, world_size=1, backend=None, timeout_s=60) == [
         (False, "0", "1")
     ]

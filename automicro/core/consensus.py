@@ -79,10 +79,6 @@ class Verdict:
         return [r.rank for r in self.reports if r.kind == KIND_ERROR]
 
     @property
-    def oom(self) -> bool:
-        return self.failed and not self.error_ranks
-
-    @property
     def sites(self) -> list[str]:
         return [r.site for r in self.reports if r.failed]
 

@@ -106,9 +106,6 @@ class SyncHooks:
     def active(self) -> bool:
         return self._remove_listener is not None
 
-    def handle_count(self) -> int:
-        return len(self._site_hooks._handles)
-
     def _listener(self, site: str, module: str, context: Any) -> None:
         if site in SYNC_SITES and context.in_attempt:
             self.consensus.sync()

@@ -32,6 +32,3 @@ class ThrashDetector:
             self.events += 1
             return True
         return False
-
-    def reset(self) -> None:
-        self.consecutive = 0

@@ -59,10 +59,13 @@ HAS_CUSTOM_COMMS = (
 
 
 def check_supported_torch() -> None:
-    if TORCH_VERSION < (2, 7) or TORCH_VERSION > (2, 13):
+    """The check and its message both come from CHECKED_VERSIONS (the oldest to the newest)."""
+    low, high = CHECKED_VERSIONS[0], CHECKED_VERSIONS[-1]
+    if not low <= TORCH_VERSION <= high:
         raise RuntimeError(
-            f"automicro's FSDP2 engine supports torch 2.7 to 2.11 (checked on {CHECKED_VERSIONS}); "
-            f"found torch {torch.__version__}. Install torch 2.7.0 (Composer 0.32.1's pin) or 2.11.0."
+            f"automicro's FSDP2 engine supports torch {low[0]}.{low[1]} to {high[0]}.{high[1]} (checked on "
+            f"{', '.join(f'{a}.{b}' for a, b in CHECKED_VERSIONS)}); found torch {torch.__version__}. "
+            "Install torch 2.7.0 (Composer 0.32.1's pin) or 2.11.0."
         )
 
 
