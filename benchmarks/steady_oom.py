@@ -16,6 +16,11 @@ Two suites, one launch (every rank runs this file):
   not, where it ran out (the last Composer event before the OOM on that rank), the retry, the
   seconds the failure cost (the fault batch's time minus the median steady batch), replayed
   collectives. A per-run hang watchdog ends the launch with every stack.
+- `stray`: no model. Rank 0 issues, between two recorded collectives, an all-reduce of its own
+  (outside the ledger, as a model's own code would) and goes on (NCCL: its host does not block);
+  rank 1 stops after the first and catches up. It must stop with `FatalRecoveryError` naming the
+  collective outside the ledger instead of replaying one that would pair with it, and rank 0's
+  watcher must end rank 0 (exit 3). The launch is expected to fail; the log shows both lines.
 - `overhead`: the same steady run with the collective ledger on (`steady_recovery: true`, the
   default) and off, interleaved A B A B ..., tokens/s over the steady batches; median and spread.
 
@@ -43,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", required=True, choices=("oom", "overhead"))
+    p.add_argument("--suite", required=True, choices=("oom", "overhead", "stray"))
     p.add_argument("--out", required=True)
     p.add_argument("--device", default="gpu", choices=("gpu", "cpu"))
     p.add_argument("--tiny", action="store_true", help="tiny Llama, seq 64 (the CPU check)")
@@ -273,6 +278,40 @@ def run_overhead(args: argparse.Namespace, steady_recovery: bool) -> dict[str, A
     return record
 
 
+def run_stray(args: argparse.Namespace) -> int:
+    from automicro.core.ledger import Board, CollectiveLedger, FatalRecoveryError
+
+    rank = dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "gpu" else torch.device("cpu")
+    group = dist.new_group(backend="gloo") if args.device == "gpu" else None
+    ledger = CollectiveLedger(Board.create(group), [dist.group.WORLD], device, rank=rank)
+    for _ in range(3):  # a few clean attempts first: the sequence numbers agree
+        ledger.begin_attempt(stop_early=True)
+        ledger.all_reduce(torch.ones(4, device=device))
+        ledger.stop(failed_here=False, site="other", batch=0)
+    ledger.begin_attempt(stop_early=rank == 1)
+    ledger.all_reduce(torch.ones(4, device=device))
+    started = time.perf_counter()
+    if rank == 0:
+        dist.all_reduce(torch.ones(3, device=device), async_op=True)  # the model's own collective
+        ledger.before("all_reduce", torch.ones(5, device=device), None, dist.ReduceOp.SUM)
+        dist.all_reduce(torch.ones(5, device=device), async_op=True)
+        ledger.after()
+        ledger.stop(failed_here=False, site="other", batch=7)
+        print(f"[steady_oom] rank 0 went on past its own collective; waiting for the verdict", flush=True)
+        time.sleep(60)
+        print("[steady_oom] rank 0 was not stopped within 60 s", flush=True)
+        return 1
+    ledger.stop(failed_here=True, site="backward", batch=7)
+    try:
+        ledger.catch_up(30.0, "backward", 7)
+        print("[steady_oom] rank 1 replayed: the collective outside the ledger went unnoticed", flush=True)
+        return 1
+    except FatalRecoveryError as error:
+        print(f"[steady_oom] rank 1 after {time.perf_counter() - started:.2f} s: {error}", flush=True)
+        os._exit(2)
+
+
 def gather(record: dict[str, Any]) -> list[dict[str, Any]]:
     rows: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(rows, record)
@@ -297,6 +336,8 @@ def main() -> int:
             with open(path, "w") as f:
                 json.dump({"torch": torch.__version__, "args": vars(args), "results": results}, f, indent=1)
 
+    if args.suite == "stray":
+        return run_stray(args)
     if args.suite == "oom":
         for repeat in range(args.repeat):
             for spec in args.runs.split(","):

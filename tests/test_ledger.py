@@ -31,17 +31,17 @@ def test_board_rows_count_only_for_the_current_attempt():
     other = Board(segment, 1, 2, check_pids=False)
     mine.begin(5)
     other.begin(4)  # rank 1 has not started attempt 5 yet
-    mine.publish(0, (1, 0, 0, 16, 0))
-    other.publish(0, (1, 0, 0, 16, 0))
+    mine.publish(0, (1, 0, 0, 16, 0, 7))
+    other.publish(0, (1, 0, 0, 16, 0, 7))
     committed, done = mine.snapshot(5)
     assert committed.tolist() == [1, 0] and done.tolist() == [False, False]
     other.begin(5)
-    other.publish(0, (2, 1, 1, 8, 1))
+    other.publish(0, (2, 1, 1, 8, 1, 9))
     other.mark_done()
     committed, done = mine.snapshot(5)
     assert committed.tolist() == [1, 1] and done.tolist() == [False, True]
     entry = mine.entry(1, 0)
-    assert (entry.kind, entry.group, entry.dtype, entry.numel, entry.op) == (2, 1, 1, 8, 1)
+    assert (entry.kind, entry.group, entry.dtype, entry.numel, entry.op, entry.sequence) == (2, 1, 1, 8, 1, 9)
     assert not mine.failed_in(5)
     other.mark_failed(5, "backward")
     assert mine.failed_in(5) and not mine.failed_in(6)
@@ -70,8 +70,8 @@ def test_ledger_records_kind_group_dtype_and_size_before_the_call():
     ledger.after()
     ledger.before("reduce_scatter", torch.zeros(3), None)  # None: the default group
     assert board.headers[0, 1] == 2
-    assert board.entries[0, 0, :5].tolist() == [1, 1, 1, 7, 0]
-    assert board.entries[0, 1, :5].tolist() == [2, 0, 0, 3, 0]
+    assert board.entries[0, 0].tolist() == [1, 1, 1, 7, 0, -1]  # no process group: no sequence number
+    assert board.entries[0, 1].tolist() == [2, 0, 0, 3, 0, -1]
     assert board.entries.shape == (2, CAPACITY, FIELDS)
 
 
@@ -274,3 +274,48 @@ def test_fence_without_a_board_stops_the_job_when_the_ranks_issued_different_col
     fence = AttemptFence(consensus, context, LocalFigures, ledger)  # type: ignore[arg-type]
     with pytest.raises(FatalRecoveryError, match=r"different numbers of collectives \(\[5, 3\]\)"):
         fence.run(lambda finish: finish(), lambda: None, hooks_active=False)
+
+
+def _stray_collective_two_ranks(rank: int, world: int) -> dict[str, Any]:
+    """Like the replay test, but rank 0 issues a collective of its own (outside the ledger) before
+    the next ledgered one, and does not block in it (an NCCL rank's host runs on). Rank 1 must
+    not replay the ledgered one: it would pair with rank 0's own collective."""
+    import torch.distributed as dist
+
+    board = Board.create(None)
+    ledger = CollectiveLedger(board, [dist.group.WORLD], torch.device("cpu"), rank=rank, poll_s=0)
+    ledger.begin_attempt(stop_early=rank == 1)
+    ledger.all_reduce(torch.ones(2))
+    out: dict[str, Any] = {"error": None}
+    if rank == 0:
+        stray = dist.all_reduce(torch.ones(3), async_op=True)  # the model's own, unseen by the ledger
+        ledger.before("all_reduce", torch.ones(5), None, dist.ReduceOp.SUM)
+        work = dist.all_reduce(torch.ones(5), async_op=True)
+        ledger.after()
+        ledger.stop(failed_here=False, site="other", batch=4)
+        deadline = time.monotonic() + 20
+        while board.fatal_record() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        out["declared"] = board.fatal_record() is not None
+        del stray, work
+    else:
+        ledger.stop(failed_here=True, site="backward", batch=4)
+        try:
+            ledger.catch_up(20.0, "backward", 4)
+        except FatalRecoveryError as error:
+            out["error"] = str(error)
+    return out
+
+
+@pytest.mark.multiproc
+def test_a_collective_outside_the_ledger_is_never_paired_with_a_replay():
+    # Neither rank can tear its process group down cleanly afterwards (rank 0's two all-reduces
+    # are never matched): the harness may report that; the results are what is checked.
+    try:
+        results = run_multiprocess(_stray_collective_two_ranks, world_size=2, timeout_s=60, teardown_timeout_s=5)
+    except Exception as failure:  # noqa: BLE001 - teardown of the unmatched collectives
+        results = [getattr(failure, "results", {}).get(r) for r in range(2)]
+    zero, one = results
+    assert one is not None and one["error"] is not None, results
+    assert "rank 0 issued 1 collective(s) outside the ledger" in one["error"] and "batch 4" in one["error"], one
+    assert zero is not None and zero["declared"], results

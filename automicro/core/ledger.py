@@ -52,6 +52,7 @@ import torch.distributed as dist
 from automicro.core.consensus import OOMOnOtherRank
 from automicro.core.sites import ALL_SITES, site_index
 from automicro.core.transport import open_shared_segment, process_exists
+from automicro.engine._torch_internals import collective_sequence_number
 
 ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = 1, 2, 3
 KINDS = {"all_gather": ALL_GATHER, "reduce_scatter": REDUCE_SCATTER, "all_reduce": ALL_REDUCE}
@@ -63,7 +64,7 @@ DTYPES = (
 _OPS = ("SUM", "AVG", "MAX", "MIN", "PRODUCT")
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(DTYPES)}
 _OP_CODES = {getattr(dist.ReduceOp, name): code for code, name in enumerate(_OPS)}
-FIELDS = 6  # kind, group, dtype, numel, op, spare
+FIELDS = 6  # kind, group, dtype, numel, op, the group's sequence number before the collective
 CAPACITY = 8192  # entries per rank; a rank never gets this far ahead of one that stopped
 _FATAL = 6  # [flag, declared by, reason, batch, epoch, the latest epoch in which a rank failed]
 _HEADER = 6  # per rank: epoch, committed, done, failed (epoch), pid, site index of its failure
@@ -102,6 +103,7 @@ class Entry:
     dtype: int
     numel: int
     op: int
+    sequence: int = -1  # the group's collective count before this one (-1: not known)
 
     def describe(self) -> str:
         return f"{KIND_NAMES.get(self.kind, self.kind)} of {self.numel} x {DTYPES[self.dtype]} on group {self.group}"
@@ -163,9 +165,9 @@ class Board:
         row[3] = 0
         row[0] = epoch  # last: a reader that sees the new epoch sees the cleared fields
 
-    def publish(self, index: int, entry: tuple[int, int, int, int, int]) -> None:
+    def publish(self, index: int, entry: tuple[int, int, int, int, int, int]) -> None:
         row = self._own_entries[index % CAPACITY]
-        row[0], row[1], row[2], row[3], row[4] = entry
+        row[0], row[1], row[2], row[3], row[4], row[5] = entry
         self._own_header[1] = index + 1  # after the entry: x86 keeps stores in order
 
     def mark_done(self) -> None:
@@ -191,8 +193,8 @@ class Board:
         return committed, done
 
     def entry(self, source: int, index: int) -> Entry:
-        kind, group, dtype, numel, op = (int(x) for x in self.entries[source, index % CAPACITY, :5])
-        return Entry(kind, group, dtype, numel, op)
+        kind, group, dtype, numel, op, sequence = (int(x) for x in self.entries[source, index % CAPACITY])
+        return Entry(kind, group, dtype, numel, op, sequence)
 
     def gone(self) -> list[int]:
         if not self.check_pids:
@@ -244,6 +246,9 @@ class CollectiveLedger:
         self.issued = 0
         self.replayed_total = 0
         self._stop_early = False
+        # The groups' c10d sequence numbers let a replay notice a collective outside the ledger
+        # (the model's own) that would pair with a replayed one; only with a process group.
+        self._sequenced = board is not None and dist.is_initialized()
         self.last_failure: tuple[str, int] = ("other", -1)  # (site, batch) for messages
         self._watcher: Optional[threading.Thread] = None
         self._stop_watcher = threading.Event()
@@ -277,7 +282,8 @@ class CollectiveLedger:
         if self._stop_early and board.failed_in(self.epoch):  # type: ignore[union-attr]
             raise OOMOnOtherRank("automicro: another rank failed in this attempt (collective ledger)")
         index = self._group_index.get(group if group is not None else self.groups[0], -1)
-        entry = (KINDS[kind], index, _DTYPE_CODES.get(tensor.dtype, -1), tensor.numel(), _op_code(op))
+        sequence = collective_sequence_number(group) if self._sequenced else -1
+        entry = (KINDS[kind], index, _DTYPE_CODES.get(tensor.dtype, -1), tensor.numel(), _op_code(op), sequence)
         if board is not None:
             board.publish(self.committed, entry)
         self.committed += 1
@@ -355,7 +361,16 @@ class CollectiveLedger:
                 raise self._fatal(site, batch, REASON_UNTRACKED, f"rank {source} got more than {CAPACITY} collectives ahead")
             entry = self.board.entry(source, index)
             if entry.group < 0 or entry.dtype < 0:
-                raise self._fatal(site, batch, REASON_UNTRACKED, f"collective {index} ({entry.kind}) is on a group or dtype the ledger does not track")
+                raise self._fatal(site, batch, REASON_UNTRACKED, f"collective {index} ({entry.describe()}) is on a group or dtype the ledger does not track")
+            mine = collective_sequence_number(self.groups[entry.group]) if entry.sequence >= 0 else -1
+            if mine != entry.sequence:
+                # Rank `source` issued other collectives on this group before this one (the
+                # model's own, unseen by the ledger): a replay would pair with one of those.
+                raise self._fatal(
+                    site, batch, REASON_UNTRACKED,
+                    f"rank {source} issued {entry.sequence - mine} collective(s) outside the ledger on group "
+                    f"{entry.group} before collective {index} ({entry.describe()}); replaying it would pair it with one of those",
+                )
             self._replay(entry)
             self.issued += 1
             count += 1

@@ -390,6 +390,15 @@ def add_collective_observer(observer: CollectiveObserver) -> _ObserverHandle:
     return _ObserverHandle(observer)
 
 
+def collective_sequence_number(group: Any) -> int:
+    """How many collectives this rank has issued on `group` (None: the default group) since it was
+    created: c10d's per-group sequence number (`ProcessGroup._get_sequence_number_for_group`,
+    private; checked on torch 2.7.0 and 2.11.0 with gloo, and on 2.11.0 with NCCL, where it counts
+    collectives only). Equal on every rank that issued the same collectives."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    return int(pg._get_sequence_number_for_group())
+
+
 def pre_collective_hook_installed() -> bool:
     """Whether a pre-collective hook (a sync point) runs in front of FSDP2's collectives."""
     return bool(_hooks) and isinstance(_fsdp_collectives.dist, _DistProxy)
