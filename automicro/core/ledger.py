@@ -14,13 +14,15 @@ stale one (a hang, or wrong data where the sizes happen to match). Every rank is
 collectives in the same order, and a rank that fails has issued a prefix of that order. So:
 
 1. Before issuing collective i of an attempt, a rank writes its descriptor (kind, group, dtype,
-   element count, reduce op) into its row of the board, then raises the count of collectives it
-   committed to. A rank that fails (or unwinds) marks itself done and, when it failed itself,
+   element count, reduce op, and the group's c10d sequence number) into its row of the board,
+   then raises the count of collectives it committed to. A rank that fails (or unwinds) marks itself done and, when it failed itself,
    raises a flag every rank checks before its next collective: the others stop within one
    collective (milliseconds) instead of running the rest of the batch.
 2. A rank that stopped early replays, with zero-filled buffers, every collective some other rank
    committed to and it did not issue, reading the descriptors from the board, until every rank
-   is done. On gloo that unblocks the ranks waiting inside a collective; on NCCL it completes the
+   is done. Before each replay it compares its own sequence number on that group with the
+   entry's: a difference means the other rank issued collectives the ledger did not see (the
+   model's own), and a replay would pair with one of those, so the job stops instead. On gloo that unblocks the ranks waiting inside a collective; on NCCL it completes the
    queued ones. The replayed results are garbage on purpose and nobody keeps them: the attempt
    is wiped on every rank before the retry.
 3. Then the usual consensus runs; every rank's collective sequence is in step again.
