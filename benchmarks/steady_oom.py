@@ -288,7 +288,7 @@ def run_stray(args: argparse.Namespace) -> int:
     for _ in range(3):  # a few clean attempts first: the sequence numbers agree
         ledger.begin_attempt(stop_early=True)
         ledger.all_reduce(torch.ones(4, device=device))
-        ledger.stop(failed_here=False, site="other", batch=0)
+        ledger.stop(failed_here=False, site="other")
     ledger.begin_attempt(stop_early=rank == 1)
     ledger.all_reduce(torch.ones(4, device=device))
     started = time.perf_counter()
@@ -297,12 +297,12 @@ def run_stray(args: argparse.Namespace) -> int:
         ledger.before("all_reduce", torch.ones(5, device=device), None, dist.ReduceOp.SUM)
         dist.all_reduce(torch.ones(5, device=device), async_op=True)
         ledger.after()
-        ledger.stop(failed_here=False, site="other", batch=7)
+        ledger.stop(failed_here=False, site="other")
         print(f"[steady_oom] rank 0 went on past its own collective; waiting for the verdict", flush=True)
         time.sleep(60)
         print("[steady_oom] rank 0 was not stopped within 60 s", flush=True)
         return 1
-    ledger.stop(failed_here=True, site="backward", batch=7)
+    ledger.stop(failed_here=True, site="backward")
     try:
         ledger.catch_up(30.0, "backward", 7)
         print("[steady_oom] rank 1 replayed: the collective outside the ledger went unnoticed", flush=True)

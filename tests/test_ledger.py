@@ -102,7 +102,7 @@ def test_catch_up_gives_up_after_the_bound_naming_the_late_rank():
     Board(segment, 1, 2, False)
     ledger = CollectiveLedger(board, [None], torch.device("cpu"), poll_s=0)
     ledger.begin_attempt()
-    ledger.stop(failed_here=True, site="forward", batch=3)
+    ledger.stop(failed_here=True, site="forward")
     started = time.monotonic()
     with pytest.raises(FatalRecoveryError, match=r"rank\(s\) \[1\] did not stop within 0.5 s"):
         ledger.catch_up(0.5, "forward", 3)
@@ -235,10 +235,10 @@ def _replay_two_ranks(rank: int, world: int) -> dict[str, Any]:
         dist.reduce_scatter_tensor(scattered, torch.ones(4), op=dist.ReduceOp.SUM)
         ledger.after()
         out["gathered"], out["scattered"] = gathered.tolist(), scattered.tolist()
-        ledger.stop(failed_here=False, site="other", batch=0)
+        ledger.stop(failed_here=False, site="other")
         out["replayed"] = 0
     else:
-        ledger.stop(failed_here=True, site="forward", batch=0)
+        ledger.stop(failed_here=True, site="forward")
         out["replayed"] = ledger.catch_up(30.0, "forward", 0)
     # In step again: the next collective pairs with the same one on both ranks.
     t = torch.full((2,), float(10 * (rank + 1)))
@@ -292,14 +292,14 @@ def _stray_collective_two_ranks(rank: int, world: int) -> dict[str, Any]:
         ledger.before("all_reduce", torch.ones(5), None, dist.ReduceOp.SUM)
         work = dist.all_reduce(torch.ones(5), async_op=True)
         ledger.after()
-        ledger.stop(failed_here=False, site="other", batch=4)
+        ledger.stop(failed_here=False, site="other")
         deadline = time.monotonic() + 20
         while board.fatal_record() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         out["declared"] = board.fatal_record() is not None
         del stray, work
     else:
-        ledger.stop(failed_here=True, site="backward", batch=4)
+        ledger.stop(failed_here=True, site="backward")
         try:
             ledger.catch_up(20.0, "backward", 4)
         except FatalRecoveryError as error:
@@ -319,3 +319,24 @@ def test_a_collective_outside_the_ledger_is_never_paired_with_a_replay():
     assert one is not None and one["error"] is not None, results
     assert "rank 0 issued 1 collective(s) outside the ledger" in one["error"] and "batch 4" in one["error"], one
     assert zero is not None and zero["declared"], results
+
+
+def test_fence_reports_the_collectives_this_rank_issued_to_the_consensus():
+    seen: list[int] = []
+
+    class Recording(FakeConsensus):
+        def finish(self, figures):
+            seen.append(figures.collectives)
+            return super().finish(figures)
+
+    ledger = CollectiveLedger(None, [None], torch.device("cpu"), poll_s=0)
+    fence = AttemptFence(Recording(), AttemptContext(), LocalFigures, ledger)  # type: ignore[arg-type]
+
+    def body(finish):
+        for _ in range(3):
+            ledger.before("all_reduce", torch.zeros(1), None)
+            ledger.after()
+        finish()
+
+    fence.run(body, lambda: None, hooks_active=False)
+    assert seen == [3]

@@ -128,8 +128,8 @@ class AttemptFence:
             nonlocal verdict
             context.in_attempt = False
             if self.ledger is not None:
-                self.ledger.stop(failed_here=False, site=context.last_site, batch=batch)
-            verdict = self.consensus.finish(self.figures())
+                self.ledger.stop(failed_here=False, site=context.last_site)
+            verdict = self.consensus.finish(self._report())
             self._check_in_step(verdict, context.last_site, batch)
             if verdict.failed:
                 raise OOMOnOtherRank("automicro: another rank failed this attempt")
@@ -168,7 +168,7 @@ class AttemptFence:
         oom = is_oom(error)
         own_error = None if followed or oom else error
         if self.ledger is not None:
-            self.ledger.stop(failed_here=not followed, site=site, batch=batch)
+            self.ledger.stop(failed_here=not followed, site=site)
         if own_error is None:
             _drop_frames(error)
         wipe()
@@ -178,7 +178,7 @@ class AttemptFence:
         kind = KIND_OOM if own_error is None else KIND_ERROR
         timeout = None if hooks_active else self.recovery_timeout_s
         try:
-            verdict = self.consensus.fail(kind, site, self.figures(), own_code_zero=followed, timeout_s=timeout)
+            verdict = self.consensus.fail(kind, site, self._report(), own_code_zero=followed, timeout_s=timeout)
         except RuntimeError as timeout_error:
             raise RuntimeError(
                 f"automicro: rank {self.consensus.rank} failed at {site} in batch {batch} while the sync hooks were "
@@ -188,6 +188,14 @@ class AttemptFence:
         self._check_in_step(verdict, site, batch)
         unreported = None if verdict.failed else error
         return AttemptResult(verdict, None, own_error, unreported, time.perf_counter() - started, replayed)
+
+    def _report(self) -> LocalFigures:
+        """This rank's figures, with the collectives it issued in the attempt (the consensus
+        compares them where no ledger board lets a rank catch up)."""
+        figures = self.figures()
+        if self.ledger is not None:
+            figures.collectives = self.ledger.issued
+        return figures
 
     def _check_in_step(self, verdict: Verdict, site: str, batch: int) -> None:
         if self.ledger is not None and not self.ledger.live and verdict.failed:

@@ -251,7 +251,6 @@ class CollectiveLedger:
         # The groups' c10d sequence numbers let a replay notice a collective outside the ledger
         # (the model's own) that would pair with a replayed one; only with a process group.
         self._sequenced = board is not None and dist.is_initialized()
-        self.last_failure: tuple[str, int] = ("other", -1)  # (site, batch) for messages
         self._watcher: Optional[threading.Thread] = None
         self._stop_watcher = threading.Event()
         if board is not None and poll_s > 0:
@@ -302,9 +301,8 @@ class CollectiveLedger:
         dist.all_reduce(tensor, op=op, group=group)
         self.after()
 
-    def stop(self, failed_here: bool, site: str, batch: int) -> None:
-        """This rank issues nothing more in this attempt; `failed_here`: it failed itself."""
-        self.last_failure = (site, batch)
+    def stop(self, failed_here: bool, site: str) -> None:
+        """This rank issues nothing more in this attempt; `failed_here`: it failed itself (at `site`)."""
         if self.board is not None:
             if failed_here:
                 self.board.mark_failed(self.epoch, site)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -239,17 +239,15 @@ def is_clean(modules: list[FSDPModule]) -> bool:
 PreCollectiveHook = Callable[[str, list[Any]], None]  # (site, the collective's FSDPParams)
 
 
-class CollectiveObserver:
+class CollectiveObserver(Protocol):
     """Told about every FSDP2 collective right before it is issued and right after the call
     returns (`automicro.core.ledger.CollectiveLedger`). `kind` is "all_gather", "reduce_scatter"
     or "all_reduce"; `tensor` is the rank's own contribution (input of an all-gather, output of
     a reduce-scatter); `group` as FSDP2 passed it (None: the default group)."""
 
-    def before(self, kind: str, tensor: torch.Tensor, group: Any, op: Any) -> None:
-        raise NotImplementedError
+    def before(self, kind: str, tensor: torch.Tensor, group: Any, op: Any) -> None: ...
 
-    def after(self) -> None:
-        raise NotImplementedError
+    def after(self) -> None: ...
 
 
 class _Owner(threading.local):
@@ -333,24 +331,18 @@ def _owned(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-class _HookHandle:
-    def __init__(self, hook: PreCollectiveHook) -> None:
-        self._hook = hook
+class _PatchHandle:
+    """Takes one hook or observer off its list; the last one off restores torch's code paths."""
 
-    def remove(self) -> None:
-        if self._hook in _hooks:
-            _hooks.remove(self._hook)
+    def __init__(self, registry: list[Any], item: Any) -> None:
+        self._registry, self._item = registry, item
         if not _hooks and not _observers:
-            _restore_collectives()
-
-
-class _ObserverHandle:
-    def __init__(self, observer: CollectiveObserver) -> None:
-        self._observer = observer
+            _patch_collectives()
+        registry.append(item)
 
     def remove(self) -> None:
-        if self._observer in _observers:
-            _observers.remove(self._observer)
+        if self._item in self._registry:
+            self._registry.remove(self._item)
         if not _hooks and not _observers:
             _restore_collectives()
 
@@ -367,27 +359,21 @@ def _restore_collectives() -> None:
     _fsdp_param_group.foreach_reduce = _ORIGINAL_FOREACH_REDUCE
 
 
-def add_pre_collective_hook(hook: PreCollectiveHook) -> _HookHandle:
+def add_pre_collective_hook(hook: PreCollectiveHook) -> _PatchHandle:
     """Call `hook(site, fsdp_params)` after FSDP2 allocates a collective's buffers, before it runs.
 
     The patch is in place only while at least one hook (or observer) exists; removing the last
     one restores torch's own code paths exactly.
     """
-    if not _hooks and not _observers:
-        _patch_collectives()
-    _hooks.append(hook)
-    return _HookHandle(hook)
+    return _PatchHandle(_hooks, hook)
 
 
-def add_collective_observer(observer: CollectiveObserver) -> _ObserverHandle:
+def add_collective_observer(observer: CollectiveObserver) -> _PatchHandle:
     """Tell `observer` about every FSDP2 collective (the newest observer only) until removed.
 
     Uses the same module-global patch as the pre-collective hooks; it stays in place while any
     hook or observer exists."""
-    if not _hooks and not _observers:
-        _patch_collectives()
-    _observers.append(observer)
-    return _ObserverHandle(observer)
+    return _PatchHandle(_observers, observer)
 
 
 def collective_sequence_number(group: Any) -> int:
