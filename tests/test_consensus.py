@@ -19,6 +19,7 @@ from automicro.core.transport import (
     ProcessGroupTransport,
     ShmTransport,
     TransportTimeout,
+    node_layout,
     shm_unavailable_reason,
 )
 from automicro.testing.multiprocess import run_multiprocess
@@ -135,11 +136,14 @@ def test_shared_memory_round_times_out_naming_the_late_rank():
         transport.max_reduce(np.zeros(3, dtype=np.int64), timeout_s=1.5)
 
 
-def test_shared_memory_refuses_several_hosts_and_other_architectures():
-    here = ("node-a", "boot-1", "x86_64", "pid:[1]")
+def test_shared_memory_refuses_several_hosts_nodes_and_other_architectures():
+    here = ("node-a", "boot-1", "x86_64", "pid:[1]", "0")
     assert shm_unavailable_reason([here, here]) is None or not os.path.isdir("/dev/shm")
-    assert "2 hosts" in shm_unavailable_reason([here, ("node-b", "boot-2", "x86_64", "pid:[1]")])
-    assert "aarch64" in shm_unavailable_reason([("n", "b", "aarch64", "p")] * 2)
+    assert "2 hosts" in shm_unavailable_reason([here, ("node-b", "boot-2", "x86_64", "pid:[1]", "1")])
+    # Two launchers on one machine, each with its own node rank: two nodes, no shared segment.
+    assert "2 nodes" in shm_unavailable_reason([here, ("node-a", "boot-1", "x86_64", "pid:[1]", "1")])
+    assert "aarch64" in shm_unavailable_reason([("n", "b", "aarch64", "p", "")] * 2)
+    assert node_layout([here, ("node-a", "boot-1", "x86_64", "pid:[1]", "1"), here]) == [[0, 2], [1]]
 
 
 def test_bad_transport_names_are_refused_with_the_choices():
@@ -147,5 +151,114 @@ def test_bad_transport_names_are_refused_with_the_choices():
 
     with pytest.raises(ValueError, match="consensus transport 'tcp'.*auto.*shm.*process_group"):
         Consensus.create(transport="tcp")
-    with pytest.raises(ValueError, match="consensus_transport='tcp'.*'auto'.*'shm'.*'process_group'"):
+    with pytest.raises(ValueError, match="consensus_transport='tcp'.*'auto'.*'shm'.*'hierarchical'.*'process_group'"):
         AutoMicrobatching(consensus_transport="tcp")
+
+
+# ---- many nodes: the hierarchical transport ------------------------------------------------------
+
+
+def _hierarchical_and_gloo(rank: int, world: int, seed: int, local_leg: str) -> dict:
+    consensus = Consensus.create(transport="auto", local_leg=local_leg)
+    pg = ProcessGroupTransport(consensus.group, world)
+    length = 1 + SLOTS * world
+    delays = random.Random(seed + rank)
+    hier_results, pg_results = [], []
+    for r in range(ROUNDS):
+        if delays.random() < 0.1:
+            time.sleep(delays.choice([1e-4, 1e-3, 5e-3]))
+        hier_results.append(consensus.transport.max_reduce(_vector(seed, rank, r, length)).tolist())
+        pg_results.append(pg.max_reduce(_vector(seed, rank, r, length)).tolist())
+    described = consensus.describe()
+    consensus.close()
+    return {"hier": hier_results, "pg": pg_results, "name": consensus.transport_name, "described": described}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(
+    "world,nodes,local_leg,within",
+    [(4, 2, "auto", "shared memory"), (4, 4, "auto", "one rank per node"), (4, 2, "process_group", "gloo")],
+)
+def test_hierarchical_and_gloo_agree_on_every_round_with_late_arrivals(world, nodes, local_leg, within):
+    seed = 31 + nodes
+    per_rank = run_multiprocess(
+        _hierarchical_and_gloo, world_size=world, nodes=nodes, args=(seed, local_leg), timeout_s=180
+    )
+    length = 1 + SLOTS * world
+    expected = [
+        np.max([_vector(seed, rank, r, length) for rank in range(world)], axis=0).tolist() for r in range(ROUNDS)
+    ]
+    for rank, result in enumerate(per_rank):
+        assert result["name"] == "hierarchical", result["described"]
+        assert f"{nodes} nodes of {world // nodes} rank(s), {within}" in result["described"], result["described"]
+        assert result["pg"] == expected, f"rank {rank}: gloo all-reduce differs from the element-wise max"
+        assert result["hier"] == expected, f"rank {rank}: hierarchical round differs from the element-wise max"
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("nodes", [2, 4])
+def test_consensus_protocol_same_verdict_on_several_nodes(nodes):
+    per_rank = run_multiprocess(_consensus_protocol, world_size=4, nodes=nodes, args=("auto",), timeout_s=60)
+    for rank, result in enumerate(per_rank):
+        assert result["transport"] == "hierarchical", result
+        assert result["failed_ranks"] == [1] and result["sites"] == ["backward"], result
+        assert result["peak"] == 1003 and result["capacity"] == 4997, result
+        assert result["clean_failed"] is False
+    assert {r["syncs"] for r in per_rank} == {per_rank[0]["syncs"]}, "ranks ran different numbers of rounds"
+
+
+def _one_rank_exits(rank: int, world: int, victim: int, timeout_s: float) -> str:
+    from automicro.core.transport import TransportTimeout
+
+    consensus = Consensus.create(transport="auto")
+    vec = np.zeros(1 + SLOTS * world, dtype=np.int64)
+    for _ in range(5):
+        consensus.transport.max_reduce(vec.copy())
+    if rank == victim:
+        os._exit(7)
+    started = time.monotonic()
+    try:
+        consensus.transport.max_reduce(vec.copy(), timeout_s=timeout_s)
+    except TransportTimeout as error:
+        return f"{time.monotonic() - started:.1f}|{error}"
+    return "no error"
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("victim,role", [(3, "non-leader"), (2, "leader")])
+def test_hierarchical_round_names_a_rank_that_exited_on_every_other_rank(victim, role):
+    from automicro.testing.multiprocess import MultiprocessFailure
+
+    with pytest.raises(MultiprocessFailure) as failure:
+        run_multiprocess(
+            _one_rank_exits, world_size=4, nodes=2, args=(victim, 60.0), timeout_s=60, failure_grace_s=30
+        )
+    results = failure.value.results
+    assert sorted(results) == sorted(set(range(4)) - {victim}), failure.value
+    leader = ", its leader" if role == "leader" else ""
+    for rank, text in results.items():
+        seconds, message = text.split("|", 1)
+        assert f"rank {victim} (node 1{leader}) exited" in message, (rank, message)
+        assert float(seconds) < 20, f"rank {rank} took {seconds} s to name the rank that exited"
+
+
+def _one_rank_late(rank: int, world: int, late: int) -> str:
+    from automicro.core.transport import TransportTimeout
+
+    consensus = Consensus.create(transport="auto")
+    vec = np.zeros(1 + SLOTS * world, dtype=np.int64)
+    consensus.transport.max_reduce(vec.copy())
+    if rank == late:
+        time.sleep(8)  # stuck elsewhere; arrives long after the others gave up
+    try:
+        consensus.transport.max_reduce(vec.copy(), timeout_s=2.0)
+    except TransportTimeout as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.multiproc
+def test_hierarchical_round_times_out_naming_the_late_rank_everywhere():
+    per_rank = run_multiprocess(_one_rank_late, world_size=4, nodes=2, args=(1,), timeout_s=90)
+    for rank, message in enumerate(per_rank):
+        assert "rank 1 (node 0) did not reach the round in time" in message, (rank, message)

@@ -27,7 +27,8 @@ import numpy as np
 import torch.distributed as dist
 
 from automicro.core.sites import ALL_SITES, site_index
-from automicro.core.transport import TRANSPORTS, ProcessGroupTransport, ShmTransport
+from automicro.core.hierarchical import HierarchicalTransport
+from automicro.core.transport import TRANSPORTS, ProcessGroupTransport, ShmTransport, gather_identities, node_layout
 
 SLOTS = 6
 KIND_OOM = 1
@@ -115,7 +116,7 @@ class Consensus:
     world_size: int = 1
     rank: int = 0
     sync_count: int = 0
-    transport: Any = None  # ProcessGroupTransport or ShmTransport (automicro.core.transport)
+    transport: Any = None  # ProcessGroupTransport, ShmTransport or HierarchicalTransport
     _failed_seen: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -128,12 +129,14 @@ class Consensus:
         return self.transport.name
 
     @classmethod
-    def create(cls, use_cpu_group: bool = True, transport: str = "auto") -> "Consensus":
+    def create(cls, use_cpu_group: bool = True, transport: str = "auto", local_leg: str = "auto") -> "Consensus":
         """Collective: every rank must call it.
 
-        `transport`: "shm" (shared memory, every rank on one x86-64 host), "process_group" (a
-        gloo side group, or the default group when `use_cpu_group` is False) or "auto" (shm
-        where possible, else the process group)."""
+        `transport`: "shm" (shared memory, every rank on one x86-64 node), "hierarchical" (shared
+        memory within each node, gloo among the node leaders), "process_group" (a gloo side
+        group, or the default group when `use_cpu_group` is False) or "auto" (shm on one node,
+        hierarchical on several, the process group where neither can be set up). `local_leg`:
+        the hierarchical transport's leg within a node ("auto", "shm", "process_group")."""
         if transport not in TRANSPORTS:
             raise ValueError(f"consensus transport {transport!r}: must be one of {list(TRANSPORTS)}")
         if not dist.is_initialized():
@@ -142,20 +145,33 @@ class Consensus:
         if use_cpu_group and dist.get_backend() != "gloo":
             group = dist.new_group(backend="gloo")
         world, rank = dist.get_world_size(), dist.get_rank()
-        chosen = None
-        if transport in ("auto", "shm") and world > 1:
-            if group is None and dist.get_backend() != "gloo":
+        if world == 1 or transport == "process_group":
+            return cls(group=group, world_size=world, rank=rank)
+        if group is None and dist.get_backend() != "gloo":
+            if transport != "auto":
+                raise ValueError(
+                    f"consensus transport {transport!r} needs a CPU group to set itself up: keep cpu_sync_group true"
+                )
+            return cls(group=group, world_size=world, rank=rank)
+        identities = gather_identities(group)
+        several_nodes = len(node_layout(identities)) > 1
+        length = 1 + SLOTS * world
+        chosen: Any = None
+        if transport == "hierarchical" or (transport == "auto" and several_nodes):
+            chosen = HierarchicalTransport.create(group, identities, length, local_leg)
+        else:
+            try:
+                chosen = ShmTransport.create(group, length)
+            except RuntimeError as error:
                 if transport == "shm":
                     raise ValueError(
-                        "consensus transport 'shm' needs a CPU group to set itself up: keep cpu_sync_group true"
-                    )
-            else:
-                try:
-                    chosen = ShmTransport.create(group, 1 + SLOTS * world)
-                except RuntimeError as error:
-                    if transport == "shm":
-                        raise ValueError(f"consensus transport 'shm': {error}; use 'auto' or 'process_group'") from None
+                        f"consensus transport 'shm': {error}; use 'auto', 'hierarchical' or 'process_group'"
+                    ) from None
         return cls(group=group, world_size=world, rank=rank, transport=chosen)
+
+    def describe(self) -> str:
+        """One line for the console: the transport in use and its shape."""
+        return self.transport.describe()
 
     def close(self) -> None:
         self.transport.close()

@@ -1,6 +1,6 @@
 """How a consensus round travels: an element-wise MAX of one small int64 vector over all ranks.
 
-Two transports, same result:
+Three transports, same result (the third, for many nodes, is `automicro.core.hierarchical`):
 - `ProcessGroupTransport`: `dist.all_reduce(MAX)` on a process group (the gloo side group, or the
   default group when `cpu_sync_group=False`). Works across hosts. One round costs a gloo
   round trip (~0.1 ms on one host).
@@ -10,6 +10,11 @@ Two transports, same result:
   on thousands of rounds per batch costs little host time. x86-64 only: the protocol relies on
   x86's store order (the slot is visible before the round number); elsewhere `auto` picks the
   process group.
+- `HierarchicalTransport` (automicro.core.hierarchical): shared memory within each node, one
+  gloo round among the node leaders; `auto` picks it when the ranks belong to several nodes.
+
+A node is what the launcher says it is (`launcher_node`): two launchers on one machine, each with
+its own node rank, are two nodes and share no memory, exactly as two hosts would not.
 
 Both are collective to create and must be used in the same order on every rank (the consensus
 protocol guarantees each rank runs the same number of rounds).
@@ -24,13 +29,14 @@ import socket
 import time
 import uuid
 
+from collections.abc import Callable
 from typing import Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-TRANSPORTS = ("auto", "shm", "process_group")
+TRANSPORTS = ("auto", "shm", "hierarchical", "process_group")
 DEFAULT_TIMEOUT_S = 1800.0  # when a round has no timeout of its own: as long as a c10d default
 
 
@@ -44,6 +50,9 @@ class ProcessGroupTransport:
     def __init__(self, group: Optional[dist.ProcessGroup], world_size: int) -> None:
         self.group = group
         self.world_size = world_size
+
+    def describe(self) -> str:
+        return f"process_group: a gloo all-reduce over {self.world_size} rank(s)"
 
     def max_reduce(self, vec: np.ndarray, timeout_s: Optional[float] = None) -> np.ndarray:
         if self.world_size == 1:
@@ -61,8 +70,19 @@ class ProcessGroupTransport:
         pass
 
 
-def _host_identity() -> tuple[str, str, str, str]:
-    """(hostname, boot id, machine, pid namespace): equal on two ranks that can share /dev/shm and pids."""
+def launcher_node() -> str:
+    """The node this rank belongs to as its launcher says (torchrun's GROUP_RANK, the composer
+    launcher's NODE_RANK); "" when no launcher said. Two launchers on one machine are two nodes."""
+    for variable in ("GROUP_RANK", "NODE_RANK"):
+        value = os.environ.get(variable, "").strip()
+        if value:
+            return value
+    return ""
+
+
+def _host_identity() -> tuple[str, str, str, str, str]:
+    """(hostname, boot id, machine, pid namespace, launcher node): the first two and the last are
+    equal on ranks of one node, which may share /dev/shm and probe each other's pids."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -72,14 +92,30 @@ def _host_identity() -> tuple[str, str, str, str]:
         pid_ns = os.readlink("/proc/self/ns/pid")
     except OSError:
         pid_ns = ""
-    return socket.gethostname(), boot, platform.machine(), pid_ns
+    return socket.gethostname(), boot, platform.machine(), pid_ns, launcher_node()
 
 
-def shm_unavailable_reason(identities: list[tuple[str, str, str, str]]) -> Optional[str]:
-    """Why the shared-memory transport cannot serve these ranks (None: it can)."""
-    hosts = {(h, b) for h, b, _, _ in identities}
+def _node_key(identity: tuple) -> tuple:
+    hostname, boot, _, _, node = identity
+    return hostname, boot, node
+
+
+def node_layout(identities: list[tuple]) -> list[list[int]]:
+    """The ranks of each node (one identity per rank), nodes ordered by their lowest rank."""
+    nodes: dict[tuple, list[int]] = {}
+    for rank, identity in enumerate(identities):
+        nodes.setdefault(_node_key(identity), []).append(rank)
+    return sorted(nodes.values(), key=lambda ranks: ranks[0])
+
+
+def shm_unavailable_reason(identities: list[tuple]) -> Optional[str]:
+    """Why one shared-memory segment cannot serve these ranks (None: it can)."""
+    hosts = {(h, b) for h, b, *_ in identities}
     if len(hosts) > 1:
         return f"the ranks run on {len(hosts)} hosts"
+    nodes = {_node_key(identity) for identity in identities}
+    if len(nodes) > 1:
+        return f"the ranks belong to {len(nodes)} nodes (launchers with their own node rank)"
     machine = identities[0][2]
     if machine not in ("x86_64", "AMD64"):
         return f"the host is {machine}, not x86-64 (the shared-memory protocol relies on x86 store order)"
@@ -101,17 +137,24 @@ def process_exists(pid: int) -> bool:
     return True
 
 
+def gather_identities(group: Optional[dist.ProcessGroup]) -> list[tuple]:
+    """Collective over `group`: every rank's `_host_identity()`, by group rank."""
+    identities: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(identities, _host_identity(), group=group)
+    return identities
+
+
 def open_shared_segment(group: Optional[dist.ProcessGroup], words: int, purpose: str) -> tuple[np.ndarray, bool]:
-    """Collective over `group`: map one zeroed int64 segment of `words` in /dev/shm on every rank.
+    """Collective over `group` (a CPU-capable group, or a subgroup of one node's ranks): map one
+    zeroed int64 segment of `words` in /dev/shm on every rank of it.
 
     Returns (segment, check_pids): check_pids is True when every rank is in one pid namespace, so
     a rank may probe another's pid to tell "gone" from "slow". Raises RuntimeError with the reason
     (on every rank together) when the ranks cannot share memory. The file is unlinked as soon as
     every rank has mapped it: nothing is left behind in /dev/shm, even after a crash.
     """
-    rank, world = dist.get_rank(), dist.get_world_size()
-    identities: list = [None] * world
-    dist.all_gather_object(identities, _host_identity(), group=group)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    identities = gather_identities(group)
     reason = shm_unavailable_reason(identities)
     if reason is not None:
         raise RuntimeError(f"shared-memory {purpose} is not possible: {reason}")
@@ -127,7 +170,7 @@ def open_shared_segment(group: Optional[dist.ProcessGroup], words: int, purpose:
             path_box[0] = path
         except OSError as e:
             error = f"rank 0 could not create {path}: {e}"
-    dist.broadcast_object_list(path_box, src=0, group=group)
+    dist.broadcast_object_list(path_box, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
     segment: Optional[np.ndarray] = None
     if path_box[0] is not None:
         try:
@@ -148,6 +191,32 @@ def open_shared_segment(group: Optional[dist.ProcessGroup], words: int, purpose:
     return segment, check_pids
 
 
+_SPIN = 200  # busy checks before yielding the CPU
+_YIELD_S = 0.002  # then sched_yield until this long, then short sleeps up to 1 ms
+
+
+def wait_until(ready: Callable[[], bool], check: Callable[[float], None], check_every_s: float = 1.0) -> None:
+    """Wait for `ready()` on shared memory written by another process: spin, then yield, then
+    sleep in short steps; every `check_every_s`, `check(seconds waited)` may raise (a rank gone,
+    a timeout)."""
+    for _ in range(_SPIN):
+        if ready():
+            return
+    start = time.monotonic()
+    next_check = start + check_every_s
+    delay = 0.0
+    while not ready():
+        now = time.monotonic()
+        if now - start < _YIELD_S:
+            os.sched_yield()
+            continue
+        delay = min(max(delay * 2, 2e-5), 1e-3)
+        time.sleep(delay)
+        if now >= next_check:
+            next_check = now + check_every_s
+            check(now - start)
+
+
 class ShmTransport:
     """MAX-reduce through a shared-memory segment; every rank on one x86-64 host.
 
@@ -158,8 +227,6 @@ class ShmTransport:
     """
 
     name = "shm"
-    _SPIN = 200  # busy checks before yielding the CPU
-    _YIELD_S = 0.002  # then sched_yield until this long, then short sleeps
 
     def __init__(self, segment: np.ndarray, rank: int, world_size: int, length: int, check_pids: bool) -> None:
         self.rank = rank
@@ -181,6 +248,9 @@ class ShmTransport:
         segment, check_pids = open_shared_segment(group, world * (2 + 2 * length), "consensus")
         return cls(segment, rank, world, length, check_pids)
 
+    def describe(self) -> str:
+        return f"shm: shared memory among {self.world_size} ranks on one node"
+
     def max_reduce(self, vec: np.ndarray, timeout_s: Optional[float] = None) -> np.ndarray:
         if vec.shape != (self.length,):
             raise ValueError(f"consensus vector of shape {vec.shape}, transport built for ({self.length},)")
@@ -194,28 +264,17 @@ class ShmTransport:
 
     def _wait(self, r: int, timeout_s: float) -> None:
         seq = self._seq
-        for _ in range(self._SPIN):
-            if (seq >= r).all():
-                return
-        start = time.monotonic()
-        next_check = start + 1.0
-        delay = 0.0
-        while not (seq >= r).all():
-            now = time.monotonic()
-            if now - start < self._YIELD_S:
-                os.sched_yield()
-                continue
-            delay = min(max(delay * 2, 2e-5), 1e-3)
-            time.sleep(delay)
-            if now >= next_check:
-                next_check = now + 1.0
-                self._check_alive(r)
-                if now - start > timeout_s:
-                    late = [j for j in range(self.world_size) if seq[j] < r]
-                    raise TransportTimeout(
-                        f"automicro consensus timed out after {timeout_s} s: rank(s) {late} did not reach "
-                        f"round {r} (stuck elsewhere, or gone)"
-                    )
+
+        def check(waited: float) -> None:
+            self._check_alive(r)
+            if waited > timeout_s:
+                late = [j for j in range(self.world_size) if seq[j] < r]
+                raise TransportTimeout(
+                    f"automicro consensus timed out after {timeout_s} s: rank(s) {late} did not reach "
+                    f"round {r} (stuck elsewhere, or gone)"
+                )
+
+        wait_until(lambda: bool((seq >= r).all()), check)
 
     def _check_alive(self, r: int) -> None:
         if not self.check_pids:

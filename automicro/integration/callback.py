@@ -141,8 +141,8 @@ class AutoMicrobatching(Callback):
         self.sync_points = sync_points
         if consensus_transport not in TRANSPORTS:
             raise ValueError(
-                f"consensus_transport={consensus_transport!r}: must be 'auto' (shared memory when every rank is "
-                "on one x86-64 host, else the process group), 'shm' or 'process_group'"
+                f"consensus_transport={consensus_transport!r}: must be 'auto' (shared memory on one node, "
+                "hierarchical on several), 'shm', 'hierarchical' or 'process_group'"
             )
         self.consensus_transport = consensus_transport
         if not isinstance(steady_recovery, bool):
@@ -188,6 +188,7 @@ class AutoMicrobatching(Callback):
         self._sharded = sharded
         self._consensus = Consensus.create(use_cpu_group=self.cpu_sync_group, transport=self.consensus_transport)
         self._rank = dist.get_rank() if dist.is_initialized() else 0
+        self._info(f"consensus transport {self._consensus.describe()}")
         self._ledger = _build_ledger(sharded, self._consensus, self._rank) if self.steady_recovery else None
         self._fence = AttemptFence(
             self._consensus, self._dispatcher.context, self._figures, self._ledger, self.unguarded_timeout_s

@@ -13,7 +13,7 @@
     # results == [10.0, 10.0]: the return values, indexed by rank
 
 Each worker process gets MASTER_ADDR=127.0.0.1, a free MASTER_PORT, RANK, WORLD_SIZE,
-LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK=0 and the entries of `env`, initializes the default
+LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK (0, or its simulated node, `nodes=`) and the entries of `env`, initializes the default
 process group (`init_process_group(backend, rank=rank, world_size=world_size)`; `backend=None`
 skips it, for code that initializes it itself), calls `fn(rank, world_size, *args, **kwargs)`,
 sends the return value back and, once every rank got there (a barrier), destroys the process
@@ -170,7 +170,7 @@ def _send(conn, kind: str, value: Any) -> None:
 
 
 def _worker(rank, world_size, payload, port, backend, env, base_env, conn, dump_path, parent_pid,
-            teardown_watchdog_s):
+            teardown_watchdog_s, nodes=1):
     global _dump_file
     try:
         os.setpgid(0, 0)  # own process group: the parent kills our children with us
@@ -191,9 +191,9 @@ def _worker(rank, world_size, payload, port, backend, env, base_env, conn, dump_
         MASTER_PORT=str(port),
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        NODE_RANK="0",
+        LOCAL_RANK=str(rank % (world_size // nodes)),
+        LOCAL_WORLD_SIZE=str(world_size // nodes),
+        NODE_RANK=str(rank // (world_size // nodes)),
     )
 
     ok = False
@@ -328,6 +328,7 @@ def run_multiprocess(
     teardown_timeout_s: float = 30.0,
     start_method: Optional[str] = None,
     forkserver_preload: Sequence[str] = (),
+    nodes: int = 1,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` fresh processes; return the
     results indexed by rank, or raise `MultiprocessFailure` (see the module docstring).
@@ -349,9 +350,14 @@ def run_multiprocess(
             "spawn".
         forkserver_preload: more modules for the forkserver to import (only used when this
             process starts its forkserver, i.e. on the first forkserver call).
+        nodes: simulated nodes, as separate launchers would set them up: rank r gets
+            NODE_RANK = r // (world_size // nodes) and LOCAL_RANK / LOCAL_WORLD_SIZE within it;
+            automicro treats each as a node of its own (no shared memory across them).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if nodes < 1 or world_size % nodes:
+        raise ValueError(f"nodes={nodes} must divide world_size={world_size}")
     start_method = start_method or os.environ.get(_START_METHOD_ENV) or "spawn"
     if start_method not in ("spawn", "forkserver"):
         raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {start_method!r}")
@@ -388,7 +394,7 @@ def run_multiprocess(
             p = ctx.Process(
                 target=_worker,
                 args=(rank, world_size, payload, port, backend, extra_env, base_env, writer, dump_paths[rank], parent_pid,
-                      max(1.0, teardown_timeout_s / 2)),
+                      max(1.0, teardown_timeout_s / 2), nodes),
                 name=f"automicro-rank{rank}",
                 daemon=False,  # workers may start their own children (DataLoader workers)
             )
