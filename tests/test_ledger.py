@@ -258,23 +258,79 @@ def test_a_rank_that_stopped_replays_what_the_other_issued_and_both_are_back_in_
     assert zero["after"] == one["after"] == [30.0, 30.0]
 
 
-def test_fence_without_a_board_stops_the_job_when_the_ranks_issued_different_collectives():
-    """Ranks on several hosts: no replay possible; a failed attempt whose ranks issued different
-    numbers of collectives must end the job on every rank, not be retried out of step."""
+def _several_nodes_run_ahead(rank: int, world: int, stray: bool) -> dict[str, Any]:
+    """Two nodes (no board). With the hooks off, rank 0 runs its attempt to the end, its host not
+    blocked by the collectives rank 1 never issues (async: what NCCL does); rank 1 fails after the
+    first. After the consensus rank 1 must replay rank 0's other two (or, when rank 0 slipped a
+    collective of its own in between, stop naming it), and the next attempt must pair correctly."""
+    import torch.distributed as dist
 
-    class Uneven(FakeConsensus):
-        def _verdict(self, kind, site):
-            me = RankReport(0, kind, site, 0, 0, 0, 0, collectives=5)
-            other = RankReport(1, 1, "forward", 0, 0, 0, 0, collectives=3)
-            return Verdict((me, other), 1)
+    from automicro.core.consensus import Consensus
 
-    consensus = Uneven()
-    context = AttemptContext()
-    ledger = CollectiveLedger(None, [None], torch.device("cpu"), poll_s=0)
-    fence = AttemptFence(consensus, context, LocalFigures, ledger)  # type: ignore[arg-type]
-    with pytest.raises(FatalRecoveryError, match=r"different numbers of collectives \(\[5, 3\]\)"):
-        fence.run(lambda finish: finish(), lambda: None, hooks_active=False)
+    consensus = Consensus.create()
+    exchange = dist.new_group(backend="gloo")
+    ledger = CollectiveLedger(None, [dist.group.WORLD], torch.device("cpu"), rank=rank, poll_s=0, exchange_group=exchange)
+    fence = AttemptFence(consensus, AttemptContext(), LocalFigures, ledger, recovery_timeout_s=30)
+    works: list[Any] = []
+    tensors: list[torch.Tensor] = []
 
+    def issue(numel: int) -> None:
+        tensor = torch.ones(numel)
+        ledger.before("all_reduce", tensor, None, dist.ReduceOp.SUM)
+        works.append(dist.all_reduce(tensor, async_op=True))
+        ledger.after()
+        tensors.append(tensor)
+
+    def body(finish):
+        issue(2)
+        if rank == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        if stray:
+            works.append(dist.all_reduce(torch.ones(7), async_op=True))  # the model's own
+        issue(3)
+        issue(4)
+        finish()
+
+    out: dict[str, Any] = {"transport": consensus.transport_name, "error": None}
+    try:
+        result = fence.run(body, lambda: None, hooks_active=False)
+    except FatalRecoveryError as error:
+        out["error"] = str(error)
+        return out
+    out["failed_ranks"] = result.verdict.failed_ranks
+    out["replayed"] = result.replayed
+    out["completed"] = all(work.wait(timeout=__import__("datetime").timedelta(seconds=20)) for work in works)
+    out["sums"] = [t.tolist() for t in tensors]  # rank 0: ones + rank 1's zeros (replays) or ones
+    check = torch.full((5,), float(rank + 1))
+    dist.all_reduce(check)  # the next collective pairs with its counterpart
+    out["next"] = check.tolist()
+    return out
+
+
+@pytest.mark.multiproc
+def test_on_several_nodes_the_rank_behind_replays_the_record_of_the_rank_ahead_after_the_consensus():
+    zero, one = run_multiprocess(_several_nodes_run_ahead, world_size=2, nodes=2, args=(False,), timeout_s=90)
+    assert zero["transport"] == one["transport"] == "hierarchical"
+    assert zero["error"] is None and one["error"] is None, (zero, one)
+    assert zero["failed_ranks"] == one["failed_ranks"] == [1]
+    assert one["replayed"] == 2 and zero["replayed"] == 0, (zero, one)
+    assert zero["completed"] and one["completed"]
+    assert zero["sums"] == [[2.0, 2.0], [1.0] * 3, [1.0] * 4], zero["sums"]
+    assert zero["next"] == one["next"] == [3.0] * 5
+
+
+@pytest.mark.multiproc
+def test_on_several_nodes_a_collective_outside_the_ledger_stops_the_job_naming_it():
+    try:
+        results = run_multiprocess(
+            _several_nodes_run_ahead, world_size=2, nodes=2, args=(True,), timeout_s=90, teardown_timeout_s=5
+        )
+    except Exception as failure:  # noqa: BLE001 - rank 0's unmatched collectives break the teardown
+        results = [getattr(failure, "results", {}).get(r) for r in range(2)]
+    for rank, result in enumerate(results):  # every rank stops, naming the rank that cannot replay
+        assert result is not None and result["error"] is not None, results
+        assert "rank 1 cannot replay: rank 0 issued 1 collective(s) outside the ledger" in result["error"], (rank, result)
+        assert "in batch" in result["error"] and f"rank {rank} stops" in result["error"], result
 
 def _stray_collective_two_ranks(rank: int, world: int) -> dict[str, Any]:
     """Like the replay test, but rank 0 issues a collective of its own (outside the ledger) before

@@ -15,6 +15,11 @@ The failure path, the same with the sync hooks on or off:
    catch_up`): afterwards every rank's collective sequence is in step. With the hooks on there is
    nothing to replay: no rank issued a collective the others had not agreed to;
 4. it joins the consensus, which every rank can now reach.
+Where the ranks share no board (several nodes), step 3 comes after step 4: the verdict carries how
+many collectives each rank issued and the ranks behind replay the record of the rank ahead
+(`CollectiveLedger.align`). That needs every rank to reach the consensus, which NCCL's
+asynchronous collectives allow and gloo's blocking ones do not (there, the consensus times out
+and the job stops naming the rank, site and batch).
 """
 
 from __future__ import annotations
@@ -130,7 +135,7 @@ class AttemptFence:
             if self.ledger is not None:
                 self.ledger.stop(failed_here=False, site=context.last_site)
             verdict = self.consensus.finish(self._report())
-            self._check_in_step(verdict, context.last_site, batch)
+            self._align(verdict, context.last_site, batch)
             if verdict.failed:
                 raise OOMOnOtherRank("automicro: another rank failed this attempt")
 
@@ -185,7 +190,7 @@ class AttemptFence:
                 f"off, and the other ranks did not reach the consensus within {timeout} s. Stopping this rank; "
                 "the launcher stops the rest."
             ) from timeout_error
-        self._check_in_step(verdict, site, batch)
+        replayed += self._align(verdict, site, batch)
         unreported = None if verdict.failed else error
         return AttemptResult(verdict, None, own_error, unreported, time.perf_counter() - started, replayed)
 
@@ -197,9 +202,12 @@ class AttemptFence:
             figures.collectives = self.ledger.issued
         return figures
 
-    def _check_in_step(self, verdict: Verdict, site: str, batch: int) -> None:
-        if self.ledger is not None and not self.ledger.live and verdict.failed:
-            self.ledger.check_in_step([r.collectives for r in verdict.reports], site, batch)
+    def _align(self, verdict: Verdict, site: str, batch: int) -> int:
+        """Where no board let a rank catch up before the consensus (several nodes): bring every
+        rank's collective sequence in step now, from the counts the verdict carries."""
+        if self.ledger is None or self.ledger.live or not verdict.failed:
+            return 0
+        return self.ledger.align([r.collectives for r in verdict.reports], site, batch)
 
 
 def _drop_frames(error: BaseException) -> None:

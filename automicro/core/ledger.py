@@ -27,12 +27,17 @@ collectives in the same order, and a rank that fails has issued a prefix of that
    is wiped on every rank before the retry.
 3. Then the usual consensus runs; every rank's collective sequence is in step again.
 
-The board needs every rank on one x86-64 host (the same shared memory as the consensus transport).
-Where there is no board, or a rank is gone, or something outside the ledger (a collective of the
-user's model) leaves a rank stuck, recovery is impossible in-process: the rank that waited
-longest declares the job lost on the board, and every rank exits with one message naming the rank,
-site and batch that failed first (`FatalRecoveryError`; the board's watcher thread ends a rank
-stuck inside C++ with the same message).
+The board needs every rank on one x86-64 node. On several nodes there is no board: each rank keeps
+its record in memory, the consensus carries how many collectives each rank issued, and after it
+the ranks behind replay the record of the rank ahead, handed over on a CPU group of the ledger's
+own (`align`; every replay is checked first and the ranks agree, so a rank that cannot replay stops
+every rank naming itself). That works where every rank reaches the consensus: with NCCL, whose
+hosts run ahead of their streams; with gloo a rank waiting in a collective never gets there and the
+job stops at the consensus timeout. Where a rank is gone, or something outside the ledger (a
+collective of the user's model) leaves a rank stuck, recovery is impossible in-process: the rank
+that waited longest declares the job lost on the board, and every rank exits with one message
+naming the rank, site and batch that failed first (`FatalRecoveryError`; the board's watcher
+thread ends a rank stuck inside C++ with the same message).
 
 Cost when nothing fails: per collective, one check of the failure flag, a read of c10d's sequence number and six integer stores
 (a few microseconds against FSDP2's own Python work per collective); no extra synchronization.
@@ -237,8 +242,12 @@ class CollectiveLedger:
         device: torch.device,
         rank: int = 0,
         poll_s: float = 0.2,
+        exchange_group: Any = None,
     ) -> None:
         self.board = board
+        # Where the ranks share no board, `align` hands the record over on this group: a CPU group
+        # of its own, never one the model's collectives may still be queued on.
+        self.exchange_group = exchange_group
         self.groups = list(groups)
         self._group_index = {g: i for i, g in enumerate(self.groups)}
         self.device = device
@@ -250,7 +259,10 @@ class CollectiveLedger:
         self._stop_early = False
         # The groups' c10d sequence numbers let a replay notice a collective outside the ledger
         # (the model's own) that would pair with a replayed one; only with a process group.
-        self._sequenced = board is not None and dist.is_initialized()
+        self._sequenced = dist.is_initialized()
+        # Without a board (ranks on several nodes) this rank keeps its own record of the attempt;
+        # after the consensus, the rank that issued most hands its record to the others (`align`).
+        self._entries: list[tuple[int, int, int, int, int, int]] = []
         self._watcher: Optional[threading.Thread] = None
         self._stop_watcher = threading.Event()
         if board is not None and poll_s > 0:
@@ -273,6 +285,7 @@ class CollectiveLedger:
         self._stop_early = stop_early and self.board is not None
         self.epoch += 1
         self.committed = self.issued = 0
+        self._entries.clear()
         if self.board is not None:
             self.board.begin(self.epoch)
 
@@ -287,6 +300,8 @@ class CollectiveLedger:
         entry = (KINDS[kind], index, _DTYPE_CODES.get(tensor.dtype, -1), tensor.numel(), _op_code(op), sequence)
         if board is not None:
             board.publish(self.committed, entry)
+        else:
+            self._entries.append(entry)
         self.committed += 1
 
     def after(self) -> None:
@@ -360,21 +375,33 @@ class CollectiveLedger:
             if int(committed[source]) - index > CAPACITY:
                 raise self._fatal(site, batch, REASON_UNTRACKED, f"rank {source} got more than {CAPACITY} collectives ahead")
             entry = self.board.entry(source, index)
-            if entry.group < 0 or entry.dtype < 0:
-                raise self._fatal(site, batch, REASON_UNTRACKED, f"collective {index} ({entry.describe()}) is on a group or dtype the ledger does not track")
-            mine = collective_sequence_number(self.groups[entry.group]) if entry.sequence >= 0 else -1
-            if mine != entry.sequence:
-                # Rank `source` issued other collectives on this group before this one (the
-                # model's own, unseen by the ledger): a replay would pair with one of those.
-                raise self._fatal(
-                    site, batch, REASON_UNTRACKED,
-                    f"rank {source} issued {entry.sequence - mine} collective(s) outside the ledger on group "
-                    f"{entry.group} before collective {index} ({entry.describe()}); replaying it would pair it with one of those",
-                )
+            self._check_replayable(entry, index, source, site, batch)
             self._replay(entry)
             self.issued += 1
             count += 1
         return count
+
+    def _check_replayable(self, entry: Entry, index: int, source: int, site: str, batch: int) -> None:
+        problem = self._replay_problem(entry, index, source)
+        if problem:
+            raise self._fatal(site, batch, REASON_UNTRACKED, problem)
+
+    def _replay_problem(self, entry: Entry, index: int, source: int, replays_before: int = 0) -> str:
+        """Why replaying `entry` (collective `index` of rank `source`) would be wrong, or "".
+        `replays_before`: replays this rank will have issued on the entry's group before it."""
+        if entry.group < 0 or entry.dtype < 0:
+            return f"collective {index} ({entry.describe()}) is on a group or dtype the ledger does not track"
+        if entry.sequence < 0:
+            return ""
+        mine = collective_sequence_number(self.groups[entry.group]) + replays_before
+        if mine != entry.sequence:
+            # Rank `source` issued other collectives on this group before this one (the model's
+            # own, unseen by the ledger): a replay would pair with one of those.
+            return (
+                f"rank {source} issued {entry.sequence - mine} collective(s) outside the ledger on group "
+                f"{entry.group} before collective {index} ({entry.describe()}); replaying it would pair it with one of those"
+            )
+        return ""
 
     def _replay(self, entry: Entry) -> None:
         group = self.groups[entry.group]
@@ -401,13 +428,46 @@ class CollectiveLedger:
         else:
             raise ValueError(f"unknown collective kind {entry.kind}")
 
-    def check_in_step(self, counts: list[int], site: str, batch: int) -> None:
-        """After a consensus without a board: every rank must have issued the same collectives."""
-        if len(set(counts)) > 1:
-            raise self._fatal(
-                site, batch, REASON_UNTRACKED,
-                f"the ranks issued different numbers of collectives ({counts}) and do not share a host to replay them",
+    def align(self, counts: list[int], site: str, batch: int) -> int:
+        """After a consensus without a board (ranks on several nodes): bring every rank up to the
+        rank that issued most in the attempt (`counts`: what each rank issued, from the verdict,
+        the same on every rank). Collective over the exchange group when the counts differ;
+        returns how many collectives this rank replayed.
+
+        Only NCCL can get here with different counts: its hosts run ahead and queue collectives on
+        their streams, while a gloo rank would still be blocked in the collective it waits for
+        (and the consensus would have timed out)."""
+        target = max(counts, default=0)
+        if min(counts, default=0) == target:
+            return 0
+        source = counts.index(target)
+        group = self.exchange_group
+        box: list[Any] = [self._entries[:target] if self.rank == source else None]
+        dist.broadcast_object_list(box, src=source if group is None else dist.get_global_rank(group, source), group=group)
+        entries = [Entry(*fields) for fields in box[0][self.issued : target]]
+        # Check every replay before issuing any, and agree: a rank that cannot replay stops the job
+        # on every rank with its reason, instead of leaving the others to wait for it.
+        planned: dict[int, int] = {}
+        problem = ""
+        for offset, entry in enumerate(entries):
+            problem = self._replay_problem(entry, self.issued + offset, source, planned.get(entry.group, 0))
+            if problem:
+                break
+            planned[entry.group] = planned.get(entry.group, 0) + 1
+        problems: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(problems, problem, group=group)
+        found = [(rank, text) for rank, text in enumerate(problems) if text]
+        if found:
+            raise FatalRecoveryError(
+                f"automicro: rank {self.rank} stops: the failure at {site} in batch {batch} happened with the sync "
+                f"hooks off and cannot be recovered in-process: rank {found[0][0]} cannot replay: {found[0][1]}. "
+                "Restart from the last checkpoint (README: 'When a run cannot recover in-process')."
             )
+        for entry in entries:
+            self._replay(entry)
+            self.issued += 1
+        self.replayed_total += len(entries)
+        return len(entries)
 
     # ---- the job is lost ----------------------------------------------------------------------
 

@@ -704,7 +704,10 @@ def _build_ledger(sharded: ShardedModel, consensus: Consensus, rank: int) -> Col
         group = sharded.mesh.get_group(dim)
         if group not in groups:
             groups.append(group)
-    return CollectiveLedger(Board.create(consensus.group), groups, sharded.device, rank)
+    board = Board.create(consensus.group)
+    # Without a board (several nodes) the ranks hand their records over on a CPU group of their own.
+    exchange = dist.new_group(backend="gloo") if board is None else None
+    return CollectiveLedger(board, groups, sharded.device, rank, exchange_group=exchange)
 
 
 def _leading_size(batch: Any) -> int:
