@@ -231,12 +231,13 @@ def run_fault_matrix(
     sync_points: str = "all",
     transport: str = "auto",
 ) -> dict[str, Any]:
-    """cases: (site, who, where), who in {"one", "every"}, where in MICROBATCH; "one" = `one_rank`."""
+    """cases: (site, who, where), who in {"one", "every", "rankN"}, where in MICROBATCH; "one" =
+    `one_rank`, "rankN" = rank N."""
     torch.set_num_threads(1)
     out: dict[str, Any] = {"torch": torch.__version__}
     reference = reference_params(world, MATRIX_BATCHES)
     for site, who, where in cases:
-        ranks = [one_rank] if who == "one" else None
+        ranks = [one_rank] if who == "one" else None if who == "every" else [int(who[4:])]
         try:
             out[f"{site}/{who}/{where}"] = fault_case(
                 world, site, ranks, MICROBATCH[where], reference, sync_points, transport

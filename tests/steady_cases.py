@@ -252,3 +252,25 @@ def run_resume(rank: int, world: int, folder: str) -> dict[str, Any]:
               "adam_steps": adam_steps(trainer), "split": list(auto.policy.current_split()) if auto.policy else None}
     trainer.close()
     return result
+
+
+def run_several_nodes_oom(rank: int, world: int, timeout_s: float) -> dict[str, Any]:
+    """Ranks on several nodes (no board), gloo: the last rank runs out of memory before a forward
+    collective after the hooks are off, while the others block in that all-gather waiting for it.
+    Nothing can bring them back in step in-process (gloo blocks their host threads, so they never
+    reach the consensus): the failing rank stops within the bound naming itself, site and batch,
+    and rings the job-lost alarm that ends the blocked ranks with the same story."""
+    torch.set_num_threads(1)
+    auto = AutoMicrobatching(log_attempts=False, unguarded_timeout_s=timeout_s)
+    fault = FaultInjector("forward_pre", ranks=[world - 1], microbatch_index=0, batch=FAULT_BATCH, times=1)
+    trainer = build_trainer(world, BATCHES, callbacks=(auto, FaultInjector("forward", above=ABOVE), fault))
+    started = time.perf_counter()
+    result: dict[str, Any] = {"exception": None, "transport": auto._consensus.transport_name if auto._consensus else None}
+    try:
+        trainer.fit()
+    except Exception as error:  # noqa: BLE001 - returned to the test
+        result["exception"] = {"type": type(error).__name__, "message": str(error)}
+    result["history"] = history(auto)
+    result["total_seconds"] = round(time.perf_counter() - started, 3)
+    result["transport"] = auto._consensus.transport_name if auto._consensus else None
+    return result

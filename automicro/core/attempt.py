@@ -185,9 +185,14 @@ class AttemptFence:
         try:
             verdict = self.consensus.fail(kind, site, self._report(), own_code_zero=followed, timeout_s=timeout)
         except RuntimeError as timeout_error:
+            why = (
+                f"the other ranks did not reach the consensus within {timeout} s ({timeout_error}); a rank blocked "
+                "in a collective it waits for this rank to issue cannot be reached without a shared board"
+            )
+            if not hooks_active and self.ledger is not None:
+                raise self.ledger.lost(site, batch, why) from timeout_error
             raise RuntimeError(
-                f"automicro: rank {self.consensus.rank} failed at {site} in batch {batch} while the sync hooks were "
-                f"off, and the other ranks did not reach the consensus within {timeout} s. Stopping this rank; "
+                f"automicro: rank {self.consensus.rank} failed at {site} in batch {batch}: {why}. Stopping this rank; "
                 "the launcher stops the rest."
             ) from timeout_error
         replayed += self._align(verdict, site, batch)

@@ -332,14 +332,15 @@ class HierarchicalTransport:
         try:
             self._leaders.max_reduce(extended, timeout + LEADER_GRACE_S)
         except (TransportTimeout, RuntimeError) as error:
-            found = self._name_from_store()
+            # Broken (not timed out): a leader died; its node's ranks leave its name in the store.
+            found = 0 if isinstance(error, TransportTimeout) else self._name_from_store()
             status = found if found else _status(_LEADER, self.rank)
             self._leg.post_error(status)
             if found:
                 raise _LegFailure(status) from None
             raise TransportTimeout(
-                f"automicro consensus (round {r}): the leaders' round broke ({error}); a rank on another node "
-                "exited or is stuck, and no rank left its name in the store"
+                f"automicro consensus (round {r}): the leaders' round failed ({error}); a rank on another node "
+                "exited or is stuck"
             ) from None
         if extended[-1]:
             self._leg.post_error(int(extended[-1]))

@@ -243,8 +243,11 @@ class CollectiveLedger:
         rank: int = 0,
         poll_s: float = 0.2,
         exchange_group: Any = None,
+        alarm: Any = None,
     ) -> None:
         self.board = board
+        # Without a board: the job-lost alarm over the launcher's store (automicro.core.alarm).
+        self.alarm = alarm
         # Where the ranks share no board, `align` hands the record over on this group: a CPU group
         # of its own, never one the model's collectives may still be queued on.
         self.exchange_group = exchange_group
@@ -471,6 +474,10 @@ class CollectiveLedger:
 
     # ---- the job is lost ----------------------------------------------------------------------
 
+    def lost(self, site: str, batch: int, why: str) -> FatalRecoveryError:
+        """The job cannot recover (`why`): tell every rank that can hear it; the error to raise."""
+        return self._fatal(site, batch, REASON_TIMEOUT, why)
+
     def _fatal(self, site: str, batch: int, reason: int, why: str) -> FatalRecoveryError:
         first = ""
         if self.board is not None:
@@ -478,11 +485,14 @@ class CollectiveLedger:
             record = self.board.fatal_record()
             if record is not None and record.failed:
                 first = " (" + ", ".join(f"rank {r} failed at {s}" for r, s in record.failed) + ")"
-        return FatalRecoveryError(
+        error = FatalRecoveryError(
             f"automicro: rank {self.rank} cannot recover in-process from the failure at {site} in batch {batch}"
             f"{first} while the sync hooks were off: {why}. Stopping the job; restart it from the last checkpoint "
             "(README: 'When a run cannot recover in-process')."
         )
+        if self.alarm is not None:
+            self.alarm.ring(str(error))
+        return error
 
     def _raise_if_declared(self) -> None:
         record = self.board.fatal_record() if self.board is not None else None
@@ -505,6 +515,8 @@ class CollectiveLedger:
             os._exit(3)
 
     def close(self) -> None:
+        if self.alarm is not None:
+            self.alarm.close()
         self._stop_watcher.set()
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(timeout=2.0)

@@ -71,6 +71,7 @@ from automicro.core.consensus import (
     Verdict,
 )
 from automicro.core.hooks import SYNC_POINTS, SyncHooks
+from automicro.core.alarm import JobLostAlarm
 from automicro.core.ledger import Board, CollectiveLedger, FatalRecoveryError
 from automicro.engine import _torch_internals as torch_internals
 from automicro.core.memory import CudaMemory, MemorySource, NoMemory
@@ -707,7 +708,8 @@ def _build_ledger(sharded: ShardedModel, consensus: Consensus, rank: int) -> Col
     board = Board.create(consensus.group)
     # Without a board (several nodes) the ranks hand their records over on a CPU group of their own.
     exchange = dist.new_group(backend="gloo") if board is None else None
-    return CollectiveLedger(board, groups, sharded.device, rank, exchange_group=exchange)
+    alarm = JobLostAlarm.create(exchange) if exchange is not None else None
+    return CollectiveLedger(board, groups, sharded.device, rank, exchange_group=exchange, alarm=alarm)
 
 
 def _leading_size(batch: Any) -> int:

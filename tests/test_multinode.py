@@ -1,0 +1,110 @@
+"""Several nodes: ranks as separate launchers would set them up (NODE_RANK per node, no shared
+memory across nodes), so the consensus runs hierarchically and the collective ledger has no board.
+
+A simulation on one machine: what crosses "nodes" here goes over loopback TCP (gloo), exactly the
+code path of real hosts, but not their latency. The fault matrix and the exact-size search on
+2 nodes x 2 ranks and 4 nodes x 1 rank; the steady-state exit path without a board; the harness
+script (scripts/multinode.py) with both launchers."""
+
+from __future__ import annotations
+
+import pytest
+
+from automicro.core.hierarchical import LEADER_GRACE_S
+from automicro.testing.multiprocess import MultiprocessFailure, run_multiprocess
+from tests import automicro_cases as cases
+from tests import steady_cases
+from tests.launch import run as _run
+from tests.test_automicro import _check_fault_case
+
+# (site, who, where): who "rankN" = only rank N fails, "every" = every rank.
+TWO_BY_TWO = [
+    (site, who, where)
+    for site in ("forward_pre", "reduce_scatter_alloc")
+    for who in ("rank3", "rank2", "every")  # a non-leader, a node leader, everyone
+    for where in ("first", "last")
+]
+FOUR_BY_ONE = [
+    (site, who, where) for site in ("backward_pre", "unshard_alloc") for who in ("rank1", "every") for where in ("first", "last")
+]
+
+
+@pytest.fixture(scope="module")
+def two_nodes_two_ranks():
+    return run_multiprocess(cases.run_fault_matrix, world_size=4, nodes=2, args=(TWO_BY_TWO, -1), timeout_s=400)
+
+
+@pytest.fixture(scope="module")
+def four_nodes_one_rank():
+    return run_multiprocess(cases.run_fault_matrix, world_size=4, nodes=4, args=(FOUR_BY_ONE, -1), timeout_s=400)
+
+
+def _failing(who: str) -> list[int]:
+    return [0, 1, 2, 3] if who == "every" else [int(who[4:])]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("site,who,where", TWO_BY_TWO)
+def test_two_nodes_of_two_ranks_find_the_largest_size_with_exact_params(two_nodes_two_ranks, site, who, where):
+    _check_fault_case(
+        two_nodes_two_ranks, f"{site}/{who}/{where}", site, cases.MICROBATCH[where], _failing(who),
+        cases.MATRIX_BATCHES, "hierarchical",
+    )
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("site,who,where", FOUR_BY_ONE)
+def test_four_nodes_of_one_rank_find_the_largest_size_with_exact_params(four_nodes_one_rank, site, who, where):
+    _check_fault_case(
+        four_nodes_one_rank, f"{site}/{who}/{where}", site, cases.MICROBATCH[where], _failing(who),
+        cases.MATRIX_BATCHES, "hierarchical",
+    )
+
+
+TIMEOUT_S = 6.0
+
+
+@pytest.mark.multiproc
+def test_oom_after_hooks_off_on_gloo_nodes_stops_every_rank_within_the_bound_naming_rank_site_batch(capfd):
+    with pytest.raises(MultiprocessFailure) as failure:
+        run_multiprocess(
+            steady_cases.run_several_nodes_oom, world_size=2, nodes=2, args=(TIMEOUT_S,), timeout_s=150,
+            failure_grace_s=40,
+        )
+    info = failure.value
+    failing = info.results.get(1)
+    assert failing is not None, info.errors
+    assert failing["transport"] == "hierarchical"
+    error = failing["exception"]
+    assert error is not None and error["type"] == "FatalRecoveryError", failing
+    assert "rank 1" in error["message"] and "forward_pre" in error["message"], error
+    assert f"batch {steady_cases.FAULT_BATCH}" in error["message"], error
+    # The bound: unguarded_timeout_s, plus the leaders' grace of the hierarchical round.
+    spent = failing["total_seconds"] - sum(r["seconds"] for r in failing["history"])
+    assert spent < TIMEOUT_S + LEADER_GRACE_S + 8, failing
+    # Rank 0 sat in the all-gather rank 1 never issued: the alarm ended it with rank 1's story.
+    assert info.exitcodes.get(0) == 3, (info.exitcodes, info.errors)
+    err = capfd.readouterr().err
+    assert "rank 0 stops: automicro: rank 1 cannot recover in-process from the failure at forward_pre" in err, err[-3000:]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("launcher,nproc", [("composer", 1), ("torchrun", 2)])
+def test_harness_runs_the_main_job_as_two_nodes_with_the_hierarchical_consensus(tmp_path, launcher, nproc):
+    world = 2 * nproc
+    caps = {0: 13000000, 1: 18000000, 2: 18000000, 3: 18000000}
+    limits = "{" + ", ".join(f"{r}: {caps[r]}" for r in range(world)) + "}"
+    result = _run(
+        [
+            __import__("sys").executable, "scripts/multinode.py", "--nodes", "2", "--nproc-per-node", str(nproc),
+            "--launcher", launcher, "--timeout", "400", "--",
+            "scripts/train.py", "configs/tiny-cpu.yaml", "max_duration=6ba", f"run_dir={tmp_path}",
+            f"global_train_batch_size={8 * world}", f"callbacks.memory_cap.limit_bytes={limits}",
+        ],
+        timeout_s=450,
+    )
+    out = result.stdout
+    assert result.returncode == 0, out[-4000:]
+    assert f"consensus transport hierarchical: 2 nodes of {nproc} rank(s)" in out, out[-4000:]
+    assert "microbatch size found: 5 (per-rank batch 8); split in use [4, 4]" in out, out[-4000:]
+    assert "[multinode] exit codes per node: [0, 0]" in out
