@@ -1,10 +1,13 @@
-"""Cost of one consensus round (`Consensus.sync()`) on each transport.
+"""Cost of one consensus round (`Consensus.sync()`) on each transport that applies.
 
     python3 -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/consensus.py [--rounds 5000] [--out F.json]
+    # several simulated nodes (one launcher each):
+    python3 scripts/multinode.py --launcher torchrun --nodes 2 --nproc-per-node 4 -- benchmarks/consensus.py --out F.json
 
 Runs on CPU (gloo default group) or, with `--nccl`, next to an NCCL default group the way a GPU
 job does (the process-group transport then uses a gloo side group). Prints the median and p90 of
-per-round wall time on rank 0 for the shared-memory and the process-group transport.
+per-round wall time on rank 0 for every transport that can serve the layout: shm (one node),
+hierarchical (several nodes) and the flat gloo process group.
 """
 
 from __future__ import annotations
@@ -34,8 +37,13 @@ def main() -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if args.nccl else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    report = {"world": world, "backend": dist.get_backend(), "torch": torch.__version__, "rounds": args.rounds}
-    for transport in ("shm", "process_group"):
+    from automicro.core.transport import gather_identities, node_layout
+
+    nodes = node_layout(gather_identities(None))
+    report = {"world": world, "nodes": len(nodes), "backend": dist.get_backend(), "torch": torch.__version__,
+              "rounds": args.rounds, "cpus": os.cpu_count()}
+    transports = ("hierarchical", "process_group") if len(nodes) > 1 else ("shm", "process_group")
+    for transport in transports:
         consensus = Consensus.create(transport=transport)
         for _ in range(200):
             consensus.sync()
@@ -53,8 +61,8 @@ def main() -> int:
         consensus.close()
     if rank == 0:
         print(json.dumps(report), flush=True)
-        for t in ("shm", "process_group"):
-            print(f"[consensus] {t:14s} median {report[t]['median_us']:8.1f} us  p90 {report[t]['p90_us']:8.1f} us")
+        for t in transports:
+            print(f"[consensus] {world} ranks on {len(nodes)} node(s) {t:14s} median {report[t]['median_us']:8.1f} us  p90 {report[t]['p90_us']:8.1f} us")
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=1)

@@ -48,12 +48,12 @@ def _free_port() -> int:
 def node_command(args: argparse.Namespace, node: int, port: int) -> list[str]:
     world = args.nodes * args.nproc_per_node
     if args.launcher == "torchrun":
-        launcher = [str(Path(sys.executable).parent / "torchrun")]
+        launcher = [sys.executable, "-m", "torch.distributed.run"]
         return launcher + [
             f"--nnodes={args.nodes}", f"--node-rank={node}", f"--nproc-per-node={args.nproc_per_node}",
             f"--master-addr={args.master_addr}", f"--master-port={port}",
         ] + args.command
-    launcher = [str(Path(sys.executable).parent / "composer")]
+    launcher = [sys.executable, "-m", "composer.cli.launcher"]
     return launcher + [
         "--world_size", str(world), "--node_rank", str(node), "-n", str(args.nproc_per_node),
         "--master_addr", args.master_addr, "--master_port", str(port),
