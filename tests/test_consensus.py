@@ -177,7 +177,12 @@ def _hierarchical_and_gloo(rank: int, world: int, seed: int, local_leg: str) -> 
 @pytest.mark.multiproc
 @pytest.mark.parametrize(
     "world,nodes,local_leg,within",
-    [(4, 2, "auto", "shared memory"), (4, 4, "auto", "one rank per node"), (4, 2, "process_group", "gloo")],
+    [
+        (4, 2, "auto", "shared memory"),
+        (4, 4, "auto", "one rank per node"),
+        (3, 3, "auto", "one rank per node"),  # leaders not a power of two: one folds into another
+        (4, 2, "process_group", "gloo"),
+    ],
 )
 def test_hierarchical_and_gloo_agree_on_every_round_with_late_arrivals(world, nodes, local_leg, within):
     seed = 31 + nodes

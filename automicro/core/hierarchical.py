@@ -12,7 +12,9 @@ leaders (local rank 0 of each node), a group world-size / ranks-per-node times s
 
 1. every rank writes its vector into its slot of its node's segment, then its round number;
 2. the leader waits for its node's round numbers, reduces the slots, and runs the leaders'
-   all-reduce with one extra word: the status of its node (fine, a rank gone, a rank late);
+   MAX (recursive doubling over gloo point-to-point: log2(nodes) exchanges, where gloo's own
+   all-reduce is a ring of 2(nodes - 1) steps) with one extra word: the status of its node (fine,
+   a rank gone, a rank late);
 3. the leader writes the result and the round number of the result; the others read it.
 
 Buffers alternate by round parity (as in `ShmTransport`): a leader that saw round r + 2 from every
@@ -46,7 +48,6 @@ import torch.distributed as dist
 
 from automicro.core.transport import (
     DEFAULT_TIMEOUT_S,
-    ProcessGroupTransport,
     TransportTimeout,
     node_layout,
     open_shared_segment,
@@ -229,6 +230,52 @@ class _AloneLeg:
         pass
 
 
+class _RecursiveDoubling:
+    """MAX over the node leaders in log2(leaders) exchanges (gloo point-to-point), not a ring.
+
+    gloo's all-reduce is a ring: 2(n - 1) sequential steps, ~50 µs each (benchmarks/RESULTS.md,
+    session 5), which at 64 nodes makes a round ~126 steps long. Here: with p the largest power of
+    two <= n, leader i >= p first hands its vector to leader i - p; the first p exchange with the
+    partner i XOR 2^k for k = 0, 1, ... and keep the MAX; then leader i < n - p hands the result
+    to i + p. log2(p) + 2 steps at most, the same result as the all-reduce."""
+
+    def __init__(self, group: Any, leaders: list[int], index: int) -> None:
+        self.group, self.leaders, self.index = group, leaders, index
+        self.n = len(leaders)
+        self.p = 1 << (self.n.bit_length() - 1)
+
+    def max_reduce(self, vec: np.ndarray, timeout_s: Optional[float] = None) -> np.ndarray:
+        if self.n == 1:
+            return vec
+        timeout = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
+        mine = torch.from_numpy(vec)  # shares memory: the result lands in `vec`
+        theirs = torch.empty_like(mine)
+        i, p = self.index, self.p
+        if i >= p:
+            self._wait(dist.isend(mine, self.leaders[i - p], group=self.group), timeout)
+            self._wait(dist.irecv(mine, self.leaders[i - p], group=self.group), timeout)
+            return vec
+        if i < self.n - p:
+            self._wait(dist.irecv(theirs, self.leaders[i + p], group=self.group), timeout)
+            torch.maximum(mine, theirs, out=mine)
+        mask = 1
+        while mask < p:
+            partner = self.leaders[i ^ mask]
+            send = dist.isend(mine.clone(), partner, group=self.group)
+            self._wait(dist.irecv(theirs, partner, group=self.group), timeout)
+            self._wait(send, timeout)
+            torch.maximum(mine, theirs, out=mine)
+            mask <<= 1
+        if i < self.n - p:
+            self._wait(dist.isend(mine, self.leaders[i + p], group=self.group), timeout)
+        return vec
+
+    @staticmethod
+    def _wait(work: Any, timeout: datetime.timedelta) -> None:
+        if not work.wait(timeout=timeout):
+            raise TransportTimeout(f"automicro consensus: the leaders' exchange timed out after {timeout.total_seconds():g} s")
+
+
 class _LegFailure(Exception):
     def __init__(self, status: int, leader_gone: bool = False) -> None:
         super().__init__(status)
@@ -246,7 +293,7 @@ class HierarchicalTransport:
         rank: int,
         nodes: list[list[int]],
         leg: Any,
-        leaders: Optional[ProcessGroupTransport],
+        leaders: Optional[_RecursiveDoubling],
         key: str,
     ) -> None:
         self.rank = rank
@@ -293,13 +340,14 @@ class HierarchicalTransport:
                         raise ValueError(f"hierarchical consensus, local leg 'shm': {error}") from None
             if leg is None:
                 leg = _GroupLeg(local_group, local_rank, mine)
-        leaders = ProcessGroupTransport(leaders_group, len(nodes)) if mine[0] == rank else None
+        leader_ranks = [ranks[0] for ranks in nodes]
+        leaders = _RecursiveDoubling(leaders_group, leader_ranks, leader_ranks.index(rank)) if mine[0] == rank else None
         return cls(rank, nodes, leg, leaders, box[0])
 
     def describe(self) -> str:
         sizes = "/".join(str(n) for n in sorted({len(ranks) for ranks in self.nodes}))
         within = "one rank per node" if self._leg.name == "none" else f"{self._leg.name} within a node"
-        return f"hierarchical: {len(self.nodes)} nodes of {sizes} rank(s), {within}, gloo among the node leaders"
+        return f"hierarchical: {len(self.nodes)} nodes of {sizes} rank(s), {within}, gloo recursive doubling among the node leaders"
 
     # ---- one round ----------------------------------------------------------------------------
 
