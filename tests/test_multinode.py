@@ -108,3 +108,33 @@ def test_harness_runs_the_main_job_as_two_nodes_with_the_hierarchical_consensus(
     assert f"consensus transport hierarchical: 2 nodes of {nproc} rank(s)" in out, out[-4000:]
     assert "microbatch size found: 5 (per-rank batch 8); split in use [4, 4]" in out, out[-4000:]
     assert "[multinode] exit codes per node: [0, 0]" in out
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_oom_between_batches_stops_every_rank_naming_the_rank_and_event_and_leaves_the_note(capfd, tmp_path, nodes):
+    """One node: the ledger's board carries the news; two nodes: the job-lost alarm."""
+    import json
+    import os
+
+    folder = str(tmp_path / "checkpoints")
+    with pytest.raises(MultiprocessFailure) as failure:
+        run_multiprocess(
+            steady_cases.run_oom_between_batches, world_size=2, nodes=nodes, args=(folder,), timeout_s=150,
+            failure_grace_s=40,
+        )
+    info = failure.value
+    failing = info.results.get(1)
+    assert failing is not None, info.errors
+    assert failing["transport"] == ("hierarchical" if nodes > 1 else "shm")
+    assert failing["fatal"], failing
+    message = failing["exception"]["message"]
+    assert "rank 1" in message and "between_batches" in message and "Event.BATCH_END" in message, message
+    assert f"batch {steady_cases.FAULT_BATCH}" in message, message
+    assert info.exitcodes.get(0) == 3, (info.exitcodes, info.errors)
+    err = capfd.readouterr().err
+    stopped = [line for line in err.splitlines() if "rank 0 stops" in line]
+    assert stopped and "rank 1" in stopped[0] and "between_batches" in stopped[0], err[-3000:]
+    with open(os.path.join(folder, "automicro_failure.json")) as f:
+        note = json.load(f)
+    assert note["batch"] == steady_cases.FAULT_BATCH and note["size"] == max(steady_cases.SPLIT), note

@@ -75,7 +75,7 @@ FIELDS = 6  # kind, group, dtype, numel, op, the group's sequence number before 
 CAPACITY = 8192  # entries per rank; a rank never gets this far ahead of one that stopped
 _FATAL = 6  # [flag, declared by, reason, batch, epoch, the latest epoch in which a rank failed]
 _HEADER = 6  # per rank: epoch, committed, done, failed (epoch), pid, site index of its failure
-REASON_TIMEOUT, REASON_GONE, REASON_UNTRACKED = 1, 2, 3
+REASON_TIMEOUT, REASON_GONE, REASON_UNTRACKED, REASON_OUTSIDE = 1, 2, 3, 4
 
 
 class FatalRecoveryError(RuntimeError):
@@ -94,10 +94,12 @@ class FatalRecord:
             REASON_TIMEOUT: "a rank did not stop in time",
             REASON_GONE: "a rank exited",
             REASON_UNTRACKED: "it needs a collective the ledger cannot replay",
+            REASON_OUTSIDE: "it happened outside any attempt, so there is nothing to retry",
         }.get(self.reason, "unknown reason")
         first = ", ".join(f"rank {r} at {site}" for r, site in self.failed) or "unknown"
+        during = "" if self.reason == REASON_OUTSIDE else " with the sync hooks off"
         return (
-            f"automicro: rank {rank} stops: failure on {first} in batch {self.batch} with the sync hooks off "
+            f"automicro: rank {rank} stops: failure on {first} in batch {self.batch}{during} "
             f"cannot be recovered in-process ({why}; declared by rank {self.declared_by}). Restart from the "
             "last checkpoint (README: 'When a run cannot recover in-process')."
         )
@@ -474,11 +476,25 @@ class CollectiveLedger:
 
     # ---- the job is lost ----------------------------------------------------------------------
 
+    def lost_outside_attempt(self, where: str, batch: int) -> FatalRecoveryError:
+        """This rank failed outside any attempt (`where`: e.g. a callback at Event.BATCH_END, a
+        checkpoint save): nothing to retry, and the other ranks are already in the next batch.
+        Tell every rank that can hear it (board or alarm); the error to raise."""
+        site = "between_batches"
+        if self.board is not None:
+            self.board.mark_failed(self.epoch, site)
+        return self._fatal(
+            site, batch, REASON_OUTSIDE,
+            f"it ran out of memory outside any attempt ({where}), where nothing can be retried", during="",
+        )
+
     def lost(self, site: str, batch: int, why: str) -> FatalRecoveryError:
         """The job cannot recover (`why`): tell every rank that can hear it; the error to raise."""
         return self._fatal(site, batch, REASON_TIMEOUT, why)
 
-    def _fatal(self, site: str, batch: int, reason: int, why: str) -> FatalRecoveryError:
+    def _fatal(
+        self, site: str, batch: int, reason: int, why: str, during: str = " while the sync hooks were off"
+    ) -> FatalRecoveryError:
         first = ""
         if self.board is not None:
             self.board.declare_fatal(reason, batch, self.epoch)
@@ -487,7 +503,7 @@ class CollectiveLedger:
                 first = " (" + ", ".join(f"rank {r} failed at {s}" for r, s in record.failed) + ")"
         error = FatalRecoveryError(
             f"automicro: rank {self.rank} cannot recover in-process from the failure at {site} in batch {batch}"
-            f"{first} while the sync hooks were off: {why}. Stopping the job; restart it from the last checkpoint "
+            f"{first}{during}: {why}. Stopping the job; restart it from the last checkpoint "
             "(README: 'When a run cannot recover in-process')."
         )
         if self.alarm is not None:

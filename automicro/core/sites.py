@@ -23,7 +23,8 @@ SITES = (
     "eval_forward",
 )
 # Extra places a real failure can be attributed to; not accepted by the fault injector.
-INTERNAL_SITES = ("all_reduce_alloc", "other")
+# "between_batches": outside any attempt (a callback, a checkpoint save, a fixed-size eval).
+INTERNAL_SITES = ("all_reduce_alloc", "other", "between_batches")
 ALL_SITES = SITES + INTERNAL_SITES
 
 

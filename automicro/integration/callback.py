@@ -57,7 +57,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Union
 
 import torch
-from composer.core import Callback, State
+from composer.core import Callback, Event, State
 from composer.loggers import Logger
 
 from automicro.core import policy as search
@@ -179,6 +179,7 @@ class AutoMicrobatching(Callback):
         self._eval_metrics: dict[str, Any] = {}
         self._eval_snapshot: dict[str, Any] = {}
         self._rank = 0
+        self._last_event: Optional[Event] = None
 
     # ---- wiring ------------------------------------------------------------------------------
 
@@ -223,6 +224,10 @@ class AutoMicrobatching(Callback):
         log.info("automicro: %s", message)
 
     # ---- Composer events ---------------------------------------------------------------------
+
+    def run_event(self, event: Event, state: State, logger: Logger) -> None:
+        self._last_event = event  # where an error outside any attempt happened (`fit_raised`)
+        super().run_event(event, state, logger)
 
     def fit_start(self, state: State, logger: Logger) -> None:
         # Another fit() of the same trainer: the hooks come back if the policy still wants them.
@@ -460,6 +465,18 @@ class AutoMicrobatching(Callback):
     # ---- a run that could not recover in-process -------------------------------------------------
 
     FAILURE_NOTE = "automicro_failure.json"
+
+    def fit_raised(self, state: State, error: BaseException) -> Optional[FatalRecoveryError]:
+        """`fit()` raised `error` on this rank. An out-of-memory error from outside any attempt
+        (the attempts handle their own) leaves the other ranks in the next batch, waiting for this
+        one: declare the job lost where they can hear it (the ledger's board on one node, the
+        job-lost alarm across nodes), leave the failure note, and return the error to raise."""
+        if isinstance(error, FatalRecoveryError) or not is_oom(error) or self._ledger is None or not self._used_split:
+            return None
+        where = f"at {self._last_event}" if self._last_event is not None else "between batches"
+        batch = int(state.timestamp.batch)
+        self._write_failure_note(state, batch, self._used_split)
+        return self._ledger.lost_outside_attempt(where, batch)
 
     def _write_failure_note(self, state: State, batch: int, sizes: tuple[int, ...]) -> None:
         """Leave the size that failed beside the checkpoints, so that a restarted run (autoresume,

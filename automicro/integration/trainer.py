@@ -228,6 +228,19 @@ class Trainer(composer.Trainer):
     def auto_microbatching(self) -> Optional[AutoMicrobatching]:
         return self._automicro
 
+    def fit(self, *args: Any, **kwargs: Any) -> None:
+        """Composer's `fit`; an out-of-memory error that escapes it from outside any attempt (a
+        callback between batches, a checkpoint save, a fixed-size eval) stops every rank naming
+        this one (`AutoMicrobatching.fit_raised`) instead of leaving them blocked."""
+        try:
+            super().fit(*args, **kwargs)
+        except BaseException as error:
+            if self._automicro is not None:
+                lost = self._automicro.fit_raised(self.state, error)
+                if lost is not None:
+                    raise lost from error
+            raise
+
     def _train_batch(self, use_grad_scaling: bool) -> dict[str, torch.Tensor]:  # Composer private hook
         if self._automicro is None:
             return super()._train_batch(use_grad_scaling)
