@@ -32,3 +32,32 @@ def test_bad_config_fails_before_any_process_starts_with_the_key_named():
     result = _run([sys.executable, "scripts/train.py", "configs/tiny-cpu.yaml", "device_train_microbatch_size=big"], 120)
     assert result.returncode == 2
     assert "device_train_microbatch_size='big'" in result.stdout
+
+
+@pytest.mark.multiproc
+def test_restart_with_autoresume_finishes_a_run_lost_between_batches_below_the_size_in_use(tmp_path):
+    """README 'When a run cannot recover in-process', end to end with the composer launcher (what
+    the restart loop there runs): rank 1 runs out of memory in a callback between batches (nothing
+    to retry) and every rank stops naming it; the next launch, same YAML and folder without the
+    fault, autoresumes from the last checkpoint and finishes below the size that was in use, with
+    the hooks on from the start."""
+    folder = tmp_path / "checkpoints"
+    common = [
+        str(COMPOSER), "-n", "2", "scripts/train.py", "configs/tiny-cpu.yaml", "max_duration=10ba",
+        f"run_dir={tmp_path}", f"save_folder={folder}", "save_interval=1ba", "autoresume=true",
+    ]
+    first = _run(common + ["callbacks.fault_injector={site: between_batches, ranks: [1], batch: 7}"], timeout_s=300)
+    out = first.stdout
+    assert first.returncode != 0, out[-4000:]
+    assert "rank 1 cannot recover in-process from the failure at between_batches in batch 7" in out, out[-5000:]
+    assert "(at Event.BATCH_END)" in out, out[-5000:]
+    note = json.loads((folder / "automicro_failure.json").read_text())
+    assert note["batch"] == 7, note
+    second = _run(common, timeout_s=300)
+    out = second.stdout
+    assert second.returncode == 0, out[-5000:]
+    assert f"the previous launch could not recover from an OOM at size {note['size']} in batch 7" in out, out[-5000:]
+    resumed = [line for line in out.splitlines() if "resuming at size" in line]
+    assert resumed and int(resumed[0].split("resuming at size ")[1].split()[0]) < note["size"], resumed
+    assert "with the sync hooks on" in resumed[0]
+    assert any(p.name.startswith("ep0-ba10") for p in folder.iterdir()), sorted(p.name for p in folder.iterdir())

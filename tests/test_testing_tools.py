@@ -413,3 +413,13 @@ def test_backend_none_skips_init():
     assert run_multiprocess(_env_without_process_group, world_size=1, backend=None, timeout_s=60) == [
         (False, "0", "1")
     ]
+
+
+def test_fault_injector_refuses_bad_sites_and_a_between_batches_fault_without_its_batch():
+    from automicro.testing.faults import FaultInjector
+
+    with pytest.raises(ValueError, match=r"site='nowhere': must be one of .*'between_batches'"):
+        FaultInjector("nowhere")
+    with pytest.raises(ValueError, match=r"'between_batches' needs batch"):
+        FaultInjector("between_batches")
+    assert FaultInjector("between_batches", batch=3, ranks=[1]).batch == 3

@@ -30,6 +30,16 @@ from composer.utils import dist, ensure_tuple
 CHECKED_COMPOSER_VERSIONS = ("0.32.1",)
 
 
+def fill_node_rank_from_torchrun() -> None:
+    """Composer reads the node rank from NODE_RANK (its own launcher sets it) in autoresume and
+    checkpointing; torchrun sets GROUP_RANK instead, so under torchrun `autoresume` failed with
+    Composer's MissingEnvironmentError. Copy it over when NODE_RANK is missing."""
+    import os
+
+    if "NODE_RANK" not in os.environ and os.environ.get("GROUP_RANK", "").strip():
+        os.environ["NODE_RANK"] = os.environ["GROUP_RANK"].strip()
+
+
 def check_supported_composer() -> None:
     if composer.__version__ not in CHECKED_COMPOSER_VERSIONS:
         raise RuntimeError(

@@ -141,6 +141,7 @@ class Trainer(composer.Trainer):
         **kwargs: Any,
     ) -> None:
         composer_internals.check_supported_composer()
+        composer_internals.fill_node_rank_from_torchrun()
         fsdp2 = _fsdp2_config(parallelism_config)
         check_checkpoint_format(
             checkpoint_format,

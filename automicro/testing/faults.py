@@ -15,6 +15,9 @@ microbatch size is > `above`, at microbatch `microbatch_index` (None = any; -1 =
 in batch `batch` (Composer's `timestamp.batch`, counted from 0; None = any), at most `times`
 times. With `batch` late enough the fault hits after the sync hooks came off (the steady phase). The default exception is a `torch.OutOfMemoryError` whose message contains
 "CUDA out of memory" and "injected".
+
+`site: between_batches` raises outside any attempt, at Event.BATCH_END once `timestamp.batch`
+equals `batch` (a callback or checkpoint save running out of memory).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from composer.loggers import Logger
 
 from automicro.core.hooks import SiteHooks
 from automicro.core.sites import DISPATCHER, PRIORITY_FAULT, SITES, AttemptContext, SiteDispatcher
+
+BETWEEN_BATCHES = "between_batches"
 
 MODULE_SITES = frozenset({"forward_pre", "forward", "backward_pre", "backward", "unshard_alloc", "reduce_scatter_alloc"})
 
@@ -58,8 +63,10 @@ class FaultInjector(Callback):
         exception: Any = None,
         batch: Optional[int] = None,
     ) -> None:
-        if site not in SITES:
-            raise ValueError(f"FaultInjector: site={site!r}: must be one of {list(SITES)}")
+        if site not in SITES and site != BETWEEN_BATCHES:
+            raise ValueError(f"FaultInjector: site={site!r}: must be one of {list(SITES) + [BETWEEN_BATCHES]}")
+        if site == BETWEEN_BATCHES and batch is None:
+            raise ValueError("FaultInjector: site='between_batches' needs batch (the timestamp.batch at Event.BATCH_END)")
         if module is not None and site not in MODULE_SITES:
             raise ValueError(f"FaultInjector: module={module!r} only applies to the module sites {sorted(MODULE_SITES)}")
         if ranks is not None and (not isinstance(ranks, (list, tuple)) or not all(isinstance(r, int) and r >= 0 for r in ranks)):
@@ -84,6 +91,7 @@ class FaultInjector(Callback):
         self._site_hooks: Optional[SiteHooks] = None
         self._remove_listener: Optional[Callable[[], None]] = None
         self._rank = 0
+        self._armed_between_batches = False
 
     # ---- conditions --------------------------------------------------------------------------
 
@@ -129,6 +137,9 @@ class FaultInjector(Callback):
 
     def fit_start(self, state: State, logger: Logger) -> None:
         self._rank = dist.get_rank() if dist.is_initialized() else 0
+        if self.site == BETWEEN_BATCHES:
+            self._armed_between_batches = True
+            return
         if self._remove_listener is None and self.site not in MODULE_SITES:
             self._remove_listener = self._dispatcher.add(self._listener, PRIORITY_FAULT)
         if self.site in MODULE_SITES and self._site_hooks is None:
@@ -145,6 +156,21 @@ class FaultInjector(Callback):
 
     def after_loss(self, state: State, logger: Logger) -> None:
         self._dispatcher.fire("loss", "")
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        if not self._armed_between_batches or int(state.timestamp.batch) != self.batch:
+            return
+        if (self.ranks is not None and self._rank not in self.ranks) or (self.times is not None and self.fired >= self.times):
+            return
+        self.fired += 1
+        if self.exception == "error":
+            raise InjectedFault(f"injected error between batches on rank {self._rank}")
+        if callable(self.exception):
+            raise self.exception()
+        raise torch.OutOfMemoryError(
+            f"CUDA out of memory (injected by automicro.testing.FaultInjector between batches on rank {self._rank}, "
+            f"after batch {self.batch})"
+        )
 
     def fit_end(self, state: State, logger: Logger) -> None:
         self.close_hooks()
