@@ -30,6 +30,8 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from automicro.core.transport import launcher_store_client
+
 GRACE_S = 5.0  # how long a rank's own main thread gets to stop by itself once the alarm rang
 _WAIT_S = 300.0  # one store wait; the watcher waits again after each
 
@@ -62,22 +64,9 @@ class JobLostAlarm:
         (MASTER_ADDR / MASTER_PORT unset, or it refuses a client); every rank decides alike."""
         box = [f"automicro/job-lost/{uuid.uuid4().hex}"]
         dist.broadcast_object_list(box, src=0, group=group)
-        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-        stores: list[Any] = []
-        if host and port and port.isdigit():
-            try:
-                for _ in range(2):
-                    stores.append(
-                        dist.TCPStore(
-                            host, int(port), is_master=False, timeout=datetime.timedelta(seconds=30),
-                            wait_for_workers=False,
-                        )
-                    )
-            except (RuntimeError, ValueError):
-                stores = []
-        ok = [len(stores) == 2]
+        stores = [launcher_store_client(), launcher_store_client()]
         everyone: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, ok[0], group=group)
+        dist.all_gather_object(everyone, all(store is not None for store in stores), group=group)
         if not all(everyone):
             return None
         return cls(stores[0], stores[1], box[0], dist.get_rank(), dist.get_world_size())

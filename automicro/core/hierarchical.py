@@ -24,7 +24,7 @@ result of round r + 1 knows its leader finished reading the slots of round r.
 Failures are named on every rank. A non-leader that dies or is late is seen by its leader (pids,
 round numbers), which carries the name to every node in the status word of the leaders' round,
 and to its own node in the segment's error word. A leader that dies is seen by its node's ranks
-(its pid), which leave its name in the job's store; the other leaders, whose gloo round broke,
+(its pid), which leave its name in the launcher's store (a client opened only then); the other leaders, whose gloo round broke,
 read it there. The leaders' round waits `LEADER_GRACE_S` longer than the local one, so a leader
 that reports a late rank at the deadline is still heard.
 
@@ -51,10 +51,10 @@ from automicro.core.transport import (
     TransportTimeout,
     node_layout,
     open_shared_segment,
+    launcher_store_client,
     process_exists,
     wait_until,
 )
-from automicro.engine._torch_internals import default_store
 
 LOCAL_LEGS = ("auto", "shm", "process_group")
 LEADER_GRACE_S = 10.0  # the leaders' round outlasts the local one by this much
@@ -398,7 +398,7 @@ class HierarchicalTransport:
         return result
 
     def _leave_name(self, status: int) -> None:
-        store = default_store()
+        store = launcher_store_client(STORE_WAIT_S)
         if store is None:
             return
         try:
@@ -407,7 +407,7 @@ class HierarchicalTransport:
             pass
 
     def _name_from_store(self) -> int:
-        store = default_store()
+        store = launcher_store_client(STORE_WAIT_S)
         if store is None:
             return 0
         try:

@@ -70,6 +70,21 @@ class ProcessGroupTransport:
         pass
 
 
+def launcher_store_client(timeout_s: float = 30.0) -> Optional[dist.TCPStore]:
+    """A client of its own to the launcher's rendezvous store (MASTER_ADDR:MASTER_PORT, set by
+    torchrun and the composer launcher), reachable from every node; None where there is none. Its
+    own connection: a blocking wait on it never holds the lock of the default group's store."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+    if not host or not port.isdigit():
+        return None
+    try:
+        return dist.TCPStore(
+            host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+        )
+    except (RuntimeError, ValueError):
+        return None
+
+
 def launcher_node() -> str:
     """The node this rank belongs to as its launcher says (torchrun's GROUP_RANK, the composer
     launcher's NODE_RANK); "" when no launcher said. Two launchers on one machine are two nodes."""

@@ -13,8 +13,6 @@ What is private here and why:
 - `_get_gradient_divide_factors` on torch < 2.8: gloo's reduce-scatter ignores `ReduceOp.AVG`
   there (it sums), so gradients would be world-size times too large on CPU.
 - `_set_unshard_async_op` (private on both versions).
-- `_get_default_store`: after a node leader died, the hierarchical consensus leaves its name in
-  the job's store for the other nodes (the gloo error only names a socket).
 - The composable activation checkpoint (`torch.distributed._composable.checkpoint`), which keeps
   parameter names unchanged (the wrapper class would insert `_checkpoint_wrapped_module`).
 - The `AllGather` / `ReduceScatter` comm interfaces (`_fsdp_api`, torch >= 2.9) behind the
@@ -376,16 +374,6 @@ def add_collective_observer(observer: CollectiveObserver) -> _PatchHandle:
     Uses the same module-global patch as the pre-collective hooks; it stays in place while any
     hook or observer exists."""
     return _PatchHandle(_observers, observer)
-
-
-def default_store() -> Any:
-    """The default process group's store (c10d's `_get_default_store`, checked on 2.7 and 2.11),
-    or None. Used only after a failure, to name a rank across nodes when the leaders' gloo round
-    broke."""
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except (RuntimeError, AttributeError, ValueError):
-        return None
 
 
 def collective_sequence_number(group: Any) -> int:
