@@ -302,8 +302,6 @@ def make_recorder_classes():
             self.rows: list[dict[str, Any]] = []
             self.auto: Optional[AutoMicrobatching] = None
             self.index = -1
-            self._finish_s = 0.0
-            self._wrapped = False
             self.stop_on_step_down = False
             self.stopped_early = False
             self._attempt = 0
@@ -312,24 +310,12 @@ def make_recorder_classes():
 
         def fit_start(self, state, logger) -> None:
             self.auto = next((c for c in state.callbacks if isinstance(c, AutoMicrobatching)), None)
-            consensus = getattr(self.auto, "_consensus", None)
-            if consensus is not None and not self._wrapped:
-                original = consensus.finish
-                recorder = self
-
-                def timed_finish(figures):
-                    started = time.perf_counter()
-                    try:
-                        return original(figures)
-                    finally:
-                        recorder._finish_s += time.perf_counter() - started
-
-                consensus.finish = timed_finish  # instance attribute; the dataclass has no slots
-                self._wrapped = True
 
         def _sync_count(self) -> int:
-            consensus = getattr(self.auto, "_consensus", None)
-            return int(consensus.sync_count) if consensus is not None else 0
+            return self.auto.consensus_rounds if self.auto is not None else 0
+
+        def _finish_seconds(self) -> float:
+            return self.auto.consensus_finish_s if self.auto is not None else 0.0
 
         def batch_start(self, state, logger) -> None:
             self.index = int(state.timestamp.batch)
@@ -338,7 +324,7 @@ def make_recorder_classes():
             self._attempt = 0
             self._failed: list[list[Any]] = []
             self._sync0 = self._sync_count()
-            self._finish0 = self._finish_s
+            self._finish0 = self._finish_seconds()
             self._retries0 = self.mem.retries()
             self._fwd = 0
             self._bwd = 0
@@ -384,19 +370,19 @@ def make_recorder_classes():
         def batch_end(self, state, logger) -> None:
             seconds = time.perf_counter() - self._t0
             auto = self.auto
-            split = list(auto._used_split) if auto is not None and auto._used_split else None
+            split = list(auto.used_split) if auto is not None and auto.used_split else None
             size = max(split) if split else state.device_train_microbatch_size
             self.rows.append(
                 {
                     "batch": self.index,
                     "s": round(seconds, 5),
-                    "attempts": int(auto._batch_attempts) if auto is not None else 1,
+                    "attempts": auto.batch_attempts if auto is not None else 1,
                     "size": int(size) if size is not None else None,
                     "split": split,
                     "hooks": self._hooks0,
                     "hooks_after": bool(auto is not None and auto.hooks_active),
                     "rounds": self._sync_count() - self._sync0,
-                    "finish_s": round(self._finish_s - self._finish0, 6),
+                    "finish_s": round(self._finish_seconds() - self._finish0, 6),
                     "retries": self.mem.retries() - self._retries0,
                     "peak": self.mem.peak(),
                     "reserved_peak": self.mem.reserved_peak(),
@@ -574,7 +560,7 @@ def run_case(
                     "ooms_total": auto.ooms_total,
                     "thrash_events": auto.thrash.events,
                     "hooks_on_at_end": auto.hooks_active,
-                    "consensus_transport": auto._consensus.transport_name if auto._consensus else None,
+                    "consensus_transport": auto.transport_name,
                     "search": auto.policy_config.search,
                 }
             )

@@ -205,7 +205,7 @@ def fault_case(
     assert sharded is not None
     result.update(
         seconds=round(time.perf_counter() - started, 3),
-        transport=auto._consensus.transport_name if auto._consensus else None,
+        transport=auto.transport_name,
         found_size=auto.found_size,
         split=list(auto.policy.current_split()) if auto.policy else None,
         history=history(auto),

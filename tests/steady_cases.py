@@ -243,7 +243,7 @@ def _fit_expecting_failure(trainer: Any, auto: AutoMicrobatching) -> dict[str, A
     result["history"] = history(auto)
     result["total_seconds"] = round(time.perf_counter() - started, 3)
     result["fatal"] = (result["exception"] or {}).get("type") == FatalRecoveryError.__name__
-    result["transport"] = auto._consensus.transport_name if auto._consensus else None
+    result["transport"] = auto.transport_name
     return result
 
 

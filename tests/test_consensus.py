@@ -267,3 +267,14 @@ def test_hierarchical_round_times_out_naming_the_late_rank_everywhere():
     per_rank = run_multiprocess(_one_rank_late, world_size=4, nodes=2, args=(1,), timeout_s=90)
     for rank, message in enumerate(per_rank):
         assert "rank 1 (node 0) did not reach the round in time" in message, (rank, message)
+
+
+def test_finish_time_and_rounds_are_counted_for_dashboards():
+    consensus = Consensus()  # one rank: every round is local
+    assert consensus.finish_seconds == 0.0 and consensus.sync_count == 0
+    consensus.begin_attempt()
+    consensus.sync()
+    verdict = consensus.finish(LocalFigures())
+    assert not verdict.failed
+    assert consensus.sync_count == 2
+    assert consensus.finish_seconds > 0.0

@@ -20,6 +20,8 @@ number of all-reduces matches on every rank.
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -116,6 +118,7 @@ class Consensus:
     world_size: int = 1
     rank: int = 0
     sync_count: int = 0
+    finish_seconds: float = 0.0  # wall time spent in `finish()` (the end-of-attempt agreement)
     transport: Any = None  # ProcessGroupTransport, ShmTransport or HierarchicalTransport
     _failed_seen: bool = field(default=False, repr=False)
 
@@ -238,6 +241,13 @@ class Consensus:
 
     def finish(self, figures: LocalFigures) -> Verdict:
         """End of an attempt on a rank that did not fail: agree whether every rank finished."""
+        started = time.perf_counter()
+        try:
+            return self._finish(figures)
+        finally:
+            self.finish_seconds += time.perf_counter() - started
+
+    def _finish(self, figures: LocalFigures) -> Verdict:
         rounds = 0
         while True:
             vec = self._round(0, 0, figures)

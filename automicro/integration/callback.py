@@ -218,6 +218,33 @@ class AutoMicrobatching(Callback):
     def found_size(self) -> Optional[int]:
         return None if self.policy is None else self.policy.found_size
 
+    # Read-only figures for dashboards, benchmarks and tests.
+
+    @property
+    def used_split(self) -> tuple[int, ...]:
+        """The microbatch split of the last batch that succeeded (empty before the first)."""
+        return self._used_split
+
+    @property
+    def batch_attempts(self) -> int:
+        """Attempts of the current (or last) batch: 1 when it did not retry."""
+        return self._batch_attempts
+
+    @property
+    def transport_name(self) -> Optional[str]:
+        """The consensus transport in use ("shm", "hierarchical", "process_group"); None before attach."""
+        return None if self._consensus is None else self._consensus.transport_name
+
+    @property
+    def consensus_rounds(self) -> int:
+        """Consensus rounds this rank took part in so far (sync points and end-of-attempt rounds)."""
+        return 0 if self._consensus is None else self._consensus.sync_count
+
+    @property
+    def consensus_finish_s(self) -> float:
+        """Seconds this rank spent in end-of-attempt agreements so far."""
+        return 0.0 if self._consensus is None else self._consensus.finish_seconds
+
     def _info(self, message: str) -> None:
         if self._rank == 0 and self.log_attempts:
             print(f"[automicro] {message}", flush=True)
