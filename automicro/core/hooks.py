@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch.nn as nn
 
 from automicro.core.consensus import Consensus
-from automicro.core.sites import DISPATCHER, PRIORITY_SYNC, SiteDispatcher
+from automicro.core.sites import PRIORITY_SYNC, SiteDispatcher
 from automicro.engine import _torch_internals as internals
 from automicro.engine.sharding import ShardedModel
 
@@ -89,7 +89,7 @@ class SyncHooks:
         self,
         sharded: ShardedModel,
         consensus: Consensus,
-        dispatcher: SiteDispatcher = DISPATCHER,
+        dispatcher: SiteDispatcher,
         sync_points: str = "all",
     ) -> None:
         if sync_points not in SYNC_POINTS:

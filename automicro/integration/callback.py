@@ -61,6 +61,7 @@ from composer.core import Callback, Event, State
 from composer.loggers import Logger
 
 from automicro.core import policy as search
+from automicro.core.policy import HookReason
 from automicro.core.attempt import AttemptFence, RandomState, is_oom
 from automicro.core.consensus import (
     KIND_ERROR,
@@ -75,7 +76,7 @@ from automicro.core.alarm import JobLostAlarm
 from automicro.core.ledger import Board, CollectiveLedger, FatalRecoveryError
 from automicro.engine import _torch_internals as torch_internals
 from automicro.core.memory import CudaMemory, MemorySource, NoMemory
-from automicro.core.sites import DISPATCHER, SiteDispatcher, site_index
+from automicro.core.sites import AttemptContext, SiteDispatcher, site_index
 from automicro.core.thrash import ThrashDetector
 from automicro.core.transport import TRANSPORTS
 from automicro.engine.sharding import ShardedModel
@@ -169,7 +170,7 @@ class AutoMicrobatching(Callback):
         self._fence: Optional[AttemptFence] = None
         self._hooks: Optional[SyncHooks] = None
         self._memory: MemorySource = NoMemory()
-        self._dispatcher: SiteDispatcher = DISPATCHER
+        self._dispatcher = SiteDispatcher()  # replaced by the trainer's at attach()
         self._last_retries = 0
         self._batch_attempts = 0
         self._batch_retries = False
@@ -183,10 +184,15 @@ class AutoMicrobatching(Callback):
 
     # ---- wiring ------------------------------------------------------------------------------
 
-    def attach(self, sharded: ShardedModel, memory: Optional[MemorySource] = None) -> None:
-        """Called by `automicro.Trainer` on every rank once the model is sharded (collective)."""
+    def attach(
+        self, sharded: ShardedModel, memory: Optional[MemorySource] = None, sites: Optional[SiteDispatcher] = None
+    ) -> None:
+        """Called by `automicro.Trainer` on every rank once the model is sharded (collective).
+        `sites`: the trainer's site dispatcher, shared with its fault injectors (a new one if None)."""
         import torch.distributed as dist
 
+        if sites is not None:
+            self._dispatcher = sites
         self._sharded = sharded
         self._consensus = Consensus.create(use_cpu_group=self.cpu_sync_group, transport=self.consensus_transport)
         self._rank = dist.get_rank() if dist.is_initialized() else 0
@@ -219,6 +225,16 @@ class AutoMicrobatching(Callback):
         return None if self.policy is None else self.policy.found_size
 
     # Read-only figures for dashboards, benchmarks and tests.
+
+    @property
+    def sites(self) -> SiteDispatcher:
+        """The site dispatcher this callback fires (the trainer's, once attached)."""
+        return self._dispatcher
+
+    @property
+    def attempt_context(self) -> AttemptContext:
+        """Where the current attempt is: batch, attempt, microbatch, last site (read it, do not write it)."""
+        return self._dispatcher.context
 
     @property
     def used_split(self) -> tuple[int, ...]:
@@ -259,17 +275,17 @@ class AutoMicrobatching(Callback):
     def fit_start(self, state: State, logger: Logger) -> None:
         # Another fit() of the same trainer: the hooks come back if the policy still wants them.
         if self.policy is not None:
-            self._apply_hooks(self.policy.hooks, "fit start")
+            self._apply_hooks(self.policy.hooks, HookReason.FIT_START)
         self._observe_collectives(True)
 
     def fit_end(self, state: State, logger: Logger) -> None:
         # The hooks and the collective patch are process-wide: none may outlive this fit.
-        self._apply_hooks(False, "fit end")
+        self._apply_hooks(False, HookReason.FIT_END)
         self._observe_collectives(False)
 
     def close(self, state: State, logger: Logger) -> None:
         # `trainer.close()`, also after a fit that raised (fit_end did not run).
-        self._apply_hooks(False, "trainer closed")
+        self._apply_hooks(False, HookReason.CLOSED)
         self._observe_collectives(False)
         if self._ledger is not None:
             self._ledger.close()
@@ -295,7 +311,7 @@ class AutoMicrobatching(Callback):
         if self._eval_auto:
             # An eval forward all-gathers like a training forward: with the eval search on, every
             # all-gather needs its consensus point too.
-            self._apply_hooks(True, "eval")
+            self._apply_hooks(True, HookReason.EVAL)
 
     def eval_batch_start(self, state: State, logger: Logger) -> None:
         if self._eval_auto:
@@ -307,7 +323,7 @@ class AutoMicrobatching(Callback):
         self._in_eval = False
         # Evaluation can leave memory fragmented and a spike behind: guard the next batches.
         if self.policy is None:
-            self._apply_hooks(self._eval_auto, "after eval")
+            self._apply_hooks(self._eval_auto, HookReason.AFTER_EVAL)
         self._rearm("eval")
 
     # ---- eval-time search ----------------------------------------------------------------------
@@ -375,13 +391,13 @@ class AutoMicrobatching(Callback):
         if self.policy is None:
             return
         decision = self.policy.observe(search.Rearm(reason))
-        self._apply_hooks(decision.hooks, reason)
+        self._apply_hooks(decision.hooks, decision.reason, reason)
 
-    def _apply_hooks(self, want: bool, reason: str) -> None:
+    def _apply_hooks(self, want: bool, reason: HookReason, detail: str = "") -> None:
         if self._hooks is None:
             return
         if self._hooks.set_active(want):
-            self._info(self._hooks_message(want, reason))
+            self._info(self._hooks_message(want, reason, detail))
 
     def batch_end(self, state: State, logger: Logger) -> None:
         if self.policy is None or not self._used_split:
@@ -446,14 +462,13 @@ class AutoMicrobatching(Callback):
                 }
             )
 
-    def _hooks_message(self, want: bool, reason: str) -> str:
-        if not want and self.policy is not None and reason.startswith("stable for"):
+    def _hooks_message(self, want: bool, reason: HookReason, detail: str) -> str:
+        if not want and self.policy is not None and reason is HookReason.STABLE:
             return (
                 f"sync hooks off after {self.policy_config.stable_batches} clean batches "
                 f"at split {list(self.policy.current_split())}"
             )
-        reason = reason.removesuffix(": sync hooks on" if want else ": sync hooks off")
-        return f"sync hooks {'on' if want else 'off'} ({reason})"
+        return f"sync hooks {'on' if want else 'off'} ({reason.value}{': ' + detail if detail else ''})"
 
     # ---- checkpoints -------------------------------------------------------------------------
 
@@ -484,10 +499,10 @@ class AutoMicrobatching(Callback):
                     self.policy.observe(search.BatchSizeChanged(batch_size))
                 self._step_below_unrecovered_failure(state)
                 self._info(f"resumed with microbatch split {self.policy.current_split()} (hooks on until stable)")
-            self._apply_hooks(True, "searching")
+            self._apply_hooks(True, HookReason.SEARCHING)
         elif self.policy.state.batch_size != batch_size:
             decision = self.policy.observe(search.BatchSizeChanged(batch_size))
-            self._apply_hooks(decision.hooks, f"batch size changed to {batch_size}")
+            self._apply_hooks(decision.hooks, decision.reason, f"to {batch_size}")
 
     # ---- a run that could not recover in-process -------------------------------------------------
 
@@ -654,7 +669,7 @@ class AutoMicrobatching(Callback):
             if result.replayed:
                 note += f"; {result.replayed} collectives replayed to get the ranks back in step"
             self._record(batch_index, sizes, "oom", verdict, decision.next_size, seconds, note, hooks=hooks_on)
-            self._apply_hooks(decision.hooks, "out of memory")
+            self._apply_hooks(decision.hooks, decision.reason)
 
     def _all_reduce_sum(self, tensor: torch.Tensor) -> None:
         if self._ledger is not None:
@@ -691,7 +706,7 @@ class AutoMicrobatching(Callback):
         if self.thrash.observe(retried_clean_batch):
             decision = self.policy.observe(search.Thrash(max(sizes)))
             self._record(batch_index, sizes, "thrash", verdict, decision.next_size, seconds, decision.event)
-            self._apply_hooks(decision.hooks, "thrashing")
+            self._apply_hooks(decision.hooks, decision.reason)
             return
         phase_before = self.policy.phase
         decision = self.policy.observe(
@@ -703,7 +718,7 @@ class AutoMicrobatching(Callback):
         )
         if phase_before != search.Phase.STEADY or self._batch_attempts > 1:
             self._record(batch_index, sizes, "ok", verdict, decision.next_size, seconds, decision.event)
-        self._apply_hooks(decision.hooks, decision.event or "stable")
+        self._apply_hooks(decision.hooks, decision.reason)
 
     def _record(
         self,

@@ -25,6 +25,7 @@ from torch.distributed.fsdp import register_fsdp_forward_method
 
 from automicro.engine import FSDP2Config, ShardedModel, ensure_record_stream_free, shard
 from automicro.engine.config import FSDP2ConfigError
+from automicro.core.sites import SiteDispatcher
 from automicro.integration import _composer_internals as composer_internals
 from automicro.integration.callback import AutoMicrobatching
 from automicro.integration.checkpointing import ShardedCheckpointing, check_checkpoint_format
@@ -185,9 +186,16 @@ class Trainer(composer.Trainer):
             if checkpoint_format == "sharded":
                 callback_list.append(ShardedCheckpointing())
         self._automicro = automicro
+        # One attempt context per trainer: the callback fires its sites, the fault injectors
+        # (any callback with `attach_sites`) listen there.
+        self._automicro_sites = SiteDispatcher()
+        for callback in callback_list:
+            attach_sites = getattr(callback, "attach_sites", None)
+            if callable(attach_sites):
+                attach_sites(self._automicro_sites)
         if automicro is not None:
             assert self._automicro_sharded is not None
-            automicro.attach(self._automicro_sharded)
+            automicro.attach(self._automicro_sharded, sites=self._automicro_sites)
 
         auto_evaluators = [e for e in _evaluators(kwargs.get("eval_dataloader")) if e.auto_microbatching]
         if auto_evaluators:
@@ -228,6 +236,11 @@ class Trainer(composer.Trainer):
     @property
     def auto_microbatching(self) -> Optional[AutoMicrobatching]:
         return self._automicro
+
+    @property
+    def sites(self) -> SiteDispatcher:
+        """This trainer's site dispatcher: its attempt context and the listeners at its sites."""
+        return self._automicro_sites
 
     def fit(self, *args: Any, **kwargs: Any) -> None:
         """Composer's `fit`; an out-of-memory error that escapes it from outside any attempt (a
