@@ -11,6 +11,9 @@ Installed on every FSDP2 module of a `ShardedModel`:
 `remove()` takes every handle off and restores torch's own collective code paths.
 
 Every site first calls the dispatcher (fault injectors listen there), then the consensus.
+
+Owns: installing and removing the site hooks and the sync listener. May not touch: the
+consensus protocol (it only calls `sync()`), FSDP2 internals outside `_torch_internals`, Composer.
 """
 
 from __future__ import annotations

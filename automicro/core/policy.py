@@ -25,6 +25,9 @@ Search modes (`PolicyConfig.search`):
   strictly between the bounds, so the search ends in at most about log2(B) + 2 attempts.
 - ``halve``: Composer's own policy, as a baseline: halve on failure, settle on the first success,
   split into chunks of that size.
+
+Owns: the phases, the search, the splits and why the hooks are on (`HookReason`). May not touch:
+torch, I/O, collectives, Composer: it is fed agreed outcomes and returns decisions.
 """
 
 from __future__ import annotations

@@ -23,45 +23,27 @@ the consensus protocol, a failed attempt is wiped (outputs, grads, metrics, FSDP
 the engine's `recover()`) and the same batch is rerun at the next size the search policy picks.
 Sync hooks are on while searching and come off after `stable_batches` clean batches.
 
-Metrics logged each batch (rank 0, through Composer's loggers):
-
-| key | meaning |
-| --- | --- |
-| `automicro/microbatch_size` | largest microbatch of the split in use |
-| `automicro/num_microbatches` | microbatches per batch |
-| `automicro/attempts` | attempts of this batch (1 = no retry) |
-| `automicro/ooms_total` | failed attempts so far |
-| `automicro/searching` | 1 while the size is not settled |
-| `automicro/hooks_active` | 1 while sync hooks are installed |
-| `automicro/thrash_events` | thrash detections so far |
-| `automicro/search_time_s` | seconds spent in failed attempts so far |
-| `automicro/alloc_retries` | allocator retries seen this batch (any rank) |
-| `automicro/found_size` | largest microbatch size that fit on every rank (0 while searching) |
-| `automicro/last_oom_rank` | lowest failed rank of the latest OOM (-1: none yet) |
-| `automicro/last_oom_site` | its site as an index into `automicro.core.sites.ALL_SITES` (-1: none) |
-
-Each failed attempt (OOM or thrash) is also logged as one `automicro/event` trace through
-`Logger.log_traces` (never a training step): batch, attempt, size, split, outcome, failed ranks,
-site name and index, next size.
+Owns: the Composer side only (events, the batch loop's calls into Composer, the checkpoint
+state of the search). The protocol lives in `automicro.core` (attempt fence, consensus, policy,
+ledger), the dashboards' metrics and events in `automicro.core.metrics` (the key table is there),
+the failure note in `automicro.core.failure_note`. May not touch: FSDP2 internals (the engine's
+`recover()` does), torch or Composer privates outside the two `_internals` modules.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import logging
-import os
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Union
 
 import torch
 from composer.core import Callback, Event, State
 from composer.loggers import Logger
 
+from automicro.core import failure_note
 from automicro.core import policy as search
-from automicro.core.policy import HookReason
+from automicro.core.alarm import JobLostAlarm
 from automicro.core.attempt import AttemptFence, RandomState, is_oom
 from automicro.core.consensus import (
     KIND_ERROR,
@@ -72,13 +54,21 @@ from automicro.core.consensus import (
     Verdict,
 )
 from automicro.core.hooks import SYNC_POINTS, SyncHooks
-from automicro.core.alarm import JobLostAlarm
 from automicro.core.ledger import Board, CollectiveLedger, FatalRecoveryError
-from automicro.engine import _torch_internals as torch_internals
 from automicro.core.memory import CudaMemory, MemorySource, NoMemory
-from automicro.core.sites import AttemptContext, SiteDispatcher, site_index
+from automicro.core.metrics import (
+    AttemptRecord,
+    BatchFigures,
+    batch_metrics,
+    event_traces,
+    history_from_state,
+    history_to_state,
+)
+from automicro.core.policy import HookReason
+from automicro.core.sites import AttemptContext, SiteDispatcher
 from automicro.core.thrash import ThrashDetector
 from automicro.core.transport import TRANSPORTS
+from automicro.engine import _torch_internals as torch_internals
 from automicro.engine.sharding import ShardedModel
 from automicro.integration import _composer_internals as composer_internals
 from automicro.integration.splitting import UnsplittableBatch, split_by_sizes
@@ -88,23 +78,6 @@ log = logging.getLogger(__name__)
 
 class MicrobatchSizeError(RuntimeError):
     """Even a microbatch of one sample does not fit: raised on every rank."""
-
-
-@dataclass
-class AttemptRecord:
-    """One attempt of one batch, as every rank agreed on it."""
-
-    batch: int
-    attempt: int
-    size: int
-    split: tuple[int, ...]
-    outcome: str  # "ok", "oom", "thrash", "error"
-    failed_ranks: list[int] = field(default_factory=list)
-    sites: list[str] = field(default_factory=list)
-    next_size: int = 0
-    hooks: bool = True
-    seconds: float = 0.0
-    note: str = ""
 
 
 class AutoMicrobatching(Callback):
@@ -402,65 +375,23 @@ class AutoMicrobatching(Callback):
     def batch_end(self, state: State, logger: Logger) -> None:
         if self.policy is None or not self._used_split:
             return
-        split = self._used_split
-        logger.log_metrics(
-            {
-                "automicro/microbatch_size": max(split),
-                "automicro/num_microbatches": len(split),
-                "automicro/attempts": self._batch_attempts,
-                "automicro/ooms_total": self.ooms_total,
-                "automicro/searching": int(self.policy.phase == search.Phase.SEARCHING),
-                "automicro/hooks_active": int(self.hooks_active),
-                "automicro/thrash_events": self.thrash.events,
-                "automicro/search_time_s": self.search_time_s,
-                "automicro/alloc_retries": int(self._batch_retries),
-                "automicro/found_size": self.found_size or 0,
-                **self._last_oom_metrics(),
-            }
+        figures = BatchFigures(
+            split=self._used_split,
+            attempts=self._batch_attempts,
+            ooms_total=self.ooms_total,
+            searching=self.policy.phase == search.Phase.SEARCHING,
+            hooks_active=self.hooks_active,
+            thrash_events=self.thrash.events,
+            search_time_s=self.search_time_s,
+            alloc_retries=self._batch_retries,
+            found_size=self.found_size or 0,
         )
-        self._log_events(state, logger)
+        logger.log_metrics(batch_metrics(figures, self.history))
+        # Composer moves the timestamp to the next batch before BATCH_END.
+        for trace in event_traces(self.history, int(state.timestamp.batch) - 1):
+            logger.log_traces(trace)
 
-    # ---- dashboard helpers (metrics, events, console) ------------------------------------------
-
-    def _last_oom_metrics(self) -> dict[str, int]:
-        """`automicro/last_oom_rank` and `automicro/last_oom_site` (an index into `ALL_SITES`)."""
-        last = next((r for r in reversed(self.history) if r.outcome == "oom" and r.failed_ranks), None)
-        if last is None:
-            return {"automicro/last_oom_rank": -1, "automicro/last_oom_site": -1}
-        site = last.sites[0] if last.sites else "other"
-        return {"automicro/last_oom_rank": int(last.failed_ranks[0]), "automicro/last_oom_site": site_index(site)}
-
-    def _log_events(self, state: State, logger: Logger) -> None:
-        """One `automicro/event` trace per failed attempt of the batch that just ended.
-
-        Traces (`Logger.log_traces`) do not advance the step; the batch's own attempts are the
-        records of its index (Composer moves the timestamp to the next batch before BATCH_END)."""
-        batch_index = int(state.timestamp.batch) - 1
-        failed = []
-        for record in reversed(self.history):
-            if record.batch != batch_index:
-                break
-            if record.outcome != "ok":
-                failed.append(record)
-        for record in reversed(failed):
-            site = record.sites[0] if record.sites else ""
-            logger.log_traces(
-                {
-                    "automicro/event": {
-                        "batch": record.batch,
-                        "attempt": record.attempt,
-                        "size": record.size,
-                        "split": list(record.split),
-                        "outcome": record.outcome,
-                        "ranks": list(record.failed_ranks),
-                        "site": site,
-                        "site_index": site_index(site) if site else -1,
-                        "sites": list(record.sites),
-                        "next_size": record.next_size,
-                        "seconds": record.seconds,
-                    }
-                }
-            )
+    # ---- console -------------------------------------------------------------------------------
 
     def _hooks_message(self, want: bool, reason: HookReason, detail: str) -> str:
         if not want and self.policy is not None and reason is HookReason.STABLE:
@@ -478,7 +409,7 @@ class AutoMicrobatching(Callback):
             "ooms_total": self.ooms_total,
             "thrash_events": self.thrash.events,
             "search_time_s": self.search_time_s,
-            "history": [asdict(r) for r in self.history[-1000:]],
+            "history": history_to_state(self.history),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -486,7 +417,7 @@ class AutoMicrobatching(Callback):
         self.ooms_total = int(state.get("ooms_total", 0))
         self.thrash.events = int(state.get("thrash_events", 0))
         self.search_time_s = float(state.get("search_time_s", 0.0))
-        self.history = [AttemptRecord(**{**r, "split": tuple(r["split"])}) for r in state.get("history", [])]
+        self.history = history_from_state(state.get("history", []))
 
     def _ensure_policy(self, batch_size: int, state: Optional[State] = None) -> None:
         if self.policy is None:
@@ -506,7 +437,7 @@ class AutoMicrobatching(Callback):
 
     # ---- a run that could not recover in-process -------------------------------------------------
 
-    FAILURE_NOTE = "automicro_failure.json"
+    FAILURE_NOTE = failure_note.FILE_NAME
 
     def fit_raised(self, state: State, error: BaseException) -> Optional[FatalRecoveryError]:
         """`fit()` raised `error` on this rank. An out-of-memory error from outside any attempt
@@ -517,45 +448,26 @@ class AutoMicrobatching(Callback):
             return None
         where = f"at {self._last_event}" if self._last_event is not None else "between batches"
         batch = int(state.timestamp.batch)
-        self._write_failure_note(state, batch, self._used_split)
+        failure_note.write(composer_internals.checkpoint_folder(state), self._rank, batch, self._used_split)
         return self._ledger.lost_outside_attempt(where, batch)
 
-    def _write_failure_note(self, state: State, batch: int, sizes: tuple[int, ...]) -> None:
-        """Leave the size that failed beside the checkpoints, so that a restarted run (autoresume,
-        or `load_path` to this folder) starts below it instead of failing the same way again."""
-        folder = composer_internals.checkpoint_folder(state)
-        if folder is None or "://" in folder:
-            return
-        os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, self.FAILURE_NOTE)
-        temporary = f"{path}.rank{self._rank}.tmp"
-        with open(temporary, "w") as f:
-            json.dump({"batch": batch, "size": max(sizes), "split": list(sizes)}, f)
-        os.replace(temporary, path)
-
     def _step_below_unrecovered_failure(self, state: Optional[State]) -> None:
+        """A failure note beside the checkpoint this run resumed from: start below its size."""
         assert self.policy is not None
-        folder = None if state is None else composer_internals.checkpoint_folder(state)
-        path = None if folder is None else os.path.join(folder, self.FAILURE_NOTE)
-        if path is None or not os.path.exists(path):
-            return
-        with open(path) as f:
-            note = json.load(f)
+        note = failure_note.read(None if state is None else composer_internals.checkpoint_folder(state))
         resumed_at = int(state.timestamp.batch) if state is not None else 0
-        size = int(note.get("size", 0))
-        # Only a failure after this checkpoint, at the size this run would use again, counts.
-        if int(note.get("batch", -1)) < resumed_at or size != max(self.policy.current_split()):
+        if note is None or not note.applies(resumed_at, max(self.policy.current_split())):
             return
         try:
-            decision = self.policy.observe(search.OOM(size))
+            decision = self.policy.observe(search.OOM(note.size))
         except search.CannotFitError as error:
             raise MicrobatchSizeError(
-                f"automicro: the run stopped at microbatch size {size} in batch {note['batch']}, and no smaller size "
-                "is left to try"
+                f"automicro: the run stopped at microbatch size {note.size} in batch {note.batch}, and no smaller "
+                "size is left to try"
             ) from error
         self._info(
-            f"the previous launch could not recover from an OOM at size {size} in batch {note['batch']} "
-            f"({path}); resuming at size {decision.next_size} with the sync hooks on"
+            f"the previous launch could not recover from an OOM at size {note.size} in batch {note.batch} "
+            f"({note.path}); resuming at size {decision.next_size} with the sync hooks on"
         )
 
     # ---- the guarded batch step --------------------------------------------------------------
@@ -631,7 +543,7 @@ class AutoMicrobatching(Callback):
             try:
                 result = self._fence.run(body, lambda: self._wipe_failed_attempt(trainer, device_batch), hooks_on)
             except FatalRecoveryError:
-                self._write_failure_note(state, batch_index, sizes)
+                failure_note.write(composer_internals.checkpoint_folder(state), self._rank, batch_index, sizes)
                 raise
             verdict, seconds = result.verdict, result.seconds
             if result.unreported is not None:
@@ -745,11 +657,7 @@ class AutoMicrobatching(Callback):
             note=note,
         )
         self.history.append(record)
-        where = f" on rank(s) {record.failed_ranks} at {record.sites}" if record.failed_ranks else ""
-        self._info(
-            f"batch {batch_index} attempt {record.attempt}: size {record.size} split {list(sizes)} -> "
-            f"{outcome}{where}; next size {next_size}" + (f" ({note})" if note else "")
-        )
+        self._info(record.console_line())
 
 
 def _build_ledger(sharded: ShardedModel, consensus: Consensus, rank: int) -> CollectiveLedger:

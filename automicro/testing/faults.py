@@ -18,6 +18,9 @@ times. With `batch` late enough the fault hits after the sync hooks came off (th
 
 `site: between_batches` raises outside any attempt, at Event.BATCH_END once `timestamp.batch`
 equals `batch` (a callback or checkpoint save running out of memory).
+
+Owns: the injector's conditions and its own site hooks. May not touch: the consensus (a fault
+is an exception; the attempt fence does the rest); it is handed the trainer's sites at attach.
 """
 
 from __future__ import annotations
