@@ -369,26 +369,35 @@ def test_config_error_is_value_error_and_no_process_group():
     assert not (dist.is_available() and dist.is_initialized())
 
 
-def test_known_callbacks_constant():
-    assert set(KNOWN_CALLBACKS) == {
-        "speed_monitor",
-        "memory_monitor",
-        "lr_monitor",
-        "runtime_estimator",
-        "auto_microbatching",
-        "fault_injector",
-        "memory_cap",
-    }
-    from automicro.integration.builders import CALLBACKS
+def test_the_config_accepts_exactly_the_registry_and_each_name_builds_a_composer_callback():
+    from composer.core import Callback
 
-    assert set(CALLBACKS) == set(KNOWN_CALLBACKS)  # the config accepts exactly what the builder builds
+    from automicro.config import CALLBACK_REGISTRY
+    from automicro.integration.builders import callback_class
+
+    assert KNOWN_CALLBACKS == tuple(CALLBACK_REGISTRY)  # derived, not a second list
+    for name in CALLBACK_REGISTRY:
+        assert name in _load(f"callbacks.{name}={{}}").callbacks
+        cls = callback_class(name)
+        assert isinstance(cls, type) and issubclass(cls, Callback), (name, cls)
+    with pytest.raises(ConfigError, match=r"callbacks\.not_registered=\{\}: unknown callback"):
+        _load("callbacks.not_registered={}")
 
 
-def test_llama_checks_skipped_when_module_unimportable(monkeypatch):
-    monkeypatch.setitem(sys.modules, "automicro.models.llama", None)  # import -> ImportError
-    assert _load("model.overrides.anything=1").model.overrides == {"anything": 1}
-    with pytest.raises(ConfigError, match=r"model\.n_layers=3: unknown key"):
-        _load("model.n_layers=3")  # the shorthand needs LlamaConfig to tell a field from a typo
+def test_the_config_imports_no_composer_and_reading_one_no_trainer_or_fault_kit():
+    import subprocess
+
+    def loaded(prefixes):
+        return f"sorted(m for m in sys.modules if m.startswith({prefixes!r}))"
+
+    code = (
+        "import sys; import automicro.config; "
+        f"print({loaded(('composer', 'automicro.models', 'omegaconf'))}); "
+        f"automicro.config.load_config({CPU_YAML!r}); "
+        f"print({loaded(('automicro.integration', 'automicro.testing'))})"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.splitlines() == ["[]", "[]"], out.stdout
 
 
 def test_the_real_llama_config_tells_model_shorthand_keys_from_typos(monkeypatch):
