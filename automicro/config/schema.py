@@ -145,6 +145,18 @@ def _check_llama_value(value: Any, hint: Any, key: str) -> Any:
     return value
 
 
+def _llama_values(values: Mapping[str, Any], prefix: str, unknown: Callable[[str, Any, dict], str]) -> dict:
+    """Every key of ``values`` must be a `LlamaConfig` field (else `ConfigError(unknown(key,
+    value, fields))`); scalar fields are type-checked under the dotted key ``prefix + key``."""
+    llama = _llama_fields()
+    out = {}
+    for k, v in values.items():
+        if k not in llama:
+            raise ConfigError(unknown(k, v, llama))
+        out[k] = _check_llama_value(v, llama[k], f"{prefix}{k}")
+    return out
+
+
 def _model_overrides_parse(value: Any, key: str) -> dict:
     if value is None:
         return {}
@@ -155,15 +167,13 @@ def _model_overrides_parse(value: Any, key: str) -> dict:
         if not isinstance(k, str):
             raise ConfigError(f"{key}.{k}={v!r}: keys must be strings (LlamaConfig field names)")
         out[k] = v
-    llama = _llama_fields()
-    for k, v in out.items():
-        if k not in llama:
-            raise ConfigError(
-                f"{key}.{k}={v!r}: unknown LlamaConfig field{_did_you_mean(k, llama)}; "
-                f"allowed keys: {', '.join(llama)}"
-            )
-        out[k] = _check_llama_value(v, llama[k], f"{key}.{k}")
-    return out
+    return _llama_values(
+        out,
+        f"{key}.",
+        lambda k, v, llama: (
+            f"{key}.{k}={v!r}: unknown LlamaConfig field{_did_you_mean(k, llama)}; allowed keys: {', '.join(llama)}"
+        ),
+    )
 
 
 @dataclass
@@ -189,15 +199,15 @@ class ModelConfig:
         extras = {k: v for k, v in value.items() if k not in own}
         if not extras:
             return value
-        llama = _llama_fields()
-        for k, v in extras.items():
-            if k not in llama:
-                raise ConfigError(
-                    f"{prefix}{k}={v!r}: unknown key{_did_you_mean(str(k), own + list(llama))}; "
-                    f"allowed keys at model: {', '.join(own)}, or a LlamaConfig field "
-                    f"({', '.join(f for f in llama if f not in own)})"
-                )
-            extras[k] = _check_llama_value(v, llama[k], f"{prefix}{k}")
+        extras = _llama_values(
+            extras,
+            prefix,
+            lambda k, v, llama: (
+                f"{prefix}{k}={v!r}: unknown key{_did_you_mean(str(k), own + list(llama))}; "
+                f"allowed keys at model: {', '.join(own)}, or a LlamaConfig field "
+                f"({', '.join(f for f in llama if f not in own)})"
+            ),
+        )
         explicit = value.get("overrides")
         if explicit is not None and not isinstance(explicit, Mapping):
             return value  # the `overrides` parser reports it
