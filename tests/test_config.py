@@ -412,3 +412,58 @@ def test_autoresume_needs_a_save_folder_and_is_passed_on_with_one():
         _load("autoresume=true")
     cfg = _load("autoresume=true", "save_folder=/tmp/ckpt")
     assert cfg.autoresume is True and cfg.save_folder == "/tmp/ckpt"
+
+
+# ------------------------------------------------------------------------------------------
+# One check per fact: the YAML and automicro.Trainer refuse the same input with the same text
+# ------------------------------------------------------------------------------------------
+
+
+def _trainer_error(**kwargs) -> str:
+    import torch
+
+    import automicro
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError) as info:
+        automicro.Trainer(model=model, device="cpu", max_duration="1ba", **kwargs)
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    "override, trainer_kwargs",
+    [
+        pytest.param("device_train_microbatch_size=big", {"device_train_microbatch_size": "big"}, id="microbatch"),
+        pytest.param("parallelism_config.fsdp2.bogus=1", {"parallelism_config": {"fsdp2": {"bogus": 1}}}, id="fsdp2-key"),
+        pytest.param(
+            "parallelism_config.fsdp2.state_dict_type=sharded",
+            {"parallelism_config": {"fsdp2": {"state_dict_type": "sharded"}}},
+            id="state-dict-type",
+        ),
+        pytest.param(
+            "parallelism_config.fsdp2.mixed_precision=HALF",
+            {"parallelism_config": {"fsdp2": {"mixed_precision": "HALF"}}},
+            id="fsdp2-value",
+        ),
+        pytest.param("parallelism_config.fsdp2=5", {"parallelism_config": {"fsdp2": 5}}, id="fsdp2-scalar"),
+    ],
+)
+def test_yaml_and_trainer_refuse_the_same_input_with_the_same_message(override, trainer_kwargs):
+    with pytest.raises(ConfigError) as info:
+        _load(override)
+    assert str(info.value) in _trainer_error(**trainer_kwargs)
+
+
+@pytest.mark.filterwarnings("ignore:Setting `device_eval_microbatch_size='auto'`:UserWarning")
+def test_yaml_and_trainer_give_the_same_reason_for_an_auto_eval_without_an_auto_search():
+    import torch
+    from composer.core import Evaluator
+
+    from automicro.config import auto_eval_problem
+
+    reason = auto_eval_problem(train_auto=False, sharded=True)
+    with pytest.raises(ConfigError) as info:
+        _load("eval_interval=5ba", "device_train_microbatch_size=2")
+    assert "device_eval_microbatch_size='auto'" in str(info.value) and reason in str(info.value)
+    evaluator = Evaluator(label="eval", dataloader=torch.utils.data.DataLoader([0, 1], batch_size=1), device_eval_microbatch_size="auto")
+    assert reason in _trainer_error(device_train_microbatch_size=2, eval_dataloader=evaluator)
