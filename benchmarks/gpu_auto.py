@@ -37,7 +37,7 @@ rank 0; a case that is running when the process dies is left under "in_progress"
 
 Memory limits: on GPU `torch.cuda.set_per_process_memory_fraction` (set on every rank before
 every case, 1.0 when the case has none, since it persists in a process); on CPU
-`automicro.integration.builders.MemoryCapCallback` with `fraction * --cpu-total-mb` bytes.
+`automicro.testing.MemoryCapCallback` with `fraction * --cpu-total-mb` bytes.
 """
 
 from __future__ import annotations
@@ -446,7 +446,7 @@ def run_case(
 
     import automicro
     from automicro.data import ByteTextCorpus, SyntheticTokens, build_dataloader
-    from automicro.integration.builders import MemoryCapCallback
+    from automicro.testing import MemoryCapCallback
     from automicro.integration.callback import AutoMicrobatching, MicrobatchSizeError
     from automicro.models import build_model
 

@@ -304,7 +304,7 @@ THRASH_BATCHES = 6
 
 
 def thrash_case(world: int) -> dict[str, Any]:
-    from automicro.integration.builders import MemoryCapCallback
+    from automicro.testing import MemoryCapCallback
 
     auto = AutoMicrobatching(log_attempts=False, thrash_batches=2)
     cap = MemoryCapCallback(limit_bytes=THRASH_LIMIT, retry_band=THRASH_BAND)
