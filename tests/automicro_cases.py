@@ -372,6 +372,7 @@ def checkpoint_case(world: int, folder: str) -> dict[str, Any]:
     )
     trainer.fit()
     result: dict[str, Any] = {"saved_found_size": first.found_size, "saved_history": history(first)}
+    first_sites, first_context = trainer.sites, dataclasses.asdict(first.attempt_context)
     result.update({f"first_{k}": v for k, v in cleanup_report(trainer).items()})
     composer_dist.barrier()
     result["files"] = sorted(os.listdir(folder))
@@ -386,6 +387,10 @@ def checkpoint_case(world: int, folder: str) -> dict[str, Any]:
         load_path=os.path.join(folder, f"ep0-ba{CHECKPOINT_AT}-rank0.pt"),
     )
     trainer.fit()
+    # One attempt context per trainer: the second trainer's batches leave the first one's alone.
+    result["sites_shared"] = trainer.sites is first_sites or resumed.sites is first_sites
+    result["first_context_unchanged"] = dataclasses.asdict(first.attempt_context) == first_context
+    result["resumed_context_batch"] = resumed.attempt_context.batch_index
     result.update(
         history=history(resumed),
         rows=probe.rows,

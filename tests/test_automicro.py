@@ -324,6 +324,8 @@ def test_resume_from_checkpoint_keeps_found_size_and_guards_until_stable(misc):
         assert result["saved_found_size"] == 5
         assert f"ep0-ba{cases.CHECKPOINT_AT}-rank0.pt" in result["files"]
         assert result["first_listeners_after_close"] == 0 and result["first_collective_patch_after_close"] is False
+        assert result["sites_shared"] is False and result["first_context_unchanged"] is True
+        assert result["resumed_context_batch"] == cases.RESUMED_BATCHES - 1  # the second trainer's own last batch
         resumed = [r for r in result["history"] if r["batch"] >= cases.CHECKPOINT_AT]
         # No new search from 8: the first resumed batch runs the found size's even split at once.
         assert resumed[0]["batch"] == cases.CHECKPOINT_AT and resumed[0]["attempt"] == 1, resumed
