@@ -539,11 +539,11 @@ def interleaved(ctx: Ctx, label: str, variants: dict[str, dict[str, Any]], *, ro
         faulthandler.cancel_dump_traceback_later()
         mine = dict(clock.result or {"step_s": None, "wall_s": None})
         if auto is not None:
-            mine.update(hooks_on_at_end=auto.hooks_active, split=list(auto.used_split),
+            mine.update(transport=auto.transport_name, split=list(auto.used_split),
                         rounds_per_batch=(auto.consensus_rounds - rounds0) / window, ooms=auto.ooms_total - ooms0)
         per_rank = ctx.gather(mine)
         slowest = max(per_rank, key=lambda r: r["step_s"] or 0.0)
-        sample = {k: slowest.get(k) for k in ("step_s", "wall_s", "cpu_per_wall", "hooks_on_at_end", "split",
+        sample = {k: slowest.get(k) for k in ("step_s", "wall_s", "cpu_per_wall", "hooks_on", "split", "transport",
                                                "rounds_per_batch", "ooms")}
         sample["step_s_per_rank"] = [r["step_s"] for r in per_rank]
         windows.append({"variant": name, "kind": kind, "round": round_index, **sample,
@@ -556,7 +556,7 @@ def interleaved(ctx: Ctx, label: str, variants: dict[str, dict[str, Any]], *, ro
 
     def announce(round_index: int, name: str, sample: dict[str, Any]) -> None:
         ctx.say(f"{label} round {round_index} {name}: {fmt(sample['step_s'] and sample['step_s'] * 1e3, '.1f')} ms/step "
-                f"cpu/wall {fmt(sample.get('cpu_per_wall'), '.2f')} hooks {sample.get('hooks_on_at_end')} "
+                f"cpu/wall {fmt(sample.get('cpu_per_wall'), '.2f')} hooks {sample.get('hooks_on')} "
                 f"rounds/batch {fmt(sample.get('rounds_per_batch'), '.0f')}", detail=True)
 
     samples = harness.interleave({n: (lambda r, n=n: run_window(n, "timed", r)) for n in variants}, rounds,
@@ -564,8 +564,9 @@ def interleaved(ctx: Ctx, label: str, variants: dict[str, dict[str, Any]], *, ro
     rep = harness.report(samples, base=next(iter(variants)))
     for name in variants:
         entry = rep["variants"][name]
-        entry["hooks_on_in_timed_windows"] = sorted({bool(s.get("hooks_on_at_end")) for s in samples[name]})
+        entry["hooks_on_in_timed_windows"] = sorted({h for s in samples[name] for h in (s.get("hooks_on") or [])})
         entry["rounds_per_batch"] = median([s.get("rounds_per_batch") for s in samples[name]])
+        entry["transport"] = samples[name][0].get("transport") if samples[name] else None
         entry["ooms_in_timed_windows"] = sum(s.get("ooms") or 0 for s in samples[name])
         entry["tokens_per_s"] = ctx.tokens_per_batch / entry["median"] if entry["median"] else None
         if profile and ctx.gpu:

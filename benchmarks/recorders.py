@@ -187,12 +187,19 @@ class WindowClock(Callback):
         self.steps = 0
         self.seen = 0
         self.batch_ends: list[float] = []
+        self.hooks: list[bool] = []  # sync hooks on at each batch's start (AutoMicrobatching runs only)
         self.result: Optional[dict[str, Any]] = None
+        self.auto: Optional[AutoMicrobatching] = None
 
     def arm(self, steps: int) -> None:
-        self.steps, self.seen, self.result, self.batch_ends = steps, 0, None, []
+        self.steps, self.seen, self.result, self.batch_ends, self.hooks = steps, 0, None, [], []
+
+    def fit_start(self, state, logger) -> None:
+        self.auto = next((c for c in state.callbacks if isinstance(c, AutoMicrobatching)), None)
 
     def batch_start(self, state, logger) -> None:
+        if self.auto is not None:
+            self.hooks.append(self.auto.hooks_active)
         if self.steps and self.seen == 0:
             self.timer.start()
 
@@ -206,4 +213,5 @@ class WindowClock(Callback):
             # host-side batch ends (no sync inside the window): how evenly the window ran
             marks = [self.timer.t0] + self.batch_ends
             self.result["host_batch_s"] = [round(b - a, 6) for a, b in zip(marks, marks[1:])]
+            self.result["hooks_on"] = sorted(set(self.hooks)) if self.auto is not None else None
             self.steps = 0
