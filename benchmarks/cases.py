@@ -518,13 +518,14 @@ def interleaved(ctx: Ctx, label: str, variants: dict[str, dict[str, Any]], *, ro
     from recorders import WindowClock
 
     faulthandler.dump_traceback_later(ctx.args.case_timeout, exit=True)
-    built: dict[str, dict[str, Any]] = {}
-    for name, spec in variants.items():
+    def build(spec: dict[str, Any]) -> dict[str, Any]:  # a function: no loop variable outlives the teardown
         clock = WindowClock(ctx.gpu)
         b = build_trainer(ctx, fractions=fractions, micro=spec.get("micro", "auto"), auto_kwargs=spec.get("auto_kwargs"),
                           batches=window, callbacks=[clock], dataset_batches=window)
         b["clock"] = clock
-        built[name] = b
+        return b
+
+    built: dict[str, dict[str, Any]] = {name: build(spec) for name, spec in variants.items()}
     faulthandler.cancel_dump_traceback_later()
     windows: list[dict[str, Any]] = []
 
@@ -585,7 +586,6 @@ def interleaved(ctx: Ctx, label: str, variants: dict[str, dict[str, Any]], *, ro
     refs = [b["model_ref"] for b in built.values()]
     trainers = [b.pop("trainer") for b in built.values()]
     built.clear()  # the callbacks (AutoMicrobatching holds the sharded model) go with it
-    del b
     while trainers:
         release_trainer(trainers.pop(), ctx.gpu)
     gc.collect()

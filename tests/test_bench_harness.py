@@ -78,7 +78,8 @@ def test_ratio_is_paired_per_round():
     ([0.95, 0.96, 0.94], "claimed"),        # a speed-up counts the same way
     ([0.90, 1.12, 1.05], "within noise"),   # rounds on both sides of 1
     ([1.01, 1.20, 1.02], "within noise"),   # all above 1, but range 0.19 > effect 0.02
-    ([1.05, 1.15, 1.10], "within noise"),   # range 0.10 == effect 0.10: not smaller
+    ([1.05, 1.25, 1.15], "within noise"),   # range 0.20 > effect 0.15
+    ([1.00, 1.00, 1.00], "within noise"),   # no effect at all
     ([1.30], "within noise"),               # one round has no spread
     ([], "within noise"),
 ])
