@@ -575,8 +575,9 @@ def interleaved(ctx: Ctx, label: str, variants: dict[str, dict[str, Any]], *, ro
                 prof = harness.profiled_gpu_busy(lambda n=name: run_window(n, "profiled", -1)["wall_s"])
             except Exception as error:  # noqa: BLE001 - the timing stands without it
                 prof = {"error": f"{type(error).__name__}: {error}"[:300]}
-            busy = ctx.gather(prof.get("gpu_busy"))
-            entry["gpu_busy"] = min((b for b in busy if b is not None), default=None)
+            busy = ctx.gather(harness.busy_vs_timed(prof.get("gpu_busy_s"), window, entry["median"]))
+            entry["gpu_busy"] = min((b for b in busy if b is not None), default=None)  # the least busy rank
+            entry["gpu_busy_profiled_window"] = prof.get("gpu_busy")
             entry["host_bound"] = harness.host_bound(entry["gpu_busy"])
             entry["profile_rank0"] = prof
     rep.update(label=label, rounds=rounds, window=window, warmup_windows=warmup_windows,

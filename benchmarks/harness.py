@@ -15,8 +15,9 @@ and it is **claimed** only when the range of the per-round ratios (max − min) 
 |median − 1| (which also puts every round on the same side of 1); otherwise **within noise**.
 
 Host-boundness: `gpu_busy` is the union of GPU kernel / copy / memset intervals in a profiled
-window (torch.profiler, CUDA activity only; a separate window, never a timed one) over that
-window's wall time. A step whose GPU is idle more than `HOST_BOUND_IDLE` of the time is reported
+window (torch.profiler, CUDA activity only; a separate window, never a timed one), per step,
+over the median timed step (`busy_vs_timed`; the profiled window's own wall time is longer,
+since the profiler slows the host). A step whose GPU is idle more than `HOST_BOUND_IDLE` of the time is reported
 host-bound: its time measures the host (Python, launches, consensus rounds), not the model.
 `cpu_per_wall` (the training thread's CPU time over wall time in the timed windows) is recorded
 beside it; it includes time spent spinning in device synchronisations, so alone it proves nothing.
@@ -148,6 +149,15 @@ def report(samples: dict[str, list[dict[str, Any]]], base: str, key: str = "step
         if name != base:
             out["vs_base"][name] = compare(base_rounds, [r.get(key) for r in rows])
     return out
+
+
+def busy_vs_timed(gpu_busy_s: Optional[float], window: int, step_s: Optional[float]) -> Optional[float]:
+    """GPU time per step (from the profiled window) over the median *timed* step: the profiler
+    slows the host (host-bound steps the most) but hardly the kernels, so this is the busy
+    fraction of an unprofiled step; the profiled window's own fraction is a lower bound."""
+    if not gpu_busy_s or not step_s or window < 1:
+        return None
+    return min(1.0, gpu_busy_s / window / step_s)
 
 
 def host_bound(gpu_busy: Optional[float]) -> Optional[bool]:
@@ -390,3 +400,33 @@ def comparison_rows(rep: dict[str, Any], label: str = "") -> list[list[Any]]:
 
 COMPARISON_HEADER = ["case", "variant", "step ms (median)", "min–max ms", "range", "ratio vs base [min–max]",
                      "verdict", "GPU busy", "host-bound", "cpu/wall"]
+
+
+# ---- reading a suite's JSON again ------------------------------------------------------------------
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """`python benchmarks/harness.py OUT/vs_plain.json [OUT/hooks.json ...]`: the comparison table
+    of every interleaved comparison in those files (GPU busy re-derived from the stored profile)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("json", nargs="+")
+    args = p.parse_args(argv)
+    rows = []
+    for path in args.json:
+        with open(path, encoding="utf-8") as handle:
+            doc = json.load(handle)
+        for label, rep in (doc.get("comparisons") or {}).items():
+            for v in rep["variants"].values():
+                prof = v.get("profile_rank0") or {}
+                if prof.get("gpu_busy_s") is not None:
+                    v["gpu_busy"] = busy_vs_timed(prof["gpu_busy_s"], rep["window"], v["median"])
+            rows += comparison_rows(rep, label)
+    for line in table_lines(COMPARISON_HEADER, rows):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

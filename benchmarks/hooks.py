@@ -38,6 +38,8 @@ def parse_args(argv: Optional[list[str]] = None):
     p.add_argument("--rounds", type=int, default=3, help="timed windows per variant, interleaved A B A B")
     p.add_argument("--window", type=int, default=3, help="batches per timed window")
     p.add_argument("--warmup-windows", type=int, default=1)
+    p.add_argument("--on-first", action="store_true",
+                   help="hooks-on is variant A (the base; ratio off / on): checks that the order does not make the result")
     p.add_argument("--no-profile", action="store_true", help="skip the profiled window (GPU busy fraction)")
     return finish_args(p, argv)
 
@@ -51,10 +53,14 @@ def suite_hooks(ctx: Ctx) -> None:
         if not ctx.within_budget(label):
             break
         common = {"search": "halve", "start_size": args.hooks_size, "sync_points": sync_points, "consensus_transport": transport}
-        rep = interleaved(ctx, label, {
+        variants = {
             "hooks-off": {"micro": "auto", "auto_kwargs": dict(common, stable_batches=1)},
             "hooks-on": {"micro": "auto", "auto_kwargs": dict(common, stable_batches=FOREVER)},
-        }, rounds=args.rounds, window=args.window, warmup_windows=args.warmup_windows, profile=not args.no_profile,
+        }
+        if args.on_first:
+            label += "-on-first"
+            variants = dict(reversed(list(variants.items())))
+        rep = interleaved(ctx, label, variants, rounds=args.rounds, window=args.window, warmup_windows=args.warmup_windows, profile=not args.no_profile,
             fractions=fractions_arg(args.fractions))
         if ctx.rank == 0:
             rows += harness.comparison_rows(rep, label)
