@@ -505,19 +505,69 @@ def splitfmt(split: Optional[list[int]]) -> str:
 
 
 def interleaved(ctx: Ctx, label: str, variants: dict[str, dict[str, Any]], *, rounds: int, window: int,
-                warmup_windows: int = 1, profile: bool = True, fractions: Optional[tuple[float, ...]] = None) -> dict[str, Any]:
+                warmup_windows: int = 1, profile: bool = True, fractions: Optional[tuple[float, ...]] = None,
+                counterbalance: bool = True) -> dict[str, Any]:
     """Builds every variant's trainer once (`variants[name]` = `micro` and `auto_kwargs` of
     `build_trainer`), runs `warmup_windows` untimed windows of each, then `rounds` rounds of one
     timed window of `window` batches per variant, A B A B … (`harness.interleave`); on GPU one
     more, profiled window per variant for the GPU busy fraction. The first variant is the base
     of the ratios. One epoch is one window, so every `fit(duration=window)` starts an epoch
-    (no dataloader skipping). Per round the slowest rank's window counts. Returns the report
-    (`harness.report` plus per-window facts), also stored in `ctx.extra["comparisons"][label]`."""
+    (no dataloader skipping). Per round the slowest rank's window counts.
+
+    `counterbalance` (default): everything again with the build and window order reversed
+    (B A B A, B built first), and the rounds of both orders pooled. Two trainers in one process
+    are not equal: on an H200 (2026-11-23) the one built second ran ~3% faster whichever it was,
+    and one order alone "claimed" an effect that the reversed order turned around; pooled, such a
+    bias shows as spread instead. Returns the report (`harness.report` plus per-window facts),
+    also stored in `ctx.extra["comparisons"][label]`."""
+    names = list(variants)
+    orders = [names, names[::-1]] if counterbalance and len(names) > 1 else [names]
+    samples: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    windows: list[dict[str, Any]] = []
+    profiles: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    freed = []
+    for k, order in enumerate(orders):
+        got = _interleaved_once(ctx, f"{label} order {k}", {n: variants[n] for n in order}, rounds=rounds,
+                                window=window, warmup_windows=warmup_windows, profile=profile, fractions=fractions)
+        for n in names:
+            samples[n] += [dict(s, order=k) for s in got["samples"][n]]
+            profiles[n] += got["profiles"][n]
+        windows += [dict(w, order=k) for w in got["windows"]]
+        freed.append(got["models_freed"])
+    rep = harness.report(samples, base=names[0])
+    for name in names:
+        entry = rep["variants"][name]
+        entry["hooks_on_in_timed_windows"] = sorted({h for s in samples[name] for h in (s.get("hooks_on") or [])})
+        entry["rounds_per_batch"] = median([s.get("rounds_per_batch") for s in samples[name]])
+        entry["transport"] = samples[name][0].get("transport") if samples[name] else None
+        entry["ooms_in_timed_windows"] = sum(s.get("ooms") or 0 for s in samples[name])
+        entry["tokens_per_s"] = ctx.tokens_per_batch / entry["median"] if entry["median"] else None
+        if profiles[name]:
+            per_order = [harness.busy_vs_timed(p.get("gpu_busy_s"), window, entry["median"]) for p in profiles[name]]
+            entry["gpu_busy"] = min((b for b in per_order if b is not None), default=None)
+            entry["host_bound"] = harness.host_bound(entry["gpu_busy"])
+            entry["profile_rank0"] = profiles[name][0]
+            entry["profiles_rank0"] = profiles[name]
+    if len(orders) > 1:
+        # each order alone: a bias of the order shows as the two disagreeing
+        rep["per_order"] = [harness.report({n: [s for s in samples[n] if s["order"] == k] for n in names}, base=names[0])["vs_base"]
+                            for k in range(len(orders))]
+    rep.update(label=label, rounds=rounds, window=window, warmup_windows=warmup_windows, orders=orders,
+               variants_spec=variants, windows=windows, models_freed=all(freed))
+    ctx.extra.setdefault("comparisons", {})[label] = rep
+    ctx.write()
+    return rep
+
+
+def _interleaved_once(ctx: Ctx, label: str, variants: dict[str, dict[str, Any]], *, rounds: int, window: int,
+                      warmup_windows: int, profile: bool, fractions: Optional[tuple[float, ...]]) -> dict[str, Any]:
+    """One build order: build in `variants` order, warm up, interleave, profile, free."""
     import torch
 
     from recorders import WindowClock
 
     faulthandler.dump_traceback_later(ctx.args.case_timeout, exit=True)
+
     def build(spec: dict[str, Any]) -> dict[str, Any]:  # a function: no loop variable outlives the teardown
         clock = WindowClock(ctx.gpu)
         b = build_trainer(ctx, fractions=fractions, micro=spec.get("micro", "auto"), auto_kwargs=spec.get("auto_kwargs"),
@@ -562,28 +612,19 @@ def interleaved(ctx: Ctx, label: str, variants: dict[str, dict[str, Any]], *, ro
 
     samples = harness.interleave({n: (lambda r, n=n: run_window(n, "timed", r)) for n in variants}, rounds,
                                  on_sample=announce)
-    rep = harness.report(samples, base=next(iter(variants)))
-    for name in variants:
-        entry = rep["variants"][name]
-        entry["hooks_on_in_timed_windows"] = sorted({h for s in samples[name] for h in (s.get("hooks_on") or [])})
-        entry["rounds_per_batch"] = median([s.get("rounds_per_batch") for s in samples[name]])
-        entry["transport"] = samples[name][0].get("transport") if samples[name] else None
-        entry["ooms_in_timed_windows"] = sum(s.get("ooms") or 0 for s in samples[name])
-        entry["tokens_per_s"] = ctx.tokens_per_batch / entry["median"] if entry["median"] else None
-        if profile and ctx.gpu:
+    profiles: dict[str, list[dict[str, Any]]] = {n: [] for n in variants}
+    if profile and ctx.gpu:
+        for name in variants:
             try:
                 prof = harness.profiled_gpu_busy(lambda n=name: run_window(n, "profiled", -1)["wall_s"])
             except Exception as error:  # noqa: BLE001 - the timing stands without it
                 prof = {"error": f"{type(error).__name__}: {error}"[:300]}
-            busy = ctx.gather(harness.busy_vs_timed(prof.get("gpu_busy_s"), window, entry["median"]))
-            entry["gpu_busy"] = min((b for b in busy if b is not None), default=None)  # the least busy rank
-            entry["gpu_busy_profiled_window"] = prof.get("gpu_busy")
-            entry["host_bound"] = harness.host_bound(entry["gpu_busy"])
-            entry["profile_rank0"] = prof
-    rep.update(label=label, rounds=rounds, window=window, warmup_windows=warmup_windows,
-               variants_spec=variants, windows=windows)
-    ctx.extra.setdefault("comparisons", {})[label] = rep
-    # teardown: every trainer of the comparison
+            # the least busy rank's GPU time counts
+            busy_s = [b for b in ctx.gather(prof.get("gpu_busy_s")) if b is not None]
+            prof["gpu_busy_s_rank0"] = prof.get("gpu_busy_s")
+            prof["gpu_busy_s"] = min(busy_s) if busy_s else None
+            profiles[name].append(prof)
+    # teardown: every trainer of this order
     refs = [b["model_ref"] for b in built.values()]
     trainers = [b.pop("trainer") for b in built.values()]
     built.clear()  # the callbacks (AutoMicrobatching holds the sharded model) go with it
@@ -592,9 +633,7 @@ def interleaved(ctx: Ctx, label: str, variants: dict[str, dict[str, Any]], *, ro
     gc.collect()
     if ctx.gpu:
         torch.cuda.empty_cache()
-    rep["models_freed"] = all(r() is None for r in refs)
-    ctx.write()
-    return rep
+    return {"samples": samples, "windows": windows, "profiles": profiles, "models_freed": all(r() is None for r in refs)}
 
 
 # ---- the launch every suite file's CLI calls -----------------------------------------------------------

@@ -9,7 +9,8 @@ Per combination of sync points (`all`, `collectives`) and consensus transport (`
 `AutoMicrobatching(search="halve", start_size=--hooks-size)`: `hooks-off` (`stable_batches=1`: the
 hooks come off after the first clean batch, in the warm-up window) and `hooks-on`
 (`stable_batches` larger than the run: the hooks stay on). Then `--rounds` rounds of one timed
-window each, off, on, off, on, …; on GPU one profiled window each (GPU busy fraction). Ratio:
+window each, off, on, off, on, …; on GPU one profiled window each (GPU busy fraction); then
+the same with the order reversed, rounds pooled (`cases.interleaved`; `--on-first` starts with on). Ratio:
 hooks-on / hooks-off step time per round, "claimed" only when its range is smaller than
 |median − 1| (`harness.py`). At world size 1 every consensus round is local (no other process
 takes part): the figure is the hooks' own host cost, not the cost of agreeing across ranks.
@@ -40,6 +41,8 @@ def parse_args(argv: Optional[list[str]] = None):
     p.add_argument("--warmup-windows", type=int, default=1)
     p.add_argument("--on-first", action="store_true",
                    help="hooks-on is variant A (the base; ratio off / on): checks that the order does not make the result")
+    p.add_argument("--no-counterbalance", action="store_true",
+                   help="one build order only (default: the pair again with the order reversed, rounds pooled)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiled window (GPU busy fraction)")
     return finish_args(p, argv)
 
@@ -60,7 +63,8 @@ def suite_hooks(ctx: Ctx) -> None:
         if args.on_first:
             label += "-on-first"
             variants = dict(reversed(list(variants.items())))
-        rep = interleaved(ctx, label, variants, rounds=args.rounds, window=args.window, warmup_windows=args.warmup_windows, profile=not args.no_profile,
+        rep = interleaved(ctx, label, variants, rounds=args.rounds, window=args.window, warmup_windows=args.warmup_windows,
+            profile=not args.no_profile, counterbalance=not args.no_counterbalance,
             fractions=fractions_arg(args.fractions))
         if ctx.rank == 0:
             rows += harness.comparison_rows(rep, label)

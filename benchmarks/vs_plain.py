@@ -11,7 +11,8 @@ Per size, two trainers in one process, built once: `plain-m` (Composer's own bat
 after the first clean batch, in the untimed warm-up window; what is left per batch is the
 end-of-batch consensus round and the collective ledger). Then `--rounds` rounds of one timed
 window of `--window` batches each, plain, automicro, plain, automicro, …; on GPU one profiled
-window each for the GPU busy fraction (host-bound or not). Ratio: automicro step time / plain
+window each for the GPU busy fraction (host-bound or not). Then the same again with the
+build and window order reversed, the rounds of both orders pooled (`cases.interleaved`). Ratio: automicro step time / plain
 step time per round; "claimed" only when its range over the rounds is smaller than |median − 1|
 (`harness.py`). The two trainers of a size are freed before the next size is built.
 Writes DIR/vs_plain.json and DIR/vs_plain_table.txt.
@@ -36,6 +37,8 @@ def parse_args(argv: Optional[list[str]] = None):
     p.add_argument("--rounds", type=int, default=3, help="timed windows per variant, interleaved A B A B")
     p.add_argument("--window", type=int, default=3, help="batches per timed window")
     p.add_argument("--warmup-windows", type=int, default=1)
+    p.add_argument("--no-counterbalance", action="store_true",
+                   help="one build order only (default: the pair again with the order reversed, rounds pooled)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiled window (GPU busy fraction)")
     return finish_args(p, argv)
 
@@ -50,7 +53,8 @@ def suite_vs_plain(ctx: Ctx) -> None:
         rep = interleaved(ctx, label, {
             f"plain-{size}": {"micro": size},
             f"automicro-{size}": {"micro": "auto", "auto_kwargs": {"search": "halve", "start_size": size, "stable_batches": 1}},
-        }, rounds=args.rounds, window=args.window, warmup_windows=args.warmup_windows, profile=not args.no_profile,
+        }, rounds=args.rounds, window=args.window, warmup_windows=args.warmup_windows,
+            profile=not args.no_profile, counterbalance=not args.no_counterbalance,
             fractions=fractions_arg(args.fractions))
         if ctx.rank == 0:
             rows += harness.comparison_rows(rep, label)

@@ -133,7 +133,8 @@ def test_table_lines_align():
 
 def test_vs_plain_suite_runs_interleaved_on_cpu(tmp_path):
     """One real run: tiny Llama, one gloo rank, plain Composer vs automicro hooks-off at size 2,
-    3 rounds of 2-batch windows; the JSON must show the A B A B order and the report."""
+    3 rounds of 2-batch windows in each build order; the JSON must show the A B A B order, the
+    reversed order, and the report over the pooled rounds."""
     out = tmp_path / "out"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "vs_plain.py"), "--out", str(out), "--device", "cpu",
            "--tiny", "--sizes", "2", "--per-rank-batch", "4", "--window", "2", "--rounds", "3", "--quiet"]
@@ -144,16 +145,19 @@ def test_vs_plain_suite_runs_interleaved_on_cpu(tmp_path):
     doc = json.loads((out / "vs_plain.json").read_text())
     assert doc["done"] is True and doc["world_size"] == 1
     rep = doc["comparisons"]["size-2"]
-    timed = [w["variant"] for w in rep["windows"] if w["kind"] == "timed"]
-    assert timed == ["plain-2", "automicro-2"] * 3
-    assert [w["variant"] for w in rep["windows"] if w["kind"] == "warmup"] == ["plain-2", "automicro-2"]
+    timed = [(w["order"], w["variant"]) for w in rep["windows"] if w["kind"] == "timed"]
+    # A B A B A B, then counterbalanced: B built first, B A B A B A
+    assert timed == [(0, "plain-2"), (0, "automicro-2")] * 3 + [(1, "automicro-2"), (1, "plain-2")] * 3
+    assert [w["variant"] for w in rep["windows"] if w["kind"] == "warmup"] == ["plain-2", "automicro-2", "automicro-2", "plain-2"]
+    assert rep["orders"] == [["plain-2", "automicro-2"], ["automicro-2", "plain-2"]]
     assert all(w["kind"] != "profiled" for w in rep["windows"])  # CPU: no GPU profile
     plain, auto = rep["variants"]["plain-2"], rep["variants"]["automicro-2"]
-    assert len(plain["rounds"]) == 3 and all(s > 0 for s in plain["rounds"])
+    assert len(plain["rounds"]) == 6 and all(s > 0 for s in plain["rounds"])
     assert plain["min"] <= plain["median"] <= plain["max"]
     cmp = rep["vs_base"]["automicro-2"]
     assert cmp["ratios"] == pytest.approx([a / p for p, a in zip(plain["rounds"], auto["rounds"])])
     assert cmp["verdict"] == harness.verdict(cmp["ratios"])
+    assert [len(o["automicro-2"]["ratios"]) for o in rep["per_order"]] == [3, 3]
     assert auto["hooks_on_in_timed_windows"] == [False]  # the hooks came off in the warm-up window
     assert auto["rounds_per_batch"] == 1  # one end-of-batch consensus round left
     assert rep["models_freed"] is True
