@@ -6,7 +6,7 @@ Owns: the flags every suite shares (`common_parser`), the suite context `Ctx` (a
 that nothing of a case stays on the device), `run_case` (build, fit, record, summarize),
 `interleaved` (several trainers built once, timed windows alternated A B A B … through
 `harness.interleave`), and `main` (the launch every suite file's CLI calls). Memory limits: on
-GPU `torch.cuda.set_per_process_memory_fraction`; on CPU `MemoryCapCallback` with
+GPU `torch.cuda.set_per_process_memory_fraction`; on CPU `automicro.testing.MemoryCapCallback` with
 `fraction * --cpu-total-mb` bytes. It reads automicro only through public names; the one private
 name it touches is Composer's `Engine._close` (the atexit registration that keeps a closed
 trainer's state alive, `release_trainer`).
@@ -162,7 +162,7 @@ def build_trainer(ctx: Ctx, *, fractions: Optional[tuple[float, ...]], micro: An
 
     import automicro
     from automicro.data import ByteTextCorpus, SyntheticTokens, build_dataloader
-    from automicro.integration.builders import MemoryCapCallback
+    from automicro.testing import MemoryCapCallback
     from automicro.integration.callback import AutoMicrobatching
     from automicro.models import build_model
     from recorders import Mem

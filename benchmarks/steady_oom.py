@@ -83,17 +83,20 @@ class Clock:
 def make_callbacks(args: argparse.Namespace, clock: Clock, fault_ranks: list[int], phase: str):
     from composer.core import Callback
 
-    from automicro.core.sites import DISPATCHER
-
     rank = dist.get_rank()
 
     class Timing(Callback):
+        sites: Any = None
+
+        def attach_sites(self, sites) -> None:  # automicro.Trainer hands over its attempt context
+            Timing.sites = sites
+
         def batch_start(self, state, logger) -> None:
             clock.sync()
             clock._started = time.perf_counter()
 
         def before_train_batch(self, state, logger) -> None:
-            if clock.gpu and DISPATCHER.context.attempt == 1:
+            if clock.gpu and Timing.sites.context.attempt == 1:
                 torch.cuda.reset_peak_memory_stats()
                 clock.base[int(state.timestamp.batch)] = torch.cuda.memory_allocated()
 
@@ -124,7 +127,7 @@ def make_callbacks(args: argparse.Namespace, clock: Clock, fault_ranks: list[int
         def before_train_batch(self, state, logger) -> None:
             if not self._in_fault(state):
                 return
-            context = DISPATCHER.context
+            context = Timing.sites.context
             if context.attempt == 1:
                 self._armed = True
                 if clock.gpu and phase == "forward":

@@ -36,10 +36,11 @@ def main(argv: list[str]) -> int:
 
     from automicro import AutoMicrobatching, Trainer
     from automicro.integration import builders
+    from automicro.integration.loggers import build_loggers
 
     try:
         callbacks = builders.build_callbacks(cfg)
-        loggers = builders.build_loggers(cfg)
+        loggers = build_loggers(cfg)
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2

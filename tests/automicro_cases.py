@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import automicro
 from automicro.core.hooks import count_module_hooks
-from automicro.core.sites import DISPATCHER, SITES
+from automicro.core.sites import SITES
 from automicro.engine import _torch_internals as internals
 from automicro.engine import sharded_of
 from automicro.integration.callback import AutoMicrobatching
@@ -56,7 +56,8 @@ class Probe(Callback):
         self.auto = next((c for c in state.callbacks if isinstance(c, AutoMicrobatching)), None)
 
     def after_forward(self, state: State, logger: Logger) -> None:
-        context = DISPATCHER.context
+        assert self.auto is not None
+        context = self.auto.attempt_context
         self.rows.append(
             {
                 "batch": int(state.timestamp.batch),
@@ -66,7 +67,7 @@ class Probe(Callback):
                 "hooks_active": bool(self.auto is not None and self.auto.hooks_active),
                 "module_hooks": count_module_hooks(state.model),
                 "collective_patch": internals.pre_collective_hook_installed(),
-                "listeners": len(DISPATCHER),
+                "listeners": len(self.auto.sites),
             }
         )
 
@@ -147,7 +148,7 @@ def cleanup_report(trainer: automicro.Trainer) -> dict[str, Any]:
     model = trainer.state.model
     trainer.close()
     return {
-        "listeners_after_close": len(DISPATCHER),
+        "listeners_after_close": len(trainer.sites),
         "collective_patch_after_close": internals.collectives_patched(),  # hooks and the ledger
         "module_hooks_after_close": count_module_hooks(model),
     }
@@ -303,7 +304,7 @@ THRASH_BATCHES = 6
 
 
 def thrash_case(world: int) -> dict[str, Any]:
-    from automicro.integration.builders import MemoryCapCallback
+    from automicro.testing import MemoryCapCallback
 
     auto = AutoMicrobatching(log_attempts=False, thrash_batches=2)
     cap = MemoryCapCallback(limit_bytes=THRASH_LIMIT, retry_band=THRASH_BAND)

@@ -20,7 +20,6 @@ from composer.core import Callback, State
 from composer.loggers import Logger
 
 from automicro.core.ledger import FatalRecoveryError
-from automicro.core.sites import DISPATCHER
 from automicro.integration.callback import AutoMicrobatching
 from automicro.testing.faults import FaultInjector
 from tests.automicro_cases import adam_steps, build_trainer, history, max_error
@@ -43,12 +42,18 @@ class GradHookOOM(Callback):
         self.ranks, self.batch, self.microbatch_index = ranks, batch, microbatch_index
         self.fired = 0
         self._handle: Any = None
+        self._sites: Any = None
+
+    def attach_sites(self, sites: Any) -> None:
+        # automicro.Trainer hands every callback with this method its attempt context.
+        self._sites = sites
 
     def fit_start(self, state: State, logger: Logger) -> None:
+        assert self._sites is not None, "automicro.Trainer did not hand over its sites"
         self._handle = state.model.model.blocks[1].register_forward_hook(self._on_output)
 
     def _on_output(self, module: nn.Module, args: Any, output: torch.Tensor) -> None:
-        context = DISPATCHER.context
+        context = self._sites.context
         wanted = context.num_microbatches - 1 if self.microbatch_index == -1 else self.microbatch_index
         rank = dist.get_rank()
         armed = (

@@ -369,26 +369,35 @@ def test_config_error_is_value_error_and_no_process_group():
     assert not (dist.is_available() and dist.is_initialized())
 
 
-def test_known_callbacks_constant():
-    assert set(KNOWN_CALLBACKS) == {
-        "speed_monitor",
-        "memory_monitor",
-        "lr_monitor",
-        "runtime_estimator",
-        "auto_microbatching",
-        "fault_injector",
-        "memory_cap",
-    }
-    from automicro.integration.builders import CALLBACKS
+def test_the_config_accepts_exactly_the_registry_and_each_name_builds_a_composer_callback():
+    from composer.core import Callback
 
-    assert set(CALLBACKS) == set(KNOWN_CALLBACKS)  # the config accepts exactly what the builder builds
+    from automicro.config import CALLBACK_REGISTRY
+    from automicro.integration.builders import callback_class
+
+    assert KNOWN_CALLBACKS == tuple(CALLBACK_REGISTRY)  # derived, not a second list
+    for name in CALLBACK_REGISTRY:
+        assert name in _load(f"callbacks.{name}={{}}").callbacks
+        cls = callback_class(name)
+        assert isinstance(cls, type) and issubclass(cls, Callback), (name, cls)
+    with pytest.raises(ConfigError, match=r"callbacks\.not_registered=\{\}: unknown callback"):
+        _load("callbacks.not_registered={}")
 
 
-def test_llama_checks_skipped_when_module_unimportable(monkeypatch):
-    monkeypatch.setitem(sys.modules, "automicro.models.llama", None)  # import -> ImportError
-    assert _load("model.overrides.anything=1").model.overrides == {"anything": 1}
-    with pytest.raises(ConfigError, match=r"model\.n_layers=3: unknown key"):
-        _load("model.n_layers=3")  # the shorthand needs LlamaConfig to tell a field from a typo
+def test_the_config_imports_no_composer_and_reading_one_no_trainer_or_fault_kit():
+    import subprocess
+
+    def loaded(prefixes):
+        return f"sorted(m for m in sys.modules if m.startswith({prefixes!r}))"
+
+    code = (
+        "import sys; import automicro.config; "
+        f"print({loaded(('composer', 'automicro.models', 'omegaconf'))}); "
+        f"automicro.config.load_config({CPU_YAML!r}); "
+        f"print({loaded(('automicro.integration', 'automicro.testing'))})"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.splitlines() == ["[]", "[]"], out.stdout
 
 
 def test_the_real_llama_config_tells_model_shorthand_keys_from_typos(monkeypatch):
@@ -403,3 +412,58 @@ def test_autoresume_needs_a_save_folder_and_is_passed_on_with_one():
         _load("autoresume=true")
     cfg = _load("autoresume=true", "save_folder=/tmp/ckpt")
     assert cfg.autoresume is True and cfg.save_folder == "/tmp/ckpt"
+
+
+# ------------------------------------------------------------------------------------------
+# One check per fact: the YAML and automicro.Trainer refuse the same input with the same text
+# ------------------------------------------------------------------------------------------
+
+
+def _trainer_error(**kwargs) -> str:
+    import torch
+
+    import automicro
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError) as info:
+        automicro.Trainer(model=model, device="cpu", max_duration="1ba", **kwargs)
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    "override, trainer_kwargs",
+    [
+        pytest.param("device_train_microbatch_size=big", {"device_train_microbatch_size": "big"}, id="microbatch"),
+        pytest.param("parallelism_config.fsdp2.bogus=1", {"parallelism_config": {"fsdp2": {"bogus": 1}}}, id="fsdp2-key"),
+        pytest.param(
+            "parallelism_config.fsdp2.state_dict_type=sharded",
+            {"parallelism_config": {"fsdp2": {"state_dict_type": "sharded"}}},
+            id="state-dict-type",
+        ),
+        pytest.param(
+            "parallelism_config.fsdp2.mixed_precision=HALF",
+            {"parallelism_config": {"fsdp2": {"mixed_precision": "HALF"}}},
+            id="fsdp2-value",
+        ),
+        pytest.param("parallelism_config.fsdp2=5", {"parallelism_config": {"fsdp2": 5}}, id="fsdp2-scalar"),
+    ],
+)
+def test_yaml_and_trainer_refuse_the_same_input_with_the_same_message(override, trainer_kwargs):
+    with pytest.raises(ConfigError) as info:
+        _load(override)
+    assert str(info.value) in _trainer_error(**trainer_kwargs)
+
+
+@pytest.mark.filterwarnings("ignore:Setting `device_eval_microbatch_size='auto'`:UserWarning")
+def test_yaml_and_trainer_give_the_same_reason_for_an_auto_eval_without_an_auto_search():
+    import torch
+    from composer.core import Evaluator
+
+    from automicro.config import auto_eval_problem
+
+    reason = auto_eval_problem(train_auto=False, sharded=True)
+    with pytest.raises(ConfigError) as info:
+        _load("eval_interval=5ba", "device_train_microbatch_size=2")
+    assert "device_eval_microbatch_size='auto'" in str(info.value) and reason in str(info.value)
+    evaluator = Evaluator(label="eval", dataloader=torch.utils.data.DataLoader([0, 1], batch_size=1), device_eval_microbatch_size="auto")
+    assert reason in _trainer_error(device_train_microbatch_size=2, eval_dataloader=evaluator)

@@ -227,31 +227,31 @@ def test_console_has_one_line_per_search_event_and_one_when_hooks_come_off(demo)
     assert "memory monitor only works on CUDA devices" in demo["stdout"]
 
 
-# ---- builders: wandb mode, the GPU config --------------------------------------------------------
+# ---- builders and loggers: wandb mode, the GPU config --------------------------------------------------------
 
 
 def test_build_loggers_chooses_offline_wandb_only_when_nothing_says_otherwise(tmp_path, monkeypatch):
     from composer.loggers import WandBLogger
 
     from automicro.config import load_config
-    from automicro.integration import builders
+    from automicro.integration.loggers import build_loggers
 
     for key in ("WANDB_MODE", "WANDB_PROJECT"):
         monkeypatch.setenv(key, "")  # records the original value, so what build_loggers sets is undone
         monkeypatch.delenv(key)
     cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", ["loggers.wandb=true", f"run_dir={tmp_path}"])
-    wandb_loggers = [lg for lg in builders.build_loggers(cfg) if isinstance(lg, WandBLogger)]
+    wandb_loggers = [lg for lg in build_loggers(cfg) if isinstance(lg, WandBLogger)]
     assert len(wandb_loggers) == 1 and os.environ["WANDB_MODE"] == "offline"
     assert wandb_loggers[0]._init_kwargs["dir"] == str(tmp_path)
 
     monkeypatch.delenv("WANDB_MODE")
     cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", ["loggers.wandb=true", "loggers.wandb_project=p", f"run_dir={tmp_path}"])
-    builders.build_loggers(cfg)
+    build_loggers(cfg)
     assert "WANDB_MODE" not in os.environ
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
     cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", ["loggers.wandb=true", f"run_dir={tmp_path}"])
-    builders.build_loggers(cfg)
+    build_loggers(cfg)
     assert os.environ["WANDB_MODE"] == "disabled"
 
 

@@ -141,7 +141,7 @@ def test_record_stream_env_is_set_before_a_group_exists_on_torch_27(monkeypatch)
         ({"replicate": 0}, "replicate=0"),
         ({"wrap": "Block"}, "wrap='Block'"),
         ({"activation_checkpointing": "yes"}, "activation_checkpointing='yes'"),
-        ({"bogus": 1}, "unknown key(s) ['bogus']"),
+        ({"bogus": 1}, "parallelism_config.fsdp2.bogus=1: unknown key"),
         ({"compute_stream_buffers": "auto"}, "compute_stream_buffers='auto'"),
         ({"expandable_segments": 1}, "expandable_segments=1"),
         ({"compute_stream_buffers": True, "replicate": 2}, "not supported with HSDP"),

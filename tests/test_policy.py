@@ -23,6 +23,7 @@ from automicro.core.policy import (
     BatchSizeChanged,
     CannotFitError,
     Decision,
+    HookReason,
     Phase,
     PolicyConfig,
     Rearm,
@@ -169,6 +170,24 @@ def test_cannot_fit_at_min_size():
     policy = SearchPolicy(PolicyConfig(min_size=4), 16)
     with pytest.raises(CannotFitError, match="size 4"):
         drive(policy, threshold=2)
+
+
+def test_every_decision_names_why_the_hooks_are_on_or_off():
+    policy = SearchPolicy(PolicyConfig(stable_batches=2, use_prediction=False), 16)
+    seen = [(policy.observe(OOM(16)).reason, policy.hooks)]
+    seen.append((policy.observe(Success(8)).reason, policy.hooks))  # bounds 8..16: still searching
+    while policy.phase == Phase.SEARCHING:
+        size = max(policy.current_split())
+        seen.append((policy.observe(Success(size) if size <= 11 else OOM(size)).reason, policy.hooks))
+    assert seen[0] == (HookReason.OOM, True) and seen[1] == (HookReason.SEARCHING, True)
+    assert seen[-1][1] is True and seen[-1][0] in (HookReason.SETTLING, HookReason.OOM)
+    size = max(policy.current_split())
+    assert (policy.observe(Success(size)).reason, policy.hooks) == (HookReason.SETTLING, True)
+    assert (policy.observe(Success(size)).reason, policy.hooks) == (HookReason.STABLE, False)
+    assert (policy.observe(Success(size)).reason, policy.hooks) == (HookReason.STEADY, False)
+    assert (policy.observe(Rearm("eval")).reason, policy.hooks) == (HookReason.REARM, True)
+    assert policy.observe(BatchSizeChanged(8)).reason is HookReason.BATCH_SIZE_CHANGED
+    assert policy.observe(Thrash(max(policy.current_split()))).reason is HookReason.THRASH
 
 
 @pytest.mark.parametrize("search", ["bisect", "halve"])

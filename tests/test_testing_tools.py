@@ -423,3 +423,12 @@ def test_fault_injector_refuses_bad_sites_and_a_between_batches_fault_without_it
     with pytest.raises(ValueError, match=r"'between_batches' needs batch"):
         FaultInjector("between_batches")
     assert FaultInjector("between_batches", batch=3, ranks=[1]).batch == 3
+
+
+def test_fault_injector_outside_automicro_trainer_says_what_to_use():
+    from automicro.testing.faults import FaultInjector
+
+    # Without automicro.Trainer nothing hands the injector an attempt context: it would never fire.
+    with pytest.raises(ValueError, match=r"needs automicro\.Trainer, .*from automicro import Trainer"):
+        FaultInjector("forward").fit_start(None, None)
+    FaultInjector("between_batches", batch=1).fit_start(None, None)  # needs no attempt context

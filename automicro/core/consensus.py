@@ -16,6 +16,9 @@ Each rank writes only its own slots, so after MAX every rank knows every rank's 
   every rank finished forward and backward.
 All ranks see the same result in each round, so they leave the loop in the same round and the
 number of all-reduces matches on every rank.
+
+Owns: the round's vector layout, the three calls (`sync`, `finish`, `fail`) and the verdict.
+May not touch: how a round travels (the transports), Composer, FSDP2, the search policy.
 """
 
 from __future__ import annotations

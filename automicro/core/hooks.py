@@ -11,6 +11,9 @@ Installed on every FSDP2 module of a `ShardedModel`:
 `remove()` takes every handle off and restores torch's own collective code paths.
 
 Every site first calls the dispatcher (fault injectors listen there), then the consensus.
+
+Owns: installing and removing the site hooks and the sync listener. May not touch: the
+consensus protocol (it only calls `sync()`), FSDP2 internals outside `_torch_internals`, Composer.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any, Optional
 import torch.nn as nn
 
 from automicro.core.consensus import Consensus
-from automicro.core.sites import DISPATCHER, PRIORITY_SYNC, SiteDispatcher
+from automicro.core.sites import PRIORITY_SYNC, SiteDispatcher
 from automicro.engine import _torch_internals as internals
 from automicro.engine.sharding import ShardedModel
 
@@ -89,7 +92,7 @@ class SyncHooks:
         self,
         sharded: ShardedModel,
         consensus: Consensus,
-        dispatcher: SiteDispatcher = DISPATCHER,
+        dispatcher: SiteDispatcher,
         sync_points: str = "all",
     ) -> None:
         if sync_points not in SYNC_POINTS:

@@ -1,4 +1,8 @@
-"""Where memory figures come from: the CUDA caching allocator, or the CPU `MemoryCap` emulation."""
+"""Where memory figures come from: the CUDA caching allocator, or the CPU `MemoryCap` emulation.
+
+Owns: the `MemorySource` protocol and its CUDA and no-memory sources. May not touch: the
+policy, Composer; the CPU emulation lives in `automicro.testing.memory_cap`.
+"""
 
 from __future__ import annotations
 

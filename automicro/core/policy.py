@@ -25,6 +25,9 @@ Search modes (`PolicyConfig.search`):
   strictly between the bounds, so the search ends in at most about log2(B) + 2 attempts.
 - ``halve``: Composer's own policy, as a baseline: halve on failure, settle on the first success,
   split into chunks of that size.
+
+Owns: the phases, the search, the splits and why the hooks are on (`HookReason`). May not touch:
+torch, I/O, collectives, Composer: it is fed agreed outcomes and returns decisions.
 """
 
 from __future__ import annotations
@@ -61,6 +64,27 @@ class Phase(enum.Enum):
     SEARCHING = "SEARCHING"
     SETTLING = "SETTLING"
     STEADY = "STEADY"
+
+
+class HookReason(enum.Enum):
+    """Why the sync hooks are on or off: carried by every `Decision` (the policy's reasons) and
+    passed by the Composer adapter for the trainer's own lifecycle (the rest)."""
+
+    # The policy's reasons, one per kind of decision.
+    SEARCHING = "searching"  # the size is not settled
+    SETTLING = "settling"  # counting clean batches at the chosen split
+    STABLE = "stable"  # `stable_batches` clean batches: the hooks come off
+    STEADY = "steady"  # nothing changes
+    OOM = "out of memory"
+    THRASH = "thrashing"
+    REARM = "rearm"  # eval, a loaded checkpoint: guard the next batches
+    BATCH_SIZE_CHANGED = "batch size changed"
+    # The trainer's lifecycle.
+    FIT_START = "fit start"
+    FIT_END = "fit end"
+    CLOSED = "trainer closed"
+    EVAL = "eval"
+    AFTER_EVAL = "after eval"
 
 
 # ---- outcomes --------------------------------------------------------------------------------
@@ -216,6 +240,7 @@ class Decision:
     rerun: bool
     event: str
     phase: Phase
+    reason: HookReason = HookReason.STEADY
 
 
 # ---- pure helpers ----------------------------------------------------------------------------
@@ -341,15 +366,24 @@ def transition(state: SearchState, outcome: Outcome, config: PolicyConfig) -> tu
     """Pure: the new state and the decision for the next attempt. Raises `CannotFitError`."""
     if isinstance(outcome, Success):
         _check_size(state, outcome.size)
-        return _on_success(replace(state, attempts=state.attempts + 1), outcome, config)
-    if isinstance(outcome, (OOM, Thrash)):
+        new, decision = _on_success(replace(state, attempts=state.attempts + 1), outcome, config)
+        if new.phase == Phase.STEADY:
+            reason = HookReason.STEADY if state.phase == Phase.STEADY else HookReason.STABLE
+        else:
+            reason = HookReason.SEARCHING if new.phase == Phase.SEARCHING else HookReason.SETTLING
+    elif isinstance(outcome, (OOM, Thrash)):
         _check_size(state, outcome.size)
-        return _on_failure(replace(state, attempts=state.attempts + 1), outcome, config)
-    if isinstance(outcome, Rearm):
-        return _on_rearm(state, outcome, config)
-    if isinstance(outcome, BatchSizeChanged):
-        return _on_batch_size(state, outcome, config)
-    raise TypeError(f"unknown outcome {outcome!r}")
+        new, decision = _on_failure(replace(state, attempts=state.attempts + 1), outcome, config)
+        reason = HookReason.OOM if isinstance(outcome, OOM) else HookReason.THRASH
+    elif isinstance(outcome, Rearm):
+        new, decision = _on_rearm(state, outcome, config)
+        reason = HookReason.REARM
+    elif isinstance(outcome, BatchSizeChanged):
+        new, decision = _on_batch_size(state, outcome, config)
+        reason = HookReason.BATCH_SIZE_CHANGED
+    else:
+        raise TypeError(f"unknown outcome {outcome!r}")
+    return new, replace(decision, reason=reason)
 
 
 def _check_size(state: SearchState, size: Any) -> None:
@@ -534,6 +568,7 @@ __all__ = [
     "BatchSizeChanged",
     "CannotFitError",
     "Decision",
+    "HookReason",
     "OOM",
     "Outcome",
     "Phase",

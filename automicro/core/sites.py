@@ -3,6 +3,12 @@
 The site names are a public contract (`automicro.testing.FaultInjector` takes them):
 `forward_pre`, `forward`, `backward_pre`, `backward`, `unshard_alloc`, `reduce_scatter_alloc`,
 `loss`, `optimizer_step`, `eval_forward`.
+
+Owns: the site names, `AttemptContext` and `SiteDispatcher`. There is no process-wide dispatcher:
+`automicro.Trainer` creates one per trainer and hands it, at attach time, to `AutoMicrobatching`
+(which fires the sites and runs the sync hooks on it) and to every callback that listens at sites
+(a callback with an `attach_sites(dispatcher)` method, such as `FaultInjector`). Two trainers in
+one process therefore never see each other's attempts. May not touch: torch, Composer.
 """
 
 from __future__ import annotations
@@ -82,5 +88,3 @@ class SiteDispatcher:
 # allocation failure happens before the rank could reach the sync point.
 PRIORITY_FAULT = 0
 PRIORITY_SYNC = 100
-
-DISPATCHER = SiteDispatcher()

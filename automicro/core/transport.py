@@ -18,6 +18,9 @@ its own node rank, are two nodes and share no memory, exactly as two hosts would
 
 Both are collective to create and must be used in the same order on every rank (the consensus
 protocol guarantees each rank runs the same number of rounds).
+
+Owns: the transports' MAX round, the launcher's idea of a node, the shared-memory segment and
+the launcher store client. May not touch: what the vector means (the consensus does), Composer.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ Every dataset yields ``{"input_ids": LongTensor[S], "labels": LongTensor[S]}`` w
 * :class:`ByteTextCorpus`: byte-level (vocab 256) tokens from local text files; by default the
   Python standard library's own sources (:func:`default_text_paths`), which every machine with
   Python has.
+
+Owns: the datasets and the dataloader builder. May not touch: the trainer, the callback.
 """
 
 from __future__ import annotations

@@ -19,6 +19,9 @@ What is private here and why:
   public `FSDPModule.set_custom_all_gather` / `set_custom_reduce_scatter`:
   `ComputeStreamAllGather` and `ComputeStreamReduceScatter` allocate FSDP2's side-stream buffers
   from the compute stream's memory.
+
+Owns: every private torch access, each behind a version gate. May not touch: Composer,
+automicro's protocol (callers pass what they need as arguments).
 """
 
 from __future__ import annotations

@@ -1,15 +1,29 @@
-"""`FSDP2Config`: every choice the engine makes, as one validated dataclass.
+"""`FSDP2Config`: every choice the engine makes, as one validated dataclass, and the one reading
+of a ``parallelism_config`` mapping into it.
 
 YAML: ``parallelism_config: {fsdp2: {...}}``; each key maps one to one onto a field here.
+
+Owns: every check on ``parallelism_config`` / ``parallelism_config.fsdp2`` (known keys, Composer's
+``state_dict_type`` redirected to ``checkpoint_format``, each value), for Python callers of
+`automicro.Trainer` and for the YAML loader alike (`automicro.config` wraps `FSDP2ConfigError`
+into its `ConfigError`). May not touch: Composer, `automicro.config`, anything above the engine;
+torch is imported only through `_torch_internals`, lazily, for the `compute_stream_buffers` gate.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 MIXED_PRECISION_CHOICES = ("FULL", "DEFAULT", "PURE")
+PARALLELISM_KEYS = ("fsdp2",)
+# How a sharded model's checkpoints are written (`automicro.Trainer(checkpoint_format=...)`, YAML
+# top-level `checkpoint_format`); here because Composer's `fsdp2.state_dict_type` is redirected to it.
+CHECKPOINT_FORMATS = ("full", "sharded")
+FSDP2_KEY = "parallelism_config.fsdp2"
 
 
 class FSDP2ConfigError(ValueError):
@@ -142,18 +156,65 @@ class FSDP2Config:
         return self.compute_stream_buffers
 
     @classmethod
-    def from_dict(cls, values: Optional[dict[str, Any]]) -> "FSDP2Config":
+    def from_dict(cls, values: Optional[Mapping[str, Any]], key: str = FSDP2_KEY) -> "FSDP2Config":
+        """Build from the mapping found at ``key`` (None or ``{}``: every default)."""
+        if values is not None and not isinstance(values, Mapping):
+            raise FSDP2ConfigError(f"{key}={values!r}: must be a mapping of FSDP2 settings (or {{}} for defaults)")
         values = dict(values or {})
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise FSDP2ConfigError(
-                f"parallelism_config.fsdp2: unknown key(s) {unknown}; allowed keys are {sorted(known)}"
-            )
+        cls.check_keys(values, key)
         return cls(**values)
+
+    @classmethod
+    def check_keys(cls, values: Mapping[str, Any], key: str = FSDP2_KEY) -> None:
+        """Every key of ``values`` (found at ``key``) is a field; Composer's ``state_dict_type`` is
+        redirected to ``checkpoint_format``."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        for k, v in values.items():
+            if k == "state_dict_type":
+                fmt = v if v in CHECKPOINT_FORMATS else "sharded"
+                raise FSDP2ConfigError(
+                    f"{key}.{k}={v!r}: Composer's FSDP key is not used by automicro's engine; set "
+                    f"checkpoint_format={fmt!r} instead (automicro.Trainer(checkpoint_format=...); YAML: "
+                    f"top-level key checkpoint_format: {fmt}; one of {', '.join(CHECKPOINT_FORMATS)})"
+                )
+            if k not in known:
+                close = difflib.get_close_matches(str(k), known, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise FSDP2ConfigError(f"{key}.{k}={v!r}: unknown key{hint}; allowed keys at {key}: {', '.join(known)}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-__all__ = ["FSDP2Config", "FSDP2ConfigError", "MIXED_PRECISION_CHOICES"]
+def fsdp2_from_parallelism_config(parallelism_config: Any) -> Optional[FSDP2Config]:
+    """`automicro.Trainer(parallelism_config=...)` -> the FSDP2 settings, or None (not sharded).
+
+    ``{"fsdp2": {...}}`` (a mapping of `FSDP2Config` fields, None / ``{}`` for defaults, or an
+    `FSDP2Config`); any other key is refused: automicro shards with FSDP2 only."""
+    if parallelism_config is None:
+        return None
+    if not isinstance(parallelism_config, Mapping):
+        raise FSDP2ConfigError(
+            "automicro.Trainer: parallelism_config must be a dict like {'fsdp2': {...}} "
+            f"(got {type(parallelism_config).__name__})"
+        )
+    unknown = sorted(set(parallelism_config) - set(PARALLELISM_KEYS))
+    if unknown:
+        raise FSDP2ConfigError(
+            f"automicro.Trainer: parallelism_config keys {unknown} are not supported; automicro shards "
+            "with FSDP2 only: use parallelism_config={'fsdp2': {...}}"
+        )
+    value = parallelism_config.get("fsdp2")
+    if isinstance(value, FSDP2Config):
+        return value
+    return FSDP2Config.from_dict(value)
+
+
+__all__ = [
+    "CHECKPOINT_FORMATS",
+    "FSDP2Config",
+    "FSDP2ConfigError",
+    "MIXED_PRECISION_CHOICES",
+    "PARALLELISM_KEYS",
+    "fsdp2_from_parallelism_config",
+]

@@ -4,6 +4,9 @@ One function applies one parallelism (torchtitan's layout): wrap policy, tied-we
 legalization, activation checkpointing, mixed precision, HSDP mesh, CPU offload, explicit
 prefetch chains and async unshard. The returned `ShardedModel` knows the FSDP2 modules in forward
 order and can `recover()` them after a failed attempt.
+
+Owns: the FSDP2 layout and `ShardedModel` (recover, figures). May not touch: the consensus,
+Composer, private torch outside `_torch_internals`.
 """
 
 from __future__ import annotations

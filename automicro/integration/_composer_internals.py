@@ -13,6 +13,9 @@ What is private here and why:
 - `Trainer._train_data_spec`, `_use_grad_scaling`, `_backwards_create_graph`.
 - `enable_sharded_checkpoints` sets a Composer `FSDP2Config` on `State.fsdp_config` (a public
   setter) at `Event.BEFORE_LOAD`; what is version specific is *when* Composer reads it (see there).
+
+Owns: every private Composer access, behind the Composer version check. May not touch: FSDP2,
+the consensus; it knows no automicro state beyond the arguments it is handed.
 """
 
 from __future__ import annotations

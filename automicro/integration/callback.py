@@ -23,44 +23,27 @@ the consensus protocol, a failed attempt is wiped (outputs, grads, metrics, FSDP
 the engine's `recover()`) and the same batch is rerun at the next size the search policy picks.
 Sync hooks are on while searching and come off after `stable_batches` clean batches.
 
-Metrics logged each batch (rank 0, through Composer's loggers):
-
-| key | meaning |
-| --- | --- |
-| `automicro/microbatch_size` | largest microbatch of the split in use |
-| `automicro/num_microbatches` | microbatches per batch |
-| `automicro/attempts` | attempts of this batch (1 = no retry) |
-| `automicro/ooms_total` | failed attempts so far |
-| `automicro/searching` | 1 while the size is not settled |
-| `automicro/hooks_active` | 1 while sync hooks are installed |
-| `automicro/thrash_events` | thrash detections so far |
-| `automicro/search_time_s` | seconds spent in failed attempts so far |
-| `automicro/alloc_retries` | allocator retries seen this batch (any rank) |
-| `automicro/found_size` | largest microbatch size that fit on every rank (0 while searching) |
-| `automicro/last_oom_rank` | lowest failed rank of the latest OOM (-1: none yet) |
-| `automicro/last_oom_site` | its site as an index into `automicro.core.sites.ALL_SITES` (-1: none) |
-
-Each failed attempt (OOM or thrash) is also logged as one `automicro/event` trace through
-`Logger.log_traces` (never a training step): batch, attempt, size, split, outcome, failed ranks,
-site name and index, next size.
+Owns: the Composer side only (events, the batch loop's calls into Composer, the checkpoint
+state of the search). The protocol lives in `automicro.core` (attempt fence, consensus, policy,
+ledger), the dashboards' metrics and events in `automicro.core.metrics` (the key table is there),
+the failure note in `automicro.core.failure_note`. May not touch: FSDP2 internals (the engine's
+`recover()` does), torch or Composer privates outside the two `_internals` modules.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import logging
-import os
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Union
 
 import torch
 from composer.core import Callback, Event, State
 from composer.loggers import Logger
 
+from automicro.core import failure_note
 from automicro.core import policy as search
+from automicro.core.alarm import JobLostAlarm
 from automicro.core.attempt import AttemptFence, RandomState, is_oom
 from automicro.core.consensus import (
     KIND_ERROR,
@@ -71,13 +54,21 @@ from automicro.core.consensus import (
     Verdict,
 )
 from automicro.core.hooks import SYNC_POINTS, SyncHooks
-from automicro.core.alarm import JobLostAlarm
 from automicro.core.ledger import Board, CollectiveLedger, FatalRecoveryError
-from automicro.engine import _torch_internals as torch_internals
 from automicro.core.memory import CudaMemory, MemorySource, NoMemory
-from automicro.core.sites import DISPATCHER, SiteDispatcher, site_index
+from automicro.core.metrics import (
+    AttemptRecord,
+    BatchFigures,
+    batch_metrics,
+    event_traces,
+    history_from_state,
+    history_to_state,
+)
+from automicro.core.policy import HookReason
+from automicro.core.sites import AttemptContext, SiteDispatcher
 from automicro.core.thrash import ThrashDetector
 from automicro.core.transport import TRANSPORTS
+from automicro.engine import _torch_internals as torch_internals
 from automicro.engine.sharding import ShardedModel
 from automicro.integration import _composer_internals as composer_internals
 from automicro.integration.splitting import UnsplittableBatch, split_by_sizes
@@ -87,23 +78,6 @@ log = logging.getLogger(__name__)
 
 class MicrobatchSizeError(RuntimeError):
     """Even a microbatch of one sample does not fit: raised on every rank."""
-
-
-@dataclass
-class AttemptRecord:
-    """One attempt of one batch, as every rank agreed on it."""
-
-    batch: int
-    attempt: int
-    size: int
-    split: tuple[int, ...]
-    outcome: str  # "ok", "oom", "thrash", "error"
-    failed_ranks: list[int] = field(default_factory=list)
-    sites: list[str] = field(default_factory=list)
-    next_size: int = 0
-    hooks: bool = True
-    seconds: float = 0.0
-    note: str = ""
 
 
 class AutoMicrobatching(Callback):
@@ -169,7 +143,7 @@ class AutoMicrobatching(Callback):
         self._fence: Optional[AttemptFence] = None
         self._hooks: Optional[SyncHooks] = None
         self._memory: MemorySource = NoMemory()
-        self._dispatcher: SiteDispatcher = DISPATCHER
+        self._dispatcher = SiteDispatcher()  # replaced by the trainer's at attach()
         self._last_retries = 0
         self._batch_attempts = 0
         self._batch_retries = False
@@ -183,10 +157,15 @@ class AutoMicrobatching(Callback):
 
     # ---- wiring ------------------------------------------------------------------------------
 
-    def attach(self, sharded: ShardedModel, memory: Optional[MemorySource] = None) -> None:
-        """Called by `automicro.Trainer` on every rank once the model is sharded (collective)."""
+    def attach(
+        self, sharded: ShardedModel, memory: Optional[MemorySource] = None, sites: Optional[SiteDispatcher] = None
+    ) -> None:
+        """Called by `automicro.Trainer` on every rank once the model is sharded (collective).
+        `sites`: the trainer's site dispatcher, shared with its fault injectors (a new one if None)."""
         import torch.distributed as dist
 
+        if sites is not None:
+            self._dispatcher = sites
         self._sharded = sharded
         self._consensus = Consensus.create(use_cpu_group=self.cpu_sync_group, transport=self.consensus_transport)
         self._rank = dist.get_rank() if dist.is_initialized() else 0
@@ -219,6 +198,16 @@ class AutoMicrobatching(Callback):
         return None if self.policy is None else self.policy.found_size
 
     # Read-only figures for dashboards, benchmarks and tests.
+
+    @property
+    def sites(self) -> SiteDispatcher:
+        """The site dispatcher this callback fires (the trainer's, once attached)."""
+        return self._dispatcher
+
+    @property
+    def attempt_context(self) -> AttemptContext:
+        """Where the current attempt is: batch, attempt, microbatch, last site (read it, do not write it)."""
+        return self._dispatcher.context
 
     @property
     def used_split(self) -> tuple[int, ...]:
@@ -259,17 +248,17 @@ class AutoMicrobatching(Callback):
     def fit_start(self, state: State, logger: Logger) -> None:
         # Another fit() of the same trainer: the hooks come back if the policy still wants them.
         if self.policy is not None:
-            self._apply_hooks(self.policy.hooks, "fit start")
+            self._apply_hooks(self.policy.hooks, HookReason.FIT_START)
         self._observe_collectives(True)
 
     def fit_end(self, state: State, logger: Logger) -> None:
         # The hooks and the collective patch are process-wide: none may outlive this fit.
-        self._apply_hooks(False, "fit end")
+        self._apply_hooks(False, HookReason.FIT_END)
         self._observe_collectives(False)
 
     def close(self, state: State, logger: Logger) -> None:
         # `trainer.close()`, also after a fit that raised (fit_end did not run).
-        self._apply_hooks(False, "trainer closed")
+        self._apply_hooks(False, HookReason.CLOSED)
         self._observe_collectives(False)
         if self._ledger is not None:
             self._ledger.close()
@@ -295,7 +284,7 @@ class AutoMicrobatching(Callback):
         if self._eval_auto:
             # An eval forward all-gathers like a training forward: with the eval search on, every
             # all-gather needs its consensus point too.
-            self._apply_hooks(True, "eval")
+            self._apply_hooks(True, HookReason.EVAL)
 
     def eval_batch_start(self, state: State, logger: Logger) -> None:
         if self._eval_auto:
@@ -307,7 +296,7 @@ class AutoMicrobatching(Callback):
         self._in_eval = False
         # Evaluation can leave memory fragmented and a spike behind: guard the next batches.
         if self.policy is None:
-            self._apply_hooks(self._eval_auto, "after eval")
+            self._apply_hooks(self._eval_auto, HookReason.AFTER_EVAL)
         self._rearm("eval")
 
     # ---- eval-time search ----------------------------------------------------------------------
@@ -375,85 +364,42 @@ class AutoMicrobatching(Callback):
         if self.policy is None:
             return
         decision = self.policy.observe(search.Rearm(reason))
-        self._apply_hooks(decision.hooks, reason)
+        self._apply_hooks(decision.hooks, decision.reason, reason)
 
-    def _apply_hooks(self, want: bool, reason: str) -> None:
+    def _apply_hooks(self, want: bool, reason: HookReason, detail: str = "") -> None:
         if self._hooks is None:
             return
         if self._hooks.set_active(want):
-            self._info(self._hooks_message(want, reason))
+            self._info(self._hooks_message(want, reason, detail))
 
     def batch_end(self, state: State, logger: Logger) -> None:
         if self.policy is None or not self._used_split:
             return
-        split = self._used_split
-        logger.log_metrics(
-            {
-                "automicro/microbatch_size": max(split),
-                "automicro/num_microbatches": len(split),
-                "automicro/attempts": self._batch_attempts,
-                "automicro/ooms_total": self.ooms_total,
-                "automicro/searching": int(self.policy.phase == search.Phase.SEARCHING),
-                "automicro/hooks_active": int(self.hooks_active),
-                "automicro/thrash_events": self.thrash.events,
-                "automicro/search_time_s": self.search_time_s,
-                "automicro/alloc_retries": int(self._batch_retries),
-                "automicro/found_size": self.found_size or 0,
-                **self._last_oom_metrics(),
-            }
+        figures = BatchFigures(
+            split=self._used_split,
+            attempts=self._batch_attempts,
+            ooms_total=self.ooms_total,
+            searching=self.policy.phase == search.Phase.SEARCHING,
+            hooks_active=self.hooks_active,
+            thrash_events=self.thrash.events,
+            search_time_s=self.search_time_s,
+            alloc_retries=self._batch_retries,
+            found_size=self.found_size or 0,
         )
-        self._log_events(state, logger)
+        logger.log_metrics(batch_metrics(figures, self.history))
+        # Composer moves the timestamp to the next batch before BATCH_END.
+        for trace in event_traces(self.history, int(state.timestamp.batch) - 1):
+            logger.log_traces(trace)
 
-    # ---- dashboard helpers (metrics, events, console) ------------------------------------------
+    # ---- console -------------------------------------------------------------------------------
 
-    def _last_oom_metrics(self) -> dict[str, int]:
-        """`automicro/last_oom_rank` and `automicro/last_oom_site` (an index into `ALL_SITES`)."""
-        last = next((r for r in reversed(self.history) if r.outcome == "oom" and r.failed_ranks), None)
-        if last is None:
-            return {"automicro/last_oom_rank": -1, "automicro/last_oom_site": -1}
-        site = last.sites[0] if last.sites else "other"
-        return {"automicro/last_oom_rank": int(last.failed_ranks[0]), "automicro/last_oom_site": site_index(site)}
-
-    def _log_events(self, state: State, logger: Logger) -> None:
-        """One `automicro/event` trace per failed attempt of the batch that just ended.
-
-        Traces (`Logger.log_traces`) do not advance the step; the batch's own attempts are the
-        records of its index (Composer moves the timestamp to the next batch before BATCH_END)."""
-        batch_index = int(state.timestamp.batch) - 1
-        failed = []
-        for record in reversed(self.history):
-            if record.batch != batch_index:
-                break
-            if record.outcome != "ok":
-                failed.append(record)
-        for record in reversed(failed):
-            site = record.sites[0] if record.sites else ""
-            logger.log_traces(
-                {
-                    "automicro/event": {
-                        "batch": record.batch,
-                        "attempt": record.attempt,
-                        "size": record.size,
-                        "split": list(record.split),
-                        "outcome": record.outcome,
-                        "ranks": list(record.failed_ranks),
-                        "site": site,
-                        "site_index": site_index(site) if site else -1,
-                        "sites": list(record.sites),
-                        "next_size": record.next_size,
-                        "seconds": record.seconds,
-                    }
-                }
-            )
-
-    def _hooks_message(self, want: bool, reason: str) -> str:
-        if not want and self.policy is not None and reason.startswith("stable for"):
+    def _hooks_message(self, want: bool, reason: HookReason, detail: str) -> str:
+        if not want and self.policy is not None and reason is HookReason.STABLE:
             return (
                 f"sync hooks off after {self.policy_config.stable_batches} clean batches "
                 f"at split {list(self.policy.current_split())}"
             )
-        reason = reason.removesuffix(": sync hooks on" if want else ": sync hooks off")
-        return f"sync hooks {'on' if want else 'off'} ({reason})"
+        return f"sync hooks {'on' if want else 'off'} ({reason.value}{': ' + detail if detail else ''})"
 
     # ---- checkpoints -------------------------------------------------------------------------
 
@@ -463,7 +409,7 @@ class AutoMicrobatching(Callback):
             "ooms_total": self.ooms_total,
             "thrash_events": self.thrash.events,
             "search_time_s": self.search_time_s,
-            "history": [asdict(r) for r in self.history[-1000:]],
+            "history": history_to_state(self.history),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -471,7 +417,7 @@ class AutoMicrobatching(Callback):
         self.ooms_total = int(state.get("ooms_total", 0))
         self.thrash.events = int(state.get("thrash_events", 0))
         self.search_time_s = float(state.get("search_time_s", 0.0))
-        self.history = [AttemptRecord(**{**r, "split": tuple(r["split"])}) for r in state.get("history", [])]
+        self.history = history_from_state(state.get("history", []))
 
     def _ensure_policy(self, batch_size: int, state: Optional[State] = None) -> None:
         if self.policy is None:
@@ -484,14 +430,14 @@ class AutoMicrobatching(Callback):
                     self.policy.observe(search.BatchSizeChanged(batch_size))
                 self._step_below_unrecovered_failure(state)
                 self._info(f"resumed with microbatch split {self.policy.current_split()} (hooks on until stable)")
-            self._apply_hooks(True, "searching")
+            self._apply_hooks(True, HookReason.SEARCHING)
         elif self.policy.state.batch_size != batch_size:
             decision = self.policy.observe(search.BatchSizeChanged(batch_size))
-            self._apply_hooks(decision.hooks, f"batch size changed to {batch_size}")
+            self._apply_hooks(decision.hooks, decision.reason, f"to {batch_size}")
 
     # ---- a run that could not recover in-process -------------------------------------------------
 
-    FAILURE_NOTE = "automicro_failure.json"
+    FAILURE_NOTE = failure_note.FILE_NAME
 
     def fit_raised(self, state: State, error: BaseException) -> Optional[FatalRecoveryError]:
         """`fit()` raised `error` on this rank. An out-of-memory error from outside any attempt
@@ -502,45 +448,26 @@ class AutoMicrobatching(Callback):
             return None
         where = f"at {self._last_event}" if self._last_event is not None else "between batches"
         batch = int(state.timestamp.batch)
-        self._write_failure_note(state, batch, self._used_split)
+        failure_note.write(composer_internals.checkpoint_folder(state), self._rank, batch, self._used_split)
         return self._ledger.lost_outside_attempt(where, batch)
 
-    def _write_failure_note(self, state: State, batch: int, sizes: tuple[int, ...]) -> None:
-        """Leave the size that failed beside the checkpoints, so that a restarted run (autoresume,
-        or `load_path` to this folder) starts below it instead of failing the same way again."""
-        folder = composer_internals.checkpoint_folder(state)
-        if folder is None or "://" in folder:
-            return
-        os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, self.FAILURE_NOTE)
-        temporary = f"{path}.rank{self._rank}.tmp"
-        with open(temporary, "w") as f:
-            json.dump({"batch": batch, "size": max(sizes), "split": list(sizes)}, f)
-        os.replace(temporary, path)
-
     def _step_below_unrecovered_failure(self, state: Optional[State]) -> None:
+        """A failure note beside the checkpoint this run resumed from: start below its size."""
         assert self.policy is not None
-        folder = None if state is None else composer_internals.checkpoint_folder(state)
-        path = None if folder is None else os.path.join(folder, self.FAILURE_NOTE)
-        if path is None or not os.path.exists(path):
-            return
-        with open(path) as f:
-            note = json.load(f)
+        note = failure_note.read(None if state is None else composer_internals.checkpoint_folder(state))
         resumed_at = int(state.timestamp.batch) if state is not None else 0
-        size = int(note.get("size", 0))
-        # Only a failure after this checkpoint, at the size this run would use again, counts.
-        if int(note.get("batch", -1)) < resumed_at or size != max(self.policy.current_split()):
+        if note is None or not note.applies(resumed_at, max(self.policy.current_split())):
             return
         try:
-            decision = self.policy.observe(search.OOM(size))
+            decision = self.policy.observe(search.OOM(note.size))
         except search.CannotFitError as error:
             raise MicrobatchSizeError(
-                f"automicro: the run stopped at microbatch size {size} in batch {note['batch']}, and no smaller size "
-                "is left to try"
+                f"automicro: the run stopped at microbatch size {note.size} in batch {note.batch}, and no smaller "
+                "size is left to try"
             ) from error
         self._info(
-            f"the previous launch could not recover from an OOM at size {size} in batch {note['batch']} "
-            f"({path}); resuming at size {decision.next_size} with the sync hooks on"
+            f"the previous launch could not recover from an OOM at size {note.size} in batch {note.batch} "
+            f"({note.path}); resuming at size {decision.next_size} with the sync hooks on"
         )
 
     # ---- the guarded batch step --------------------------------------------------------------
@@ -616,7 +543,7 @@ class AutoMicrobatching(Callback):
             try:
                 result = self._fence.run(body, lambda: self._wipe_failed_attempt(trainer, device_batch), hooks_on)
             except FatalRecoveryError:
-                self._write_failure_note(state, batch_index, sizes)
+                failure_note.write(composer_internals.checkpoint_folder(state), self._rank, batch_index, sizes)
                 raise
             verdict, seconds = result.verdict, result.seconds
             if result.unreported is not None:
@@ -654,7 +581,7 @@ class AutoMicrobatching(Callback):
             if result.replayed:
                 note += f"; {result.replayed} collectives replayed to get the ranks back in step"
             self._record(batch_index, sizes, "oom", verdict, decision.next_size, seconds, note, hooks=hooks_on)
-            self._apply_hooks(decision.hooks, "out of memory")
+            self._apply_hooks(decision.hooks, decision.reason)
 
     def _all_reduce_sum(self, tensor: torch.Tensor) -> None:
         if self._ledger is not None:
@@ -691,7 +618,7 @@ class AutoMicrobatching(Callback):
         if self.thrash.observe(retried_clean_batch):
             decision = self.policy.observe(search.Thrash(max(sizes)))
             self._record(batch_index, sizes, "thrash", verdict, decision.next_size, seconds, decision.event)
-            self._apply_hooks(decision.hooks, "thrashing")
+            self._apply_hooks(decision.hooks, decision.reason)
             return
         phase_before = self.policy.phase
         decision = self.policy.observe(
@@ -703,7 +630,7 @@ class AutoMicrobatching(Callback):
         )
         if phase_before != search.Phase.STEADY or self._batch_attempts > 1:
             self._record(batch_index, sizes, "ok", verdict, decision.next_size, seconds, decision.event)
-        self._apply_hooks(decision.hooks, decision.event or "stable")
+        self._apply_hooks(decision.hooks, decision.reason)
 
     def _record(
         self,
@@ -730,11 +657,7 @@ class AutoMicrobatching(Callback):
             note=note,
         )
         self.history.append(record)
-        where = f" on rank(s) {record.failed_ranks} at {record.sites}" if record.failed_ranks else ""
-        self._info(
-            f"batch {batch_index} attempt {record.attempt}: size {record.size} split {list(sizes)} -> "
-            f"{outcome}{where}; next size {next_size}" + (f" ({note})" if note else "")
-        )
+        self._info(record.console_line())
 
 
 def _build_ledger(sharded: ShardedModel, consensus: Consensus, rank: int) -> CollectiveLedger:

@@ -26,6 +26,9 @@ and a dict after; its history is a list of dicts), so a fresh run's template can
 one. `CallbackStateLoadPlanner` rebuilds the `state.callbacks` part of the template from the
 checkpoint's own metadata before loading, so every callback gets back exactly what it saved.
 (An empty dict nested inside a callback's state leaves no key in DCP and comes back missing.)
+
+Owns: DCP save/load of engine-sharded models and the checkpoint format check. May not touch:
+the search state (the callback's own `state_dict` carries it), FSDP2 internals.
 """
 
 from __future__ import annotations

@@ -23,39 +23,15 @@ from composer.devices import Device, DeviceCPU, DeviceGPU
 from composer.utils import dist as composer_dist
 from torch.distributed.fsdp import register_fsdp_forward_method
 
-from automicro.engine import FSDP2Config, ShardedModel, ensure_record_stream_free, shard
-from automicro.engine.config import FSDP2ConfigError
+from automicro.config.schema import AUTO, auto_eval_problem, check_microbatch_size
+from automicro.core.sites import SiteDispatcher
+from automicro.engine import ShardedModel, ensure_record_stream_free, shard
+from automicro.engine.config import fsdp2_from_parallelism_config
 from automicro.integration import _composer_internals as composer_internals
 from automicro.integration.callback import AutoMicrobatching
 from automicro.integration.checkpointing import ShardedCheckpointing, check_checkpoint_format
 
 log = logging.getLogger(__name__)
-
-
-def _fsdp2_config(parallelism_config: Any) -> Optional[FSDP2Config]:
-    if parallelism_config is None:
-        return None
-    if not isinstance(parallelism_config, dict):
-        raise FSDP2ConfigError(
-            "automicro.Trainer: parallelism_config must be a dict like {'fsdp2': {...}} "
-            f"(got {type(parallelism_config).__name__})"
-        )
-    unknown = sorted(set(parallelism_config) - {"fsdp2"})
-    if unknown:
-        raise FSDP2ConfigError(
-            f"automicro.Trainer: parallelism_config keys {unknown} are not supported; automicro shards "
-            "with FSDP2 only: use parallelism_config={'fsdp2': {...}}"
-        )
-    value = parallelism_config.get("fsdp2")
-    if isinstance(value, dict) and "state_dict_type" in value:
-        raise FSDP2ConfigError(
-            f"automicro.Trainer: parallelism_config.fsdp2.state_dict_type={value['state_dict_type']!r} is "
-            "Composer's own FSDP key; automicro's engine takes the checkpoint format as "
-            "automicro.Trainer(checkpoint_format='full' | 'sharded') (YAML: top-level checkpoint_format)"
-        )
-    if isinstance(value, FSDP2Config):
-        return value
-    return FSDP2Config.from_dict(value)
 
 
 def _composer_device(device: Any) -> Device:
@@ -142,7 +118,7 @@ class Trainer(composer.Trainer):
     ) -> None:
         composer_internals.check_supported_composer()
         composer_internals.fill_node_rank_from_torchrun()
-        fsdp2 = _fsdp2_config(parallelism_config)
+        fsdp2 = fsdp2_from_parallelism_config(parallelism_config)
         check_checkpoint_format(
             checkpoint_format,
             sharded_model=fsdp2 is not None,
@@ -150,11 +126,9 @@ class Trainer(composer.Trainer):
             save_metrics=bool(kwargs.get("save_metrics", False)),
         )
         callback_list = list(callbacks) if isinstance(callbacks, (list, tuple)) else ([callbacks] if callbacks else [])
-        auto = device_train_microbatch_size == "auto"
-        if isinstance(device_train_microbatch_size, str) and not auto:
-            raise ValueError(
-                f"device_train_microbatch_size={device_train_microbatch_size!r}: must be a positive int or 'auto'"
-            )
+        if isinstance(device_train_microbatch_size, str):  # ints, floats and None are Composer's to check
+            check_microbatch_size(device_train_microbatch_size, "device_train_microbatch_size")
+        auto = device_train_microbatch_size == AUTO
         automicro = next((c for c in callback_list if isinstance(c, AutoMicrobatching)), None)
         if auto and fsdp2 is None:
             raise ValueError(
@@ -185,17 +159,22 @@ class Trainer(composer.Trainer):
             if checkpoint_format == "sharded":
                 callback_list.append(ShardedCheckpointing())
         self._automicro = automicro
+        # One attempt context per trainer: the callback fires its sites, the fault injectors
+        # (any callback with `attach_sites`) listen there.
+        self._automicro_sites = SiteDispatcher()
+        for callback in callback_list:
+            attach_sites = getattr(callback, "attach_sites", None)
+            if callable(attach_sites):
+                attach_sites(self._automicro_sites)
         if automicro is not None:
             assert self._automicro_sharded is not None
-            automicro.attach(self._automicro_sharded)
+            automicro.attach(self._automicro_sharded, sites=self._automicro_sites)
 
         auto_evaluators = [e for e in _evaluators(kwargs.get("eval_dataloader")) if e.auto_microbatching]
         if auto_evaluators:
-            if automicro is None:
-                raise ValueError(
-                    "device_eval_microbatch_size='auto' in automicro.Trainer needs FSDP2 and "
-                    "device_train_microbatch_size='auto' (the eval search runs on the same consensus)"
-                )
+            problem = auto_eval_problem(train_auto=automicro is not None, sharded=fsdp2 is not None)
+            if problem:
+                raise ValueError(f"device_eval_microbatch_size='auto' in automicro.Trainer {problem}")
             # Composer only checks that an auto evaluator runs on a GPU; automicro's eval search is
             # device-independent, so the flag is lowered while Composer validates and raised after.
             for evaluator in auto_evaluators:
@@ -228,6 +207,11 @@ class Trainer(composer.Trainer):
     @property
     def auto_microbatching(self) -> Optional[AutoMicrobatching]:
         return self._automicro
+
+    @property
+    def sites(self) -> SiteDispatcher:
+        """This trainer's site dispatcher: its attempt context and the listeners at its sites."""
+        return self._automicro_sites
 
     def fit(self, *args: Any, **kwargs: Any) -> None:
         """Composer's `fit`; an out-of-memory error that escapes it from outside any attempt (a

@@ -18,6 +18,9 @@ construction time, so ``with torch.device("cuda"): Llama(cfg)`` builds on the GP
 Consequently a model built on CPU and a model built on meta, then ``to_empty(device=...)`` and
 ``init_weights()``, hold identical weights when the global RNG is seeded identically before each:
 the initial values depend only on the RNG state at the time ``init_weights`` runs.
+
+Owns: the model, its presets and the FSDP2 wrap marks (`_fsdp_wrap`). May not touch:
+automicro's trainer, engine or callback: the model is plain PyTorch plus a Composer wrapper.
 """
 
 from __future__ import annotations

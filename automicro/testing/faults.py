@@ -18,6 +18,9 @@ times. With `batch` late enough the fault hits after the sync hooks came off (th
 
 `site: between_batches` raises outside any attempt, at Event.BATCH_END once `timestamp.batch`
 equals `batch` (a callback or checkpoint save running out of memory).
+
+Owns: the injector's conditions and its own site hooks. May not touch: the consensus (a fault
+is an exception; the attempt fence does the rest); it is handed the trainer's sites at attach.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from composer.core import Callback, State
 from composer.loggers import Logger
 
 from automicro.core.hooks import SiteHooks
-from automicro.core.sites import DISPATCHER, PRIORITY_FAULT, SITES, AttemptContext, SiteDispatcher
+from automicro.core.sites import PRIORITY_FAULT, SITES, AttemptContext, SiteDispatcher
 
 BETWEEN_BATCHES = "between_batches"
 
@@ -87,11 +90,15 @@ class FaultInjector(Callback):
         self.batch = batch
         self.exception = exception
         self.fired = 0
-        self._dispatcher: SiteDispatcher = DISPATCHER
+        self._dispatcher: Optional[SiteDispatcher] = None  # the trainer's, from attach_sites()
         self._site_hooks: Optional[SiteHooks] = None
         self._remove_listener: Optional[Callable[[], None]] = None
         self._rank = 0
         self._armed_between_batches = False
+
+    def attach_sites(self, sites: SiteDispatcher) -> None:
+        """Called by `automicro.Trainer` before fit: the trainer's dispatcher and attempt context."""
+        self._dispatcher = sites
 
     # ---- conditions --------------------------------------------------------------------------
 
@@ -131,6 +138,7 @@ class FaultInjector(Callback):
         # The injector's own module hooks call only the injector (the sync hooks fire the
         # dispatcher themselves), so no site runs its consensus twice.
         if site == self.site:
+            assert self._dispatcher is not None
             self._listener(site, module, self._dispatcher.context)
 
     # ---- Composer events ---------------------------------------------------------------------
@@ -140,6 +148,11 @@ class FaultInjector(Callback):
         if self.site == BETWEEN_BATCHES:
             self._armed_between_batches = True
             return
+        if self._dispatcher is None:
+            raise ValueError(
+                f"FaultInjector(site={self.site!r}) needs automicro.Trainer, which hands it the attempt context "
+                "(`from automicro import Trainer`); with composer.Trainer it would never fire"
+            )
         if self._remove_listener is None and self.site not in MODULE_SITES:
             self._remove_listener = self._dispatcher.add(self._listener, PRIORITY_FAULT)
         if self.site in MODULE_SITES and self._site_hooks is None:
@@ -155,7 +168,8 @@ class FaultInjector(Callback):
             self._site_hooks.install()
 
     def after_loss(self, state: State, logger: Logger) -> None:
-        self._dispatcher.fire("loss", "")
+        if self._dispatcher is not None:
+            self._dispatcher.fire("loss", "")
 
     def batch_end(self, state: State, logger: Logger) -> None:
         if not self._armed_between_batches or int(state.timestamp.batch) != self.batch:

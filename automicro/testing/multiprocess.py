@@ -73,6 +73,9 @@ os.environ at call time is given to each worker, but settings torch reads at imp
 counts) are the server's. The workers' stdout/stderr are those the server inherited when it
 started (under pytest: the capture of the test that started it). The env variable
 AUTOMICRO_MP_START_METHOD picks the default.
+
+Owns: spawning, the watchdog, the result hand-back and simulated nodes. May not touch:
+automicro's product modules (it is used by their tests, never the other way round).
 """
 
 from __future__ import annotations
