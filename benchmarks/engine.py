@@ -18,7 +18,7 @@ layers between a pre and a post LayerNorm, fp32, no bias; total batch 16 split o
                               the seed passes it), FSDP2's implicit prefetch;
   ``explicit_async``          as above + ``set_modules_to_forward_prefetch`` /
                               ``..._backward_prefetch`` chains of depth 1 +
-                              ``_set_unshard_async_op(True)`` (the seed's setup);
+                              ``set_unshard_async(model)`` (the seed's setup);
   ``engine_default``          ``automicro.engine.shard(model, FSDP2Config())``;
   ``engine_{sync,async}_f{1,2}``  ``FSDP2Config(unshard_async_op=..., forward_prefetch=1|2)``;
   ``engine_*_fsdpbufs``       the same with ``compute_stream_buffers=False`` (FSDP2 allocates its
@@ -163,7 +163,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-from automicro.engine import FSDP2Config, shard  # noqa: E402
+from automicro.engine import FSDP2Config, set_unshard_async, shard  # noqa: E402
 from automicro.engine import _torch_internals as internals  # noqa: E402
 
 GIB = 1024**3
@@ -404,7 +404,7 @@ def shard_plain(env: Env, model: MultiMLP, explicit_async: bool) -> nn.Module:
                 last = module
     fully_shard(model, mesh=env.mesh, reshard_after_forward=True)
     if explicit_async:
-        model._set_unshard_async_op(True)
+        set_unshard_async(model, True)
     return model
 
 

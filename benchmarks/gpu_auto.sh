@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # "Prove it on GPUs": auto microbatching on 2 GPUs (torch 2.11, NCCL) with real CUDA OOMs.
-# Suites of benchmarks/gpu_auto.py, one launch each, many Trainers per launch:
+# One launch per suite file (benchmarks/<suite>.py), many Trainers per launch:
 #   nohang (K runs under random per-rank memory fractions), throughput (auto vs a fixed-size sweep,
-#   halving baseline, plain Composer, search cost, hooks on/off), thrash (allocator retries).
+#   halving baseline, search cost; one run each), thrash (allocator retries), parity (losses),
+#   hooks and vs_plain (interleaved comparisons: benchmarks/harness.py).
 # Run on the GPU machine from the repo root with `.whl` carried (scripts/gpu_wheelhouse.sh builds it):
 #   bash benchmarks/gpu_auto.sh
-# Writes OUT/gpu_auto_<suite>.json (rewritten after every case), OUT/<suite>.log, OUT/summary.txt;
+# Writes OUT/<suite>.json (rewritten after every case), OUT/<suite>.log, OUT/summary.txt;
 # OUT defaults to runs/gpu_auto.
 # Env knobs: NPROC=2 (ranks), SKIP_INSTALL=1 (wheels already in /tmp/site), K=12 (nohang runs; the issue asks >= 20: raise NOHANG_S too), SUITES="nohang throughput thrash",
 #   TOTAL_S=500 (all suites together, launches included), NOHANG_S=190 THROUGHPUT_S=190 THRASH_S=120
 #   (per-suite hard timeouts), PARITY=1 (adds the 300-step parity suite, ~8-9 min on 1B, outside TOTAL_S;
 #   better alone: SUITES=parity, PARITY_S=560),
-#   hooks (sync hooks on vs off at one size, per sync-point mode and consensus transport; HOOKS_S=200),
+#   hooks (sync hooks on vs off at one size, interleaved; HOOKS_S=300), vs_plain (automicro hooks off vs
+#   plain Composer at fixed sizes, interleaved; VS_PLAIN_S=400),
 #   DRIVER_ARGS="..." (appended to every driver call; the last value of a flag wins).
 # CPU check of the same script: AUTO_DEVICE=cpu PYTHON=.venv/bin/python bash benchmarks/gpu_auto.sh
 set -uo pipefail
@@ -39,7 +41,7 @@ else
   nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpus.txt"
 fi
 "$PY" -c "import torch, composer; print('torch', torch.__version__, 'composer', composer.__version__)" | tee "$OUT/versions.txt"
-LAUNCH=("$PY" -m torch.distributed.run --standalone --nproc_per_node "${NPROC:-2}" benchmarks/gpu_auto.py)
+LAUNCH=("$PY" -m torch.distributed.run --standalone --nproc_per_node "${NPROC:-2}")
 : > "$OUT/summary.txt"
 suites_start=$(date +%s)
 
@@ -55,15 +57,15 @@ run_suite() {  # name, hard cap (s), then driver arguments
   # The driver stops starting new cases at --budget-s; the timeout is the hang watchdog.
   local budget=$(( limit - 40 ))
   echo "=== $suite (timeout ${limit} s, case budget ${budget} s)"
-  rm -f "$OUT/gpu_auto_$suite.json"
+  rm -f "$OUT/$suite.json"
   local start=$(date +%s)
-  timeout --signal=TERM --kill-after=10 "$limit" "${LAUNCH[@]}" --suite "$suite" --out "$OUT" \
+  timeout --signal=TERM --kill-after=10 "$limit" "${LAUNCH[@]}" "benchmarks/$suite.py" --out "$OUT" \
     --budget-s "$budget" ${DEVICE_ARGS[@]+"${DEVICE_ARGS[@]}"} "$@" ${DRIVER_ARGS:-} > "$OUT/$suite.log" 2>&1
   local rc=$?
   local took=$(( $(date +%s) - start ))
-  grep '^\[gpu_auto\]' "$OUT/$suite.log"
+  grep '^\[bench\]' "$OUT/$suite.log"
   local state
-  state=$("$PY" - "$OUT/gpu_auto_$suite.json" <<'PY'
+  state=$("$PY" - "$OUT/$suite.json" <<'PY'
 import json, sys
 try:
     doc = json.load(open(sys.argv[1]))
@@ -76,7 +78,7 @@ print(f"{word}, {len(cases)} case(s){extra}")
 PY
 )
   echo "suite $suite: exit $rc in ${took} s; $state" | tee -a "$OUT/summary.txt"
-  case $state in complete*) ;; *) grep '^\[gpu_auto:detail\]' "$OUT/$suite.log" | tail -4 ;; esac
+  case $state in complete*) ;; *) grep '^\[bench:detail\]' "$OUT/$suite.log" | tail -4 ;; esac
   if [ "$rc" -ne 0 ]; then
     [ "$rc" -eq 124 ] && echo "suite $suite: TIMEOUT after ${limit} s" | tee -a "$OUT/summary.txt"
     grep -n "Traceback\|Error\|error\|Timeout\|timeout\|Thread 0x\|File \"" "$OUT/$suite.log" | grep -v Warning | tail -25
@@ -89,7 +91,8 @@ for suite in $SUITES; do
     throughput) run_suite throughput "${THROUGHPUT_S:-190}" --case-timeout 90 ;;
     thrash) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False run_suite thrash "${THRASH_S:-120}" --case-timeout 90 ;;
     # parity is outside TOTAL_S: ~2 x 300 batches of ~0.8 s on 1B; run it alone (SUITES=parity).
-    hooks) run_suite hooks "${HOOKS_S:-200}" --case-timeout 90 --batches 10 ;;
+    hooks) run_suite hooks "${HOOKS_S:-300}" --case-timeout 150 ;;
+    vs_plain) run_suite vs_plain "${VS_PLAIN_S:-400}" --case-timeout 150 ;;
     parity) TOTAL_S=$(( TOTAL_S + ${PARITY_S:-560} )) run_suite parity "${PARITY_S:-560}" --case-timeout 400 ;;
     *) echo "unknown suite $suite" ;;
   esac

@@ -47,7 +47,7 @@ SEEDV=implicit,explicit_async,engine_default,engine_default_fsdpbufs,engine_sync
 wait
 for f in "$R/job01.out" "$R/job23.out"; do
   echo "==== $f"
-  grep -v '^\[\(seed\|seed_expandable\|llama\)\] round\|^W[0-9]\|^\*\*\*\*\|OMP_NUM_THREADS\|gpu_auto:detail\|UserWarning\|return func\|^note\|^(step' "$f" | grep -v '^\s*$' | tail -120
+  grep -v '^\[\(seed\|seed_expandable\|llama\)\] round\|^W[0-9]\|^\*\*\*\*\|OMP_NUM_THREADS\|bench:detail\|UserWarning\|return func\|^note\|^(step' "$f" | grep -v '^\s*$' | tail -120
 done
 echo "engine benchmarks: $(( $(date +%s) - start )) s"
 tar czf "$OUT_DIR/engine.tgz" "$R"

@@ -30,12 +30,12 @@ case $PHASE in
     ) > "$R/jobs23.out" 2>&1 &
     wait
     grep '^\[consensus\]' "$R/consensus.out"
-    cat "$R/jobs23.out" | grep -v '^\[gpu_auto:detail\]'
+    cat "$R/jobs23.out" | grep -v '^\[bench:detail\]'
     grep '^\[gpu_auto\]\|^suite\|TIMEOUT' "$R/parity.out" | grep -v ' ba [0-9]*/' | tail -12
     ;;
   B)
     NPROC=4 OUT=$R/nohang3b SUITES=nohang K=${K:-10} NOHANG_S=${NOHANG_S:-500} \
-      DRIVER_ARGS="--model 3b --case-timeout 150" bash benchmarks/gpu_auto.sh 2>&1 | grep -v '^\[gpu_auto:detail\]'
+      DRIVER_ARGS="--model 3b --case-timeout 150" bash benchmarks/gpu_auto.sh 2>&1 | grep -v '^\[bench:detail\]'
     ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac

@@ -16,7 +16,7 @@ Loss parity (issue: auto vs the found size fixed from the start)::
 
     python scripts/plot_run.py --parity gpu_auto_parity.json [--control gpu_auto_parity_control.json] -o parity.png
 
-reads the JSON of `benchmarks/gpu_auto.py --suite parity`: panel 1 the two loss curves (grey
+reads the JSON of `benchmarks/parity.py` (older runs: `gpu_auto.py --suite parity`): panel 1 the two loss curves (grey
 background while the auto run searched, red x at batches with an OOM), panel 2 |auto - fixed| per
 batch and, with `--control` (the same suite run with `--parity-control SIZE`: two identical
 fixed-size runs), the run-to-run noise floor |fixed - fixed| beside it, both with a 20-batch mean.
@@ -306,7 +306,7 @@ def read_parity(path: str) -> dict[str, Any]:
     losses = report.get("losses") or {}
     first, second = losses.get("auto") or [], losses.get("fixed") or []
     if not first or not second:
-        raise PlotError(f"{path}: no losses under report.losses (is it the JSON of `gpu_auto.py --suite parity`?)")
+        raise PlotError(f"{path}: no losses under report.losses (is it the JSON of `benchmarks/parity.py`?)")
     cases = doc.get("cases") or []
     names = [c.get("name", "") for c in cases]
     rows = cases[0].get("rows", []) if cases else []

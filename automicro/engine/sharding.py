@@ -64,6 +64,14 @@ def ensure_record_stream_free() -> bool:
 ALLOC_CONF_ENVS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
+def set_unshard_async(module: FSDPModule, async_op: bool = True) -> None:
+    """Make `module`'s all-gathers async ops (FSDP2's `_set_unshard_async_op`, private on
+    torch 2.7 and 2.11): the copy-in runs on the compute stream and the all-gather output is
+    allocated from its pool. For plain `fully_shard` models; `shard()` sets it from
+    `FSDP2Config.unshard_async_op` itself."""
+    internals.set_unshard_async_op(module, async_op)
+
+
 def apply_expandable_segments(choice: Optional[bool], device: torch.device) -> bool:
     """Carry out `FSDP2Config.expandable_segments`; True when the engine turned them on."""
     if device.type != "cuda" or choice is False:
