@@ -35,6 +35,16 @@ from harness import Session, fmt, median  # noqa: E402
 # ---- flags every suite shares ------------------------------------------------------------------------
 
 
+def interleaved_args(p: Any) -> None:
+    """The flags of an interleaved comparison (`interleaved()`), shared by the suites that run one."""
+    p.add_argument("--rounds", type=int, default=3, help="timed windows per variant, interleaved A B A B")
+    p.add_argument("--window", type=int, default=3, help="batches per timed window")
+    p.add_argument("--warmup-windows", type=int, default=1)
+    p.add_argument("--no-counterbalance", action="store_true",
+                   help="one build order only (default: the pair again with the order reversed, rounds pooled)")
+    p.add_argument("--no-profile", action="store_true", help="skip the profiled window (GPU busy fraction)")
+
+
 def common_parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--out", required=True, help="output folder (rank 0 writes <suite>.json and <suite>_table.txt)")

@@ -26,7 +26,7 @@ from typing import Optional
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import harness  # noqa: E402
-from cases import Ctx, common_parser, finish_args, fractions_arg, interleaved, main as launch  # noqa: E402
+from cases import Ctx, common_parser, finish_args, interleaved_args, fractions_arg, interleaved, main as launch  # noqa: E402
 
 FOREVER = 10**9  # stable_batches that no run reaches: the hooks stay on
 
@@ -36,14 +36,9 @@ def parse_args(argv: Optional[list[str]] = None):
     p.set_defaults(fractions="none", per_rank_batch=24)
     p.add_argument("--hooks-size", type=int, default=4, help="the fixed microbatch size measured")
     p.add_argument("--combos", default="all:auto", help="sync_points:transport pairs, e.g. all:shm,collectives:process_group")
-    p.add_argument("--rounds", type=int, default=3, help="timed windows per variant, interleaved A B A B")
-    p.add_argument("--window", type=int, default=3, help="batches per timed window")
-    p.add_argument("--warmup-windows", type=int, default=1)
+    interleaved_args(p)
     p.add_argument("--on-first", action="store_true",
                    help="hooks-on is variant A (the base; ratio off / on): checks that the order does not make the result")
-    p.add_argument("--no-counterbalance", action="store_true",
-                   help="one build order only (default: the pair again with the order reversed, rounds pooled)")
-    p.add_argument("--no-profile", action="store_true", help="skip the profiled window (GPU busy fraction)")
     return finish_args(p, argv)
 
 

@@ -27,19 +27,14 @@ from typing import Optional
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import harness  # noqa: E402
-from cases import Ctx, common_parser, finish_args, fractions_arg, interleaved, main as launch  # noqa: E402
+from cases import Ctx, common_parser, finish_args, interleaved_args, fractions_arg, interleaved, main as launch  # noqa: E402
 
 
 def parse_args(argv: Optional[list[str]] = None):
     p = common_parser(__doc__.split("\n")[0])
     p.set_defaults(fractions="none", per_rank_batch=24)
     p.add_argument("--sizes", default="2,3,4,8", help="fixed microbatch sizes (each should divide --per-rank-batch)")
-    p.add_argument("--rounds", type=int, default=3, help="timed windows per variant, interleaved A B A B")
-    p.add_argument("--window", type=int, default=3, help="batches per timed window")
-    p.add_argument("--warmup-windows", type=int, default=1)
-    p.add_argument("--no-counterbalance", action="store_true",
-                   help="one build order only (default: the pair again with the order reversed, rounds pooled)")
-    p.add_argument("--no-profile", action="store_true", help="skip the profiled window (GPU busy fraction)")
+    interleaved_args(p)
     return finish_args(p, argv)
 
 
