@@ -279,6 +279,10 @@ class AutoMicrobatching(Callback):
         """Collectives this rank replayed to get back in step after failures with the hooks off."""
         return 0 if self._ledger is None else self._ledger.replayed_total
 
+    def after_loss(self, state: State, logger: Logger) -> None:
+        # The `loss` site, once per microbatch, for every listener of this trainer's sites.
+        self._dispatcher.fire("loss", "")
+
     def eval_start(self, state: State, logger: Logger) -> None:
         self._in_eval = True
         if self._eval_auto:

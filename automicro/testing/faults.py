@@ -167,10 +167,6 @@ class FaultInjector(Callback):
             self._site_hooks = SiteHooks(sharded, self._fire_own)
             self._site_hooks.install()
 
-    def after_loss(self, state: State, logger: Logger) -> None:
-        if self._dispatcher is not None:
-            self._dispatcher.fire("loss", "")
-
     def batch_end(self, state: State, logger: Logger) -> None:
         if not self._armed_between_batches or int(state.timestamp.batch) != self.batch:
             return
