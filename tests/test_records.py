@@ -60,3 +60,20 @@ def test_failure_note_round_trip_and_when_it_applies(tmp_path):
     assert not note.applies(resumed_at_batch=8, size_in_use=6)  # a failure before the checkpoint resumed from
     assert not note.applies(resumed_at_batch=5, size_in_use=4)  # another size than the one that failed
     assert list((tmp_path / "ckpt").iterdir()) == [tmp_path / "ckpt" / failure_note.FILE_NAME]  # no temporary left
+
+
+def test_a_site_only_listeners_act_on_is_known_to_be_listened_to_and_removal_forgets_it():
+    from automicro.core.hooks import SYNC_SITES
+    from automicro.core.sites import SiteDispatcher
+
+    sites = SiteDispatcher()
+    assert not sites.listens("loss")
+    remove_sync = sites.add(lambda *a: None, 100, sites=SYNC_SITES)
+    # The sync hooks never act at the loss, so firing it would only move `last_site`.
+    assert sites.listens("backward") and not sites.listens("loss")
+    remove_fault = sites.add(lambda *a: None, 0, sites=("loss",))
+    assert sites.listens("loss")
+    remove_fault()
+    assert not sites.listens("loss") and sites.listens("backward")
+    remove_sync()
+    assert not sites.listens("backward") and len(sites) == 0

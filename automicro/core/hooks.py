@@ -119,7 +119,7 @@ class SyncHooks:
             return False
         if active:
             self._site_hooks.install()
-            self._remove_listener = self.dispatcher.add(self._listener, PRIORITY_SYNC)
+            self._remove_listener = self.dispatcher.add(self._listener, PRIORITY_SYNC, sites=SYNC_SITES)
         else:
             self._site_hooks.remove()
             assert self._remove_listener is not None

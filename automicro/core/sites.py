@@ -14,7 +14,7 @@ one process therefore never see each other's attempts. May not touch: torch, Com
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 SITES = (
@@ -61,16 +61,20 @@ class SiteDispatcher:
 
     context: AttemptContext = field(default_factory=AttemptContext)
     _listeners: list[tuple[int, int, Listener]] = field(default_factory=list)
+    _wanted: dict[int, frozenset[str]] = field(default_factory=dict)
     _counter: int = 0
 
-    def add(self, listener: Listener, priority: int) -> Callable[[], None]:
+    def add(self, listener: Listener, priority: int, sites: Iterable[str] = SITES + INTERNAL_SITES) -> Callable[[], None]:
+        """Call `listener` at every fired site; `sites` says which ones it acts on (see `listens`)."""
         self._counter += 1
         entry = (priority, self._counter, listener)
         bisect.insort(self._listeners, entry, key=lambda e: (e[0], e[1]))
+        self._wanted[self._counter] = frozenset(sites)
 
         def remove() -> None:
             if entry in self._listeners:
                 self._listeners.remove(entry)
+                self._wanted.pop(entry[1], None)
 
         return remove
 
@@ -79,6 +83,11 @@ class SiteDispatcher:
         self.context.last_module = module
         for _, _, listener in list(self._listeners):
             listener(site, module, self.context)
+
+    def listens(self, site: str) -> bool:
+        """Whether a listener acts on `site`: sites that exist only for listeners (`loss`) are
+        fired only then, so they never overwrite `context.last_site` for nothing."""
+        return any(site in wanted for wanted in self._wanted.values())
 
     def __len__(self) -> int:
         return len(self._listeners)

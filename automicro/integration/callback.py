@@ -280,8 +280,10 @@ class AutoMicrobatching(Callback):
         return 0 if self._ledger is None else self._ledger.replayed_total
 
     def after_loss(self, state: State, logger: Logger) -> None:
-        # The `loss` site, once per microbatch, for every listener of this trainer's sites.
-        self._dispatcher.fire("loss", "")
+        # The `loss` site, once per microbatch, only when a listener (a fault injector) acts on it:
+        # an OOM later in the backward is then not blamed on the loss for nothing.
+        if self._dispatcher.listens("loss"):
+            self._dispatcher.fire("loss", "")
 
     def eval_start(self, state: State, logger: Logger) -> None:
         self._in_eval = True

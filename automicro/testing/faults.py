@@ -154,7 +154,7 @@ class FaultInjector(Callback):
                 "(`from automicro import Trainer`); with composer.Trainer it would never fire"
             )
         if self._remove_listener is None and self.site not in MODULE_SITES:
-            self._remove_listener = self._dispatcher.add(self._listener, PRIORITY_FAULT)
+            self._remove_listener = self._dispatcher.add(self._listener, PRIORITY_FAULT, sites=(self.site,))
         if self.site in MODULE_SITES and self._site_hooks is None:
             from automicro.engine import sharded_of
 
