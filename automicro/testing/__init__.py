@@ -9,10 +9,29 @@ The kit may import the product; no product module imports the kit at import time
 builder imports a kit callback only when a config names it).
 """
 
-from automicro.testing.callbacks import CapMemory, MemoryCapCallback
-from automicro.testing.faults import FaultInjector, InjectedFault
-from automicro.testing.memory_cap import MemoryCap
-from automicro.testing.multiprocess import MultiprocessFailure, run_multiprocess
+from typing import Any
+
+# Imported on first use, like `automicro`'s own names: a `run_multiprocess` worker imports
+# `automicro.testing.multiprocess`, and importing Composer there (through `callbacks`) cost every
+# spawned rank about 6 s of CPU, in tests that never use Composer too.
+_LAZY = {
+    "CapMemory": "automicro.testing.callbacks",
+    "MemoryCapCallback": "automicro.testing.callbacks",
+    "FaultInjector": "automicro.testing.faults",
+    "InjectedFault": "automicro.testing.faults",
+    "MemoryCap": "automicro.testing.memory_cap",
+    "MultiprocessFailure": "automicro.testing.multiprocess",
+    "run_multiprocess": "automicro.testing.multiprocess",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'automicro.testing' has no attribute {name!r}")
+
 
 __all__ = [
     "CapMemory",
