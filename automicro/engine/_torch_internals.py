@@ -13,7 +13,7 @@ What is private here and why:
   the collective is issued; nothing public runs there.
 - `_get_gradient_divide_factors` on torch < 2.8: gloo's reduce-scatter ignores `ReduceOp.AVG`
   there (it sums), so gradients would be world-size times too large on CPU.
-- `_set_unshard_async_op` (private on both versions).
+- `_set_unshard_async_op` (private on every checked version).
 - The composable activation checkpoint (`torch.distributed._composable.checkpoint`), which keeps
   parameter names unchanged (the wrapper class would insert `_checkpoint_wrapped_module`).
 - The `AllGather` / `ReduceScatter` comm interfaces (`_fsdp_api`, torch >= 2.9) behind the
@@ -83,7 +83,7 @@ def check_supported_torch() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# FSDP2 state access (checked on torch 2.7.0 and 2.11.0)
+# FSDP2 state access (checked on torch 2.7.0, 2.11.0 and 2.15.0)
 # --------------------------------------------------------------------------------------------
 
 
@@ -98,7 +98,7 @@ def param_group(module: FSDPModule) -> Any:
 
 
 def set_unshard_async_op(module: FSDPModule, async_op: bool) -> None:
-    # Private on 2.7 and 2.11 (`FSDPModule._set_unshard_async_op`).
+    # Private on 2.7, 2.11 and 2.15 (`FSDPModule._set_unshard_async_op`).
     module._set_unshard_async_op(async_op)
 
 
@@ -148,7 +148,7 @@ def unsharded_bytes(modules: list[FSDPModule]) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# Recovery (checked on torch 2.7.0 and 2.11.0)
+# Recovery (checked on torch 2.7.0, 2.11.0 and 2.15.0)
 # --------------------------------------------------------------------------------------------
 
 
@@ -239,7 +239,7 @@ def is_clean(modules: list[FSDPModule]) -> bool:
 
 
 # --------------------------------------------------------------------------------------------
-# Pre-collective hook (checked on torch 2.7.0 and 2.11.0)
+# Pre-collective hook (checked on torch 2.7.0, 2.11.0 and 2.15.0)
 # --------------------------------------------------------------------------------------------
 #
 # Both versions issue every FSDP2 collective through the module global `dist` of
@@ -296,7 +296,7 @@ def _observed(kind: str, call: Callable[..., Any], tensor: torch.Tensor, group: 
 class _DistProxy(types.ModuleType):
     """Stands in for `torch.distributed` inside `_fsdp_collectives` while hooks or an observer exist.
 
-    Signatures (the same on 2.7 and 2.11): all_gather_into_tensor(output_tensor, input_tensor,
+    Signatures (the same on 2.7, 2.11 and 2.15): all_gather_into_tensor(output_tensor, input_tensor,
     group, async_op); reduce_scatter_tensor(output, input, op, group, async_op);
     all_reduce(tensor, op, group, async_op)."""
 
@@ -392,7 +392,7 @@ def add_collective_observer(observer: CollectiveObserver) -> _PatchHandle:
 def collective_sequence_number(group: Any) -> int:
     """How many collectives this rank has issued on `group` (None: the default group) since it was
     created: c10d's per-group sequence number (`ProcessGroup._get_sequence_number_for_group`,
-    private; checked on torch 2.7.0 and 2.11.0 with gloo, and on 2.11.0 with NCCL, where it counts
+    private; checked on torch 2.7.0, 2.11.0 and 2.15.0 with gloo, and on 2.11.0 with NCCL, where it counts
     collectives only). Equal on every rank that issued the same collectives."""
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     return int(pg._get_sequence_number_for_group())
@@ -409,7 +409,7 @@ def collectives_patched() -> bool:
 
 
 # --------------------------------------------------------------------------------------------
-# Gradient averaging on gloo (torch 2.7 only; checked on 2.7.0, not needed on 2.11.0)
+# Gradient averaging on gloo (torch 2.7 only; checked on 2.7.0, not needed on 2.11.0 or 2.15.0)
 # --------------------------------------------------------------------------------------------
 
 _ORIGINAL_DIVIDE_FACTORS = getattr(_fsdp_collectives, "_get_gradient_divide_factors", None)
@@ -437,7 +437,7 @@ def install_gloo_gradient_average_fix() -> bool:
 
 
 # --------------------------------------------------------------------------------------------
-# CUDA allocator settings after start-up (checked on torch 2.7.0 and 2.11.0)
+# CUDA allocator settings after start-up (checked on torch 2.7.0 and 2.11.0; on 2.15.0 without a GPU)
 # --------------------------------------------------------------------------------------------
 
 
@@ -455,7 +455,7 @@ def set_expandable_segments() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Activation checkpointing (checked on torch 2.7.0 and 2.11.0)
+# Activation checkpointing (checked on torch 2.7.0, 2.11.0 and 2.15.0)
 # --------------------------------------------------------------------------------------------
 
 
@@ -467,7 +467,8 @@ def apply_activation_checkpointing(module: nn.Module) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# FSDP2's side-stream buffers from the compute stream's memory (torch >= 2.9; checked on 2.11.0)
+# FSDP2's side-stream buffers from the compute stream's memory (torch >= 2.9; checked on 2.11.0; on 2.15.0
+# with CPU streams only, no GPU)
 # --------------------------------------------------------------------------------------------
 #
 # The caching allocator keeps one pool per stream: a block freed by one stream is never handed to

@@ -1,6 +1,7 @@
 """Every use of a private Composer API in automicro lives in this module.
 
-Checked on Composer 0.32.1 (with torch 2.7.0 and 2.11.0). Another Composer version is refused
+Checked on Composer 0.32.1 (with torch 2.7.0, 2.11.0 and 2.15.0; on 2.11 and 2.15 Composer is
+installed with --no-deps and needs no shim: it imports and trains unchanged). Another Composer version is refused
 when the Trainer is built, with a message, rather than misbehaving inside a batch.
 
 What is private here and why:
