@@ -307,6 +307,11 @@ def test_tiny_model_loss_goes_down_over_20_adamw_steps_on_a_fixed_batch():
 # --- FSDP2: meta build, shard, materialize --------------------------------------------------------
 
 
+def _sharded_init_matches_unsharded_both_ties(rank, world_size):
+    """Both cases in one process group (one spawn of two ranks instead of two)."""
+    return {tie: _sharded_init_matches_unsharded(rank, world_size, tie) for tie in (False, True)}
+
+
 def _sharded_init_matches_unsharded(rank, world_size, tie):
     from torch.distributed.fsdp import fully_shard
 
@@ -335,15 +340,17 @@ def _sharded_init_matches_unsharded(rank, world_size, tie):
     )
 
 
-@pytest.mark.multiproc
-@pytest.mark.parametrize("tie", [False, True])
-def test_fsdp2_sharded_meta_model_initializes_to_the_same_weights_as_an_unsharded_one(tie):
+@pytest.fixture(scope="module")
+def sharded_init_results():
     from automicro.testing.multiprocess import run_multiprocess
 
-    results = run_multiprocess(
-        _sharded_init_matches_unsharded, world_size=2, args=(tie,), timeout_s=120
-    )
-    for result in results:
+    return run_multiprocess(_sharded_init_matches_unsharded_both_ties, world_size=2, timeout_s=240)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("tie", [False, True])
+def test_fsdp2_sharded_meta_model_initializes_to_the_same_weights_as_an_unsharded_one(sharded_init_results, tie):
+    for result in (per_rank[tie] for per_rank in sharded_init_results):
         assert result["mismatched"] == []
         assert result["tied"] is tie
         assert result["rope_equal"]
