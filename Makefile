@@ -5,6 +5,8 @@ PYTHON ?= python3
 VENV := .venv
 VENV211 := .venv-211
 PYTEST_ARGS ?=
+# Overrides for the demo, e.g. `make demo DEMO_ARGS=loggers.wandb=true` (an offline wandb run).
+DEMO_ARGS ?=
 
 .PHONY: demo test test-211 venv venv-211 wheelhouse clean-venv
 
@@ -27,7 +29,7 @@ venv: $(VENV)/.installed
 venv-211: $(VENV211)/.installed
 
 demo: $(VENV)/.installed
-	WANDB_MODE=$${WANDB_MODE:-offline} $(VENV)/bin/composer -n 2 scripts/train.py configs/tiny-cpu.yaml
+	WANDB_MODE=$${WANDB_MODE:-offline} $(VENV)/bin/composer -n 2 scripts/train.py configs/tiny-cpu.yaml $(DEMO_ARGS)
 
 test: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest tests $(PYTEST_ARGS)

@@ -36,7 +36,7 @@ def main(argv: list[str]) -> int:
 
     from automicro import AutoMicrobatching, Trainer
     from automicro.integration import builders
-    from automicro.integration.loggers import build_loggers
+    from automicro.integration.loggers import build_loggers, output_lines
 
     try:
         callbacks = builders.build_callbacks(cfg)
@@ -107,6 +107,8 @@ def main(argv: list[str]) -> int:
             )
         elif cfg.device_train_microbatch_size != "auto":
             print(f"[automicro] fixed microbatch size {cfg.device_train_microbatch_size}")
+        for line in output_lines(cfg, loggers):
+            print(line, flush=True)
     trainer.close()
     return 0
 
