@@ -90,8 +90,9 @@ def _read_wandb_records(run_dir: Path) -> dict[str, Any]:
         elif kind == "summary":
             for item in record.summary.update:
                 summary[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
-        elif kind == "config":
-            for item in record.config.update:
+        elif kind in ("run", "config"):  # the run's first record holds wandb.init's config
+            updates = record.run.config.update if kind == "run" else record.config.update
+            for item in updates:
                 config[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
     return {"history": history, "summary": summary, "config": config, "kinds": kinds, "file": files[0]}
 
@@ -116,7 +117,8 @@ def test_the_wandb_run_config_is_the_resolved_yaml_and_the_last_lines_say_where_
     assert config["parallelism_config"]["fsdp2"]["forward_prefetch"] == 2 and config["global_train_batch_size"] == 16
     # Composer's own keys are still there next to them.
     assert "composer_version" in config
-    last = demo["stdout"].strip().splitlines()[-3:]
+    # The run's own last lines (the launcher may print after them).
+    last = [line for line in demo["stdout"].splitlines() if line.startswith("[automicro]")][-2:]
     metrics_line = next(line for line in last if line.startswith("[automicro] metrics: "))
     assert str(demo["run_dir"] / "metrics.jsonl") in metrics_line and "scripts/plot_run.py" in metrics_line
     wandb_line = next(line for line in last if line.startswith("[automicro] wandb run: "))
