@@ -13,6 +13,9 @@ What is private here and why:
 - `Trainer._train_data_spec`, `_use_grad_scaling`, `_backwards_create_graph`.
 - `enable_sharded_checkpoints` sets a Composer `FSDP2Config` on `State.fsdp_config` (a public
   setter) at `Event.BEFORE_LOAD`; what is version specific is *when* Composer reads it (see there).
+- `check_before_composer_trainer` wraps `composer.Trainer.__init__` (the class is public, patching
+  its method is not): Composer validates `device_train_microbatch_size` and `parallelism_config`
+  before any callback runs, so this is the only point that can speak before its refusals.
 
 Owns: every private Composer access, behind the Composer version check. May not touch: FSDP2,
 the consensus; it knows no automicro state beyond the arguments it is handed.
@@ -49,6 +52,42 @@ def check_supported_composer() -> None:
             f"automicro.Trainer was checked on Composer {CHECKED_COMPOSER_VERSIONS}; found "
             f"{composer.__version__}. Install mosaicml==0.32.1."
         )
+
+
+_TRAINER_INIT_CHECKS: list[Callable[[Any, dict[str, Any]], None]] = []
+
+
+def check_before_composer_trainer(check: Callable[[Any, dict[str, Any]], None]) -> bool:
+    """Run ``check(trainer, kwargs)`` first thing in every `composer.Trainer.__init__` (subclasses
+    included), before Composer validates anything; a check raises to refuse. Idempotent per check.
+
+    Why here: Composer 0.32.1's `Trainer.__init__` refuses ``device_train_microbatch_size='auto'``
+    (`_is_auto_microbatching`: "Can only use adaptive device_train_microbatch_size on GPU"; then
+    "Auto microbatching is not supported outside of FSDP1") long before it builds the `State`, and
+    a callback's first event (`Event.INIT`) runs only after the `State` exists. Returns False (and
+    installs nothing) on a Composer version this was not checked on; callers then rely on a check
+    at `Event.INIT`.
+    """
+    if composer.__version__ not in CHECKED_COMPOSER_VERSIONS:
+        return False
+    if check not in _TRAINER_INIT_CHECKS:
+        _TRAINER_INIT_CHECKS.append(check)
+    trainer_class = composer.Trainer
+    if getattr(trainer_class.__init__, "_automicro_checked", False):
+        return True
+    import functools
+
+    original = trainer_class.__init__
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        for run_check in list(_TRAINER_INIT_CHECKS):
+            run_check(self, kwargs)
+        original(self, *args, **kwargs)
+
+    __init__._automicro_checked = True  # type: ignore[attr-defined]
+    trainer_class.__init__ = __init__
+    return True
 
 
 def train_data_spec(trainer: Any) -> Any:

@@ -72,6 +72,7 @@ from automicro.engine import _torch_internals as torch_internals
 from automicro.engine.sharding import ShardedModel
 from automicro.integration import _composer_internals as composer_internals
 from automicro.integration.splitting import UnsplittableBatch, split_by_sizes
+from automicro.integration.stock_trainer import StockTrainerError, refuse_stock_trainer, stock_trainer_message
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,9 @@ class MicrobatchSizeError(RuntimeError):
 
 class AutoMicrobatching(Callback):
     """Finds the largest microbatch that fits on every rank under FSDP2, without deadlocks."""
+
+    # Works only inside `automicro.Trainer`; another Trainer is refused (`stock_trainer`).
+    needs_automicro_trainer = True
 
     def __init__(
         self,
@@ -154,6 +158,13 @@ class AutoMicrobatching(Callback):
         self._eval_snapshot: dict[str, Any] = {}
         self._rank = 0
         self._last_event: Optional[Event] = None
+        self._in_automicro_trainer = False
+        # Before Composer's own checks in any composer.Trainer built with this callback.
+        composer_internals.check_before_composer_trainer(refuse_stock_trainer)
+
+    def bind_trainer(self) -> None:
+        """Called by `automicro.Trainer` for each of its AutoMicrobatching callbacks."""
+        self._in_automicro_trainer = True
 
     # ---- wiring ------------------------------------------------------------------------------
 
@@ -244,6 +255,12 @@ class AutoMicrobatching(Callback):
     def run_event(self, event: Event, state: State, logger: Logger) -> None:
         self._last_event = event  # where an error outside any attempt happened (`fit_raised`)
         super().run_event(event, state, logger)
+
+    def init(self, state: State, logger: Logger) -> None:
+        # Where the check before Composer's could not be installed (another Composer version).
+        if not self._in_automicro_trainer:
+            size = "auto" if state.auto_microbatching else state.device_train_microbatch_size
+            raise StockTrainerError(stock_trainer_message(type(self).__name__, "this Trainer", size))
 
     def fit_start(self, state: State, logger: Logger) -> None:
         # Another fit() of the same trainer: the hooks come back if the policy still wants them.

@@ -104,6 +104,9 @@ def _evaluators(eval_dataloader: Any) -> list[Evaluator]:
 class Trainer(composer.Trainer):
     """Composer's Trainer, plus FSDP2 through automicro's engine and auto microbatching on it."""
 
+    # `stock_trainer.AUTOMICRO_TRAINER_FLAG`: `refuse_stock_trainer` lets this Trainer through.
+    _automicro_runs_the_batch = True
+
     def __init__(
         self,
         *,
@@ -130,6 +133,9 @@ class Trainer(composer.Trainer):
             check_microbatch_size(device_train_microbatch_size, "device_train_microbatch_size")
         auto = device_train_microbatch_size == AUTO
         automicro = next((c for c in callback_list if isinstance(c, AutoMicrobatching)), None)
+        for callback in callback_list:
+            if isinstance(callback, AutoMicrobatching):
+                callback.bind_trainer()
         if auto and fsdp2 is None:
             raise ValueError(
                 "device_train_microbatch_size='auto' in automicro.Trainer needs FSDP2: pass "
