@@ -66,14 +66,55 @@ def stateless_optimizer_resume(world: int, folder: str, checkpoint_format: str) 
     return result
 
 
-def run_resume_cases(rank: int, world: int, folder: str) -> dict[str, Any]:
+def composer_config_run(world: int, parallelism_config: Any) -> dict[str, Any]:
+    """`automicro.Trainer` given Composer's own parallelism config: sharded by the engine, searched."""
+    from automicro.testing.faults import FaultInjector
+    from tests.steady_cases import ABOVE
+
+    auto = AutoMicrobatching(log_attempts=False)
+    torch.manual_seed(0)
+    model = ComposerStack(width=16)
+    trainer = automicro.Trainer(
+        model=model, train_dataloader=make_loader(world, 3), max_duration="3ba",
+        optimizers=torch.optim.AdamW(model.parameters(), lr=1e-2), device="cpu",
+        parallelism_config=parallelism_config,  # Composer's own config object
+        device_train_microbatch_size="auto", callbacks=[auto, FaultInjector("forward", above=ABOVE)],
+        loggers=[], progress_bar=False, log_to_console=False, seed=SEED,
+    )
+    try:
+        trainer.fit()
+        return {
+            "sharded_blocks": [name for name, _ in trainer.sharded_model.named_fsdp_modules],
+            "checkpoint_format": trainer.checkpoint_format,
+            "found_size": auto.found_size,
+            "batches": int(trainer.state.timestamp.batch),
+        }
+    finally:
+        trainer.close()
+
+
+def run_trainer_cases(rank: int, world: int, folder: str) -> dict[str, Any]:
+    import warnings
+
+    from composer.utils import FSDP2Config as ComposerFSDP2Config
+    from composer.utils import ParallelismConfig as ComposerParallelismConfig
+
     torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", "FSDP2 Config/APIs are experimental")
     out: dict[str, Any] = {}
-    for checkpoint_format in ("full", "sharded"):
+
+    def case(name: str, fn: Any) -> None:
         try:
-            out[checkpoint_format] = stateless_optimizer_resume(world, os.path.join(folder, checkpoint_format), checkpoint_format)
+            out[name] = fn()
         except Exception:  # noqa: BLE001 - the test reports which case broke
-            out[checkpoint_format] = {"crash": traceback.format_exc()}
+            out[name] = {"crash": traceback.format_exc()}
+
+    for checkpoint_format in ("full", "sharded"):
+        case(f"resume/{checkpoint_format}",
+             lambda: stateless_optimizer_resume(world, os.path.join(folder, checkpoint_format), checkpoint_format))
+    case("composer/fsdp2_default", lambda: composer_config_run(world, {"fsdp2": ComposerFSDP2Config()}))
+    case("composer/parallelism_full", lambda: composer_config_run(
+        world, ComposerParallelismConfig(fsdp2=ComposerFSDP2Config(state_dict_type="full", mixed_precision="FULL"))))
     return out
 
 

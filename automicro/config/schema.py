@@ -407,8 +407,9 @@ class TrainConfig:
     optimizer: OptimizerConfig = _cfg(factory=OptimizerConfig)
     scheduler: SchedulerConfig = _cfg(factory=SchedulerConfig)
     loggers: LoggerConfig = _cfg(factory=LoggerConfig)
-    parallelism_config: Optional[ParallelismConfig] = None
-    """``{fsdp2: {...}}`` shards the model with FSDP2; null trains without FSDP."""
+    parallelism_config: Optional[ParallelismConfig] = _cfg(factory=lambda: ParallelismConfig(fsdp2=FSDP2Config()))
+    """``{fsdp2: {...}}`` (default: ``{fsdp2: {}}``, what the default ``auto`` needs) shards the
+    model with FSDP2; null trains without FSDP (with a positive int microbatch size)."""
     callbacks: dict[str, dict] = _cfg(factory=dict, parse=_callbacks_parse)
     """Callback name -> keyword arguments; names from `automicro.config.registry.CALLBACK_REGISTRY`."""
     save_folder: Optional[str] = None
