@@ -88,3 +88,14 @@ def test_composer_marks_and_an_explicit_wrap_list_win_over_no_split_modules():
     assert plan_wrapping(model, FSDP2Config(wrap=["GPT2MLP"]))[0] == [f"model.transformer.h.{i}.mlp" for i in range(4)]
     model.model.transformer.h[2]._fsdp_wrap = True  # Composer's convention: the user's marks decide
     assert plan_wrapping(model, FSDP2Config())[0] == ["model.transformer.h.2"]
+
+
+def test_a_wrap_list_that_matches_no_module_is_a_config_error_naming_the_block_classes():
+    from automicro.engine import FSDP2Config, FSDP2ConfigError
+    from automicro.engine.sharding import plan_wrapping
+
+    model = hf_cases.gpt2()
+    with pytest.raises(FSDP2ConfigError, match=r"wrap=\['LlamaBlock'\].*GPT2Block \(x4\)"):
+        plan_wrapping(model, FSDP2Config(wrap=["LlamaBlock"]))
+    # One real class among them is enough (a YAML shared between models).
+    assert plan_wrapping(model, FSDP2Config(wrap=["LlamaBlock", "GPT2Block"]))[0][0] == "model.transformer.h.0"

@@ -192,6 +192,19 @@ def plan_wrapping(root: nn.Module, config: FSDP2Config) -> tuple[list[str], list
         # No Composer marks: a Hugging Face model names its blocks in `_no_split_modules`.
         hf_blocks = no_split_classes(root)
         candidates = [n for n, m in named.items() if m is not root and type(m).__name__ in hf_blocks]
+    if class_names:
+        present = {type(m).__name__ for m in named.values() if m is not root}
+        missing = sorted(class_names - present)
+        if missing and len(missing) == len(class_names):
+            repeated = _repeated_classes(root)
+            raise FSDP2ConfigError(
+                f"parallelism_config.fsdp2.wrap={sorted(class_names)}: no module of the model is of "
+                f"these classes, so only the root would be sharded. Name the block class"
+                + (f" (repeated classes here: {', '.join(repeated)})" if repeated else "")
+                + ", or use wrap: [] for the root alone"
+            )
+        if missing:
+            log.warning("automicro: parallelism_config.fsdp2.wrap: no module is of class %s", missing)
     owners = _param_owners(root)
     notes: list[str] = []
     chosen: list[str] = []
