@@ -2,8 +2,13 @@
 
     python scripts/train.py configs/tiny-cpu.yaml [key=value ...]          # one process
     composer -n 2 scripts/train.py configs/tiny-cpu.yaml [key=value ...]   # N processes
+    python scripts/train.py --check configs/tiny-cpu.yaml [key=value ...]  # check only, no run
+    WORLD_SIZE=16 python scripts/train.py --check ...                      # ... for a world size
 
-The config is read and checked before any process group starts.
+The config (keys, values, `load_path`, `device`, FSDP2 with `auto`) is checked before any model,
+process group or launch-wide work: under a launcher, one `config error:` line per node (its local
+rank 0), the other ranks leave quietly. `--check` runs the same checks alone, in one process,
+before a launch.
 """
 
 from __future__ import annotations
@@ -23,7 +28,19 @@ def _config_error(error: BaseException) -> int:
     return 2
 
 
+def _early_config_error(error: BaseException) -> int:
+    """A config error found before any process group: every rank of a node found the same one, so
+    the node's local rank 0 says it once and fails the launch; the others leave quietly (exit 0),
+    which a launcher (composer, torchrun) waits for instead of killing local rank 0 mid-message."""
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return 0
+    return _config_error(error)
+
+
 def main(argv: list[str]) -> int:
+    check_only = bool(argv) and argv[0] == "--check"
+    if check_only:
+        argv = argv[1:]
     try:
         path, overrides = parse_cli(argv)
         cfg = load_config(path, overrides)
@@ -31,7 +48,13 @@ def main(argv: list[str]) -> int:
         per_rank_batch = cfg.per_rank_batch_size(world_size)
         check_environment(cfg, world_size)
     except ConfigError as error:
-        return _config_error(error)
+        return _early_config_error(error)
+    if check_only:
+        print(
+            f"[automicro] config ok: {path} with {len(overrides)} override(s), world size {world_size}, "
+            f"per-rank batch {per_rank_batch}, microbatch {cfg.device_train_microbatch_size}"
+        )
+        return 0
 
     from automicro.engine import ensure_record_stream_free
 
