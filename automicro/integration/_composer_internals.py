@@ -298,3 +298,15 @@ def _load_param_groups(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) 
         loadable.append({**group, "params": list(range(first, first + count))})
         first += count
     optimizer.load_state_dict({"state": {}, "param_groups": loadable})
+
+
+def set_eval_retry_size(evaluator: Any, size: int) -> None:
+    """Make Composer's eval loop rerun the failed batch split by `size`.
+
+    Composer 0.32.1's `_eval_loop`, after an OOM on any rank of an auto-microbatching evaluator,
+    calls `_adjust_device_eval_microbatch_size`, which sets `max(int(size / 2), 1)` and refuses
+    to go on from 1. Setting twice the wanted size first makes that halving land on it.
+    """
+    if size < 1:
+        raise ValueError(f"eval microbatch size {size}: must be >= 1")
+    evaluator.device_eval_microbatch_size = 2 * size

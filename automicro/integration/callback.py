@@ -71,6 +71,7 @@ from automicro.core.transport import TRANSPORTS
 from automicro.engine import _torch_internals as torch_internals
 from automicro.engine.sharding import ShardedModel
 from automicro.integration import _composer_internals as composer_internals
+from automicro.integration.eval_search import EvalSearch
 from automicro.integration.splitting import UnsplittableBatch, split_by_sizes
 from automicro.integration.stock_trainer import StockTrainerError, refuse_stock_trainer, stock_trainer_message
 
@@ -156,6 +157,10 @@ class AutoMicrobatching(Callback):
         self._in_eval = False
         self._eval_metrics: dict[str, Any] = {}
         self._eval_snapshot: dict[str, Any] = {}
+        # One bisect search per evaluator label; the one of the eval batch running, and its evaluator.
+        self.eval_searches: dict[str, EvalSearch] = {}
+        self._eval_search: Optional[EvalSearch] = None
+        self._evaluator: Any = None
         self._rank = 0
         self._last_event: Optional[Event] = None
         self._in_automicro_trainer = False
@@ -322,6 +327,33 @@ class AutoMicrobatching(Callback):
             metrics = state.eval_metrics.get(state.dataloader_label, {}) if state.dataloader_label else {}
             self._eval_metrics = metrics
             self._eval_snapshot = {name: copy.deepcopy(m.metric_state) for name, m in metrics.items()}
+            label = state.dataloader_label or ""
+            evaluator = next((e for e in state.evaluators if e.label == label), None)
+            self._evaluator, self._eval_search = evaluator, None
+            if evaluator is not None and evaluator.auto_microbatching:
+                if label not in self.eval_searches:
+                    eval_config = search_config(self.policy_config.search, self.policy_config.stable_batches, False, None)
+                    self.eval_searches[label] = EvalSearch(label, eval_config)
+                self._eval_search = self.eval_searches[label]
+                self._eval_search.batch_start(evaluator, _leading_size(state.batch))
+
+    def eval_batch_end(self, state: State, logger: Logger) -> None:
+        search_ = self._eval_search
+        if search_ is None:
+            return
+        found_before = search_.found_size
+        record = search_.batch_end()
+        if record is not None and search_.found_size is not None and found_before is None:
+            self._info(
+                f"eval '{search_.label}': microbatch size found: {search_.found_size} "
+                f"(per-rank eval batch {sum(record.split)}); split in use {list(record.split)}"
+            )
+        self._eval_search = None
+
+    @property
+    def eval_found_sizes(self) -> dict[str, Optional[int]]:
+        """The eval microbatch size found per evaluator label (None while still searching)."""
+        return {label: s.found_size for label, s in self.eval_searches.items()}
 
     def eval_end(self, state: State, logger: Logger) -> None:
         self._in_eval = False
@@ -335,8 +367,8 @@ class AutoMicrobatching(Callback):
     def guard_eval_forward(self, eval_forward: Callable[..., Any]) -> Callable[..., Any]:
         """Fence one eval microbatch like a training attempt.
 
-        Composer's eval loop retries a batch at half the microbatch size when the forward raises
-        "CUDA out of memory" on any rank. Under FSDP2 that alone would deadlock (a rank that failed
+        Composer's eval loop reruns a batch when the forward raises "CUDA out of memory" on any
+        rank, at the size `EvalSearch` (the training bisect, per evaluator) chose. Under FSDP2 that alone would deadlock (a rank that failed
         skips all-gathers the others wait in); here every rank agrees through the consensus first,
         the FSDP2 state is recovered, the batch's metric updates are rolled back, and only then
         does every rank raise the OOM that Composer's retry expects.
@@ -385,7 +417,12 @@ class AutoMicrobatching(Callback):
                 f"automicro: rank(s) {verdict.error_ranks} failed with a non-OOM error during eval; "
                 "see that rank's traceback for the cause"
             ) from cause
-        self._info(f"eval: out of memory on rank(s) {verdict.failed_ranks} at {verdict.sites}; Composer retries at half the size")
+        if self._eval_search is not None and self._evaluator is not None:
+            # Raises CannotFitError (not an OOM to Composer's eval loop) below the smallest size.
+            record = self._eval_search.failed(self._evaluator, verdict.failed_ranks, verdict.sites)
+            self._info(f"eval '{self._eval_search.label}': {record.console_line()}")
+        else:
+            self._info(f"eval: out of memory on rank(s) {verdict.failed_ranks} at {verdict.sites}; Composer retries")
         # The message is the one Composer's eval loop recognises as an OOM to retry.
         raise OOMOnOtherRank(
             f"CUDA out of memory encountered on rank(s) {verdict.failed_ranks} at {verdict.sites} during eval (automicro)"

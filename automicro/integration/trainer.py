@@ -152,6 +152,7 @@ class Trainer(composer.Trainer):
             )
         if auto and automicro is None:
             automicro = AutoMicrobatching()
+            automicro.bind_trainer()
             callback_list.append(automicro)
         if automicro is not None and not auto:
             log.warning(
