@@ -345,7 +345,7 @@ def test_parse_cli_ok():
     ],
 )
 def test_parse_cli_errors(argv):
-    with pytest.raises(ConfigError, match=r"python scripts/train.py CONFIG.yaml \[key=value \.\.\.\]"):
+    with pytest.raises(ConfigError, match=r"python scripts/train.py \[--check\] CONFIG.yaml \[key=value \.\.\.\]"):
         parse_cli(argv)
 
 
