@@ -6,6 +6,8 @@ VENV := .venv
 VENV211 := .venv-211
 VENV215 := .venv-215
 PYTEST_ARGS ?=
+# Overrides for the demo, e.g. `make demo DEMO_ARGS=loggers.wandb=true` (an offline wandb run).
+DEMO_ARGS ?=
 
 .PHONY: demo test test-211 test-215 venv venv-211 venv-215 wheelhouse clean-venv
 
@@ -39,7 +41,7 @@ venv-211: $(VENV211)/.installed
 venv-215: $(VENV215)/.installed
 
 demo: $(VENV)/.installed
-	WANDB_MODE=$${WANDB_MODE:-offline} $(VENV)/bin/composer -n 2 scripts/train.py configs/tiny-cpu.yaml
+	WANDB_MODE=$${WANDB_MODE:-offline} $(VENV)/bin/composer -n 2 scripts/train.py configs/tiny-cpu.yaml $(DEMO_ARGS)
 
 test: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest tests $(PYTEST_ARGS)

@@ -2,30 +2,59 @@
 
     python scripts/train.py configs/tiny-cpu.yaml [key=value ...]          # one process
     composer -n 2 scripts/train.py configs/tiny-cpu.yaml [key=value ...]   # N processes
+    python scripts/train.py --check configs/tiny-cpu.yaml [key=value ...]  # check only, no run
+    WORLD_SIZE=16 python scripts/train.py --check ...                      # ... for a world size
 
-The config is read and checked before any process group starts.
+The config (keys, values, `load_path`, `device`, FSDP2 with `auto`) is checked before any model,
+process group or launch-wide work: under a launcher, one `config error:` line per node (its local
+rank 0), the other ranks leave quietly. `--check` runs the same checks alone, in one process,
+before a launch.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from automicro.config import ConfigError, load_config, parse_cli  # noqa: E402
+from automicro.config import ConfigError, check_environment, load_config, parse_cli  # noqa: E402
+
+
+def _config_error(error: BaseException) -> int:
+    print(f"config error: {error}", file=sys.stderr)
+    return 2
+
+
+def _early_config_error(error: BaseException) -> int:
+    """A config error found before any process group: every rank of a node found the same one, so
+    the node's local rank 0 says it once and fails the launch; the others leave quietly (exit 0),
+    which a launcher (composer, torchrun) waits for instead of killing local rank 0 mid-message."""
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return 0
+    return _config_error(error)
 
 
 def main(argv: list[str]) -> int:
+    check_only = bool(argv) and argv[0] == "--check"
+    if check_only:
+        argv = argv[1:]
     try:
         path, overrides = parse_cli(argv)
         cfg = load_config(path, overrides)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         per_rank_batch = cfg.per_rank_batch_size(world_size)
+        check_environment(cfg, world_size)
     except ConfigError as error:
-        print(f"config error: {error}", file=sys.stderr)
-        return 2
+        return _early_config_error(error)
+    if check_only:
+        print(
+            f"[automicro] config ok: {path} with {len(overrides)} override(s), world size {world_size}, "
+            f"per-rank batch {per_rank_batch}, microbatch {cfg.device_train_microbatch_size}"
+        )
+        return 0
 
     from automicro.engine import ensure_record_stream_free
 
@@ -35,20 +64,19 @@ def main(argv: list[str]) -> int:
     from composer.utils import dist, reproducibility
 
     from automicro import AutoMicrobatching, Trainer
+    from automicro.engine.config import FSDP2ConfigError
     from automicro.integration import builders
-    from automicro.integration.loggers import build_loggers
+    from automicro.integration.loggers import build_loggers, output_lines
 
     try:
         callbacks = builders.build_callbacks(cfg)
         loggers = build_loggers(cfg)
+        reproducibility.seed_all(cfg.seed)
+        model = builders.build_model_from(cfg)
+        dataset = builders.build_dataset(cfg, model.model.config.vocab_size)
+        train_dl = builders.build_train_dataloader(cfg, dataset, per_rank_batch)
     except ConfigError as error:
-        print(f"config error: {error}", file=sys.stderr)
-        return 2
-
-    reproducibility.seed_all(cfg.seed)
-    model = builders.build_model_from(cfg)
-    dataset = builders.build_dataset(cfg, model.model.config.vocab_size)
-    train_dl = builders.build_train_dataloader(cfg, dataset, per_rank_batch)
+        return _config_error(error)
     eval_dataloader = None
     if cfg.eval_interval is not None:
         eval_microbatch = cfg.device_eval_microbatch_size
@@ -61,30 +89,40 @@ def main(argv: list[str]) -> int:
 
     optimizer = builders.build_optimizer(cfg, model)
     parallelism = None if cfg.fsdp2 is None else {"fsdp2": cfg.fsdp2}
-    trainer = Trainer(
-        model=model,
-        train_dataloader=train_dl,
-        eval_dataloader=eval_dataloader,
-        eval_interval=cfg.eval_interval or 1,
-        max_duration=cfg.max_duration,
-        optimizers=optimizer,
-        schedulers=builders.build_scheduler(cfg),
-        device=cfg.device,
-        precision=cfg.precision,
-        device_train_microbatch_size=cfg.device_train_microbatch_size,
-        parallelism_config=parallelism,
-        callbacks=callbacks,
-        loggers=loggers,
-        seed=cfg.seed,
-        run_name=cfg.run_name,
-        save_folder=cfg.save_folder,
-        save_interval=cfg.save_interval,
-        load_path=cfg.load_path,
-        autoresume=cfg.autoresume,
-        checkpoint_format=cfg.checkpoint_format,
-        dist_timeout=cfg.dist_timeout,
-        progress_bar=False,
-    )
+    try:
+        trainer = Trainer(
+            model=model,
+            train_dataloader=train_dl,
+            eval_dataloader=eval_dataloader,
+            eval_interval=cfg.eval_interval or 1,
+            max_duration=cfg.max_duration,
+            optimizers=optimizer,
+            schedulers=builders.build_scheduler(cfg),
+            device=cfg.device,
+            precision=cfg.precision,
+            device_train_microbatch_size=cfg.device_train_microbatch_size,
+            parallelism_config=parallelism,
+            callbacks=callbacks,
+            loggers=loggers,
+            seed=cfg.seed,
+            run_name=cfg.run_name,
+            save_folder=cfg.save_folder,
+            save_interval=cfg.save_interval,
+            load_path=cfg.load_path,
+            autoresume=cfg.autoresume,
+            checkpoint_format=cfg.checkpoint_format,
+            dist_timeout=cfg.dist_timeout,
+            progress_bar=False,
+        )
+    except (ConfigError, FSDP2ConfigError) as error:  # what the engine checks when it shards
+        return _config_error(error)
+    except (pickle.UnpicklingError, EOFError) as error:
+        if cfg.load_path is None:
+            raise
+        return _config_error(
+            f"load_path={cfg.load_path!r}: cannot be read as a Composer checkpoint ({type(error).__name__}: {error}); "
+            "point load_path at a checkpoint a save wrote, or set load_path to null"
+        )
     started = time.perf_counter()
     trainer.fit()
     seconds = time.perf_counter() - started
@@ -107,6 +145,8 @@ def main(argv: list[str]) -> int:
             )
         elif cfg.device_train_microbatch_size != "auto":
             print(f"[automicro] fixed microbatch size {cfg.device_train_microbatch_size}")
+        for line in output_lines(cfg, loggers):
+            print(line, flush=True)
     trainer.close()
     return 0
 

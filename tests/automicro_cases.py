@@ -397,7 +397,8 @@ def checkpoint_case(world: int, folder: str) -> dict[str, Any]:
         fired=injector.fired,
         found_size=resumed.found_size,
         adam_steps=adam_steps(trainer),
-        injector_module_hooks=4 * len(trainer.sharded_model.named_fsdp_modules),
+        # Four per block; the root has two (forward-pre, and a forward hook that arms its backward sites).
+        injector_module_hooks=4 * (len(trainer.sharded_model.named_fsdp_modules) - 1) + 2,
     )
     params = full_state(trainer.state.model)
     result.update(cleanup_report(trainer))

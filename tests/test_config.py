@@ -87,7 +87,8 @@ def test_empty_yaml_gives_defaults(tmp_path):
     cfg = load_config(p)
     assert cfg == from_dict({})
     assert cfg.run_dir == "runs/automicro"  # the default's interpolation sees the default run_name
-    assert cfg.parallelism_config is None and cfg.fsdp2 is None
+    # The defaults run: `auto` needs FSDP2, so FSDP2 with every default is on.
+    assert cfg.fsdp2 == FSDP2Config()
     assert cfg.device_train_microbatch_size == "auto"
 
 
@@ -109,7 +110,8 @@ OVERRIDE_CASES = [
     pytest.param(["optimizer.betas=[0.8, 0.99]"], lambda c: c.optimizer.betas, [0.8, 0.99], id="list"),
     pytest.param(["device_train_microbatch_size=auto"], lambda c: c.device_train_microbatch_size, "auto", id="mb-auto"),
     pytest.param(["device_train_microbatch_size=2"], lambda c: c.device_train_microbatch_size, 2, id="mb-int"),
-    pytest.param(["parallelism_config=null"], lambda c: (c.parallelism_config, c.fsdp2), (None, None), id="no-fsdp"),
+    # Without FSDP the search cannot run: a fixed size (`auto` without fsdp2 is a ConfigError).
+    pytest.param(["parallelism_config=null", "device_train_microbatch_size=4"], lambda c: (c.parallelism_config, c.fsdp2), (None, None), id="no-fsdp"),
     pytest.param(
         ["parallelism_config.fsdp2.reshard_after_forward=false"],
         lambda c: c.fsdp2.reshard_after_forward,
@@ -343,7 +345,7 @@ def test_parse_cli_ok():
     ],
 )
 def test_parse_cli_errors(argv):
-    with pytest.raises(ConfigError, match=r"python scripts/train.py CONFIG.yaml \[key=value \.\.\.\]"):
+    with pytest.raises(ConfigError, match=r"python scripts/train.py \[--check\] CONFIG.yaml \[key=value \.\.\.\]"):
         parse_cli(argv)
 
 

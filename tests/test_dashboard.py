@@ -75,6 +75,7 @@ def _read_wandb_records(run_dir: Path) -> dict[str, Any]:
     store.open_for_scan(files[0])
     history: list[dict[str, Any]] = []
     summary: dict[str, Any] = {}
+    config: dict[str, Any] = {}
     kinds: set[str] = set()
     while True:
         data = store.scan_data()
@@ -89,7 +90,11 @@ def _read_wandb_records(run_dir: Path) -> dict[str, Any]:
         elif kind == "summary":
             for item in record.summary.update:
                 summary[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
-    return {"history": history, "summary": summary, "kinds": kinds, "file": files[0]}
+        elif kind in ("run", "config"):  # the run's first record holds wandb.init's config
+            updates = record.run.config.update if kind == "run" else record.config.update
+            for item in updates:
+                config[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+    return {"history": history, "summary": summary, "config": config, "kinds": kinds, "file": files[0]}
 
 
 def _readme_metric_keys() -> set[str]:
@@ -100,6 +105,25 @@ def _readme_metric_keys() -> set[str]:
 
 
 # ---- (a) wandb, offline, read back with wandb's reader ----------------------------------------
+
+
+@pytest.mark.multiproc
+def test_the_wandb_run_config_is_the_resolved_yaml_and_the_last_lines_say_where_outputs_are(demo):
+    config = _read_wandb_records(demo["run_dir"])["config"]
+    # The YAML's own values, the command line's overrides and the filled-in defaults.
+    assert config["device_train_microbatch_size"] == "auto"
+    assert config["max_duration"] == f"{BATCHES}ba" and config["run_dir"] == str(demo["run_dir"])
+    assert config["loggers"]["wandb"] is True and "memory_monitor" in config["callbacks"]
+    assert config["parallelism_config"]["fsdp2"]["forward_prefetch"] == 2 and config["global_train_batch_size"] == 16
+    # Composer's own keys are still there next to them.
+    assert "composer_version" in config
+    # The run's own last lines (the launcher may print after them).
+    last = [line for line in demo["stdout"].splitlines() if line.startswith("[automicro]")][-2:]
+    metrics_line = next(line for line in last if line.startswith("[automicro] metrics: "))
+    assert str(demo["run_dir"] / "metrics.jsonl") in metrics_line and "scripts/plot_run.py" in metrics_line
+    wandb_line = next(line for line in last if line.startswith("[automicro] wandb run: "))
+    run_folder = wandb_line.split("[automicro] wandb run: ")[1].split(" ")[0]
+    assert Path(run_folder).is_dir() and Path(run_folder).name.startswith("offline-run-"), wandb_line
 
 
 @pytest.mark.multiproc

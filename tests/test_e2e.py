@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -32,6 +33,25 @@ def test_bad_config_fails_before_any_process_starts_with_the_key_named():
     result = _run([sys.executable, "scripts/train.py", "configs/tiny-cpu.yaml", "device_train_microbatch_size=big"], 120)
     assert result.returncode == 2
     assert "device_train_microbatch_size='big'" in result.stdout
+
+
+def test_check_runs_every_config_check_alone_for_the_world_size_it_is_given(tmp_path):
+    ok = _run([sys.executable, "scripts/train.py", "--check", "configs/tiny-cpu.yaml", f"run_dir={tmp_path / 'run'}"], 120)
+    assert ok.returncode == 0 and "[automicro] config ok: configs/tiny-cpu.yaml" in ok.stdout, ok.stdout
+    assert "per-rank batch 16" in ok.stdout and not (tmp_path / "run" / "metrics.jsonl").exists()
+    # The same checks as a launch of that size: 16 samples do not split over 3 ranks.
+    bad = _run([sys.executable, "scripts/train.py", "--check", "configs/tiny-cpu.yaml"], 120, env={**os.environ, "WORLD_SIZE": "3"})
+    assert bad.returncode == 2 and "global_train_batch_size=16" in bad.stdout, bad.stdout
+    missing = _run([sys.executable, "scripts/train.py", "--check", "configs/tiny-cpu.yaml", f"load_path={tmp_path}/nope.pt"], 120)
+    assert missing.returncode == 2 and "config error: load_path=" in missing.stdout, missing.stdout
+
+
+@pytest.mark.multiproc
+def test_under_the_launcher_a_bad_config_is_said_once_and_fails_the_launch():
+    result = _run([str(COMPOSER), "-n", "2", "scripts/train.py", "configs/tiny-cpu.yaml", "seed=-1"], 180)
+    assert result.returncode != 0
+    assert result.stdout.count("config error: seed=-1") == 1, result.stdout[-3000:]
+    assert "Traceback" not in result.stdout
 
 
 @pytest.mark.multiproc

@@ -23,7 +23,7 @@ def _ok(result):
     "case, final_microbatch",
     [("auto_rank1_ooms_above_4", 4), ("auto_every_rank_ooms_above_2", 2)],
 )
-def test_eval_oom_on_some_or_all_ranks_retries_at_half_size_with_the_same_metric(results, case, final_microbatch):
+def test_eval_oom_on_some_or_all_ranks_retries_at_a_size_that_fits_with_the_same_metric(results, case, final_microbatch):
     for per_rank in results:
         reference = _ok(per_rank["fixed_4"])
         result = _ok(per_rank[case])
@@ -31,6 +31,21 @@ def test_eval_oom_on_some_or_all_ranks_retries_at_half_size_with_the_same_metric
         assert result["ooms_total"] >= 1
         # The failed attempt's metric updates were rolled back: the eval loss equals a run that
         # used a fitting size from the start (no sample counted twice).
+        assert abs(result["eval_loss"] - reference["eval_loss"]) < 1e-5, (result, reference)
+        assert result["clean_blocks"]
+
+
+@pytest.mark.multiproc
+def test_eval_auto_bisects_like_training_to_the_largest_size_then_splits_evenly(results):
+    for per_rank in results:
+        reference = _ok(per_rank["fixed_4_long"])
+        result = _ok(per_rank["auto_rank0_ooms_above_6_long"])
+        # 8 fails on rank 0; 4 fits; the next batch climbs to 6 (fits), 7 fails: 6 is the largest.
+        # Once found, the per-rank batch of 8 runs as the fewest microbatches of at most 6, evenly
+        # (4 + 4), recorded as size 4 as in training. Composer's halving stops at 4 and never climbs.
+        assert result["eval_attempts"] == [(8, "oom"), (4, "ok"), (6, "ok"), (7, "oom"), (4, "ok"), (4, "ok")], result
+        assert result["eval_found"] == 6
+        assert result["eval_microbatch"] == 4
         assert abs(result["eval_loss"] - reference["eval_loss"]) < 1e-5, (result, reference)
         assert result["clean_blocks"]
 

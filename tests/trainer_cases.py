@@ -18,13 +18,13 @@ PER_RANK_BATCH = 8
 SEQ = 16
 
 
-def _eval_run(eval_microbatch: Any, injector: Optional[FaultInjector]) -> dict[str, Any]:
+def _eval_run(eval_microbatch: Any, injector: Optional[FaultInjector], eval_samples: int = 32) -> dict[str, Any]:
     torch.manual_seed(0)
     model = build_model("tiny", max_seq_len=SEQ)
     train = build_dataloader(SyntheticTokens(64, SEQ, 256, seed=1), PER_RANK_BATCH, shuffle=False)
     evaluator = Evaluator(
         label="eval",
-        dataloader=build_dataloader(SyntheticTokens(32, SEQ, 256, seed=2), PER_RANK_BATCH, shuffle=False),
+        dataloader=build_dataloader(SyntheticTokens(eval_samples, SEQ, 256, seed=2), PER_RANK_BATCH, shuffle=False),
         device_eval_microbatch_size=eval_microbatch,
     )
     auto = AutoMicrobatching(log_attempts=False)
@@ -54,6 +54,10 @@ def _eval_run(eval_microbatch: Any, injector: Optional[FaultInjector]) -> dict[s
             "fired": None if injector is None else injector.fired,
             "ooms_total": auto.ooms_total,
             "clean_blocks": all(r["state"] == "IDLE" for r in trainer.sharded_model.states()),
+            "eval_found": auto.eval_found_sizes.get("eval"),
+            "eval_attempts": [
+                (r.size, r.outcome) for r in (auto.eval_searches["eval"].history if "eval" in auto.eval_searches else [])
+            ],
         }
     finally:
         trainer.close()
@@ -61,13 +65,16 @@ def _eval_run(eval_microbatch: Any, injector: Optional[FaultInjector]) -> dict[s
 
 def run_eval_cases(rank: int, world: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    for name, microbatch, injector in (
-        ("fixed_4", 4, None),
-        ("auto_rank1_ooms_above_4", "auto", FaultInjector("eval_forward", ranks=[1], above=4)),
-        ("auto_every_rank_ooms_above_2", "auto", FaultInjector("eval_forward", above=2)),
+    for name, microbatch, injector, samples in (
+        ("fixed_4", 4, None, 32),
+        ("auto_rank1_ooms_above_4", "auto", FaultInjector("eval_forward", ranks=[1], above=4), 32),
+        ("auto_every_rank_ooms_above_2", "auto", FaultInjector("eval_forward", above=2), 32),
+        # 4 eval batches per rank: enough for the bisect to climb back up to 6 (halving stops at 4).
+        ("fixed_4_long", 4, None, 64),
+        ("auto_rank0_ooms_above_6_long", "auto", FaultInjector("eval_forward", ranks=[0], above=6), 64),
     ):
         try:
-            results[name] = _eval_run(microbatch, injector)
+            results[name] = _eval_run(microbatch, injector, samples)
         except Exception:  # noqa: BLE001 - the test reports which case broke
             results[name] = {"crash": traceback.format_exc()}
     return results

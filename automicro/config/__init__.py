@@ -14,12 +14,15 @@ In parts, lowest first (each module's docstring says what it owns and may not to
 - `convert`: `ConfigError` and the generic typed conversion of a plain tree onto dataclasses;
 - `schema`: the dataclasses (`TrainConfig` and its sections), their field checks, and the checks
   shared with `automicro.Trainer` (`check_microbatch_size`, `auto_eval_problem`);
-- `load`: YAML file, ``key=value`` overrides, interpolation: `load_config`, `from_dict`, `parse_cli`.
+- `load`: YAML file, ``key=value`` overrides, interpolation: `load_config`, `from_dict`, `parse_cli`;
+- `environment`: `check_environment(cfg, world_size)`, what only the launch can tell (CUDA present,
+  folders writable, sizes against the world size).
 The ``parallelism_config.fsdp2`` section is `automicro.engine.FSDP2Config`, checked by the engine.
 This package imports neither Composer nor the trainer at import time.
 """
 
 from automicro.config.convert import ConfigError
+from automicro.config.environment import check_environment
 from automicro.config.load import USAGE, from_dict, load_config, parse_cli
 from automicro.config.registry import CALLBACK_REGISTRY, KNOWN_CALLBACKS
 from automicro.config.schema import (
@@ -40,6 +43,7 @@ from automicro.config.schema import (
     TrainConfig,
     auto_eval_problem,
     check_microbatch_size,
+    load_path_problem,
 )
 from automicro.engine.config import CHECKPOINT_FORMATS, PARALLELISM_KEYS
 
@@ -66,8 +70,10 @@ __all__ = [
     "TrainConfig",
     "USAGE",
     "auto_eval_problem",
+    "check_environment",
     "check_microbatch_size",
     "from_dict",
+    "load_path_problem",
     "load_config",
     "parse_cli",
 ]

@@ -28,7 +28,7 @@ from automicro.config.convert import ConfigError, _build, _did_you_mean, _hints,
 from automicro.config.schema import TrainConfig
 from automicro.engine.config import FSDP2Config
 
-USAGE = "usage: python scripts/train.py CONFIG.yaml [key=value ...]"
+USAGE = "usage: python scripts/train.py [--check] CONFIG.yaml [key=value ...]"
 
 _OVERRIDE_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
 

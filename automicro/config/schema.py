@@ -107,6 +107,45 @@ def auto_eval_problem(*, train_auto: bool, sharded: bool) -> Optional[str]:
     )
 
 
+SEED_MAX = 2**32 - 1  # numpy's and Composer's bound on a seed
+
+
+def _seed_check(v: int) -> Optional[str]:
+    return None if 0 <= v <= SEED_MAX else f"must be in [0, {SEED_MAX}] (2^32 - 1)"
+
+
+DCP_METADATA_FILENAME = ".metadata"  # what torch.distributed.checkpoint's FileSystemWriter writes
+
+
+def load_path_problem(load_path: Optional[str], checkpoint_format: str) -> Optional[str]:
+    """Why ``load_path`` cannot be loaded with ``checkpoint_format``, or None: the one check, for
+    the YAML's ``load_path`` and `automicro.Trainer(load_path=...)`. A remote URI (``s3://...``) is
+    Composer's to fetch and is not checked here."""
+    if load_path is None or "://" in load_path:
+        return None
+    path = os.path.expanduser(load_path)
+    if not os.path.exists(path):
+        what = "the folder a sharded save wrote (e.g. save_folder/ep0-ba100)" if checkpoint_format == "sharded" else (
+            "the .pt file a save wrote (e.g. save_folder/ep0-ba100-rank0.pt)"
+        )
+        return f"no such file or directory; point load_path at {what}, or set load_path to null to start fresh"
+    is_dcp = os.path.isdir(path) and os.path.exists(os.path.join(path, DCP_METADATA_FILENAME))
+    if checkpoint_format == "full" and is_dcp:
+        return "is a sharded (DCP) checkpoint folder; load it with checkpoint_format='sharded'"
+    if checkpoint_format == "full" and os.path.isdir(path):
+        return (
+            "is a folder, not a checkpoint file; with checkpoint_format='full' point load_path at the .pt file a save "
+            "wrote (e.g. save_folder/ep0-ba100-rank0.pt)"
+        )
+    if checkpoint_format == "sharded" and not is_dcp:
+        return (
+            f"is not a sharded checkpoint folder (no {DCP_METADATA_FILENAME}); with checkpoint_format='sharded' point "
+            "load_path at the folder a sharded save wrote (e.g. save_folder/ep0-ba100), or load a full .pt checkpoint "
+            "with checkpoint_format='full'"
+        )
+    return None
+
+
 def _betas_check(v: list) -> Optional[str]:
     if len(v) != 2:
         return "must be a list of 2 floats in [0, 1)"
@@ -304,6 +343,10 @@ class ParallelismConfig:
     """FSDP2 engine settings; ``fsdp2: {}`` (or ``fsdp2:`` with no value) uses every default."""
 
 
+def _describe_parallelism(value: Optional[ParallelismConfig]) -> str:
+    return "null" if value is None else "without fsdp2"
+
+
 def _fsdp2_parse(value: Any, key: str) -> FSDP2Config:
     """The engine reads (and checks) its own section; its error becomes a `ConfigError`."""
     try:
@@ -341,7 +384,7 @@ class TrainConfig:
 
     run_name: str = _cfg("automicro", check=lambda v: None if v else "must be a non-empty string")
     """Name of the run (loggers, ``run_dir``)."""
-    seed: int = _cfg(17, check=_non_negative)
+    seed: int = _cfg(17, check=_seed_check)
     """Global random seed."""
     device: str = _cfg("cpu", choices=DEVICES)
     """``cpu`` (gloo) or ``gpu`` (nccl)."""
@@ -364,8 +407,9 @@ class TrainConfig:
     optimizer: OptimizerConfig = _cfg(factory=OptimizerConfig)
     scheduler: SchedulerConfig = _cfg(factory=SchedulerConfig)
     loggers: LoggerConfig = _cfg(factory=LoggerConfig)
-    parallelism_config: Optional[ParallelismConfig] = None
-    """``{fsdp2: {...}}`` shards the model with FSDP2; null trains without FSDP."""
+    parallelism_config: Optional[ParallelismConfig] = _cfg(factory=lambda: ParallelismConfig(fsdp2=FSDP2Config()))
+    """``{fsdp2: {...}}`` (default: ``{fsdp2: {}}``, what the default ``auto`` needs) shards the
+    model with FSDP2; null trains without FSDP (with a positive int microbatch size)."""
     callbacks: dict[str, dict] = _cfg(factory=dict, parse=_callbacks_parse)
     """Callback name -> keyword arguments; names from `automicro.config.registry.CALLBACK_REGISTRY`."""
     save_folder: Optional[str] = None
@@ -407,6 +451,15 @@ class TrainConfig:
             problem = auto_eval_problem(train_auto=self.device_train_microbatch_size == AUTO, sharded=self.fsdp2 is not None)
             if problem:
                 raise ConfigError(f"{prefix}device_eval_microbatch_size='auto': {problem}; or set a positive int")
+        if self.device_train_microbatch_size == AUTO and self.fsdp2 is None:
+            raise ConfigError(
+                f"{prefix}device_train_microbatch_size='auto': the search runs on automicro's FSDP2 engine and needs "
+                f"parallelism_config.fsdp2, but parallelism_config is {_describe_parallelism(self.parallelism_config)}; "
+                "set parallelism_config: {fsdp2: {}} (or a positive int device_train_microbatch_size to train without FSDP)"
+            )
+        problem = load_path_problem(self.load_path, self.checkpoint_format)
+        if problem:
+            raise ConfigError(f"{prefix}load_path={self.load_path!r}: {problem}")
 
     @property
     def fsdp2(self) -> Optional[FSDP2Config]:

@@ -49,6 +49,9 @@ class JobLostAlarm:
         self.world = world
         self.grace_s = grace_s
         self._rang_here = False
+        # The message another rank rang with, once heard: the main thread names that rank when its
+        # own error (a collective the lost rank left) reaches it within the grace period.
+        self.heard: Optional[str] = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="automicro-job-lost-alarm", daemon=True)
         self._thread.start()
@@ -91,7 +94,10 @@ class JobLostAlarm:
                 if time.monotonic() - started < _WAIT_S / 2:
                     return  # not a timeout: the store is gone (the job is ending)
                 continue
-            if not message or self._rang_here or self._stop.wait(self.grace_s):
+            if not message or self._rang_here:
+                return
+            self.heard = message
+            if self._stop.wait(self.grace_s):
                 return
             print(f"[automicro] rank {self.rank} stops: {message}", file=sys.stderr, flush=True)
             os._exit(3)

@@ -28,7 +28,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, Optional, TypeVar
+from typing import Any, Generic, Optional, TypeVar
 
 import torch
 
@@ -104,12 +104,16 @@ class AttemptFence:
         figures: Callable[[], LocalFigures],
         ledger: Optional[CollectiveLedger] = None,
         recovery_timeout_s: float = 120.0,
+        alarm: Any = None,
     ) -> None:
         self.consensus = consensus
         self.context = context
         self.figures = figures
         self.ledger = ledger
         self.recovery_timeout_s = recovery_timeout_s
+        # Without a ledger (steady_recovery off): the job-lost alarm (`automicro.core.alarm`) tells
+        # the ranks left in a collective which rank failed first, so each names it on its last line.
+        self.alarm = alarm
 
     def run(
         self,
@@ -177,6 +181,13 @@ class AttemptFence:
         if own_error is None:
             _drop_frames(error)
         wipe()
+        heard = self._heard(hooks_active)
+        if heard is not None and own_error is not None:
+            # This rank's error is the collective a rank that failed first left (gloo: "Connection
+            # closed by peer"): name that rank, not this one.
+            lost = FatalRecoveryError(heard)
+            lost.oom = False  # type: ignore[attr-defined] # not this size's fault: no failure note
+            raise lost from error
         replayed = 0
         if not hooks_active and self.ledger is not None and self.ledger.live:
             replayed = self.ledger.catch_up(self.recovery_timeout_s, site, batch)
@@ -191,13 +202,26 @@ class AttemptFence:
             )
             if not hooks_active and self.ledger is not None:
                 raise self.ledger.lost(site, batch, why) from timeout_error
-            raise RuntimeError(
+            heard = self._heard(hooks_active)
+            if heard is not None:
+                raise FatalRecoveryError(heard) from timeout_error
+            message = (
                 f"automicro: rank {self.consensus.rank} failed at {site} in batch {batch}: {why}. Stopping this rank; "
                 "the launcher stops the rest."
-            ) from timeout_error
+            )
+            if not hooks_active and self.alarm is not None:
+                self.alarm.ring(message)
+                raise FatalRecoveryError(message) from timeout_error
+            raise RuntimeError(message) from timeout_error
         replayed += self._align(verdict, site, batch)
         unreported = None if verdict.failed else error
         return AttemptResult(verdict, None, own_error, unreported, time.perf_counter() - started, replayed)
+
+    def _heard(self, hooks_active: bool) -> Optional[str]:
+        """What another rank rang the job-lost alarm with (hooks off, no ledger), as this rank's line."""
+        if hooks_active or self.ledger is not None or self.alarm is None or not self.alarm.heard:
+            return None
+        return f"automicro: rank {self.consensus.rank} stops: {self.alarm.heard}"
 
     def _report(self) -> LocalFigures:
         """This rank's figures, with the collectives it issued in the attempt (the consensus

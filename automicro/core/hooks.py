@@ -4,6 +4,8 @@ Installed on every FSDP2 module of a `ShardedModel`:
 - forward-pre hook, prepended so it runs before FSDP2's own pre-forward (the all-gather);
 - full-backward-pre hook, prepended, before FSDP2's pre-backward unshard;
 - full-backward hook (post-backward of the module), before the next block's work;
+- on the root, whose output may be a `ModelOutput` or a dict (which torch's full-backward hooks
+  skip), both backward sites come from a gradient hook on its output tensors instead;
 - a pre-collective hook inside FSDP2's collectives module, between buffer allocation and the
   all-gather / reduce-scatter / all-reduce call, so an OOM while allocating those buffers on
   one rank can never leave another rank inside the collective (the FSDP1 "pre-realloc" fix,
@@ -18,9 +20,11 @@ consensus protocol (it only calls `sync()`), FSDP2 internals outside `_torch_int
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
+import torch
 import torch.nn as nn
 
 from automicro.core.consensus import Consensus
@@ -55,6 +59,14 @@ class SiteHooks:
         fire = self.fire
         for name, module in self.sharded.named_fsdp_modules if self.module_sites else []:
             self._handles.append(module.register_forward_pre_hook(_fire_hook(fire, "forward_pre", name), prepend=True))
+            if module is self.sharded.module:
+                # The root's output need not be a tensor (a Hugging Face `ModelOutput`, a dict),
+                # and torch's full-backward hooks never fire for such outputs: its backward sites
+                # come from its output tensors instead.
+                # Prepended: its gradient hook is then registered before FSDP2's pre-backward one
+                # on the same tensors, and runs first, as the full-backward-pre hooks do.
+                self._handles.append(module.register_forward_hook(self._root_forward_hook(name), prepend=True))
+                continue
             self._handles.append(module.register_forward_hook(_fire_hook(fire, "forward", name)))
             self._handles.append(
                 module.register_full_backward_pre_hook(_fire_hook(fire, "backward_pre", name), prepend=True)
@@ -63,10 +75,16 @@ class SiteHooks:
         fqn_to_module = self.sharded.param_fqn_to_module()
 
         def owner(fsdp_params: list[Any]) -> str:
-            for fsdp_param in fsdp_params:
-                name = fqn_to_module.get(getattr(fsdp_param, "_param_fqn", ""), None)
-                if name is not None:
-                    return name
+            # FSDP2 names its parameters at its lazy init (the first forward): hooks installed
+            # before that see no names yet, so a miss refreshes the map once.
+            for attempt in range(2):
+                for fsdp_param in fsdp_params:
+                    name = fqn_to_module.get(getattr(fsdp_param, "_param_fqn", ""), None)
+                    if name is not None:
+                        return name
+                if attempt == 0:
+                    fqn_to_module.clear()
+                    fqn_to_module.update(self.sharded.param_fqn_to_module())
             return ""
 
         self._handles.append(internals.add_pre_collective_hook(lambda site, params: fire(site, owner(params))))
@@ -75,6 +93,52 @@ class SiteHooks:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+    def _root_forward_hook(self, name: str) -> Callable[..., None]:
+        """Fire `forward`, then arm `backward_pre` and `backward` on the output's tensors.
+
+        Both backward sites fire when the first gradient reaches the root's output: what torch's
+        own full-backward hooks do for a root whose inputs need no gradient (token ids), and the
+        only point a root whose output is a `ModelOutput` or a dict has at all.
+        """
+        fire = self.fire
+
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            fire("forward", name)
+            tensors = [t for t in output_tensors(output) if t.requires_grad]
+            if not tensors:
+                return  # eval / no_grad: no backward follows
+
+            def on_grad(_: Any) -> None:
+                if self._handles:  # still installed when backward reaches the root
+                    fire("backward_pre", name)
+                    fire("backward", name)
+
+            torch.autograd.graph.register_multi_grad_hook(tensors, on_grad, mode="any")
+
+        hook.__name__ = "automicro_root_forward_hook"
+        return hook
+
+
+def output_tensors(output: Any) -> list[torch.Tensor]:
+    """Every tensor in a module's output: tensors, tuples/lists, mappings (a Hugging Face
+    `ModelOutput` is an ordered dict) and dataclasses, in order, each once."""
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+    stack = [output]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if id(item) not in seen:
+                seen.add(id(item))
+                found.append(item)
+        elif isinstance(item, Mapping):
+            stack.extend(reversed(list(item.values())))
+        elif isinstance(item, (list, tuple)):
+            stack.extend(reversed(item))
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            stack.extend(reversed([getattr(item, f.name) for f in dataclasses.fields(item)]))
+    return found
 
 
 def _fire_hook(fire: Callable[[str, str], None], site: str, name: str) -> Callable[..., None]:

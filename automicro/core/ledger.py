@@ -476,16 +476,16 @@ class CollectiveLedger:
 
     # ---- the job is lost ----------------------------------------------------------------------
 
-    def lost_outside_attempt(self, where: str, batch: int) -> FatalRecoveryError:
+    def lost_outside_attempt(self, where: str, batch: int, what: str = "it ran out of memory") -> FatalRecoveryError:
         """This rank failed outside any attempt (`where`: e.g. a callback at Event.BATCH_END, a
         checkpoint save): nothing to retry, and the other ranks are already in the next batch.
-        Tell every rank that can hear it (board or alarm); the error to raise."""
+        Tell every rank that can hear it (board or alarm); the error to raise. `what`: the failure."""
         site = "between_batches"
         if self.board is not None:
             self.board.mark_failed(self.epoch, site)
         return self._fatal(
             site, batch, REASON_OUTSIDE,
-            f"it ran out of memory outside any attempt ({where}), where nothing can be retried", during="",
+            f"{what} outside any attempt ({where}), where nothing can be retried", during="",
         )
 
     def lost(self, site: str, batch: int, why: str) -> FatalRecoveryError:

@@ -44,8 +44,9 @@ class FSDP2Config:
         replicate: HSDP replicate degree; the world is a ``replicate x shard`` mesh.
         cpu_offload: keep sharded parameters, gradients and optimizer state on the host.
         wrap: ``None`` follows Composer's conventions (a module's ``_fsdp_wrap`` attribute or
-            the model's ``fsdp_wrap_fn``); a list of class names wraps every module of those
-            classes.
+            the model's ``fsdp_wrap_fn``) and, where the model has neither, the block classes a
+            Hugging Face model names in ``_no_split_modules``; a list of class names wraps every
+            module of those classes; ``[]`` shards the root alone (with no warning).
         forward_prefetch: how many following blocks each block all-gathers ahead in forward
             (default 2: with the copy-in on the compute stream, depth 1 would make each
             all-gather wait for the previous one's copy-out; depth 2 keeps one in flight).

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -137,6 +138,33 @@ def _wants_wrap(name: str, module: nn.Module, root: nn.Module, class_names: Opti
     return False
 
 
+def no_split_classes(root: nn.Module) -> set[str]:
+    """The block classes Hugging Face models name in `_no_split_modules` (the convention that
+    accelerate's device maps and torch FSDP's transformer auto-wrap policy use), gathered from
+    every submodule that declares them (a Composer `HuggingFaceModel` holds the model as `.model`)."""
+    names: set[str] = set()
+    for module in root.modules():
+        declared = getattr(module, "_no_split_modules", None)
+        if isinstance(declared, (list, tuple, set, frozenset)):
+            names.update(n for n in declared if isinstance(n, str))
+    return names
+
+
+def _repeated_classes(root: nn.Module) -> list[str]:
+    """Classes of composite modules with parameters that occur more than once below the root,
+    outermost first: the likely blocks (their leaf layers, `Linear` and so on, are not named)."""
+    counts: dict[str, int] = {}
+    depth: dict[str, int] = {}
+    for name, module in root.named_modules():
+        if module is root or not list(module.children()) or not any(True for _ in module.parameters()):
+            continue
+        cls = type(module).__name__
+        counts[cls] = counts.get(cls, 0) + 1
+        depth[cls] = min(depth.get(cls, 1 << 30), name.count("."))
+    repeated = sorted((c for c, n in counts.items() if n > 1), key=lambda c: (depth[c], -counts[c]))
+    return [f"{c} (x{counts[c]})" for c in repeated[:3]]
+
+
 def _param_owners(root: nn.Module) -> dict[int, list[str]]:
     """Parameter id -> names of every module that holds it directly (ties show as >1)."""
     owners: dict[int, list[str]] = {}
@@ -160,6 +188,23 @@ def plan_wrapping(root: nn.Module, config: FSDP2Config) -> tuple[list[str], list
     named = dict(root.named_modules())
     every_name = dict(root.named_modules(remove_duplicate=False))
     candidates = [n for n, m in named.items() if _wants_wrap(n, m, root, class_names)]
+    if not candidates and class_names is None:
+        # No Composer marks: a Hugging Face model names its blocks in `_no_split_modules`.
+        hf_blocks = no_split_classes(root)
+        candidates = [n for n, m in named.items() if m is not root and type(m).__name__ in hf_blocks]
+    if class_names:
+        present = {type(m).__name__ for m in named.values() if m is not root}
+        missing = sorted(class_names - present)
+        if missing and len(missing) == len(class_names):
+            repeated = _repeated_classes(root)
+            raise FSDP2ConfigError(
+                f"parallelism_config.fsdp2.wrap={sorted(class_names)}: no module of the model is of "
+                f"these classes, so only the root would be sharded. Name the block class"
+                + (f" (repeated classes here: {', '.join(repeated)})" if repeated else "")
+                + ", or use wrap: [] for the root alone"
+            )
+        if missing:
+            log.warning("automicro: parallelism_config.fsdp2.wrap: no module is of class %s", missing)
     owners = _param_owners(root)
     notes: list[str] = []
     chosen: list[str] = []
@@ -318,6 +363,27 @@ class ShardedModel:
         return mapping
 
 
+def warn_root_only(model: nn.Module, config: FSDP2Config) -> None:
+    """Say, with the fix, that only the root will be sharded: the whole model is then gathered
+    as one unit in every forward and backward, and most of FSDP's memory saving is lost."""
+    if config.wrap is not None and not config.wrap:
+        return  # `wrap: []` asks for the root alone
+    how = (
+        f"no module is of a class in parallelism_config.fsdp2.wrap={list(config.wrap)}"
+        if config.wrap is not None
+        else "no module has `_fsdp_wrap = True`, the model has no `fsdp_wrap_fn`, and it names no `_no_split_modules`"
+    )
+    repeated = _repeated_classes(model)
+    hint = f" (repeated classes here: {', '.join(repeated)})" if repeated else ""
+    warnings.warn(
+        f"automicro: only the root module is sharded: {how}. The whole model is gathered as one FSDP "
+        f"unit in every forward and backward, so most of FSDP's memory saving is lost. Name the block "
+        f"class in parallelism_config.fsdp2.wrap{hint}, or mark the blocks with `_fsdp_wrap = True`; "
+        "`wrap: []` silences this.",
+        stacklevel=3,
+    )
+
+
 def _materialize_meta(model: nn.Module, device: torch.device) -> None:
     if not any(p.is_meta for p in model.parameters()):
         return
@@ -375,6 +441,8 @@ def shard(
     wrapped, notes = plan_wrapping(model, config)
     for note in notes:
         log.warning("automicro: %s", note)
+    if not wrapped:
+        warn_root_only(model, config)
     named = dict(model.named_modules())
     kwargs: dict[str, Any] = {
         "mesh": mesh,

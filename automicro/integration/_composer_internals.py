@@ -14,6 +14,10 @@ What is private here and why:
 - `Trainer._train_data_spec`, `_use_grad_scaling`, `_backwards_create_graph`.
 - `enable_sharded_checkpoints` sets a Composer `FSDP2Config` on `State.fsdp_config` (a public
   setter) at `Event.BEFORE_LOAD`; what is version specific is *when* Composer reads it (see there).
+- `load_stateless_optimizers_directly` replaces `State.load_optim_state` on one `State` (see there).
+- `check_before_composer_trainer` wraps `composer.Trainer.__init__` (the class is public, patching
+  its method is not): Composer validates `device_train_microbatch_size` and `parallelism_config`
+  before any callback runs, so this is the only point that can speak before its refusals.
 
 Owns: every private Composer access, behind the Composer version check. May not touch: FSDP2,
 the consensus; it knows no automicro state beyond the arguments it is handed.
@@ -50,6 +54,42 @@ def check_supported_composer() -> None:
             f"automicro.Trainer was checked on Composer {CHECKED_COMPOSER_VERSIONS}; found "
             f"{composer.__version__}. Install mosaicml==0.32.1."
         )
+
+
+_TRAINER_INIT_CHECKS: list[Callable[[Any, dict[str, Any]], None]] = []
+
+
+def check_before_composer_trainer(check: Callable[[Any, dict[str, Any]], None]) -> bool:
+    """Run ``check(trainer, kwargs)`` first thing in every `composer.Trainer.__init__` (subclasses
+    included), before Composer validates anything; a check raises to refuse. Idempotent per check.
+
+    Why here: Composer 0.32.1's `Trainer.__init__` refuses ``device_train_microbatch_size='auto'``
+    (`_is_auto_microbatching`: "Can only use adaptive device_train_microbatch_size on GPU"; then
+    "Auto microbatching is not supported outside of FSDP1") long before it builds the `State`, and
+    a callback's first event (`Event.INIT`) runs only after the `State` exists. Returns False (and
+    installs nothing) on a Composer version this was not checked on; callers then rely on a check
+    at `Event.INIT`.
+    """
+    if composer.__version__ not in CHECKED_COMPOSER_VERSIONS:
+        return False
+    if check not in _TRAINER_INIT_CHECKS:
+        _TRAINER_INIT_CHECKS.append(check)
+    trainer_class = composer.Trainer
+    if getattr(trainer_class.__init__, "_automicro_checked", False):
+        return True
+    import functools
+
+    original = trainer_class.__init__
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        for run_check in list(_TRAINER_INIT_CHECKS):
+            run_check(self, kwargs)
+        original(self, *args, **kwargs)
+
+    __init__._automicro_checked = True  # type: ignore[attr-defined]
+    trainer_class.__init__ = __init__
+    return True
 
 
 def train_data_spec(trainer: Any) -> Any:
@@ -209,3 +249,65 @@ def enable_sharded_checkpoints(state: Any, load_planner_factory: Optional[Callab
         config = _ShardedCheckpointConfig(state_dict_type="sharded")
     config.load_planner_factory = load_planner_factory
     state.fsdp_config = config
+
+
+def load_stateless_optimizers_directly(state: Any) -> None:
+    """Make a full (gathered) checkpoint of an optimizer that keeps no per-parameter state (plain
+    SGD without momentum) load on an FSDP2 model.
+
+    Composer 0.32.1's `State.load_optim_state` loads full optimizer state dicts through torch's
+    `set_optimizer_state_dict(full_state_dict=True)`, which (torch 2.7 to 2.11) looks for the device
+    to scatter on among the optimizer's own state tensors and fails with a bare AssertionError when
+    there are none. Where the checkpoint holds no optimizer state either, there is nothing to
+    scatter: this run's optimizers get the saved param groups' hyperparameters through their own
+    `load_state_dict` (what torch would have done after the scatter), every other case takes
+    Composer's path. Called at `Event.BEFORE_LOAD` (the load runs right after it); replaces the
+    method on this `State` instance only. Every rank reads the same file, so every rank takes the
+    same branch and Composer's collectives stay matched.
+    """
+    composer_load = state.load_optim_state
+
+    def load_optim_state(state_dict: dict[str, Any], strict: bool = True) -> None:
+        serialized = state_dict.get("optimizers")
+        optimizers = list(ensure_tuple(state.optimizers))
+        saved = [serialized.get(type(o).__qualname__) if isinstance(serialized, dict) else None for o in optimizers]
+        stateless = bool(optimizers) and all(isinstance(s, dict) and not s.get("state") for s in saved)
+        if state.fsdp_sharded_state_dict_enabled or not stateless:
+            composer_load(state_dict, strict)
+            return
+        for optimizer, saved_optimizer in zip(optimizers, saved):
+            _load_param_groups(optimizer, saved_optimizer)
+
+    state.load_optim_state = load_optim_state
+
+
+def _load_param_groups(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    groups = saved.get("param_groups") or []
+    if len(groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"automicro: the checkpoint's {type(optimizer).__name__} has {len(groups)} param group(s), this run's "
+            f"has {len(optimizer.param_groups)}; build the optimizer with the same param groups as the saved run"
+        )
+    loadable, first = [], 0
+    for index, (group, local) in enumerate(zip(groups, optimizer.param_groups)):
+        count = len(local["params"])
+        if len(group.get("params", [])) != count:
+            raise ValueError(
+                f"automicro: param group {index} of the checkpoint's {type(optimizer).__name__} has "
+                f"{len(group.get('params', []))} parameter(s), this run's has {count}; resume the same model"
+            )
+        loadable.append({**group, "params": list(range(first, first + count))})
+        first += count
+    optimizer.load_state_dict({"state": {}, "param_groups": loadable})
+
+
+def set_eval_retry_size(evaluator: Any, size: int) -> None:
+    """Make Composer's eval loop rerun the failed batch split by `size`.
+
+    Composer 0.32.1's `_eval_loop`, after an OOM on any rank of an auto-microbatching evaluator,
+    calls `_adjust_device_eval_microbatch_size`, which sets `max(int(size / 2), 1)` and refuses
+    to go on from 1. Setting twice the wanted size first makes that halving land on it.
+    """
+    if size < 1:
+        raise ValueError(f"eval microbatch size {size}: must be >= 1")
+    evaluator.device_eval_microbatch_size = 2 * size

@@ -26,6 +26,7 @@ from composer.optim import (
 
 from automicro.config import CALLBACK_REGISTRY, ConfigError, TrainConfig
 from automicro.data import ByteTextCorpus, SyntheticTokens, build_dataloader
+from automicro.data.datasets import DataError
 from automicro.models import build_model
 
 
@@ -39,6 +40,10 @@ def callback_class(name: str) -> type:
     return getattr(importlib.import_module(module), attribute)
 
 
+# Arguments of Composer's own callbacks that Composer accepts and fails on later (mid-run).
+_POSITIVE_INT_ARGUMENTS = {"speed_monitor": ("window_size",)}
+
+
 def build_callbacks(cfg: TrainConfig) -> list[Callback]:
     callbacks = []
     for name, kwargs in cfg.callbacks.items():
@@ -48,6 +53,10 @@ def build_callbacks(cfg: TrainConfig) -> list[Callback]:
         except TypeError as error:
             allowed = [p for p in inspect.signature(cls).parameters if p != "self"]
             raise ConfigError(f"callbacks.{name}={kwargs!r}: {error}; allowed arguments: {allowed}") from None
+        for argument in _POSITIVE_INT_ARGUMENTS.get(name, ()):
+            value = kwargs.get(argument)
+            if argument in kwargs and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"callbacks.{name}.{argument}={value!r}: must be a positive int")
         try:
             callbacks.append(cls(**kwargs))
         except (ValueError, TypeError) as error:
@@ -56,13 +65,21 @@ def build_callbacks(cfg: TrainConfig) -> list[Callback]:
 
 
 def build_model_from(cfg: TrainConfig) -> Any:
+    """The Llama the config asks for; a shape the model refuses (LlamaConfig's checks, run before
+    anything is allocated) is a `ConfigError` naming the preset and ``model.overrides``."""
     overrides = dict(cfg.model.overrides)
     if cfg.model.tie_embeddings:
         overrides["tie_embeddings"] = True
     if cfg.data.kind == "synthetic" and cfg.data.vocab_size is not None:
         overrides.setdefault("vocab_size", cfg.data.vocab_size)
     overrides.setdefault("max_seq_len", max(cfg.data.seq_len, 1))
-    return build_model(cfg.model.preset, init_device=cfg.model.init_device, **overrides)
+    try:
+        return build_model(cfg.model.preset, init_device=cfg.model.init_device, **overrides)
+    except ValueError as error:
+        raise ConfigError(
+            f"model (preset {cfg.model.preset!r}, overrides {dict(cfg.model.overrides)}): {error}; change "
+            "model.overrides (or the preset)"
+        ) from error
 
 
 def build_dataset(cfg: TrainConfig, vocab_size: int, split_seed: int = 0) -> Any:
@@ -70,13 +87,22 @@ def build_dataset(cfg: TrainConfig, vocab_size: int, split_seed: int = 0) -> Any
         return SyntheticTokens(cfg.data.num_samples, cfg.data.seq_len, cfg.data.vocab_size or vocab_size, seed=cfg.seed + split_seed)
     if vocab_size < 256:
         raise ConfigError(f"data.kind='text' needs a byte vocabulary (256); the model has vocab_size={vocab_size}")
-    return ByteTextCorpus(cfg.data.paths, cfg.data.seq_len, max_bytes=cfg.data.max_bytes)
+    try:
+        return ByteTextCorpus(cfg.data.paths, cfg.data.seq_len, max_bytes=cfg.data.max_bytes)
+    except DataError as error:
+        raise ConfigError(f"data (kind 'text'): {error}; change data.paths, data.max_bytes or data.seq_len") from error
 
 
 def build_train_dataloader(cfg: TrainConfig, dataset: Any, per_rank_batch: int) -> Any:
-    return build_dataloader(
-        dataset, per_rank_batch, shuffle=cfg.data.shuffle, seed=cfg.seed, drop_last=True, num_workers=cfg.data.num_workers
-    )
+    try:
+        return build_dataloader(
+            dataset, per_rank_batch, shuffle=cfg.data.shuffle, seed=cfg.seed, drop_last=True, num_workers=cfg.data.num_workers
+        )
+    except DataError as error:
+        raise ConfigError(
+            f"data: {error} (global_train_batch_size={cfg.global_train_batch_size}); change data.num_samples, "
+            "data.max_bytes or global_train_batch_size"
+        ) from error
 
 
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:

@@ -71,7 +71,9 @@ from automicro.core.transport import TRANSPORTS
 from automicro.engine import _torch_internals as torch_internals
 from automicro.engine.sharding import ShardedModel
 from automicro.integration import _composer_internals as composer_internals
+from automicro.integration.eval_search import EvalSearch
 from automicro.integration.splitting import UnsplittableBatch, split_by_sizes
+from automicro.integration.stock_trainer import StockTrainerError, refuse_stock_trainer, stock_trainer_message
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +84,9 @@ class MicrobatchSizeError(RuntimeError):
 
 class AutoMicrobatching(Callback):
     """Finds the largest microbatch that fits on every rank under FSDP2, without deadlocks."""
+
+    # Works only inside `automicro.Trainer`; another Trainer is refused (`stock_trainer`).
+    needs_automicro_trainer = True
 
     def __init__(
         self,
@@ -152,8 +157,21 @@ class AutoMicrobatching(Callback):
         self._in_eval = False
         self._eval_metrics: dict[str, Any] = {}
         self._eval_snapshot: dict[str, Any] = {}
+        # One bisect search per evaluator label; the one of the eval batch running, and its evaluator.
+        self.eval_searches: dict[str, EvalSearch] = {}
+        self._eval_search: Optional[EvalSearch] = None
+        self._evaluator: Any = None
         self._rank = 0
         self._last_event: Optional[Event] = None
+        self._in_automicro_trainer = False
+        self._alarm: Any = None
+        self._agreed_error: Optional[BaseException] = None
+        # Before Composer's own checks in any composer.Trainer built with this callback.
+        composer_internals.check_before_composer_trainer(refuse_stock_trainer)
+
+    def bind_trainer(self) -> None:
+        """Called by `automicro.Trainer` for each of its AutoMicrobatching callbacks."""
+        self._in_automicro_trainer = True
 
     # ---- wiring ------------------------------------------------------------------------------
 
@@ -171,8 +189,11 @@ class AutoMicrobatching(Callback):
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self._info(f"consensus transport {self._consensus.describe()}")
         self._ledger = _build_ledger(sharded, self._consensus, self._rank) if self.steady_recovery else None
+        # Without the ledger, the job-lost alarm still names the failed rank on every rank.
+        self._alarm = None if self.steady_recovery else _build_alarm(self._consensus)
         self._fence = AttemptFence(
-            self._consensus, self._dispatcher.context, self._figures, self._ledger, self.unguarded_timeout_s
+            self._consensus, self._dispatcher.context, self._figures, self._ledger, self.unguarded_timeout_s,
+            alarm=self._alarm,
         )
         self._hooks = SyncHooks(sharded, self._consensus, self._dispatcher, sync_points=self.sync_points)
         if memory is not None:
@@ -245,6 +266,12 @@ class AutoMicrobatching(Callback):
         self._last_event = event  # where an error outside any attempt happened (`fit_raised`)
         super().run_event(event, state, logger)
 
+    def init(self, state: State, logger: Logger) -> None:
+        # Where the check before Composer's could not be installed (another Composer version).
+        if not self._in_automicro_trainer:
+            size = "auto" if state.auto_microbatching else state.device_train_microbatch_size
+            raise StockTrainerError(stock_trainer_message(type(self).__name__, "this Trainer", size))
+
     def fit_start(self, state: State, logger: Logger) -> None:
         # Another fit() of the same trainer: the hooks come back if the policy still wants them.
         if self.policy is not None:
@@ -263,6 +290,9 @@ class AutoMicrobatching(Callback):
         if self._ledger is not None:
             self._ledger.close()
             self._ledger = None
+        if self._alarm is not None:
+            self._alarm.close()
+            self._alarm = None
         if self._consensus is not None:
             self._consensus.close()
 
@@ -297,6 +327,33 @@ class AutoMicrobatching(Callback):
             metrics = state.eval_metrics.get(state.dataloader_label, {}) if state.dataloader_label else {}
             self._eval_metrics = metrics
             self._eval_snapshot = {name: copy.deepcopy(m.metric_state) for name, m in metrics.items()}
+            label = state.dataloader_label or ""
+            evaluator = next((e for e in state.evaluators if e.label == label), None)
+            self._evaluator, self._eval_search = evaluator, None
+            if evaluator is not None and evaluator.auto_microbatching:
+                if label not in self.eval_searches:
+                    eval_config = search_config(self.policy_config.search, self.policy_config.stable_batches, False, None)
+                    self.eval_searches[label] = EvalSearch(label, eval_config)
+                self._eval_search = self.eval_searches[label]
+                self._eval_search.batch_start(evaluator, _leading_size(state.batch))
+
+    def eval_batch_end(self, state: State, logger: Logger) -> None:
+        search_ = self._eval_search
+        if search_ is None:
+            return
+        found_before = search_.found_size
+        record = search_.batch_end()
+        if record is not None and search_.found_size is not None and found_before is None:
+            self._info(
+                f"eval '{search_.label}': microbatch size found: {search_.found_size} "
+                f"(per-rank eval batch {sum(record.split)}); split in use {list(record.split)}"
+            )
+        self._eval_search = None
+
+    @property
+    def eval_found_sizes(self) -> dict[str, Optional[int]]:
+        """The eval microbatch size found per evaluator label (None while still searching)."""
+        return {label: s.found_size for label, s in self.eval_searches.items()}
 
     def eval_end(self, state: State, logger: Logger) -> None:
         self._in_eval = False
@@ -310,8 +367,8 @@ class AutoMicrobatching(Callback):
     def guard_eval_forward(self, eval_forward: Callable[..., Any]) -> Callable[..., Any]:
         """Fence one eval microbatch like a training attempt.
 
-        Composer's eval loop retries a batch at half the microbatch size when the forward raises
-        "CUDA out of memory" on any rank. Under FSDP2 that alone would deadlock (a rank that failed
+        Composer's eval loop reruns a batch when the forward raises "CUDA out of memory" on any
+        rank, at the size `EvalSearch` (the training bisect, per evaluator) chose. Under FSDP2 that alone would deadlock (a rank that failed
         skips all-gathers the others wait in); here every rank agrees through the consensus first,
         the FSDP2 state is recovered, the batch's metric updates are rolled back, and only then
         does every rank raise the OOM that Composer's retry expects.
@@ -360,7 +417,12 @@ class AutoMicrobatching(Callback):
                 f"automicro: rank(s) {verdict.error_ranks} failed with a non-OOM error during eval; "
                 "see that rank's traceback for the cause"
             ) from cause
-        self._info(f"eval: out of memory on rank(s) {verdict.failed_ranks} at {verdict.sites}; Composer retries at half the size")
+        if self._eval_search is not None and self._evaluator is not None:
+            # Raises CannotFitError (not an OOM to Composer's eval loop) below the smallest size.
+            record = self._eval_search.failed(self._evaluator, verdict.failed_ranks, verdict.sites)
+            self._info(f"eval '{self._eval_search.label}': {record.console_line()}")
+        else:
+            self._info(f"eval: out of memory on rank(s) {verdict.failed_ranks} at {verdict.sites}; Composer retries")
         # The message is the one Composer's eval loop recognises as an OOM to retry.
         raise OOMOnOtherRank(
             f"CUDA out of memory encountered on rank(s) {verdict.failed_ranks} at {verdict.sites} during eval (automicro)"
@@ -450,10 +512,19 @@ class AutoMicrobatching(Callback):
         (the attempts handle their own) leaves the other ranks in the next batch, waiting for this
         one: declare the job lost where they can hear it (the ledger's board on one node, the
         job-lost alarm across nodes), leave the failure note, and return the error to raise."""
-        if isinstance(error, FatalRecoveryError) or not is_oom(error) or self._ledger is None or not self._used_split:
+        if isinstance(error, FatalRecoveryError) or error is self._agreed_error or self._ledger is None:
             return None
         where = f"at {self._last_event}" if self._last_event is not None else "between batches"
         batch = int(state.timestamp.batch)
+        if not is_oom(error):
+            # Any other error of this rank alone (a callback, a checkpoint save): the other ranks
+            # are in the next batch's collectives; name this rank on theirs too. No failure note:
+            # the size is not the cause.
+            if not isinstance(error, Exception):
+                return None
+            return self._ledger.lost_outside_attempt(where, batch, f"it raised {type(error).__name__}: {error}")
+        if not self._used_split:
+            return None
         failure_note.write(composer_internals.checkpoint_folder(state), self._rank, batch, self._used_split)
         return self._ledger.lost_outside_attempt(where, batch)
 
@@ -548,8 +619,9 @@ class AutoMicrobatching(Callback):
 
             try:
                 result = self._fence.run(body, lambda: self._wipe_failed_attempt(trainer, device_batch), hooks_on)
-            except FatalRecoveryError:
-                failure_note.write(composer_internals.checkpoint_folder(state), self._rank, batch_index, sizes)
+            except FatalRecoveryError as lost:
+                if getattr(lost, "oom", True):
+                    failure_note.write(composer_internals.checkpoint_folder(state), self._rank, batch_index, sizes)
                 raise
             verdict, seconds = result.verdict, result.seconds
             if result.unreported is not None:
@@ -571,18 +643,19 @@ class AutoMicrobatching(Callback):
             self.search_time_s += seconds
             if result.own_error is not None or verdict.error_ranks:
                 self._record(batch_index, sizes, "error", verdict, sizes[0], seconds, hooks=hooks_on)
-                if result.own_error is not None:
-                    raise result.own_error
-                raise FailedOnOtherRank(
+                # Every rank agreed on this failure: `fit_raised` has nobody left to tell.
+                self._agreed_error = result.own_error or FailedOnOtherRank(
                     f"automicro: rank(s) {verdict.error_ranks} failed with a non-OOM error at "
                     f"{[r.site for r in verdict.reports if r.kind == KIND_ERROR]} during batch {batch_index}; "
                     "see that rank's traceback for the cause"
                 )
+                raise self._agreed_error
             try:
                 decision = self.policy.observe(search.OOM(max(sizes)))
             except search.CannotFitError as error:
                 self._record(batch_index, sizes, "oom", verdict, 0, seconds, hooks=hooks_on)
-                raise MicrobatchSizeError(self._cannot_fit_message(verdict)) from error
+                self._agreed_error = MicrobatchSizeError(self._cannot_fit_message(verdict))
+                raise self._agreed_error from error
             note = decision.event
             if result.replayed:
                 note += f"; {result.replayed} collectives replayed to get the ranks back in step"
@@ -683,6 +756,15 @@ def _build_ledger(sharded: ShardedModel, consensus: Consensus, rank: int) -> Col
     exchange = dist.new_group(backend="gloo") if board is None else None
     alarm = JobLostAlarm.create(exchange) if exchange is not None else None
     return CollectiveLedger(board, groups, sharded.device, rank, exchange_group=exchange, alarm=alarm)
+
+
+def _build_alarm(consensus: Consensus) -> Any:
+    """Collective: the job-lost alarm over the launcher's store (None on one rank or without a store)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return JobLostAlarm.create(consensus.group)
 
 
 def _leading_size(batch: Any) -> int:

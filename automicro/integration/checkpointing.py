@@ -33,7 +33,6 @@ the search state (the callback's own `state_dict` carries it), FSDP2 internals.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 import torch
@@ -42,10 +41,10 @@ from composer.loggers import Logger
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from automicro.config import CHECKPOINT_FORMATS
+from automicro.config import CHECKPOINT_FORMATS, load_path_problem
+from automicro.config.schema import DCP_METADATA_FILENAME  # noqa: F401 - its old home
 from automicro.integration import _composer_internals as composer_internals
 
-DCP_METADATA_FILENAME = ".metadata"  # what `torch.distributed.checkpoint.FileSystemWriter` writes
 _CALLBACKS_PATH = ("state", "callbacks")
 
 
@@ -74,20 +73,9 @@ def check_checkpoint_format(
                 "automicro.Trainer: checkpoint_format='sharded' does not save metrics (Composer shards metric "
                 "tensors and cannot load them back); set save_metrics=False or checkpoint_format='full'"
             )
-    if load_path is not None and os.path.exists(load_path):
-        is_dcp = os.path.isdir(load_path) and os.path.exists(os.path.join(load_path, DCP_METADATA_FILENAME))
-        if checkpoint_format == "full" and is_dcp:
-            raise ValueError(
-                f"automicro.Trainer: load_path={load_path!r} is a sharded (DCP) checkpoint folder; "
-                "load it with checkpoint_format='sharded'"
-            )
-        if checkpoint_format == "sharded" and not is_dcp:
-            raise ValueError(
-                f"automicro.Trainer: load_path={load_path!r} is not a sharded checkpoint folder (no "
-                f"{DCP_METADATA_FILENAME}); with checkpoint_format='sharded' point load_path at the folder "
-                "a sharded save wrote (e.g. save_folder/ep0-ba100), or load a full .pt checkpoint with "
-                "checkpoint_format='full'"
-            )
+    problem = load_path_problem(load_path, checkpoint_format)
+    if problem:
+        raise ValueError(f"automicro.Trainer: load_path={load_path!r}: {problem}")
     return checkpoint_format
 
 
@@ -97,6 +85,14 @@ class ShardedCheckpointing(Callback):
 
     def before_load(self, state: State, logger: Logger) -> None:
         composer_internals.enable_sharded_checkpoints(state, load_planner_factory=CallbackStateLoadPlanner)
+
+
+class FullCheckpointLoading(Callback):
+    """Full (gathered) checkpoints of an optimizer without per-parameter state (plain SGD) load on
+    the engine-sharded model (added by `automicro.Trainer` with `checkpoint_format='full'`)."""
+
+    def before_load(self, state: State, logger: Logger) -> None:
+        composer_internals.load_stateless_optimizers_directly(state)
 
 
 class CallbackStateLoadPlanner(DefaultLoadPlanner):
@@ -163,6 +159,7 @@ def _set_path(container: Any, path: tuple[Any, ...], value: Any) -> Any:
 __all__ = [
     "CHECKPOINT_FORMATS",
     "CallbackStateLoadPlanner",
+    "FullCheckpointLoading",
     "ShardedCheckpointing",
     "check_checkpoint_format",
     "rebuild_callbacks_template",

@@ -70,8 +70,9 @@ def build_loggers(cfg: TrainConfig) -> list[LoggerDestination]:
 
     wandb is offline unless asked otherwise: with ``WANDB_MODE`` unset and no ``wandb_project``
     the run is written under ``RUN_DIR/wandb/`` only (``wandb sync`` uploads it later). Setting a
-    project (and not ``WANDB_MODE=offline``) logs online. wandb groups panels by the prefix before
-    the first ``/``: ``throughput/``, ``memory/``, ``automicro/``, ``loss/``, ``metrics/``.
+    project (and not ``WANDB_MODE=offline``) logs online. The run's wandb config is the resolved
+    config (every key of the YAML after overrides and defaults). wandb groups panels by the prefix
+    before the first ``/``: ``throughput/``, ``memory/``, ``automicro/``, ``loss/``, ``metrics/``.
     """
     loggers: list[LoggerDestination] = []
     if cfg.loggers.console:
@@ -93,7 +94,8 @@ def build_loggers(cfg: TrainConfig) -> list[LoggerDestination]:
                 project=cfg.loggers.wandb_project,
                 entity=cfg.loggers.wandb_entity,
                 name=cfg.run_name,
-                init_kwargs={"dir": cfg.run_dir},
+                # The resolved config is the run's wandb config: runs filter and group by any setting.
+                init_kwargs={"dir": cfg.run_dir, "config": cfg.to_dict()},
             )
         )
     return loggers
@@ -120,3 +122,20 @@ class AutomicroWandBLogger(WandBLogger):
 
 
 __all__ = ["AutomicroWandBLogger", "JSONLLogger", "build_loggers"]
+
+
+def output_lines(cfg: TrainConfig, loggers: list[LoggerDestination]) -> list[str]:
+    """Where a finished run's outputs are, for the console's last lines (rank 0)."""
+    lines = []
+    if cfg.loggers.jsonl:
+        jsonl = os.path.join(cfg.run_dir, "metrics.jsonl")
+        lines.append(f"[automicro] metrics: {jsonl}; plot: python scripts/plot_run.py {cfg.run_dir} -o run.png")
+    wandb_logger = next((lg for lg in loggers if isinstance(lg, WandBLogger)), None)
+    if wandb_logger is None:
+        lines.append("[automicro] wandb: off (loggers.wandb=true turns it on; offline unless a project is set)")
+    elif wandb_logger.run_dir:
+        run = os.path.dirname(wandb_logger.run_dir)  # wandb's run.dir is the run folder's files/
+        online = wandb_logger.run_url and os.environ.get("WANDB_MODE") != "offline"
+        where = wandb_logger.run_url if online else f"{run} (offline: `wandb sync {run}` uploads it)"
+        lines.append(f"[automicro] wandb run: {where}")
+    return lines

@@ -2,10 +2,13 @@
 
 Differences from `composer.Trainer`, all opt-in through arguments Composer already has:
 - `parallelism_config={"fsdp2": {...}}` shards the model with `automicro.engine.shard` (the keys
-  are `automicro.engine.FSDP2Config` fields) instead of Composer's own FSDP2 path;
+  are `automicro.engine.FSDP2Config` fields) instead of Composer's own FSDP2 path; Composer's own
+  `ParallelismConfig` / `FSDP2Config` are carried over where they mean the same thing, or refused
+  naming the field (`automicro.integration.composer_config`);
 - `device_train_microbatch_size="auto"` works with FSDP2 (Composer refuses it), driven by the
   `AutoMicrobatching` callback (one is added with defaults if none is given).
-One argument of its own: `checkpoint_format="full" | "sharded"` (see
+One argument of its own: `checkpoint_format="full" | "sharded"` (default "full", or what a
+Composer `FSDP2Config.state_dict_type` asks for; see
 `automicro.integration.checkpointing`); `"sharded"` saves and loads torch.distributed.checkpoint
 shards, Composer's `state_dict_type: sharded`.
 Everything else is passed to Composer unchanged.
@@ -29,7 +32,8 @@ from automicro.engine import ShardedModel, ensure_record_stream_free, shard
 from automicro.engine.config import fsdp2_from_parallelism_config
 from automicro.integration import _composer_internals as composer_internals
 from automicro.integration.callback import AutoMicrobatching
-from automicro.integration.checkpointing import ShardedCheckpointing, check_checkpoint_format
+from automicro.integration.checkpointing import FullCheckpointLoading, ShardedCheckpointing, check_checkpoint_format
+from automicro.integration.composer_config import from_composer_parallelism
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +108,9 @@ def _evaluators(eval_dataloader: Any) -> list[Evaluator]:
 class Trainer(composer.Trainer):
     """Composer's Trainer, plus FSDP2 through automicro's engine and auto microbatching on it."""
 
+    # `stock_trainer.AUTOMICRO_TRAINER_FLAG`: `refuse_stock_trainer` lets this Trainer through.
+    _automicro_runs_the_batch = True
+
     def __init__(
         self,
         *,
@@ -113,11 +120,16 @@ class Trainer(composer.Trainer):
         callbacks: Any = None,
         device: Any = None,
         dist_timeout: float = 300.0,
-        checkpoint_format: str = "full",
+        checkpoint_format: Optional[str] = None,
         **kwargs: Any,
     ) -> None:
         composer_internals.check_supported_composer()
         composer_internals.fill_node_rank_from_torchrun()
+        # Composer's own ParallelismConfig / FSDP2Config: carried over where they mean the same.
+        parallelism_config, checkpoint_format = from_composer_parallelism(
+            parallelism_config, checkpoint_format, precision=kwargs.get("precision"), device=device
+        )
+        checkpoint_format = "full" if checkpoint_format is None else checkpoint_format
         fsdp2 = fsdp2_from_parallelism_config(parallelism_config)
         check_checkpoint_format(
             checkpoint_format,
@@ -130,6 +142,9 @@ class Trainer(composer.Trainer):
             check_microbatch_size(device_train_microbatch_size, "device_train_microbatch_size")
         auto = device_train_microbatch_size == AUTO
         automicro = next((c for c in callback_list if isinstance(c, AutoMicrobatching)), None)
+        for callback in callback_list:
+            if isinstance(callback, AutoMicrobatching):
+                callback.bind_trainer()
         if auto and fsdp2 is None:
             raise ValueError(
                 "device_train_microbatch_size='auto' in automicro.Trainer needs FSDP2: pass "
@@ -137,6 +152,7 @@ class Trainer(composer.Trainer):
             )
         if auto and automicro is None:
             automicro = AutoMicrobatching()
+            automicro.bind_trainer()
             callback_list.append(automicro)
         if automicro is not None and not auto:
             log.warning(
@@ -156,8 +172,7 @@ class Trainer(composer.Trainer):
             _rebind_optimizers(kwargs.get("optimizers"), names_before, model)
             _route_eval_forward_through_fsdp(model)
             callback_list.append(_ReshardRootAfterEval(self._automicro_sharded))
-            if checkpoint_format == "sharded":
-                callback_list.append(ShardedCheckpointing())
+            callback_list.append(ShardedCheckpointing() if checkpoint_format == "sharded" else FullCheckpointLoading())
         self._automicro = automicro
         # One attempt context per trainer: the callback fires its sites, the fault injectors
         # (any callback with `attach_sites`) listen there.
