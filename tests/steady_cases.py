@@ -191,6 +191,7 @@ def _eval_after_hooks_off(world: int) -> dict[str, Any]:
         "adam_steps": adam_steps(trainer),
         "fired": fault.fired,
         "eval_microbatch": evaluator.device_eval_microbatch_size,
+        "eval_attempts": [(r.size, r.outcome) for r in auto.eval_searches["eval"].history],
         "ooms_total": auto.ooms_total,
         "hooks_when_eval_began": seen,
         "clean": trainer.sharded_model.is_clean(),
