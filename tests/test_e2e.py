@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import pytest
 
-from tests.launch import COMPOSER
+from tests.launch import COMPOSER, REPO
 from tests.launch import run as _run
 
 
@@ -35,15 +34,30 @@ def test_bad_config_fails_before_any_process_starts_with_the_key_named():
     assert "device_train_microbatch_size='big'" in result.stdout
 
 
-def test_check_runs_every_config_check_alone_for_the_world_size_it_is_given(tmp_path):
-    ok = _run([sys.executable, "scripts/train.py", "--check", "configs/tiny-cpu.yaml", f"run_dir={tmp_path / 'run'}"], 120)
-    assert ok.returncode == 0 and "[automicro] config ok: configs/tiny-cpu.yaml" in ok.stdout, ok.stdout
-    assert "per-rank batch 16" in ok.stdout and not (tmp_path / "run" / "metrics.jsonl").exists()
+def _train_main(argv: list[str]) -> int:
+    """scripts/train.py's main() in this process (a `--check` returns before any heavy import)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("automicro_train_script", REPO / "scripts" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv)
+
+
+def test_check_runs_every_config_check_alone_for_the_world_size_it_is_given(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert _train_main(["--check", "configs/tiny-cpu.yaml", f"run_dir={tmp_path / 'run'}"]) == 0
+    out = capsys.readouterr().out
+    assert "[automicro] config ok: configs/tiny-cpu.yaml" in out and "per-rank batch 16" in out, out
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
     # The same checks as a launch of that size: 16 samples do not split over 3 ranks.
-    bad = _run([sys.executable, "scripts/train.py", "--check", "configs/tiny-cpu.yaml"], 120, env={**os.environ, "WORLD_SIZE": "3"})
-    assert bad.returncode == 2 and "global_train_batch_size=16" in bad.stdout, bad.stdout
-    missing = _run([sys.executable, "scripts/train.py", "--check", "configs/tiny-cpu.yaml", f"load_path={tmp_path}/nope.pt"], 120)
-    assert missing.returncode == 2 and "config error: load_path=" in missing.stdout, missing.stdout
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert _train_main(["--check", "configs/tiny-cpu.yaml"]) == 2
+    assert "global_train_batch_size=16" in capsys.readouterr().err
+    monkeypatch.delenv("WORLD_SIZE")
+    assert _train_main(["--check", "configs/tiny-cpu.yaml", f"load_path={tmp_path}/nope.pt"]) == 2
+    assert "config error: load_path=" in capsys.readouterr().err
 
 
 @pytest.mark.multiproc
