@@ -76,16 +76,13 @@ class SiteHooks:
 
         def owner(fsdp_params: list[Any]) -> str:
             # FSDP2 names its parameters at its lazy init (the first forward): hooks installed
-            # before that see no names yet, so a miss refreshes the map once.
-            for attempt in range(2):
-                for fsdp_param in fsdp_params:
-                    name = fqn_to_module.get(getattr(fsdp_param, "_param_fqn", ""), None)
-                    if name is not None:
-                        return name
-                if attempt == 0:
-                    fqn_to_module.clear()
-                    fqn_to_module.update(self.sharded.param_fqn_to_module())
-            return ""
+            # before that hold an empty map. A name not in it refreshes the map once; a name the
+            # refresh does not know either is remembered as unowned, so no collective pays twice.
+            fqns = [getattr(p, "_param_fqn", "") for p in fsdp_params]
+            if any(f and f not in fqn_to_module for f in fqns):
+                fqn_to_module.update(self.sharded.param_fqn_to_module())
+                fqn_to_module.update({f: "" for f in fqns if f and f not in fqn_to_module})
+            return next((fqn_to_module[f] for f in fqns if fqn_to_module.get(f)), "")
 
         self._handles.append(internals.add_pre_collective_hook(lambda site, params: fire(site, owner(params))))
 

@@ -64,7 +64,7 @@ class SiteDispatcher:
     _wanted: dict[int, frozenset[str]] = field(default_factory=dict)
     _counter: int = 0
 
-    def add(self, listener: Listener, priority: int, sites: Iterable[str] = SITES + INTERNAL_SITES) -> Callable[[], None]:
+    def add(self, listener: Listener, priority: int, sites: Iterable[str] = ALL_SITES) -> Callable[[], None]:
         """Call `listener` at every fired site; `sites` says which ones it acts on (see `listens`)."""
         self._counter += 1
         entry = (priority, self._counter, listener)

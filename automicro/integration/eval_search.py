@@ -68,18 +68,7 @@ class EvalSearch:
         loop rerun the batch at the new size. Raises `CannotFitError` below the smallest size."""
         current = self._require_batch()
         decision = self.policy.observe(search.OOM(current.size))  # type: ignore[union-attr]
-        record = AttemptRecord(
-            batch=self.batches,
-            attempt=current.attempt,
-            size=current.size,
-            split=search.chunk_split(current.batch_size, current.chunk),
-            outcome="oom",
-            failed_ranks=list(failed_ranks),
-            sites=list(sites),
-            next_size=decision.next_size,
-            note=decision.event,
-        )
-        self.history.append(record)
+        record = self._record(current, "oom", decision, failed_ranks, sites)
         current.size, current.attempt = decision.next_size, current.attempt + 1
         current.chunk = _chunk_for(current.batch_size, decision.next_size, self.policy.found_size is not None)  # type: ignore[union-attr]
         composer_internals.set_eval_retry_size(evaluator, current.chunk)
@@ -91,18 +80,26 @@ class EvalSearch:
         if current is None or self.policy is None:
             return None
         decision = self.policy.observe(search.Success(current.size))
+        record = self._record(current, "ok", decision, [], [])
+        self.batches += 1
+        self._current = None
+        return record
+
+    def _record(
+        self, current: _EvalBatch, outcome: str, decision: search.Decision, failed_ranks: list[int], sites: list[str]
+    ) -> AttemptRecord:
         record = AttemptRecord(
             batch=self.batches,
             attempt=current.attempt,
             size=current.size,
             split=search.chunk_split(current.batch_size, current.chunk),
-            outcome="ok",
+            outcome=outcome,
+            failed_ranks=list(failed_ranks),
+            sites=list(sites),
             next_size=decision.next_size,
             note=decision.event,
         )
         self.history.append(record)
-        self.batches += 1
-        self._current = None
         return record
 
     def _require_batch(self) -> _EvalBatch:
