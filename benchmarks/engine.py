@@ -618,6 +618,18 @@ LLAMA_ENGINE_CONFIGS: dict[str, dict[str, Any]] = {
     "engine_sync_f1_fsdpbufs": {"unshard_async_op": False, "forward_prefetch": 1, "compute_stream_buffers": False},
     "engine_async_f1": {"unshard_async_op": True, "forward_prefetch": 1},
     "engine_async_prefetch2": {"unshard_async_op": True, "forward_prefetch": 2, "backward_prefetch": 2},
+    # FSDP2's own overlap (implicit prefetch, sync unshard), with and without the engine's buffers.
+    "engine_implicit": {"unshard_async_op": False, "forward_prefetch": 0, "backward_prefetch": 0},
+    "engine_implicit_fsdpbufs": {
+        "unshard_async_op": False, "forward_prefetch": 0, "backward_prefetch": 0, "compute_stream_buffers": False,
+    },
+    # Slow-link layouts: ZeRO-2 (no all-gather in backward), HSDP over every rank (replicate =
+    # world: no all-gather at all, one all-reduce per block), each with an fp32 or a bf16 reduce.
+    "zero2": {"reshard_after_forward": False, "unshard_async_op": False, "forward_prefetch": 0, "backward_prefetch": 0},
+    "zero2_explicit": {"reshard_after_forward": False, "unshard_async_op": True, "forward_prefetch": 2, "backward_prefetch": 1},
+    "zero2_pure": {"reshard_after_forward": False, "mixed_precision": "PURE", "unshard_async_op": False, "forward_prefetch": 0, "backward_prefetch": 0},
+    "hsdp": {"replicate": "world", "unshard_async_op": False, "forward_prefetch": 0, "backward_prefetch": 0},
+    "hsdp_pure": {"replicate": "world", "mixed_precision": "PURE", "unshard_async_op": False, "forward_prefetch": 0, "backward_prefetch": 0},
 }
 LLAMA_VARIANTS = ["baseline"] + list(LLAMA_ENGINE_CONFIGS)
 LLAMA_DEFAULT_LIST = ["baseline", "engine", "engine_fsdpbufs", "engine_sync_f1"]
@@ -679,8 +691,12 @@ def run_llama_suite(env: Env) -> dict[str, Any]:
         if name == "baseline":
             shard_llama_baseline(env, model, mp)
         elif name in LLAMA_ENGINE_CONFIGS:
-            cfg = engine_config(LLAMA_ENGINE_CONFIGS[name], args, mixed_precision="DEFAULT")
-            sharded = shard(model, cfg, mesh=env.mesh, device=env.device)
+            base = dict(LLAMA_ENGINE_CONFIGS[name])
+            if base.get("replicate") == "world":
+                base["replicate"] = env.world
+            cfg = engine_config(base, args, mixed_precision="DEFAULT")
+            # HSDP: the engine builds its own (replicate, shard) mesh.
+            sharded = shard(model, cfg, mesh=env.mesh if cfg.replicate == 1 else None, device=env.device)
         else:
             raise AssertionError(name)
         optim = torch.optim.Adam(model.parameters(), lr=1e-4)
