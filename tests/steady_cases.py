@@ -77,9 +77,33 @@ class GradHookOOM(Callback):
             self._handle = None
 
 
+class SlowForwardOOM(GradHookOOM):
+    """An OOM in the forward of block 1 that the failing rank raises only after `delay_s`: by then
+    every other rank has gone on and is waiting inside a collective this rank never issues (gloo:
+    its host blocked in it; NCCL: its stream), so it can only be brought back by a replay."""
+
+    delay_s = 0.5
+
+    def _on_output(self, module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        context = self._sites.context
+        wanted = context.num_microbatches - 1 if self.microbatch_index == -1 else self.microbatch_index
+        if (
+            context.in_attempt
+            and context.batch_index == self.batch
+            and (self.ranks is None or dist.get_rank() in self.ranks)
+            and context.microbatch_index == wanted
+            and self.fired == 0
+        ):
+            self.fired += 1
+            time.sleep(self.delay_s)
+            raise torch.OutOfMemoryError(f"CUDA out of memory (test: late, in forward on rank {dist.get_rank()})")
+
+
 def _fault(site: str, ranks: Optional[list[int]], index: int, batch: int = FAULT_BATCH, exception: Any = None) -> Callback:
     if site == "grad_hook":
         return GradHookOOM(ranks, batch, index)
+    if site == "slow_forward":
+        return SlowForwardOOM(ranks, batch, index)
     return FaultInjector(site, ranks=ranks, microbatch_index=index, batch=batch, times=1, exception=exception)
 
 

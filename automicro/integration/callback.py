@@ -66,6 +66,7 @@ from automicro.core.metrics import (
 )
 from automicro.core.policy import HookReason
 from automicro.core.sites import AttemptContext, SiteDispatcher
+from automicro.core.store_board import StoreBoard
 from automicro.core.thrash import ThrashDetector
 from automicro.core.transport import TRANSPORTS
 from automicro.engine import _torch_internals as torch_internals
@@ -752,10 +753,15 @@ def _build_ledger(sharded: ShardedModel, consensus: Consensus, rank: int) -> Col
         if group not in groups:
             groups.append(group)
     board = Board.create(consensus.group)
-    # Without a board (several nodes) the ranks hand their records over on a CPU group of their own.
-    exchange = dist.new_group(backend="gloo") if board is None else None
-    alarm = JobLostAlarm.create(exchange) if exchange is not None else None
-    return CollectiveLedger(board, groups, sharded.device, rank, exchange_group=exchange, alarm=alarm)
+    if board is not None:
+        return CollectiveLedger(board, groups, sharded.device, rank)
+    # Several nodes: the board is the launcher's store, written only after a failure, and the job-lost
+    # alarm carries what the shared board's fatal record would. Without a store, the ranks hand their
+    # records over after the consensus on a CPU group of their own (`CollectiveLedger.align`).
+    exchange = dist.new_group(backend="gloo")
+    alarm = JobLostAlarm.create(exchange)
+    store_board = StoreBoard.create(exchange)
+    return CollectiveLedger(store_board, groups, sharded.device, rank, poll_s=0, exchange_group=exchange, alarm=alarm)
 
 
 def _build_alarm(consensus: Consensus) -> Any:
