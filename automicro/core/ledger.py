@@ -27,13 +27,15 @@ collectives in the same order, and a rank that fails has issued a prefix of that
    is wiped on every rank before the retry.
 3. Then the usual consensus runs; every rank's collective sequence is in step again.
 
-The board needs every rank on one x86-64 node. On several nodes there is no board: each rank keeps
-its record in memory, the consensus carries how many collectives each rank issued, and after it
-the ranks behind replay the record of the rank ahead, handed over on a CPU group of the ledger's
-own (`align`; every replay is checked first and the ranks agree, so a rank that cannot replay stops
-every rank naming itself). That works where every rank reaches the consensus: with NCCL, whose
-hosts run ahead of their streams; with gloo a rank waiting in a collective never gets there and the
-job stops at the consensus timeout. Where a rank is gone, or something outside the ledger (a
+The shared-memory board needs every rank on one x86-64 node. On several nodes the board is the
+launcher's TCP store (`automicro.core.store_board.StoreBoard`, the same interface), written only
+after a failure by a listener thread per rank, so the replay runs before the consensus there too,
+while the other ranks' main threads are blocked. Without a reachable store, each rank keeps its
+record in memory, the consensus carries how many collectives each rank issued, and after it the
+ranks behind replay the record of the rank ahead, handed over on a CPU group of the ledger's own
+(`align`; every replay is checked first and the ranks agree, so a rank that cannot replay stops
+every rank naming itself). That works only where every rank reaches the consensus, which a GPU run
+showed NCCL does not guarantee (a host blocks once its stream is stuck; RESULTS.md session 8). Where a rank is gone, or something outside the ledger (a
 collective of the user's model) leaves a rank stuck, recovery is impossible in-process: the rank
 that waited longest declares the job lost on the board, and every rank exits with one message
 naming the rank, site and batch that failed first (`FatalRecoveryError`; the board's watcher
