@@ -25,12 +25,11 @@ import os
 import sys
 import threading
 import time
-import uuid
 from typing import Any, Optional
 
 import torch.distributed as dist
 
-from automicro.core.transport import launcher_store_client
+from automicro.core.transport import launcher_store_clients
 
 GRACE_S = 5.0  # how long a rank's own main thread gets to stop by itself once the alarm rang
 _WAIT_S = 300.0  # one store wait; the watcher waits again after each
@@ -65,14 +64,11 @@ class JobLostAlarm:
     def create(cls, group: Any = None) -> Optional["JobLostAlarm"]:
         """Collective over `group` (all ranks). None where there is no launcher store to reach
         (MASTER_ADDR / MASTER_PORT unset, or it refuses a client); every rank decides alike."""
-        box = [f"automicro/job-lost/{uuid.uuid4().hex}"]
-        dist.broadcast_object_list(box, src=0, group=group)
-        stores = [launcher_store_client(), launcher_store_client()]
-        everyone: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, all(store is not None for store in stores), group=group)
-        if not all(everyone):
+        found = launcher_store_clients(group, "job-lost")
+        if found is None:
             return None
-        return cls(stores[0], stores[1], box[0], dist.get_rank(), dist.get_world_size())
+        key, stores = found
+        return cls(stores[0], stores[1], key, dist.get_rank(), dist.get_world_size())
 
     def ring(self, message: str) -> None:
         """This rank found the job lost: every other rank stops within `grace_s` + seconds."""

@@ -36,14 +36,13 @@ import atexit
 import datetime
 import threading
 import time
-import uuid
 from typing import Any, Optional
 
 import numpy as np
 import torch.distributed as dist
 
 from automicro.core.ledger import Entry, FatalRecord
-from automicro.core.transport import launcher_store_client
+from automicro.core.transport import launcher_store_clients
 
 NOTICE_WAIT_S = 300.0  # one wait of the listener for its next notice; it waits again after each
 _PUBLISH_POLL_S = 0.001  # how often a notified listener copies new entries of its rank into the store
@@ -73,14 +72,11 @@ class StoreBoard:
     def create(cls, group: Any = None) -> Optional["StoreBoard"]:
         """Collective over `group` (all ranks). None where the launcher's store cannot be reached
         from every rank (MASTER_ADDR / MASTER_PORT unset, or a refused client)."""
-        box = [f"automicro/ledger/{uuid.uuid4().hex}"]
-        dist.broadcast_object_list(box, src=0, group=group)
-        stores = [launcher_store_client(), launcher_store_client()]
-        everyone: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, all(store is not None for store in stores), group=group)
-        if not all(everyone):
+        found = launcher_store_clients(group, "ledger")
+        if found is None:
             return None
-        return cls(stores[0], stores[1], box[0], dist.get_rank(), dist.get_world_size())
+        prefix, stores = found
+        return cls(stores[0], stores[1], prefix, dist.get_rank(), dist.get_world_size())
 
     def _key(self, *parts: Any) -> str:
         return "/".join((self._prefix,) + tuple(str(p) for p in parts))

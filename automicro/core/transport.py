@@ -33,7 +33,7 @@ import time
 import uuid
 
 from collections.abc import Callable
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -86,6 +86,20 @@ def launcher_store_client(timeout_s: float = 30.0) -> Optional[dist.TCPStore]:
         )
     except (RuntimeError, ValueError):
         return None
+
+
+def launcher_store_clients(group: Any, name: str, count: int = 2) -> Optional[tuple[str, list[dist.TCPStore]]]:
+    """Collective over `group` (all ranks): a key prefix drawn once for the job
+    (``automicro/<name>/<uuid>``) and `count` clients of this rank's own to the launcher's store;
+    None on every rank when any rank cannot reach the store."""
+    box = [f"automicro/{name}/{uuid.uuid4().hex}"]
+    dist.broadcast_object_list(box, src=0, group=group)
+    stores = [launcher_store_client() for _ in range(count)]
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, all(store is not None for store in stores), group=group)
+    if not all(everyone):
+        return None
+    return box[0], stores  # type: ignore[return-value]
 
 
 def launcher_node() -> str:
