@@ -9,12 +9,20 @@ PYTEST_ARGS ?=
 # Overrides for the demo, e.g. `make demo DEMO_ARGS=loggers.wandb=true` (an offline wandb run).
 DEMO_ARGS ?=
 
-.PHONY: demo test test-211 test-215 venv venv-211 venv-215 wheelhouse clean-venv
+.PHONY: demo foundry-demo test test-211 test-215 venv venv-211 venv-215 wheelhouse clean-venv
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q -e '.[dev]'
+	touch $@
+
+# llm-foundry 0.22.0 in the default environment (it pins torch<2.7.1: this leg only). What its train
+# path imports comes pinned from requirements/foundry.txt, then llm-foundry itself without its
+# dependency set (see that file for why).
+$(VENV)/.foundry: $(VENV)/.installed requirements/foundry.txt
+	$(VENV)/bin/python -m pip install -q -r requirements/foundry.txt
+	$(VENV)/bin/python -m pip install -q --no-deps llm-foundry==0.22.0
 	touch $@
 
 # torch 2.11 (the GPU machines' torch): Composer installed without its torch pin.
@@ -43,7 +51,11 @@ venv-215: $(VENV215)/.installed
 demo: $(VENV)/.installed
 	WANDB_MODE=$${WANDB_MODE:-offline} $(VENV)/bin/composer -n 2 scripts/train.py configs/tiny-cpu.yaml $(DEMO_ARGS)
 
-test: $(VENV)/.installed
+# llm-foundry's own train path with automicro: a tiny MPT on 2 CPU ranks under an emulated memory cap.
+foundry-demo: $(VENV)/.foundry
+	WANDB_MODE=$${WANDB_MODE:-offline} $(VENV)/bin/composer -n 2 -m automicro.foundry configs/foundry-tiny-cpu.yaml $(DEMO_ARGS)
+
+test: $(VENV)/.installed $(VENV)/.foundry
 	$(VENV)/bin/python -m pytest tests $(PYTEST_ARGS)
 
 test-211: $(VENV211)/.installed

@@ -14,6 +14,9 @@ setup(
         "wandb>=0.17,<0.29",  # Composer 0.32.1 WandBLogger calls run.get_url(), removed in wandb 0.29
     ],
     extras_require={
+        "foundry": [
+            "llm-foundry==0.22.0",  # python -m automicro.foundry (needs torch 2.7.0: llm-foundry pins torch<2.7.1)
+        ],
         "plot": [
             "matplotlib>=3.7",  # scripts/plot_run.py
         ],
