@@ -11,7 +11,8 @@ are dotted keys with YAML values, as for llm-foundry's `train.py`.
 What it adds to llm-foundry's registries: callbacks ``auto_microbatching`` (`AutoMicrobatching`,
 its settings) and ``memory_cap`` (an emulated per-rank memory limit for CPU runs), and the data
 loader ``automicro_synthetic`` (random tokens: ``num_samples``, ``seq_len``, ``vocab_size``,
-``seed``), and the tokenizer ``automicro_bytes`` (bytes, built in memory). Needs the extra: ``pip install -e '.[foundry]'`` (llm-foundry 0.22.0, torch 2.7.0).
+``seed``), and the tokenizer ``automicro_bytes`` (bytes, built in memory). Needs the extra:
+``pip install -e '.[foundry]'`` (llm-foundry 0.22.0, torch 2.7.0).
 
 A bad config prints one ``config error:`` line (local rank 0 of each node) and exits with 2.
 """

@@ -611,6 +611,7 @@ def check_seed_losses(env: Env, suite: str, result: dict[str, Any], out_dir: str
 # --------------------------------------------------------------------------------------------
 
 # Engine variants of the llama suite (FSDP2Config keyword arguments on top of DEFAULT precision).
+_IMPLICIT = {"unshard_async_op": False, "forward_prefetch": 0, "backward_prefetch": 0}  # FSDP2's own overlap
 LLAMA_ENGINE_CONFIGS: dict[str, dict[str, Any]] = {
     "engine": {},
     "engine_fsdpbufs": {"compute_stream_buffers": False},
@@ -619,17 +620,15 @@ LLAMA_ENGINE_CONFIGS: dict[str, dict[str, Any]] = {
     "engine_async_f1": {"unshard_async_op": True, "forward_prefetch": 1},
     "engine_async_prefetch2": {"unshard_async_op": True, "forward_prefetch": 2, "backward_prefetch": 2},
     # FSDP2's own overlap (implicit prefetch, sync unshard), with and without the engine's buffers.
-    "engine_implicit": {"unshard_async_op": False, "forward_prefetch": 0, "backward_prefetch": 0},
-    "engine_implicit_fsdpbufs": {
-        "unshard_async_op": False, "forward_prefetch": 0, "backward_prefetch": 0, "compute_stream_buffers": False,
-    },
+    "engine_implicit": dict(_IMPLICIT),
+    "engine_implicit_fsdpbufs": {**_IMPLICIT, "compute_stream_buffers": False},
     # Slow-link layouts: ZeRO-2 (no all-gather in backward), HSDP over every rank (replicate =
     # world: no all-gather at all, one all-reduce per block), each with an fp32 or a bf16 reduce.
-    "zero2": {"reshard_after_forward": False, "unshard_async_op": False, "forward_prefetch": 0, "backward_prefetch": 0},
+    "zero2": {"reshard_after_forward": False, **_IMPLICIT},
     "zero2_explicit": {"reshard_after_forward": False, "unshard_async_op": True, "forward_prefetch": 2, "backward_prefetch": 1},
-    "zero2_pure": {"reshard_after_forward": False, "mixed_precision": "PURE", "unshard_async_op": False, "forward_prefetch": 0, "backward_prefetch": 0},
-    "hsdp": {"replicate": "world", "unshard_async_op": False, "forward_prefetch": 0, "backward_prefetch": 0},
-    "hsdp_pure": {"replicate": "world", "mixed_precision": "PURE", "unshard_async_op": False, "forward_prefetch": 0, "backward_prefetch": 0},
+    "zero2_pure": {"reshard_after_forward": False, "mixed_precision": "PURE", **_IMPLICIT},
+    "hsdp": {"replicate": "world", **_IMPLICIT},
+    "hsdp_pure": {"replicate": "world", "mixed_precision": "PURE", **_IMPLICIT},
 }
 LLAMA_VARIANTS = ["baseline"] + list(LLAMA_ENGINE_CONFIGS)
 LLAMA_DEFAULT_LIST = ["baseline", "engine", "engine_fsdpbufs", "engine_sync_f1"]

@@ -26,7 +26,8 @@ and `catch_up` runs on it unchanged:
 
 Keys live under a prefix drawn per run (`automicro/ledger/<uuid>/`): per rank `notice/<rank>/count`
 and `notice/<rank>/<n>` (the n-th notice: an attempt number); per attempt `<epoch>/<rank>/committed`
-and `<epoch>/<rank>/done` (store counters) and `<epoch>/<rank>/e/<index>` (one descriptor). A rank that is gone, or a job declared lost, is the job-lost alarm's to announce
+and `<epoch>/<rank>/done` (store counters) and `<epoch>/<rank>/e/<index>` (one descriptor). A
+rank that is gone, or a job declared lost, is the job-lost alarm's to announce
 (`automicro.core.alarm`); this board reports neither.
 """
 
