@@ -25,7 +25,11 @@ def _where(site: str) -> tuple[str, ...]:
 WORLD2_CASES = [(site, who, where) for site in cases.SITES for who in ("one", "every") for where in _where(site)]
 WORLD2_ONE_RANK = 1
 WORLD4_SITES = ("forward_pre", "backward", "unshard_alloc", "reduce_scatter_alloc", "grad_hook")
-WORLD4_CASES = [(site, who, where) for site in WORLD4_SITES for who in ("one", "every") for where in ("first", "last")]
+# One rank (rank 2: neither the first nor the last) at every site, first and last microbatch; every
+# rank at three sites. The 2-rank matrix covers every site both ways (CI time: 20 -> 13 cases).
+WORLD4_CASES = [(site, "one", where) for site in WORLD4_SITES for where in ("first", "last")] + [
+    (site, "every", "first") for site in ("forward_pre", "backward", "grad_hook")
+]
 WORLD4_ONE_RANK = 2
 
 
