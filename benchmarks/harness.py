@@ -108,6 +108,24 @@ def compare(base: Sequence[float], other: Sequence[float]) -> dict[str, Any]:
     }
 
 
+def median_interval(values: Iterable[Any], confidence: float = 0.95) -> Optional[tuple[float, float]]:
+    """Distribution-free interval for the median of independent samples: the order statistics
+    k and n + 1 − k (1-based) with P(k ≤ B ≤ n − k) ≥ `confidence`, B ~ Binomial(n, 1/2).
+    None when n is too small for that confidence (n < 6 at 95%)."""
+    vals = sorted(finite(values))
+    n = len(vals)
+    tail = 0.0
+    k = 0
+    while True:  # the largest k with 2 * P(B < k) <= 1 - confidence
+        nxt = tail + math.comb(n, k) / 2**n
+        if 2 * nxt > 1 - confidence:
+            break
+        tail, k = nxt, k + 1
+    if k == 0:
+        return None
+    return vals[k - 1], vals[n - k]
+
+
 def schedule(names: Sequence[str], rounds: int) -> list[tuple[int, str]]:
     """The interleaved order: round 0 A B …, round 1 A B …, … (A B A B for two variants)."""
     if rounds < 1:

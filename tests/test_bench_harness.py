@@ -87,6 +87,17 @@ def test_claimed_only_when_spread_is_smaller_than_effect(ratios, expected):
     assert harness.verdict(ratios) == expected
 
 
+def test_median_interval_is_the_binomial_order_statistics():
+    # n = 6 at 95%: only the extremes (2 * 1/64 < 0.05 <= 2 * 7/64); n = 5 is too few.
+    assert harness.median_interval([3, 1, 2, 6, 5, 4]) == (1, 6)
+    assert harness.median_interval(range(5)) is None
+    # n = 40: the 14th and 27th smallest (the textbook table), whatever order they come in.
+    assert harness.median_interval(reversed(range(40))) == (13, 26)
+    # More confidence widens it; None and NaN samples are dropped.
+    assert harness.median_interval(range(40), confidence=0.99) == (11, 28)
+    assert harness.median_interval([None, float("nan"), *range(6)]) == (0, 5)
+
+
 def test_report_per_variant_and_vs_base():
     samples = {
         "plain": [{"step_s": 1.00, "cpu_per_wall": 0.5}, {"step_s": 1.02, "cpu_per_wall": 0.7}, {"step_s": 0.98}],

@@ -277,17 +277,17 @@ class AutoMicrobatching(Callback):
         # Another fit() of the same trainer: the hooks come back if the policy still wants them.
         if self.policy is not None:
             self._apply_hooks(self.policy.hooks, HookReason.FIT_START)
-        self._observe_collectives(True)
+        self.observe_collectives(True)
 
     def fit_end(self, state: State, logger: Logger) -> None:
         # The hooks and the collective patch are process-wide: none may outlive this fit.
         self._apply_hooks(False, HookReason.FIT_END)
-        self._observe_collectives(False)
+        self.observe_collectives(False)
 
     def close(self, state: State, logger: Logger) -> None:
         # `trainer.close()`, also after a fit that raised (fit_end did not run).
         self._apply_hooks(False, HookReason.CLOSED)
-        self._observe_collectives(False)
+        self.observe_collectives(False)
         if self._ledger is not None:
             self._ledger.close()
             self._ledger = None
@@ -297,8 +297,12 @@ class AutoMicrobatching(Callback):
         if self._consensus is not None:
             self._consensus.close()
 
-    def _observe_collectives(self, on: bool) -> None:
-        """The collective ledger sees FSDP2's collectives during fit (the steady-state recovery)."""
+    def observe_collectives(self, on: bool) -> None:
+        """Put the collective ledger on FSDP2's collectives (True, what `fit` does) or take it off.
+
+        Public for one purpose: measuring what the ledger costs, batch by batch in one run
+        (`benchmarks/steady_oom.py --suite overhead`). While it is off, an OOM after the sync
+        hooks are off cannot be recovered in-process; the next `fit` puts it back on."""
         if on and self._ledger_handle is None and self._ledger is not None:
             self._ledger_handle = torch_internals.add_collective_observer(self._ledger)
         elif not on and self._ledger_handle is not None:
