@@ -32,7 +32,6 @@ the failure note in `automicro.core.failure_note`. May not touch: FSDP2 internal
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Callable
 from typing import Any, Optional, Union
@@ -72,7 +71,7 @@ from automicro.core.transport import TRANSPORTS
 from automicro.engine import _torch_internals as torch_internals
 from automicro.engine.sharding import ShardedModel
 from automicro.integration import _composer_internals as composer_internals
-from automicro.integration.eval_search import EvalSearch
+from automicro.integration.eval_search import EvalFence, EvalSearch
 from automicro.integration.splitting import UnsplittableBatch, split_by_sizes
 from automicro.integration.stock_trainer import StockTrainerError, refuse_stock_trainer, stock_trainer_message
 
@@ -154,14 +153,11 @@ class AutoMicrobatching(Callback):
         self._batch_attempts = 0
         self._batch_retries = False
         self._used_split: tuple[int, ...] = ()
-        self._eval_auto = False
-        self._in_eval = False
-        self._eval_metrics: dict[str, Any] = {}
-        self._eval_snapshot: dict[str, Any] = {}
-        # One bisect search per evaluator label; the one of the eval batch running, and its evaluator.
-        self.eval_searches: dict[str, EvalSearch] = {}
-        self._eval_search: Optional[EvalSearch] = None
-        self._evaluator: Any = None
+        # Eval forwards fenced like training attempts; one bisect search per evaluator label.
+        self._eval = EvalFence(
+            self._info, self._count_oom,
+            lambda: search_config(self.policy_config.search, self.policy_config.stable_batches, False, None),
+        )
         self._rank = 0
         self._last_event: Optional[Event] = None
         self._in_automicro_trainer = False
@@ -197,6 +193,7 @@ class AutoMicrobatching(Callback):
             alarm=self._alarm,
         )
         self._hooks = SyncHooks(sharded, self._consensus, self._dispatcher, sync_points=self.sync_points)
+        self._eval.attach(self._fence, self._dispatcher, self._recover_model, lambda: self.hooks_active)
         if memory is not None:
             self._memory = memory
         elif torch.cuda.is_available() and sharded.device.type == "cuda":
@@ -321,117 +318,48 @@ class AutoMicrobatching(Callback):
             self._dispatcher.fire("loss", "")
 
     def eval_start(self, state: State, logger: Logger) -> None:
-        self._in_eval = True
-        if self._eval_auto:
+        self._eval.running = True
+        if self._eval.guarded:
             # An eval forward all-gathers like a training forward: with the eval search on, every
             # all-gather needs its consensus point too.
             self._apply_hooks(True, HookReason.EVAL)
 
     def eval_batch_start(self, state: State, logger: Logger) -> None:
-        if self._eval_auto:
-            metrics = state.eval_metrics.get(state.dataloader_label, {}) if state.dataloader_label else {}
-            self._eval_metrics = metrics
-            self._eval_snapshot = {name: copy.deepcopy(m.metric_state) for name, m in metrics.items()}
-            label = state.dataloader_label or ""
-            evaluator = next((e for e in state.evaluators if e.label == label), None)
-            self._evaluator, self._eval_search = evaluator, None
-            if evaluator is not None and evaluator.auto_microbatching:
-                if label not in self.eval_searches:
-                    eval_config = search_config(self.policy_config.search, self.policy_config.stable_batches, False, None)
-                    self.eval_searches[label] = EvalSearch(label, eval_config)
-                self._eval_search = self.eval_searches[label]
-                self._eval_search.batch_start(evaluator, _leading_size(state.batch))
+        if self._eval.guarded:
+            self._eval.batch_start(state)
 
     def eval_batch_end(self, state: State, logger: Logger) -> None:
-        search_ = self._eval_search
-        if search_ is None:
-            return
-        found_before = search_.found_size
-        record = search_.batch_end()
-        if record is not None and search_.found_size is not None and found_before is None:
-            self._info(
-                f"eval '{search_.label}': microbatch size found: {search_.found_size} "
-                f"(per-rank eval batch {sum(record.split)}); split in use {list(record.split)}"
-            )
-        self._eval_search = None
+        self._eval.batch_end()
+
+    @property
+    def eval_searches(self) -> dict[str, EvalSearch]:
+        """The eval search of each evaluator label that searched."""
+        return self._eval.searches
 
     @property
     def eval_found_sizes(self) -> dict[str, Optional[int]]:
         """The eval microbatch size found per evaluator label (None while still searching)."""
-        return {label: s.found_size for label, s in self.eval_searches.items()}
+        return self._eval.found_sizes
 
     def eval_end(self, state: State, logger: Logger) -> None:
-        self._in_eval = False
+        self._eval.running = False
         # Evaluation can leave memory fragmented and a spike behind: guard the next batches.
         if self.policy is None:
-            self._apply_hooks(self._eval_auto, HookReason.AFTER_EVAL)
+            self._apply_hooks(self._eval.guarded, HookReason.AFTER_EVAL)
         self._rearm("eval")
 
-    # ---- eval-time search ----------------------------------------------------------------------
-
     def guard_eval_forward(self, eval_forward: Callable[..., Any]) -> Callable[..., Any]:
-        """Fence one eval microbatch like a training attempt.
+        """Called by `automicro.Trainer`: eval forwards fenced like training attempts
+        (`automicro.integration.eval_search.EvalFence`)."""
+        return self._eval.guard(eval_forward)
 
-        Composer's eval loop reruns a batch when the forward raises "CUDA out of memory" on any
-        rank, at the size `EvalSearch` (the training bisect, per evaluator) chose. Under FSDP2 that alone would deadlock (a rank that failed
-        skips all-gathers the others wait in); here every rank agrees through the consensus first,
-        the FSDP2 state is recovered, the batch's metric updates are rolled back, and only then
-        does every rank raise the OOM that Composer's retry expects.
-        """
-        self._eval_auto = True
+    def _count_oom(self) -> None:
+        self.ooms_total += 1
 
-        def guarded(*args: Any, **kwargs: Any) -> Any:
-            if not self._in_eval:
-                # Composer also calls eval_forward for training metrics, inside a training
-                # attempt that is already fenced.
-                return eval_forward(*args, **kwargs)
-            assert self._fence is not None
-            context = self._dispatcher.context
-            context.microbatch_size = _leading_size(args[0] if args else None)
-            context.num_microbatches, context.microbatch_index = 1, 0
-            context.last_site, context.last_module = "eval_forward", ""
-
-            def body(finish: Callable[[], None]) -> Any:
-                self._dispatcher.fire("eval_forward", "")
-                return eval_forward(*args, **kwargs)
-
-            result = self._fence.run(body, self._wipe_failed_eval, self.hooks_active)
-            if result.unreported is not None:
-                raise result.unreported
-            if result.own_error is not None:
-                self.ooms_total += 1
-                raise result.own_error
-            if result.verdict.failed:
-                self._raise_eval_failure(result.verdict, None)
-            return result.value
-
-        return guarded
-
-    def _wipe_failed_eval(self) -> None:
-        for name, metric in self._eval_metrics.items():
-            for key, value in self._eval_snapshot.get(name, {}).items():
-                setattr(metric, key, copy.deepcopy(value))
+    def _recover_model(self) -> None:
         assert self._sharded is not None
         self._sharded.recover()
         self._memory.empty_cache()
-
-    def _raise_eval_failure(self, verdict: Verdict, cause: Optional[BaseException]) -> None:
-        self.ooms_total += 1
-        if verdict.error_ranks:
-            raise FailedOnOtherRank(
-                f"automicro: rank(s) {verdict.error_ranks} failed with a non-OOM error during eval; "
-                "see that rank's traceback for the cause"
-            ) from cause
-        if self._eval_search is not None and self._evaluator is not None:
-            # Raises CannotFitError (not an OOM to Composer's eval loop) below the smallest size.
-            record = self._eval_search.failed(self._evaluator, verdict.failed_ranks, verdict.sites)
-            self._info(f"eval '{self._eval_search.label}': {record.console_line()}")
-        else:
-            self._info(f"eval: out of memory on rank(s) {verdict.failed_ranks} at {verdict.sites}; Composer retries")
-        # The message is the one Composer's eval loop recognises as an OOM to retry.
-        raise OOMOnOtherRank(
-            f"CUDA out of memory encountered on rank(s) {verdict.failed_ranks} at {verdict.sites} during eval (automicro)"
-        ) from cause
 
     def _rearm(self, reason: str) -> None:
         if self.policy is None:
@@ -775,18 +703,6 @@ def _build_alarm(consensus: Consensus) -> Any:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
     return JobLostAlarm.create(consensus.group)
-
-
-def _leading_size(batch: Any) -> int:
-    """Samples in a batch: the first dimension of its first tensor."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else []
-    for value in values:
-        size = _leading_size(value)
-        if size:
-            return size
-    return 0
 
 
 def search_config(search_mode: str, stable_batches: int, use_prediction: bool, start_size: Optional[int]):

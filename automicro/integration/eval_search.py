@@ -6,18 +6,30 @@ has its own `SearchPolicy`: the largest size that fits on every rank, split into
 microbatches of near-equal size, found across eval batches and kept for the rest of the fit.
 Composer's retry loop still reruns a failed batch; only the size it reruns at is ours.
 
-Owns: the eval searches (policy, found size, attempt records per evaluator) and the size an
-evaluator's batch is split by. May not touch: the training search, the consensus (the callback's
-eval fence decides what failed), Composer internals outside `_composer_internals`.
+`EvalFence` is the eval side of `AutoMicrobatching`: it fences every eval forward with the same
+`AttemptFence` as training (consensus, wipe, verdict), rolls back the batch's metric updates and
+FSDP2 state after a failed attempt, and then raises the OOM Composer's eval loop retries on.
+
+Owns: the eval searches (policy, found size, attempt records per evaluator), the size an
+evaluator's batch is split by, and the fence around eval forwards. May not touch: the training
+search and the sync hooks (the callback turns them on for eval), Composer internals outside
+`_composer_internals`.
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
+
 from automicro.core import policy as search
+from automicro.core.attempt import AttemptFence
+from automicro.core.consensus import FailedOnOtherRank, OOMOnOtherRank, Verdict
 from automicro.core.metrics import AttemptRecord
+from automicro.core.sites import SiteDispatcher
 from automicro.integration import _composer_internals as composer_internals
 
 
@@ -106,3 +118,143 @@ class EvalSearch:
         if self._current is None or self.policy is None:
             raise RuntimeError(f"automicro: eval search '{self.label}': an eval attempt failed outside an eval batch")
         return self._current
+
+
+def leading_size(batch: Any) -> int:
+    """Samples in a batch: the first dimension of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else []
+    for value in values:
+        size = leading_size(value)
+        if size:
+            return size
+    return 0
+
+
+class EvalFence:
+    """Every eval forward fenced like a training attempt, and one `EvalSearch` per evaluator label.
+
+    Composer's eval loop reruns a batch when the forward raises "CUDA out of memory" on any rank,
+    at the size the evaluator's search chose. Under FSDP2 that alone would deadlock (a rank that
+    failed skips all-gathers the others wait in); here every rank agrees through the consensus
+    first, the FSDP2 state is recovered, the batch's metric updates are rolled back, and only then
+    does every rank raise the OOM that Composer's retry expects.
+
+    `info` prints a console line; `count_oom` counts a failed attempt (the callback's
+    `ooms_total`); `make_config` the search config of a new evaluator's search."""
+
+    def __init__(
+        self,
+        info: Callable[[str], None],
+        count_oom: Callable[[], None],
+        make_config: Callable[[], search.PolicyConfig],
+    ) -> None:
+        self._info, self._count_oom, self._make_config = info, count_oom, make_config
+        self.searches: dict[str, EvalSearch] = {}
+        self.guarded = False  # guard() installed: eval forwards are fenced
+        self.running = False  # between EVAL_START and EVAL_END
+        self._fence: Optional[AttemptFence] = None
+        self._sites: Optional[SiteDispatcher] = None
+        self._recover: Callable[[], None] = lambda: None
+        self._hooks_active: Callable[[], bool] = lambda: False
+        self._metrics: dict[str, Any] = {}
+        self._snapshot: dict[str, Any] = {}
+        self._search: Optional[EvalSearch] = None
+        self._evaluator: Any = None
+
+    def attach(
+        self, fence: AttemptFence, sites: SiteDispatcher, recover: Callable[[], None], hooks_active: Callable[[], bool]
+    ) -> None:
+        """The training attempt's fence and sites; `recover` brings the model back after a failure."""
+        self._fence, self._sites, self._recover, self._hooks_active = fence, sites, recover, hooks_active
+
+    @property
+    def found_sizes(self) -> dict[str, Optional[int]]:
+        return {label: s.found_size for label, s in self.searches.items()}
+
+    # ---- Composer's eval events ------------------------------------------------------------------
+
+    def batch_start(self, state: Any) -> None:
+        """EVAL_BATCH_START: snapshot the metrics, and split the batch by its evaluator's search."""
+        metrics = state.eval_metrics.get(state.dataloader_label, {}) if state.dataloader_label else {}
+        self._metrics = metrics
+        self._snapshot = {name: copy.deepcopy(m.metric_state) for name, m in metrics.items()}
+        label = state.dataloader_label or ""
+        evaluator = next((e for e in state.evaluators if e.label == label), None)
+        self._evaluator, self._search = evaluator, None
+        if evaluator is not None and evaluator.auto_microbatching:
+            if label not in self.searches:
+                self.searches[label] = EvalSearch(label, self._make_config())
+            self._search = self.searches[label]
+            self._search.batch_start(evaluator, leading_size(state.batch))
+
+    def batch_end(self) -> None:
+        search_ = self._search
+        if search_ is None:
+            return
+        found_before = search_.found_size
+        record = search_.batch_end()
+        if record is not None and search_.found_size is not None and found_before is None:
+            self._info(
+                f"eval '{search_.label}': microbatch size found: {search_.found_size} "
+                f"(per-rank eval batch {sum(record.split)}); split in use {list(record.split)}"
+            )
+        self._search = None
+
+    # ---- the fence -------------------------------------------------------------------------------
+
+    def guard(self, eval_forward: Callable[..., Any]) -> Callable[..., Any]:
+        """`eval_forward` fenced during eval (Composer also calls it for training metrics, inside a
+        training attempt that is already fenced: then it runs as is)."""
+        self.guarded = True
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            if not self.running:
+                return eval_forward(*args, **kwargs)
+            assert self._fence is not None and self._sites is not None, "attach() first"
+            context = self._sites.context
+            context.microbatch_size = leading_size(args[0] if args else None)
+            context.num_microbatches, context.microbatch_index = 1, 0
+            context.last_site, context.last_module = "eval_forward", ""
+            sites = self._sites
+
+            def body(finish: Callable[[], None]) -> Any:
+                sites.fire("eval_forward", "")
+                return eval_forward(*args, **kwargs)
+
+            result = self._fence.run(body, self._wipe_failed, self._hooks_active())
+            if result.unreported is not None:
+                raise result.unreported
+            if result.own_error is not None:
+                self._count_oom()
+                raise result.own_error
+            if result.verdict.failed:
+                self._raise_failure(result.verdict)
+            return result.value
+
+        return guarded
+
+    def _wipe_failed(self) -> None:
+        for name, metric in self._metrics.items():
+            for key, value in self._snapshot.get(name, {}).items():
+                setattr(metric, key, copy.deepcopy(value))
+        self._recover()
+
+    def _raise_failure(self, verdict: Verdict) -> None:
+        self._count_oom()
+        if verdict.error_ranks:
+            raise FailedOnOtherRank(
+                f"automicro: rank(s) {verdict.error_ranks} failed with a non-OOM error during eval; "
+                "see that rank's traceback for the cause"
+            )
+        if self._search is not None and self._evaluator is not None:
+            # Raises CannotFitError (not an OOM to Composer's eval loop) below the smallest size.
+            record = self._search.failed(self._evaluator, verdict.failed_ranks, verdict.sites)
+            self._info(f"eval '{self._search.label}': {record.console_line()}")
+        else:
+            self._info(f"eval: out of memory on rank(s) {verdict.failed_ranks} at {verdict.sites}; Composer retries")
+        # The message is the one Composer's eval loop recognises as an OOM to retry.
+        raise OOMOnOtherRank(
+            f"CUDA out of memory encountered on rank(s) {verdict.failed_ranks} at {verdict.sites} during eval (automicro)"
+        )
