@@ -689,3 +689,69 @@ def reduce_scatter_comm(module: FSDPModule) -> Any:
     group = param_group(module)
     # torch 2.7 has no comm objects (the attribute appears with the comm API).
     return None if group is None else getattr(group, "_reduce_scatter_comm", None)
+
+
+# --------------------------------------------------------------------------------------------
+# Storage resize observers (checked on torch 2.7.0, 2.11.0 and 2.15.0)
+# --------------------------------------------------------------------------------------------
+#
+# FSDP2 frees and re-allocates its unsharded parameters with `UntypedStorage.resize_`, outside
+# the dispatcher, so a `TorchDispatchMode` never sees that memory come and go. The CPU memory cap
+# of the test kit (`automicro.testing.memory_cap`) needs to. While at least one observer is
+# registered, `torch.UntypedStorage.resize_` (inherited from `torch._C.StorageBase`) is wrapped;
+# removing the last observer deletes the wrapper, so torch's own method is back exactly.
+
+
+class StorageResizeObserver(Protocol):
+    """Told around every `UntypedStorage.resize_` while registered: `before_resize` may raise
+    (the resize then does not happen)."""
+
+    def before_resize(self, storage: Any, new_nbytes: int) -> None: ...
+
+    def after_resize(self, storage: Any) -> None: ...
+
+
+_resize_lock = threading.Lock()
+_resize_observers: list[StorageResizeObserver] = []
+_original_resize: Any = None
+
+
+def storage_key(storage: Any) -> int:
+    """A storage's identity for as long as it lives (its C++ object's address, `_cdata`)."""
+    return storage._cdata
+
+
+def _observed_resize_(storage: Any, size: int) -> Any:
+    observers = list(_resize_observers)
+    for observer in observers:
+        observer.before_resize(storage, int(size))
+    result = _original_resize(storage, size)
+    for observer in observers:
+        observer.after_resize(storage)
+    return result
+
+
+class _ResizeHandle:
+    def __init__(self, observer: StorageResizeObserver) -> None:
+        self._observer: Any = observer
+
+    def remove(self) -> None:
+        with _resize_lock:
+            if self._observer is None:
+                return
+            _resize_observers.remove(self._observer)
+            self._observer = None
+            if not _resize_observers and torch.UntypedStorage.__dict__.get("resize_") is _observed_resize_:
+                del torch.UntypedStorage.resize_
+
+
+def add_storage_resize_observer(observer: StorageResizeObserver) -> _ResizeHandle:
+    """Register `observer` for every `UntypedStorage.resize_` in this process; `.remove()` the
+    handle to stop (the last removal restores torch's method)."""
+    global _original_resize
+    with _resize_lock:
+        if not _resize_observers:
+            _original_resize = torch.UntypedStorage.resize_
+            torch.UntypedStorage.resize_ = _observed_resize_
+        _resize_observers.append(observer)
+    return _ResizeHandle(observer)

@@ -23,7 +23,7 @@ How it counts:
   is freed (torch keeps one Python object per storage for the storage's whole life), so the work
   per op is proportional to its outputs, never a sweep of all storages.
 - `UntypedStorage.resize_` (FSDP2 frees and re-allocates unsharded parameters that way, outside
-  the dispatcher) is wrapped while a cap is active: growth of a counted storage is checked
+  the dispatcher) is observed while a cap is active (`_torch_internals.add_storage_resize_observer`): growth of a counted storage is checked
   against the limit like an allocation, shrinking is subtracted.
 - Tensor subclasses (DTensor, the sharded parameters of `fully_shard`) take no storage of their
   own: their inner plain tensors are counted. An op on a subclass is one op for the cap (its
@@ -49,7 +49,8 @@ How it counts:
 An op that would cross the limit still ran (the check happens on its outputs), but its outputs
 are never returned and never counted: they are freed as the exception unwinds.
 
-Only `torch` is needed; wrapping this in a Composer callback is left to `automicro.integration`.
+Only `torch` (and the resize observer in `automicro.engine._torch_internals`, where every private
+torch hook lives) is needed; the Composer callback around it is `automicro.testing.callbacks`.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ from typing import Any, Optional, Union
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
+
+from automicro.engine._torch_internals import add_storage_resize_observer, storage_key
 
 __all__ = ["MemoryCap", "current_rank"]
 
@@ -159,45 +162,21 @@ class _CapMode(TorchDispatchMode):
         return out
 
 
-# ---- UntypedStorage.resize_ wrapper, installed while at least one cap is active ---------------
+class _ResizeWatch:
+    """The cap's view of `UntypedStorage.resize_` (`_torch_internals.add_storage_resize_observer`)."""
 
-_patch_lock = threading.Lock()
-_active_caps: dict["MemoryCap", int] = {}
-_orig_resize = None
+    def __init__(self, cap: "MemoryCap") -> None:
+        self.cap = cap
 
+    def before_resize(self, storage, new_nbytes: int) -> None:
+        key = storage_key(storage)
+        if self.cap._tracks(key):
+            self.cap._before_resize(key, new_nbytes - storage.nbytes())
 
-def _patched_resize_(storage, size):
-    caps = list(_active_caps)
-    if not caps:
-        return _orig_resize(storage, size)
-    key = storage._cdata
-    tracked = [c for c in caps if c._tracks(key)]
-    for cap in tracked:
-        cap._before_resize(key, int(size) - storage.nbytes())
-    result = _orig_resize(storage, size)
-    for cap in tracked:
-        cap._resync_one(key, storage)
-    return result
-
-
-def _activate(cap: "MemoryCap") -> None:
-    global _orig_resize
-    with _patch_lock:
-        if not _active_caps:
-            _orig_resize = torch.UntypedStorage.resize_  # inherited from torch._C.StorageBase
-            torch.UntypedStorage.resize_ = _patched_resize_
-        _active_caps[cap] = _active_caps.get(cap, 0) + 1
-
-
-def _deactivate(cap: "MemoryCap") -> None:
-    with _patch_lock:
-        n = _active_caps.get(cap, 0) - 1
-        if n > 0:
-            _active_caps[cap] = n
-        else:
-            _active_caps.pop(cap, None)
-        if not _active_caps and torch.UntypedStorage.__dict__.get("resize_") is _patched_resize_:
-            del torch.UntypedStorage.resize_
+    def after_resize(self, storage) -> None:
+        key = storage_key(storage)
+        if self.cap._tracks(key):
+            self.cap._resync_one(key, storage)
 
 
 class MemoryCap:
@@ -277,13 +256,13 @@ class MemoryCap:
             self._resolve_limit()
             self.resync()
             mode = _CapMode(self)
-            _activate(self)
+            resize = add_storage_resize_observer(_ResizeWatch(self))
             try:
                 mode.__enter__()
             except BaseException:
-                _deactivate(self)
+                resize.remove()
                 raise
-            self._tls.mode = mode
+            self._tls.mode, self._tls.resize = mode, resize
         self._tls.depth = depth + 1
         return self
 
@@ -295,7 +274,8 @@ class MemoryCap:
             try:
                 mode.__exit__(exc_type, exc, tb)
             finally:
-                _deactivate(self)
+                self._tls.resize.remove()
+                self._tls.resize = None
 
     @property
     def active(self) -> bool:
@@ -411,7 +391,7 @@ class MemoryCap:
                 retries = 0
                 crossing = None
                 for st in storages:
-                    key = st._cdata
+                    key = storage_key(st)
                     if key in seen or key in self._entries:
                         continue
                     seen.add(key)
@@ -487,12 +467,12 @@ class MemoryCap:
                 ins: list = []
                 _plain_storages((args, kwargs), ins)
                 for st in ins:
-                    self._resync_one(st._cdata, st)
+                    self._resync_one(storage_key(st), st)
             return
         entries = self._entries
         unknown = []
         for st in outs:
-            key = st._cdata
+            key = storage_key(st)
             entry = entries.get(key)
             if entry is None:
                 unknown.append(st)
@@ -505,8 +485,8 @@ class MemoryCap:
         _plain_storages(args, ins)
         if kwargs:
             _plain_storages(kwargs, ins)
-        in_keys = {st._cdata for st in ins}
-        new = [st for st in unknown if st._cdata not in in_keys]
+        in_keys = {storage_key(st) for st in ins}
+        new = [st for st in unknown if storage_key(st) not in in_keys]
         if new:
             self._allocate(new, func, self._limit)  # func: named only in an OOM message
 
