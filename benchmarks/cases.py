@@ -7,15 +7,13 @@ that nothing of a case stays on the device), `run_case` (build, fit, record, sum
 `interleaved` (several trainers built once, timed windows alternated A B A B … through
 `harness.interleave`), and `main` (the launch every suite file's CLI calls). Memory limits: on
 GPU `torch.cuda.set_per_process_memory_fraction`; on CPU `automicro.testing.MemoryCapCallback` with
-`fraction * --cpu-total-mb` bytes. It reads automicro only through public names; the one private
-name it touches is Composer's `Engine._close` (the atexit registration that keeps a closed
-trainer's state alive, `release_trainer`).
+`fraction * --cpu-total-mb` bytes. It reads automicro only through public names (`automicro.Trainer.release()`
+frees a closed trainer, which Composer would keep alive until exit).
 """
 
 from __future__ import annotations
 
 import argparse
-import atexit
 import faulthandler
 import gc
 import os
@@ -235,17 +233,8 @@ def build_trainer(ctx: Ctx, *, fractions: Optional[tuple[float, ...]], micro: An
 def release_trainer(trainer: Any, gpu: bool) -> None:
     """Close a trainer so that nothing of it stays alive (or on the device) in this process."""
     import torch
-    from composer.core.engine import Engine
 
-    trainer.close()
-    # The last outputs carry FSDP2's pre-backward hooks (-> model) and their autograd graph is
-    # held from C++: a cycle the garbage collector cannot see through. Cut it.
-    trainer.state.outputs = None
-    trainer.state.loss = None
-    trainer.state.batch = None
-    # Composer's Engine registers atexit(Engine._close, state, logger), which keeps the state
-    # (model, optimizer) alive for the whole process; this engine is closed: drop the registration.
-    atexit.unregister(Engine._close)
+    trainer.release()  # close(), and Composer's exit-time reference to the state dropped
     gc.collect()
     if gpu:
         torch.cuda.empty_cache()

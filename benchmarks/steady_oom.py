@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import gc
 import json
 import os
 import statistics
@@ -219,11 +218,9 @@ def build_trainer(args: argparse.Namespace, callbacks: list[Any], steady_recover
 
 
 def release(trainer: Any) -> None:
-    trainer.close()
-    del trainer
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    from cases import release_trainer
+
+    release_trainer(trainer, torch.cuda.is_available())
 
 
 def run_oom(args: argparse.Namespace, ranks_text: str, phase: str) -> dict[str, Any]:

@@ -63,3 +63,12 @@ def test_trainer_on_two_ranks_matches_one_process_loop_with_training_metrics_on(
             error = per_rank[name]
             assert not isinstance(error, dict), error.get("crash")
             assert error < 5e-5, f"{name}: parameters differ from one process by {error}"
+
+
+@pytest.mark.multiproc
+def test_release_frees_the_model_that_close_alone_keeps_alive(results):
+    # Composer keeps a closed trainer's state (model, optimizer) referenced until exit;
+    # automicro.Trainer.release() lets it go (several trainers in one process).
+    for per_rank in results:
+        freed = _ok(per_rank["freed"])
+        assert freed == {"closed": False, "released": True}, freed

@@ -63,6 +63,40 @@ def _eval_run(eval_microbatch: Any, injector: Optional[FaultInjector], eval_samp
         trainer.close()
 
 
+def _model_freed(release: bool) -> bool:
+    """Whether a fitted trainer's model is garbage once the trainer is closed (`release=False`:
+    `close()` alone) or released, and no name refers to either."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = build_model("tiny", max_seq_len=SEQ)
+    trainer = automicro.Trainer(
+        model=model,
+        train_dataloader=build_dataloader(SyntheticTokens(32, SEQ, 256, seed=1), PER_RANK_BATCH, shuffle=False),
+        max_duration="1ba",
+        optimizers=torch.optim.AdamW(model.parameters(), lr=1e-3),
+        device="cpu",
+        parallelism_config={"fsdp2": {}},
+        device_train_microbatch_size="auto",
+        callbacks=[AutoMicrobatching(log_attempts=False)],
+        loggers=[],
+        progress_bar=False,
+        log_to_console=False,
+        seed=17,
+    )
+    trainer.fit()
+    alive = weakref.ref(model)
+    del model
+    if release:
+        trainer.release()
+    else:
+        trainer.close()
+    del trainer
+    gc.collect()
+    return alive() is None
+
+
 def run_eval_cases(rank: int, world: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name, microbatch, injector, samples in (
@@ -77,6 +111,10 @@ def run_eval_cases(rank: int, world: int) -> dict[str, Any]:
             results[name] = _eval_run(microbatch, injector, samples)
         except Exception:  # noqa: BLE001 - the test reports which case broke
             results[name] = {"crash": traceback.format_exc()}
+    try:  # close() alone first: release() then drops that trainer's exit-time reference too
+        results["freed"] = {"closed": _model_freed(False), "released": _model_freed(True)}
+    except Exception:  # noqa: BLE001
+        results["freed"] = {"crash": traceback.format_exc()}
     return results
 
 

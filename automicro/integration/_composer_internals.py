@@ -15,6 +15,9 @@ What is private here and why:
 - `enable_sharded_checkpoints` sets a Composer `FSDP2Config` on `State.fsdp_config` (a public
   setter) at `Event.BEFORE_LOAD`; what is version specific is *when* Composer reads it (see there).
 - `load_stateless_optimizers_directly` replaces `State.load_optim_state` on one `State` (see there).
+- `forget_closed_trainer` drops `Engine._close` from `atexit` (Composer registers it with the
+  trainer's state and never unregisters it on `close()`, so a closed trainer's model and
+  optimizer stay alive for the whole process; see there).
 - `check_before_composer_trainer` wraps `composer.Trainer.__init__` (the class is public, patching
   its method is not): Composer validates `device_train_microbatch_size` and `parallelism_config`
   before any callback runs, so this is the only point that can speak before its refusals.
@@ -311,3 +314,25 @@ def set_eval_retry_size(evaluator: Any, size: int) -> None:
     if size < 1:
         raise ValueError(f"eval microbatch size {size}: must be >= 1")
     evaluator.device_eval_microbatch_size = 2 * size
+
+
+def forget_closed_trainer(trainer: Any) -> None:
+    """Let a closed trainer's model, optimizer and last batch be freed while the process goes on
+    (many trainers in one process: benchmarks, sweeps).
+
+    Composer's `Engine` registers `atexit.register(Engine._close, state, logger)` and `close()`
+    does not unregister it, so `state` stays referenced until the process exits. `Engine._close`
+    is a static method: unregistering it drops the registration of *every* engine of the process
+    (as Composer's own `Engine.__del__` does), so call this only once no other trainer still
+    needs its close at exit. The last outputs carry FSDP2's pre-backward hooks and an autograd
+    graph held from C++ (a cycle the garbage collector cannot see through): cut too."""
+    import atexit
+
+    from composer.core.engine import Engine
+
+    if not trainer.engine._is_closed:
+        raise RuntimeError("automicro: forget_closed_trainer needs trainer.close() first")
+    trainer.state.outputs = None
+    trainer.state.loss = None
+    trainer.state.batch = None
+    atexit.unregister(Engine._close)

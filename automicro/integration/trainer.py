@@ -241,6 +241,17 @@ class Trainer(composer.Trainer):
                     raise lost from error
             raise
 
+    def release(self) -> None:
+        """`close()`, then let this trainer's model, optimizer and last batch be freed while the
+        process goes on (several trainers in one process: sweeps, benchmarks, notebooks).
+
+        Composer keeps a closed trainer's state alive until the process exits (its exit-time
+        close is registered with the state and not dropped by `close()`); this drops it, for every
+        trainer of the process at once: call it when no other trainer still needs its close at
+        exit (`_composer_internals.forget_closed_trainer`)."""
+        self.close()
+        composer_internals.forget_closed_trainer(self)
+
     def _train_batch(self, use_grad_scaling: bool) -> dict[str, torch.Tensor]:  # Composer private hook
         if self._automicro is None:
             return super()._train_batch(use_grad_scaling)
