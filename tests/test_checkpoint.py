@@ -219,7 +219,7 @@ def test_a_bad_checkpoint_format_names_the_argument_and_the_choices(value):
 
 
 def test_sharded_checkpoints_need_fsdp2():
-    with pytest.raises(ValueError, match=r"checkpoint_format='sharded'.*parallelism_config=\{'fsdp2'"):
+    with pytest.raises(ValueError, match=r"checkpoint_format='sharded'.*needs parallelism_config.fsdp2"):
         _trainer(checkpoint_format="sharded")
 
 

@@ -44,6 +44,7 @@ from automicro.config.schema import (
     auto_eval_problem,
     check_microbatch_size,
     load_path_problem,
+    sharded_checkpoint_problem,
 )
 from automicro.engine.config import CHECKPOINT_FORMATS, PARALLELISM_KEYS
 
@@ -74,6 +75,7 @@ __all__ = [
     "check_microbatch_size",
     "from_dict",
     "load_path_problem",
+    "sharded_checkpoint_problem",
     "load_config",
     "parse_cli",
 ]

@@ -107,6 +107,14 @@ def auto_eval_problem(*, train_auto: bool, sharded: bool) -> Optional[str]:
     )
 
 
+def sharded_checkpoint_problem(*, sharded: bool) -> Optional[str]:
+    """Why ``checkpoint_format='sharded'`` cannot run here, or None: the one check, for the YAML
+    and for `automicro.Trainer(checkpoint_format=...)`."""
+    if sharded:
+        return None
+    return "saves FSDP2 shards and needs parallelism_config.fsdp2 (e.g. parallelism_config: {fsdp2: {}}); without FSDP2 use checkpoint_format: full"
+
+
 SEED_MAX = 2**32 - 1  # numpy's and Composer's bound on a seed
 
 
@@ -442,11 +450,10 @@ class TrainConfig:
                 f"{prefix}autoresume=true: resumes from the latest checkpoint in save_folder; set save_folder "
                 "(e.g. save_folder: runs/${{run_name}}/checkpoints) or autoresume: false"
             )
-        if self.checkpoint_format == "sharded" and self.fsdp2 is None:
-            raise ConfigError(
-                f"{prefix}checkpoint_format='sharded': saves FSDP2 shards and needs parallelism_config.fsdp2 "
-                "(e.g. parallelism_config: {fsdp2: {}}); without FSDP2 use checkpoint_format: full"
-            )
+        if self.checkpoint_format == "sharded":
+            problem = sharded_checkpoint_problem(sharded=self.fsdp2 is not None)
+            if problem:
+                raise ConfigError(f"{prefix}checkpoint_format='sharded': {problem}")
         if self.eval_interval is not None and self.device_eval_microbatch_size == AUTO:
             problem = auto_eval_problem(train_auto=self.device_train_microbatch_size == AUTO, sharded=self.fsdp2 is not None)
             if problem:

@@ -41,7 +41,7 @@ from composer.loggers import Logger
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from automicro.config import CHECKPOINT_FORMATS, load_path_problem
+from automicro.config import CHECKPOINT_FORMATS, load_path_problem, sharded_checkpoint_problem
 from automicro.config.schema import DCP_METADATA_FILENAME  # noqa: F401 - its old home
 from automicro.integration import _composer_internals as composer_internals
 
@@ -63,11 +63,9 @@ def check_checkpoint_format(
             f"{', '.join(repr(f) for f in CHECKPOINT_FORMATS)} (YAML key `checkpoint_format`)"
         )
     if checkpoint_format == "sharded":
-        if not sharded_model:
-            raise ValueError(
-                "automicro.Trainer: checkpoint_format='sharded' saves FSDP2 shards and needs "
-                "parallelism_config={'fsdp2': {...}}; without FSDP2 use checkpoint_format='full'"
-            )
+        problem = sharded_checkpoint_problem(sharded=sharded_model)
+        if problem:
+            raise ValueError(f"automicro.Trainer: checkpoint_format='sharded': {problem}")
         if save_metrics:
             raise ValueError(
                 "automicro.Trainer: checkpoint_format='sharded' does not save metrics (Composer shards metric "
