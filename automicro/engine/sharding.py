@@ -11,6 +11,7 @@ Composer, private torch outside `_torch_internals`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import warnings
@@ -29,7 +30,18 @@ from automicro.engine.config import FSDP2Config, FSDP2ConfigError
 log = logging.getLogger(__name__)
 
 AVOID_RECORD_STREAMS_ENV = "TORCH_NCCL_AVOID_RECORD_STREAMS"
-_warned_record_stream = False
+
+
+@functools.cache
+def _warn_record_stream_once() -> None:
+    log.warning(
+        "automicro: the process group was created without %s=1, so torch %s's c10d calls "
+        "record_stream on async collectives (extra memory held until the next sync). "
+        "Export %s=1 before launching, or create the Trainer before any process group.",
+        AVOID_RECORD_STREAMS_ENV,
+        torch.__version__,
+        AVOID_RECORD_STREAMS_ENV,
+    )
 
 
 def ensure_record_stream_free() -> bool:
@@ -39,7 +51,6 @@ def ensure_record_stream_free() -> bool:
     process group exists (it is read when the group is created). Returns True when the setting
     is (or will be) in effect; warns once with the fix when a group already exists without it.
     """
-    global _warned_record_stream
     if not internals.NEEDS_AVOID_RECORD_STREAMS_ENV:
         return True
     if os.environ.get(AVOID_RECORD_STREAMS_ENV) == "1":
@@ -47,16 +58,7 @@ def ensure_record_stream_free() -> bool:
     if dist.is_available() and dist.is_initialized():
         if dist.get_backend() != "nccl":
             return True  # record_stream is an NCCL (CUDA caching allocator) matter only
-        if not _warned_record_stream:
-            _warned_record_stream = True
-            log.warning(
-                "automicro: the process group was created without %s=1, so torch %s's c10d calls "
-                "record_stream on async collectives (extra memory held until the next sync). "
-                "Export %s=1 before launching, or create the Trainer before any process group.",
-                AVOID_RECORD_STREAMS_ENV,
-                torch.__version__,
-                AVOID_RECORD_STREAMS_ENV,
-            )
+        _warn_record_stream_once()
         return False
     os.environ[AVOID_RECORD_STREAMS_ENV] = "1"
     return True
