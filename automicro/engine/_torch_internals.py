@@ -755,3 +755,92 @@ def add_storage_resize_observer(observer: StorageResizeObserver) -> _ResizeHandl
             torch.UntypedStorage.resize_ = _observed_resize_
         _resize_observers.append(observer)
     return _ResizeHandle(observer)
+
+
+# --------------------------------------------------------------------------------------------
+# Pipelining (`torch.distributed.pipelining`; checked on torch 2.7.0, 2.11.0 and 2.15.0)
+# --------------------------------------------------------------------------------------------
+#
+# automicro runs torch's pipeline stages with its own lockstep executor (`engine.pipeline`): the
+# schedule's compute order comes from torch's schedule classes (public), each action runs through
+# the stage's own methods (`forward_one_chunk`, `backward_one_chunk`, `backward_weight_one_chunk`,
+# `get_*_ops`: public names on a private base class). Private here: the action fields of
+# `pipeline_order`, the stage set-up (`_initialize_stages`, whose signature and work differ
+# between versions) and the end of an FSDP stage's backward (torch 2.7 runs it inside the last
+# backward, 2.11+ as `perform_reduce_grad`), and the stage's runtime caches a failed attempt
+# leaves behind.
+
+_PIPELINE_KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+
+
+def pipeline_schedule_class(name: str) -> Any:
+    """torch's schedule class by its public name (`torch.distributed.pipelining.schedules`)."""
+    from torch.distributed.pipelining import schedules
+
+    return getattr(schedules, name)
+
+
+def pipeline_compute_order(schedule: Any) -> dict[int, list[tuple[str, int, int]]]:
+    """Each pipeline rank's compute actions, in order, as (kind, stage, microbatch); kind is F
+    (forward), B (full backward), I (input gradient) or W (weight gradient). Bubbles (None) and
+    communication actions are left out: the executor times the actions itself."""
+    order: dict[int, list[tuple[str, int, int]]] = {}
+    for rank, actions in schedule.pipeline_order.items():
+        rows = []
+        for action in actions:
+            if action is None:
+                continue
+            kind = _PIPELINE_KINDS.get(getattr(action.computation_type, "name", str(action.computation_type)))
+            if kind is None:
+                continue
+            rows.append((kind, int(action.stage_index), int(action.microbatch_index)))
+        order[rank] = rows
+    return order
+
+
+def initialize_pipeline_stages(schedule: Any, first_stage_args: tuple[Any, ...]) -> None:
+    """Allocate the stages' receive buffers for the schedule's microbatch count (what the
+    schedule's first `step()` does). On 2.11+ it also exchanges one warm-up message with the
+    neighbouring stages: every stage must call it at the same point."""
+    schedule._initialize_stages(first_stage_args, {})
+
+
+def finish_stage_backward(stage: Any) -> None:
+    """After a stage's last backward of the batch: FSDP2's post-backward (the reduce-scatter of
+    the accumulated gradients, reshard) and its final callback. No gradient scaling: automicro
+    scales each microbatch's loss instead."""
+    if hasattr(stage, "perform_reduce_grad"):  # torch >= 2.11
+        stage.perform_reduce_grad(1)
+        return
+    module = stage.submod  # torch 2.7: what its `backward_maybe_with_nosync` does on the last backward
+    if not isinstance(module, FSDPModule):
+        return
+    module.set_is_last_backward(True)
+    module.set_reshard_after_backward(True)
+    module.set_requires_gradient_sync(True)
+    state = fsdp_state(module)
+    for each in state._state_ctx.all_states:
+        if each._fsdp_param_group:
+            each._fsdp_param_group.post_backward()
+    state._root_post_backward_final_callback()
+
+
+def release_stage(stage: Any) -> None:
+    """Drop everything a stage holds between actions of one batch (cached stage outputs and
+    inputs with their autograd graphs, zero-bubble weight-gradient state, input gradients, the
+    last stage's output chunks) and the receive buffers, after a batch or a failed attempt: none
+    of it may keep memory or a graph alive into the next attempt."""
+    for name in ("fwd_cache", "bwd_cache", "backward_state", "dw_runner", "output_chunks"):
+        cache = getattr(stage, name, None)
+        if cache is not None:
+            cache.clear()
+    for name in ("args_recv_info", "grad_recv_info"):
+        infos = getattr(stage, name, None)
+        if isinstance(infos, dict):
+            infos.clear()
+    module = stage.submod
+    if isinstance(module, FSDPModule):
+        # The stage's backward turned these off for accumulation; a failed attempt never turned them back.
+        module.set_is_last_backward(True)
+        module.set_reshard_after_backward(True)
+        module.set_requires_gradient_sync(True)

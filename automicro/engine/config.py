@@ -19,7 +19,10 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 MIXED_PRECISION_CHOICES = ("FULL", "DEFAULT", "PURE")
-PARALLELISM_KEYS = ("fsdp2",)
+PARALLELISM_KEYS = ("fsdp2", "pipeline")
+# `parallelism_config.pipeline.schedule` names (torch classes in `automicro.engine.pipeline`).
+PIPELINE_SCHEDULES = ("1F1B", "ZeroBubble")
+PIPELINE_KEY = "parallelism_config.pipeline"
 # How a sharded model's checkpoints are written (`automicro.Trainer(checkpoint_format=...)`, YAML
 # top-level `checkpoint_format`); here because Composer's `fsdp2.state_dict_type` is redirected to it.
 CHECKPOINT_FORMATS = ("full", "sharded")
@@ -203,12 +206,72 @@ def fsdp2_from_parallelism_config(parallelism_config: Any) -> Optional[FSDP2Conf
     if unknown:
         raise FSDP2ConfigError(
             f"automicro.Trainer: parallelism_config keys {unknown} are not supported; automicro shards "
-            "with FSDP2 only: use parallelism_config={'fsdp2': {...}}"
+            "with FSDP2 (and pipelines over it): use parallelism_config={'fsdp2': {...}, 'pipeline': {...}}"
         )
     value = parallelism_config.get("fsdp2")
     if isinstance(value, FSDP2Config):
         return value
     return FSDP2Config.from_dict(value)
+
+
+@dataclass
+class PipelineConfig:
+    """Pipeline parallelism over FSDP2 (`automicro.engine.pipeline`).
+
+    Attributes:
+        stages: pipeline stages; must divide the world size, each stage then runs on
+            world/stages data-parallel ranks that shard it with FSDP2.
+        schedule: ``1F1B`` or ``ZeroBubble`` (ZB1P: input and weight gradients split, the weight
+            gradients fill the bubbles), torch's schedules with one stage per rank.
+        keep_graph_after_input_grad: a measurement aid: keep each stage output's autograd graph
+            alive until the end of the batch, the memory behaviour before torch's zero-bubble
+            fix (default false).
+    """
+
+    stages: int = 2
+    schedule: str = "1F1B"
+    keep_graph_after_input_grad: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 2:
+            raise FSDP2ConfigError(
+                f"{PIPELINE_KEY}.stages={self.stages!r}: must be an int >= 2 (leave parallelism_config.pipeline out "
+                "for no pipeline)"
+            )
+        if self.schedule not in PIPELINE_SCHEDULES:
+            close = difflib.get_close_matches(str(self.schedule), PIPELINE_SCHEDULES, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise FSDP2ConfigError(
+                f"{PIPELINE_KEY}.schedule={self.schedule!r}: unknown{hint}; must be one of {', '.join(PIPELINE_SCHEDULES)}"
+            )
+        if not isinstance(self.keep_graph_after_input_grad, bool):
+            raise FSDP2ConfigError(
+                f"{PIPELINE_KEY}.keep_graph_after_input_grad={self.keep_graph_after_input_grad!r}: must be true or false"
+            )
+
+    @classmethod
+    def from_dict(cls, values: Any) -> "PipelineConfig":
+        if isinstance(values, PipelineConfig):
+            return values
+        if not isinstance(values, Mapping):
+            raise FSDP2ConfigError(f"{PIPELINE_KEY}={values!r}: must be a mapping like {{stages: 2, schedule: 1F1B}}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        for k, v in values.items():
+            if k not in known:
+                close = difflib.get_close_matches(str(k), known, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise FSDP2ConfigError(f"{PIPELINE_KEY}.{k}={v!r}: unknown key{hint}; allowed keys: {', '.join(known)}")
+        return cls(**dict(values))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def pipeline_from_parallelism_config(parallelism_config: Any) -> Optional[PipelineConfig]:
+    """`parallelism_config.pipeline` -> a `PipelineConfig`, or None (no pipeline)."""
+    if not isinstance(parallelism_config, Mapping) or parallelism_config.get("pipeline") is None:
+        return None
+    return PipelineConfig.from_dict(parallelism_config["pipeline"])
 
 
 __all__ = [
@@ -217,5 +280,8 @@ __all__ = [
     "FSDP2ConfigError",
     "MIXED_PRECISION_CHOICES",
     "PARALLELISM_KEYS",
+    "PIPELINE_SCHEDULES",
+    "PipelineConfig",
     "fsdp2_from_parallelism_config",
+    "pipeline_from_parallelism_config",
 ]

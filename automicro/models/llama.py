@@ -46,6 +46,7 @@ __all__ = [
     "ComposerLlama",
     "Llama",
     "LlamaConfig",
+    "LlamaStage",
     "RMSNorm",
     "RotaryEmbedding",
     "SwiGLU",
@@ -392,6 +393,74 @@ class Llama(nn.Module):
         return 6 * self.num_params(exclude_embeddings=True) + 12 * cfg.n_layers * cfg.d_model * seq_len
 
 
+class LlamaStage(nn.Module):
+    """One pipeline stage of a :class:`Llama`: the embedding on the first stage, a contiguous run of
+    blocks, the final norm and head on the last. Parameter names are the full model's
+    (``blocks.<i>`` keeps the block's index), so a stage's state dict is a slice of the model's.
+
+    ``forward(x)``: token ids ``[B, S]`` on the first stage, hidden states ``[B, S, D]`` on the
+    others; returns hidden states, or logits ``[B, S, V]`` on the last stage.
+    """
+
+    def __init__(self, llama: "Llama", blocks: range, first: bool, last: bool) -> None:
+        super().__init__()
+        self.config = llama.config
+        self.first, self.last = first, last
+        self.rope = llama.rope
+        self.tok_embeddings = llama.tok_embeddings if first else None
+        self.blocks = nn.ModuleDict({str(i): llama.blocks[i] for i in blocks})
+        self.norm = llama.norm if last else None
+        self.lm_head = llama.lm_head if last else None
+
+    @property
+    def block_names(self) -> list[str]:
+        return [f"blocks.{i}" for i in self.blocks]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.rope(x.shape[1])
+        if self.tok_embeddings is not None:
+            x = self.tok_embeddings(x)
+        for block in self.blocks.values():
+            x = block(x, cos, sin)
+        if self.lm_head is not None:
+            x = self.lm_head(self.norm(x))
+        return x
+
+    def pipeline_io(self, microbatch_size: int, seq_len: int, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Meta tensors of this stage's input and output for one microbatch (`dtype`: the compute dtype)."""
+        cfg = self.config
+        hidden = torch.empty(microbatch_size, seq_len, cfg.d_model, dtype=dtype, device="meta")
+        tokens = torch.empty(microbatch_size, seq_len, dtype=torch.long, device="meta")
+        logits = torch.empty(microbatch_size, seq_len, cfg.vocab_size, dtype=dtype, device="meta")
+        return (tokens if self.first else hidden,), (logits if self.last else hidden,)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """The values the full model's :meth:`Llama.init_weights` gives this stage's parameters
+        under the same RNG state: every weight of the full model is drawn in order, this stage
+        keeps its own (a stage built on the meta device, then sharded, matches a split of a model
+        initialized whole)."""
+        with torch.device("meta"):
+            whole = Llama(self.config)
+        own = dict(self.named_modules())
+        device = next((p.device for p in self.parameters() if not p.is_meta), None)
+        for name, module in whole.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                if name == "lm_head" and self.config.tie_embeddings:
+                    continue
+                mine = own.get(name)
+                if mine is None:
+                    # Another stage's weight: draw it anyway so the RNG advances as in the whole model.
+                    torch.empty(module.weight.shape, device=device or "cpu").normal_(0.0, self.config.init_std)
+                    continue
+                _normal_init_(mine.weight, self.config.init_std)
+                if getattr(mine, "bias", None) is not None:
+                    mine.bias.zero_()
+            elif isinstance(module, RMSNorm) and name in own:
+                own[name].reset_parameters()
+        self.rope.reset_buffers()
+
+
 class ComposerLlama(ComposerModel):
     """Composer wrapper around :class:`Llama`.
 
@@ -425,9 +494,41 @@ class ComposerLlama(ComposerModel):
         metric.update(outputs.float().contiguous(), batch["labels"].contiguous())
 
     def flops_per_batch(self, batch: dict[str, torch.Tensor]) -> int:
-        """Training FLOPs for `batch` (read by Composer's SpeedMonitor for MFU)."""
+        """Training FLOPs for `batch` (read by Composer's SpeedMonitor for MFU). A pipeline stage
+        counts its share: its blocks' part of the whole model's FLOPs (the embedding and head
+        are counted with the blocks by parameter count, as for the whole model)."""
         input_ids = batch["input_ids"]
+        if isinstance(self.model, LlamaStage):
+            whole = _whole_model_flops_per_token(self.config, input_ids.shape[1])
+            return whole * len(self.model.blocks) // self.config.n_layers * input_ids.numel()
         return self.model.flops_per_token(input_ids.shape[1]) * input_ids.numel()
+
+    # ---- pipeline parallelism (automicro.engine.pipeline) ----------------------------------
+
+    def pipeline_stage(self, stage_index: int, num_stages: int) -> LlamaStage:
+        """Keep only stage `stage_index` of `num_stages` (blocks split evenly, earlier stages take
+        the extra ones) and return it; the model's other modules are dropped."""
+        from automicro.engine.pipeline import PipelineModelError, split_blocks
+
+        if not isinstance(self.model, Llama):
+            raise PipelineModelError("ComposerLlama.pipeline_stage: the model is already a pipeline stage")
+        if self.config.tie_embeddings:
+            raise PipelineModelError(
+                "model.tie_embeddings=true with a pipeline: the embedding (first stage) and the head (last stage) "
+                "cannot share a weight across stages; set tie_embeddings: false"
+            )
+        runs = split_blocks(self.config.n_layers, num_stages)
+        stage = LlamaStage(self.model, runs[stage_index], first=stage_index == 0, last=stage_index == num_stages - 1)
+        self.model = stage  # type: ignore[assignment]
+        return stage
+
+    def pipeline_inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return (batch["input_ids"],)
+
+
+def _whole_model_flops_per_token(config: LlamaConfig, seq_len: int) -> int:
+    with torch.device("meta"):
+        return Llama(config).flops_per_token(seq_len)
 
 
 def build_model(preset: Union[str, LlamaConfig], init_device: str = "cpu", **overrides: Any) -> ComposerLlama:
