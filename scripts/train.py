@@ -89,6 +89,8 @@ def main(argv: list[str]) -> int:
 
     optimizer = builders.build_optimizer(cfg, model)
     parallelism = None if cfg.fsdp2 is None else {"fsdp2": cfg.fsdp2}
+    if cfg.pipeline is not None:
+        parallelism = {**(parallelism or {}), "pipeline": cfg.pipeline}
     try:
         trainer = Trainer(
             model=model,

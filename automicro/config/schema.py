@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Union
 
 from automicro.config.convert import ConfigError, _check_type, _did_you_mean, _is_optional
 from automicro.config.registry import KNOWN_CALLBACKS
-from automicro.engine.config import CHECKPOINT_FORMATS, FSDP2Config, FSDP2ConfigError
+from automicro.engine.config import CHECKPOINT_FORMATS, FSDP2Config, FSDP2ConfigError, PipelineConfig
 
 AUTO = "auto"
 MODEL_PRESETS = ("tiny", "125m", "1b", "3b", "7b")
@@ -345,10 +345,13 @@ class LoggerConfig:
 
 @dataclass
 class ParallelismConfig:
-    """``parallelism_config:`` only ``fsdp2`` is supported."""
+    """``parallelism_config:`` ``fsdp2`` and, over it, ``pipeline``."""
 
     fsdp2: Optional[FSDP2Config] = _cfg(None, parse=lambda v, k: _fsdp2_parse(v, k))
     """FSDP2 engine settings; ``fsdp2: {}`` (or ``fsdp2:`` with no value) uses every default."""
+    pipeline: Optional[PipelineConfig] = _cfg(None, parse=lambda v, k: _pipeline_parse(v, k))
+    """Pipeline parallelism (`automicro.engine.PipelineConfig`: ``stages``, ``schedule``: 1F1B or
+    ZeroBubble); each stage is sharded with ``fsdp2`` over world/stages ranks. null: no pipeline."""
 
 
 def _describe_parallelism(value: Optional[ParallelismConfig]) -> str:
@@ -361,6 +364,28 @@ def _fsdp2_parse(value: Any, key: str) -> FSDP2Config:
         return FSDP2Config.from_dict(value, key)
     except FSDP2ConfigError as e:
         raise ConfigError(str(e)) from e
+
+
+def _pipeline_parse(value: Any, key: str) -> Optional[PipelineConfig]:
+    if value is None:
+        return None
+    try:
+        return PipelineConfig.from_dict(value)
+    except FSDP2ConfigError as e:
+        raise ConfigError(str(e)) from e
+
+
+def pipeline_problem(*, eval_interval: Any, save_folder: Any, load_path: Any, precision: Optional[str], sharded: bool) -> Optional[str]:
+    """Why a pipeline cannot run with these settings (None: it can). Shared with `automicro.Trainer`."""
+    if not sharded:
+        return "needs parallelism_config.fsdp2 (each stage is sharded with FSDP2 over its ranks): add fsdp2: {}"
+    if eval_interval is not None:
+        return "does not evaluate yet (Composer's eval runs the whole model on one rank); set eval_interval: null"
+    if save_folder is not None or load_path is not None:
+        return "does not save or load checkpoints yet; set save_folder: null and load_path: null"
+    if precision == "amp_fp16":
+        return "does not support amp_fp16 (no gradient scaler across stages); use amp_bf16 or fp32"
+    return None
 
 
 def _callbacks_parse(value: Any, key: str) -> dict:
@@ -467,17 +492,44 @@ class TrainConfig:
         problem = load_path_problem(self.load_path, self.checkpoint_format)
         if problem:
             raise ConfigError(f"{prefix}load_path={self.load_path!r}: {problem}")
+        if self.pipeline is not None:
+            problem = pipeline_problem(
+                eval_interval=self.eval_interval, save_folder=self.save_folder, load_path=self.load_path,
+                precision=self.precision, sharded=self.fsdp2 is not None,
+            )
+            if problem:
+                raise ConfigError(f"{prefix}parallelism_config.pipeline: {problem}")
 
     @property
     def fsdp2(self) -> Optional[FSDP2Config]:
         """The FSDP2 settings, or None when the run is not sharded."""
         return self.parallelism_config.fsdp2 if self.parallelism_config is not None else None
 
+    @property
+    def pipeline(self) -> Optional[PipelineConfig]:
+        """The pipeline settings, or None without a pipeline."""
+        return self.parallelism_config.pipeline if self.parallelism_config is not None else None
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """How many copies of the model take their own share of each global batch: the world size,
+        or world/stages with a pipeline (the stages of one pipeline run the same samples)."""
+        if self.pipeline is None:
+            return world_size
+        stages = self.pipeline.stages
+        if world_size % stages != 0:
+            raise ConfigError(
+                f"parallelism_config.pipeline.stages={stages}: must divide the world size {world_size} "
+                "(each stage runs on world/stages ranks)"
+            )
+        return world_size // stages
+
     def per_rank_batch_size(self, world_size: int) -> int:
-        """Samples per rank per optimizer step; checks the batch sizes against ``world_size``."""
+        """Samples per rank per optimizer step; checks the batch sizes against ``world_size``. With a
+        pipeline every rank of one pipeline gets the same samples: global batch / (world / stages)."""
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ConfigError(f"world_size={world_size!r}: must be a positive int")
         gbs = self.global_train_batch_size
+        world_size = self.data_parallel_size(world_size)
         if gbs % world_size != 0:
             raise ConfigError(
                 f"global_train_batch_size={gbs}: must be divisible by the world size {world_size} "

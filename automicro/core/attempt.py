@@ -48,10 +48,19 @@ T = TypeVar("T")
 
 
 def is_oom(error: BaseException) -> bool:
-    if isinstance(error, (torch.OutOfMemoryError, OOMOnOtherRank)):
-        return True
-    text = str(error)
-    return "CUDA out of memory" in text or "CUDA error: out of memory" in text
+    """An out-of-memory error, also one re-raised under another type (torch's pipeline stages wrap
+    a failed forward or backward in a RuntimeError ``from`` the original)."""
+    seen: set[int] = set()
+    current: Optional[BaseException] = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (torch.OutOfMemoryError, OOMOnOtherRank)):
+            return True
+        text = str(current)
+        if "CUDA out of memory" in text or "CUDA error: out of memory" in text:
+            return True
+        current = current.__cause__
+    return False
 
 
 @dataclass
@@ -178,9 +187,13 @@ class AttemptFence:
         own_error = None if followed or oom else error
         if self.ledger is not None:
             self.ledger.stop(failed_here=not followed, site=site)
+        agreed: Optional[Verdict] = getattr(error, "agreed", None)
         if own_error is None:
             _drop_frames(error)
         wipe()
+        if agreed is not None:
+            # A pipeline barrier's round was already the agreement (`Consensus.barrier`).
+            return AttemptResult(agreed, None, None, None, time.perf_counter() - started)
         heard = self._heard(hooks_active)
         if heard is not None and own_error is not None:
             # This rank's error is the collective a rank that failed first left (gloo: "Connection

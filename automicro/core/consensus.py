@@ -242,6 +242,39 @@ class Consensus:
                 f"at {verdict.sites} (automicro consensus)"
             )
 
+    def barrier(self) -> None:
+        """Wait until every rank is at a barrier or has failed; raise if one failed (with the
+        verdict as the error's `agreed` attribute when that round already was the agreement).
+
+        A pipeline's time step (`automicro.engine.pipeline`): ranks run different work between
+        two barriers, so their numbers of sync points differ. A rank at the barrier reports
+        still_running=0 and keeps joining rounds until no rank is running: every rank leaves in
+        the same round, and the next round of each rank is again the same round on all."""
+        if self._failed_seen:
+            raise OOMOnOtherRank("automicro: another rank failed in this attempt")
+        while True:
+            vec = self._round(0, 0, LocalFigures())
+            if self._any_failed(vec):
+                self._failed_seen = True
+                verdict = self._verdict(vec, 1)
+                if verdict.error_ranks:
+                    error: RuntimeError = FailedOnOtherRank(
+                        f"automicro: rank(s) {verdict.error_ranks} failed with an error at "
+                        f"{[r.site for r in verdict.reports if r.kind == KIND_ERROR]}; stopping this rank too"
+                    )
+                else:
+                    error = OOMOnOtherRank(
+                        f"CUDA out of memory encountered on rank(s) {verdict.failed_ranks} "
+                        f"at {verdict.sites} (automicro consensus)"
+                    )
+                if int(vec[0]) == 0:
+                    # Nobody was running in this round: it already was the agreement (the failed
+                    # ranks left their drain with it); no further round may follow.
+                    error.agreed = verdict  # type: ignore[attr-defined]
+                raise error
+            if int(vec[0]) == 0:
+                return
+
     def finish(self, figures: LocalFigures) -> Verdict:
         """End of an attempt on a rank that did not fail: agree whether every rank finished."""
         started = time.perf_counter()

@@ -35,7 +35,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 #: Predicted sizes aim at this fraction of the usable memory.
 SAFETY_MARGIN = 0.95
@@ -148,6 +148,9 @@ class PolicyConfig:
     use_prediction: bool = True
     start_size: Optional[int] = None
     min_size: int = 1
+    # Where only some sizes can run (a pipeline: equal microbatches, enough of them for the
+    # schedule): the allowed sizes for a batch size, ascending. None: every size 1..B.
+    sizes_for: Optional[Callable[[int], tuple[int, ...]]] = None
 
     def __post_init__(self) -> None:
         if self.search not in SEARCH_MODES:
@@ -293,8 +296,33 @@ def predict_max_size(samples: tuple[tuple[int, int, int], ...], margin: float = 
     return math.floor(value)
 
 
+def _allowed(config: PolicyConfig, batch_size: int) -> Optional[tuple[int, ...]]:
+    if config.sizes_for is None:
+        return None
+    sizes = tuple(s for s in config.sizes_for(batch_size) if s >= min(config.min_size, batch_size))
+    if not sizes:
+        raise CannotFitError(1, f"no microbatch size can run a batch of {batch_size} samples (the schedule needs more)")
+    return sizes
+
+
 def _min_size(config: PolicyConfig, batch_size: int) -> int:
-    return min(config.min_size, batch_size)
+    allowed = _allowed(config, batch_size)
+    return allowed[0] if allowed else min(config.min_size, batch_size)
+
+
+def _snap(config: PolicyConfig, batch_size: int, size: int) -> int:
+    """The largest allowed size at or below `size` (the smallest allowed one if none is)."""
+    allowed = _allowed(config, batch_size)
+    if allowed is None:
+        return size
+    return max((s for s in allowed if s <= size), default=allowed[0])
+
+
+def _between(config: PolicyConfig, state: "SearchState", lo: int, hi: int) -> list[int]:
+    """The sizes the search may still try strictly between `lo` and `hi`."""
+    floor = _min_size(config, state.batch_size)
+    allowed = _allowed(config, state.batch_size) or range(1, state.batch_size + 1)
+    return [s for s in allowed if lo < s < hi and s >= floor]
 
 
 def _best_below(successes: tuple[int, ...], hi: int) -> int:
@@ -314,7 +342,7 @@ def initial_state(config: PolicyConfig, batch_size: int) -> SearchState:
     if not _is_int(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r}: must be an int >= 1")
     start = config.start_size if config.start_size is not None else batch_size
-    start = max(_min_size(config, batch_size), min(start, batch_size))
+    start = _snap(config, batch_size, max(_min_size(config, batch_size), min(start, batch_size)))
     return SearchState(batch_size=batch_size, phase=Phase.SEARCHING, size=start)
 
 
@@ -350,6 +378,14 @@ def _next_search_size(state: SearchState, config: PolicyConfig, upward: bool) ->
     """Next size strictly between the bounds (bisect mode); (size, predicted)."""
     lo, hi = state.best_success, _hi(state)
     floor = _min_size(config, state.batch_size)
+    if config.sizes_for is not None:
+        candidates = _between(config, state, lo, hi)
+        if config.use_prediction:
+            predicted = predict_max_size(state.samples)
+            fitting = [s for s in candidates if predicted is not None and s <= predicted]
+            if fitting:
+                return fitting[-1], True
+        return candidates[len(candidates) // 2 if upward else (len(candidates) - 1) // 2], False
     if config.use_prediction:
         predicted = predict_max_size(state.samples)
         if predicted is not None and lo < predicted < hi and predicted >= floor:
@@ -427,7 +463,7 @@ def _on_success(state: SearchState, outcome: Success, config: PolicyConfig) -> t
         state = _settle(state, config, m)
         return state, _decide(state, config, False, f"ok at {m} -> settled on {m}, split {current_split(state, config)}")
     lo, hi = state.best_success, _hi(state)
-    if hi - lo <= 1:
+    if not _between(config, state, lo, hi):
         state = _settle(state, config, lo)
         return state, _decide(
             state, config, False, f"ok at {m} -> converged on {lo}, split {current_split(state, config)}"
@@ -465,12 +501,12 @@ def _on_failure(state: SearchState, outcome: Union[OOM, Thrash], config: PolicyC
     again = "" if was == Phase.SEARCHING else f" in {was.value.lower()} phase"
 
     if config.search == "halve":
-        size = max(floor, m // 2)
+        size = _snap(config, state.batch_size, max(floor, m // 2))
         state = replace(state, size=size)
         return state, _decide(state, config, oom, f"{what} at {m}{again} -> try {size} (halving)")
 
     lo, hi = state.best_success, first_failure
-    if lo >= floor and hi - lo <= 1:
+    if lo >= floor and not _between(config, state, lo, hi):
         state = _settle(state, config, lo)
         return state, _decide(
             state, config, oom, f"{what} at {m}{again} -> converged on {lo}, split {current_split(state, config)}"
@@ -507,19 +543,19 @@ def _on_batch_size(state: SearchState, outcome: BatchSizeChanged, config: Policy
 
     if state.found is not None:
         # m_max known: split the new batch with it; hooks on until stable again.
-        state = _settle(replace(state, phase=Phase.SETTLING), config, min(state.found, new_b))
+        state = _settle(replace(state, phase=Phase.SETTLING), config, _snap(config, new_b, min(state.found, new_b)))
         return state, _decide(state, config, False, f"{prefix}: split {current_split(state, config)}")
 
     if config.search == "halve":
-        state = replace(state, phase=Phase.SEARCHING, size=max(floor, min(state.size, new_b)))
+        state = replace(state, phase=Phase.SEARCHING, size=_snap(config, new_b, max(floor, min(state.size, new_b))))
         return state, _decide(state, config, False, f"{prefix}: try {state.size}")
 
     lo, hi = state.best_success, _hi(state)
-    if lo >= floor and hi - lo <= 1:
+    if lo >= floor and not _between(config, state, lo, hi):
         state = _settle(state, config, lo)
         return state, _decide(state, config, False, f"{prefix}: converged on {lo}, split {current_split(state, config)}")
-    size = min(state.size, new_b)
-    if not (lo < size < hi and size >= floor):
+    size = _snap(config, new_b, min(state.size, new_b))
+    if size not in _between(config, state, lo, hi):
         size, _ = _next_search_size(state, config, upward=state.first_failure is None)
     state = replace(state, phase=Phase.SEARCHING, size=size)
     return state, _decide(state, config, False, f"{prefix}: try {size} ({_bounds(state)})")

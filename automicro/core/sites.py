@@ -2,7 +2,7 @@
 
 The site names are a public contract (`automicro.testing.FaultInjector` takes them):
 `forward_pre`, `forward`, `backward_pre`, `backward`, `unshard_alloc`, `reduce_scatter_alloc`,
-`loss`, `optimizer_step`, `eval_forward`.
+`loss`, `optimizer_step`, `eval_forward`; with a pipeline also `backward_input`, `backward_weight`.
 
 Owns: the site names, `AttemptContext` and `SiteDispatcher`. There is no process-wide dispatcher:
 `automicro.Trainer` creates one per trainer and hands it, at attach time, to `AutoMicrobatching`
@@ -28,10 +28,16 @@ SITES = (
     "optimizer_step",
     "eval_forward",
 )
+# A pipeline stage's input-gradient (dI; the whole backward under 1F1B) and weight-gradient (dW,
+# zero-bubble schedules) steps, fired by the pipeline executor before each (`engine.pipeline`).
+PIPELINE_SITES = ("backward_input", "backward_weight")
 # Extra places a real failure can be attributed to; not accepted by the fault injector.
 # "between_batches": outside any attempt (a callback, a checkpoint save, a fixed-size eval).
 INTERNAL_SITES = ("all_reduce_alloc", "other", "between_batches")
-ALL_SITES = SITES + INTERNAL_SITES
+# Appended after the older names: the indices dashboards log (`automicro/last_oom_site`) stay put.
+ALL_SITES = SITES + INTERNAL_SITES + PIPELINE_SITES
+# What `automicro.testing.FaultInjector` accepts.
+INJECTABLE_SITES = SITES + PIPELINE_SITES
 
 
 def site_index(site: str) -> int:

@@ -226,6 +226,7 @@ def build_dataloader(
     drop_last: bool = True,
     num_workers: int = 0,
     pin_memory: Optional[bool] = None,
+    replicas: Optional[tuple[int, int]] = None,
 ) -> DataLoader:
     """A DataLoader giving this rank its own shard of `dataset`, `batch_size` samples per batch.
 
@@ -233,12 +234,15 @@ def build_dataloader(
     and global rank; world size 1 when torch.distributed is not initialized). Composer's trainer
     calls ``set_epoch`` on it each epoch, so shuffling (seeded by `seed`) changes per epoch.
     `drop_last` applies to both the sampler (equal shards on every rank) and the loader (full
-    batches only). `pin_memory` defaults to whether CUDA is available.
+    batches only). `pin_memory` defaults to whether CUDA is available. `replicas`: ``(count,
+    index)`` of the data-parallel copies to shard over instead of the world (a pipeline: the
+    ranks of one pipeline read the same samples).
     """
     batch_size = _positive_int("batch_size", batch_size)
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
         raise DataError(f"num_workers must be a non-negative integer, got {num_workers!r}")
-    sampler = dist.get_sampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    num_replicas, replica = replicas if replicas is not None else (None, None)
+    sampler = dist.get_sampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last, num_replicas=num_replicas, rank=replica)
     loader = DataLoader(
         dataset,
         batch_size=batch_size,

@@ -103,7 +103,9 @@ def train_data_spec(trainer: Any) -> Any:
 
 
 def num_samples(trainer: Any, batch: Any) -> int:
-    return int(train_data_spec(trainer).get_num_samples_in_batch(batch))
+    """Samples in this rank's batch (also on a pipeline stage that reports 0 to Composer)."""
+    spec = train_data_spec(trainer)
+    return int(getattr(spec, "_automicro_num_samples", spec.get_num_samples_in_batch)(batch))
 
 
 def uses_default_split(trainer: Any) -> bool:
@@ -172,6 +174,34 @@ def run_microbatches(
         for optimizer in ensure_tuple(state.optimizers):
             state.scaler.unscale_(optimizer)
     trainer.engine.run_event(Event.AFTER_TRAIN_BATCH)
+
+
+def run_pipeline_batch(
+    trainer: Any,
+    run: Callable[[], None],
+    end_of_attempt: Callable[[], None],
+) -> None:
+    """A batch run by a pipeline schedule (`automicro.integration.pipeline_batch`): Composer's
+    batch events and gradient reset around `run()`, with `end_of_attempt()` before
+    AFTER_TRAIN_BATCH as in `run_microbatches`. The schedule interleaves the microbatches'
+    forwards and backwards across stages, so Composer's per-microbatch events (BEFORE_FORWARD ...
+    AFTER_BACKWARD) do not fire; the batch events do."""
+    state = trainer.state
+    trainer.engine.run_event(Event.BEFORE_TRAIN_BATCH)
+    for optimizer in state.optimizers:
+        optimizer.zero_grad(set_to_none=True)
+    run()
+    end_of_attempt()
+    trainer.engine.run_event(Event.AFTER_TRAIN_BATCH)
+
+
+def count_samples_on_first_stage_only(trainer: Any) -> None:
+    """The stages of one pipeline run the same samples; Composer sums every rank's sample and token
+    counts into its timestamp (and the throughput), so the ranks of later stages count zero."""
+    spec = train_data_spec(trainer)
+    spec._automicro_num_samples = spec.get_num_samples_in_batch
+    spec.get_num_samples_in_batch = lambda batch: 0
+    spec.get_num_tokens_in_batch = lambda batch, token_type="total": 0
 
 
 def checkpoint_folder(state: Any) -> Optional[str]:

@@ -94,9 +94,17 @@ def build_dataset(cfg: TrainConfig, vocab_size: int, split_seed: int = 0) -> Any
 
 
 def build_train_dataloader(cfg: TrainConfig, dataset: Any, per_rank_batch: int) -> Any:
+    replicas = None
+    if cfg.pipeline is not None:
+        from composer.utils import dist
+
+        # The ranks of one pipeline (same rank % dp) read the same samples.
+        dp = cfg.data_parallel_size(dist.get_world_size())
+        replicas = (dp, dist.get_global_rank() % dp)
     try:
         return build_dataloader(
-            dataset, per_rank_batch, shuffle=cfg.data.shuffle, seed=cfg.seed, drop_last=True, num_workers=cfg.data.num_workers
+            dataset, per_rank_batch, shuffle=cfg.data.shuffle, seed=cfg.seed, drop_last=True,
+            num_workers=cfg.data.num_workers, replicas=replicas,
         )
     except DataError as error:
         raise ConfigError(

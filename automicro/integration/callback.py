@@ -32,6 +32,7 @@ the failure note in `automicro.core.failure_note`. May not touch: FSDP2 internal
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any, Optional, Union
@@ -72,6 +73,7 @@ from automicro.engine import _torch_internals as torch_internals
 from automicro.engine.sharding import ShardedModel
 from automicro.integration import _composer_internals as composer_internals
 from automicro.integration.eval_search import EvalFence, EvalSearch
+from automicro.integration.pipeline_batch import AttemptHooks, PipelineBatch
 from automicro.integration.splitting import UnsplittableBatch, split_by_sizes
 from automicro.integration.stock_trainer import StockTrainerError, refuse_stock_trainer, stock_trainer_message
 
@@ -149,6 +151,7 @@ class AutoMicrobatching(Callback):
         self._hooks: Optional[SyncHooks] = None
         self._memory: MemorySource = NoMemory()
         self._dispatcher = SiteDispatcher()  # replaced by the trainer's at attach()
+        self._pipeline: Optional[PipelineBatch] = None
         self._last_retries = 0
         self._batch_attempts = 0
         self._batch_retries = False
@@ -173,21 +176,39 @@ class AutoMicrobatching(Callback):
     # ---- wiring ------------------------------------------------------------------------------
 
     def attach(
-        self, sharded: ShardedModel, memory: Optional[MemorySource] = None, sites: Optional[SiteDispatcher] = None
+        self,
+        sharded: ShardedModel,
+        memory: Optional[MemorySource] = None,
+        sites: Optional[SiteDispatcher] = None,
+        pipeline: Optional[PipelineBatch] = None,
     ) -> None:
         """Called by `automicro.Trainer` on every rank once the model is sharded (collective).
-        `sites`: the trainer's site dispatcher, shared with its fault injectors (a new one if None)."""
+        `sites`: the trainer's site dispatcher, shared with its fault injectors (a new one if None).
+        `pipeline`: this rank's pipeline stage, when the model is pipelined."""
         import torch.distributed as dist
 
         if sites is not None:
             self._dispatcher = sites
         self._sharded = sharded
+        self._pipeline = pipeline
         self._consensus = Consensus.create(use_cpu_group=self.cpu_sync_group, transport=self.consensus_transport)
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self._info(f"consensus transport {self._consensus.describe()}")
-        self._ledger = _build_ledger(sharded, self._consensus, self._rank) if self.steady_recovery else None
-        # Without the ledger, the job-lost alarm still names the failed rank on every rank.
-        self._alarm = None if self.steady_recovery else _build_alarm(self._consensus)
+        if pipeline is not None:
+            # Only equal microbatches, enough for the schedule. The steady-phase guarantee needs no
+            # ledger: the executor's barrier before every exchange stays on for the whole run, and
+            # so do the sync hooks where a stage has several data-parallel ranks (see `_apply_hooks`).
+            self.policy_config = dataclasses.replace(self.policy_config, sizes_for=pipeline.microbatch_sizes)
+            self._ledger = None
+            self._alarm = None
+            self._info(
+                f"pipeline stage {pipeline.stage_index} of {pipeline.pipeline.layout.num_stages} "
+                f"({pipeline.pipeline.config.schedule}, {pipeline.dp_size} data-parallel rank(s) per stage)"
+            )
+        else:
+            self._ledger = _build_ledger(sharded, self._consensus, self._rank) if self.steady_recovery else None
+            # Without the ledger, the job-lost alarm still names the failed rank on every rank.
+            self._alarm = None if self.steady_recovery else _build_alarm(self._consensus)
         self._fence = AttemptFence(
             self._consensus, self._dispatcher.context, self._figures, self._ledger, self.unguarded_timeout_s,
             alarm=self._alarm,
@@ -370,6 +391,10 @@ class AutoMicrobatching(Callback):
     def _apply_hooks(self, want: bool, reason: HookReason, detail: str = "") -> None:
         if self._hooks is None:
             return
+        if self._pipeline is not None and self._pipeline.dp_size > 1 and reason is not HookReason.FIT_END and reason is not HookReason.CLOSED:
+            # A stage's FSDP2 collectives cross its data-parallel ranks; without a ledger that follows
+            # the stages apart, their consensus points are what keeps an OOM there recoverable.
+            want = True
         if self._hooks.set_active(want):
             self._info(self._hooks_message(want, reason, detail))
 
@@ -493,6 +518,8 @@ class AutoMicrobatching(Callback):
         )
 
     def _split(self, trainer: Any, batch: Any, sizes: tuple[int, ...]) -> list[Any]:
+        if self._pipeline is not None:
+            return self._pipeline.split(batch, sizes)
         if composer_internals.uses_default_split(trainer):
             try:
                 return split_by_sizes(batch, sizes)
@@ -514,6 +541,8 @@ class AutoMicrobatching(Callback):
         assert self.policy is not None
         batch_index = int(state.timestamp.batch)
         context = self._dispatcher.context
+        if self._pipeline is not None:
+            self._pipeline.check_same_samples(device_batch)
         random_state = RandomState.capture(self._sharded.device)
         self._batch_attempts = 0
         while True:
@@ -535,7 +564,8 @@ class AutoMicrobatching(Callback):
             self._memory.reset_peak()
             # Retries are counted per attempt: a failed attempt's retries say nothing about thrashing.
             self._last_retries = self._memory.alloc_retries()
-            hooks_on = self.hooks_active
+            # A pipeline's barriers stay on for the whole run: every failure is agreed with the hooks' protocol.
+            hooks_on = self.hooks_active or self._pipeline is not None
 
             def body(finish: Callable[[], None]) -> None:
                 def before_microbatch(index: int) -> None:
@@ -546,6 +576,11 @@ class AutoMicrobatching(Callback):
                     self._dispatcher.fire("optimizer_step", "")
                     finish()
 
+                if self._pipeline is not None:
+                    assert self._consensus is not None
+                    hooks = AttemptHooks(self._consensus, self._dispatcher, self._pipeline.stage_index)
+                    self._pipeline.run(trainer, microbatches, total_loss_dict, end_of_attempt, hooks)
+                    return
                 composer_internals.run_microbatches(
                     trainer, microbatches, total_loss_dict, before_microbatch, end_of_attempt, self._all_reduce_sum
                 )
@@ -618,6 +653,8 @@ class AutoMicrobatching(Callback):
 
     def _wipe_failed_attempt(self, trainer: Any, device_batch: Any) -> None:
         composer_internals.reset_after_failure(trainer, device_batch)
+        if self._pipeline is not None:
+            self._pipeline.release()
         assert self._sharded is not None
         self._sharded.recover()
         self._memory.empty_cache()

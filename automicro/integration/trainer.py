@@ -26,14 +26,16 @@ from composer.devices import Device, DeviceCPU, DeviceGPU
 from composer.utils import dist as composer_dist
 from torch.distributed.fsdp import register_fsdp_forward_method
 
-from automicro.config.schema import AUTO, auto_eval_problem, check_microbatch_size
+from automicro.config.schema import AUTO, auto_eval_problem, check_microbatch_size, pipeline_problem
 from automicro.core.sites import SiteDispatcher
 from automicro.engine import ShardedModel, ensure_record_stream_free, shard
-from automicro.engine.config import fsdp2_from_parallelism_config
+from automicro.engine.config import fsdp2_from_parallelism_config, pipeline_from_parallelism_config
+from automicro.engine.pipeline import build_pipeline
 from automicro.integration import _composer_internals as composer_internals
 from automicro.integration.callback import AutoMicrobatching
 from automicro.integration.checkpointing import FullCheckpointLoading, ShardedCheckpointing, check_checkpoint_format
 from automicro.integration.composer_config import from_composer_parallelism
+from automicro.integration.pipeline_batch import PipelineBatch
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +54,8 @@ def _composer_device(device: Any) -> Device:
 
 def _rebind_optimizers(optimizers: Any, names_before: dict[int, str], model: torch.nn.Module) -> None:
     """`fully_shard` replaces every parameter by a new (DTensor) one: point the optimizers, built on
-    the unsharded model, at those (as Composer's own FSDP2 path does); parameter names do not change."""
+    the unsharded model, at those (as Composer's own FSDP2 path does); parameter names do not change.
+    A pipeline stage keeps only its own parameters: the others leave the optimizer."""
     if optimizers is None:
         return
     after = dict(model.named_parameters())
@@ -63,7 +66,11 @@ def _rebind_optimizers(optimizers: Any, names_before: dict[int, str], model: tor
                 "not stepped yet (its parameters are replaced by the sharded ones)"
             )
         for group in optimizer.param_groups:
-            group["params"] = [after[names_before[id(p)]] if id(p) in names_before else p for p in group["params"]]
+            group["params"] = [
+                after[names_before[id(p)]] if id(p) in names_before else p
+                for p in group["params"]
+                if id(p) not in names_before or names_before[id(p)] in after
+            ]
 
 
 def _route_eval_forward_through_fsdp(model: Any) -> None:
@@ -131,6 +138,14 @@ class Trainer(composer.Trainer):
         )
         checkpoint_format = "full" if checkpoint_format is None else checkpoint_format
         fsdp2 = fsdp2_from_parallelism_config(parallelism_config)
+        pipeline = pipeline_from_parallelism_config(parallelism_config)
+        if pipeline is not None:
+            problem = pipeline_problem(
+                eval_interval=kwargs.get("eval_dataloader"), save_folder=kwargs.get("save_folder"),
+                load_path=kwargs.get("load_path"), precision=kwargs.get("precision"), sharded=fsdp2 is not None,
+            )
+            if problem:
+                raise ValueError(f"automicro.Trainer: parallelism_config['pipeline'] {problem}")
         check_checkpoint_format(
             checkpoint_format,
             sharded_model=fsdp2 is not None,
@@ -165,14 +180,22 @@ class Trainer(composer.Trainer):
         ensure_record_stream_free()
         composer_device = _composer_device(device)
         self._automicro_sharded: Optional[ShardedModel] = None
+        self._automicro_pipeline: Optional[PipelineBatch] = None
         if fsdp2 is not None:
             composer_dist.initialize_dist(composer_device, dist_timeout)
             names_before = {id(p): n for n, p in model.named_parameters()}
-            self._automicro_sharded = shard(model, fsdp2, device=composer_device.tensor_to_device(torch.empty(0)).device)
-            _rebind_optimizers(kwargs.get("optimizers"), names_before, model)
-            _route_eval_forward_through_fsdp(model)
-            callback_list.append(_ReshardRootAfterEval(self._automicro_sharded))
-            callback_list.append(ShardedCheckpointing() if checkpoint_format == "sharded" else FullCheckpointLoading())
+            shard_device = composer_device.tensor_to_device(torch.empty(0)).device
+            if pipeline is not None:
+                pipe = build_pipeline(model, pipeline, fsdp2, device=shard_device)
+                self._automicro_sharded = pipe.sharded
+                self._automicro_pipeline = PipelineBatch(pipe, model)
+                _rebind_optimizers(kwargs.get("optimizers"), names_before, model)
+            else:
+                self._automicro_sharded = shard(model, fsdp2, device=shard_device)
+                _rebind_optimizers(kwargs.get("optimizers"), names_before, model)
+                _route_eval_forward_through_fsdp(model)
+                callback_list.append(_ReshardRootAfterEval(self._automicro_sharded))
+                callback_list.append(ShardedCheckpointing() if checkpoint_format == "sharded" else FullCheckpointLoading())
         self._automicro = automicro
         # One attempt context per trainer: the callback fires its sites, the fault injectors
         # (any callback with `attach_sites`) listen there.
@@ -183,7 +206,7 @@ class Trainer(composer.Trainer):
                 attach_sites(self._automicro_sites)
         if automicro is not None:
             assert self._automicro_sharded is not None
-            automicro.attach(self._automicro_sharded, sites=self._automicro_sites)
+            automicro.attach(self._automicro_sharded, sites=self._automicro_sites, pipeline=self._automicro_pipeline)
 
         auto_evaluators = [e for e in _evaluators(kwargs.get("eval_dataloader")) if e.auto_microbatching]
         if auto_evaluators:
@@ -208,11 +231,18 @@ class Trainer(composer.Trainer):
         )
         for evaluator in auto_evaluators:
             evaluator.auto_microbatching = True
+        if self._automicro_pipeline is not None and self._automicro_pipeline.stage_index > 0:
+            composer_internals.count_samples_on_first_stage_only(self)
 
     @property
     def sharded_model(self) -> Optional[ShardedModel]:
         """The engine's handle on the sharded model (None without FSDP2)."""
         return self._automicro_sharded
+
+    @property
+    def pipeline(self) -> Optional[PipelineBatch]:
+        """This rank's pipeline stage and how batches run through it (None without a pipeline)."""
+        return self._automicro_pipeline
 
     @property
     def checkpoint_format(self) -> str:
@@ -253,9 +283,27 @@ class Trainer(composer.Trainer):
         composer_internals.forget_closed_trainer(self)
 
     def _train_batch(self, use_grad_scaling: bool) -> dict[str, torch.Tensor]:  # Composer private hook
+        if self._automicro is None and self._automicro_pipeline is not None:
+            total_loss_dict = self._train_pipeline_batch()
+            self.first_train_batch_complete = True
+            return total_loss_dict
         if self._automicro is None:
             return super()._train_batch(use_grad_scaling)
         total_loss_dict = self._automicro.train_batch(self)
         # As Composer's own `_train_batch` does; without it Composer warns "No batches were trained".
         self.first_train_batch_complete = True
+        return total_loss_dict
+
+    def _train_pipeline_batch(self) -> dict[str, torch.Tensor]:
+        """A fixed microbatch size through the pipeline (no search, no attempt fence)."""
+        assert self._automicro_pipeline is not None
+        pipe = self._automicro_pipeline
+        batch = self.state.batch
+        batch_size = composer_internals.num_samples(self, batch)
+        size = int(self.state.device_train_microbatch_size or batch_size)
+        pipe.check_fixed_size(batch_size, size)
+        pipe.check_same_samples(batch)
+        total_loss_dict: dict[str, torch.Tensor] = {}
+        pipe.run(self, pipe.split(batch, [size] * (batch_size // size)), total_loss_dict, end_of_attempt=lambda: None)
+        composer_internals.step_optimizers(self)
         return total_loss_dict

@@ -34,7 +34,7 @@ from composer.core import Callback, State
 from composer.loggers import Logger
 
 from automicro.core.hooks import SiteHooks
-from automicro.core.sites import PRIORITY_FAULT, SITES, AttemptContext, SiteDispatcher
+from automicro.core.sites import INJECTABLE_SITES, PRIORITY_FAULT, AttemptContext, SiteDispatcher
 
 BETWEEN_BATCHES = "between_batches"
 
@@ -66,8 +66,8 @@ class FaultInjector(Callback):
         exception: Any = None,
         batch: Optional[int] = None,
     ) -> None:
-        if site not in SITES and site != BETWEEN_BATCHES:
-            raise ValueError(f"FaultInjector: site={site!r}: must be one of {list(SITES) + [BETWEEN_BATCHES]}")
+        if site not in INJECTABLE_SITES and site != BETWEEN_BATCHES:
+            raise ValueError(f"FaultInjector: site={site!r}: must be one of {list(INJECTABLE_SITES) + [BETWEEN_BATCHES]}")
         if site == BETWEEN_BATCHES and batch is None:
             raise ValueError("FaultInjector: site='between_batches' needs batch (the timestamp.batch at Event.BATCH_END)")
         if module is not None and site not in MODULE_SITES:

@@ -1,0 +1,155 @@
+"""Composer batches through a pipeline: `automicro.engine.pipeline` under `automicro.Trainer`.
+
+With ``parallelism_config: {pipeline: {stages: S, schedule: ...}, fsdp2: {...}}`` the Trainer
+keeps this rank's stage of the model (`engine.pipeline.build_pipeline`) and runs every batch here
+instead of Composer's microbatch loop: the batch is split into equal microbatches, the schedule
+runs them across the stages, and the loss every rank logs is the last stage's, averaged over the
+pipelines.
+
+Under auto microbatching (`AutoMicrobatching`) each batch is one attempt of the attempt fence and
+`AttemptHooks` connects the executor to the protocol: a consensus barrier at every time step
+before the step's sends and receives, the `backward_input` / `backward_weight` sites before each
+dI / dW, `loss` after each microbatch's loss, and the attempt context's microbatch index.
+
+Owns: the Composer side of a pipelined batch (splitting, the loss to log, the same-samples check).
+May not touch: the schedule and stages (the engine), the consensus protocol (only `barrier()`),
+Composer privates outside `_composer_internals`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from automicro.core.consensus import Consensus
+from automicro.core.sites import SiteDispatcher
+from automicro.engine.pipeline import Action, NoHooks, Pipeline, PipelineHooks
+from automicro.integration import _composer_internals as composer_internals
+from automicro.integration.splitting import split_by_sizes
+
+
+class SamplesDifferError(RuntimeError):
+    """The ranks of one pipeline got different batches."""
+
+
+class AttemptHooks:
+    """The executor's hooks inside an attempt of the attempt fence."""
+
+    def __init__(self, consensus: Consensus, dispatcher: SiteDispatcher, stage_index: int) -> None:
+        self.consensus = consensus
+        self.dispatcher = dispatcher
+        self.stage_name = f"stage{stage_index}"
+
+    def before_action(self, action: Action) -> None:
+        context = self.dispatcher.context
+        context.microbatch_index = action.microbatch
+        if action.kind in ("B", "I"):
+            self.dispatcher.fire("backward_input", self.stage_name)
+        elif action.kind == "W":
+            self.dispatcher.fire("backward_weight", self.stage_name)
+
+    def after_loss(self, microbatch: int) -> None:
+        if self.dispatcher.listens("loss"):
+            self.dispatcher.fire("loss", self.stage_name)
+
+    def before_exchange(self) -> None:
+        self.consensus.barrier()
+
+
+class PipelineBatch:
+    """Runs Composer batches through this rank's pipeline stage."""
+
+    def __init__(self, pipeline: Pipeline, composer_model: Any) -> None:
+        self.pipeline = pipeline
+        self.model = composer_model
+        self._checked = False
+
+    @property
+    def dp_size(self) -> int:
+        return self.pipeline.layout.dp_size
+
+    @property
+    def stage_index(self) -> int:
+        return self.pipeline.layout.stage_index
+
+    def microbatch_sizes(self, batch_size: int) -> tuple[int, ...]:
+        return self.pipeline.runner.microbatch_sizes(batch_size)
+
+    def check_fixed_size(self, batch_size: int, microbatch_size: int) -> None:
+        sizes = self.microbatch_sizes(batch_size)
+        if microbatch_size not in sizes:
+            raise ValueError(
+                f"device_train_microbatch_size={microbatch_size}: a pipeline runs equal microbatches, at least "
+                f"{self.pipeline.layout.num_stages} per batch ({self.pipeline.config.schedule}); with {batch_size} "
+                f"samples per pipeline the sizes that can run are {list(sizes)} (or use 'auto')"
+            )
+
+    def split(self, batch: Any, sizes: Sequence[int]) -> list[Any]:
+        return split_by_sizes(batch, tuple(sizes))
+
+    def check_same_samples(self, batch: Any) -> None:
+        """Once: every rank of a pipeline must hold the same batch (the first stage's inputs are
+        the last stage's labels). A sampler over the world instead of over the data-parallel
+        copies breaks that silently; this stops it at the first batch."""
+        if self._checked:
+            return
+        self._checked = True
+        inputs = self.model.pipeline_inputs(batch)
+        fingerprint = torch.tensor(
+            [float(t.double().sum()) + float(t.numel()) for t in inputs],
+            dtype=torch.float64,
+            device=self.pipeline.sharded.device,
+        )
+        low, high = fingerprint.clone(), fingerprint.clone()
+        group = self.pipeline.layout.pp_group
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+        if not torch.equal(low, high):
+            raise SamplesDifferError(
+                "automicro: the ranks of one pipeline got different batches; shard the train dataloader over the "
+                "data-parallel copies, not the world: DistributedSampler(num_replicas=world/stages, rank=rank % "
+                "(world/stages)) (automicro.data.build_dataloader(..., replicas=(dp, rank % dp)))"
+            )
+
+    def run(
+        self,
+        trainer: Any,
+        microbatches: Sequence[Any],
+        total_loss_dict: dict[str, torch.Tensor],
+        end_of_attempt: Callable[[], None],
+        hooks: Optional[PipelineHooks] = None,
+    ) -> None:
+        """One batch: Composer's batch events, the schedule, `end_of_attempt()` (the attempt's
+        agreement) and then the loss to log, summed over the last stages and averaged over the
+        pipelines (a collective every rank reaches only after the agreement)."""
+        state = trainer.state
+        batch_size = sum(composer_internals.num_samples(trainer, mb) for mb in microbatches)
+        total: list[Optional[torch.Tensor]] = [None]
+
+        def run_schedule() -> None:
+            def loss_fn(outputs: Any, microbatch: Any) -> torch.Tensor:
+                share = composer_internals.num_samples(trainer, microbatch) / batch_size
+                return self.model.loss(outputs, microbatch) * share
+
+            device_mbs = [state.device.batch_to_device(mb) for mb in microbatches]
+            total[0] = self.pipeline.runner.run(device_mbs, self.model.pipeline_inputs, loss_fn, hooks or NoHooks())
+
+        def after_agreement() -> None:
+            end_of_attempt()
+            loss = torch.zeros(1, dtype=torch.float32, device=self.pipeline.sharded.device)
+            if total[0] is not None:
+                loss += total[0].float()
+            composer_internals.all_reduce_sum(loss)
+            total_loss_dict["loss/train/total"] = loss / self.dp_size
+
+        composer_internals.run_pipeline_batch(trainer, run_schedule, after_agreement)
+
+    def release(self) -> None:
+        """After a failed attempt: drop the stage's caches and receive buffers."""
+        self.pipeline.runner.release()
+
+
+__all__ = ["AttemptHooks", "PipelineBatch", "SamplesDifferError"]
