@@ -182,7 +182,8 @@ class AttemptFence:
         self, error: BaseException, wipe: Callable[[], None], hooks_active: bool, batch: int, started: float
     ) -> AttemptResult:
         site = self.context.last_site
-        followed = isinstance(error, (OOMOnOtherRank, FailedOnOtherRank))
+        # Also when re-raised under another type (torch's pipeline stages wrap errors `from` them).
+        followed = _caused_by(error, (OOMOnOtherRank, FailedOnOtherRank))
         oom = is_oom(error)
         own_error = None if followed or oom else error
         if self.ledger is not None:
@@ -250,6 +251,17 @@ class AttemptFence:
         if self.ledger is None or self.ledger.live or not verdict.failed:
             return 0
         return self.ledger.align([r.collectives for r in verdict.reports], site, batch)
+
+
+def _caused_by(error: BaseException, types: tuple[type, ...]) -> bool:
+    seen: set[int] = set()
+    current: Optional[BaseException] = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, types):
+            return True
+        seen.add(id(current))
+        current = current.__cause__
+    return False
 
 
 def _drop_frames(error: BaseException) -> None:

@@ -385,7 +385,7 @@ def _next_search_size(state: SearchState, config: PolicyConfig, upward: bool) ->
             fitting = [s for s in candidates if predicted is not None and s <= predicted]
             if fitting:
                 return fitting[-1], True
-        return candidates[len(candidates) // 2 if upward else (len(candidates) - 1) // 2], False
+        return candidates[len(candidates) // 2], False
     if config.use_prediction:
         predicted = predict_max_size(state.samples)
         if predicted is not None and lo < predicted < hi and predicted >= floor:

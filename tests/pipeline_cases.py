@@ -1,0 +1,118 @@
+"""Pipelines under automicro.Trainer on CPU ranks: fixed sizes, the search, faults on one stage."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+import automicro
+from automicro.data import SyntheticTokens, build_dataloader
+from automicro.integration.callback import AutoMicrobatching
+from automicro.models import build_model
+from automicro.testing.callbacks import MemoryCapCallback
+from automicro.testing.faults import FaultInjector
+
+SEQ = 16
+PER_PIPELINE_BATCH = 8  # 2 stages: microbatch sizes 4, 2, 1 (at least 2 microbatches)
+
+
+def fit(
+    schedule: str,
+    microbatch: Any,
+    stages: int = 2,
+    callbacks: Optional[list[Any]] = None,
+    batches: int = 3,
+    fsdp2: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
+    """Train the 4-block tiny Llama for `batches` batches; this rank's stage parameters after it."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = build_model("tiny", n_layers=4, max_seq_len=SEQ)
+    dp = dist.get_world_size() // stages
+    train = build_dataloader(
+        SyntheticTokens(64, SEQ, 256, seed=1), PER_PIPELINE_BATCH, shuffle=False, replicas=(dp, dist.get_rank() % dp)
+    )
+    auto = next((c for c in callbacks or [] if isinstance(c, AutoMicrobatching)), None)
+    trainer = automicro.Trainer(
+        model=model,
+        train_dataloader=train,
+        max_duration=f"{batches}ba",
+        optimizers=torch.optim.AdamW(model.parameters(), lr=1e-2),
+        device="cpu",
+        parallelism_config={"fsdp2": fsdp2 or {}, "pipeline": {"stages": stages, "schedule": schedule}},
+        device_train_microbatch_size=microbatch,
+        callbacks=callbacks or [],
+        loggers=[],
+        progress_bar=False,
+        log_to_console=False,
+        seed=17,
+    )
+    try:
+        trainer.fit()
+        params = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+        return {
+            "params": params,
+            "stage": trainer.pipeline.stage_index,
+            "loss": float(trainer.state.total_loss_dict["loss/train/total"]),
+            "history": [(r.batch, r.size, r.outcome, r.failed_ranks, r.sites) for r in auto.history] if auto else [],
+            "found": None if auto is None else auto.found_size,
+            "clean": trainer.sharded_model.is_clean(),
+            "samples": int(trainer.state.timestamp.sample),
+        }
+    finally:
+        trainer.close()
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def fault_matrix(rank: int, world: int, schedule: str, cases: list[tuple[str, int, int]]) -> dict[str, Any]:
+    """Per case (site, failing rank, microbatch index of the fault): the search's history and the
+    largest parameter difference to a fixed-size run, without any fault, at the size it settled on."""
+    references: dict[int, dict[str, Any]] = {}
+    out: dict[str, Any] = {"cases": []}
+    for site, failing, microbatch in cases:
+        injector = FaultInjector(site, ranks=[failing], microbatch_index=microbatch, batch=0, times=1)
+        result = fit(schedule, "auto", callbacks=[AutoMicrobatching(log_attempts=False), injector])
+        if result["found"] not in references:  # every rank agreed on it: the same runs on all
+            references[result["found"]] = fit(schedule, result["found"])
+        out["cases"].append(
+            {
+                "case": (site, failing, microbatch),
+                "fired": injector.fired,
+                "history": result["history"],
+                "found": result["found"],
+                "clean": result["clean"],
+                "diff": max_difference(result["params"], references[result["found"]]["params"]),
+            }
+        )
+    return out
+
+
+def search_under_cap(rank: int, world: int, schedule: str, caps: dict[int, int], stages: int = 2) -> dict[str, Any]:
+    """The search under an emulated memory limit per rank, and a fixed-size run at the size it found."""
+    auto = fit(schedule, "auto", stages=stages, callbacks=[AutoMicrobatching(log_attempts=False), MemoryCapCallback(caps)], batches=5)
+    fixed = fit(schedule, auto["found"], stages=stages, batches=5)
+    other = fit(schedule, 1 if auto["found"] != 1 else 2, stages=stages, batches=5)
+    return {
+        "history": auto["history"],
+        "found": auto["found"],
+        "diff_fixed": max_difference(auto["params"], fixed["params"]),
+        "diff_other_size": max_difference(auto["params"], other["params"]),
+        "loss": auto["loss"],
+        "fixed_loss": fixed["loss"],
+        "samples": auto["samples"],
+        "stage": auto["stage"],
+    }
+
+
+def fixed_bad_size(rank: int, world: int) -> str:
+    try:
+        fit("1F1B", 3, batches=1)
+    except ValueError as error:
+        return str(error)
+    return "no error"

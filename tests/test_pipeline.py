@@ -1,0 +1,162 @@
+"""Pipeline parallelism (`automicro.engine.pipeline`) with auto microbatching, on CPU gloo ranks.
+
+Multi-rank cases run under `run_multiprocess`'s hang watchdog: a hang fails the test.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from automicro.core import policy
+from automicro.engine.config import FSDP2ConfigError, PipelineConfig, fsdp2_from_parallelism_config
+from automicro.engine.pipeline import Action, PipelineModelError, lockstep_table, split_blocks
+from automicro.testing.multiprocess import run_multiprocess
+from tests import pipeline_cases as cases
+
+# ---- the lockstep timing ---------------------------------------------------------------------
+
+
+def _orders(text: dict[int, str]) -> dict[int, list[Action]]:
+    return {r: [Action(a[1], int(a[0]), int(a[2:])) for a in row.split()] for r, row in text.items()}
+
+
+def _check_dependencies(table: dict[int, list], last: int) -> None:
+    when = {(a.kind, a.stage, a.microbatch): t for row in table.values() for t, a in enumerate(row) if a}
+    for (kind, stage, mb), t in when.items():
+        if kind == "F" and stage > 0:
+            assert when[("F", stage - 1, mb)] < t
+        if kind in "BI":
+            assert when[("F", stage, mb)] < t
+            if stage < last:
+                assert min(when.get((k, stage + 1, mb), 10**9) for k in "BI") < t
+        if kind == "W":
+            assert when[("I", stage, mb)] < t
+
+
+def test_lockstep_table_runs_every_action_after_what_it_needs_and_keeps_each_ranks_order():
+    orders = _orders({0: "0F0 0F1 0I0 0W0 0F2 0I1 0W1 0I2 0W2", 1: "1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1W2"})
+    table = lockstep_table(orders, 2)
+    _check_dependencies(table, 1)
+    for rank, row in table.items():
+        assert [a for a in row if a] == orders[rank]
+    assert len(table[0]) == len(table[1])  # one barrier per step on every rank
+
+
+def test_lockstep_table_refuses_orders_that_wait_on_each_other():
+    with pytest.raises(RuntimeError, match="wait on each other"):
+        lockstep_table(_orders({0: "0B0 0F0", 1: "1F0 1B0"}), 2)
+
+
+def test_blocks_split_into_contiguous_runs_earlier_stages_take_the_extra_blocks():
+    assert split_blocks(5, 2) == [range(0, 3), range(3, 5)]
+    assert split_blocks(22, 4) == [range(0, 6), range(6, 12), range(12, 17), range(17, 22)]
+    with pytest.raises(PipelineModelError, match="at most one stage per block"):
+        split_blocks(2, 3)
+
+
+# ---- configuration ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"stages": 1}, "stages=1: must be an int >= 2"),
+        ({"stages": 2, "schedule": "ZB"}, "schedule='ZB': unknown"),
+        ({"stages": 2, "schedul": "1F1B"}, "did you mean 'schedule'"),
+        ({"stages": 2, "keep_graph_after_input_grad": "yes"}, "must be true or false"),
+    ],
+)
+def test_bad_pipeline_settings_name_the_key_and_what_is_allowed(values, message):
+    with pytest.raises(FSDP2ConfigError, match=message):
+        PipelineConfig.from_dict(values)
+
+
+def test_parallelism_config_accepts_pipeline_next_to_fsdp2():
+    assert fsdp2_from_parallelism_config({"pipeline": {"stages": 2}, "fsdp2": {}}) is not None
+
+
+# ---- the search over sizes a pipeline can run -------------------------------------------------
+
+
+def _divisor_sizes(batch_size: int) -> tuple[int, ...]:
+    return tuple(m for m in range(1, batch_size + 1) if batch_size % m == 0 and batch_size // m >= 2)
+
+
+def test_search_only_tries_sizes_the_pipeline_can_run_and_converges_on_the_largest_that_fits():
+    config = policy.PolicyConfig(sizes_for=_divisor_sizes, use_prediction=False)
+    p = policy.SearchPolicy(config, 12)
+    tried = []
+    while p.phase == policy.Phase.SEARCHING:
+        size = p.state.size
+        tried.append(size)
+        p.observe(policy.OOM(size) if size > 3 else policy.Success(size))
+    assert set(tried) <= set(_divisor_sizes(12)) and tried[0] == 6
+    assert p.found_size == 3 and p.current_split() == (3, 3, 3, 3)
+
+
+def test_search_with_no_runnable_size_says_so():
+    config = policy.PolicyConfig(sizes_for=lambda b: ())
+    with pytest.raises(policy.CannotFitError, match="no microbatch size can run"):
+        policy.SearchPolicy(config, 4)
+
+
+# ---- multi-rank: the fault matrix over stages -------------------------------------------------
+
+FAULTS_1F1B = [("forward", 0, 0), ("forward", 1, 1), ("backward_input", 1, 0), ("backward_input", 0, 1)]
+FAULTS_ZB = FAULTS_1F1B + [("backward_weight", 0, 0), ("backward_weight", 1, 1)]
+
+
+@pytest.fixture(scope="module", params=["1F1B", "ZeroBubble"])
+def fault_results(request):
+    faults = FAULTS_1F1B if request.param == "1F1B" else FAULTS_ZB
+    return request.param, faults, run_multiprocess(cases.fault_matrix, world_size=2, args=(request.param, faults), timeout_s=400)
+
+
+def test_an_oom_on_one_stage_in_forward_di_or_dw_at_the_first_or_last_microbatch_is_retried_without_hang(fault_results):
+    schedule, faults, ranks = fault_results
+    for rank, out in enumerate(ranks):
+        assert [c["case"] for c in out["cases"]] == [tuple(f) for f in faults]
+        for case in out["cases"]:
+            site, failing, _ = case["case"]
+            first = case["history"][0]
+            assert first[1:4] == (4, "oom", [failing]), (schedule, case)
+            assert first[4] == [site], (schedule, case)
+            assert case["fired"] == (1 if rank == failing else 0)
+            assert case["clean"], (schedule, case)
+
+
+def test_after_a_failed_attempt_on_one_stage_the_parameters_equal_a_fixed_size_run(fault_results):
+    schedule, _, ranks = fault_results
+    for out in ranks:
+        for case in out["cases"]:
+            assert case["diff"] < 1e-5, (schedule, case["case"], case["diff"])
+
+
+# ---- multi-rank: the search under a memory limit, 2 stages and 2 stages x 2 ------------------
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "ZeroBubble"])
+def test_search_on_two_stages_finds_a_size_that_fits_and_trains_like_a_fixed_size_run(schedule):
+    ranks = run_multiprocess(cases.search_under_cap, world_size=2, args=(schedule, {0: 8_000_000}), timeout_s=400)
+    for out in ranks:
+        assert any(h[2] == "oom" and h[3] == [0] for h in out["history"]), out["history"]
+        assert out["found"] in (1, 2)
+        assert out["diff_fixed"] < 1e-5 and out["diff_other_size"] < 1e-4
+        assert out["loss"] == pytest.approx(out["fixed_loss"], rel=1e-5)
+    # Composer counts each sample once per pipeline (the later stage reports none).
+    assert ranks[0]["samples"] == ranks[1]["samples"] == 5 * cases.PER_PIPELINE_BATCH
+
+
+def test_search_on_two_stages_of_two_data_parallel_ranks_agrees_on_every_rank():
+    ranks = run_multiprocess(cases.search_under_cap, world_size=4, args=("ZeroBubble", {1: 8_000_000}), timeout_s=600)
+    assert [r["stage"] for r in ranks] == [0, 0, 1, 1]
+    assert len({r["found"] for r in ranks}) == 1
+    for out in ranks:
+        assert any(h[2] == "oom" and h[3] == [1] for h in out["history"]), out["history"]
+        assert out["diff_fixed"] < 1e-5
+    assert ranks[0]["samples"] == 5 * 2 * cases.PER_PIPELINE_BATCH
+
+
+def test_a_fixed_size_the_schedule_cannot_run_is_refused_with_the_sizes_that_can():
+    for message in run_multiprocess(cases.fixed_bad_size, world_size=2, timeout_s=200):
+        assert "device_train_microbatch_size=3" in message and "[1, 2, 4]" in message
