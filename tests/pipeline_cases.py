@@ -10,7 +10,6 @@ import automicro
 from automicro.data import SyntheticTokens, build_dataloader
 from automicro.integration.callback import AutoMicrobatching
 from automicro.models import build_model
-from automicro.testing.callbacks import MemoryCapCallback
 from automicro.testing.faults import FaultInjector
 
 SEQ = 16
@@ -93,9 +92,11 @@ def fault_matrix(rank: int, world: int, schedule: str, cases: list[tuple[str, in
     return out
 
 
-def search_under_cap(rank: int, world: int, schedule: str, caps: dict[int, int], stages: int = 2) -> dict[str, Any]:
-    """The search under an emulated memory limit per rank, and a fixed-size run at the size it found."""
-    auto = fit(schedule, "auto", stages=stages, callbacks=[AutoMicrobatching(log_attempts=False), MemoryCapCallback(caps)], batches=5)
+def search_under_limit(rank: int, world: int, schedule: str, failing: int, stages: int = 2) -> dict[str, Any]:
+    """The search when rank `failing` runs out of memory in every forward above microbatch size 2
+    (a memory limit, exact), and fixed-size runs at the size it found and at another size."""
+    limit = FaultInjector("forward", ranks=[failing], above=2)
+    auto = fit(schedule, "auto", stages=stages, callbacks=[AutoMicrobatching(log_attempts=False), limit], batches=5)
     fixed = fit(schedule, auto["found"], stages=stages, batches=5)
     other = fit(schedule, 1 if auto["found"] != 1 else 2, stages=stages, batches=5)
     return {

@@ -132,27 +132,28 @@ def test_after_a_failed_attempt_on_one_stage_the_parameters_equal_a_fixed_size_r
             assert case["diff"] < 1e-5, (schedule, case["case"], case["diff"])
 
 
-# ---- multi-rank: the search under a memory limit, 2 stages and 2 stages x 2 ------------------
+# ---- multi-rank: the search under a memory limit on one rank, 2 stages and 2 stages x 2 -------
 
 
 @pytest.mark.parametrize("schedule", ["1F1B", "ZeroBubble"])
 def test_search_on_two_stages_finds_a_size_that_fits_and_trains_like_a_fixed_size_run(schedule):
-    ranks = run_multiprocess(cases.search_under_cap, world_size=2, args=(schedule, {0: 8_000_000}), timeout_s=400)
+    ranks = run_multiprocess(cases.search_under_limit, world_size=2, args=(schedule, 0), timeout_s=400)
     for out in ranks:
-        assert any(h[2] == "oom" and h[3] == [0] for h in out["history"]), out["history"]
-        assert out["found"] in (1, 2)
-        assert out["diff_fixed"] < 1e-5 and out["diff_other_size"] < 1e-4
+        assert [h[1:4] for h in out["history"]][:2] == [(4, "oom", [0]), (2, "ok", [])], out["history"]
+        assert out["found"] == 2
+        # Another size changes only float rounding (Adam amplifies it over 5 steps at lr 1e-2).
+        assert out["diff_fixed"] < 1e-5 and out["diff_other_size"] < 2e-3
         assert out["loss"] == pytest.approx(out["fixed_loss"], rel=1e-5)
     # Composer counts each sample once per pipeline (the later stage reports none).
     assert ranks[0]["samples"] == ranks[1]["samples"] == 5 * cases.PER_PIPELINE_BATCH
 
 
 def test_search_on_two_stages_of_two_data_parallel_ranks_agrees_on_every_rank():
-    ranks = run_multiprocess(cases.search_under_cap, world_size=4, args=("ZeroBubble", {1: 8_000_000}), timeout_s=600)
+    ranks = run_multiprocess(cases.search_under_limit, world_size=4, args=("ZeroBubble", 3), timeout_s=600)
     assert [r["stage"] for r in ranks] == [0, 0, 1, 1]
-    assert len({r["found"] for r in ranks}) == 1
     for out in ranks:
-        assert any(h[2] == "oom" and h[3] == [1] for h in out["history"]), out["history"]
+        assert out["found"] == 2
+        assert out["history"][0][1:4] == (4, "oom", [3]), out["history"]
         assert out["diff_fixed"] < 1e-5
     assert ranks[0]["samples"] == 5 * 2 * cases.PER_PIPELINE_BATCH
 
