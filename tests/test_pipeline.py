@@ -161,3 +161,12 @@ def test_search_on_two_stages_of_two_data_parallel_ranks_agrees_on_every_rank():
 def test_a_fixed_size_the_schedule_cannot_run_is_refused_with_the_sizes_that_can():
     for message in run_multiprocess(cases.fixed_bad_size, world_size=2, timeout_s=200):
         assert "device_train_microbatch_size=3" in message and "[1, 2, 4]" in message
+
+
+def test_zero_bubble_with_activation_checkpointing_is_refused_with_what_to_change():
+    from automicro.engine.config import FSDP2Config
+    from automicro.engine.pipeline import build_pipeline
+    from automicro.models import build_model
+
+    with pytest.raises(PipelineModelError, match="use schedule: 1F1B with activation checkpointing"):
+        build_pipeline(build_model("tiny", n_layers=4), PipelineConfig(schedule="ZeroBubble"), FSDP2Config(activation_checkpointing=True))

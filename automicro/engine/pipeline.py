@@ -239,6 +239,15 @@ def build_pipeline(
             f"parallelism_config.fsdp2.replicate={fsdp2.replicate} with a pipeline: HSDP inside pipeline stages "
             "is not supported; use replicate: 1 (each stage is sharded over its world/stages ranks)"
         )
+    if config.schedule == "ZeroBubble" and fsdp2.activation_checkpointing:
+        # torch's composable checkpoint recomputes through a single-use context manager; a zero-bubble
+        # stage recomputes twice (dI, then dW) and the second fails (AttributeError in
+        # contextlib, seen on torch 2.7 and 2.11).
+        raise PipelineModelError(
+            "parallelism_config.pipeline.schedule=ZeroBubble with parallelism_config.fsdp2.activation_checkpointing=true "
+            "is not supported (the weight-gradient step recomputes a checkpointed block a second time); use "
+            "schedule: 1F1B with activation checkpointing, or activation_checkpointing: false"
+        )
     if config.schedule == "ZeroBubble" and fsdp2.reshard_after_forward is not False:
         # torch computes a zero-bubble stage's weight gradients (dW) from the parameters the stage
         # holds at its input-gradient step; FSDP2 blocks resharded after forward hold their

@@ -1,0 +1,187 @@
+"""Pipeline parallelism on 2 GPUs (2 stages): a per-rank memory probe around scripts/train.py,
+and the parser that turns the runs of benchmarks/gpu_pipeline.sh into JSON and tables.
+
+  # one rank of a training run, with its peak GPU memory written to $PROBE_DIR/rank<R>.json at exit
+  python -m composer.cli.launcher -n 2 benchmarks/gpu_pipeline.py probe CONFIG key=value ...
+  # the runs under OUT/<part>/<case>/ (console.log, rc, metrics.jsonl, probe/rank*.json) -> JSON + table
+  python benchmarks/gpu_pipeline.py parse OUT PART
+
+PROBE_FRACTION="r:f" limits rank r's GPU to fraction f (as memory_fraction does in auto runs).
+Peak memory (MiB) is torch.cuda.max_memory_allocated / max_memory_reserved at exit. AutoMicrobatching
+resets the peak at every attempt (also at a fixed size), so the figure is the last batch's peak:
+the steady-state peak of a fixed-size run. With PROBE_CPU_CAP=1 (CPU_DRY runs) it is the peak of the
+memory_cap callback's MemoryCap (live tensor storages on CPU; never reset at a fixed size).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import re
+import runpy
+import sys
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+
+MIB = 1024**2
+ATTEMPT = re.compile(r"\[automicro\] batch (\d+) attempt (\d+): size (\d+) split \[([^\]]*)\] -> (\w+)(?: on rank\(s\) \[([^\]]*)\] at \[([^\]]*)\])?; next size (\d+)")
+FOUND = re.compile(r"microbatch size found: (\w+) .*split in use \[([^\]]*)\]; attempts (\d+), OOMs (\d+)")
+DONE = re.compile(r"done: (\d+) batches, final loss (\S+), ([\d,]+) tokens/s over the whole fit \(([\d.]+) s")
+
+
+def probe(argv: list[str]) -> None:
+    out = os.environ.get("PROBE_DIR")
+
+    caps: list = []
+    if os.environ.get("PROBE_CPU_CAP"):  # CPU stand-in: the peak of the memory_cap callback's MemoryCap
+        from automicro.testing import memory_cap
+
+        init = memory_cap.MemoryCap.__init__
+
+        def record(self: Any, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **kwargs)
+            caps.append(self)
+
+        memory_cap.MemoryCap.__init__ = record
+
+    def dump() -> None:
+        import torch
+
+        if not out:
+            return
+        rank = int(os.environ.get("RANK", "0"))
+        os.makedirs(out, exist_ok=True)
+        if not torch.cuda.is_available():
+            if caps:
+                stats = caps[-1].stats()
+                with open(os.path.join(out, f"rank{rank}.json"), "w") as handle:
+                    json.dump({"rank": rank, "source": "memory_cap (CPU)", "peak_allocated_mib": stats["peak_bytes"] / MIB,
+                               "peak_reserved_mib": None, "num_ooms": stats.get("num_ooms")}, handle)
+            return
+        doc = {
+            "source": "torch.cuda",
+            "rank": rank,
+            "peak_allocated_mib": torch.cuda.max_memory_allocated() / MIB,
+            "peak_reserved_mib": torch.cuda.max_memory_reserved() / MIB,
+            "num_alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries"),
+            "num_ooms": torch.cuda.memory_stats().get("num_ooms"),
+        }
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as handle:
+            json.dump(doc, handle)
+
+    atexit.register(dump)
+    # PROBE_FRACTION="rank:fraction": the same per-process memory limit that AutoMicrobatching's
+    # memory_fraction sets, for fixed-size runs (where the callback stays idle).
+    spec = os.environ.get("PROBE_FRACTION")
+    if spec:
+        import torch
+
+        rank, fraction = spec.split(":")
+        if torch.cuda.is_available() and int(rank) == int(os.environ.get("RANK", "0")):
+            torch.cuda.set_per_process_memory_fraction(float(fraction), device=int(os.environ.get("LOCAL_RANK", "0")))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, "scripts"))
+    sys.argv = [os.path.join(root, "scripts", "train.py"), *argv]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+def read_case(folder: str) -> dict:
+    case = {"case": os.path.basename(folder)}
+    meta_path = os.path.join(folder, "meta.json")
+    if os.path.exists(meta_path):
+        case.update(json.load(open(meta_path)))
+    rc_path = os.path.join(folder, "rc")
+    case["rc"] = int(open(rc_path).read().strip() or -1) if os.path.exists(rc_path) else None
+    case["hang"] = case["rc"] in (124, 137)
+    log = open(os.path.join(folder, "console.log"), errors="replace").read() if os.path.exists(os.path.join(folder, "console.log")) else ""
+    attempts = []
+    for m in ATTEMPT.finditer(log):
+        attempts.append({
+            "batch": int(m[1]), "attempt": int(m[2]), "size": int(m[3]), "split": m[4], "outcome": m[5],
+            "ranks": m[6], "sites": m[7], "next_size": int(m[8]),
+        })
+    case["attempts"] = attempts
+    case["oom_attempts"] = [a for a in attempts if a["outcome"] != "ok"]
+    found = FOUND.search(log)
+    if found:
+        case["found_size"] = int(found[1]) if found[1].isdigit() else None
+        case["size_in_use"] = int(found[2].split(",")[0]) if found[2].strip() else None
+        case["attempts_total"], case["ooms_total"] = int(found[3]), int(found[4])
+    done = DONE.search(log)
+    case["finished"] = bool(done) and case["rc"] == 0
+    if done:
+        case["batches"], case["final_loss"] = int(done[1]), float(done[2])
+        case["fit_tokens_per_s"], case["fit_s"] = float(done[3].replace(",", "")), float(done[4])
+    errors = [line for line in log.splitlines() if re.search(r"Error|Traceback|error:", line) and "Warning" not in line]
+    case["errors"] = errors[:20]
+    metrics = os.path.join(folder, "run", "metrics.jsonl")
+    if os.path.exists(metrics):
+        rows = []
+        for line in open(metrics):
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                pass
+        tps = [r["throughput/tokens_per_sec"] for r in rows if "throughput/tokens_per_sec" in r]
+        case["tokens_per_s_last"] = tps[-1] if tps else None
+        case["tokens_per_s_series"] = tps
+        peaks = [r["memory/peak_allocated_mem"] for r in rows if "memory/peak_allocated_mem" in r]
+        case["monitor_peak_allocated_gb_last"] = peaks[-1] if peaks else None
+    probe_dir = os.path.join(folder, "probe")
+    case["peak"] = {}
+    if os.path.isdir(probe_dir):
+        for name in sorted(os.listdir(probe_dir)):
+            doc = json.load(open(os.path.join(probe_dir, name)))
+            case["peak"][str(doc["rank"])] = doc
+    return case
+
+
+def sites(case: dict) -> str:
+    return "; ".join(f"b{a['batch']}a{a['attempt']} s{a['size']} {a['outcome']} r[{a['ranks']}] {a['sites']}" for a in case["oom_attempts"]) or "-"
+
+
+def table(part: str, cases: list[dict]) -> list[str]:
+    f = harness.fmt
+    if part == "nohang":
+        header = ["case", "schedule", "fractions", "attempts", "OOMs", "failed attempts: batch/attempt size ranks sites", "found (in use)", "batches", "finished", "hang", "s"]
+        rows = [[c["case"], c.get("schedule"), c.get("fractions"), c.get("attempts_total", len(c["attempts"])),
+                 c.get("ooms_total", len(c["oom_attempts"])), sites(c), f"{c.get('found_size')} ({c.get('size_in_use')})", c.get("batches"),
+                 c["finished"], c["hang"], c.get("wall_s")] for c in cases]
+    elif part == "throughput":
+        header = ["case", "schedule", "fractions", "microbatch", "finished", "OOMs", "tokens/s (last window)", "tokens/s whole fit", "peak alloc r0/r1 MiB"]
+        rows = [[c["case"], c.get("schedule"), c.get("fractions"), c.get("found_size") if c.get("mb") == "auto" and c.get("found_size") else c.get("mb"),
+                 c["finished"], c.get("ooms_total", len(c["oom_attempts"])), f(c.get("tokens_per_s_last"), ",.0f"), f(c.get("fit_tokens_per_s"), ",.0f"),
+                 "/".join(f(c["peak"].get(r, {}).get("peak_allocated_mib"), ".0f") for r in ("0", "1"))] for c in cases]
+    else:
+        header = ["case", "schedule", "keep_graph", "act_ckpt", "microbatch", "finished", "peak alloc r0 MiB", "peak alloc r1 MiB", "peak reserved r0/r1 MiB", "tokens/s (last window)"]
+        rows = [[c["case"], c.get("schedule"), c.get("keep_graph"), c.get("ac"), c.get("mb"), c["finished"],
+                 f(c["peak"].get("0", {}).get("peak_allocated_mib"), ".1f"), f(c["peak"].get("1", {}).get("peak_allocated_mib"), ".1f"),
+                 "/".join(f(c["peak"].get(r, {}).get("peak_reserved_mib"), ".0f") for r in ("0", "1")),
+                 f(c.get("tokens_per_s_last"), ",.0f")] for c in cases]
+    return harness.table_lines(header, rows)
+
+
+def parse(out: str, part: str) -> None:
+    root = os.path.join(out, part)
+    cases = [read_case(os.path.join(root, d)) for d in sorted(os.listdir(root)) if os.path.isdir(os.path.join(root, d))]
+    cases.sort(key=lambda c: c.get("order", 0))
+    lines = table(part, cases)
+    harness.write_json(os.path.join(out, f"pipeline_{part}.json"), {"part": part, "cases": cases, "table": lines})
+    with open(os.path.join(out, f"pipeline_{part}_table.txt"), "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "probe":
+        probe(sys.argv[2:])
+    elif sys.argv[1] == "parse":
+        parse(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "found":  # the found size (else the size in use) of one case, for the shell script
+        case = read_case(sys.argv[2])
+        print(case.get("found_size") or case.get("size_in_use") or "")
+    else:
+        raise SystemExit(__doc__)
