@@ -31,19 +31,15 @@ activation checkpointing the figures are also derived from the shapes: the first
 exactly 3 boundary-sized tensors (its 2 blocks' inputs and its output), the last stage 2 (block 3's
 input and output) plus what its head (norm, lm_head, loss; not checkpointed) holds.
 
-Measured problems the tests document as expected failures (strict: they fail once fixed):
-- Finished microbatches leave boundary tensors until `release()` at the end of the batch: the last
-  stage's input gradients stay as the `.grad` of its receive buffers (torch 2.7, 2.11; on 2.15 the
-  last one sent stays), the first stage's latest output stays referenced by `PipelineRunner.run`'s
-  local `output` (and on torch 2.7 every output in `stage.output_chunks`, which torch 2.7 fills on
-  every stage and the executor clears on the last stage only). One boundary tensor per microbatch.
-- torch >= 2.9: after a pipeline batch the engine's compute-stream reduce-scatter comm
-  (`_torch_internals.ComputeStreamReduceScatter`) still holds its last two outputs (gradients):
-  their release is queued as an autograd callback, and a pipeline reduce-scatters outside autograd
-  (`finish_stage_backward`). After zero_grad they stay allocated into the next batch;
-  `ShardedModel.recover()` drops them.
-- torch < 2.15 (2.7, 2.11): an OOM inside dI leaves that microbatch's graph alive for good (see
-  `_LEAKS_AFTER_FAILED_DI`).
+Problems this file found and the engine now fixes (each test here failed before its fix):
+- finished microbatches left one boundary tensor each until the end of the batch (the input
+  gradient as `.grad` of a receive buffer, torch 2.7's output chunks, the last exchange's work
+  object): `_torch_internals.drop_finished_microbatch` and `pipeline._exchange`;
+- torch >= 2.9: the compute-stream reduce-scatter comm held its last outputs after a pipeline
+  batch (its release is an autograd callback; a stage reduce-scatters outside autograd):
+  `ShardedModel.end_of_backward`;
+- torch < 2.15: an OOM inside dI left that microbatch's graph alive for good (1,612,288 bytes on
+  the test's stage): `_torch_internals.install_input_grad_failure_cleanup`.
 ZeroBubble with activation checkpointing is refused by `build_pipeline` (torch's composable
 checkpoint recomputes through a one-shot context manager, and zero bubble recomputes twice): the
 checkpointing cases run 1F1B.
@@ -375,8 +371,6 @@ def _run_case(
         dist.batch_isend_irecv = original
     result["grads"] = _grads(model)  # outside the cap: the copies are not counted
     if result["error"] is None:
-        comm = pipe.sharded._reduce_scatter_comm
-        result["comm_held_bytes"] = _storage_bytes(getattr(comm, "_held", ())) if comm is not None else 0
         for p in model.parameters():
             p.grad = None  # zero_grad(set_to_none=True)
         result["zero_grad"] = recorder.sample("gradients dropped")
@@ -500,7 +494,7 @@ ZB_AFTER_W0 = {0: ("before 0I1", "before 0F1"), 1: ("before 1W1", "before 1F1")}
 
 def _residue(case: dict[str, Any], later: str, reference: str) -> int:
     """Activations at `later` minus those at `reference`, without what finished microbatches
-    left outside their graphs (`left`, see the xfail test below)."""
+    left outside their graphs (`left`, checked to be zero by its own test below)."""
     row, ref = _at(case, later), _at(case, reference)
     return (row["activations"] - row["left"]) - (ref["activations"] - ref["left"])
 
@@ -551,24 +545,10 @@ def test_dropping_the_gradients_after_a_batch_frees_them(results):
     for rank, result in enumerate(results):
         case = _ok(result["zb"])
         excess = case["zero_grad"]["live"] - case["sharded_bytes"]
-        if case["compute_stream_buffers"] and excess > TOL:
-            # The engine problem of the module docstring (torch >= 2.9): exactly the comm's held outputs.
-            assert abs(excess - case["comm_held_bytes"]) <= TOL, (excess, case["comm_held_bytes"])
-            pytest.xfail(
-                f"rank {rank}: the compute-stream reduce-scatter comm still holds its last outputs ({excess} bytes of "
-                "gradients) after the pipeline batch: its release is an autograd callback and the pipeline "
-                "reduce-scatters outside autograd"
-            )
         assert abs(excess) <= TOL, f"rank {rank}: {excess} bytes stay live after the gradients are dropped"
 
 
 @pytest.mark.multiproc
-@pytest.mark.xfail(
-    strict=True,
-    reason="finished microbatches leave boundary tensors until the end of the batch: the last stage's input "
-    "gradients (.grad of the receive buffers on torch 2.7/2.11), the first stage's latest output (run()'s local "
-    "`output`; every output in stage.output_chunks on torch 2.7); see the module docstring",
-)
 def test_a_finished_microbatch_leaves_nothing_until_the_end_of_the_batch(results):
     rows = [_at(_ok(result["zb"]), f"after {rank}W{N - 1}") for rank, result in enumerate(results)]
     assert all(row["left"] == 0 for row in rows), "; ".join(
@@ -610,22 +590,12 @@ def test_activation_checkpointing_backward_frees_its_microbatch(results):
 # ---- 3. after a failed attempt --------------------------------------------------------------
 
 
-# torch 2.7 and 2.11: `stage_backward_input` registers a pre-hook on each intermediate node whose
-# closure holds the node list (`param_groups`), and removes the hooks only after a successful
-# `autograd.grad`; an OOM inside it leaves node -> hook -> closure -> node cycles through C++,
-# which Python's collector cannot see: the microbatch's graph stays live for good (`release()`
-# cannot reach it). torch 2.15 removes the hooks in a `finally`.
-_LEAKS_AFTER_FAILED_DI = pytest.mark.xfail(
-    condition=internals.TORCH_VERSION < (2, 15),
-    strict=True,
-    reason="torch < 2.15: an OOM inside dI leaves the microbatch's graph alive through the input-gradient "
-    "pre-hooks torch's stage_backward_input never removes (a reference cycle through autograd nodes)",
-)
-
-
+# torch 2.7 and 2.11 leave an OOM inside dI's graph alive through hooks torch never removes;
+# `_torch_internals.install_input_grad_failure_cleanup` breaks those cycles (this test is what
+# found them: 1,612,288 bytes stayed live after the next batch before it).
 @pytest.mark.multiproc
 @pytest.mark.parametrize(
-    "case_name", [pytest.param(n, marks=_LEAKS_AFTER_FAILED_DI) if n == "oom_inside_1I0" else n for n in FAILURES]
+    "case_name", list(FAILURES)
 )
 def test_release_and_recover_after_a_failed_attempt_free_everything(results, case_name):
     fail_rank, kind, m, how = FAILURES[case_name]

@@ -266,9 +266,14 @@ def _caused_by(error: BaseException, types: tuple[type, ...]) -> bool:
 
 def _drop_frames(error: BaseException) -> None:
     """Release the locals (activations) of the failed attempt's frames; the traceback stays printable."""
-    tb = error.__traceback__
-    if tb is not None:
-        traceback.clear_frames(tb)
+    seen: set[int] = set()
+    current: Optional[BaseException] = error
+    # Also the errors it was raised from (torch's pipeline stages re-raise an OOM wrapped).
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if current.__traceback__ is not None:
+            traceback.clear_frames(current.__traceback__)
+        current = current.__cause__
 
 
 __all__ = ["AttemptFence", "AttemptResult", "RandomState", "is_oom"]

@@ -825,6 +825,64 @@ def finish_stage_backward(stage: Any) -> None:
     state._root_post_backward_final_callback()
 
 
+def drop_finished_microbatch(stage: Any, microbatch: int) -> None:
+    """After a microbatch's input gradient was computed and sent: the gradient torch leaves as the
+    `.grad` of its receive buffer (2.7, 2.11) and its entry in the output chunks (kept for a merge
+    the executor never asks for) are needed by nobody; without this they live to the end of the
+    batch, one boundary tensor per finished microbatch."""
+    infos = getattr(stage, "args_recv_info", None)
+    for info in infos.get(microbatch, ()) if isinstance(infos, dict) else ():
+        buffer = getattr(info, "buffer", None)
+        if isinstance(buffer, torch.Tensor):
+            buffer.grad = None
+    chunks = getattr(stage, "output_chunks", None)
+    if isinstance(chunks, list) and microbatch < len(chunks):
+        chunks[microbatch] = None
+
+
+# torch 2.7 and 2.11: `stage_backward_input` hangs a pre-hook on each intermediate autograd node,
+# whose closure holds the node list (`param_groups`), and removes the hooks only after
+# `autograd.grad` returns. An OOM inside it leaves node -> hook -> closure -> node cycles through
+# C++ that Python's collector cannot see: the microbatch's graph stays alive for good. torch 2.15
+# removes the hooks in a `finally`. On the older versions the wrapper below empties the node lists
+# when it raises, which breaks the cycles.
+_INPUT_GRAD_LEAKS_ON_FAILURE = TORCH_VERSION < (2, 15)
+_input_grad_cleanup_installed = False
+
+
+def install_input_grad_failure_cleanup() -> None:
+    """Idempotent; a no-op on torch >= 2.15 (checked on 2.7.0 and 2.11.0)."""
+    global _input_grad_cleanup_installed
+    if not _INPUT_GRAD_LEAKS_ON_FAILURE or _input_grad_cleanup_installed:
+        return
+    from torch.distributed.pipelining import _backward, stage as stage_module
+
+    original = stage_module.stage_backward_input
+
+    def stage_backward_input(*args: Any, **kwargs: Any) -> Any:
+        made: list[Any] = []
+        find_groups = _backward.get_param_groups
+
+        def recording(*a: Any, **k: Any) -> Any:
+            groups = find_groups(*a, **k)
+            made.append(groups)
+            return groups
+
+        _backward.get_param_groups = recording
+        try:
+            return original(*args, **kwargs)
+        except BaseException:
+            for groups in made:
+                for group in groups:
+                    group.clear()
+            raise
+        finally:
+            _backward.get_param_groups = find_groups
+
+    stage_module.stage_backward_input = stage_backward_input
+    _input_grad_cleanup_installed = True
+
+
 def release_stage(stage: Any) -> None:
     """Drop everything a stage holds between actions of one batch (cached stage outputs and
     inputs with their autograd graphs, zero-bubble weight-gradient state, input gradients, the

@@ -269,6 +269,7 @@ def build_pipeline(
             f"{type(model).__name__}.pipeline_stage must return an nn.Module with pipeline_io(microbatch_size, "
             "seq_len, dtype)"
         )
+    internals.install_input_grad_failure_cleanup()
     sharded = shard(stage_module, fsdp2, mesh=layout.dp_mesh, device=device)
     object.__setattr__(model, "_automicro_sharded", sharded)
     runner = PipelineRunner(sharded, layout, config, compute_dtype=_compute_dtype(fsdp2, stage_module))
@@ -385,10 +386,10 @@ class PipelineRunner:
                         total = loss.detach() if total is None else total + loss.detach()
                         # torch keeps every output chunk for a merge the training step never uses.
                         stage.output_chunks.clear()
-                        del output
                         hooks.after_loss(action.microbatch)
                     else:
                         ops.extend(stage.get_fwd_send_ops(action.microbatch))
+                    del output
                 elif action.kind in ("B", "I"):
                     loss = losses.pop(action.microbatch, None)
                     stage.backward_one_chunk(action.microbatch, loss=loss, full_backward=action.kind == "B", last_backward=False)
@@ -406,9 +407,12 @@ class PipelineRunner:
             hooks.before_exchange()
             if ops:
                 self.stats.exchanges += 1
-                for work in dist.batch_isend_irecv(ops):
-                    work.wait()
+                _exchange(ops)
+                del ops
+            if action is not None and action.kind in ("B", "I"):
+                internals.drop_finished_microbatch(stage, action.microbatch)
         internals.finish_stage_backward(stage)
+        self.sharded.end_of_backward()
         self.release()
         return total
 
@@ -448,6 +452,13 @@ class PipelineRunner:
         order = internals.pipeline_compute_order(self._schedule(self._probe_stage(), num_microbatches))
         actions = {rank: [Action(*row) for row in rows] for rank, rows in order.items()}
         return lockstep_table(actions, self.layout.num_stages)
+
+
+def _exchange(ops: list[Any]) -> None:
+    """Run one step's sends and receives to completion. In a function of its own: a finished work
+    object still references its tensor, and must not outlive the step as a loop variable."""
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
 
 
 def _loss_outside_schedule(output: Any, target: Any) -> torch.Tensor:

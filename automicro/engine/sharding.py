@@ -344,6 +344,12 @@ class ShardedModel:
         for param in self.module.parameters():
             param.grad = None
 
+    def end_of_backward(self) -> None:
+        """A backward run outside autograd's own end (a pipeline stage's, `engine.pipeline`): let go of
+        the reduce-scatter outputs the compute-stream comm holds until then."""
+        if self._reduce_scatter_comm is not None:
+            self._reduce_scatter_comm.release_all()
+
     def reshard_root(self) -> None:
         """Free the root's unsharded parameters (FSDP2 keeps them after a forward without backward)."""
         self.module.reshard()
