@@ -170,3 +170,23 @@ def test_zero_bubble_with_activation_checkpointing_is_refused_with_what_to_chang
 
     with pytest.raises(PipelineModelError, match="use schedule: 1F1B with activation checkpointing"):
         build_pipeline(build_model("tiny", n_layers=4), PipelineConfig(schedule="ZeroBubble"), FSDP2Config(activation_checkpointing=True))
+
+
+def test_an_oom_re_raised_by_torch_s_pipeline_stage_still_counts_as_an_oom():
+    import torch
+
+    from automicro.core.attempt import is_oom
+    from automicro.core.consensus import OOMOnOtherRank
+
+    def wrapped(inner: BaseException) -> RuntimeError:
+        try:
+            try:
+                raise inner
+            except BaseException as error:
+                raise RuntimeError("stage 1 failed to run forward") from error
+        except RuntimeError as outer:
+            return outer
+
+    assert is_oom(wrapped(torch.OutOfMemoryError("out of memory")))
+    assert is_oom(wrapped(OOMOnOtherRank("another rank")))
+    assert not is_oom(wrapped(ValueError("shape mismatch")))

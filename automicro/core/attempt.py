@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, Optional, TypeVar
 
@@ -47,19 +47,25 @@ from automicro.core.sites import AttemptContext
 T = TypeVar("T")
 
 
-def is_oom(error: BaseException) -> bool:
-    """An out-of-memory error, also one re-raised under another type (torch's pipeline stages wrap
-    a failed forward or backward in a RuntimeError ``from`` the original)."""
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    """`error` and the errors it was raised from (torch's pipeline stages re-raise a failed forward
+    or backward as a RuntimeError ``from`` the original)."""
     seen: set[int] = set()
     current: Optional[BaseException] = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, (torch.OutOfMemoryError, OOMOnOtherRank)):
+        yield current
+        current = current.__cause__
+
+
+def is_oom(error: BaseException) -> bool:
+    """An out-of-memory error, also one re-raised under another type."""
+    for each in _chain(error):
+        if isinstance(each, (torch.OutOfMemoryError, OOMOnOtherRank)):
             return True
-        text = str(current)
+        text = str(each)
         if "CUDA out of memory" in text or "CUDA error: out of memory" in text:
             return True
-        current = current.__cause__
     return False
 
 
@@ -254,26 +260,14 @@ class AttemptFence:
 
 
 def _caused_by(error: BaseException, types: tuple[type, ...]) -> bool:
-    seen: set[int] = set()
-    current: Optional[BaseException] = error
-    while current is not None and id(current) not in seen:
-        if isinstance(current, types):
-            return True
-        seen.add(id(current))
-        current = current.__cause__
-    return False
+    return any(isinstance(each, types) for each in _chain(error))
 
 
 def _drop_frames(error: BaseException) -> None:
     """Release the locals (activations) of the failed attempt's frames; the traceback stays printable."""
-    seen: set[int] = set()
-    current: Optional[BaseException] = error
-    # Also the errors it was raised from (torch's pipeline stages re-raise an OOM wrapped).
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if current.__traceback__ is not None:
-            traceback.clear_frames(current.__traceback__)
-        current = current.__cause__
+    for each in _chain(error):  # also the errors it was raised from
+        if each.__traceback__ is not None:
+            traceback.clear_frames(each.__traceback__)
 
 
 __all__ = ["AttemptFence", "AttemptResult", "RandomState", "is_oom"]

@@ -129,22 +129,27 @@ def describe_states(modules: list[tuple[str, FSDPModule]]) -> list[dict[str, str
 
 def unsharded_bytes(modules: list[FSDPModule]) -> int:
     """Bytes still held by unsharded parameter storage or unsharded gradients."""
-    total = 0
+    # The unsharded parameter is a view of the all-gather output: each storage counts once.
+    storages: dict[int, int] = {}
+
+    def add(tensor: Any) -> None:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+
     for module in modules:
         group = param_group(module)
         if group is None:
             continue
         for fsdp_param in group.fsdp_params:
             for tensor in getattr(fsdp_param, "all_gather_outputs", []) or []:
-                total += tensor.untyped_storage().nbytes()
+                add(tensor)
             if hasattr(fsdp_param, "_unsharded_param"):
-                total += fsdp_param._unsharded_param.untyped_storage().nbytes()
-                grad = fsdp_param._unsharded_param.grad
-                if grad is not None:
-                    total += grad.untyped_storage().nbytes()
+                add(fsdp_param._unsharded_param)
+                if fsdp_param._unsharded_param.grad is not None:
+                    add(fsdp_param._unsharded_param.grad)
             if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
-                total += fsdp_param.unsharded_accumulated_grad.untyped_storage().nbytes()
-    return total
+                add(fsdp_param.unsharded_accumulated_grad)
+    return sum(nbytes for ptr, nbytes in storages.items() if ptr != 0)
 
 
 # --------------------------------------------------------------------------------------------
