@@ -55,7 +55,7 @@ def fit(
             "params": params,
             "stage": trainer.pipeline.stage_index,
             "loss": float(trainer.state.total_loss_dict["loss/train/total"]),
-            "history": [(r.batch, r.size, r.outcome, r.failed_ranks, r.sites) for r in auto.history] if auto else [],
+            "history": [(r.batch, r.size, r.outcome, r.failed_ranks, r.sites, r.note) for r in auto.history] if auto else [],
             "found": None if auto is None else auto.found_size,
             "clean": trainer.sharded_model.is_clean(),
             "samples": int(trainer.state.timestamp.sample),
@@ -109,6 +109,16 @@ def search_under_limit(rank: int, world: int, schedule: str, failing: int, stage
         "samples": auto["samples"],
         "stage": auto["stage"],
     }
+
+
+def steady_fault(rank: int, world: int, schedule: str, site: str, failing: int) -> dict[str, Any]:
+    """An OOM on one stage after the size settled and the sync hooks came off (batch 4; stable
+    after 2 clean batches), and a fixed-size run at the same size without it."""
+    injector = FaultInjector(site, ranks=[failing], batch=4, times=1)
+    auto = fit(schedule, "auto", callbacks=[AutoMicrobatching(stable_batches=2, log_attempts=False), injector], batches=6)
+    fixed = fit(schedule, auto["found"], batches=6)
+    return {"history": auto["history"], "found": auto["found"], "fired": injector.fired,
+            "diff": max_difference(auto["params"], fixed["params"]), "clean": auto["clean"]}
 
 
 def fixed_bad_size(rank: int, world: int) -> str:

@@ -158,6 +158,22 @@ def test_search_on_two_stages_of_two_data_parallel_ranks_agrees_on_every_rank():
     assert ranks[0]["samples"] == 5 * 2 * cases.PER_PIPELINE_BATCH
 
 
+@pytest.mark.parametrize(
+    "schedule, site, failing, world",
+    [("1F1B", "backward_input", 1, 2), ("ZeroBubble", "backward_weight", 0, 2), ("ZeroBubble", "forward", 3, 4)],
+)
+def test_an_oom_on_one_stage_after_the_hooks_came_off_reruns_the_batch_at_the_same_size(schedule, site, failing, world):
+    ranks = run_multiprocess(cases.steady_fault, world_size=world, args=(schedule, site, failing), timeout_s=600)
+    for rank, out in enumerate(ranks):
+        steady = [h for h in out["history"] if h[0] == 4]
+        assert steady[0][1:5] == (4, "oom", [failing], [site]), out["history"]
+        assert "in steady phase" in steady[0][5], steady[0]
+        assert steady[1][1:3] == (4, "ok"), out["history"]
+        assert out["found"] == 4 and out["clean"]
+        assert out["fired"] == (1 if rank == failing else 0)
+        assert out["diff"] < 1e-5, out["diff"]
+
+
 def test_a_fixed_size_the_schedule_cannot_run_is_refused_with_the_sizes_that_can():
     for message in run_multiprocess(cases.fixed_bad_size, world_size=2, timeout_s=200):
         assert "device_train_microbatch_size=3" in message and "[1, 2, 4]" in message
