@@ -59,6 +59,7 @@ def fit(
             "found": None if auto is None else auto.found_size,
             "clean": trainer.sharded_model.is_clean(),
             "samples": int(trainer.state.timestamp.sample),
+            "transport": None if auto is None else auto.transport_name,
         }
     finally:
         trainer.close()
@@ -118,7 +119,8 @@ def steady_fault(rank: int, world: int, schedule: str, site: str, failing: int) 
     auto = fit(schedule, "auto", callbacks=[AutoMicrobatching(stable_batches=2, log_attempts=False), injector], batches=6)
     fixed = fit(schedule, auto["found"], batches=6)
     return {"history": auto["history"], "found": auto["found"], "fired": injector.fired,
-            "diff": max_difference(auto["params"], fixed["params"]), "clean": auto["clean"]}
+            "diff": max_difference(auto["params"], fixed["params"]), "clean": auto["clean"],
+            "transport": auto["transport"]}
 
 
 def fixed_bad_size(rank: int, world: int) -> str:

@@ -206,3 +206,14 @@ def test_an_oom_re_raised_by_torch_s_pipeline_stage_still_counts_as_an_oom():
     assert is_oom(wrapped(torch.OutOfMemoryError("out of memory")))
     assert is_oom(wrapped(OOMOnOtherRank("another rank")))
     assert not is_oom(wrapped(ValueError("shape mismatch")))
+
+
+def test_pipeline_across_two_simulated_nodes_recovers_search_and_steady_ooms_with_hierarchical_consensus():
+    """2 nodes x 2 ranks: each stage's data-parallel pair on one node, the pipeline's sends and
+    receives between the nodes (the usual multi-host layout); an OOM on node 1's second rank."""
+    ranks = run_multiprocess(cases.steady_fault, world_size=4, nodes=2, args=("ZeroBubble", "backward_input", 3), timeout_s=600)
+    for out in ranks:
+        steady = [h for h in out["history"] if h[0] == 4]
+        assert steady[0][1:4] == (4, "oom", [3]) and steady[1][1:3] == (4, "ok"), out["history"]
+        assert out["diff"] < 1e-5
+    assert ranks[0]["transport"] == "hierarchical"
