@@ -23,6 +23,7 @@ def fit(
     callbacks: Optional[list[Any]] = None,
     batches: int = 3,
     fsdp2: Optional[dict[str, Any]] = None,
+    **trainer_kwargs: Any,
 ) -> dict[str, Any]:
     """Train the 4-block tiny Llama for `batches` batches; this rank's stage parameters after it."""
     import torch.distributed as dist
@@ -47,6 +48,7 @@ def fit(
         progress_bar=False,
         log_to_console=False,
         seed=17,
+        **trainer_kwargs,
     )
     try:
         trainer.fit()
@@ -121,6 +123,25 @@ def steady_fault(rank: int, world: int, schedule: str, site: str, failing: int) 
     return {"history": auto["history"], "found": auto["found"], "fired": injector.fired,
             "diff": max_difference(auto["params"], fixed["params"]), "clean": auto["clean"],
             "transport": auto["transport"]}
+
+
+def checkpoint_resume(rank: int, world: int, schedule: str, folder: str) -> dict[str, Any]:
+    """4 batches in one go, and 2 batches saved as a sharded checkpoint then resumed to 4."""
+    whole = fit(schedule, "auto", callbacks=[AutoMicrobatching(log_attempts=False)], batches=4)
+    fit(
+        schedule, "auto", callbacks=[AutoMicrobatching(log_attempts=False)], batches=2,
+        save_folder=folder, save_interval="2ba", checkpoint_format="sharded",
+    )
+    resumed_auto = AutoMicrobatching(log_attempts=False)
+    resumed = fit(
+        schedule, "auto", callbacks=[resumed_auto], batches=4,
+        load_path=f"{folder}/ep0-ba2", checkpoint_format="sharded",
+    )
+    return {
+        "diff": max_difference(whole["params"], resumed["params"]),
+        "resumed_history": resumed["history"],
+        "found": resumed["found"],
+    }
 
 
 def fixed_bad_size(rank: int, world: int) -> str:

@@ -217,3 +217,10 @@ def test_pipeline_across_two_simulated_nodes_recovers_search_and_steady_ooms_wit
         assert steady[0][1:4] == (4, "oom", [3]) and steady[1][1:3] == (4, "ok"), out["history"]
         assert out["diff"] < 1e-5
     assert ranks[0]["transport"] == "hierarchical"
+
+
+def test_a_pipeline_saves_sharded_checkpoints_and_resumes_to_the_same_parameters(tmp_path):
+    for out in run_multiprocess(cases.checkpoint_resume, world_size=2, args=("ZeroBubble", str(tmp_path)), timeout_s=400):
+        assert out["diff"] < 1e-6, out["diff"]
+        # The search state came back with the checkpoint: batches 0-1 from the save, 2-3 after it.
+        assert out["found"] == 4 and [h[0] for h in out["resumed_history"]] == [0, 1, 2, 3], out["resumed_history"]

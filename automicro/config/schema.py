@@ -375,14 +375,19 @@ def _pipeline_parse(value: Any, key: str) -> Optional[PipelineConfig]:
         raise ConfigError(str(e)) from e
 
 
-def pipeline_problem(*, eval_interval: Any, save_folder: Any, load_path: Any, precision: Optional[str], sharded: bool) -> Optional[str]:
+def pipeline_problem(
+    *, eval_interval: Any, save_folder: Any, load_path: Any, precision: Optional[str], sharded: bool, checkpoint_format: Any
+) -> Optional[str]:
     """Why a pipeline cannot run with these settings (None: it can). Shared with `automicro.Trainer`."""
     if not sharded:
         return "needs parallelism_config.fsdp2 (each stage is sharded with FSDP2 over its ranks): add fsdp2: {}"
     if eval_interval is not None:
         return "does not evaluate yet (Composer's eval runs the whole model on one rank); set eval_interval: null"
-    if save_folder is not None or load_path is not None:
-        return "does not save or load checkpoints yet; set save_folder: null and load_path: null"
+    if (save_folder is not None or load_path is not None) and checkpoint_format != "sharded":
+        return (
+            "saves and loads sharded checkpoints only (each stage's ranks write their own shards; a full "
+            "checkpoint would hold rank 0's stage alone); set checkpoint_format: sharded"
+        )
     if precision == "amp_fp16":
         return "does not support amp_fp16 (no gradient scaler across stages); use amp_bf16 or fp32"
     return None
@@ -495,7 +500,7 @@ class TrainConfig:
         if self.pipeline is not None:
             problem = pipeline_problem(
                 eval_interval=self.eval_interval, save_folder=self.save_folder, load_path=self.load_path,
-                precision=self.precision, sharded=self.fsdp2 is not None,
+                precision=self.precision, sharded=self.fsdp2 is not None, checkpoint_format=self.checkpoint_format,
             )
             if problem:
                 raise ConfigError(f"{prefix}parallelism_config.pipeline: {problem}")

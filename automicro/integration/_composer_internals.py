@@ -284,6 +284,40 @@ def enable_sharded_checkpoints(state: Any, load_planner_factory: Optional[Callab
     state.fsdp_config = config
 
 
+def key_optimizer_state_by_parameter(state: Any) -> None:
+    """Sharded checkpoints of a pipeline stage: save and load the optimizer's state keyed by
+    parameter name (torch's `flatten_optimizer_state_dict`), hyperparameters included.
+
+    Composer 0.32.1's `State.get_optim_state_dict` / `load_optim_state` keep torch's nested form,
+    whose `param_groups` is one list under one key. Every stage has its own parameters there, and
+    DCP writes a key that all ranks hold only once, so every stage would load the first stage's
+    groups (torch then finds none of its own parameters: `KeyError: 'betas'` at the next step).
+    Keyed by name, each stage's entries are its own. Replaces the two methods on this `State`
+    instance only (at `Event.BEFORE_LOAD`, before any save or load)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    def get_optim_state_dict() -> dict[str, Any]:
+        optimizer = ensure_tuple(state.optimizers)[0]
+        options = StateDictOptions(full_state_dict=False, cpu_offload=True, flatten_optimizer_state_dict=True)
+        return {type(optimizer).__qualname__: get_optimizer_state_dict(state.model, optimizer, options=options)}
+
+    def load_optim_state(state_dict: dict[str, Any], strict: bool = True) -> None:
+        saved = state_dict.get("optimizers") or {}
+        for optimizer in ensure_tuple(state.optimizers):
+            name = type(optimizer).__qualname__
+            if name not in saved:
+                raise ValueError(f"automicro: the checkpoint holds no {name} optimizer state; resume with the saved optimizer")
+            options = StateDictOptions(full_state_dict=False, strict=strict, flatten_optimizer_state_dict=True)
+            set_optimizer_state_dict(state.model, optimizer, optim_state_dict=saved[name], options=options)
+
+    state.get_optim_state_dict = get_optim_state_dict
+    state.load_optim_state = load_optim_state
+
+
 def load_stateless_optimizers_directly(state: Any) -> None:
     """Make a full (gathered) checkpoint of an optimizer that keeps no per-parameter state (plain
     SGD without momentum) load on an FSDP2 model.

@@ -79,10 +79,17 @@ def check_checkpoint_format(
 
 class ShardedCheckpointing(Callback):
     """Turns on Composer's sharded (DCP) checkpoint path for the engine-sharded model at
-    BEFORE_LOAD (added by `automicro.Trainer(checkpoint_format='sharded')`)."""
+    BEFORE_LOAD (added by `automicro.Trainer(checkpoint_format='sharded')`). `pipeline`: each rank
+    holds one stage's parameters, so the optimizer state is keyed by parameter name
+    (`_composer_internals.key_optimizer_state_by_parameter`)."""
+
+    def __init__(self, pipeline: bool = False) -> None:
+        self.pipeline = pipeline
 
     def before_load(self, state: State, logger: Logger) -> None:
         composer_internals.enable_sharded_checkpoints(state, load_planner_factory=CallbackStateLoadPlanner)
+        if self.pipeline:
+            composer_internals.key_optimizer_state_by_parameter(state)
 
 
 class FullCheckpointLoading(Callback):

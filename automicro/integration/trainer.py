@@ -143,6 +143,7 @@ class Trainer(composer.Trainer):
             problem = pipeline_problem(
                 eval_interval=kwargs.get("eval_dataloader"), save_folder=kwargs.get("save_folder"),
                 load_path=kwargs.get("load_path"), precision=kwargs.get("precision"), sharded=fsdp2 is not None,
+                checkpoint_format=checkpoint_format,
             )
             if problem:
                 raise ValueError(f"automicro.Trainer: parallelism_config['pipeline'] {problem}")
@@ -190,6 +191,8 @@ class Trainer(composer.Trainer):
                 self._automicro_sharded = pipe.sharded
                 self._automicro_pipeline = PipelineBatch(pipe, model)
                 _rebind_optimizers(kwargs.get("optimizers"), names_before, model)
+                if checkpoint_format == "sharded":
+                    callback_list.append(ShardedCheckpointing(pipeline=True))
             else:
                 self._automicro_sharded = shard(model, fsdp2, device=shard_device)
                 _rebind_optimizers(kwargs.get("optimizers"), names_before, model)
