@@ -224,3 +224,39 @@ def test_a_pipeline_saves_sharded_checkpoints_and_resumes_to_the_same_parameters
         assert out["diff"] < 1e-6, out["diff"]
         # The search state came back with the checkpoint: batches 0-1 from the save, 2-3 after it.
         assert out["found"] == 4 and [h[0] for h in out["resumed_history"]] == [0, 1, 2, 3], out["resumed_history"]
+
+
+# ---- the YAML ----------------------------------------------------------------------------------
+
+PP_YAML = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu-pp.yaml")
+
+
+def test_the_pipeline_yaml_loads_and_a_pipeline_batch_is_per_pipeline():
+    from automicro.config import load_config
+
+    cfg = load_config(PP_YAML)
+    assert cfg.pipeline == PipelineConfig(stages=2, schedule="ZeroBubble")
+    assert cfg.per_rank_batch_size(2) == 12  # one pipeline of 2 stages: the whole global batch
+    assert cfg.per_rank_batch_size(4) == 6  # two pipelines
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["parallelism_config.pipeline.stages=3"], "stages=3: must divide the world size 2"),
+        (["eval_interval=2ba"], "does not evaluate yet"),
+        (["save_folder=ckpt"], "set checkpoint_format: sharded"),
+        (["parallelism_config.pipeline.schedule=GPipe"], "schedule='GPipe': unknown"),
+    ],
+)
+def test_bad_pipeline_yaml_is_one_config_error_naming_the_key(overrides, message):
+    from automicro.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(PP_YAML, overrides).per_rank_batch_size(2)
+
+
+def test_a_pipeline_with_sharded_checkpoints_passes_the_yaml_checks():
+    from automicro.config import load_config
+
+    assert load_config(PP_YAML, ["save_folder=ckpt", "checkpoint_format=sharded"]).checkpoint_format == "sharded"
