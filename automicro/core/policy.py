@@ -26,6 +26,10 @@ Search modes (`PolicyConfig.search`):
 - ``halve``: Composer's own policy, as a baseline: halve on failure, settle on the first success,
   split into chunks of that size.
 
+Where only some sizes can run (a pipeline: equal microbatches, enough of them for the schedule),
+`PolicyConfig.sizes_for(batch_size)` lists them: every size tried, bisected and settled on is one
+of them (the middle one between the bounds), and a split is then always equal parts.
+
 Owns: the phases, the search, the splits and why the hooks are on (`HookReason`). May not touch:
 torch, I/O, collectives, Composer: it is fed agreed outcomes and returns decisions.
 """
