@@ -260,3 +260,18 @@ def test_a_pipeline_with_sharded_checkpoints_passes_the_yaml_checks():
     from automicro.config import load_config
 
     assert load_config(PP_YAML, ["save_folder=ckpt", "checkpoint_format=sharded"]).checkpoint_format == "sharded"
+
+
+def test_a_model_without_pipeline_marks_is_refused_naming_the_methods_to_add():
+    from automicro.engine.pipeline import check_pipeline_model
+
+    with pytest.raises(PipelineModelError, match="implement pipeline_blocks\\(\\), pipeline_stage\\(blocks, first, last\\)"):
+        check_pipeline_model(object())
+
+
+def test_tied_embeddings_cannot_be_split_across_stages():
+    from automicro.models import build_model
+
+    model = build_model("tiny", tie_embeddings=True)
+    with pytest.raises(ValueError, match="set tie_embeddings: false"):
+        model.pipeline_stage(range(0, 1), first=True, last=False)

@@ -59,7 +59,7 @@ import torch.nn.functional as F
 
 from automicro.engine import _torch_internals as internals
 from automicro.engine.config import FSDP2Config, PipelineConfig
-from automicro.engine.pipeline import Action, build_pipeline
+from automicro.engine.pipeline import Action, build_pipeline, split_blocks
 from automicro.models.llama import build_model
 from automicro.testing.memory_cap import MemoryCap
 from automicro.testing.multiprocess import run_multiprocess
@@ -385,7 +385,7 @@ def _plain_forward_bytes(stage_index: int, ac: bool, head_only: bool = False) ->
     last stage's norm + head + loss, on a hidden-state input."""
     torch.manual_seed(0)
     model = build_model("tiny", n_layers=4)
-    stage = model.pipeline_stage(stage_index, 2)
+    stage = model.pipeline_stage(split_blocks(4, 2)[stage_index], first=stage_index == 0, last=stage_index == 1)
     if ac:
         for block in stage.blocks.values():
             internals.apply_activation_checkpointing(block)

@@ -9,10 +9,12 @@ pipe.sharded          # this rank's stage, sharded (a ShardedModel: recover(), h
 pipe.runner.run(...)  # one batch through the schedule (see `PipelineRunner.run`)
 ```
 
-The model marks its blocks by implementing two methods (`automicro.models.ComposerLlama` does):
-- ``pipeline_stage(stage_index, num_stages) -> nn.Module``: keep only what stage ``stage_index``
-  of ``num_stages`` runs (the first stage the embedding, the last the head, each a contiguous run
-  of blocks; parameter names unchanged) and return that module. It maps the stage's input (the
+The model marks its blocks by implementing three methods (`automicro.models.ComposerLlama` does):
+- ``pipeline_blocks() -> int``: how many blocks there are to split (`split_blocks` gives each
+  stage a contiguous run);
+- ``pipeline_stage(blocks, first, last) -> nn.Module``: keep only one stage -- the blocks in the
+  range ``blocks``, the embedding if ``first``, the head if ``last`` (parameter names unchanged) --
+  and return that module. It maps the stage's input (the
   first stage: what ``pipeline_inputs`` returns; the others: the previous stage's output) to its
   output (the last stage: what the model's ``loss(outputs, batch)`` takes), and has
   ``pipeline_io(microbatch_size, seq_len, dtype) -> (inputs, outputs)``: meta tensors of its
@@ -208,11 +210,11 @@ def build_layout(config: PipelineConfig, device: torch.device) -> PipelineLayout
 
 
 def check_pipeline_model(model: Any) -> None:
-    missing = [name for name in ("pipeline_stage", "pipeline_inputs") if not callable(getattr(model, name, None))]
+    missing = [n for n in ("pipeline_blocks", "pipeline_stage", "pipeline_inputs") if not callable(getattr(model, n, None))]
     if missing:
         raise PipelineModelError(
             f"parallelism_config.pipeline: {type(model).__name__} does not mark its pipeline blocks (no "
-            f"{' / '.join(missing)}); implement pipeline_stage(stage_index, num_stages) and pipeline_inputs(batch) "
+            f"{' / '.join(missing)}); implement pipeline_blocks(), pipeline_stage(blocks, first, last) and pipeline_inputs(batch) "
             "as automicro.models.ComposerLlama does, or leave parallelism_config.pipeline out"
         )
 
@@ -263,7 +265,13 @@ def build_pipeline(
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     layout = build_layout(config, device)
-    stage_module = model.pipeline_stage(layout.stage_index, layout.num_stages)
+    runs = split_blocks(model.pipeline_blocks(), layout.num_stages)
+    try:
+        stage_module = model.pipeline_stage(runs[layout.stage_index], first=layout.is_first, last=layout.is_last)
+    except PipelineModelError:
+        raise
+    except ValueError as error:
+        raise PipelineModelError(f"parallelism_config.pipeline: {error}") from error
     if not isinstance(stage_module, nn.Module) or not callable(getattr(stage_module, "pipeline_io", None)):
         raise PipelineModelError(
             f"{type(model).__name__}.pipeline_stage must return an nn.Module with pipeline_io(microbatch_size, "

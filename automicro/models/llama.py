@@ -505,20 +505,21 @@ class ComposerLlama(ComposerModel):
 
     # ---- pipeline parallelism (automicro.engine.pipeline) ----------------------------------
 
-    def pipeline_stage(self, stage_index: int, num_stages: int) -> LlamaStage:
-        """Keep only stage `stage_index` of `num_stages` (blocks split evenly, earlier stages take
-        the extra ones) and return it; the model's other modules are dropped."""
-        from automicro.engine.pipeline import PipelineModelError, split_blocks
+    def pipeline_blocks(self) -> int:
+        """How many blocks the pipeline may split between its stages."""
+        return self.config.n_layers
 
+    def pipeline_stage(self, blocks: range, first: bool, last: bool) -> LlamaStage:
+        """Keep only one pipeline stage (`blocks`, with the embedding if `first`, the head if
+        `last`) and return it; the model's other modules are dropped."""
         if not isinstance(self.model, Llama):
-            raise PipelineModelError("ComposerLlama.pipeline_stage: the model is already a pipeline stage")
+            raise ValueError("ComposerLlama.pipeline_stage: the model is already a pipeline stage")
         if self.config.tie_embeddings:
-            raise PipelineModelError(
+            raise ValueError(
                 "model.tie_embeddings=true with a pipeline: the embedding (first stage) and the head (last stage) "
                 "cannot share a weight across stages; set tie_embeddings: false"
             )
-        runs = split_blocks(self.config.n_layers, num_stages)
-        stage = LlamaStage(self.model, runs[stage_index], first=stage_index == 0, last=stage_index == num_stages - 1)
+        stage = LlamaStage(self.model, blocks, first=first, last=last)
         self.model = stage  # type: ignore[assignment]
         return stage
 
