@@ -391,7 +391,8 @@ class AutoMicrobatching(Callback):
     def _apply_hooks(self, want: bool, reason: HookReason, detail: str = "") -> None:
         if self._hooks is None:
             return
-        if self._pipeline is not None and self._pipeline.dp_size > 1 and reason is not HookReason.FIT_END and reason is not HookReason.CLOSED:
+        lifecycle_end = reason in (HookReason.FIT_END, HookReason.CLOSED)
+        if self._pipeline is not None and self._pipeline.dp_size > 1 and not lifecycle_end:
             # A stage's FSDP2 collectives cross its data-parallel ranks; without a ledger that follows
             # the stages apart, their consensus points are what keeps an OOM there recoverable.
             want = True
