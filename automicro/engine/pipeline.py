@@ -48,7 +48,6 @@ consensus (the caller's hooks run it), Composer, the search policy; private torc
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -315,6 +314,10 @@ class PipelineRunner:
         self.stats = PipelineStats()
         self._stage: Any = None
         self._kept_nodes: list[Any] = []
+        # Per runner, not `functools.lru_cache` (a class-wide cache would keep every runner, and its
+        # model, alive after `Trainer.release()`).
+        self._count_ok: dict[int, bool] = {}
+        self._tables: dict[int, dict[int, list[Optional[Action]]]] = {}
 
     @property
     def module(self) -> nn.Module:
@@ -330,15 +333,16 @@ class PipelineRunner:
         sizes = [m for m in range(1, batch_size + 1) if batch_size % m == 0 and self.count_ok(batch_size // m)]
         return tuple(sizes)
 
-    @functools.lru_cache(maxsize=256)
     def count_ok(self, num_microbatches: int) -> bool:
-        if num_microbatches < self.layout.num_stages:
-            return False
-        try:
-            self._schedule(self._probe_stage(), num_microbatches)
-        except ValueError:
-            return False
-        return True
+        if num_microbatches not in self._count_ok:
+            ok = num_microbatches >= self.layout.num_stages
+            if ok:
+                try:
+                    self._schedule(self._probe_stage(), num_microbatches)
+                except ValueError:
+                    ok = False
+            self._count_ok[num_microbatches] = ok
+        return self._count_ok[num_microbatches]
 
     # ---- one batch -------------------------------------------------------------------------
 
@@ -455,11 +459,12 @@ class PipelineRunner:
     def _schedule(self, stage: Any, num_microbatches: int) -> Any:
         return self.schedule_class([stage], num_microbatches, loss_fn=_loss_outside_schedule)
 
-    @functools.lru_cache(maxsize=64)
     def _table(self, num_microbatches: int) -> dict[int, list[Optional[Action]]]:
-        order = internals.pipeline_compute_order(self._schedule(self._probe_stage(), num_microbatches))
-        actions = {rank: [Action(*row) for row in rows] for rank, rows in order.items()}
-        return lockstep_table(actions, self.layout.num_stages)
+        if num_microbatches not in self._tables:
+            order = internals.pipeline_compute_order(self._schedule(self._probe_stage(), num_microbatches))
+            actions = {rank: [Action(*row) for row in rows] for rank, rows in order.items()}
+            self._tables[num_microbatches] = lockstep_table(actions, self.layout.num_stages)
+        return self._tables[num_microbatches]
 
 
 def _exchange(ops: list[Any]) -> None:
