@@ -191,6 +191,78 @@ def test_every_decision_names_why_the_hooks_are_on_or_off():
 
 
 @pytest.mark.parametrize("search", ["bisect", "halve"])
+def test_a_one_off_oom_at_size_1_in_steady_reruns_at_1(search):
+    """The floor rule: size 1 ran clean, so one OOM there is an event; only its repeat ends the run."""
+    policy = SearchPolicy(PolicyConfig(search=search), 4)
+    drive(policy, threshold=1)
+    settle_to_steady(policy)
+    d = policy.observe(OOM(1))
+    assert (d.phase, d.hooks, d.rerun, d.split) == (Phase.SETTLING, True, True, (1, 1, 1, 1))
+    assert d.event == "OOM at 1 in steady phase -> rerun at 1 with sync hooks on"
+    d = policy.observe(Success(1))
+    assert policy.found_size == 1 and d.split == (1, 1, 1, 1)
+    assert len(settle_to_steady(policy)) == 2  # the rerun was the first clean batch of 3
+
+
+def test_a_repeated_oom_at_size_1_ends_the_run():
+    policy = SearchPolicy(PolicyConfig(), 4)
+    drive(policy, threshold=1)
+    settle_to_steady(policy)
+    policy.observe(OOM(1))
+    with pytest.raises(CannotFitError, match="even microbatch size 1 does not fit"):
+        policy.observe(OOM(1))
+
+
+def test_a_one_off_oom_at_size_1_right_after_eval_reruns_at_1():
+    """After an eval the policy is SETTLING (hooks on): an OOM there at a size that ran clean is a
+    one-off too (memory left by the eval), at the floor as at any size."""
+    policy = SearchPolicy(PolicyConfig(), 4)
+    drive(policy, threshold=1)
+    settle_to_steady(policy)
+    policy.observe(Rearm("eval"))
+    d = policy.observe(OOM(1))
+    assert (d.phase, d.rerun, d.next_size) == (Phase.SETTLING, True, 1)
+
+
+def test_a_one_off_oom_after_eval_does_not_shrink_a_clean_size():
+    policy = SearchPolicy(PolicyConfig(), 16)
+    drive(policy, threshold=11)  # split (8, 8)
+    settle_to_steady(policy)
+    policy.observe(Rearm("eval"))
+    assert policy.observe(OOM(8)).split == (8, 8)
+    policy.observe(Success(8))
+    assert policy.found_size == 11 and policy.current_split() == (8, 8)
+
+
+def test_an_oom_at_a_size_that_never_ran_clean_is_a_failure_at_once():
+    policy = SearchPolicy(PolicyConfig(), 1)
+    with pytest.raises(CannotFitError):
+        policy.observe(OOM(1))
+    policy = SearchPolicy(PolicyConfig(), 8)
+    assert policy.observe(OOM(8)).next_size == 4
+
+
+def test_pipeline_floor_rule_and_batch_size_change_keep_allowed_sizes():
+    """Hypothesis found it: a pipeline (equal microbatches, at least 2) whose batch shrank from 6
+    to 2 settled on a success of the old batch size (2) that the new one cannot run as a split."""
+    def sizes_for(b):
+        return tuple(m for m in range(1, b + 1) if b % m == 0 and b // m >= 2)
+
+    config = PolicyConfig(start_size=2, use_prediction=False, sizes_for=sizes_for, stable_batches=1)
+    policy = SearchPolicy(config, 6)
+    policy.observe(Success(2))
+    d = policy.observe(BatchSizeChanged(2))
+    assert d.split == (1, 1)
+    policy.observe(Success(1))  # converges on 1 (2 cannot run a batch of 2)
+    settle_to_steady(policy)
+    assert policy.found_size == 1 and policy.phase == Phase.STEADY
+    d = policy.observe(OOM(1))  # the pipeline's floor ran clean: a one-off
+    assert (d.rerun, d.split) == (True, (1, 1))
+    with pytest.raises(CannotFitError):
+        policy.observe(OOM(1))
+
+
+@pytest.mark.parametrize("search", ["bisect", "halve"])
 def test_cannot_fit_halve_and_bisect_batch_of_one(search):
     policy = SearchPolicy(PolicyConfig(search=search), 1)
     with pytest.raises(CannotFitError):
@@ -314,7 +386,9 @@ def test_oom_in_settling_converges_at_once_when_bounds_are_adjacent():
     policy = SearchPolicy(PolicyConfig(), 10)
     drive(policy, threshold=4)  # successes 2, 4; split (4, 3, 3)
     policy.observe(Success(4))  # one clean batch, then 4 stops fitting
-    d = policy.observe(OOM(4))
+    d = policy.observe(OOM(4))  # 4 ran clean: a one-off until it repeats
+    assert (d.phase, d.next_size, d.rerun) == (Phase.SETTLING, 4, True)
+    d = policy.observe(OOM(4))  # the repeat
     assert d.phase == Phase.SEARCHING and d.next_size == 3
     policy.observe(Success(3))
     settle_to_steady(policy)
@@ -592,9 +666,22 @@ def test_state_round_trip_every_phase(phase):
     if phase == Phase.STEADY:
         settle_to_steady(policy)
     elif phase == Phase.SEARCHING:
-        policy.observe(OOM(8))
+        policy.observe(OOM(8))  # 8 ran clean: rerun
+        policy.observe(OOM(8))  # the repeat searches
     assert policy.phase == phase
     assert SearchState.from_dict(policy.state.to_dict()) == policy.state
+
+
+def test_state_round_trip_keeps_a_pending_rerun():
+    """A checkpoint taken between a one-off OOM and its rerun: the resumed policy still counts
+    the next OOM at that size as the repeat."""
+    policy = SearchPolicy(PolicyConfig(), 16)
+    drive(policy, threshold=11)
+    settle_to_steady(policy)
+    policy.observe(OOM(8))
+    restored = SearchState.from_dict(policy.state.to_dict())
+    assert restored == policy.state and restored.retrying == 8
+    assert transition(restored, OOM(8), PolicyConfig())[1].phase == Phase.SEARCHING
 
 
 @pytest.mark.parametrize(

@@ -13,8 +13,13 @@ Phases:
 - ``SETTLING``: the size is chosen; sync hooks still on while `stable_batches` consecutive clean
   batches are counted. The split is the fewest microbatches, as even as possible.
 - ``STEADY``: hooks off. An OOM sends the policy back to ``SETTLING`` at the same split (the
-  batch is rerun with the hooks on); an OOM there, or a thrash, sends it back to ``SEARCHING``
-  (downward, keeping the sizes known to fit); a `Rearm` sends it back to ``SETTLING``.
+  batch is rerun with the hooks on); a repeat of that OOM, or a thrash, sends it back to
+  ``SEARCHING`` (downward, keeping the sizes known to fit); a `Rearm` sends it back to ``SETTLING``.
+
+The floor rule, the same at every size, the smallest one included: an OOM at a size that already
+ran clean is a one-off until it repeats (a long sequence, fragmentation, memory left by an eval or
+a checkpoint): the batch is rerun at that size with the hooks on (`SearchState.retrying`). Only
+a repeat moves the bounds, and only a repeat at the smallest size ends the run (`CannotFitError`).
 
 Search modes (`PolicyConfig.search`):
 
@@ -179,6 +184,8 @@ class SearchState:
     first_failure: smallest size that failed or thrashed (None if none).
     successes: every size that ever succeeded, sorted.
     samples: up to two (size, peak_bytes, capacity_bytes) of the latest successes at distinct sizes.
+    retrying: the size whose one-off OOM is being rerun (None when no rerun is pending): a second
+    OOM there is a repeat, which shrinks.
     """
 
     batch_size: int
@@ -191,6 +198,7 @@ class SearchState:
     stable_count: int = 0
     samples: tuple[tuple[int, int, int], ...] = ()
     attempts: int = 0
+    retrying: Optional[int] = None
 
     @property
     def hooks(self) -> bool:
@@ -209,6 +217,7 @@ class SearchState:
             "stable_count": self.stable_count,
             "samples": [list(s) for s in self.samples],
             "attempts": self.attempts,
+            "retrying": self.retrying,
         }
 
     @classmethod
@@ -231,6 +240,7 @@ class SearchState:
             stable_count=int(d.get("stable_count", 0)),
             samples=tuple((int(m), int(p), int(c)) for m, p, c in d.get("samples", ())),
             attempts=int(d.get("attempts", 0)),
+            retrying=None if d.get("retrying") is None else int(d["retrying"]),
         )
         if state.batch_size < 1 or not (1 <= state.size <= state.batch_size):
             raise ValueError(f"policy state size {state.size} / batch size {state.batch_size}: out of range")
@@ -329,8 +339,10 @@ def _between(config: PolicyConfig, state: "SearchState", lo: int, hi: int) -> li
     return [s for s in allowed if lo < s < hi and s >= floor]
 
 
-def _best_below(successes: tuple[int, ...], hi: int) -> int:
-    return max((s for s in successes if s < hi), default=0)
+def _best_below(config: PolicyConfig, state: "SearchState", hi: int) -> int:
+    """The largest size that ran clean below `hi` and can run the current batch (0 if none)."""
+    allowed = _allowed(config, state.batch_size)
+    return max((s for s in state.successes if s < hi and (allowed is None or s in allowed)), default=0)
 
 
 def _hi(state: SearchState) -> int:
@@ -431,8 +443,9 @@ def _check_size(state: SearchState, size: Any) -> None:
         raise ValueError(f"outcome size {size!r}: must be an int in 1..{state.batch_size}")
 
 
-def _record_success(state: SearchState, outcome: Success) -> SearchState:
+def _record_success(state: SearchState, outcome: Success, config: PolicyConfig) -> SearchState:
     m = outcome.size
+    state = replace(state, retrying=None)
     successes = tuple(sorted(set(state.successes) | {m}))
     samples = state.samples
     if outcome.peak_bytes is not None and outcome.capacity_bytes is not None and outcome.capacity_bytes > 0:
@@ -443,12 +456,12 @@ def _record_success(state: SearchState, outcome: Success) -> SearchState:
         # The failure did not reproduce at this size: that bound is stale.
         first_failure = None
     new = replace(state, successes=successes, samples=samples, first_failure=first_failure)
-    return replace(new, best_success=_best_below(successes, _hi(new)))
+    return replace(new, best_success=_best_below(config, new, _hi(new)))
 
 
 def _on_success(state: SearchState, outcome: Success, config: PolicyConfig) -> tuple[SearchState, Decision]:
     m = outcome.size
-    state = _record_success(state, outcome)
+    state = _record_success(state, outcome, config)
     if state.phase == Phase.STEADY:
         return state, _decide(state, config, False, "")
     if state.phase == Phase.SETTLING:
@@ -483,6 +496,17 @@ def _on_failure(state: SearchState, outcome: Union[OOM, Thrash], config: PolicyC
     oom = isinstance(outcome, OOM)
     what = "OOM" if oom else "thrash"
     floor = _min_size(config, state.batch_size)
+    was = state.phase
+    if oom and m in state.successes and state.retrying != m:
+        # One OOM at a size that already ran clean is an event (a long sequence, fragmentation,
+        # memory left by an eval or a checkpoint), not a new limit: rerun the same split with
+        # the sync hooks on. Only a repeat (an OOM in that rerun) moves the bounds.
+        phase = Phase.SEARCHING if state.found is None else Phase.SETTLING
+        state = replace(state, phase=phase, stable_count=0, retrying=m)
+        return state, _decide(
+            state, config, True, f"OOM at {m} in {was.value.lower()} phase -> rerun at {m} with sync hooks on"
+        )
+    state = replace(state, retrying=None)
     if m <= floor:
         if oom:
             raise CannotFitError(m)
@@ -490,18 +514,9 @@ def _on_failure(state: SearchState, outcome: Union[OOM, Thrash], config: PolicyC
         state = _settle(replace(state, stable_count=0), config, floor)
         return state, _decide(state, config, False, f"thrash at {m}: cannot go lower, staying at {floor}")
 
-    was = state.phase
-    if oom and was == Phase.STEADY:
-        # One OOM at a size that ran clean for `stable_batches` batches is an event (a long
-        # sequence, fragmentation, memory left by eval), not a new limit: rerun the same split
-        # with the sync hooks on. Only an OOM in that rerun (SETTLING) moves the bounds.
-        state = replace(state, phase=Phase.SETTLING, stable_count=0)
-        return state, _decide(
-            state, config, True, f"OOM at {m} in steady phase -> rerun at {m} with sync hooks on"
-        )
     first_failure = m if state.first_failure is None else min(state.first_failure, m)
     state = replace(state, phase=Phase.SEARCHING, found=None, stable_count=0, first_failure=first_failure)
-    state = replace(state, best_success=_best_below(state.successes, first_failure))
+    state = replace(state, best_success=_best_below(config, state, first_failure))
     again = "" if was == Phase.SEARCHING else f" in {was.value.lower()} phase"
 
     if config.search == "halve":
@@ -541,7 +556,7 @@ def _on_batch_size(state: SearchState, outcome: BatchSizeChanged, config: Policy
     if first_failure is not None and first_failure > new_b:
         first_failure = None
     state = replace(state, batch_size=new_b, first_failure=first_failure, stable_count=0)
-    state = replace(state, best_success=_best_below(state.successes, _hi(state)))
+    state = replace(state, best_success=_best_below(config, state, _hi(state)))
     floor = _min_size(config, new_b)
     prefix = f"batch size {old_b} -> {new_b}"
 
