@@ -108,9 +108,10 @@ def _fault(site: str, ranks: Optional[list[int]], index: int, batch: int = FAULT
 
 
 def _run(world: int, fault: Optional[Callback], transport: str = "auto", timeout_s: float = 60.0,
-         batches: int = BATCHES, dropout: bool = False, extra: tuple = ()) -> dict[str, Any]:
+         batches: int = BATCHES, dropout: bool = False, extra: tuple = (), above: int = ABOVE) -> dict[str, Any]:
+    """`above`: the search driver's limit (the size it settles on)."""
     auto = AutoMicrobatching(log_attempts=False, consensus_transport=transport, unguarded_timeout_s=timeout_s)
-    driver = FaultInjector("forward", above=ABOVE)
+    driver = FaultInjector("forward", above=above)
     callbacks = (auto, driver) + ((fault,) if fault is not None else ()) + extra
     trainer = build_trainer(world, batches, callbacks=callbacks, dropout=dropout)
     started = time.perf_counter()
@@ -138,9 +139,9 @@ def _run(world: int, fault: Optional[Callback], transport: str = "auto", timeout
     return result
 
 
-def _reference(world: int, dropout: bool = False) -> dict[str, torch.Tensor]:
+def _reference(world: int, dropout: bool = False, above: int = ABOVE) -> dict[str, torch.Tensor]:
     """The same run without the steady-phase fault (the search driver only)."""
-    result = _run(world, None, dropout=dropout)
+    result = _run(world, None, dropout=dropout, above=above)
     assert "exception" not in result, result
     return result["params"]
 
