@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
+from torchmetrics import Metric
 
 import automicro
 from automicro.data import SyntheticTokens, build_dataloader
@@ -23,13 +25,18 @@ def fit(
     callbacks: Optional[list[Any]] = None,
     batches: int = 3,
     fsdp2: Optional[dict[str, Any]] = None,
+    train_metrics: Optional[Callable[[], dict[str, Any]]] = None,
     **trainer_kwargs: Any,
 ) -> dict[str, Any]:
-    """Train the 4-block tiny Llama for `batches` batches; this rank's stage parameters after it."""
+    """Train the 4-block tiny Llama for `batches` batches; this rank's stage parameters after it.
+    `train_metrics`: makes the model's train metrics (its own by default)."""
     import torch.distributed as dist
 
     torch.manual_seed(0)
     model = build_model("tiny", n_layers=4, max_seq_len=SEQ)
+    if train_metrics is not None:
+        own = model.get_metrics
+        model.get_metrics = lambda is_train=False: train_metrics() if is_train else own(is_train)
     dp = dist.get_world_size() // stages
     train = build_dataloader(
         SyntheticTokens(64, SEQ, 256, seed=1), PER_PIPELINE_BATCH, shuffle=False, replicas=(dp, dist.get_rank() % dp)
@@ -44,7 +51,7 @@ def fit(
         parallelism_config={"fsdp2": fsdp2 or {}, "pipeline": {"stages": stages, "schedule": schedule}},
         device_train_microbatch_size=microbatch,
         callbacks=callbacks or [],
-        loggers=[],
+        loggers=trainer_kwargs.pop("loggers", []),
         progress_bar=False,
         log_to_console=False,
         seed=17,
@@ -62,6 +69,7 @@ def fit(
             "clean": trainer.sharded_model.is_clean(),
             "samples": int(trainer.state.timestamp.sample),
             "transport": None if auto is None else auto.transport_name,
+            "flops_per_batch": model.flops_per_batch(trainer.state.batch),
         }
     finally:
         trainer.close()
@@ -149,4 +157,66 @@ def fixed_bad_size(rank: int, world: int) -> str:
         fit("1F1B", 3, batches=1)
     except ValueError as error:
         return str(error)
+    return "no error"
+
+
+class TokensSeen(Metric):
+    """A sum-reduced train metric that checks devices as NCCL does. NCCL cannot gather a CPU
+    tensor ("No backend type associated with device type cpu"); gloo can, so on CPU a stage that
+    never moves its train metrics to its own device would pass unnoticed. This metric refuses to
+    update or sync until it has been moved to the stage's device (`module_to_device`, `.to()`)."""
+
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("tokens", default=torch.zeros(()), dist_reduce_fx="sum")
+        self.on_stage_device = False
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        result = super()._apply(fn, *args, **kwargs)
+        self.on_stage_device = True
+        return result
+
+    def _check_device(self) -> None:
+        if not self.on_stage_device:
+            raise RuntimeError("No backend type associated with device type cpu (TokensSeen: never moved to the stage's device)")
+
+    def update(self, outputs: torch.Tensor, labels: torch.Tensor) -> None:
+        self._check_device()
+        self.tokens += labels.numel()
+
+    def _sync_dist(self, *args: Any, **kwargs: Any) -> None:
+        self._check_device()
+        super()._sync_dist(*args, **kwargs)
+
+    def compute(self) -> torch.Tensor:
+        return self.tokens
+
+
+def train_metrics_on_stages(rank: int, world: int, schedule: str, microbatch: Any) -> dict[str, Any]:
+    """The model's own train metrics plus `TokensSeen`, logged by every rank: the values each rank
+    logged per batch, and the loss it logged."""
+    from composer.loggers import InMemoryLogger
+
+    from automicro.models import build_model
+
+    def metrics() -> dict[str, Any]:
+        return {**build_model("tiny", n_layers=4, max_seq_len=SEQ).get_metrics(is_train=True), "TokensSeen": TokensSeen()}
+
+    memory = InMemoryLogger()
+    callbacks = [AutoMicrobatching(log_attempts=False, stable_batches=1)] if microbatch == "auto" else []
+    result = fit(schedule, microbatch, callbacks=callbacks, batches=3, train_metrics=metrics, loggers=[memory])
+    series = {key: [float(v) for _, v in values] for key, values in memory.data.items() if key.startswith(("metrics/train", "loss/train"))}
+    return {"series": series, "stage": result["stage"], "world": world, "flops_per_batch": result["flops_per_batch"]}
+
+
+def sum_free_metric(rank: int, world: int) -> str:
+    """A train metric with a max-reduced state: refused on every rank, naming it."""
+    from torchmetrics import MaxMetric
+
+    try:
+        fit("1F1B", 2, batches=1, train_metrics=lambda: {"Max": MaxMetric()})
+    except Exception as error:  # noqa: BLE001 - returned to the test
+        return f"{type(error).__name__}: {error}"
     return "no error"

@@ -174,6 +174,29 @@ def test_an_oom_on_one_stage_after_the_hooks_came_off_reruns_the_batch_at_the_sa
         assert out["diff"] < 1e-5, out["diff"]
 
 
+@pytest.mark.multiproc
+@pytest.mark.parametrize("schedule, microbatch", [("1F1B", "auto"), ("ZeroBubble", 2)])
+def test_train_metrics_live_on_the_stage_device_update_on_the_last_stage_and_every_rank_logs_the_same(schedule, microbatch):
+    """The GPU crash (NCCL cannot gather the CPU metric state of a stage) on CPU: `TokensSeen`'s
+    state is born on the meta device, so a stage that does not move its metrics fails here too."""
+    ranks = run_multiprocess(cases.train_metrics_on_stages, world_size=2, args=(schedule, microbatch), timeout_s=300)
+    first, last = ranks[0]["series"], ranks[1]["series"]
+    assert first == last, "every rank logs the same values"
+    tokens = first["metrics/train/TokensSeen"]
+    assert tokens == [cases.PER_PIPELINE_BATCH * cases.SEQ] * 3, tokens  # one pipeline's batch, counted once
+    cross_entropy, loss = first["metrics/train/LanguageCrossEntropy"], first["loss/train/total"]
+    assert all(abs(ce - lo) < 1e-4 for ce, lo in zip(cross_entropy, loss)), (cross_entropy, loss)
+    assert len(set(cross_entropy)) == 3, "reset every batch: three different batches, three values"
+    # SpeedMonitor sums flops_per_batch over the ranks: the pipeline's flops are counted once.
+    assert ranks[0]["flops_per_batch"] > 0 and ranks[1]["flops_per_batch"] == 0
+
+
+@pytest.mark.multiproc
+def test_a_train_metric_a_pipeline_cannot_sync_is_refused_naming_it():
+    for message in run_multiprocess(cases.sum_free_metric, world_size=2, timeout_s=200):
+        assert message.startswith("PipelineMetricError") and "'Max'" in message and "get_metrics(is_train=True)" in message
+
+
 def test_a_fixed_size_the_schedule_cannot_run_is_refused_with_the_sizes_that_can():
     for message in run_multiprocess(cases.fixed_bad_size, world_size=2, timeout_s=200):
         assert "device_train_microbatch_size=3" in message and "[1, 2, 4]" in message

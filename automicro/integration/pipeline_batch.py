@@ -11,13 +11,22 @@ Under auto microbatching (`AutoMicrobatching`) each batch is one attempt of the 
 before the step's sends and receives, the `backward_input` / `backward_weight` sites before each
 dI / dW, `loss` after each microbatch's loss, and the attempt context's microbatch index.
 
-Owns: the Composer side of a pipelined batch (splitting, the loss to log, the same-samples check).
+Train metrics (`get_metrics(is_train=True)`) live on the stage's device on every rank and are
+updated on the last stage, where the outputs are, from each microbatch's outputs. Composer's
+`metric.compute()` then syncs them over every rank: the other stages hold their metric's empty
+(zero) state, so a sum over all ranks is the sum over the last stages, and every rank logs the
+same, whole-batch value. That needs every metric state reduced by sum (true of Composer's and
+torchmetrics' counting metrics); any other reduction is refused with what to change.
+
+Owns: the Composer side of a pipelined batch (splitting, the loss and train metrics to log, the
+same-samples check).
 May not touch: the schedule and stages (the engine), the consensus protocol (only `barrier()`),
 Composer privates outside `_composer_internals`.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
@@ -59,6 +68,60 @@ class AttemptHooks:
         self.consensus.barrier()
 
 
+class PipelineMetricError(ValueError):
+    """A train metric a pipeline cannot sync over its stages."""
+
+
+class StageMetrics:
+    """The train metrics of one stage: on the stage's device, updated on the last stage only."""
+
+    def __init__(self, composer_model: Any, last_stage: bool) -> None:
+        self.model = composer_model
+        self.last_stage = last_stage
+        self._checked = False
+        if not last_stage:
+            # By design a stage without outputs never updates its metrics (their zero state is its
+            # share of the sum); torchmetrics warns about that on every batch. Pipelines do not
+            # evaluate, so on these ranks the warning can only ever be this one.
+            warnings.filterwarnings("ignore", message=r"The ``compute`` method of metric .* before the ``update``")
+
+    def prepare(self, state: Any) -> dict[str, Any]:
+        """Before a batch (or a retry): the metrics moved to the stage's device and reset."""
+        metrics = state.train_metrics or {}
+        if not self._checked:
+            self._checked = True
+            _check_sum_reduced(metrics)
+        for name, metric in metrics.items():
+            metrics[name] = state.device.module_to_device(metric)
+            metric.reset()
+        return metrics
+
+    def update(self, metrics: dict[str, Any], outputs: Any, microbatch: Any) -> None:
+        """On the last stage, after a microbatch's loss: as Composer's `_eval_train_metrics` does."""
+        if not metrics or not self.last_stage:
+            return
+        with torch.no_grad():
+            detached = outputs.detach() if isinstance(outputs, torch.Tensor) else outputs
+            eval_outputs = self.model.eval_forward(microbatch, detached)
+            for metric in metrics.values():
+                self.model.update_metric(microbatch, eval_outputs, metric)
+
+
+def _check_sum_reduced(metrics: dict[str, Any]) -> None:
+    from torchmetrics.utilities.data import dim_zero_sum
+
+    for name, metric in metrics.items():
+        reductions = getattr(metric, "_reductions", {})
+        other = sorted(state for state, fx in reductions.items() if fx is not dim_zero_sum)
+        if other:
+            raise PipelineMetricError(
+                f"automicro: train metric {name!r} ({type(metric).__name__}) has state(s) {other} not reduced by "
+                "sum; a pipeline syncs train metrics over every stage and only the last stage has outputs, so "
+                "only sum-reduced states give the right value. Return a sum-reduced metric, or none, from "
+                "get_metrics(is_train=True) for pipeline training"
+            )
+
+
 class PipelineBatch:
     """Runs Composer batches through this rank's pipeline stage."""
 
@@ -66,6 +129,8 @@ class PipelineBatch:
         self.pipeline = pipeline
         self.model = composer_model
         self._checked = False
+        layout = pipeline.layout
+        self.metrics = StageMetrics(composer_model, last_stage=layout.stage_index == layout.num_stages - 1)
 
     @property
     def dp_size(self) -> int:
@@ -128,11 +193,14 @@ class PipelineBatch:
         state = trainer.state
         batch_size = sum(composer_internals.num_samples(trainer, mb) for mb in microbatches)
         total: list[Optional[torch.Tensor]] = [None]
+        metrics = self.metrics.prepare(state)
 
         def run_schedule() -> None:
             def loss_fn(outputs: Any, microbatch: Any) -> torch.Tensor:
                 share = composer_internals.num_samples(trainer, microbatch) / batch_size
-                return self.model.loss(outputs, microbatch) * share
+                loss = self.model.loss(outputs, microbatch) * share
+                self.metrics.update(metrics, outputs, microbatch)
+                return loss
 
             device_mbs = [state.device.batch_to_device(mb) for mb in microbatches]
             total[0] = self.pipeline.runner.run(device_mbs, self.model.pipeline_inputs, loss_fn, hooks or NoHooks())
@@ -152,4 +220,4 @@ class PipelineBatch:
         self.pipeline.runner.release()
 
 
-__all__ = ["AttemptHooks", "PipelineBatch", "SamplesDifferError"]
+__all__ = ["AttemptHooks", "PipelineBatch", "PipelineMetricError", "SamplesDifferError", "StageMetrics"]

@@ -236,6 +236,10 @@ class Trainer(composer.Trainer):
             evaluator.auto_microbatching = True
         if self._automicro_pipeline is not None and self._automicro_pipeline.stage_index > 0:
             composer_internals.count_samples_on_first_stage_only(self)
+            if callable(getattr(model, "flops_per_batch", None)):
+                # SpeedMonitor sums every rank's flops_per_batch; each stage would count the whole
+                # model's flops for the same samples: count them once, on the first stage.
+                model.flops_per_batch = lambda batch: 0
 
     @property
     def sharded_model(self) -> Optional[ShardedModel]:
