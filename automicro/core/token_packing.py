@@ -1,0 +1,87 @@
+"""Token-budget packing: which samples of a batch go into which microbatch (pure, no torch).
+
+A microbatch's memory follows its tokens. For a batch padded to its longest sample (Hugging Face
+padding collators), a microbatch re-padded to *its* longest sample costs
+``len(microbatch) * longest`` tokens (`padded_tokens`). Sorting by length and cutting the sorted
+order into runs keeps that padding small: each run holds samples of similar length.
+
+- `pack_under_budget(lengths, budget)`: the fewest runs whose padded tokens stay within
+  `budget` (a sample longer than the budget runs alone: the floor is one sample).
+- `split_into(lengths, count)`: exactly `count` runs, balanced: the largest run's padded tokens
+  as small as it can be (a rank that needs fewer microbatches than the agreed count splits its
+  batch further this way, so every rank runs the same number of microbatches).
+
+Both return lists of sample indices into `lengths`, longest samples first; every index appears
+exactly once. Owns: the packing arithmetic. May not touch: tensors, collectives, the policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def padded_tokens(lengths: Sequence[int], group: Sequence[int]) -> int:
+    """Tokens of `group` re-padded to its own longest sample."""
+    return len(group) * max((lengths[i] for i in group), default=0)
+
+
+def _sorted_indices(lengths: Sequence[int]) -> list[int]:
+    # Longest first; ties by index, so that every rank and every retry packs the same way.
+    return sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+
+
+def _greedy(lengths: Sequence[int], order: list[int], cap: int) -> list[list[int]]:
+    runs: list[list[int]] = []
+    for index in order:
+        # `order` is longest first: a run's first sample is its longest.
+        if runs and (len(runs[-1]) + 1) * lengths[runs[-1][0]] <= cap:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    return runs
+
+
+def _check(lengths: Sequence[int]) -> None:
+    if not lengths:
+        raise ValueError("token packing: the batch has no samples")
+    if any(not isinstance(n, int) or n < 0 for n in lengths):
+        raise ValueError(f"token packing: lengths must be ints >= 0, got {list(lengths)[:8]}...")
+
+
+def pack_under_budget(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """The fewest length-sorted runs with at most `budget` padded tokens each (runs of one sample
+    may exceed it: a sample is never cut)."""
+    _check(lengths)
+    if budget < 1:
+        raise ValueError(f"token packing: budget={budget}: must be >= 1")
+    return _greedy(lengths, _sorted_indices(lengths), budget)
+
+
+def split_into(lengths: Sequence[int], count: int) -> list[list[int]]:
+    """Exactly `count` length-sorted runs (1 <= count <= samples), the largest run's padded tokens
+    minimised: the smallest cap the greedy packing meets in at most `count` runs, then the costliest
+    runs halved until there are `count`."""
+    _check(lengths)
+    if not 1 <= count <= len(lengths):
+        raise ValueError(f"token packing: count={count}: must be in 1..{len(lengths)} (the samples of the batch)")
+    order = _sorted_indices(lengths)
+    low, high = max(lengths[order[0]], 1), max(padded_tokens(lengths, order), 1)
+    while low < high:  # the greedy run count only falls as the cap grows
+        middle = (low + high) // 2
+        if len(_greedy(lengths, order, middle)) <= count:
+            high = middle
+        else:
+            low = middle + 1
+    runs = _greedy(lengths, order, low)
+    while len(runs) < count:
+        at = max(
+            (i for i in range(len(runs)) if len(runs[i]) > 1),
+            key=lambda i: (padded_tokens(lengths, runs[i]), -i),
+        )
+        run = runs[at]
+        half = (len(run) + 1) // 2
+        runs[at : at + 1] = [run[:half], run[half:]]
+    return runs
+
+
+__all__ = ["pack_under_budget", "padded_tokens", "split_into"]

@@ -1,0 +1,76 @@
+"""Token-budget packing (`automicro.core.token_packing`), as properties over any batch of lengths."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from automicro.core.token_packing import pack_under_budget, padded_tokens, split_into
+
+lengths_st = st.lists(st.integers(0, 4096), min_size=1, max_size=64)
+
+
+def _is_partition(runs, n):
+    flat = [i for run in runs for i in run]
+    return sorted(flat) == list(range(n)) and all(runs)
+
+
+@settings(max_examples=400, deadline=None)
+@given(lengths=lengths_st, budget=st.integers(1, 40000))
+def test_packing_under_a_budget_keeps_every_sample_once_and_every_run_of_two_or_more_within_it(lengths, budget):
+    runs = pack_under_budget(lengths, budget)
+    assert _is_partition(runs, len(lengths))
+    for run in runs:
+        assert len(run) == 1 or padded_tokens(lengths, run) <= budget
+    # Longest first, so each run's padding is only what its own samples differ by.
+    flat = [lengths[i] for run in runs for i in run]
+    assert flat == sorted(flat, reverse=True)
+
+
+@settings(max_examples=400, deadline=None)
+@given(lengths=lengths_st, budget=st.integers(1, 40000))
+def test_packing_is_fewest_runs_for_sorted_cuts(lengths, budget):
+    """No two neighbouring runs could be one run within the budget (the greedy is tight)."""
+    runs = pack_under_budget(lengths, budget)
+    for a, b in zip(runs, runs[1:]):
+        assert padded_tokens(lengths, a + b) > budget
+
+
+@settings(max_examples=400, deadline=None)
+@given(data=st.data(), lengths=lengths_st)
+def test_split_into_gives_exactly_the_count_and_is_no_worse_than_the_budget_packing(data, lengths):
+    count = data.draw(st.integers(1, len(lengths)))
+    runs = split_into(lengths, count)
+    assert len(runs) == count and _is_partition(runs, len(lengths))
+    worst = max(padded_tokens(lengths, run) for run in runs)
+    # Whatever budget packs the batch in at most `count` runs, the balanced split stays within it.
+    budget = data.draw(st.integers(1, 40000))
+    if len(pack_under_budget(lengths, budget)) <= count and max(lengths) <= budget:
+        assert worst <= budget
+
+
+def test_a_rank_needing_fewer_microbatches_splits_further_evenly():
+    lengths = [100] * 8
+    assert [len(r) for r in split_into(lengths, 3)] in ([3, 3, 2], [2, 3, 3], [3, 2, 3])
+    assert [len(r) for r in split_into(lengths, 8)] == [1] * 8
+
+
+def test_long_and_short_samples_are_not_padded_together():
+    lengths = [4000, 60, 70, 3900, 80, 65]
+    runs = pack_under_budget(lengths, 8000)
+    assert sorted(sorted(r) for r in runs) == [[0, 3], [1, 2, 4, 5]]
+    assert padded_tokens(lengths, [1, 2, 4, 5]) == 4 * 80
+
+
+@pytest.mark.parametrize("bad, message", [([], "no samples"), ([3, -1], "ints >= 0")])
+def test_bad_lengths_are_refused(bad, message):
+    with pytest.raises(ValueError, match=message):
+        pack_under_budget(bad, 10)
+
+
+def test_bad_count_and_budget_are_refused():
+    with pytest.raises(ValueError, match="count=4"):
+        split_into([1, 2, 3], 4)
+    with pytest.raises(ValueError, match="budget=0"):
+        pack_under_budget([1, 2, 3], 0)
