@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -35,7 +36,7 @@ from automicro.core.sites import ALL_SITES, site_index
 from automicro.core.hierarchical import HierarchicalTransport
 from automicro.core.transport import TRANSPORTS, ProcessGroupTransport, ShmTransport, gather_identities, node_layout
 
-SLOTS = 6
+SLOTS = 7
 KIND_OOM = 1
 KIND_ERROR = 2
 _SITE_BASE = 64  # code = kind * _SITE_BASE + site index
@@ -59,6 +60,7 @@ class RankReport:
     capacity_bytes: int
     allocated_bytes: int
     collectives: int = 0
+    microbatch_tokens: int = 0
 
     @property
     def failed(self) -> bool:
@@ -101,6 +103,16 @@ class Verdict:
         known = [r.capacity_bytes for r in self.reports if r.capacity_bytes > 0]
         return min(known) if known else 0
 
+    @property
+    def microbatch_tokens(self) -> int:
+        """The largest microbatch of the attempt over all ranks, in padded tokens (token budget)."""
+        return max((r.microbatch_tokens for r in self.reports), default=0)
+
+    @property
+    def failed_microbatch_tokens(self) -> int:
+        """The largest microbatch of the ranks that failed, in padded tokens (token budget)."""
+        return max((r.microbatch_tokens for r in self.reports if r.failed), default=0)
+
 
 @dataclass
 class LocalFigures:
@@ -111,6 +123,7 @@ class LocalFigures:
     capacity_bytes: int = 0
     allocated_bytes: int = 0
     collectives: int = 0  # collectives this rank issued in the attempt (automicro.core.ledger)
+    microbatch_tokens: int = 0  # this rank's largest microbatch in padded tokens (budget="tokens")
 
 
 @dataclass
@@ -198,6 +211,7 @@ class Consensus:
             figures.capacity_bytes,
             figures.allocated_bytes,
             figures.collectives,
+            figures.microbatch_tokens,
         )
         if self.world_size > 1:
             vec = self.transport.max_reduce(vec, timeout_s)
@@ -208,10 +222,10 @@ class Consensus:
         reports = []
         for rank in range(self.world_size):
             base = 1 + SLOTS * rank
-            code, retries, peak, capacity, allocated, collectives = (int(x) for x in vec[base : base + SLOTS])
+            code, retries, peak, capacity, allocated, collectives, tokens = (int(x) for x in vec[base : base + SLOTS])
             kind = code // _SITE_BASE
             site = ALL_SITES[code % _SITE_BASE] if kind else ""
-            reports.append(RankReport(rank, kind, site, retries, peak, capacity, allocated, collectives))
+            reports.append(RankReport(rank, kind, site, retries, peak, capacity, allocated, collectives, tokens))
         return Verdict(tuple(reports), rounds)
 
     @staticmethod
@@ -241,6 +255,21 @@ class Consensus:
                 f"CUDA out of memory encountered on rank(s) {verdict.failed_ranks} "
                 f"at {verdict.sites} (automicro consensus)"
             )
+
+    def agree_max(self, values: Sequence[int]) -> tuple[int, ...]:
+        """One round outside any attempt, on every rank at the same point: the element-wise
+        maximum of `values` (at most SLOTS non-negative ints) over all ranks."""
+        if len(values) > SLOTS or any(int(v) < 0 for v in values):
+            raise ValueError(f"agree_max: at most {SLOTS} ints >= 0, got {list(values)}")
+        vec = self._vec
+        vec.fill(0)
+        base = 1 + SLOTS * self.rank
+        vec[base : base + len(values)] = [int(v) for v in values]
+        if self.world_size > 1:
+            vec = self.transport.max_reduce(vec, None)
+        self.sync_count += 1
+        rows = vec[1:].reshape(self.world_size, SLOTS)[:, : len(values)]
+        return tuple(int(x) for x in rows.max(axis=0))
 
     def barrier(self) -> None:
         """Wait until every rank is at a barrier or has failed; raise if one failed (with the

@@ -20,6 +20,8 @@ Metrics logged each batch (rank 0, through Composer's loggers):
 | `automicro/found_size` | largest microbatch size that fit on every rank (0 while searching) |
 | `automicro/last_oom_rank` | lowest failed rank of the latest OOM (-1: none yet) |
 | `automicro/last_oom_site` | its site as an index into `automicro.core.sites.ALL_SITES` (-1: none) |
+| `automicro/budget_tokens` | budget="tokens" only: tokens per microbatch of the split in use (`found_size` is then in tokens too) |
+| `automicro/padding_waste` | budget="tokens" only: share of the trained microbatches' tokens that were padding (rank 0) |
 
 Each failed attempt (OOM or thrash) is also one `automicro/event` trace (`Logger.log_traces`,
 never a training step): batch, attempt, size, split, outcome, failed ranks, site name and index,
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from automicro.core.sites import site_index
 
@@ -75,6 +77,8 @@ class BatchFigures:
     search_time_s: float
     alloc_retries: bool
     found_size: int
+    budget_tokens: int = 0  # budget="tokens": the token budget of the split in use (0: samples)
+    padding_waste: Optional[float] = None  # budget="tokens": padding share of the tokens trained
 
 
 def batch_metrics(figures: BatchFigures, history: Sequence[AttemptRecord]) -> dict[str, Any]:
@@ -91,7 +95,15 @@ def batch_metrics(figures: BatchFigures, history: Sequence[AttemptRecord]) -> di
         "automicro/alloc_retries": int(figures.alloc_retries),
         "automicro/found_size": figures.found_size,
         **last_oom_metrics(history),
+        **token_metrics(figures),
     }
+
+
+def token_metrics(figures: BatchFigures) -> dict[str, Any]:
+    """`automicro/budget_tokens` and `automicro/padding_waste`, with budget="tokens" only."""
+    if not figures.budget_tokens:
+        return {}
+    return {"automicro/budget_tokens": figures.budget_tokens, "automicro/padding_waste": figures.padding_waste or 0.0}
 
 
 def last_oom_metrics(history: Sequence[AttemptRecord]) -> dict[str, int]:

@@ -140,7 +140,16 @@ class BatchSizeChanged:
     new_B: int
 
 
-Outcome = Union[Success, OOM, Thrash, Rearm, BatchSizeChanged]
+@dataclass(frozen=True)
+class DomainGrew:
+    """The sizes the search may choose now reach up to `new_B` (a token budget's domain: the
+    largest batch seen, in tokens). A size bounded by a failure stays as it is, hooks included;
+    a size that was the whole old domain (nothing ever failed) is searched upward again."""
+
+    new_B: int
+
+
+Outcome = Union[Success, OOM, Thrash, Rearm, BatchSizeChanged, DomainGrew]
 
 
 # ---- config, state, decision -----------------------------------------------------------------
@@ -160,8 +169,13 @@ class PolicyConfig:
     # Where only some sizes can run (a pipeline: equal microbatches, enough of them for the
     # schedule): the allowed sizes for a batch size, ascending. None: every size 1..B.
     sizes_for: Optional[Callable[[int], tuple[int, ...]]] = None
+    # What a size counts: "samples" per microbatch, or "tokens" (a token budget: the split is
+    # planned outside the policy, from the budget; `batch_size` is then the budget's domain).
+    unit: str = "samples"
 
     def __post_init__(self) -> None:
+        if self.unit not in ("samples", "tokens"):
+            raise ValueError(f"unit={self.unit!r}: must be 'samples' or 'tokens'")
         if self.search not in SEARCH_MODES:
             raise ValueError(f"search={self.search!r}: must be one of {', '.join(repr(m) for m in SEARCH_MODES)}")
         if not _is_int(self.stable_batches) or self.stable_batches < 1:
@@ -184,8 +198,9 @@ class SearchState:
     first_failure: smallest size that failed or thrashed (None if none).
     successes: every size that ever succeeded, sorted.
     samples: up to two (size, peak_bytes, capacity_bytes) of the latest successes at distinct sizes.
-    retrying: the size whose one-off OOM is being rerun (None when no rerun is pending): a second
-    OOM there is a repeat, which shrinks.
+    retrying: the size whose one-off OOM is being rerun (None when no rerun is pending): an OOM
+    in that rerun is a repeat, which shrinks (at whatever size it is reported: a token budget's
+    rerun may report the microbatch that failed).
     """
 
     batch_size: int
@@ -371,6 +386,13 @@ def current_split(state: SearchState, config: PolicyConfig) -> tuple[int, ...]:
     return even_split(state.batch_size, state.found)
 
 
+def _in_use(state: SearchState, config: PolicyConfig) -> str:
+    """How an event names the settled split: the split (samples), or the budget (tokens)."""
+    if config.unit == "tokens":
+        return f"budget {state.found} tokens"
+    return f"split {current_split(state, config)}"
+
+
 def _decide(state: SearchState, config: PolicyConfig, rerun: bool, event: str) -> Decision:
     split = current_split(state, config)
     return Decision(
@@ -386,6 +408,8 @@ def _decide(state: SearchState, config: PolicyConfig, rerun: bool, event: str) -
 def _settle(state: SearchState, config: PolicyConfig, found: int) -> SearchState:
     """Converged on `found`: SETTLING, counter reset, size = largest part of the final split."""
     settled = replace(state, phase=Phase.SETTLING, found=found, stable_count=0)
+    if config.unit == "tokens":
+        return replace(settled, size=found)
     split = current_split(settled, config)
     return replace(settled, size=max(split))
 
@@ -433,6 +457,11 @@ def transition(state: SearchState, outcome: Outcome, config: PolicyConfig) -> tu
     elif isinstance(outcome, BatchSizeChanged):
         new, decision = _on_batch_size(state, outcome, config)
         reason = HookReason.BATCH_SIZE_CHANGED
+    elif isinstance(outcome, DomainGrew):
+        new, decision = _on_domain_grew(state, outcome, config)
+        reason = {Phase.SEARCHING: HookReason.SEARCHING, Phase.SETTLING: HookReason.SETTLING}.get(
+            new.phase, HookReason.STEADY
+        )
     else:
         raise TypeError(f"unknown outcome {outcome!r}")
     return new, replace(decision, reason=reason)
@@ -470,20 +499,20 @@ def _on_success(state: SearchState, outcome: Success, config: PolicyConfig) -> t
         if count >= config.stable_batches:
             state = replace(state, phase=Phase.STEADY, stable_count=count)
             return state, _decide(
-                state, config, False, f"stable for {count} batches at split {split}: sync hooks off"
+                state, config, False, f"stable for {count} batches at {_in_use(state, config)}: sync hooks off"
             )
         state = replace(state, stable_count=count)
-        return state, _decide(state, config, False, f"clean batch {count}/{config.stable_batches} at split {split}")
+        return state, _decide(state, config, False, f"clean batch {count}/{config.stable_batches} at {_in_use(state, config)}")
 
     # SEARCHING
     if config.search == "halve":
         state = _settle(state, config, m)
-        return state, _decide(state, config, False, f"ok at {m} -> settled on {m}, split {current_split(state, config)}")
+        return state, _decide(state, config, False, f"ok at {m} -> settled on {m}, {_in_use(state, config)}")
     lo, hi = state.best_success, _hi(state)
     if not _between(config, state, lo, hi):
         state = _settle(state, config, lo)
         return state, _decide(
-            state, config, False, f"ok at {m} -> converged on {lo}, split {current_split(state, config)}"
+            state, config, False, f"ok at {m} -> converged on {lo}, {_in_use(state, config)}"
         )
     size, predicted = _next_search_size(state, config, upward=True)
     state = replace(state, size=size)
@@ -497,7 +526,7 @@ def _on_failure(state: SearchState, outcome: Union[OOM, Thrash], config: PolicyC
     what = "OOM" if oom else "thrash"
     floor = _min_size(config, state.batch_size)
     was = state.phase
-    if oom and m in state.successes and state.retrying != m:
+    if oom and m in state.successes and state.retrying is None:
         # One OOM at a size that already ran clean is an event (a long sequence, fragmentation,
         # memory left by an eval or a checkpoint), not a new limit: rerun the same split with
         # the sync hooks on. Only a repeat (an OOM in that rerun) moves the bounds.
@@ -528,7 +557,7 @@ def _on_failure(state: SearchState, outcome: Union[OOM, Thrash], config: PolicyC
     if lo >= floor and not _between(config, state, lo, hi):
         state = _settle(state, config, lo)
         return state, _decide(
-            state, config, oom, f"{what} at {m}{again} -> converged on {lo}, split {current_split(state, config)}"
+            state, config, oom, f"{what} at {m}{again} -> converged on {lo}, {_in_use(state, config)}"
         )
     size, predicted = _next_search_size(state, config, upward=False)
     state = replace(state, size=size)
@@ -563,7 +592,7 @@ def _on_batch_size(state: SearchState, outcome: BatchSizeChanged, config: Policy
     if state.found is not None:
         # m_max known: split the new batch with it; hooks on until stable again.
         state = _settle(replace(state, phase=Phase.SETTLING), config, _snap(config, new_b, min(state.found, new_b)))
-        return state, _decide(state, config, False, f"{prefix}: split {current_split(state, config)}")
+        return state, _decide(state, config, False, f"{prefix}: {_in_use(state, config)}")
 
     if config.search == "halve":
         state = replace(state, phase=Phase.SEARCHING, size=_snap(config, new_b, max(floor, min(state.size, new_b))))
@@ -572,12 +601,29 @@ def _on_batch_size(state: SearchState, outcome: BatchSizeChanged, config: Policy
     lo, hi = state.best_success, _hi(state)
     if lo >= floor and not _between(config, state, lo, hi):
         state = _settle(state, config, lo)
-        return state, _decide(state, config, False, f"{prefix}: converged on {lo}, split {current_split(state, config)}")
+        return state, _decide(state, config, False, f"{prefix}: converged on {lo}, {_in_use(state, config)}")
     size = _snap(config, new_b, min(state.size, new_b))
     if size not in _between(config, state, lo, hi):
         size, _ = _next_search_size(state, config, upward=state.first_failure is None)
     state = replace(state, phase=Phase.SEARCHING, size=size)
     return state, _decide(state, config, False, f"{prefix}: try {size} ({_bounds(state)})")
+
+
+def _on_domain_grew(state: SearchState, outcome: DomainGrew, config: PolicyConfig) -> tuple[SearchState, Decision]:
+    new_b = outcome.new_B
+    if not _is_int(new_b) or new_b < 1:
+        raise ValueError(f"new_B={new_b!r}: must be an int >= 1")
+    old_b = state.batch_size
+    if new_b <= old_b:
+        return state, _decide(state, config, False, "")
+    grown = replace(state, batch_size=new_b)
+    if state.found is not None and state.first_failure is None:
+        # The whole old domain fit and nothing ever failed: the new top may fit too.
+        grown = replace(grown, phase=Phase.SEARCHING, found=None, stable_count=0, size=_snap(config, new_b, new_b))
+        return grown, _decide(grown, config, False, f"domain {old_b} -> {new_b}: nothing failed yet, try {grown.size}")
+    if state.found is None and state.first_failure is None and state.size == old_b:
+        grown = replace(grown, size=_snap(config, new_b, new_b))
+    return grown, _decide(grown, config, False, "")
 
 
 # ---- the stateful wrapper --------------------------------------------------------------------
@@ -623,6 +669,7 @@ __all__ = [
     "BatchSizeChanged",
     "CannotFitError",
     "Decision",
+    "DomainGrew",
     "HookReason",
     "OOM",
     "Outcome",

@@ -1,4 +1,5 @@
-"""Download-free datasets (synthetic tokens, byte-level local text) and a rank-aware dataloader."""
+"""Download-free datasets (synthetic tokens, byte-level local text, variable-length tokens with a
+padding collator) and a rank-aware dataloader."""
 
 from automicro.data.datasets import (
     ByteTextCorpus,
@@ -7,5 +8,15 @@ from automicro.data.datasets import (
     build_dataloader,
     default_text_paths,
 )
+from automicro.data.varlen import VariableLengthTokens, count_tokens, pad_collate
 
-__all__ = ["SyntheticTokens", "ByteTextCorpus", "build_dataloader", "default_text_paths", "DataError"]
+__all__ = [
+    "SyntheticTokens",
+    "ByteTextCorpus",
+    "VariableLengthTokens",
+    "build_dataloader",
+    "count_tokens",
+    "default_text_paths",
+    "pad_collate",
+    "DataError",
+]

@@ -19,7 +19,7 @@ import operator
 import os
 import sysconfig
 from pathlib import Path
-from typing import Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -227,6 +227,7 @@ def build_dataloader(
     num_workers: int = 0,
     pin_memory: Optional[bool] = None,
     replicas: Optional[tuple[int, int]] = None,
+    collate_fn: Optional[Any] = None,
 ) -> DataLoader:
     """A DataLoader giving this rank its own shard of `dataset`, `batch_size` samples per batch.
 
@@ -236,7 +237,8 @@ def build_dataloader(
     `drop_last` applies to both the sampler (equal shards on every rank) and the loader (full
     batches only). `pin_memory` defaults to whether CUDA is available. `replicas`: ``(count,
     index)`` of the data-parallel copies to shard over instead of the world (a pipeline: the
-    ranks of one pipeline read the same samples).
+    ranks of one pipeline read the same samples). `collate_fn`: e.g. `pad_collate` for variable
+    lengths (None: torch's default, which stacks equal lengths).
     """
     batch_size = _positive_int("batch_size", batch_size)
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
@@ -251,6 +253,7 @@ def build_dataloader(
         num_workers=num_workers,
         pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
         persistent_workers=num_workers > 0,
+        collate_fn=collate_fn,
     )
     if len(loader) == 0:
         raise DataError(

@@ -11,7 +11,8 @@ What is private here and why:
 - `_train_microbatches` itself is mirrored by `run_microbatches` below rather than called,
   because the end-of-attempt consensus must come *before* `Event.AFTER_TRAIN_BATCH`: algorithms
   there (gradient clipping) issue collectives that a rank which ran out of memory never reaches.
-- `Trainer._train_data_spec`, `_use_grad_scaling`, `_backwards_create_graph`.
+- `Trainer._train_data_spec`, `_use_grad_scaling`, `_backwards_create_graph`; `DataSpec`'s
+  `_get_num_tokens_in_batch` / `_default_get_num_tokens_in_batch` (which token counter is in use).
 - `enable_sharded_checkpoints` sets a Composer `FSDP2Config` on `State.fsdp_config` (a public
   setter) at `Event.BEFORE_LOAD`; what is version specific is *when* Composer reads it (see there).
 - `load_stateless_optimizers_directly` replaces `State.load_optim_state` on one `State` (see there).
@@ -106,6 +107,15 @@ def num_samples(trainer: Any, batch: Any) -> int:
     """Samples in this rank's batch (also on a pipeline stage that reports 0 to Composer)."""
     spec = train_data_spec(trainer)
     return int(getattr(spec, "_automicro_num_samples", spec.get_num_samples_in_batch)(batch))
+
+
+def counts_padded_tokens(trainer: Any) -> bool:
+    """Whether the train data spec counts tokens with Composer's default, which reads the padded
+    shape of ``input_ids`` (`DataSpec._default_get_num_tokens_in_batch`)."""
+    from composer.core.data_spec import DataSpec
+
+    counter = getattr(train_data_spec(trainer), "_get_num_tokens_in_batch", None)
+    return getattr(counter, "__func__", None) is DataSpec._default_get_num_tokens_in_batch
 
 
 def uses_default_split(trainer: Any) -> bool:

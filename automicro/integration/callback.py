@@ -76,8 +76,11 @@ from automicro.integration.eval_search import EvalFence, EvalSearch
 from automicro.integration.pipeline_batch import AttemptHooks, PipelineBatch
 from automicro.integration.splitting import UnsplittableBatch, split_by_sizes
 from automicro.integration.stock_trainer import StockTrainerError, refuse_stock_trainer, stock_trainer_message
+from automicro.integration.token_budget import TokenBudget
 
 log = logging.getLogger(__name__)
+
+BUDGETS = ("samples", "tokens")
 
 
 class MicrobatchSizeError(RuntimeError):
@@ -104,8 +107,18 @@ class AutoMicrobatching(Callback):
         sync_points: str = "all",
         consensus_transport: str = "auto",
         steady_recovery: bool = True,
+        budget: str = "samples",
     ) -> None:
         self.policy_config = search_config(search, stable_batches, use_prediction, start_size)
+        if budget not in BUDGETS:
+            raise ValueError(
+                f"budget={budget!r}: must be 'samples' (the search counts samples per microbatch) or 'tokens' (it "
+                "finds tokens per microbatch and packs variable-length batches under them)"
+            )
+        # budget="tokens": the search's sizes are tokens per microbatch (`token_budget`).
+        self.tokens: Optional[TokenBudget] = TokenBudget() if budget == "tokens" else None
+        if self.tokens is not None:
+            self.policy_config = self.tokens.policy_config(self.policy_config)
         self.thrash = ThrashDetector(thrash_batches)
         if not isinstance(cpu_sync_group, bool):
             raise ValueError(f"cpu_sync_group={cpu_sync_group!r}: must be true or false")
@@ -169,6 +182,17 @@ class AutoMicrobatching(Callback):
         # Before Composer's own checks in any composer.Trainer built with this callback.
         composer_internals.check_before_composer_trainer(refuse_stock_trainer)
 
+    def check_trainer(self, trainer: Any) -> None:
+        """Called by `automicro.Trainer` once Composer's Trainer is built: settings that cannot go together."""
+        if self.tokens is not None and trainer.accumulate_train_batch_on_tokens and composer_internals.counts_padded_tokens(trainer):
+            raise ValueError(
+                "AutoMicrobatching(budget='tokens') with accumulate_train_batch_on_tokens=True: Composer's default "
+                "token counter counts padded input_ids, and each microbatch is re-padded to its own longest sample, "
+                "so the loss weights would change with the split. Count real tokens: pass DataSpec(dataloader, "
+                "get_num_tokens_in_batch=automicro.data.count_tokens) (or your own counter of labels != -100), or set "
+                "accumulate_train_batch_on_tokens=False"
+            )
+
     def bind_trainer(self) -> None:
         """Called by `automicro.Trainer` for each of its AutoMicrobatching callbacks."""
         self._in_automicro_trainer = True
@@ -194,6 +218,11 @@ class AutoMicrobatching(Callback):
         self._consensus = Consensus.create(use_cpu_group=self.cpu_sync_group, transport=self.consensus_transport)
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self._info(f"consensus transport {self._consensus.describe()}")
+        if pipeline is not None and self.tokens is not None:
+            raise ValueError(
+                "AutoMicrobatching(budget='tokens') cannot run pipeline stages (a pipeline runs equal microbatches); "
+                "use budget='samples' with parallelism_config.pipeline"
+            )
         if pipeline is not None:
             # Only equal microbatches, enough for the schedule. The steady-phase guarantee needs no
             # ledger: the executor's barrier before every exchange stays on for the whole run, and
@@ -412,6 +441,8 @@ class AutoMicrobatching(Callback):
             search_time_s=self.search_time_s,
             alloc_retries=self._batch_retries,
             found_size=self.found_size or 0,
+            budget_tokens=0 if self.tokens is None or self.tokens.plan is None else self.tokens.plan.budget,
+            padding_waste=None if self.tokens is None else self.tokens.padding_waste,
         )
         logger.log_metrics(batch_metrics(figures, self.history))
         # Composer moves the timestamp to the next batch before BATCH_END.
@@ -422,10 +453,11 @@ class AutoMicrobatching(Callback):
 
     def _hooks_message(self, want: bool, reason: HookReason, detail: str) -> str:
         if not want and self.policy is not None and reason is HookReason.STABLE:
-            return (
-                f"sync hooks off after {self.policy_config.stable_batches} clean batches "
-                f"at split {list(self.policy.current_split())}"
+            at = (
+                f"budget {self.policy.found_size} tokens" if self.tokens is not None
+                else f"split {list(self.policy.current_split())}"
             )
+            return f"sync hooks off after {self.policy_config.stable_batches} clean batches at {at}"
         return f"sync hooks {'on' if want else 'off'} ({reason.value}{': ' + detail if detail else ''})"
 
     # ---- checkpoints -------------------------------------------------------------------------
@@ -437,6 +469,7 @@ class AutoMicrobatching(Callback):
             "thrash_events": self.thrash.events,
             "search_time_s": self.search_time_s,
             "history": history_to_state(self.history),
+            "tokens": None if self.tokens is None else self.tokens.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -445,15 +478,25 @@ class AutoMicrobatching(Callback):
         self.thrash.events = int(state.get("thrash_events", 0))
         self.search_time_s = float(state.get("search_time_s", 0.0))
         self.history = history_from_state(state.get("history", []))
+        if self.tokens is not None and state.get("tokens") is not None:
+            self.tokens.load_state_dict(state["tokens"])
 
     def _ensure_policy(self, batch_size: int, state: Optional[State] = None) -> None:
+        if self.tokens is not None and self.policy is not None:
+            # A token budget's domain (the largest batch seen, in tokens) only grows.
+            if batch_size > self.policy.state.batch_size:
+                decision = self.policy.observe(search.DomainGrew(batch_size))
+                self._apply_hooks(decision.hooks, decision.reason, f"largest batch now {batch_size} tokens")
+            return
         if self.policy is None:
             self.policy = search.SearchPolicy(self.policy_config, batch_size)
             if self._pending_state is not None and self._pending_state.get("policy") is not None:
                 self.policy.state = search.SearchState.from_dict(self._pending_state["policy"])
                 self._pending_state = None
                 self.policy.observe(search.Rearm("checkpoint loaded"))
-                if self.policy.state.batch_size != batch_size:
+                if self.tokens is not None:
+                    self.policy.observe(search.DomainGrew(batch_size))
+                elif self.policy.state.batch_size != batch_size:
                     self.policy.observe(search.BatchSizeChanged(batch_size))
                 self._step_below_unrecovered_failure(state)
                 self._info(f"resumed with microbatch split {self.policy.current_split()} (hooks on until stable)")
@@ -516,6 +559,7 @@ class AutoMicrobatching(Callback):
             peak_bytes=self._memory.peak_bytes(),
             capacity_bytes=self._memory.capacity_bytes(),
             allocated_bytes=self._memory.allocated_bytes(),
+            microbatch_tokens=0 if self.tokens is None or self.tokens.plan is None else self.tokens.plan.largest,
         )
 
     def _split(self, trainer: Any, batch: Any, sizes: tuple[int, ...]) -> list[Any]:
@@ -537,7 +581,12 @@ class AutoMicrobatching(Callback):
         assert self._fence is not None and self._sharded is not None, "attach() was not called"
         state = trainer.state
         device_batch = state.batch
-        batch_size = composer_internals.num_samples(trainer, device_batch)
+        lengths: list[int] = []
+        if self.tokens is not None:
+            assert self._consensus is not None
+            lengths, batch_size = self.tokens.agree_domain(self._consensus, device_batch)
+        else:
+            batch_size = composer_internals.num_samples(trainer, device_batch)
         self._ensure_policy(batch_size, state)
         assert self.policy is not None
         batch_index = int(state.timestamp.batch)
@@ -550,8 +599,14 @@ class AutoMicrobatching(Callback):
             self._batch_attempts += 1
             if self._batch_attempts > 1:
                 random_state.restore()
-            sizes = tuple(self.policy.current_split())
-            microbatches = self._split(trainer, device_batch, sizes)
+            if self.tokens is not None:
+                assert self._consensus is not None
+                plan = self.tokens.plan_attempt(self._consensus, lengths, self._budget())
+                sizes = plan.sizes
+                microbatches = self.tokens.split(device_batch, plan)
+            else:
+                sizes = tuple(self.policy.current_split())
+                microbatches = self._split(trainer, device_batch, sizes)
             state.device_train_microbatch_size = max(sizes)
             if state.train_metrics is not None:
                 for metric in state.train_metrics.values():
@@ -620,7 +675,7 @@ class AutoMicrobatching(Callback):
                 )
                 raise self._agreed_error
             try:
-                decision = self.policy.observe(search.OOM(max(sizes)))
+                decision = self.policy.observe(search.OOM(self._outcome_size(sizes, verdict, failed=True)))
             except search.CannotFitError as error:
                 self._record(batch_index, sizes, "oom", verdict, 0, seconds, hooks=hooks_on)
                 self._agreed_error = MicrobatchSizeError(self._cannot_fit_message(verdict))
@@ -630,6 +685,27 @@ class AutoMicrobatching(Callback):
                 note += f"; {result.replayed} collectives replayed to get the ranks back in step"
             self._record(batch_index, sizes, "oom", verdict, decision.next_size, seconds, note, hooks=hooks_on)
             self._apply_hooks(decision.hooks, decision.reason)
+
+    def _budget_of_attempt(self, sizes: tuple[int, ...]) -> int:
+        """The token budget the last attempt was planned under (its record's size)."""
+        assert self.tokens is not None
+        return self.tokens.plan.budget if self.tokens.plan is not None else max(sizes)
+
+    def _budget(self) -> int:
+        """The token budget of the next attempt: the settled one, or the one under test."""
+        assert self.policy is not None
+        state = self.policy.state
+        return state.found if state.found is not None else state.size
+
+    def _outcome_size(self, sizes: tuple[int, ...], verdict: Verdict, failed: bool = False) -> int:
+        """What the policy is told the attempt ran at: samples, or tokens (`TokenBudget`)."""
+        if self.tokens is None or self.tokens.plan is None:
+            return max(sizes)
+        assert self.policy is not None
+        domain, plan = self.policy.state.batch_size, self.tokens.plan
+        if failed:
+            return self.tokens.failure_size(plan, domain, verdict.failed_microbatch_tokens, self.policy.state)
+        return self.tokens.success_size(plan, domain, verdict.microbatch_tokens)
 
     def _all_reduce_sum(self, tensor: torch.Tensor) -> None:
         if self._ledger is not None:
@@ -666,20 +742,27 @@ class AutoMicrobatching(Callback):
         # As in Composer's rule, a batch that already ran out of memory is not counted for thrashing.
         retried_clean_batch = verdict.any_new_alloc_retries and self._batch_attempts == 1
         if self.thrash.observe(retried_clean_batch):
-            decision = self.policy.observe(search.Thrash(max(sizes)))
+            decision = self.policy.observe(search.Thrash(self._outcome_size(sizes, verdict)))
             self._record(batch_index, sizes, "thrash", verdict, decision.next_size, seconds, decision.event)
             self._apply_hooks(decision.hooks, decision.reason)
             return
         phase_before = self.policy.phase
+        if self.tokens is not None and self.tokens.plan is not None:
+            self.tokens.trained(self.tokens.plan)
         decision = self.policy.observe(
             search.Success(
-                max(sizes),
+                self._outcome_size(sizes, verdict),
                 peak_bytes=verdict.peak_bytes or None,
                 capacity_bytes=verdict.capacity_bytes or None,
             )
         )
         if phase_before != search.Phase.STEADY or self._batch_attempts > 1:
             self._record(batch_index, sizes, "ok", verdict, decision.next_size, seconds, decision.event)
+        if self.tokens is not None and phase_before == search.Phase.SEARCHING and self.policy.found_size is not None:
+            self._info(
+                f"microbatch budget found: {self.policy.found_size} tokens ({len(sizes)} microbatches for this batch; "
+                f"padding {100 * self.tokens.padding_waste:.1f}% of the tokens trained so far)"
+            )
         self._apply_hooks(decision.hooks, decision.reason)
 
     def _record(
@@ -696,12 +779,12 @@ class AutoMicrobatching(Callback):
         record = AttemptRecord(
             batch=batch_index,
             attempt=self._batch_attempts,
-            size=max(sizes),
+            size=max(sizes) if self.tokens is None else self._budget_of_attempt(sizes),
             split=sizes,
             outcome=outcome,
             failed_ranks=verdict.failed_ranks,
             sites=verdict.sites,
-            next_size=next_size,
+            next_size=next_size if self.tokens is None or self.policy is None or not next_size else self._budget(),
             hooks=self.hooks_active if hooks is None else hooks,
             seconds=round(seconds, 4),
             note=note,

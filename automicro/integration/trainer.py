@@ -234,6 +234,8 @@ class Trainer(composer.Trainer):
         )
         for evaluator in auto_evaluators:
             evaluator.auto_microbatching = True
+        if automicro is not None:
+            automicro.check_trainer(self)
         if self._automicro_pipeline is not None and self._automicro_pipeline.stage_index > 0:
             composer_internals.count_samples_on_first_stage_only(self)
             if callable(getattr(model, "flops_per_batch", None)):

@@ -1,0 +1,171 @@
+"""`budget="tokens"`: the search finds tokens per microbatch, and every batch is packed under it.
+
+For variable-length data a microbatch's memory follows its tokens, not its samples. With
+`AutoMicrobatching(budget="tokens")` the search policy (`automicro.core.policy`, unchanged)
+searches a token budget instead of a sample count, and each batch is planned here:
+
+1. Each rank packs its batch, longest samples first, into the fewest microbatches whose padded
+   tokens (samples x the longest of them; each microbatch is re-padded to its own longest) stay
+   within the budget (`automicro.core.token_packing`).
+2. One consensus round (`Consensus.agree_max`) agrees the microbatch count K (the largest any
+   rank needs) and the budget's domain (the largest batch in padded tokens seen so far). Every
+   rank then splits into exactly K balanced microbatches: FSDP2's collectives pair up only when
+   every rank runs the same number of forwards and backwards.
+3. What the policy is told. A success: the budget itself when it limited some rank's packing
+   (that budget was tried, within one sample), else the largest microbatch (every whole batch fit
+   in one). A failure: the budget when it ran clean before (a one-off: the policy reruns it once);
+   else the largest microbatch of the ranks that failed; and the smallest budget when every
+   microbatch already is one sample (nothing is left to split: the floor).
+
+Budgets lie on a grid of `quantum` tokens (a sixty-fourth of the first batch), so the search
+takes about as many attempts as a sample-count search; the memory prediction is not used (a
+microbatch's tokens only approximate its memory). Loss normalisation is Composer's and is kept:
+per sample by default, per loss-generating token with `accumulate_train_batch_on_tokens=True`
+(which needs a data spec that counts real tokens: re-padding changes what a padded count sees).
+
+Owns: the token plan of a batch and the budget's grid and domain. May not touch: the policy's
+transitions (it feeds them), Composer privates, FSDP2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
+from automicro.core import policy as search
+from automicro.core.consensus import Consensus
+from automicro.core.token_packing import pack_under_budget, padded_tokens, split_into
+from automicro.integration import token_split
+
+GRID_STEPS = 64  # the first batch's padded tokens / GRID_STEPS = the budget's quantum
+_SAMPLES_CAP = 1 << 40  # agree_max carries the smallest batch as _SAMPLES_CAP - samples
+
+
+class TokenBudgetError(ValueError):
+    """The ranks' batches cannot run under one microbatch count (says what to change)."""
+
+
+@dataclass(frozen=True)
+class TokenPlan:
+    """One attempt's split of this rank's batch."""
+
+    budget: int
+    groups: tuple[tuple[int, ...], ...]  # sample indices per microbatch
+    lengths: tuple[int, ...]
+    count: int  # microbatches on every rank
+    own: int  # microbatches this rank's batch needed under the budget (<= count)
+    largest: int  # this rank's largest microbatch, padded tokens
+    budget_limited: bool  # some rank needed more than one microbatch under the budget
+    one_sample_each: bool  # every microbatch on every rank is one sample
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(len(g) for g in self.groups)
+
+    @property
+    def padded(self) -> int:
+        return sum(padded_tokens(self.lengths, g) for g in self.groups)
+
+    @property
+    def real(self) -> int:
+        return sum(self.lengths)
+
+
+class TokenBudget:
+    """The token side of `AutoMicrobatching(budget="tokens")`, one per callback."""
+
+    def __init__(self) -> None:
+        self.quantum: Optional[int] = None
+        self.plan: Optional[TokenPlan] = None
+        self.padded_total = 0  # padded tokens of the microbatches trained (all batches, this rank)
+        self.real_total = 0
+
+    # ---- the policy's domain and grid ------------------------------------------------------
+
+    def sizes_for(self, domain: int) -> tuple[int, ...]:
+        assert self.quantum is not None
+        grid = tuple(range(self.quantum, domain + 1, self.quantum))
+        return grid if grid and grid[-1] == domain else grid + (domain,)
+
+    def policy_config(self, base: search.PolicyConfig) -> search.PolicyConfig:
+        return replace(base, sizes_for=self.sizes_for, use_prediction=False, start_size=None, unit="tokens")
+
+    def snap(self, domain: int, tokens: int) -> int:
+        """The largest budget on the grid at or below `tokens` (the smallest budget if none)."""
+        return max((s for s in self.sizes_for(domain) if s <= tokens), default=self.sizes_for(domain)[0])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"quantum": self.quantum, "padded_total": self.padded_total, "real_total": self.real_total}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.quantum = None if state.get("quantum") is None else int(state["quantum"])
+        self.padded_total = int(state.get("padded_total", 0))
+        self.real_total = int(state.get("real_total", 0))
+
+    # ---- one batch ------------------------------------------------------------------------
+
+    def agree_domain(self, consensus: Consensus, batch: Any) -> tuple[list[int], int]:
+        """Collective (every rank, once per batch): this rank's lengths, and the largest batch
+        of this batch over the ranks in padded tokens."""
+        lengths = token_split.sample_lengths(batch)
+        (largest,) = consensus.agree_max((padded_tokens(lengths, range(len(lengths))),))
+        largest = max(largest, 1)
+        if self.quantum is None:
+            self.quantum = max(1, largest // GRID_STEPS)
+        return lengths, largest
+
+    def plan_attempt(self, consensus: Consensus, lengths: list[int], budget: int) -> TokenPlan:
+        """Collective (every rank, once per attempt): the split of this rank's batch under `budget`."""
+        own = len(pack_under_budget(lengths, budget))
+        count, most_samples, fewest_inverse = consensus.agree_max((own, len(lengths), _SAMPLES_CAP - len(lengths)))
+        fewest = _SAMPLES_CAP - fewest_inverse
+        if count > fewest:
+            raise TokenBudgetError(
+                f"automicro: budget='tokens': a rank needs {count} microbatches under {budget} tokens but another rank "
+                f"holds only {fewest} samples; every rank must run the same number of microbatches. Give every rank "
+                "the same number of samples per batch (drop_last=True)"
+            )
+        groups = split_into(lengths, count)
+        plan = TokenPlan(
+            budget=budget,
+            groups=tuple(tuple(g) for g in groups),
+            lengths=tuple(lengths),
+            count=count,
+            own=own,
+            largest=max(padded_tokens(lengths, g) for g in groups),
+            budget_limited=count > 1,
+            one_sample_each=count == most_samples,
+        )
+        self.plan = plan
+        return plan
+
+    def split(self, batch: Any, plan: TokenPlan) -> list[Any]:
+        return token_split.split_by_groups(batch, plan.groups, plan.lengths)
+
+    def trained(self, plan: TokenPlan) -> None:
+        self.padded_total += plan.padded
+        self.real_total += plan.real
+
+    # ---- what the policy is told -----------------------------------------------------------
+
+    def success_size(self, plan: TokenPlan, domain: int, largest_over_ranks: int) -> int:
+        if plan.budget_limited:
+            return plan.budget
+        return min(plan.budget, self.snap(domain, largest_over_ranks))
+
+    def failure_size(self, plan: TokenPlan, domain: int, largest_failed: int, state: search.SearchState) -> int:
+        """`largest_failed`: the largest microbatch of the ranks that failed, in padded tokens."""
+        if plan.budget in state.successes and state.retrying is None:
+            # The budget ran clean before: a one-off until it repeats (the policy reruns it).
+            return plan.budget
+        if plan.one_sample_each:
+            return self.sizes_for(domain)[0]  # nothing left to split: the floor
+        return min(plan.budget, self.snap(domain, largest_failed))
+
+    @property
+    def padding_waste(self) -> float:
+        """Share of the trained microbatches' padded tokens that were padding (this rank)."""
+        return 0.0 if self.padded_total == 0 else 1.0 - self.real_total / self.padded_total
+
+
+__all__ = ["GRID_STEPS", "TokenBudget", "TokenBudgetError", "TokenPlan"]

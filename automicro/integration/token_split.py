@@ -1,0 +1,92 @@
+"""Cutting a padded token batch into microbatches by sample indices, each re-padded to its own
+longest sample (the torch side of `automicro.core.token_packing`).
+
+A batch is a mapping (Hugging Face style: ``input_ids``, ``attention_mask``, ``labels``, ...) of
+tensors whose first dimension is the sample and, for the per-token keys, whose second dimension
+is the padded sequence. A sample's length is its attention mask's sum (all of ``input_ids``'
+width when there is no mask). Padding may be on the right (training collators) or the left
+(``tokenizer.padding_side = "left"``): a microbatch keeps the last `L` positions or the first,
+where `L` is its longest sample. Keys whose second dimension is not the sequence's are cut by
+sample only; lists are cut by sample.
+
+Owns: lengths, index selection and re-padding of a batch. May not touch: the policy, the
+consensus, Composer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+SEQUENCE_KEY = "input_ids"
+MASK_KEY = "attention_mask"
+
+
+class TokenBatchError(TypeError):
+    """A batch the token budget cannot cut (says what shape it needs)."""
+
+
+def _check(batch: Any) -> tuple[torch.Tensor, int]:
+    if not isinstance(batch, Mapping) or not isinstance(batch.get(SEQUENCE_KEY), torch.Tensor):
+        raise TokenBatchError(
+            "automicro: budget='tokens' needs batches as a mapping with an 'input_ids' tensor [samples, sequence] "
+            "(Hugging Face style, optionally 'attention_mask' and 'labels'); got "
+            f"{type(batch).__name__}{' with keys ' + str(sorted(batch)) if isinstance(batch, Mapping) else ''}. "
+            "Use budget='samples' for other batches"
+        )
+    ids = batch[SEQUENCE_KEY]
+    if ids.dim() != 2:
+        raise TokenBatchError(f"automicro: budget='tokens': 'input_ids' must be [samples, sequence], got shape {tuple(ids.shape)}")
+    return ids, int(ids.shape[1])
+
+
+def sample_lengths(batch: Any) -> list[int]:
+    """Real tokens per sample: the attention mask's sum, else the padded width."""
+    ids, width = _check(batch)
+    mask = batch.get(MASK_KEY)
+    if isinstance(mask, torch.Tensor):
+        if tuple(mask.shape) != tuple(ids.shape):
+            raise TokenBatchError(
+                f"automicro: budget='tokens': 'attention_mask' {tuple(mask.shape)} must have the shape of 'input_ids' "
+                f"{tuple(ids.shape)}"
+            )
+        return [int(n) for n in mask.sum(dim=1).tolist()]
+    return [width] * int(ids.shape[0])
+
+
+def _left_padded(batch: Mapping[str, Any]) -> bool:
+    mask = batch.get(MASK_KEY)
+    if not isinstance(mask, torch.Tensor) or mask.shape[1] == 0:
+        return False
+    # Right padding leaves the first column all ones; left padding the last.
+    return bool(mask[:, -1].all()) and not bool(mask[:, 0].all())
+
+
+def _take(value: Any, index: torch.Tensor, keep: slice, width: int, indices: Sequence[int]) -> Any:
+    if isinstance(value, torch.Tensor):
+        picked = value.index_select(0, index.to(value.device))
+        if picked.dim() >= 2 and picked.shape[1] == width:
+            picked = picked[:, keep]
+        return picked.contiguous()
+    if isinstance(value, (list, tuple)):
+        return type(value)(value[i] for i in indices)
+    return value
+
+
+def select(batch: Mapping[str, Any], indices: Sequence[int], lengths: Sequence[int]) -> dict[str, Any]:
+    """The samples `indices` of `batch`, re-padded to their longest (lengths from `sample_lengths`)."""
+    _, width = _check(batch)
+    longest = max((lengths[i] for i in indices), default=0)
+    longest = max(longest, 1)
+    keep = slice(width - longest, width) if _left_padded(batch) else slice(0, longest)
+    index = torch.tensor(list(indices), dtype=torch.long)
+    return {key: _take(value, index, keep, width, indices) for key, value in batch.items()}
+
+
+def split_by_groups(batch: Mapping[str, Any], groups: Sequence[Sequence[int]], lengths: Sequence[int]) -> list[dict[str, Any]]:
+    return [select(batch, group, lengths) for group in groups]
+
+
+__all__ = ["TokenBatchError", "sample_lengths", "select", "split_by_groups"]

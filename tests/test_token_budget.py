@@ -1,0 +1,159 @@
+"""`AutoMicrobatching(budget="tokens")`: the search finds tokens per microbatch for variable-length
+batches; every rank runs the same number of microbatches whatever lengths it holds.
+
+Multi-rank cases (tests/token_cases.py) run under `run_multiprocess`'s hang watchdog. Each rank
+reads data of a different length distribution; `TokenLimit` is the memory model (a microbatch
+over LIMIT padded tokens runs out of memory in its forward).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from automicro.integration import token_split
+from automicro.integration.callback import AutoMicrobatching
+from automicro.testing.multiprocess import run_multiprocess
+from tests import token_cases as cases
+
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_multiprocess(cases.run_search_and_faults, world_size=2, timeout_s=500)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_multiprocess(cases.run_search_and_faults, world_size=4, args=(("forward", "backward", "reduce_scatter_alloc"),),
+                            timeout_s=500)
+
+
+def _ok(result):
+    assert "crash" not in result, result["crash"]
+    assert result.get("exception") is None, result["exception"]
+    return result
+
+
+def _check_search(ranks):
+    searches = [_ok(per_rank["search"]) for per_rank in ranks]
+    found = searches[0]["found"]
+    assert found is not None and all(s["found"] == found for s in searches), "every rank agrees on the budget"
+    assert all(s["batches"] == cases.BATCHES and s["adam_steps"] == [cases.BATCHES] for s in searches)
+    # Every rank ran the same number of microbatches in every attempt; some rank needed fewer.
+    counts = [[(batch, count) for batch, count, _, _, _ in s["plans"]] for s in searches]
+    assert all(c == counts[0] for c in counts)
+    assert any(own < count for s in searches for _, count, own, _, _ in s["plans"]), "a rank needing fewer split further"
+    # After the search settled, a microbatch never exceeded the limit for long: the budget holds.
+    for s in searches:
+        settled = [row for row in s["plans"] if row[4] == found]
+        assert settled and all(largest <= found or count == cases.PER_RANK_BATCH for _, count, _, largest, _ in settled)
+    assert 0.0 <= searches[0]["padding_waste"] < 0.5
+    return found
+
+
+@pytest.mark.multiproc
+def test_two_ranks_with_different_lengths_agree_on_a_budget_and_on_every_microbatch_count(two_ranks):
+    found = _check_search(two_ranks)
+    assert found <= cases.LIMIT + cases.MAX_LEN, "within one sample of what fits"
+
+
+@pytest.mark.multiproc
+def test_four_ranks_with_different_lengths_agree_on_a_budget_and_on_every_microbatch_count(four_ranks):
+    _check_search(four_ranks)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("site", cases.SITES)
+def test_a_one_off_oom_with_the_hooks_off_reruns_at_the_same_budget_and_trains_like_the_run_without_it(two_ranks, site):
+    for rank, per_rank in enumerate(two_ranks):
+        result = _ok(per_rank[f"steady/{site}"])
+        budget = per_rank["search"]["found"]
+        assert result["error"] <= TOLERANCE, (rank, site, result["error"])
+        assert result["batches"] == cases.BATCHES and result["adam_steps"] == [cases.BATCHES]
+        at_fault = [(h[1], h[2], h[4]) for h in result["history"] if h[0] == cases.FAULT_BATCH]
+        assert at_fault == [(1, budget, "oom"), (2, budget, "ok")], (rank, site, result["history"])
+        assert result["found"] == budget and result["clean"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("site", ("forward", "backward", "reduce_scatter_alloc"))
+def test_four_ranks_recover_a_one_off_oom_on_one_rank_with_the_hooks_off(four_ranks, site):
+    for per_rank in four_ranks:
+        result = _ok(per_rank[f"steady/{site}"])
+        assert result["error"] <= TOLERANCE and result["batches"] == cases.BATCHES
+
+
+@pytest.fixture(scope="module")
+def numerics():
+    return run_multiprocess(cases.run_numerics, world_size=2, timeout_s=400)
+
+
+@pytest.mark.multiproc
+def test_per_token_loss_over_token_budget_microbatches_equals_the_unsplit_batch(numerics):
+    for per_rank in numerics:
+        result = _ok(per_rank["tokens"])
+        assert any(len(h[3]) > 1 for h in result["history"]), "the batches really were split"
+        assert result["error_vs_unsplit"] <= TOLERANCE, result["error_vs_unsplit"]
+
+
+@pytest.mark.multiproc
+def test_per_token_accumulation_with_composers_padded_token_counter_is_refused_naming_the_fix(numerics):
+    for per_rank in numerics:
+        error = _ok(per_rank["padded_counter_refused"])["error"]
+        assert error is not None and error.startswith("ValueError") and "count_tokens" in error, error
+
+
+@pytest.mark.multiproc
+def test_resume_keeps_the_budget_and_goes_on_as_the_run_without_the_restart(tmp_path):
+    for result in run_multiprocess(cases.run_resume, world_size=2, args=(str(tmp_path),), timeout_s=400):
+        assert result["exception"] is None, result["exception"]
+        assert result["batches"] == cases.BATCHES
+        resumed = [(h[0], h[2], h[4]) for h in result["history_after"] if h[0] >= 6]
+        whole = [(h[0], h[2], h[4]) for h in result["history_whole"] if h[0] >= 6]
+        assert resumed[0][1] == result["found_before"], "the first batch after the restart runs at the saved budget"
+        assert resumed == whole, (resumed, whole)
+        assert result["error_vs_whole"] <= TOLERANCE
+
+
+@pytest.mark.multiproc
+def test_hugging_face_gpt2_with_its_padding_collator_trains_under_a_token_budget():
+    for result in run_multiprocess(cases.run_hugging_face, world_size=2, timeout_s=400):
+        assert result["collated_keys"] == ["attention_mask", "input_ids", "labels"]
+        assert result["found"] is not None and result["batches"] == 8 and result["adam_steps"] == [8]
+        assert torch.isfinite(torch.tensor(result["loss"]))
+
+
+# ---- one process --------------------------------------------------------------------------------
+
+
+def _padded(side: str):
+    ids = torch.tensor([[5, 6, 7, 0, 0], [8, 9, 0, 0, 0], [1, 2, 3, 4, 0]])
+    mask = (ids != 0).long()
+    if side == "left":
+        ids, mask = ids.flip(1), mask.flip(1)
+    labels = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "ids": ["a", "b", "c"]}
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_a_microbatch_is_re_padded_to_its_own_longest_sample_on_either_side(side):
+    batch = _padded(side)
+    lengths = token_split.sample_lengths(batch)
+    assert lengths == [3, 2, 4]
+    part = token_split.select(batch, [0, 1], lengths)
+    assert part["input_ids"].shape == (2, 3) and part["ids"] == ["a", "b"]
+    assert part["attention_mask"].sum(1).tolist() == [3, 2]  # no real token was cut
+    kept = part["input_ids"][part["attention_mask"].bool()].tolist()
+    assert sorted(kept) == [5, 6, 7, 8, 9]
+
+
+def test_a_batch_without_input_ids_is_refused_naming_the_shape_it_needs():
+    with pytest.raises(token_split.TokenBatchError, match="'input_ids'"):
+        token_split.sample_lengths((torch.zeros(2, 3), torch.zeros(2)))
+
+
+def test_bad_budget_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match="'samples'.*'tokens'"):
+        AutoMicrobatching(budget="words")

@@ -1,0 +1,260 @@
+"""Multi-rank cases for `AutoMicrobatching(budget="tokens")` (tests/test_token_budget.py).
+
+Each rank reads its own variable-length data (a different median length per rank, so the ranks
+need different numbers of microbatches), padded by `pad_collate`. `TokenLimit` is the memory
+model: a microbatch of more padded tokens than a rank's limit runs out of memory in its forward,
+as a GPU would. Every case returns plain data; a case that breaks is returned as {"crash": ...}.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from composer.core import Callback, DataSpec, State
+from composer.loggers import Logger
+from composer.utils import dist as composer_dist
+from torch.utils.data import DataLoader
+
+import automicro
+from automicro.data import VariableLengthTokens, count_tokens, pad_collate
+from automicro.integration.callback import AutoMicrobatching
+from automicro.models import build_model
+from automicro.testing.faults import FaultInjector
+from tests.automicro_cases import adam_steps, max_error
+from tests.toy_models import full_state
+
+VOCAB = 256
+PER_RANK_BATCH = 8
+MAX_LEN = 96
+BATCHES = 14
+FAULT_BATCH = 12  # after the hooks came off
+
+
+class TokenLimit(Callback):
+    """Out of memory in a microbatch's forward when its padded tokens exceed this rank's limit."""
+
+    def __init__(self, limits: dict[int, int]) -> None:
+        self.limits = limits
+        self.seen: list[int] = []
+
+    def before_forward(self, state: State, logger: Logger) -> None:
+        tokens = int(state.batch["input_ids"].numel())
+        limit = self.limits.get(dist.get_rank())
+        self.seen.append(tokens)
+        if limit is not None and tokens > limit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (test: {tokens} tokens > {limit} on rank {dist.get_rank()})")
+
+
+def loader(rank: int, batches: int = BATCHES, median: Optional[int] = None) -> DataLoader:
+    dataset = VariableLengthTokens(
+        PER_RANK_BATCH * batches, VOCAB, median_len=median or 12 * (rank + 1), sigma=0.7, min_len=4, max_len=MAX_LEN,
+        seed=100 + rank,
+    )
+    # Each rank reads its own dataset whole (a sampler over one replica: Composer wants a DistributedSampler).
+    sampler = composer_dist.get_sampler(dataset, shuffle=False, num_replicas=1, rank=0)
+    return DataLoader(dataset, batch_size=PER_RANK_BATCH, sampler=sampler, drop_last=True, collate_fn=pad_collate)
+
+
+def fit(microbatch: Any, callbacks: list, batches: int = BATCHES, on_tokens: bool = False, sgd: bool = False,
+        **kwargs: Any) -> dict[str, Any]:
+    """`sgd`: plain SGD instead of AdamW (Adam's normalised step turns rounding differences in a
+    near-zero gradient into differences of the learning rate's size)."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = build_model("tiny", n_layers=2, max_seq_len=MAX_LEN)
+    data = loader(rank, batches)
+    train = DataSpec(data, get_num_tokens_in_batch=count_tokens) if on_tokens else data
+    auto = next((c for c in callbacks if isinstance(c, AutoMicrobatching)), None)
+    trainer = automicro.Trainer(
+        model=model, train_dataloader=train, max_duration=f"{batches}ba",
+        optimizers=(torch.optim.SGD if sgd else torch.optim.AdamW)(model.parameters(), lr=1e-2), device="cpu",
+        parallelism_config={"fsdp2": {}}, device_train_microbatch_size=microbatch, callbacks=callbacks,
+        loggers=[], progress_bar=False, log_to_console=False, seed=17,
+        accumulate_train_batch_on_tokens=on_tokens, **kwargs,
+    )
+    result: dict[str, Any] = {}
+    try:
+        trainer.fit()
+    except Exception as error:  # noqa: BLE001 - returned to the test
+        result["exception"] = {"type": type(error).__name__, "message": str(error)}
+    result.update(
+        batches=int(trainer.state.timestamp.batch),
+        adam_steps=adam_steps(trainer),
+        clean=trainer.sharded_model.is_clean(),
+        params=None if "exception" in result else full_state(trainer.state.model),
+    )
+    if auto is not None:
+        result.update(
+            history=[(r.batch, r.attempt, r.size, list(r.split), r.outcome, r.failed_ranks, r.sites, r.note) for r in auto.history],
+            found=auto.found_size,
+            hooks_after=auto.hooks_active,
+            padding_waste=auto.tokens.padding_waste if auto.tokens else None,
+        )
+    trainer.close()
+    return result
+
+
+def _case(out: dict[str, Any], name: str, fn: Any) -> None:
+    try:
+        out[name] = fn()
+    except Exception:  # noqa: BLE001 - report which case broke
+        out[name] = {"crash": traceback.format_exc()}
+
+
+class PlanRecorder(Callback):
+    """Every attempt's plan on this rank: (batch, agreed count, own count, largest, budget)."""
+
+    def __init__(self, auto: AutoMicrobatching) -> None:
+        self.auto, self.rows = auto, []
+
+    def after_train_batch(self, state: State, logger: Logger) -> None:
+        plan = self.auto.tokens.plan
+        self.rows.append((int(state.timestamp.batch), plan.count, plan.own, plan.largest, plan.budget))
+
+
+LIMIT = 200  # padded tokens per microbatch every rank fits (the same memory on every rank)
+
+
+def limits(world: int) -> dict[int, int]:
+    return {r: LIMIT for r in range(world)}
+
+
+SITES = ("forward_pre", "forward", "backward_pre", "backward", "unshard_alloc", "reduce_scatter_alloc", "loss", "optimizer_step")
+
+
+def run_search_and_faults(rank: int, world: int, sites: tuple = SITES) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+
+    def run(fault: Optional[Callback]) -> dict[str, Any]:
+        auto = AutoMicrobatching(log_attempts=False, budget="tokens")
+        recorder = PlanRecorder(auto)
+        callbacks = [auto, TokenLimit(limits(world)), recorder] + ([fault] if fault is not None else [])
+        result = fit("auto", callbacks)
+        result["plans"] = recorder.rows
+        return result
+
+    reference = run(None)
+    out["search"] = {k: v for k, v in reference.items() if k != "params"}
+    for site in sites:
+        who = [world - 1] if site != "optimizer_step" else None
+        fault = FaultInjector(site, ranks=who, batch=FAULT_BATCH, microbatch_index=0 if site != "optimizer_step" else None, times=1)
+
+        def one(fault: Any = fault) -> dict[str, Any]:
+            result = run(fault)
+            params = result.pop("params")
+            result["error"] = None if params is None else max_error(params, reference["params"])
+            result["fired"] = fault.fired
+            return result
+
+        _case(out, f"steady/{site}", one)
+    return out
+
+
+def run_numerics(rank: int, world: int) -> dict[str, Any]:
+    """Token budget (under a token limit) against the unsplit batch, per-token normalisation (the
+    model's loss is a token mean; Composer weights each microbatch by its loss tokens)."""
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    for on_tokens in (True,):
+        key = "tokens"
+
+        def one(on_tokens: bool = on_tokens) -> dict[str, Any]:
+            auto = AutoMicrobatching(log_attempts=False, budget="tokens")
+            searched = fit("auto", [auto, TokenLimit(limits(world))], batches=5, on_tokens=on_tokens, sgd=True)
+            whole = fit(PER_RANK_BATCH, [], batches=5, on_tokens=on_tokens, sgd=True)
+            return {"history": searched["history"], "found": searched["found"], "exception": searched.get("exception"),
+                    "error_vs_unsplit": max_error(searched["params"], whole["params"])}
+
+        _case(out, key, one)
+    _case(out, "padded_counter_refused", lambda: _padded_counter(world))
+    return out
+
+
+def _padded_counter(world: int) -> dict[str, Any]:
+    """accumulate_train_batch_on_tokens=True with Composer's own (padded) token counter: refused."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = build_model("tiny", n_layers=2, max_seq_len=MAX_LEN)
+    try:
+        trainer = automicro.Trainer(
+            model=model, train_dataloader=loader(rank, 2), max_duration="1ba",
+            optimizers=torch.optim.AdamW(model.parameters(), lr=1e-2), device="cpu",
+            parallelism_config={"fsdp2": {}}, device_train_microbatch_size="auto",
+            callbacks=[AutoMicrobatching(log_attempts=False, budget="tokens")], loggers=[], progress_bar=False,
+            accumulate_train_batch_on_tokens=True,
+        )
+    except ValueError as error:
+        return {"error": f"{type(error).__name__}: {error}"}
+    trainer.close()
+    return {"error": None}
+
+
+def run_resume(rank: int, world: int, folder: str) -> dict[str, Any]:
+    """6 batches saved each batch; then a new trainer resumes at batch 6 and runs to 10."""
+    torch.set_num_threads(1)
+    saving = {"save_folder": folder, "save_interval": "1ba", "run_name": "tokens", "save_overwrite": True}
+    first = AutoMicrobatching(log_attempts=False, budget="tokens")
+    before = fit("auto", [first, TokenLimit(limits(world))], batches=6, **saving)
+    second = AutoMicrobatching(log_attempts=False, budget="tokens")
+    after = fit("auto", [second, TokenLimit(limits(world))], batches=BATCHES,
+                load_path=f"{folder}/ep0-ba6-rank0.pt", **{k: v for k, v in saving.items() if k != "save_overwrite"},
+                save_overwrite=True)
+    whole = fit("auto", [AutoMicrobatching(log_attempts=False, budget="tokens"), TokenLimit(limits(world))])
+    return {"found_before": before["found"], "found_after": after["found"], "history_after": after["history"],
+            "history_whole": whole["history"], "batches": after["batches"], "exception": after.get("exception"),
+            "error_vs_whole": max_error(after["params"], whole["params"])}
+
+
+def _hf_collator():
+    """Hugging Face's own padding collator for causal LM, over a word-level tokenizer built in memory."""
+    from tokenizers import Tokenizer, models
+    from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerFast
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{f"w{i}": i + 2 for i in range(VOCAB - 2)}}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]")), pad_token="[PAD]", unk_token="[UNK]",
+    )
+    return DataCollatorForLanguageModeling(tokenizer, mlm=False)
+
+
+def run_hugging_face(rank: int, world: int) -> dict[str, Any]:
+    """GPT-2 from transformers (config only) in Composer's HuggingFaceModel, batches from
+    transformers' DataCollatorForLanguageModeling (pads to the longest; labels -100 on padding)."""
+    import warnings
+
+    from composer.models import HuggingFaceModel
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.set_num_threads(1)
+    collator = _hf_collator()
+    dataset = VariableLengthTokens(PER_RANK_BATCH * 8, VOCAB, median_len=12 * (rank + 1), sigma=0.7, min_len=4,
+                                   max_len=MAX_LEN, seed=100 + rank)
+    samples = [{"input_ids": dataset[i]["input_ids"].tolist()} for i in range(len(dataset))]
+    sampler = composer_dist.get_sampler(samples, shuffle=False, num_replicas=1, rank=0)
+    data = DataLoader(samples, batch_size=PER_RANK_BATCH, sampler=sampler, drop_last=True, collate_fn=collator)
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=MAX_LEN, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = HuggingFaceModel(GPT2LMHeadModel(config), tokenizer=None, use_logits=True)
+    auto = AutoMicrobatching(log_attempts=False, budget="tokens")
+    trainer = automicro.Trainer(
+        model=model, train_dataloader=data, max_duration="8ba", optimizers=torch.optim.AdamW(model.parameters(), lr=1e-3),
+        device="cpu", parallelism_config={"fsdp2": {}}, device_train_microbatch_size="auto",
+        callbacks=[auto, TokenLimit(limits(world))], loggers=[], progress_bar=False, log_to_console=False,
+    )
+    trainer.fit()
+    first = next(iter(data))
+    result = {
+        "history": [(r.batch, r.attempt, r.size, list(r.split), r.outcome) for r in auto.history],
+        "found": auto.found_size, "batches": int(trainer.state.timestamp.batch), "adam_steps": adam_steps(trainer),
+        "collated_keys": sorted(first), "padded_width": int(first["input_ids"].shape[1]),
+        "loss": float(trainer.state.total_loss_dict["loss/train/total"]),
+    }
+    trainer.close()
+    return result
