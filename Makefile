@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # Overrides for the demo, e.g. `make demo DEMO_ARGS=loggers.wandb=true` (an offline wandb run).
 DEMO_ARGS ?=
 
-.PHONY: demo demo-pp foundry-demo test test-211 test-215 venv venv-211 venv-215 wheelhouse clean-venv
+.PHONY: demo demo-pp demo-varlen foundry-demo test test-211 test-215 venv venv-211 venv-215 wheelhouse clean-venv
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,10 @@ demo: $(VENV)/.installed
 # Pipeline parallelism: 2 CPU ranks = 2 stages (ZeroBubble), auto microbatching under a memory cap.
 demo-pp: $(VENV)/.installed
 	WANDB_MODE=$${WANDB_MODE:-offline} $(VENV)/bin/composer -n 2 scripts/train.py configs/tiny-cpu-pp.yaml $(DEMO_ARGS)
+
+# Variable-length data under a token budget: 2 CPU ranks, batches padded to their longest sample.
+demo-varlen: $(VENV)/.installed
+	WANDB_MODE=$${WANDB_MODE:-offline} $(VENV)/bin/composer -n 2 scripts/train.py configs/tiny-cpu-varlen.yaml $(DEMO_ARGS)
 
 # llm-foundry's own train path with automicro: a tiny MPT on 2 CPU ranks under an emulated memory cap.
 foundry-demo: $(VENV)/.foundry

@@ -74,7 +74,7 @@ def main(argv: list[str]) -> int:
         reproducibility.seed_all(cfg.seed)
         model = builders.build_model_from(cfg)
         dataset = builders.build_dataset(cfg, model.model.config.vocab_size)
-        train_dl = builders.build_train_dataloader(cfg, dataset, per_rank_batch)
+        train_dl = builders.train_data(cfg, builders.build_train_dataloader(cfg, dataset, per_rank_batch))
     except ConfigError as error:
         return _config_error(error)
     eval_dataloader = None
@@ -82,7 +82,9 @@ def main(argv: list[str]) -> int:
         eval_microbatch = cfg.device_eval_microbatch_size
         eval_dataloader = Evaluator(
             label="eval",
-            dataloader=builders.build_dataloader(dataset, per_rank_batch, shuffle=False, drop_last=True),
+            dataloader=builders.build_dataloader(
+                dataset, per_rank_batch, shuffle=False, drop_last=True, collate_fn=builders.collate_for(cfg)
+            ),
             subset_num_batches=cfg.eval_subset_num_batches,
             device_eval_microbatch_size=eval_microbatch,
         )
@@ -138,7 +140,14 @@ def main(argv: list[str]) -> int:
             f"{tokens / seconds:,.0f} tokens/s over the whole fit ({seconds:.1f} s, {world_size} rank(s))"
         )
         auto = next((c for c in trainer.state.callbacks if isinstance(c, AutoMicrobatching)), None)
-        if auto is not None and auto.policy is not None:
+        if auto is not None and auto.policy is not None and auto.tokens is not None:
+            print(
+                f"[automicro] microbatch budget found: {auto.found_size} tokens (per-rank batch {per_rank_batch} "
+                f"samples); last split {list(auto.used_split)}; padding {100 * auto.tokens.padding_waste:.1f}% of the "
+                f"tokens trained; attempts {len(auto.history)}, OOMs {auto.ooms_total}; "
+                f"sync hooks {'on' if auto.hooks_active else 'off'}"
+            )
+        elif auto is not None and auto.policy is not None:
             split = list(auto.policy.current_split())
             print(
                 f"[automicro] microbatch size found: {auto.found_size} (per-rank batch {per_rank_batch}); "

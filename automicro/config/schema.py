@@ -29,7 +29,7 @@ from automicro.engine.config import CHECKPOINT_FORMATS, FSDP2Config, FSDP2Config
 AUTO = "auto"
 MODEL_PRESETS = ("tiny", "125m", "1b", "3b", "7b")
 INIT_DEVICES = ("cpu", "meta")
-DATA_KINDS = ("text", "synthetic")
+DATA_KINDS = ("text", "synthetic", "varlen")
 OPTIMIZERS = ("adamw", "decoupled_adamw", "sgd")
 SCHEDULERS = ("constant", "cosine_with_warmup", "linear_with_warmup")
 DEVICES = ("cpu", "gpu")
@@ -274,7 +274,8 @@ class DataConfig:
     """``data:`` the training / eval token stream."""
 
     kind: str = _cfg("text", choices=DATA_KINDS)
-    """``text`` (byte-level text files) or ``synthetic`` (random tokens)."""
+    """``text`` (byte-level text files), ``synthetic`` (random tokens) or ``varlen`` (random tokens of
+    log-normal lengths up to seq_len, padded to each batch's longest: fine-tuning data's shape)."""
     paths: Optional[list[str]] = None
     """Text files / directories; null means the Python standard library's own sources."""
     seq_len: int = _cfg(128, check=_positive)
@@ -282,7 +283,11 @@ class DataConfig:
     max_bytes: int = _cfg(8_000_000, check=_positive)
     """Cap on the bytes of text read."""
     num_samples: int = _cfg(4096, check=_positive)
-    """Number of samples (synthetic data)."""
+    """Number of samples (synthetic and varlen data)."""
+    median_len: int = _cfg(64, check=_positive)
+    """varlen: the median sample length in tokens (lengths are log-normal, clipped to 8..seq_len)."""
+    sigma: float = _cfg(0.8, check=_non_negative)
+    """varlen: the log-normal spread of the lengths (0: every sample median_len tokens)."""
     vocab_size: Optional[int] = _cfg(None, check=_optional_positive)
     """Vocabulary size; null takes the model's."""
     num_workers: int = _cfg(0, check=_non_negative)

@@ -25,7 +25,7 @@ from composer.optim import (
 )
 
 from automicro.config import CALLBACK_REGISTRY, ConfigError, TrainConfig
-from automicro.data import ByteTextCorpus, SyntheticTokens, build_dataloader
+from automicro.data import ByteTextCorpus, SyntheticTokens, VariableLengthTokens, build_dataloader, count_tokens, pad_collate
 from automicro.data.datasets import DataError
 from automicro.models import build_model
 
@@ -83,6 +83,14 @@ def build_model_from(cfg: TrainConfig) -> Any:
 
 
 def build_dataset(cfg: TrainConfig, vocab_size: int, split_seed: int = 0) -> Any:
+    if cfg.data.kind == "varlen":
+        try:
+            return VariableLengthTokens(
+                cfg.data.num_samples, cfg.data.vocab_size or vocab_size, median_len=cfg.data.median_len,
+                sigma=cfg.data.sigma, min_len=min(8, cfg.data.seq_len), max_len=cfg.data.seq_len, seed=cfg.seed + split_seed,
+            )
+        except DataError as error:
+            raise ConfigError(f"data (kind 'varlen'): {error}; change data.median_len, data.sigma or data.seq_len") from error
     if cfg.data.kind == "synthetic":
         return SyntheticTokens(cfg.data.num_samples, cfg.data.seq_len, cfg.data.vocab_size or vocab_size, seed=cfg.seed + split_seed)
     if vocab_size < 256:
@@ -104,13 +112,28 @@ def build_train_dataloader(cfg: TrainConfig, dataset: Any, per_rank_batch: int) 
     try:
         return build_dataloader(
             dataset, per_rank_batch, shuffle=cfg.data.shuffle, seed=cfg.seed, drop_last=True,
-            num_workers=cfg.data.num_workers, replicas=replicas,
+            num_workers=cfg.data.num_workers, replicas=replicas, collate_fn=collate_for(cfg),
         )
     except DataError as error:
         raise ConfigError(
             f"data: {error} (global_train_batch_size={cfg.global_train_batch_size}); change data.num_samples, "
             "data.max_bytes or global_train_batch_size"
         ) from error
+
+
+def collate_for(cfg: TrainConfig) -> Any:
+    """The batch collator of the data kind (None: torch's default)."""
+    return pad_collate if cfg.data.kind == "varlen" else None
+
+
+def train_data(cfg: TrainConfig, dataloader: Any) -> Any:
+    """What the Trainer gets as train_dataloader: variable-length batches count real tokens (for
+    throughput and per-token loss accumulation) instead of Composer's padded count."""
+    if cfg.data.kind != "varlen":
+        return dataloader
+    from composer.core import DataSpec
+
+    return DataSpec(dataloader, get_num_tokens_in_batch=count_tokens)
 
 
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
