@@ -108,6 +108,7 @@ class AutoMicrobatching(Callback):
         consensus_transport: str = "auto",
         steady_recovery: bool = True,
         budget: str = "samples",
+        fixed_tokens: Optional[int] = None,
     ) -> None:
         self.policy_config = search_config(search, stable_batches, use_prediction, start_size)
         if budget not in BUDGETS:
@@ -116,7 +117,9 @@ class AutoMicrobatching(Callback):
                 "finds tokens per microbatch and packs variable-length batches under them)"
             )
         # budget="tokens": the search's sizes are tokens per microbatch (`token_budget`).
-        self.tokens: Optional[TokenBudget] = TokenBudget() if budget == "tokens" else None
+        if fixed_tokens is not None and budget != "tokens":
+            raise ValueError(f"fixed_tokens={fixed_tokens!r} needs budget='tokens'")
+        self.tokens: Optional[TokenBudget] = TokenBudget(fixed_tokens) if budget == "tokens" else None
         if self.tokens is not None:
             self.policy_config = self.tokens.policy_config(self.policy_config)
         self.thrash = ThrashDetector(thrash_batches)

@@ -74,7 +74,12 @@ class TokenPlan:
 class TokenBudget:
     """The token side of `AutoMicrobatching(budget="tokens")`, one per callback."""
 
-    def __init__(self) -> None:
+    def __init__(self, fixed: Optional[int] = None) -> None:
+        # `fixed`: a hand-set budget (no search: every batch is packed under it; an OOM there gets
+        # its one rerun and then ends the run, as a fixed microbatch size does).
+        if fixed is not None and (isinstance(fixed, bool) or not isinstance(fixed, int) or fixed < 1):
+            raise ValueError(f"fixed_tokens={fixed!r}: must be null (search the budget) or an int >= 1")
+        self.fixed = fixed
         self.quantum: Optional[int] = None
         self.plan: Optional[TokenPlan] = None
         self.padded_total = 0  # padded tokens of the microbatches trained (all batches, this rank)
@@ -83,6 +88,8 @@ class TokenBudget:
     # ---- the policy's domain and grid ------------------------------------------------------
 
     def sizes_for(self, domain: int) -> tuple[int, ...]:
+        if self.fixed is not None:
+            return (min(self.fixed, domain),)
         assert self.quantum is not None
         grid = tuple(range(self.quantum, domain + 1, self.quantum))
         return grid if grid and grid[-1] == domain else grid + (domain,)

@@ -1,0 +1,193 @@
+"""Variable-length data: token budget `auto` vs sample-count `auto` vs hand-set token budgets.
+
+    python benchmarks/varlen.py --out $OUT [--variants auto-tokens,auto-samples,fixed-16384] [--batches 14]
+
+One GPU (or CPU with --cpu --tiny for a dry run). Each variant runs in its own process (one rank,
+the shared harness's launch): a transformers `LlamaForCausalLM` (1B shape: hidden 2048, 16 layers,
+32 heads, 8 KV heads, MLP 8192, vocab 32000; built from its config) in Composer's
+`HuggingFaceModel`, under `automicro.Trainer` (FSDP2, amp_bf16, AdamW), on batches of 32 samples of
+log-normal lengths (median 660 tokens, sigma 0.8, clipped to 64..4096) padded to each batch's
+longest (`automicro.data.pad_collate`). Real tokens are the attention mask's ones.
+
+Per variant: real tokens/s over the batches after `--skip` (the search's), padding waste of the
+trained microbatches, OOMs, the budget or size found, peak memory. Writes `varlen.json` and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+
+VARIANTS = ("auto-tokens", "auto-samples", "fixed-8192", "fixed-16384", "fixed-32768")
+PER_RANK_BATCH = 32
+VOCAB = 32000
+
+
+def _model(tiny: bool) -> Any:
+    import warnings
+
+    from composer.models import HuggingFaceModel
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = (
+        dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+        if tiny else
+        dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, intermediate_size=8192)
+    )
+    config = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=4096, use_cache=False, **shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return HuggingFaceModel(LlamaForCausalLM(config), tokenizer=None, use_logits=True)
+
+
+def _collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    from automicro.data import pad_collate
+
+    # Hugging Face causal LMs shift the labels themselves: labels are the inputs, -100 on padding.
+    return pad_collate([{"input_ids": s["input_ids"], "labels": s["input_ids"]} for s in samples])
+
+
+def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from composer.core import Callback, DataSpec
+    from composer.utils import dist as composer_dist
+    from torch.utils.data import DataLoader
+
+    import automicro
+    from automicro.data import VariableLengthTokens, count_tokens
+
+    gpu = not args.cpu
+    torch.manual_seed(0)
+    model = _model(args.tiny)
+    dataset = VariableLengthTokens(
+        PER_RANK_BATCH * args.batches, VOCAB, median_len=args.median, sigma=0.8, min_len=64, max_len=args.max_len, seed=5,
+    )
+    sampler = composer_dist.get_sampler(dataset, shuffle=False)
+    loader = DataLoader(dataset, batch_size=PER_RANK_BATCH, sampler=sampler, drop_last=True, collate_fn=_collate)
+    if name == "auto-samples":
+        auto = automicro.AutoMicrobatching(log_attempts=True)
+    elif name == "auto-tokens":
+        auto = automicro.AutoMicrobatching(log_attempts=True, budget="tokens")
+    else:
+        auto = automicro.AutoMicrobatching(log_attempts=True, budget="tokens", fixed_tokens=int(name.split("-")[1]))
+
+    rows: list[dict[str, Any]] = []
+
+    class Clock(Callback):
+        def batch_start(self, state: Any, logger: Any) -> None:
+            if gpu:
+                torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+            mask = state.batch.get("attention_mask")
+            self.real = int(mask.sum()) if mask is not None else int(state.batch["input_ids"].numel())
+            self.padded = int(state.batch["input_ids"].numel())
+
+        def batch_end(self, state: Any, logger: Any) -> None:
+            if gpu:
+                torch.cuda.synchronize()
+            rows.append({"seconds": time.perf_counter() - self.t0, "real": self.real, "batch_padded": self.padded,
+                         "split": list(auto.used_split), "attempts": auto.batch_attempts})
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=gpu)
+    trainer = automicro.Trainer(
+        model=model, train_dataloader=DataSpec(loader, get_num_tokens_in_batch=count_tokens),
+        max_duration=f"{args.batches}ba", optimizers=optimizer, device="gpu" if gpu else "cpu",
+        precision="amp_bf16" if gpu else "fp32", parallelism_config={"fsdp2": {}},
+        device_train_microbatch_size="auto", callbacks=[auto, Clock()], loggers=[], progress_bar=False,
+        log_to_console=False,
+    )
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
+    error: Optional[str] = None
+    try:
+        trainer.fit()
+    except Exception as exc:  # noqa: BLE001 - a variant that cannot run is a row of the table
+        error = f"{type(exc).__name__}: {str(exc)[:300]}"
+    steady = rows[args.skip:]
+    seconds = sum(r["seconds"] for r in steady)
+    result = {
+        "variant": name,
+        "error": error,
+        "batches": len(rows),
+        "real_tokens_per_s": (sum(r["real"] for r in steady) / seconds) if seconds else None,
+        "ooms": auto.ooms_total,
+        "found": auto.found_size,
+        "padding_waste": None if auto.tokens is None else auto.tokens.padding_waste,
+        "microbatches": sorted({len(r["split"]) for r in steady}),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
+        "rows": rows,
+    }
+    if auto.tokens is None and rows:
+        # Sample-count splits keep each microbatch padded to the batch's longest sample.
+        padded = sum(r["batch_padded"] for r in rows)
+        result["padding_waste"] = 1 - sum(r["real"] for r in rows) / padded
+    trainer.close()
+    return result
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    p.add_argument("--variants", default=",".join(VARIANTS[:4]))
+    p.add_argument("--variant", help=argparse.SUPPRESS)  # one variant, in this process
+    p.add_argument("--batches", type=int, default=14)
+    p.add_argument("--skip", type=int, default=6, help="batches left out of the throughput (the search's)")
+    p.add_argument("--median", type=int, default=660)
+    p.add_argument("--max-len", type=int, default=4096)
+    p.add_argument("--cpu", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="a tiny Llama (dry run of the suite)")
+    p.add_argument("--timeout", type=float, default=300.0)
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    if args.variant:
+        harness.single_rank_env()
+        result = run_variant(args.variant, args)
+        with open(os.path.join(args.out, f"varlen_{args.variant}.json"), "w", encoding="utf-8") as handle:
+            json.dump(result, handle)
+        return 0
+    passthrough = [f"--out={args.out}", f"--batches={args.batches}", f"--skip={args.skip}", f"--median={args.median}",
+                   f"--max-len={args.max_len}"] + (["--cpu"] if args.cpu else []) + (["--tiny"] if args.tiny else [])
+    results = []
+    for name in args.variants.split(","):
+        started = time.perf_counter()
+        done = harness.run_launch([sys.executable, os.path.abspath(__file__), f"--variant={name}", *passthrough], args.timeout)
+        path = os.path.join(args.out, f"varlen_{name}.json")
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as handle:
+                result = json.load(handle)
+            os.remove(path)
+        else:
+            result = {"variant": name, "error": f"no result (rc {done.returncode}): {done.stderr[-600:]}"}
+        result["launch_s"] = round(time.perf_counter() - started, 1)
+        lines = [line for line in (done.stdout or "").splitlines() if line.startswith("[automicro]")]
+        result["console"] = lines[-40:]
+        print(f"[varlen:detail] {name}: " + " / ".join(lines[-6:]), flush=True)
+        results.append(result)
+    base = next((r for r in results if r["variant"] == "auto-samples" and r.get("real_tokens_per_s")), None)
+    rows = []
+    for r in results:
+        tps = r.get("real_tokens_per_s")
+        rows.append([
+            r["variant"], harness.fmt(tps, ",.0f") if tps else "–",
+            harness.fmt(tps / base["real_tokens_per_s"], ".2f") if tps and base else "–",
+            r.get("found", "–"), r.get("microbatches", "–"), harness.fmt(r.get("padding_waste"), ".2f"),
+            r.get("ooms", "–"), harness.fmt(r.get("peak_gib"), ".1f"), (r.get("error") or "")[:60],
+        ])
+    header = ["variant", "real tokens/s", "vs auto-samples", "found", "microbatches", "padding", "OOMs", "peak GiB", "error"]
+    for line in harness.table_lines(header, rows):
+        print(f"[varlen] | {line}", flush=True)
+    harness.write_json(os.path.join(args.out, "varlen.json"), {"args": vars(args), "results": results})
+    with open(os.path.join(args.out, "varlen_table.txt"), "w", encoding="utf-8") as handle:
+        handle.write("\n".join(harness.table_lines(header, rows)) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
