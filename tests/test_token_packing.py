@@ -74,3 +74,22 @@ def test_bad_count_and_budget_are_refused():
         split_into([1, 2, 3], 4)
     with pytest.raises(ValueError, match="budget=0"):
         pack_under_budget([1, 2, 3], 0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), lengths=lengths_st, budget=st.integers(1, 40000))
+def test_a_capped_split_keeps_the_cap_and_pads_no_more_than_the_budget_packing(data, lengths, budget):
+    """What each rank runs: its batch in the agreed count (>= what it needs) under the budget."""
+    own = pack_under_budget(lengths, budget)
+    count = data.draw(st.integers(len(own), len(lengths)))
+    runs = split_into(lengths, count, cap=budget)
+    assert len(runs) == count and _is_partition(runs, len(lengths))
+    assert all(len(run) == 1 or padded_tokens(lengths, run) <= budget for run in runs)
+    total = sum(padded_tokens(lengths, run) for run in runs)
+    assert total <= sum(padded_tokens(lengths, run) for run in own)
+
+
+def test_a_capped_split_keeps_long_and_short_samples_apart():
+    lengths = [4000, 3000, 2900, 2800, 300, 280, 260, 250, 240, 230]
+    runs = split_into(lengths, 3, cap=12000)
+    assert [sorted(lengths[i] for i in run) for run in runs] == [[4000], [2800, 2900, 3000], [230, 240, 250, 260, 280, 300]]

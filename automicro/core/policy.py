@@ -490,6 +490,7 @@ def _record_success(state: SearchState, outcome: Success, config: PolicyConfig) 
 
 def _on_success(state: SearchState, outcome: Success, config: PolicyConfig) -> tuple[SearchState, Decision]:
     m = outcome.size
+    lo_before = state.best_success
     state = _record_success(state, outcome, config)
     if state.phase == Phase.STEADY:
         return state, _decide(state, config, False, "")
@@ -509,7 +510,8 @@ def _on_success(state: SearchState, outcome: Success, config: PolicyConfig) -> t
         state = _settle(state, config, m)
         return state, _decide(state, config, False, f"ok at {m} -> settled on {m}, {_in_use(state, config)}")
     lo, hi = state.best_success, _hi(state)
-    if not _between(config, state, lo, hi):
+    if not _between(config, state, lo, hi) or (config.unit == "tokens" and lo == lo_before):
+        # (tokens) The batch did not fill the budget tried beyond what already ran: settle.
         state = _settle(state, config, lo)
         return state, _decide(
             state, config, False, f"ok at {m} -> converged on {lo}, {_in_use(state, config)}"
@@ -618,7 +620,7 @@ def _on_domain_grew(state: SearchState, outcome: DomainGrew, config: PolicyConfi
         return state, _decide(state, config, False, "")
     grown = replace(state, batch_size=new_b)
     if state.found is not None and state.first_failure is None:
-        # The whole old domain fit and nothing ever failed: the new top may fit too.
+        # Nothing ever failed: the new, larger batches may fit in fewer microbatches.
         grown = replace(grown, phase=Phase.SEARCHING, found=None, stable_count=0, size=_snap(config, new_b, new_b))
         return grown, _decide(grown, config, False, f"domain {old_b} -> {new_b}: nothing failed yet, try {grown.size}")
     if state.found is None and state.first_failure is None and state.size == old_b:

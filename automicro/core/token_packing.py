@@ -7,9 +7,10 @@ order into runs keeps that padding small: each run holds samples of similar leng
 
 - `pack_under_budget(lengths, budget)`: the fewest runs whose padded tokens stay within
   `budget` (a sample longer than the budget runs alone: the floor is one sample).
-- `split_into(lengths, count)`: exactly `count` runs, balanced: the largest run's padded tokens
-  as small as it can be (a rank that needs fewer microbatches than the agreed count splits its
-  batch further this way, so every rank runs the same number of microbatches).
+- `split_into(lengths, count, cap)`: exactly `count` runs, none above `cap`, with the fewest
+  padded tokens in all and then the smallest largest run (a rank that needs fewer microbatches
+  than the agreed count splits its batch further this way, so every rank runs the same number of
+  microbatches). Padded tokens are computed whether or not they carry a token: fewer is faster.
 
 Both return lists of sample indices into `lengths`, longest samples first; every index appears
 exactly once. Owns: the packing arithmetic. May not touch: tensors, collectives, the policy.
@@ -18,6 +19,7 @@ exactly once. Owns: the packing arithmetic. May not touch: tensors, collectives,
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Optional
 
 
 def padded_tokens(lengths: Sequence[int], group: Sequence[int]) -> int:
@@ -57,22 +59,69 @@ def pack_under_budget(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return _greedy(lengths, _sorted_indices(lengths), budget)
 
 
-def split_into(lengths: Sequence[int], count: int) -> list[list[int]]:
-    """Exactly `count` length-sorted runs (1 <= count <= samples), the largest run's padded tokens
-    minimised: the smallest cap the greedy packing meets in at most `count` runs, then the costliest
-    runs halved until there are `count`."""
+def split_into(lengths: Sequence[int], count: int, cap: Optional[int] = None) -> list[list[int]]:
+    """Exactly `count` length-sorted runs (1 <= count <= samples) with the fewest padded tokens in
+    all, no run above `cap` padded tokens unless it is one sample (a sample is never cut), and,
+    among splits as good, the smallest largest run. Without a cap the largest run is what is
+    kept small first: the smallest cap the greedy packing meets in `count` runs is taken."""
     _check(lengths)
     if not 1 <= count <= len(lengths):
         raise ValueError(f"token packing: count={count}: must be in 1..{len(lengths)} (the samples of the batch)")
     order = _sorted_indices(lengths)
-    low, high = max(lengths[order[0]], 1), max(padded_tokens(lengths, order), 1)
-    while low < high:  # the greedy run count only falls as the cap grows
-        middle = (low + high) // 2
-        if len(_greedy(lengths, order, middle)) <= count:
-            high = middle
-        else:
-            low = middle + 1
-    runs = _greedy(lengths, order, low)
+    if cap is None:
+        low, high = max(lengths[order[0]], 1), max(padded_tokens(lengths, order), 1)
+        while low < high:  # the greedy run count only falls as the cap grows
+            middle = (low + high) // 2
+            if len(_greedy(lengths, order, middle)) <= count:
+                high = middle
+            else:
+                low = middle + 1
+        cap = low
+    if count == len(order):
+        return [[i] for i in order]
+    if len(order) > DP_LIMIT:
+        return _halve_to(lengths, _greedy(lengths, order, cap), count)
+    return _fewest_padded(lengths, order, count, cap)
+
+
+DP_LIMIT = 128  # samples per batch up to which the split is exact (O(count x samples^2) steps)
+
+
+def _fewest_padded(lengths: Sequence[int], order: list[int], count: int, cap: int) -> list[list[int]]:
+    """Cut the sorted order into `count` runs: fewest padded tokens in all, then the smallest
+    largest run (dynamic programming over cut points; a run's cost is its size x its first length)."""
+    n = len(order)
+    sorted_lengths = [lengths[i] for i in order]
+    inf = (float("inf"), float("inf"))
+    # best[k][j]: (padded total, largest run) of the first j samples in k runs; cut[k][j]: where run k starts.
+    best = [[inf] * (n + 1) for _ in range(count + 1)]
+    cut = [[0] * (n + 1) for _ in range(count + 1)]
+    best[0][0] = (0, 0)
+    for k in range(1, count + 1):
+        for j in range(k, n - (count - k) + 1):
+            for i in range(k - 1, j):
+                if best[k - 1][i] == inf:
+                    continue
+                run = (j - i) * sorted_lengths[i]
+                if run > cap and j - i > 1:
+                    continue
+                total, largest = best[k - 1][i]
+                candidate = (total + run, max(largest, run))
+                if candidate < best[k][j]:
+                    best[k][j], cut[k][j] = candidate, i
+    if best[count][n] == inf:  # cannot happen when the greedy under `cap` needs <= count runs
+        return _halve_to(lengths, _greedy(lengths, order, cap), count)
+    runs, j = [], n
+    for k in range(count, 0, -1):
+        i = cut[k][j]
+        runs.append(order[i:j])
+        j = i
+    return runs[::-1]
+
+
+def _halve_to(lengths: Sequence[int], runs: list[list[int]], count: int) -> list[list[int]]:
+    """Halve the costliest runs until there are `count` (for very large batches)."""
+    runs = [list(r) for r in runs]
     while len(runs) < count:
         at = max(
             (i for i in range(len(runs)) if len(runs[i]) > 1),

@@ -485,6 +485,8 @@ class AutoMicrobatching(Callback):
             self.tokens.load_state_dict(state["tokens"])
 
     def _ensure_policy(self, batch_size: int, state: Optional[State] = None) -> None:
+        if self.tokens is not None and self.tokens.fixed is not None:
+            batch_size = max(batch_size, self.tokens.fixed)  # a hand-set budget: its domain is fixed too
         if self.tokens is not None and self.policy is not None:
             # A token budget's domain (the largest batch seen, in tokens) only grows.
             if batch_size > self.policy.state.batch_size:

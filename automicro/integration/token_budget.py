@@ -11,11 +11,14 @@ searches a token budget instead of a sample count, and each batch is planned her
    rank needs) and the budget's domain (the largest batch in padded tokens seen so far). Every
    rank then splits into exactly K balanced microbatches: FSDP2's collectives pair up only when
    every rank runs the same number of forwards and backwards.
-3. What the policy is told. A success: the budget itself when it limited some rank's packing
-   (that budget was tried, within one sample), else the largest microbatch (every whole batch fit
-   in one). A failure: the budget when it ran clean before (a one-off: the policy reruns it once);
-   else the largest microbatch of the ranks that failed; and the smallest budget when every
-   microbatch already is one sample (nothing is left to split: the floor).
+3. What the policy is told is what ran, so that a budget is never claimed beyond what a
+   microbatch really held. A success: the largest microbatch over the ranks (a budget that the
+   batch could not fill teaches nothing above it: the search then settles, `PolicyConfig.unit`).
+   A failure: the budget when it ran clean before (a one-off: the policy reruns it once); else
+   the largest microbatch of the ranks that failed; and the smallest budget when every microbatch
+   already is one sample (nothing is left to split: the floor). Settling on what ran loses
+   nothing: the fewest microbatches under the settled budget are as many as under the one tried,
+   and the same split is the cheapest.
 
 Budgets lie on a grid of `quantum` tokens (a sixty-fourth of the first batch), so the search
 takes about as many attempts as a sample-count search; the memory prediction is not used (a
@@ -132,7 +135,7 @@ class TokenBudget:
                 f"holds only {fewest} samples; every rank must run the same number of microbatches. Give every rank "
                 "the same number of samples per batch (drop_last=True)"
             )
-        groups = split_into(lengths, count)
+        groups = split_into(lengths, count, cap=budget)
         plan = TokenPlan(
             budget=budget,
             groups=tuple(tuple(g) for g in groups),
@@ -156,8 +159,7 @@ class TokenBudget:
     # ---- what the policy is told -----------------------------------------------------------
 
     def success_size(self, plan: TokenPlan, domain: int, largest_over_ranks: int) -> int:
-        if plan.budget_limited:
-            return plan.budget
+        """What ran: the largest microbatch over the ranks (on the grid), never above the budget."""
         return min(plan.budget, self.snap(domain, largest_over_ranks))
 
     def failure_size(self, plan: TokenPlan, domain: int, largest_failed: int, state: search.SearchState) -> int:
