@@ -726,8 +726,14 @@ class AutoMicrobatching(Callback):
                     f"rank {r.rank} at {r.site}: peak {r.peak_bytes / 2**20:.1f} MiB, "
                     f"allocated {r.allocated_bytes / 2**20:.1f} MiB, capacity {r.capacity_bytes / 2**20:.1f} MiB"
                 )
+        if self.tokens is not None and self.tokens.fixed is not None:
+            what = f"out of memory at the hand-set token budget fixed_tokens={self.tokens.fixed}"
+        elif self.tokens is not None:
+            what = "out of memory even with one sample per microbatch (budget='tokens')"
+        else:
+            what = "out of memory even with device_train_microbatch_size=1"
         return (
-            "automicro: out of memory even with device_train_microbatch_size=1; "
+            f"automicro: {what}; "
             + "; ".join(rows)
             + ". Reduce the model or sequence length, shard more (more ranks, reshard_after_forward, "
             "activation_checkpointing, cpu_offload) or raise the memory limit."
