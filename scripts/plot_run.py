@@ -39,6 +39,8 @@ TOKENS = "throughput/tokens_per_sec"
 SAMPLES = "throughput/samples_per_sec"
 MFU = "throughput/device/mfu"
 SIZE = "automicro/microbatch_size"
+BUDGET = "automicro/budget_tokens"  # budget: tokens (the size is then tokens per microbatch)
+WASTE = "automicro/padding_waste"
 COUNT = "automicro/num_microbatches"
 HOOKS = "automicro/hooks_active"
 EVENT = "automicro/event"
@@ -142,8 +144,12 @@ def title_of(run: Run) -> str:
     facts = []
     found = run.last("automicro/found_size")
     split_size, split_count = run.last(SIZE), run.last(COUNT)
+    tokens_budget = run.last(BUDGET) is not None
     if found:
-        facts.append(f"microbatch size found {int(found)}")
+        facts.append(f"token budget found {int(found):,}" if tokens_budget else f"microbatch size found {int(found)}")
+    waste = run.last(WASTE)
+    if tokens_budget and waste is not None:
+        facts.append(f"padding {100 * waste:.1f}% of trained tokens")
     if split_size is not None and split_count is not None:
         facts.append(f"in use: {int(split_count)} microbatch{'es' if split_count != 1 else ''} of up to {int(split_size)}")
     ooms = run.last("automicro/ooms_total")
@@ -242,13 +248,16 @@ def plot(run: Run, out_path: str) -> None:
     # Panel 2: microbatch size and count.
     if auto:
         ax_mb = axes[1]
-        sx, sizes = run.series(SIZE)
-        ax_mb.step(sx, sizes, where="mid", color="#2ca02c", lw=2.2, label="microbatch size (largest of the split)", zorder=3)
+        budget_xs, budgets = run.series(BUDGET)
+        sx, sizes = (budget_xs, budgets) if budgets else run.series(SIZE)
+        what = "token budget per microbatch" if budgets else "microbatch size (largest of the split)"
+        ax_mb.step(sx, sizes, where="mid", color="#2ca02c", lw=2.2, label=what, zorder=3)
         ax_mb.plot(sx, sizes, ls="", marker="o", ms=3, color="#2ca02c", zorder=3)
         found = run.last("automicro/found_size")
         if found:
             ax_mb.axhline(found, color="#555555", ls="--", lw=1, zorder=2,
-                          label=f"largest size that fit: {int(found)} (the batch is then split evenly)")
+                          label=f"largest budget that ran: {int(found):,} tokens (batches packed under it)" if budgets
+                          else f"largest size that fit: {int(found)} (the batch is then split evenly)")
         ax_n = axes[2]
         cx, counts = run.series(COUNT)
         ax_n.step(cx, counts, where="mid", color="#9467bd", lw=2, zorder=3)
@@ -272,8 +281,11 @@ def plot(run: Run, out_path: str) -> None:
                 )
         ax_mb.set_ylim(0, top * 1.55 + 0.5)  # headroom for the legend above the curve
         ax_mb.yaxis.set_major_locator(MaxNLocator(integer=True))
-        ax_mb.set_ylabel("samples per microbatch")
-        ax_mb.set_title("auto microbatching: microbatch size per batch, failed attempts marked", loc="left", fontsize=10)
+        ax_mb.set_ylabel("tokens per microbatch" if budgets else "samples per microbatch")
+        ax_mb.set_title(
+            f"auto microbatching: {'token budget' if budgets else 'microbatch size'} per batch, failed attempts marked",
+            loc="left", fontsize=10,
+        )
         lines = ax_mb.get_legend_handles_labels()[0]
         ax_mb.legend(handles=lines + handles, loc="upper right", fontsize=8, framealpha=0.9)
     elif handles:

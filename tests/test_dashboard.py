@@ -52,6 +52,22 @@ def demo(tmp_path_factory) -> dict[str, Any]:
     return {"tmp": tmp, "run_dir": run_dir, "stdout": result.stdout, "rows": rows}
 
 
+@pytest.fixture(scope="module")
+def varlen_demo(tmp_path_factory) -> dict[str, Any]:
+    """configs/tiny-cpu-varlen.yaml (budget: tokens) on 2 gloo ranks, wandb off."""
+    tmp = tmp_path_factory.mktemp("dashboard-varlen")
+    run_dir = tmp / "run"
+    result = _run(
+        [str(COMPOSER), "-n", "2", "scripts/train.py", "configs/tiny-cpu-varlen.yaml", f"max_duration={BATCHES}ba",
+         f"run_dir={run_dir}"],
+        timeout_s=420,
+        env=_offline_env(tmp),
+    )
+    assert result.returncode == 0, result.stdout[-6000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {"tmp": tmp, "run_dir": run_dir, "stdout": result.stdout, "rows": rows}
+
+
 def _metric_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if not r.get("trace")]
 
@@ -229,8 +245,8 @@ def test_metrics_jsonl_has_one_event_trace_per_oom(demo):
 
 
 @pytest.mark.multiproc
-def test_readme_metrics_table_lists_every_logged_automicro_key(demo):
-    logged = _logged_automicro_keys(demo["rows"])
+def test_readme_metrics_table_lists_every_logged_automicro_key(demo, varlen_demo):
+    logged = _logged_automicro_keys(demo["rows"]) | _logged_automicro_keys(varlen_demo["rows"])
     documented = _readme_metric_keys()
     assert logged - documented == set(), f"logged but not in README ## Metrics: {sorted(logged - documented)}"
     assert documented - logged == set(), f"in README ## Metrics but never logged: {sorted(documented - logged)}"
@@ -325,3 +341,16 @@ def test_plot_script_refuses_a_json_without_parity_losses(tmp_path):
     assert result.returncode == 2 and "no losses under report.losses" in result.stdout, result.stdout
     result = _run([sys.executable, str(PLOT), "--control", str(tmp_path / "nohang.json")], 120, _offline_env(tmp_path))
     assert result.returncode == 2 and "--control needs --parity" in result.stdout, result.stdout
+
+
+@pytest.mark.multiproc
+def test_a_token_budget_run_shows_its_budget_on_the_console_in_the_metrics_and_in_the_plot(varlen_demo):
+    found = re.findall(r"\[automicro\] microbatch budget found: (\d+) tokens", varlen_demo["stdout"])
+    assert found, varlen_demo["stdout"][-3000:]
+    rows = [r for r in _metric_rows(varlen_demo["rows"]) if "automicro/budget_tokens" in r]
+    assert rows and all(r["automicro/budget_tokens"] > 0 and 0.0 <= r["automicro/padding_waste"] < 1.0 for r in rows)
+    assert rows[-1]["automicro/found_size"] == int(found[-1])
+    out = varlen_demo["tmp"] / "varlen.png"
+    result = _run([sys.executable, str(PLOT), str(varlen_demo["run_dir"]), "-o", str(out)], 120,
+                  _offline_env(varlen_demo["tmp"]))
+    assert result.returncode == 0 and out.read_bytes()[:4] == b"\x89PNG", result.stdout

@@ -691,11 +691,6 @@ class AutoMicrobatching(Callback):
             self._record(batch_index, sizes, "oom", verdict, decision.next_size, seconds, note, hooks=hooks_on)
             self._apply_hooks(decision.hooks, decision.reason)
 
-    def _budget_of_attempt(self, sizes: tuple[int, ...]) -> int:
-        """The token budget the last attempt was planned under (its record's size)."""
-        assert self.tokens is not None
-        return self.tokens.plan.budget if self.tokens.plan is not None else max(sizes)
-
     def _budget(self) -> int:
         """The token budget of the next attempt: the settled one, or the one under test."""
         assert self.policy is not None
@@ -752,14 +747,14 @@ class AutoMicrobatching(Callback):
         self._batch_retries = verdict.any_new_alloc_retries
         # As in Composer's rule, a batch that already ran out of memory is not counted for thrashing.
         retried_clean_batch = verdict.any_new_alloc_retries and self._batch_attempts == 1
+        if self.tokens is not None and self.tokens.plan is not None:
+            self.tokens.trained(self.tokens.plan)
         if self.thrash.observe(retried_clean_batch):
             decision = self.policy.observe(search.Thrash(self._outcome_size(sizes, verdict)))
             self._record(batch_index, sizes, "thrash", verdict, decision.next_size, seconds, decision.event)
             self._apply_hooks(decision.hooks, decision.reason)
             return
         phase_before = self.policy.phase
-        if self.tokens is not None and self.tokens.plan is not None:
-            self.tokens.trained(self.tokens.plan)
         decision = self.policy.observe(
             search.Success(
                 self._outcome_size(sizes, verdict),
@@ -790,7 +785,8 @@ class AutoMicrobatching(Callback):
         record = AttemptRecord(
             batch=batch_index,
             attempt=self._batch_attempts,
-            size=max(sizes) if self.tokens is None else self._budget_of_attempt(sizes),
+            # budget="tokens": the token budget the attempt was planned under.
+            size=max(sizes) if self.tokens is None or self.tokens.plan is None else self.tokens.plan.budget,
             split=sizes,
             outcome=outcome,
             failed_ranks=verdict.failed_ranks,
