@@ -44,7 +44,7 @@ from composer.loggers import Logger
 from automicro.core import failure_note
 from automicro.core import policy as search
 from automicro.core.alarm import JobLostAlarm
-from automicro.core.attempt import AttemptFence, RandomState, is_oom
+from automicro.core.attempt import AttemptFence, is_oom
 from automicro.core.consensus import (
     KIND_ERROR,
     Consensus,
@@ -72,9 +72,9 @@ from automicro.core.transport import TRANSPORTS
 from automicro.engine import _torch_internals as torch_internals
 from automicro.engine.sharding import ShardedModel
 from automicro.integration import _composer_internals as composer_internals
+from automicro.integration.batch_step import BatchStep
 from automicro.integration.eval_search import EvalFence, EvalSearch
-from automicro.integration.pipeline_batch import AttemptHooks, PipelineBatch
-from automicro.integration.splitting import UnsplittableBatch, split_by_sizes
+from automicro.integration.pipeline_batch import PipelineBatch
 from automicro.integration.stock_trainer import StockTrainerError, refuse_stock_trainer, stock_trainer_message
 from automicro.integration.token_budget import TokenBudget
 
@@ -168,7 +168,7 @@ class AutoMicrobatching(Callback):
         self._memory: MemorySource = NoMemory()
         self._dispatcher = SiteDispatcher()  # replaced by the trainer's at attach()
         self._pipeline: Optional[PipelineBatch] = None
-        self._last_retries = 0
+        self._step: Optional[BatchStep] = None  # the batch in progress (or the last one)
         self._batch_attempts = 0
         self._batch_retries = False
         self._used_split: tuple[int, ...] = ()
@@ -558,7 +558,7 @@ class AutoMicrobatching(Callback):
 
     def _figures(self) -> LocalFigures:
         retries = self._memory.alloc_retries()
-        new = max(0, retries - self._last_retries)
+        new = max(0, retries - (self._step.retries_before if self._step is not None else retries))
         return LocalFigures(
             new_alloc_retries=new,
             peak_bytes=self._memory.peak_bytes(),
@@ -567,91 +567,29 @@ class AutoMicrobatching(Callback):
             microbatch_tokens=0 if self.tokens is None or self.tokens.plan is None else self.tokens.plan.largest,
         )
 
-    def _split(self, trainer: Any, batch: Any, sizes: tuple[int, ...]) -> list[Any]:
-        if self._pipeline is not None:
-            return self._pipeline.split(batch, sizes)
-        if composer_internals.uses_default_split(trainer):
-            try:
-                return split_by_sizes(batch, sizes)
-            except UnsplittableBatch:
-                pass
-        return composer_internals.split_batch_default(trainer, batch, max(sizes))
-
     def train_batch(self, trainer: Any) -> dict[str, torch.Tensor]:
         """Run one batch with OOM-safe retries; returns Composer's total loss dict.
 
-        Every attempt runs through the attempt fence (`automicro.core.attempt`), with the sync
-        hooks on or off; every retry starts from the random state the batch started with, so a
-        retry at the same split computes exactly what the first attempt would have."""
-        assert self._fence is not None and self._sharded is not None, "attach() was not called"
-        state = trainer.state
-        device_batch = state.batch
-        lengths: list[int] = []
-        if self.tokens is not None:
-            assert self._consensus is not None
-            lengths, batch_size = self.tokens.agree_domain(self._consensus, device_batch)
-        else:
-            batch_size = composer_internals.num_samples(trainer, device_batch)
-        self._ensure_policy(batch_size, state)
+        Dispatches: `BatchStep` splits, runs (through the attempt fence, with the sync hooks on or
+        off) and wipes each attempt; here the agreed verdict becomes the policy's next decision."""
+        assert self._fence is not None and self._sharded is not None and self._consensus is not None, "attach() was not called"
+        step = BatchStep(
+            trainer, self._fence, self._dispatcher, self._memory, self._consensus, self._sharded, self._rank,
+            pipeline=self._pipeline, tokens=self.tokens, all_reduce=self._all_reduce_sum,
+        )
+        self._step = step
+        self._ensure_policy(step.begin(), trainer.state)
         assert self.policy is not None
-        batch_index = int(state.timestamp.batch)
-        context = self._dispatcher.context
-        if self._pipeline is not None:
-            self._pipeline.check_same_samples(device_batch)
-        random_state = RandomState.capture(self._sharded.device)
-        self._batch_attempts = 0
+        batch_index = step.batch_index
         while True:
-            self._batch_attempts += 1
-            if self._batch_attempts > 1:
-                random_state.restore()
-            if self.tokens is not None:
-                assert self._consensus is not None
-                plan = self.tokens.plan_attempt(self._consensus, lengths, self._budget())
-                sizes = plan.sizes
-                microbatches = self.tokens.split(device_batch, plan)
-            else:
-                sizes = tuple(self.policy.current_split())
-                microbatches = self._split(trainer, device_batch, sizes)
-            state.device_train_microbatch_size = max(sizes)
-            if state.train_metrics is not None:
-                for metric in state.train_metrics.values():
-                    metric.reset()
-            total_loss_dict = {"loss/train/total": state.device.tensor_to_device(torch.zeros(size=(1,)))}
-            context.batch_index, context.attempt = batch_index, self._batch_attempts
-            context.microbatch_size, context.num_microbatches = max(sizes), len(sizes)
-            context.microbatch_index = -1
-            # A site of an earlier attempt must not be blamed for a failure before any site fires.
-            context.last_site, context.last_module = "other", ""
-            self._memory.reset_peak()
-            # Retries are counted per attempt: a failed attempt's retries say nothing about thrashing.
-            self._last_retries = self._memory.alloc_retries()
             # A pipeline's barriers stay on for the whole run: every failure is agreed with the hooks' protocol.
             hooks_on = self.hooks_active or self._pipeline is not None
-
-            def body(finish: Callable[[], None]) -> None:
-                def before_microbatch(index: int) -> None:
-                    context.microbatch_index = index
-
-                def end_of_attempt() -> None:
-                    context.microbatch_index = len(sizes) - 1
-                    self._dispatcher.fire("optimizer_step", "")
-                    finish()
-
-                if self._pipeline is not None:
-                    assert self._consensus is not None
-                    hooks = AttemptHooks(self._consensus, self._dispatcher, self._pipeline.stage_index)
-                    self._pipeline.run(trainer, microbatches, total_loss_dict, end_of_attempt, hooks)
-                    return
-                composer_internals.run_microbatches(
-                    trainer, microbatches, total_loss_dict, before_microbatch, end_of_attempt, self._all_reduce_sum
-                )
-
-            try:
-                result = self._fence.run(body, lambda: self._wipe_failed_attempt(trainer, device_batch), hooks_on)
-            except FatalRecoveryError as lost:
-                if getattr(lost, "oom", True):
-                    failure_note.write(composer_internals.checkpoint_folder(state), self._rank, batch_index, sizes)
-                raise
+            if self.tokens is not None:
+                attempt = step.attempt(None, self._budget(), hooks_on)
+            else:
+                attempt = step.attempt(tuple(self.policy.current_split()), None, hooks_on)
+            self._batch_attempts = step.attempts
+            result, sizes = attempt.result, attempt.sizes
             verdict, seconds = result.verdict, result.seconds
             if result.unreported is not None:
                 # This rank raised although no rank reported a failure: never count that as a
@@ -663,10 +601,10 @@ class AutoMicrobatching(Callback):
                     ) from result.unreported
                 raise result.unreported
             if not verdict.failed:
-                composer_internals.step_optimizers(trainer)
+                step.step_optimizers()
                 self._used_split = sizes
                 self._after_success(verdict, batch_index, sizes, seconds)
-                return total_loss_dict
+                return attempt.total_loss_dict
 
             self.ooms_total += 1
             self.search_time_s += seconds
@@ -733,14 +671,6 @@ class AutoMicrobatching(Callback):
             + ". Reduce the model or sequence length, shard more (more ranks, reshard_after_forward, "
             "activation_checkpointing, cpu_offload) or raise the memory limit."
         )
-
-    def _wipe_failed_attempt(self, trainer: Any, device_batch: Any) -> None:
-        composer_internals.reset_after_failure(trainer, device_batch)
-        if self._pipeline is not None:
-            self._pipeline.release()
-        assert self._sharded is not None
-        self._sharded.recover()
-        self._memory.empty_cache()
 
     def _after_success(self, verdict: Verdict, batch_index: int, sizes: tuple[int, ...], seconds: float) -> None:
         assert self.policy is not None

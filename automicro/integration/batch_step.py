@@ -1,0 +1,173 @@
+"""One batch's attempts on this rank: split -> run -> wipe, and the optimizer step once agreed.
+
+`AutoMicrobatching.train_batch` dispatches: it asks the search policy what to try, hands the
+split (sample counts) or the token budget to `BatchStep.attempt`, and turns the agreed verdict
+into the policy's next decision. Everything one attempt does to Composer's state lives here, in
+order: the split (Composer's or ours, by samples, by token budget, or a pipeline's), the attempt
+context, the attempt fence around Composer's microbatch loop (or the pipeline schedule), the wipe
+of a failed attempt, the failure note when the job is lost, and the optimizer step.
+
+Owns: one batch's attempts (split, run, wipe, step). May not touch: the search policy, the sync
+hooks, the attempt records (the callback's); torch or Composer privates outside the two
+`_internals` modules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from automicro.core import failure_note
+from automicro.core.attempt import AttemptFence, AttemptResult, RandomState
+from automicro.core.consensus import Consensus
+from automicro.core.ledger import FatalRecoveryError
+from automicro.core.memory import MemorySource
+from automicro.core.sites import SiteDispatcher
+from automicro.engine.sharding import ShardedModel
+from automicro.integration import _composer_internals as composer_internals
+from automicro.integration.pipeline_batch import AttemptHooks, PipelineBatch
+from automicro.integration.splitting import UnsplittableBatch, split_by_sizes
+from automicro.integration.token_budget import TokenBudget
+
+
+@dataclass
+class Attempt:
+    """One attempt as this rank ran it: its split (samples per microbatch), the fence's result,
+    and Composer's loss dict (meaningful only when the verdict is a success)."""
+
+    sizes: tuple[int, ...]
+    result: AttemptResult
+    total_loss_dict: dict[str, torch.Tensor]
+
+
+class BatchStep:
+    """The attempts of one batch (`begin`, then `attempt` until the callback is done with it)."""
+
+    def __init__(
+        self,
+        trainer: Any,
+        fence: AttemptFence,
+        dispatcher: SiteDispatcher,
+        memory: MemorySource,
+        consensus: Consensus,
+        sharded: ShardedModel,
+        rank: int,
+        pipeline: Optional[PipelineBatch] = None,
+        tokens: Optional[TokenBudget] = None,
+        all_reduce: Optional[Callable[[torch.Tensor], None]] = None,
+    ) -> None:
+        self.trainer = trainer
+        self.fence, self.dispatcher, self.memory = fence, dispatcher, memory
+        self.consensus, self.sharded, self.rank = consensus, sharded, rank
+        self.pipeline, self.tokens = pipeline, tokens
+        self.all_reduce = all_reduce or composer_internals.all_reduce_sum
+        self.batch = trainer.state.batch
+        self.batch_index = int(trainer.state.timestamp.batch)
+        self.attempts = 0
+        self.retries_before = 0  # the allocator's retry count when this attempt began
+        self._lengths: list[int] = []
+        self._random_state: Optional[RandomState] = None
+
+    def begin(self) -> int:
+        """What the policy sizes this batch by: its samples, or (budget="tokens") the largest batch
+        of any rank in padded tokens (a collective round then). Checks a pipeline's samples once."""
+        if self.tokens is not None:
+            self._lengths, size = self.tokens.agree_domain(self.consensus, self.batch)
+        else:
+            size = composer_internals.num_samples(self.trainer, self.batch)
+        if self.pipeline is not None:
+            self.pipeline.check_same_samples(self.batch)
+        self._random_state = RandomState.capture(self.sharded.device)
+        return size
+
+    # ---- split ---------------------------------------------------------------------------------
+
+    def _split(self, sizes: tuple[int, ...]) -> list[Any]:
+        if self.pipeline is not None:
+            return self.pipeline.split(self.batch, sizes)
+        if composer_internals.uses_default_split(self.trainer):
+            try:
+                return split_by_sizes(self.batch, sizes)
+            except UnsplittableBatch:
+                pass
+        return composer_internals.split_batch_default(self.trainer, self.batch, max(sizes))
+
+    def _microbatches(self, split: Optional[tuple[int, ...]], budget: Optional[int]) -> tuple[tuple[int, ...], list[Any]]:
+        if self.tokens is not None:
+            assert budget is not None
+            plan = self.tokens.plan_attempt(self.consensus, self._lengths, budget)
+            return plan.sizes, self.tokens.split(self.batch, plan)
+        assert split is not None
+        return split, self._split(split)
+
+    # ---- run -------------------------------------------------------------------------------------
+
+    def attempt(self, split: Optional[tuple[int, ...]], budget: Optional[int], hooks_on: bool) -> Attempt:
+        """One attempt at `split` (samples per microbatch) or, with a token budget, at `budget`.
+        Every retry starts from the random state the batch started with, so a retry at the same
+        split computes exactly what the first attempt would have."""
+        assert self._random_state is not None, "begin() first"
+        self.attempts += 1
+        if self.attempts > 1:
+            self._random_state.restore()
+        state = self.trainer.state
+        sizes, microbatches = self._microbatches(split, budget)
+        state.device_train_microbatch_size = max(sizes)
+        if state.train_metrics is not None:
+            for metric in state.train_metrics.values():
+                metric.reset()
+        total_loss_dict = {"loss/train/total": state.device.tensor_to_device(torch.zeros(size=(1,)))}
+        context = self.dispatcher.context
+        context.batch_index, context.attempt = self.batch_index, self.attempts
+        context.microbatch_size, context.num_microbatches = max(sizes), len(sizes)
+        context.microbatch_index = -1
+        # A site of an earlier attempt must not be blamed for a failure before any site fires.
+        context.last_site, context.last_module = "other", ""
+        self.memory.reset_peak()
+        # Retries are counted per attempt: a failed attempt's retries say nothing about thrashing.
+        self.retries_before = self.memory.alloc_retries()
+
+        def body(finish: Callable[[], None]) -> None:
+            def before_microbatch(index: int) -> None:
+                context.microbatch_index = index
+
+            def end_of_attempt() -> None:
+                context.microbatch_index = len(sizes) - 1
+                self.dispatcher.fire("optimizer_step", "")
+                finish()
+
+            if self.pipeline is not None:
+                hooks = AttemptHooks(self.consensus, self.dispatcher, self.pipeline.stage_index)
+                self.pipeline.run(self.trainer, microbatches, total_loss_dict, end_of_attempt, hooks)
+                return
+            composer_internals.run_microbatches(
+                self.trainer, microbatches, total_loss_dict, before_microbatch, end_of_attempt, self.all_reduce
+            )
+
+        try:
+            result = self.fence.run(body, self._wipe, hooks_on)
+        except FatalRecoveryError as lost:
+            if getattr(lost, "oom", True):
+                failure_note.write(composer_internals.checkpoint_folder(state), self.rank, self.batch_index, sizes)
+            raise
+        return Attempt(sizes, result, total_loss_dict)
+
+    def step_optimizers(self) -> None:
+        """After an attempt every rank agreed succeeded."""
+        composer_internals.step_optimizers(self.trainer)
+
+    # ---- wipe ------------------------------------------------------------------------------------
+
+    def _wipe(self) -> None:
+        """Nothing of a failed attempt may reach the model, optimizer, metrics or data order."""
+        composer_internals.reset_after_failure(self.trainer, self.batch)
+        if self.pipeline is not None:
+            self.pipeline.release()
+        self.sharded.recover()
+        self.memory.empty_cache()
+
+
+__all__ = ["Attempt", "BatchStep"]
