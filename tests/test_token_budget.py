@@ -26,7 +26,7 @@ def two_ranks():
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    return run_multiprocess(cases.run_search_and_faults, world_size=4, args=(("forward", "backward", "reduce_scatter_alloc"),),
+    return run_multiprocess(cases.run_search_and_faults, world_size=4, args=(("forward", "backward", "reduce_scatter_alloc"), ()),
                             timeout_s=500)
 
 
@@ -75,6 +75,19 @@ def test_a_one_off_oom_with_the_hooks_off_reruns_at_the_same_budget_and_trains_l
         at_fault = [(h[1], h[2], h[4]) for h in result["history"] if h[0] == cases.FAULT_BATCH]
         assert at_fault == [(1, budget, "oom"), (2, budget, "ok")], (rank, site, result["history"])
         assert result["found"] == budget and result["clean"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("site", cases.SEARCH_SITES)
+def test_a_one_off_oom_while_searching_is_agreed_by_every_rank_and_the_run_goes_on(two_ranks, site):
+    histories = []
+    for rank, per_rank in enumerate(two_ranks):
+        result = _ok(per_rank[f"search/{site}"])
+        assert result["batches"] == cases.BATCHES and result["adam_steps"] == [cases.BATCHES] and result["clean"]
+        assert result["fired"] == (1 if rank == len(two_ranks) - 1 else 0), (rank, result["fired"])
+        assert any(h[0] == 1 and h[4] == "oom" and h[6] == [site] for h in result["history"]), result["history"]
+        histories.append([(h[0], h[1], h[2], h[4]) for h in result["history"]])
+    assert all(h == histories[0] for h in histories), "every rank took the same decisions"
 
 
 @pytest.mark.multiproc

@@ -125,7 +125,10 @@ def limits(world: int) -> dict[int, int]:
 SITES = ("forward_pre", "forward", "backward_pre", "backward", "unshard_alloc", "reduce_scatter_alloc", "loss", "optimizer_step")
 
 
-def run_search_and_faults(rank: int, world: int, sites: tuple = SITES) -> dict[str, Any]:
+SEARCH_SITES = ("forward_pre", "backward", "unshard_alloc", "reduce_scatter_alloc")
+
+
+def run_search_and_faults(rank: int, world: int, sites: tuple = SITES, search_sites: tuple = SEARCH_SITES) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
 
@@ -139,6 +142,11 @@ def run_search_and_faults(rank: int, world: int, sites: tuple = SITES) -> dict[s
 
     reference = run(None)
     out["search"] = {k: v for k, v in reference.items() if k != "params"}
+    for site in search_sites:
+        # While searching (batch 1, hooks on): a one-off OOM on the last rank at this site.
+        fault = FaultInjector(site, ranks=[world - 1], batch=1, microbatch_index=0, times=1)
+        _case(out, f"search/{site}", lambda fault=fault: {**{k: v for k, v in run(fault).items() if k != "params"},
+                                                          "fired": fault.fired})
     for site in sites:
         who = [world - 1] if site != "optimizer_step" else None
         fault = FaultInjector(site, ranks=who, batch=FAULT_BATCH, microbatch_index=0 if site != "optimizer_step" else None, times=1)
