@@ -48,7 +48,11 @@ def test_a_one_off_oom_at_size_1_reruns_the_batch_at_size_1_and_trains_like_the_
         assert result["error"] <= TOLERANCE, (rank, key, result["error"])
         assert result["found_size"] == 1 and result["clean"], (rank, key)
         attempts = [(r["attempt"], r["size"], r["outcome"], r["hooks"]) for r in result["history"] if r["batch"] == batch]
-        assert attempts == [(1, 1, "oom", not hooks_off), (2, 1, "ok", True)], (rank, key, attempts)
+        assert attempts[0] == (1, 1, "oom", not hooks_off) and attempts[-1][1:] == (1, "ok", True), (rank, key, attempts)
+        # Every rank's own one-off gets its rerun: with the hooks off, a rank stopped by another's
+        # OOM may meet its own one attempt later (at most one OOM per rank armed).
+        ooms = [a for a in attempts if a[2] == "oom"]
+        assert all(a[1] == 1 for a in attempts) and len(ooms) <= (len(plain) if "/every/" in key else 1), attempts
 
 
 @pytest.mark.multiproc

@@ -204,6 +204,25 @@ def test_a_one_off_oom_at_size_1_in_steady_reruns_at_1(search):
     assert len(settle_to_steady(policy)) == 2  # the rerun was the first clean batch of 3
 
 
+def test_each_ranks_own_one_off_after_another_gets_its_rerun_but_a_rank_running_out_twice_is_a_repeat():
+    """With the hooks off, a rank stopped by another rank's OOM meets its own one-off in the rerun:
+    that is a second one-off, not a repeat. A rank that runs out again is."""
+    policy = SearchPolicy(PolicyConfig(), 4)
+    drive(policy, threshold=1)
+    settle_to_steady(policy)
+    assert policy.observe(OOM(1, ranks=(1,))).rerun
+    d = policy.observe(OOM(1, ranks=(0,)))  # rank 0's own one-off, one attempt later
+    assert (d.rerun, d.next_size, policy.state.retrying_ranks) == (True, 1, (0, 1))
+    with pytest.raises(CannotFitError):
+        policy.observe(OOM(1, ranks=(1,)))  # rank 1 again: a repeat at the floor
+    policy = SearchPolicy(PolicyConfig(), 4)
+    drive(policy, threshold=1)
+    settle_to_steady(policy)
+    policy.observe(OOM(1, ranks=(1,)))
+    with pytest.raises(CannotFitError):
+        policy.observe(OOM(1))  # ranks unknown: a repeat
+
+
 def test_a_repeated_oom_at_size_1_ends_the_run():
     policy = SearchPolicy(PolicyConfig(), 4)
     drive(policy, threshold=1)

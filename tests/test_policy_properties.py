@@ -82,6 +82,7 @@ class PolicyAgainstDevice(RuleBasedStateMachine):
         self.last_oom: Optional[int] = None  # the size of the previous outcome, if it was an OOM
         self.rerun_of: Optional[int] = None  # a one-off OOM at a clean size waits for its rerun
         self.surprised = False  # a thrash or a threshold change: the bisect's result is not exact
+        self.other_rank_ran_out = False  # another rank's one-off already met the pending rerun
 
     # ---- helpers -----------------------------------------------------------------------------
 
@@ -99,11 +100,11 @@ class PolicyAgainstDevice(RuleBasedStateMachine):
         fixed, per = 1000, 100
         return fixed + per * m, fixed + per * self.threshold + per // 2
 
-    def _oom(self, m: int, one_off: bool) -> None:
+    def _oom(self, m: int, one_off: bool, ranks: tuple[int, ...] = ()) -> None:
         state_before = self.policy.state
         repeat = self.last_oom == m
         try:
-            decision = self.policy.observe(OOM(m))
+            decision = self.policy.observe(OOM(m, ranks=ranks))
         except CannotFitError:
             assert m == self.floor, f"the run ended at {m}, above the smallest size {self.floor}"
             assert repeat or m not in self.clean, "a one-off OOM at a size that ran clean ended the run"
@@ -113,7 +114,7 @@ class PolicyAgainstDevice(RuleBasedStateMachine):
         if one_off and m in self.clean:
             assert (decision.rerun, decision.hooks, decision.next_size) == (True, True, m), decision
             assert max(decision.split) == m
-            self.rerun_of = m
+            self.rerun_of, self.other_rank_ran_out = m, False
         else:
             # A size that never ran clean cannot tell a one-off from its limit: it counts as failed.
             self.surprised = self.surprised or one_off
@@ -144,7 +145,18 @@ class PolicyAgainstDevice(RuleBasedStateMachine):
     @precondition(lambda self: not self.ended and self.last_oom is None)
     @rule()
     def one_off_oom(self):
-        self._oom(self.size, one_off=True)
+        self._oom(self.size, one_off=True, ranks=(0,))
+
+    @precondition(lambda self: not self.ended and self.rerun_of is not None and not self.other_rank_ran_out)
+    @rule()
+    def another_ranks_one_off(self):
+        """With the hooks off, a rank stopped by another's OOM meets its own one-off in the rerun
+        (once: rank 1 running out again would be a repeat)."""
+        m = self.size
+        assert m == self.rerun_of
+        decision = self.policy.observe(OOM(m, ranks=(1,)))
+        assert (decision.rerun, decision.next_size) == (True, m), "another rank's one-off is not a repeat"
+        self.last_oom, self.other_rank_ran_out = m, True
 
     @precondition(lambda self: not self.ended and self.size <= self.threshold)
     @rule()

@@ -114,9 +114,11 @@ class Success:
 
 @dataclass(frozen=True)
 class OOM:
-    """An attempt at `size` ran out of memory on some rank; the batch is rerun."""
+    """An attempt at `size` ran out of memory on some rank; the batch is rerun. `ranks`: the
+    ranks that ran out (empty: unknown)."""
 
     size: int
+    ranks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -200,7 +202,8 @@ class SearchState:
     samples: up to two (size, peak_bytes, capacity_bytes) of the latest successes at distinct sizes.
     retrying: the size whose one-off OOM is being rerun (None when no rerun is pending): an OOM
     in that rerun is a repeat, which shrinks (at whatever size it is reported: a token budget's
-    rerun may report the microbatch that failed).
+    rerun may report the microbatch that failed) -- unless only ranks that had not run out yet
+    ran out (`retrying_ranks`: every rank's own one-off, one after the other when the hooks were off).
     """
 
     batch_size: int
@@ -214,6 +217,7 @@ class SearchState:
     samples: tuple[tuple[int, int, int], ...] = ()
     attempts: int = 0
     retrying: Optional[int] = None
+    retrying_ranks: tuple[int, ...] = ()
 
     @property
     def hooks(self) -> bool:
@@ -233,6 +237,7 @@ class SearchState:
             "samples": [list(s) for s in self.samples],
             "attempts": self.attempts,
             "retrying": self.retrying,
+            "retrying_ranks": list(self.retrying_ranks),
         }
 
     @classmethod
@@ -256,6 +261,7 @@ class SearchState:
             samples=tuple((int(m), int(p), int(c)) for m, p, c in d.get("samples", ())),
             attempts=int(d.get("attempts", 0)),
             retrying=None if d.get("retrying") is None else int(d["retrying"]),
+            retrying_ranks=tuple(int(r) for r in d.get("retrying_ranks", ())),
         )
         if state.batch_size < 1 or not (1 <= state.size <= state.batch_size):
             raise ValueError(f"policy state size {state.size} / batch size {state.batch_size}: out of range")
@@ -474,7 +480,7 @@ def _check_size(state: SearchState, size: Any) -> None:
 
 def _record_success(state: SearchState, outcome: Success, config: PolicyConfig) -> SearchState:
     m = outcome.size
-    state = replace(state, retrying=None)
+    state = replace(state, retrying=None, retrying_ranks=())
     successes = tuple(sorted(set(state.successes) | {m}))
     samples = state.samples
     if outcome.peak_bytes is not None and outcome.capacity_bytes is not None and outcome.capacity_bytes > 0:
@@ -528,16 +534,17 @@ def _on_failure(state: SearchState, outcome: Union[OOM, Thrash], config: PolicyC
     what = "OOM" if oom else "thrash"
     floor = _min_size(config, state.batch_size)
     was = state.phase
-    if oom and m in state.successes and state.retrying is None:
+    if oom and is_one_off(state, m, outcome.ranks):  # type: ignore[union-attr]
         # One OOM at a size that already ran clean is an event (a long sequence, fragmentation,
         # memory left by an eval or a checkpoint), not a new limit: rerun the same split with
         # the sync hooks on. Only a repeat (an OOM in that rerun) moves the bounds.
         phase = Phase.SEARCHING if state.found is None else Phase.SETTLING
-        state = replace(state, phase=phase, stable_count=0, retrying=m)
+        ranks = tuple(sorted(set(state.retrying_ranks) | set(outcome.ranks)))  # type: ignore[union-attr]
+        state = replace(state, phase=phase, stable_count=0, retrying=m, retrying_ranks=ranks)
         return state, _decide(
             state, config, True, f"OOM at {m} in {was.value.lower()} phase -> rerun at {m} with sync hooks on"
         )
-    state = replace(state, retrying=None)
+    state = replace(state, retrying=None, retrying_ranks=())
     if m <= floor:
         if oom:
             raise CannotFitError(m)
@@ -565,6 +572,18 @@ def _on_failure(state: SearchState, outcome: Union[OOM, Thrash], config: PolicyC
     state = replace(state, size=size)
     how = "predicted; " if predicted else ""
     return state, _decide(state, config, oom, f"{what} at {m}{again} -> try {size} ({how}{_bounds(state)})")
+
+
+def is_one_off(state: SearchState, size: int, ranks: tuple[int, ...] = ()) -> bool:
+    """Whether an OOM at `size` on `ranks` gets a rerun at that size: the size ran clean, and no
+    rerun is pending, or the pending rerun's OOM came only from ranks that had not run out before
+    (each rank's own one-off; with the hooks off, a rank stopped by another's failure meets its
+    own one attempt later). At most one rerun per rank: then it is a repeat."""
+    if size not in state.successes:
+        return False
+    if state.retrying is None:
+        return True
+    return state.retrying == size and bool(ranks) and bool(state.retrying_ranks) and not set(ranks) & set(state.retrying_ranks)
 
 
 def _on_rearm(state: SearchState, outcome: Rearm, config: PolicyConfig) -> tuple[SearchState, Decision]:
@@ -686,6 +705,7 @@ __all__ = [
     "current_split",
     "even_split",
     "initial_state",
+    "is_one_off",
     "predict_max_size",
     "transition",
 ]

@@ -618,7 +618,8 @@ class AutoMicrobatching(Callback):
                 )
                 raise self._agreed_error
             try:
-                decision = self.policy.observe(search.OOM(self._outcome_size(sizes, verdict, failed=True)))
+                failed = search.OOM(self._outcome_size(sizes, verdict, failed=True), tuple(verdict.failed_ranks))
+                decision = self.policy.observe(failed)
             except search.CannotFitError as error:
                 self._record(batch_index, sizes, "oom", verdict, 0, seconds, hooks=hooks_on)
                 self._agreed_error = MicrobatchSizeError(self._cannot_fit_message(verdict))
@@ -642,7 +643,9 @@ class AutoMicrobatching(Callback):
         assert self.policy is not None
         domain, plan = self.policy.state.batch_size, self.tokens.plan
         if failed:
-            return self.tokens.failure_size(plan, domain, verdict.failed_microbatch_tokens, self.policy.state)
+            return self.tokens.failure_size(
+                plan, domain, verdict.failed_microbatch_tokens, self.policy.state, tuple(verdict.failed_ranks)
+            )
         return self.tokens.success_size(plan, domain, verdict.microbatch_tokens)
 
     def _all_reduce_sum(self, tensor: torch.Tensor) -> None:

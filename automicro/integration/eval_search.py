@@ -79,7 +79,7 @@ class EvalSearch:
         """Every rank agreed the attempt ran out of memory: bisect down and have Composer's retry
         loop rerun the batch at the new size. Raises `CannotFitError` below the smallest size."""
         current = self._require_batch()
-        decision = self.policy.observe(search.OOM(current.size))  # type: ignore[union-attr]
+        decision = self.policy.observe(search.OOM(current.size, tuple(failed_ranks)))  # type: ignore[union-attr]
         record = self._record(current, "oom", decision, failed_ranks, sites)
         current.size, current.attempt = decision.next_size, current.attempt + 1
         current.chunk = _chunk_for(current.batch_size, decision.next_size, self.policy.found_size is not None)  # type: ignore[union-attr]

@@ -162,9 +162,11 @@ class TokenBudget:
         """What ran: the largest microbatch over the ranks (on the grid), never above the budget."""
         return min(plan.budget, self.snap(domain, largest_over_ranks))
 
-    def failure_size(self, plan: TokenPlan, domain: int, largest_failed: int, state: search.SearchState) -> int:
-        """`largest_failed`: the largest microbatch of the ranks that failed, in padded tokens."""
-        if plan.budget in state.successes and state.retrying is None:
+    def failure_size(
+        self, plan: TokenPlan, domain: int, largest_failed: int, state: search.SearchState, ranks: tuple[int, ...] = ()
+    ) -> int:
+        """`largest_failed`: the largest microbatch of the ranks that failed (`ranks`), in padded tokens."""
+        if search.is_one_off(state, plan.budget, ranks):
             # The budget ran clean before: a one-off until it repeats (the policy reruns it).
             return plan.budget
         if plan.one_sample_each:
