@@ -223,6 +223,15 @@ def test_each_ranks_own_one_off_after_another_gets_its_rerun_but_a_rank_running_
         policy.observe(OOM(1))  # ranks unknown: a repeat
 
 
+def test_an_oom_that_already_cost_a_run_is_never_a_one_off():
+    """The failure note of a launch that could not recover: the resumed run starts below that size."""
+    policy = SearchPolicy(PolicyConfig(), 10)
+    drive(policy, threshold=4)
+    settle_to_steady(policy)
+    d = policy.observe(OOM(4, may_rerun=False))
+    assert (d.phase, d.next_size) == (Phase.SEARCHING, 3)
+
+
 def test_a_repeated_oom_at_size_1_ends_the_run():
     policy = SearchPolicy(PolicyConfig(), 4)
     drive(policy, threshold=1)

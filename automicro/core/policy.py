@@ -119,6 +119,8 @@ class OOM:
 
     size: int
     ranks: tuple[int, ...] = ()
+    # False: this OOM already cost a run (a failure note from the last launch): never a one-off.
+    may_rerun: bool = True
 
 
 @dataclass(frozen=True)
@@ -534,7 +536,7 @@ def _on_failure(state: SearchState, outcome: Union[OOM, Thrash], config: PolicyC
     what = "OOM" if oom else "thrash"
     floor = _min_size(config, state.batch_size)
     was = state.phase
-    if oom and is_one_off(state, m, outcome.ranks):  # type: ignore[union-attr]
+    if oom and outcome.may_rerun and is_one_off(state, m, outcome.ranks):  # type: ignore[union-attr]
         # One OOM at a size that already ran clean is an event (a long sequence, fragmentation,
         # memory left by an eval or a checkpoint), not a new limit: rerun the same split with
         # the sync hooks on. Only a repeat (an OOM in that rerun) moves the bounds.

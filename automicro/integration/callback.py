@@ -543,7 +543,7 @@ class AutoMicrobatching(Callback):
         if note is None or not note.applies(resumed_at, max(self.policy.current_split())):
             return
         try:
-            decision = self.policy.observe(search.OOM(note.size))
+            decision = self.policy.observe(search.OOM(note.size, may_rerun=False))
         except search.CannotFitError as error:
             raise MicrobatchSizeError(
                 f"automicro: the run stopped at microbatch size {note.size} in batch {note.batch}, and no smaller "
