@@ -3,10 +3,12 @@
     composer -n 8 -m automicro.foundry their-train.yaml [key=value ...]
 
 An llm-foundry user keeps their YAML (model, tokenizer, data loaders, optimizer, scheduler,
-callbacks, loggers: llm-foundry builds them all through its registries) and changes two things:
-``device_train_microbatch_size: auto``, and ``parallelism_config: {fsdp2: {...}}`` (automicro's
-`FSDP2Config`, defaults when left out) in place of ``fsdp_config`` (FSDP1, Composer's). Overrides
-are dotted keys with YAML values, as for llm-foundry's `train.py`.
+callbacks, loggers: llm-foundry builds them all through its registries) and changes one line:
+``device_train_microbatch_size: auto``. Their ``fsdp_config`` (FSDP1, Composer's) is mapped onto
+automicro's FSDP2 engine (`integration.composer_config.fsdp2_from_fsdp1`: one line on rank 0 for
+each key without an FSDP2 meaning); ``parallelism_config: {fsdp2: {...}}`` (automicro's
+`FSDP2Config`) sets the engine directly instead. Overrides are dotted keys with YAML values, as
+for llm-foundry's `train.py`.
 
 What it adds to llm-foundry's registries: callbacks ``auto_microbatching`` (`AutoMicrobatching`,
 its settings) and ``memory_cap`` (an emulated per-rank memory limit for CPU runs), and the data
@@ -48,26 +50,51 @@ def load_config(path: str, overrides: list[str]) -> Any:
     return cfg
 
 
-def take_fsdp2(cfg: Any) -> Optional[FSDP2Config]:
-    """Remove automicro's `parallelism_config` from `cfg` (llm-foundry refuses keys it does not
-    know) and return its FSDP2 settings; refuse FSDP1 / tensor-parallel settings beside it."""
+def take_fsdp2(cfg: Any) -> tuple[Optional[FSDP2Config], Optional[str]]:
+    """Remove the sharding settings from `cfg` (llm-foundry refuses keys it does not know) and
+    return (automicro's FSDP2 settings, the checkpoint format they ask for or None). Either an
+    FSDP1 ``fsdp_config`` as llm-foundry writes it (mapped onto the engine: `fsdp2_from_fsdp1`,
+    one line on rank 0 for each key without an FSDP2 meaning) or automicro's
+    ``parallelism_config: {fsdp2: {...}}``; both at once, or tensor parallelism, is refused."""
     from omegaconf import OmegaConf
 
-    for key, what in (("fsdp_config", "FSDP1 (Composer's)"), ("tp_config", "tensor parallelism")):
-        if cfg.get(key) is not None:
-            raise FoundryConfigError(
-                f"{key}: {what} is not what automicro shards with; remove {key} and set "
-                "parallelism_config: {fsdp2: {...}} (automicro's FSDP2 engine; {} = defaults; keys in "
-                "automicro/engine/config.py)"
-            )
+    from automicro.integration.composer_config import fsdp2_from_fsdp1
+
+    if cfg.get("tp_config") is not None:
+        raise FoundryConfigError(
+            "tp_config: tensor parallelism is not what automicro shards with; remove tp_config "
+            "(automicro's FSDP2 engine shards over every rank)"
+        )
+    fsdp1 = cfg.get("fsdp_config")
+    if fsdp1 is not None and cfg.get("parallelism_config") is not None:
+        raise FoundryConfigError(
+            "fsdp_config and parallelism_config are both set: keep one (fsdp_config as llm-foundry writes it is "
+            "mapped onto automicro's FSDP2 engine; parallelism_config: {fsdp2: {...}} sets the engine directly)"
+        )
+    if fsdp1 is not None:
+        cfg.pop("fsdp_config")
+        if "parallelism_config" in cfg:  # set to null
+            cfg.pop("parallelism_config")
+        mapping = OmegaConf.to_container(fsdp1, resolve=True) if OmegaConf.is_config(fsdp1) else dict(fsdp1)
+        import torch
+
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+        device = "gpu" if torch.cuda.is_available() else "cpu"
+        engine, checkpoint_format, lines = fsdp2_from_fsdp1(mapping, cfg.get("precision"), device, world, local)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"[automicro] fsdp_config mapped onto the FSDP2 engine: {engine}", flush=True)
+            for line in lines:
+                print(f"[automicro] {line}", flush=True)
+        return engine, checkpoint_format
     if "parallelism_config" not in cfg:
-        return FSDP2Config()
+        return FSDP2Config(), None
     value = cfg.pop("parallelism_config")
     value = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
-    return fsdp2_from_parallelism_config(value)
+    return fsdp2_from_parallelism_config(value), None
 
 
-def _trainer_factory(fsdp2: Optional[FSDP2Config]) -> Any:
+def _trainer_factory(fsdp2: Optional[FSDP2Config], checkpoint_format: Optional[str] = None) -> Any:
     def build(**kwargs: Any) -> Any:
         from automicro.integration.trainer import Trainer
 
@@ -75,6 +102,8 @@ def _trainer_factory(fsdp2: Optional[FSDP2Config]) -> Any:
         if stock.get("tp") is not None:
             raise FoundryConfigError("tensor parallelism (tp_config) is not supported with automicro")
         kwargs["parallelism_config"] = None if fsdp2 is None else {"fsdp2": fsdp2}
+        if checkpoint_format is not None:
+            kwargs["checkpoint_format"] = checkpoint_format
         return Trainer(**kwargs)
 
     return build
@@ -145,12 +174,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         internals.check_llmfoundry()
         cfg = load_config(args[0], args[1:])
-        fsdp2 = take_fsdp2(cfg)
+        fsdp2, checkpoint_format = take_fsdp2(cfg)
     except (FoundryUnavailable, FoundryConfigError, FSDP2ConfigError) as error:
         _say(error)
         return 2
     register_components()
-    with internals.trainer_class(_trainer_factory(fsdp2)):
+    with internals.trainer_class(_trainer_factory(fsdp2, checkpoint_format)):
         trainer = internals.train_function()(cfg)
     if int(os.environ.get("RANK", "0")) == 0:
         for line in summary_lines(trainer):

@@ -51,10 +51,40 @@ def test_a_foundry_yaml_searches_under_asymmetric_caps_and_trains_like_the_fixed
     assert all(abs(a - b) < 1e-3 for a, b in zip(auto_losses, fixed_losses)), (auto_losses, fixed_losses)
 
 
+# llm-foundry's own fsdp_config block, as its pretrain YAMLs write it (scripts/train/yamls/pretrain/*.yaml).
+FOUNDRY_FSDP_CONFIG = [
+    "parallelism_config=null",
+    "fsdp_config.sharding_strategy=FULL_SHARD",
+    "fsdp_config.mixed_precision=PURE",
+    "fsdp_config.activation_checkpointing=false",
+    "fsdp_config.activation_checkpointing_reentrant=false",
+    "fsdp_config.activation_cpu_offload=false",
+    "fsdp_config.limit_all_gathers=true",
+    "fsdp_config.sync_module_states=true",
+]
+
+
+@pytest.mark.multiproc
+def test_a_foundry_yaml_with_its_own_fsdp_config_block_trains_under_auto_with_one_line_per_key_without_meaning():
+    result = run([str(COMPOSER), "-n", "2", "-m", "automicro.foundry", CONFIG, *FOUNDRY_FSDP_CONFIG], timeout_s=300)
+    out = result.stdout
+    assert result.returncode == 0, out[-4000:]
+    assert out.count("[automicro] fsdp_config mapped onto the FSDP2 engine") == 1, out[-4000:]
+    # fp32 training (the YAML's precision): PURE keeps fp32 parameters, as Composer would.
+    assert "mixed_precision='FULL'" in out and "reshard_after_forward=True" in out
+    without = [line for line in out.splitlines() if "no FSDP2 meaning" in line]
+    assert len(without) == 2 and any("activation_checkpointing_reentrant" in x for x in without), without
+    assert any("sync_module_states" in x for x in without)
+    assert "[automicro] microbatch size found:" in out
+
+
 @pytest.mark.parametrize(
     "overrides,expected",
     [
-        (["fsdp_config.sharding_strategy=FULL_SHARD"], "fsdp_config: FSDP1 (Composer's) is not what automicro shards with"),
+        (["fsdp_config.sharding_strategy=FULL_SHARD"], "fsdp_config and parallelism_config are both set"),
+        (["parallelism_config=null", "fsdp_config.sharding_strategy=NO_SHARD"], "fsdp_config.sharding_strategy=NO_SHARD"),
+        (["parallelism_config=null", "fsdp_config.sharding_strateg=FULL_SHARD"], "fsdp_config.sharding_strateg: not a key"),
+        (["tp_config.tensor_parallel_degree=2"], "tp_config: tensor parallelism"),
         (["parallelism_config.fsdp2.prefetch=3"], "parallelism_config.fsdp2.prefetch=3: unknown key"),
         (["device_train_microbatch_size"], "overrides must be key=value"),
     ],
