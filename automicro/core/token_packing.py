@@ -19,7 +19,6 @@ exactly once. Owns: the packing arithmetic. May not touch: tensors, collectives,
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional
 
 
 def padded_tokens(lengths: Sequence[int], group: Sequence[int]) -> int:
@@ -59,24 +58,15 @@ def pack_under_budget(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return _greedy(lengths, _sorted_indices(lengths), budget)
 
 
-def split_into(lengths: Sequence[int], count: int, cap: Optional[int] = None) -> list[list[int]]:
+def split_into(lengths: Sequence[int], count: int, cap: int) -> list[list[int]]:
     """Exactly `count` length-sorted runs (1 <= count <= samples) with the fewest padded tokens in
     all, no run above `cap` padded tokens unless it is one sample (a sample is never cut), and,
-    among splits as good, the smallest largest run. Without a cap the largest run is what is
-    kept small first: the smallest cap the greedy packing meets in `count` runs is taken."""
+    among splits as good, the smallest largest run. `count` must be at least what
+    `pack_under_budget(lengths, cap)` needs."""
     _check(lengths)
     if not 1 <= count <= len(lengths):
         raise ValueError(f"token packing: count={count}: must be in 1..{len(lengths)} (the samples of the batch)")
     order = _sorted_indices(lengths)
-    if cap is None:
-        low, high = max(lengths[order[0]], 1), max(padded_tokens(lengths, order), 1)
-        while low < high:  # the greedy run count only falls as the cap grows
-            middle = (low + high) // 2
-            if len(_greedy(lengths, order, middle)) <= count:
-                high = middle
-            else:
-                low = middle + 1
-        cap = low
     if count == len(order):
         return [[i] for i in order]
     if len(order) > DP_LIMIT:

@@ -58,7 +58,6 @@ class TokenPlan:
     count: int  # microbatches on every rank
     own: int  # microbatches this rank's batch needed under the budget (<= count)
     largest: int  # this rank's largest microbatch, padded tokens
-    budget_limited: bool  # some rank needed more than one microbatch under the budget
     one_sample_each: bool  # every microbatch on every rank is one sample
 
     @property
@@ -143,7 +142,6 @@ class TokenBudget:
             count=count,
             own=own,
             largest=max(padded_tokens(lengths, g) for g in groups),
-            budget_limited=count > 1,
             one_sample_each=count == most_samples,
         )
         self.plan = plan
