@@ -172,3 +172,26 @@ def test_a_batch_without_input_ids_is_refused_naming_the_shape_it_needs():
 def test_bad_budget_is_refused_naming_the_choices():
     with pytest.raises(ValueError, match="'samples'.*'tokens'"):
         AutoMicrobatching(budget="words")
+
+
+class _AgreedBy:
+    """A consensus stand-in: `agree_max` answers what the other ranks would have said."""
+
+    def __init__(self, others: tuple[int, ...]) -> None:
+        self.others = others
+
+    def agree_max(self, values):
+        return tuple(max(v, o) for v, o in zip(values, self.others))
+
+
+def test_ranks_holding_too_few_samples_for_the_agreed_count_are_refused_naming_the_fix():
+    from automicro.integration.token_budget import _SAMPLES_CAP, TokenBudget, TokenBudgetError
+
+    tokens = TokenBudget()
+    tokens.quantum = 1
+    # This rank needs 2 microbatches under 120 tokens; another holds only 1 sample (a short last batch).
+    with pytest.raises(TokenBudgetError, match="holds only 1 samples.*drop_last=True"):
+        tokens.plan_attempt(_AgreedBy((2, 4, _SAMPLES_CAP - 1)), [60, 60, 10, 10], 120)
+    plan = tokens.plan_attempt(_AgreedBy((3, 4, _SAMPLES_CAP - 4)), [60, 60, 10, 10], 120)
+    assert (plan.count, plan.own) == (3, 2), "the agreed count, more than this rank needs"
+    assert sorted(plan.sizes) == [1, 1, 2] and plan.largest == 60
