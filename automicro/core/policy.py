@@ -504,7 +504,6 @@ def _on_success(state: SearchState, outcome: Success, config: PolicyConfig) -> t
         return state, _decide(state, config, False, "")
     if state.phase == Phase.SETTLING:
         count = state.stable_count + 1
-        split = current_split(state, config)
         if count >= config.stable_batches:
             state = replace(state, phase=Phase.STEADY, stable_count=count)
             return state, _decide(
