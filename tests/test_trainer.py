@@ -51,6 +51,48 @@ def test_eval_auto_bisects_like_training_to_the_largest_size_then_splits_evenly(
 
 
 @pytest.mark.multiproc
+def test_a_pinned_eval_size_that_runs_out_on_one_rank_is_split_on_every_rank_with_the_same_metric(results):
+    for per_rank in results:
+        reference = _ok(per_rank["fixed_4"])
+        result = _ok(per_rank["pinned_8_rank1_ooms_above_4"])
+        # Pinned at 8 (llm-foundry's default: the eval batch), rank 1 runs out above 4: every rank
+        # splits together (bisect, never above the pin), and the metric counts each sample once.
+        assert result["eval_attempts"][:4] == [(8, "oom"), (4, "ok"), (6, "oom"), (5, "oom")], result
+        assert result["eval_found"] == 4 and result["eval_microbatch"] == 4, result
+        assert abs(result["eval_loss"] - reference["eval_loss"]) < 1e-5, (result, reference)
+        assert result["clean_blocks"]
+
+
+@pytest.mark.multiproc
+def test_a_pinned_eval_size_is_never_exceeded_and_eval_oom_stop_leaves_it_to_composer(results):
+    for per_rank in results:
+        reference = _ok(per_rank["fixed_4"])
+        pinned = _ok(per_rank["pinned_3"])
+        # The injector would fire above 4: a search not capped at the pin would climb there.
+        assert pinned["fired"] == 0 and {size for size, _ in pinned["eval_attempts"]} == {3}, pinned
+        assert pinned["eval_microbatch"] == 3
+        assert abs(pinned["eval_loss"] - reference["eval_loss"]) < 1e-5
+        stop = _ok(per_rank["pinned_8_stop"])
+        assert stop["searched"] == [] and stop["eval_microbatch"] == 8, stop
+        assert abs(stop["eval_loss"] - reference["eval_loss"]) < 1e-5
+
+
+@pytest.mark.multiproc
+def test_an_eval_metric_update_that_runs_out_on_one_rank_is_updated_in_pieces_there(results):
+    reference = _ok(results[0]["fixed_4"])
+    for rank, per_rank in enumerate(results):
+        result = _ok(per_rank["pinned_8_metric_ooms_above_2_on_rank0"])
+        # The forward fit at 8; rank 0's metric updates (2 metrics, 2 eval batches) ran out over 8
+        # and then 4 samples, and were rerun over pieces of 2 on rank 0 only: no rank waited, no
+        # sample counted twice, nothing counted as a failed attempt.
+        assert result["metric_fired"] == (8 if rank == 0 else 0), result
+        assert result["metric_pieces"] == (4 if rank == 0 else 0), result
+        assert result["ooms_total"] == 0, result
+        assert result["eval_attempts"] and all(outcome == "ok" for _, outcome in result["eval_attempts"]), result
+        assert abs(result["eval_loss"] - reference["eval_loss"]) < 1e-5, (result, reference)
+
+
+@pytest.mark.multiproc
 def test_the_injector_fired_only_on_the_ranks_it_targets(results):
     assert _ok(results[0]["auto_rank1_ooms_above_4"])["fired"] == 0
     assert _ok(results[1]["auto_rank1_ooms_above_4"])["fired"] >= 1

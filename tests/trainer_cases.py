@@ -18,16 +18,43 @@ PER_RANK_BATCH = 8
 SEQ = 16
 
 
-def _eval_run(eval_microbatch: Any, injector: Optional[FaultInjector], eval_samples: int = 32) -> dict[str, Any]:
+class _MetricOOM:
+    """`model.update_metric` that runs out of memory over more than `above` samples on `ranks`
+    (a vocabulary-wide softmax the forward fit), as the guard around it sees it."""
+
+    def __init__(self, update_metric: Any, ranks: list[int], above: int) -> None:
+        self.update_metric, self.ranks, self.above, self.fired = update_metric, ranks, above, 0
+        self.armed: Any = lambda: True
+
+    def __call__(self, batch: Any, outputs: Any, metric: Any) -> Any:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        if self.armed() and rank in self.ranks and batch["input_ids"].shape[0] > self.above:
+            self.fired += 1
+            raise torch.OutOfMemoryError("CUDA out of memory. (test: eval metric update)")
+        return self.update_metric(batch, outputs, metric)
+
+
+def _eval_run(
+    eval_microbatch: Any,
+    injector: Optional[FaultInjector],
+    eval_samples: int = 32,
+    eval_oom: str = "split",
+    metric_oom: Optional[tuple[list[int], int]] = None,
+) -> dict[str, Any]:
     torch.manual_seed(0)
     model = build_model("tiny", max_seq_len=SEQ)
+    metric_fault = None
+    if metric_oom is not None:
+        metric_fault = model.update_metric = _MetricOOM(model.update_metric, *metric_oom)
     train = build_dataloader(SyntheticTokens(64, SEQ, 256, seed=1), PER_RANK_BATCH, shuffle=False)
     evaluator = Evaluator(
         label="eval",
         dataloader=build_dataloader(SyntheticTokens(eval_samples, SEQ, 256, seed=2), PER_RANK_BATCH, shuffle=False),
         device_eval_microbatch_size=eval_microbatch,
     )
-    auto = AutoMicrobatching(log_attempts=False)
+    auto = AutoMicrobatching(log_attempts=False, eval_oom=eval_oom)
+    if metric_fault is not None:
+        metric_fault.armed = lambda: auto._eval.running  # eval only (training metrics run in the fence)
     callbacks = [auto] + ([injector] if injector is not None else [])
     trainer = automicro.Trainer(
         model=model,
@@ -58,6 +85,9 @@ def _eval_run(eval_microbatch: Any, injector: Optional[FaultInjector], eval_samp
             "eval_attempts": [
                 (r.size, r.outcome) for r in (auto.eval_searches["eval"].history if "eval" in auto.eval_searches else [])
             ],
+            "metric_fired": None if metric_fault is None else metric_fault.fired,
+            "metric_pieces": auto._eval.metric_pieces,
+            "searched": sorted(auto.eval_searches),
         }
     finally:
         trainer.close()
@@ -106,9 +136,20 @@ def run_eval_cases(rank: int, world: int) -> dict[str, Any]:
         # 4 eval batches per rank: enough for the bisect to climb back up to 6 (halving stops at 4).
         ("fixed_4_long", 4, None, 64),
         ("auto_rank0_ooms_above_6_long", "auto", FaultInjector("eval_forward", ranks=[0], above=6), 64),
+        # A pinned evaluator (llm-foundry's default) under a training `auto`: split after an OOM.
+        ("pinned_8_rank1_ooms_above_4", 8, FaultInjector("eval_forward", ranks=[1], above=4), 32),
+        ("pinned_3", 3, FaultInjector("eval_forward", ranks=[0], above=4), 32),
     ):
         try:
             results[name] = _eval_run(microbatch, injector, samples)
+        except Exception:  # noqa: BLE001 - the test reports which case broke
+            results[name] = {"crash": traceback.format_exc()}
+    for name, kwargs in (
+        ("pinned_8_stop", {"eval_oom": "stop"}),
+        ("pinned_8_metric_ooms_above_2_on_rank0", {"metric_oom": ([0], 2)}),
+    ):
+        try:
+            results[name] = _eval_run(8, None, 32, **kwargs)
         except Exception:  # noqa: BLE001 - the test reports which case broke
             results[name] = {"crash": traceback.format_exc()}
     try:  # close() alone first: release() then drops that trainer's exit-time reference too

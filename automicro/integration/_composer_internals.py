@@ -19,6 +19,8 @@ What is private here and why:
 - `forget_closed_trainer` drops `Engine._close` from `atexit` (Composer registers it with the
   trainer's state and never unregisters it on `close()`, so a closed trainer's model and
   optimizer stay alive for the whole process; see there).
+- `eval_labels_of_samples` slices `HuggingFaceModel.labels` (set by its `eval_forward`, read by its
+  `update_metric` instead of the batch's labels) with the samples of an eval metric update in pieces.
 - `check_before_composer_trainer` wraps `composer.Trainer.__init__` (the class is public, patching
   its method is not): Composer validates `device_train_microbatch_size` and `parallelism_config`
   before any callback runs, so this is the only point that can speak before its refusals.
@@ -29,8 +31,9 @@ the consensus; it knows no automicro state beyond the arguments it is handed.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
 
 import composer
@@ -388,6 +391,25 @@ def set_eval_retry_size(evaluator: Any, size: int) -> None:
     if size < 1:
         raise ValueError(f"eval microbatch size {size}: must be >= 1")
     evaluator.device_eval_microbatch_size = 2 * size
+
+
+@contextlib.contextmanager
+def eval_labels_of_samples(model: Any, start: int, stop: int, total: int) -> Iterator[None]:
+    """While inside, `model.labels` holds samples start..stop of the eval microbatch of `total`.
+
+    Composer 0.32.1's `HuggingFaceModel.eval_forward` keeps the microbatch's (shifted) labels on the
+    model, and its `update_metric` scores the outputs against `self.labels`, not the batch's: a
+    metric update over part of the microbatch needs the same part of them. Other models keep no
+    labels there (nothing is changed)."""
+    labels = getattr(model, "labels", None)
+    if not (isinstance(labels, torch.Tensor) and labels.dim() and labels.shape[0] == total):
+        yield
+        return
+    model.labels = labels[start:stop]
+    try:
+        yield
+    finally:
+        model.labels = labels
 
 
 def forget_closed_trainer(trainer: Any) -> None:

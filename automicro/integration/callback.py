@@ -81,6 +81,7 @@ from automicro.integration.token_budget import TokenBudget
 log = logging.getLogger(__name__)
 
 BUDGETS = ("samples", "tokens")
+EVAL_OOM = ("split", "stop")
 
 
 class MicrobatchSizeError(RuntimeError):
@@ -109,6 +110,7 @@ class AutoMicrobatching(Callback):
         steady_recovery: bool = True,
         budget: str = "samples",
         fixed_tokens: Optional[int] = None,
+        eval_oom: str = "split",
     ) -> None:
         self.policy_config = search_config(search, stable_batches, use_prediction, start_size)
         if budget not in BUDGETS:
@@ -123,6 +125,12 @@ class AutoMicrobatching(Callback):
         if self.tokens is not None:
             self.policy_config = self.tokens.policy_config(self.policy_config)
         self.thrash = ThrashDetector(thrash_batches)
+        if eval_oom not in EVAL_OOM:
+            raise ValueError(
+                f"eval_oom={eval_oom!r}: must be 'split' (an evaluator with a pinned device_eval_microbatch_size that "
+                "runs out of memory is split further on every rank) or 'stop' (the run ends, as without automicro)"
+            )
+        self.eval_oom = eval_oom
         if not isinstance(cpu_sync_group, bool):
             raise ValueError(f"cpu_sync_group={cpu_sync_group!r}: must be true or false")
         fractions = memory_fraction.values() if isinstance(memory_fraction, dict) else [memory_fraction]
@@ -246,7 +254,9 @@ class AutoMicrobatching(Callback):
             alarm=self._alarm,
         )
         self._hooks = SyncHooks(sharded, self._consensus, self._dispatcher, sync_points=self.sync_points)
-        self._eval.attach(self._fence, self._dispatcher, self._recover_model, lambda: self.hooks_active)
+        self._eval.attach(
+            self._fence, self._dispatcher, self._recover_model, lambda: self.hooks_active, self._memory_empty_cache
+        )
         if memory is not None:
             self._memory = memory
         elif torch.cuda.is_available() and sharded.device.type == "cuda":
@@ -400,6 +410,19 @@ class AutoMicrobatching(Callback):
         if self.policy is None:
             self._apply_hooks(self._eval.guarded, HookReason.AFTER_EVAL)
         self._rearm("eval")
+
+    def _memory_empty_cache(self) -> None:
+        self._memory.empty_cache()
+
+    def guard_eval_metric(self, model: Any) -> Callable[..., Any]:
+        """Called by `automicro.Trainer`: `model.update_metric`, where an eval metric update that runs
+        out of memory is rerun in pieces on that rank (`EvalFence.guard_metric`)."""
+        return self._eval.guard_metric(model)
+
+    def pin_eval(self, label: str, size: int) -> None:
+        """Called by `automicro.Trainer` (eval_oom='split'): evaluator `label`, pinned at `size`, is split
+        further on every rank when an eval batch runs out of memory (`EvalFence.pin`)."""
+        self._eval.pin(label, size)
 
     def guard_eval_forward(self, eval_forward: Callable[..., Any]) -> Callable[..., Any]:
         """Called by `automicro.Trainer`: eval forwards fenced like training attempts

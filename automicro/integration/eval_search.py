@@ -6,6 +6,12 @@ has its own `SearchPolicy`: the largest size that fits on every rank, split into
 microbatches of near-equal size, found across eval batches and kept for the rest of the fit.
 Composer's retry loop still reruns a failed batch; only the size it reruns at is ours.
 
+An evaluator with a pinned size (llm-foundry builds every evaluator with
+``device_eval_microbatch_size = device_eval_batch_size``) is searched the same way under a training
+`auto`, capped at its pinned size: it runs at that size until an eval batch runs out of memory on
+some rank, then every rank splits it further together, and one line names the size that fit
+(`AutoMicrobatching(eval_oom="stop")` keeps the old behaviour: the run ends).
+
 `EvalFence` is the eval side of `AutoMicrobatching`: it fences every eval forward with the same
 `AttemptFence` as training (consensus, wipe, verdict), rolls back the batch's metric updates and
 FSDP2 state after a failed attempt, and then raises the OOM Composer's eval loop retries on.
@@ -20,13 +26,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import torch
 
 from automicro.core import policy as search
-from automicro.core.attempt import AttemptFence
+from automicro.core.attempt import AttemptFence, is_oom
 from automicro.core.consensus import FailedOnOtherRank, OOMOnOtherRank, Verdict
 from automicro.core.metrics import AttemptRecord
 from automicro.core.sites import SiteDispatcher
@@ -40,6 +46,16 @@ def _chunk_for(batch_size: int, size: int, found: bool) -> int:
     chunks of 4, not 5 + 3)."""
     size = max(1, min(size, batch_size))
     return max(search.even_split(batch_size, size)) if found else size
+
+
+@dataclass(frozen=True)
+class _SizesUpTo:
+    """`PolicyConfig.sizes_for` of a pinned evaluator: every size up to its pinned one."""
+
+    cap: int
+
+    def __call__(self, batch_size: int) -> tuple[int, ...]:
+        return tuple(range(1, min(self.cap, batch_size) + 1))
 
 
 @dataclass
@@ -56,6 +72,9 @@ class EvalSearch:
 
     label: str
     policy_config: Optional[search.PolicyConfig] = None
+    # The evaluator's pinned microbatch size (None: `auto`): the search starts there and never
+    # goes above it; it only splits further after an OOM.
+    cap: Optional[int] = None
     policy: Optional[search.SearchPolicy] = None
     history: list[AttemptRecord] = field(default_factory=list)
     batches: int = 0
@@ -68,7 +87,10 @@ class EvalSearch:
     def batch_start(self, evaluator: Any, batch_size: int) -> int:
         """Set the size this batch is split by; returns it."""
         if self.policy is None:
-            self.policy = search.SearchPolicy(self.policy_config, batch_size)
+            config = self.policy_config or search.PolicyConfig()
+            if self.cap is not None:
+                config = replace(config, start_size=self.cap, sizes_for=_SizesUpTo(self.cap))
+            self.policy = search.SearchPolicy(config, batch_size)
         size = max(self.policy.current_split())
         chunk = _chunk_for(batch_size, size, self.policy.found_size is not None)
         self._current = _EvalBatch(size=size, chunk=chunk, batch_size=batch_size)
@@ -120,6 +142,62 @@ class EvalSearch:
         return self._current
 
 
+class EvalMetricMemoryError(RuntimeError):
+    """An eval metric update that cannot fit even one sample at a time (not an OOM to Composer's
+    eval loop, which would wait for the other ranks in a retry they never start)."""
+
+
+def _restore(metric: Any, state: dict) -> None:
+    for key, value in state.items():
+        setattr(metric, key, copy.deepcopy(value))
+
+
+def _pieces(split_batch: Callable[[Any, int], Any], batch: Any, size: int, total: int) -> list[tuple[int, int, Any]]:
+    """(start, length, part) for `batch` split by the evaluator's own splitter into parts of `size`."""
+    parts, start = [], 0
+    for part in split_batch(batch, size):
+        length = leading_size(part)
+        parts.append((start, length, part))
+        start += length
+    if start != total:
+        raise EvalMetricMemoryError(
+            f"automicro: an eval metric ran out of memory and its batch of {total} samples could not be split "
+            f"into pieces (they hold {start}); lower device_eval_batch_size"
+        )
+    return parts
+
+
+def _split_outputs(outputs: Any, start: int, stop: int, total: int) -> Any:
+    """Samples start..stop of a model's eval outputs: tensors (and lists) whose first dimension is
+    the microbatch's samples are sliced, everything else is passed as is."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs[start:stop] if outputs.dim() and outputs.shape[0] == total else outputs
+    if isinstance(outputs, dict):  # also transformers' ModelOutput (a dict that keeps its class)
+        piece = copy.copy(outputs)
+        for key, value in outputs.items():
+            piece[key] = _split_outputs(value, start, stop, total)
+        return piece
+    if isinstance(outputs, (list, tuple)):
+        if any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in outputs):
+            return type(outputs)(_split_outputs(v, start, stop, total) for v in outputs)
+        return outputs[start:stop] if len(outputs) == total else outputs
+    return outputs
+
+
+def _merge_metric_outputs(results: list[Any]) -> Any:
+    """What the pieces' updates returned, as one update would (dicts of lists joined)."""
+    if results and all(isinstance(r, dict) for r in results):
+        merged: dict[str, Any] = {}
+        for result in results:
+            for key, value in result.items():
+                if isinstance(value, list) and isinstance(merged.get(key), list):
+                    merged[key] = merged[key] + value
+                else:
+                    merged.setdefault(key, value)
+        return merged
+    return results[-1] if results else None
+
+
 def leading_size(batch: Any) -> int:
     """Samples in a batch: the first dimension of its first tensor."""
     if isinstance(batch, torch.Tensor):
@@ -152,6 +230,7 @@ class EvalFence:
     ) -> None:
         self._info, self._count_oom, self._make_config = info, count_oom, make_config
         self.searches: dict[str, EvalSearch] = {}
+        self.pinned: dict[str, int] = {}  # label -> pinned size, for evaluators not set to `auto`
         self.guarded = False  # guard() installed: eval forwards are fenced
         self.running = False  # between EVAL_START and EVAL_END
         self._fence: Optional[AttemptFence] = None
@@ -162,12 +241,29 @@ class EvalFence:
         self._snapshot: dict[str, Any] = {}
         self._search: Optional[EvalSearch] = None
         self._evaluator: Any = None
+        self._split_batch: Callable[[Any, int], Any] = lambda batch, size: [batch]
+        self._empty_cache: Callable[[], None] = lambda: None
+        self.metric_pieces = 0  # metric updates run in pieces after an OOM (see `guard_metric`)
+        self._pieces_said: set[str] = set()
 
     def attach(
-        self, fence: AttemptFence, sites: SiteDispatcher, recover: Callable[[], None], hooks_active: Callable[[], bool]
+        self,
+        fence: AttemptFence,
+        sites: SiteDispatcher,
+        recover: Callable[[], None],
+        hooks_active: Callable[[], bool],
+        empty_cache: Callable[[], None] = lambda: None,
     ) -> None:
-        """The training attempt's fence and sites; `recover` brings the model back after a failure."""
+        """The training attempt's fence and sites; `recover` brings the model back after a failure,
+        `empty_cache` returns the allocator's free blocks."""
         self._fence, self._sites, self._recover, self._hooks_active = fence, sites, recover, hooks_active
+        self._empty_cache = empty_cache
+
+    def pin(self, label: str, size: int) -> None:
+        """Evaluator `label` runs at its pinned `size`, split further only after an eval OOM."""
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"evaluator '{label}': device_eval_microbatch_size={size!r} must be an int >= 1")
+        self.pinned[label] = size
 
     @property
     def found_sizes(self) -> dict[str, Optional[int]]:
@@ -183,9 +279,11 @@ class EvalFence:
         label = state.dataloader_label or ""
         evaluator = next((e for e in state.evaluators if e.label == label), None)
         self._evaluator, self._search = evaluator, None
+        split = getattr(getattr(evaluator, "dataloader", None), "split_batch", None)  # the evaluator's DataSpec
+        self._split_batch = split if callable(split) else (lambda batch, size: [batch])
         if evaluator is not None and evaluator.auto_microbatching:
             if label not in self.searches:
-                self.searches[label] = EvalSearch(label, self._make_config())
+                self.searches[label] = EvalSearch(label, self._make_config(), cap=self.pinned.get(label))
             self._search = self.searches[label]
             self._search.batch_start(evaluator, leading_size(state.batch))
 
@@ -195,11 +293,21 @@ class EvalFence:
             return
         found_before = search_.found_size
         record = search_.batch_end()
-        if record is not None and search_.found_size is not None and found_before is None:
-            self._info(
-                f"eval '{search_.label}': microbatch size found: {search_.found_size} "
-                f"(per-rank eval batch {sum(record.split)}); split in use {list(record.split)}"
-            )
+        found = search_.found_size
+        if record is not None and found is not None and found != found_before:
+            if search_.cap is None and found_before is None:
+                self._info(
+                    f"eval '{search_.label}': microbatch size found: {found} "
+                    f"(per-rank eval batch {sum(record.split)}); split in use {list(record.split)}"
+                )
+            elif search_.cap is not None and any(r.outcome == "oom" for r in search_.history):
+                # One line each time a pinned evaluator settles below what it was running at.
+                batch_size = sum(record.split)
+                split = search.chunk_split(batch_size, _chunk_for(batch_size, found, True))
+                self._info(
+                    f"eval '{search_.label}': out of memory at device_eval_microbatch_size={search_.cap}; "
+                    f"{found} fit on every rank, so its batches of {batch_size} now run as {list(split)}"
+                )
         self._search = None
 
     # ---- the fence -------------------------------------------------------------------------------
@@ -234,6 +342,67 @@ class EvalFence:
             return result.value
 
         return guarded
+
+    def guard_metric(self, model: Any) -> Callable[..., Any]:
+        """`update_metric` made safe during eval: Composer calls it after the fenced forward, outside
+        any attempt, once per metric and rank (a rank may skip it on a padded last batch, so it
+        cannot hold a consensus round). An OOM in it (a vocabulary-wide softmax over the logits, at
+        a microbatch the forward fit) is kept on this rank: the metric's state is put back and the
+        update runs again over pieces of the microbatch, halved until they fit (the metric's result
+        does not depend on how its samples are grouped, as for Composer's own eval split). Even one
+        sample at a time running out is a plain error, which stops the run on every rank. Returns
+        the guarded `model.update_metric`."""
+        update_metric = model.update_metric
+
+        def guarded(batch: Any, outputs: Any, metric: Any) -> Any:
+            if not self.running:
+                return update_metric(batch, outputs, metric)
+            before = copy.deepcopy(metric.metric_state)
+            try:
+                return update_metric(batch, outputs, metric)
+            except Exception as error:  # noqa: BLE001 - only an OOM is handled, below
+                if not is_oom(error):
+                    raise
+            # Outside the except block: the error and its frames (the update's tensors) are gone.
+            return self._update_in_pieces(model, update_metric, batch, outputs, metric, before)
+
+        return guarded
+
+    def _update_in_pieces(
+        self, model: Any, update_metric: Callable[..., Any], batch: Any, outputs: Any, metric: Any, before: dict
+    ) -> Any:
+        total = leading_size(batch)
+        size = max(1, total // 2)
+        while True:
+            _restore(metric, before)
+            self._empty_cache()
+            try:
+                results = []
+                for start, length, part in _pieces(self._split_batch, batch, size, total):
+                    with composer_internals.eval_labels_of_samples(model, start, start + length, total):
+                        results.append(update_metric(part, _split_outputs(outputs, start, start + length, total), metric))
+            except Exception as error:  # noqa: BLE001
+                if not is_oom(error):
+                    raise
+                if size == 1:
+                    _restore(metric, before)
+                    raise EvalMetricMemoryError(
+                        f"automicro: the eval metric {type(metric).__name__} ran out of memory even one sample at a "
+                        "time (the forward fit): lower device_eval_batch_size, or compute the metric on fewer logits"
+                    ) from None
+                size = max(1, size // 2)
+                continue
+            self.metric_pieces += 1
+            name = type(metric).__name__
+            if name not in self._pieces_said:  # one line per metric
+                self._pieces_said.add(name)
+                rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+                print(  # on the rank it happened on (the others may not know of it)
+                    f"[automicro] rank {rank}: eval metric {name} ran out of memory over a microbatch of {total} "
+                    f"samples; updated in pieces of {size} (the forward was not rerun)",
+                    flush=True,
+                )
+            return _merge_metric_outputs(results)
 
     def _wipe_failed(self) -> None:
         for name, metric in self._metrics.items():

@@ -211,16 +211,26 @@ class Trainer(composer.Trainer):
             assert self._automicro_sharded is not None
             automicro.attach(self._automicro_sharded, sites=self._automicro_sites, pipeline=self._automicro_pipeline)
 
-        auto_evaluators = [e for e in _evaluators(kwargs.get("eval_dataloader")) if e.auto_microbatching]
+        evaluators = _evaluators(kwargs.get("eval_dataloader"))
+        auto_evaluators = [e for e in evaluators if e.auto_microbatching]
         if auto_evaluators:
             problem = auto_eval_problem(train_auto=automicro is not None, sharded=fsdp2 is not None)
             if problem:
                 raise ValueError(f"device_eval_microbatch_size='auto' in automicro.Trainer {problem}")
+        # Under a training `auto`, an evaluator with a pinned size is split further after an eval
+        # OOM instead of ending the run (eval_oom='split'; llm-foundry pins every evaluator).
+        pinned = [] if automicro is None or automicro.eval_oom != "split" else [
+            e for e in evaluators if not e.auto_microbatching
+        ]
+        for evaluator in pinned:
+            automicro.pin_eval(evaluator.label, evaluator.device_eval_microbatch_size)
+        if auto_evaluators or pinned:
             # Composer only checks that an auto evaluator runs on a GPU; automicro's eval search is
             # device-independent, so the flag is lowered while Composer validates and raised after.
             for evaluator in auto_evaluators:
                 evaluator.auto_microbatching = False
             model.eval_forward = automicro.guard_eval_forward(model.eval_forward)
+            model.update_metric = automicro.guard_eval_metric(model)
 
         super().__init__(
             model=model,
@@ -232,7 +242,8 @@ class Trainer(composer.Trainer):
             dist_timeout=dist_timeout,
             **kwargs,
         )
-        for evaluator in auto_evaluators:
+        # The flag is what makes Composer's eval loop rerun an eval batch after an OOM.
+        for evaluator in auto_evaluators + pinned:
             evaluator.auto_microbatching = True
         if automicro is not None:
             automicro.check_trainer(self)
