@@ -193,13 +193,10 @@ def summary_lines(trainer: Any) -> list[str]:
     from automicro.integration.callback import AutoMicrobatching
 
     auto = next((c for c in trainer.state.callbacks if isinstance(c, AutoMicrobatching)), None)
-    if auto is None or auto.policy is None:
+    found = None if auto is None else auto.summary_line()
+    if found is None:
         return [f"[automicro] fixed microbatch size {trainer.state.device_train_microbatch_size}"]
-    return [
-        f"[automicro] microbatch size found: {auto.found_size}; split in use {list(auto.policy.current_split())}; "
-        f"attempts {len(auto.history)}, OOMs {auto.ooms_total}; sync hooks {'on' if auto.hooks_active else 'off'}; "
-        f"{int(trainer.state.timestamp.batch)} batches"
-    ]
+    return [f"{found}; {int(trainer.state.timestamp.batch)} batches"]
 
 
 if __name__ == "__main__":

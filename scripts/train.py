@@ -140,20 +140,9 @@ def main(argv: list[str]) -> int:
             f"{tokens / seconds:,.0f} tokens/s over the whole fit ({seconds:.1f} s, {world_size} rank(s))"
         )
         auto = next((c for c in trainer.state.callbacks if isinstance(c, AutoMicrobatching)), None)
-        if auto is not None and auto.policy is not None and auto.tokens is not None:
-            print(
-                f"[automicro] microbatch budget found: {auto.found_size} tokens (per-rank batch {per_rank_batch} "
-                f"samples); last split {list(auto.used_split)}; padding {100 * auto.tokens.padding_waste:.1f}% of the "
-                f"tokens trained; attempts {len(auto.history)}, OOMs {auto.ooms_total}; "
-                f"sync hooks {'on' if auto.hooks_active else 'off'}"
-            )
-        elif auto is not None and auto.policy is not None:
-            split = list(auto.policy.current_split())
-            print(
-                f"[automicro] microbatch size found: {auto.found_size} (per-rank batch {per_rank_batch}); "
-                f"split in use {split}; attempts {len(auto.history)}, OOMs {auto.ooms_total}; "
-                f"sync hooks {'on' if auto.hooks_active else 'off'}"
-            )
+        found = None if auto is None else auto.summary_line(per_rank_batch)
+        if found is not None:
+            print(found)
         elif cfg.device_train_microbatch_size != "auto":
             print(f"[automicro] fixed microbatch size {cfg.device_train_microbatch_size}")
         for line in output_lines(cfg, loggers):

@@ -6,6 +6,8 @@ these tests are skipped (not counted there; README 'llm-foundry')."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import sys
 
@@ -51,31 +53,86 @@ def test_a_foundry_yaml_searches_under_asymmetric_caps_and_trains_like_the_fixed
     assert all(abs(a - b) < 1e-3 for a, b in zip(auto_losses, fixed_losses)), (auto_losses, fixed_losses)
 
 
-# llm-foundry's own fsdp_config block, as its pretrain YAMLs write it (scripts/train/yamls/pretrain/*.yaml).
-FOUNDRY_FSDP_CONFIG = [
-    "parallelism_config=null",
-    "fsdp_config.sharding_strategy=FULL_SHARD",
-    "fsdp_config.mixed_precision=PURE",
-    "fsdp_config.activation_checkpointing=false",
-    "fsdp_config.activation_checkpointing_reentrant=false",
-    "fsdp_config.activation_cpu_offload=false",
-    "fsdp_config.limit_all_gathers=true",
-    "fsdp_config.sync_module_states=true",
-]
+PRETRAIN = "configs/foundry-mpt-small-cpu.yaml"  # llm-foundry's mpt-small-cpu.yaml, fsdp_config block included
+SFT = "configs/foundry-sft-cpu.yaml"  # llm-foundry's local-data finetuning YAML (finetuning loader, JSONL)
+OFFLINE = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def _pretrain_yaml(tmp_path) -> str:
+    """The pretrain YAML plus an ICL task (llm-foundry's `icl_tasks`, a local language-modeling
+    JSONL) and eval_first: every kind of evaluator a foundry YAML builds, pinned at 16."""
+    from omegaconf import OmegaConf
+
+    data = tmp_path / "lm.jsonl"
+    data.write_text("".join(
+        json.dumps({"context": f"sample {i}: the quick brown fox jumps over", "continuation": " the lazy dog"}) + "\n"
+        for i in range(96)
+    ))
+    cfg = OmegaConf.load(PRETRAIN)
+    cfg.icl_tasks = [{"label": "lm", "dataset_uri": str(data), "num_fewshot": [0], "icl_task_type": "language_modeling"}]
+    path = tmp_path / "pretrain.yaml"
+    OmegaConf.save(cfg, path)
+    return str(path)
 
 
 @pytest.mark.multiproc
-def test_a_foundry_yaml_with_its_own_fsdp_config_block_trains_under_auto_with_one_line_per_key_without_meaning():
-    result = run([str(COMPOSER), "-n", "2", "-m", "automicro.foundry", CONFIG, *FOUNDRY_FSDP_CONFIG], timeout_s=300)
+def test_llm_foundrys_pretrain_yaml_trains_evaluates_checkpoints_and_resumes_under_auto(tmp_path):
+    config = _pretrain_yaml(tmp_path)
+    keys = [
+        "global_train_batch_size=32", "eval_interval=2ba", "eval_first=true", "eval_subset_num_batches=2",
+        f"save_folder={tmp_path}/ckpt", "save_interval=2ba", "autoresume=true", "run_name=pretrain",
+        f"callbacks.hf_checkpointer.save_folder={tmp_path}/hf", "callbacks.hf_checkpointer.save_interval=4ba",
+    ]
+    result = run([str(COMPOSER), "-n", "2", "-m", "automicro.foundry", config, "max_duration=4ba", *keys], 400, OFFLINE)
     out = result.stdout
-    assert result.returncode == 0, out[-4000:]
+    assert result.returncode == 0, out[-6000:]
+    # Its fsdp_config block, mapped: one line, and one per key without an FSDP2 meaning.
     assert out.count("[automicro] fsdp_config mapped onto the FSDP2 engine") == 1, out[-4000:]
-    # fp32 training (the YAML's precision): PURE keeps fp32 parameters, as Composer would.
     assert "mixed_precision='FULL'" in out and "reshard_after_forward=True" in out
     without = [line for line in out.splitlines() if "no FSDP2 meaning" in line]
-    assert len(without) == 2 and any("activation_checkpointing_reentrant" in x for x in without), without
-    assert any("sync_module_states" in x for x in without)
-    assert "[automicro] microbatch size found:" in out
+    assert len(without) == 1 and "activation_checkpointing_reentrant" in without[0], without
+    # eval_first ran at the pinned 16 before Adam's state existed; once it did, 16 ran out on rank 0
+    # only (rank 1's cap is larger), and every rank split the eval batches together, the ICL
+    # evaluator too, with one line each naming the size that fit.
+    for label in ("eval", "lm/0-shot"):
+        assert re.search(rf"eval '{re.escape(label)}': batch \d+ attempt \d+: size 16 split \[16\] -> oom on rank\(s\) \[0\]", out), out[-6000:]
+        assert len(re.findall(rf"eval '{re.escape(label)}': out of memory at device_eval_microbatch_size=16; \d+ fit on every rank", out)) == 1
+    assert len(re.findall(r"Eval metrics/eval/LanguageCrossEntropy: ([0-9.]+)", out)) == 3  # evals at 0, 2 and 4
+    assert "Eval metrics/lm/0-shot/InContextLearningLMAccuracy" in out
+    # algorithms.gradient_clipping, speed_monitor, lr_monitor and runtime_estimator ran.
+    # (speed_monitor's throughput needs its 10-batch window; its wall-clock keys come every batch.)
+    assert "Train time/train:" in out and "lr-DecoupledAdamW/group0" in out
+    assert "time/remaining_estimate" in out
+    # hf_checkpointer wrote the trained parameters (gathered from the FSDP2 shards), as Composer's checkpoint holds them.
+    from safetensors.torch import load_file
+
+    hf = load_file(str(tmp_path / "hf" / "huggingface" / "ba4" / "model.safetensors"))
+    model = torch.load(tmp_path / "ckpt" / "ep0-ba4-rank0.pt", weights_only=False)["state"]["model"]
+    assert len(hf) == len(model) > 0
+    assert all(torch.equal(value, model[f"model.{name}"]) for name, value in hf.items())
+    # autoresume: the same command, longer, goes on from batch 4 with the split it had found.
+    again = run([str(COMPOSER), "-n", "2", "-m", "automicro.foundry", config, "max_duration=5ba", *keys], 400, OFFLINE)
+    assert again.returncode == 0, again.stdout[-6000:]
+    assert "[automicro] resumed with microbatch split" in again.stdout
+    assert "[automicro] batch 4 attempt 1:" in again.stdout and "[automicro] batch 0 attempt" not in again.stdout
+    assert (tmp_path / "ckpt" / "ep0-ba5-rank0.pt").exists()
+
+
+@pytest.mark.multiproc
+def test_llm_foundrys_finetuning_path_trains_under_auto_with_a_token_budget():
+    result = run([str(COMPOSER), "-n", "2", "-m", "automicro.foundry", SFT], 400, OFFLINE)
+    out = result.stdout
+    assert result.returncode == 0, out[-6000:]
+    # llm-foundry's finetuning loader padded every batch to max_seq_len (512); the budget split
+    # them by their real lengths, re-padded to each microbatch's longest.
+    assert "Building finetuning dataloader" in out or "finetuning" in out
+    found = re.findall(r"\[automicro\] microbatch budget found: (\d+) tokens; last split \[([0-9, ]+)\]; padding ([0-9.]+)%", out)
+    assert len(found) == 1, out[-6000:]
+    budget, split, padding = int(found[0][0]), [int(x) for x in found[0][1].split(",")], float(found[0][2])
+    assert 0 < budget < 16 * 512 and sum(split) == 16 and len(split) > 1, found
+    assert padding < 50.0, found  # the collated batches, padded to 512, are mostly padding
+    losses = _losses(out)
+    assert len(losses) == 8 and all(0 < x < 10 for x in losses), losses
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ import traceback
 from typing import Any, Optional
 
 import torch
+from composer.algorithms import GradientClipping
 from composer.core import Evaluator
 
 import automicro
@@ -16,6 +17,7 @@ from automicro.testing.faults import FaultInjector
 
 PER_RANK_BATCH = 8
 SEQ = 16
+CLIP = 0.05  # gradient clipping threshold of the parity run: well below the tiny model's gradient norm
 
 
 class _MetricOOM:
@@ -170,20 +172,29 @@ def run_parity(rank: int, world: int) -> dict[str, Any]:
     steps, per_rank = 3, PER_RANK_BATCH
     dataset = Tokens(per_rank * world * steps, SEQ, 256, seed=5)
 
-    torch.manual_seed(0)
-    reference = build_model("tiny", max_seq_len=SEQ)
-    opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
-    for step in range(steps):
-        # DistributedSampler without shuffle deals sample i to rank i % world.
-        idx = range(step * per_rank * world, (step + 1) * per_rank * world)
-        batch = {k: torch.stack([dataset[i][k] for i in idx]) for k in ("input_ids", "labels")}
-        opt.zero_grad(set_to_none=True)
-        reference.loss(reference(batch), batch).backward()
-        opt.step()
-    expected = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+    def reference_run(clip: Optional[float]) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        reference = build_model("tiny", max_seq_len=SEQ)
+        opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+        for step in range(steps):
+            # DistributedSampler without shuffle deals sample i to rank i % world.
+            idx = range(step * per_rank * world, (step + 1) * per_rank * world)
+            batch = {k: torch.stack([dataset[i][k] for i in idx]) for k in ("input_ids", "labels")}
+            opt.zero_grad(set_to_none=True)
+            reference.loss(reference(batch), batch).backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+            opt.step()
+        return {k: v.detach().clone() for k, v in reference.state_dict().items()}
 
-    results: dict[str, Any] = {}
-    for name, microbatch in (("fixed_4", 4), ("auto", "auto")):
+    expected = reference_run(None)
+    clipped = reference_run(CLIP)
+    results: dict[str, Any] = {"clipping_mattered": max(float((clipped[k] - expected[k]).abs().max()) for k in expected)}
+    for name, microbatch in (("fixed_4", 4), ("auto", "auto"), ("auto_clipped", "auto")):
+        # auto_clipped: Composer's GradientClipping algorithm (llm-foundry's `algorithms:
+        # gradient_clipping`) over the engine's sharded gradients: the global norm, as one process.
+        algorithms = [GradientClipping(clipping_type="norm", clipping_threshold=CLIP)] if name == "auto_clipped" else []
+        target = clipped if name == "auto_clipped" else expected
         torch.manual_seed(0)
         model = build_model("tiny", max_seq_len=SEQ)
         trainer = automicro.Trainer(
@@ -194,6 +205,7 @@ def run_parity(rank: int, world: int) -> dict[str, Any]:
             device="cpu",
             parallelism_config={"fsdp2": {}},
             device_train_microbatch_size=microbatch,
+            algorithms=algorithms,
             loggers=[],
             progress_bar=False,
             log_to_console=False,
@@ -202,7 +214,7 @@ def run_parity(rank: int, world: int) -> dict[str, Any]:
         try:
             trainer.fit()
             got = full_state(model)
-            results[name] = max(float((got[k] - expected[k]).abs().max()) for k in expected)
+            results[name] = max(float((got[k] - target[k]).abs().max()) for k in target)
         except Exception:  # noqa: BLE001
             results[name] = {"crash": traceback.format_exc()}
         finally:

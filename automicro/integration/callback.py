@@ -279,6 +279,19 @@ class AutoMicrobatching(Callback):
     def found_size(self) -> Optional[int]:
         return None if self.policy is None else self.policy.found_size
 
+    def summary_line(self, per_rank_batch: Optional[int] = None) -> Optional[str]:
+        """What the search found, for the console at the end of a fit (None before any batch)."""
+        if self.policy is None:
+            return None
+        batch = "" if per_rank_batch is None else f" (per-rank batch {per_rank_batch}{' samples' if self.tokens else ''})"
+        tail = f"attempts {len(self.history)}, OOMs {self.ooms_total}; sync hooks {'on' if self.hooks_active else 'off'}"
+        if self.tokens is not None:
+            return (
+                f"[automicro] microbatch budget found: {self.found_size} tokens{batch}; last split "
+                f"{list(self.used_split)}; padding {100 * self.tokens.padding_waste:.1f}% of the tokens trained; {tail}"
+            )
+        return f"[automicro] microbatch size found: {self.found_size}{batch}; split in use {list(self.policy.current_split())}; {tail}"
+
     # Read-only figures for dashboards, benchmarks and tests.
 
     @property
