@@ -192,10 +192,11 @@ def fault_case(
     reference: dict[str, torch.Tensor],
     sync_points: str = "all",
     transport: str = "auto",
+    **trainer_kwargs: Any,
 ) -> dict[str, Any]:
     auto = AutoMicrobatching(log_attempts=False, sync_points=sync_points, consensus_transport=transport)
     injector = FaultInjector(site, ranks=ranks, above=ABOVE, microbatch_index=index)
-    trainer = build_trainer(world, MATRIX_BATCHES, callbacks=(auto, injector))
+    trainer = build_trainer(world, MATRIX_BATCHES, callbacks=(auto, injector), **trainer_kwargs)
     started = time.perf_counter()
     result: dict[str, Any] = {}
     try:

@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional, Union
 
 from automicro.config.convert import ConfigError, _check_type, _did_you_mean, _is_optional
 from automicro.config.registry import KNOWN_CALLBACKS
+from automicro.engine.compile import CompileConfig, CompileConfigError
 from automicro.engine.config import CHECKPOINT_FORMATS, FSDP2Config, FSDP2ConfigError, PipelineConfig
 
 AUTO = "auto"
@@ -398,6 +399,13 @@ def pipeline_problem(
     return None
 
 
+def _compile_parse(value: Any, key: str) -> Optional[CompileConfig]:
+    try:
+        return CompileConfig.from_value(value, key)
+    except CompileConfigError as e:
+        raise ConfigError(str(e)) from e
+
+
 def _callbacks_parse(value: Any, key: str) -> dict:
     if value is None:
         return {}
@@ -453,6 +461,10 @@ class TrainConfig:
     parallelism_config: Optional[ParallelismConfig] = _cfg(factory=lambda: ParallelismConfig(fsdp2=FSDP2Config()))
     """``{fsdp2: {...}}`` (default: ``{fsdp2: {}}``, what the default ``auto`` needs) shards the
     model with FSDP2; null trains without FSDP (with a positive int microbatch size)."""
+    compile: Optional[CompileConfig] = _cfg(None, parse=_compile_parse)
+    """``torch.compile``: null / false (eager), true (the defaults) or a mapping of ``scope`` (``blocks``:
+    each sharded block, the default; ``model``: Composer's whole-model compile), ``mode``, ``dynamic``,
+    ``fullgraph``, ``backend`` (`automicro.engine.CompileConfig`)."""
     callbacks: dict[str, dict] = _cfg(factory=dict, parse=_callbacks_parse)
     """Callback name -> keyword arguments; names from `automicro.config.registry.CALLBACK_REGISTRY`."""
     save_folder: Optional[str] = None
@@ -502,6 +514,13 @@ class TrainConfig:
         problem = load_path_problem(self.load_path, self.checkpoint_format)
         if problem:
             raise ConfigError(f"{prefix}load_path={self.load_path!r}: {problem}")
+        if self.compile is not None and self.compile.scope == "blocks" and self.fsdp2 is None:
+            raise ConfigError(
+                f"{prefix}compile.scope='blocks': compiles each block the FSDP2 engine shards and needs "
+                "parallelism_config.fsdp2; set scope: model to compile without FSDP2"
+            )
+        if self.compile is not None and self.pipeline is not None:
+            raise ConfigError(f"{prefix}compile: not supported with parallelism_config.pipeline yet; set compile: null")
         if self.pipeline is not None:
             problem = pipeline_problem(
                 eval_interval=self.eval_interval, save_folder=self.save_folder, load_path=self.load_path,

@@ -20,6 +20,8 @@ What is private here and why:
   public `FSDPModule.set_custom_all_gather` / `set_custom_reduce_scatter`:
   `ComputeStreamAllGather` and `ComputeStreamReduceScatter` allocate FSDP2's side-stream buffers
   from the compute stream's memory.
+- dynamo's compile counters (`torch._dynamo.utils.counters`): how many graphs the search made
+  `torch.compile` compile (`compiled_graph_count`).
 
 Owns: every private torch access, each behind a version gate. May not touch: Composer,
 automicro's protocol (callers pass what they need as arguments).
@@ -907,3 +909,12 @@ def release_stage(stage: Any) -> None:
         module.set_is_last_backward(True)
         module.set_reshard_after_backward(True)
         module.set_requires_gradient_sync(True)
+
+
+def compiled_graph_count() -> int:
+    """Graphs dynamo compiled in this process (first compiles and recompiles alike): its
+    ``counters["stats"]["unique_graphs"]``, the same on torch 2.7, 2.11 and 2.15."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+

@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from automicro.engine import _torch_internals as internals
+from automicro.engine.compile import CompileConfig, compile_blocks
 from automicro.engine.config import FSDP2Config, FSDP2ConfigError
 
 log = logging.getLogger(__name__)
@@ -413,6 +414,7 @@ def shard(
     config: Optional[FSDP2Config] = None,
     mesh: Optional[DeviceMesh] = None,
     device: Optional[torch.device] = None,
+    compile: Optional[CompileConfig] = None,
 ) -> ShardedModel:
     """Shard `model` in place with `fully_shard` and return its `ShardedModel` handle.
 
@@ -422,6 +424,8 @@ def shard(
         mesh: a 1-D (FSDP) or 2-D ``(replicate, shard)`` (HSDP) mesh; None builds one over all
             ranks from `config.replicate`.
         device: where shards live; defaults to the current CUDA device under NCCL, else CPU.
+        compile: with ``scope: blocks``, each sharded block's forward is compiled in place before
+            sharding (the root's, when only the root is sharded); other scopes are not the engine's.
     """
     internals.check_supported_torch()
     if not dist.is_initialized():
@@ -458,6 +462,8 @@ def shard(
     }
     if config.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
+    if compile is not None and compile.scope == "blocks":
+        compile_blocks([named[name] for name in wrapped] or [model], compile)
     for name in wrapped:
         if config.activation_checkpointing:
             internals.apply_activation_checkpointing(named[name])

@@ -29,6 +29,7 @@ from torch.distributed.fsdp import register_fsdp_forward_method
 from automicro.config.schema import AUTO, auto_eval_problem, check_microbatch_size, pipeline_problem
 from automicro.core.sites import SiteDispatcher
 from automicro.engine import ShardedModel, ensure_record_stream_free, shard
+from automicro.engine.compile import CompileConfig, CompileConfigError
 from automicro.engine.config import fsdp2_from_parallelism_config, pipeline_from_parallelism_config
 from automicro.engine.pipeline import build_pipeline
 from automicro.integration import _composer_internals as composer_internals
@@ -128,6 +129,7 @@ class Trainer(composer.Trainer):
         device: Any = None,
         dist_timeout: float = 300.0,
         checkpoint_format: Optional[str] = None,
+        compile: Any = None,
         **kwargs: Any,
     ) -> None:
         composer_internals.check_supported_composer()
@@ -147,6 +149,7 @@ class Trainer(composer.Trainer):
             )
             if problem:
                 raise ValueError(f"automicro.Trainer: parallelism_config['pipeline'] {problem}")
+        compile_config = self._compile_config(compile, fsdp2 is not None, pipeline is not None, kwargs)
         check_checkpoint_format(
             checkpoint_format,
             sharded_model=fsdp2 is not None,
@@ -194,7 +197,7 @@ class Trainer(composer.Trainer):
                 if checkpoint_format == "sharded":
                     callback_list.append(ShardedCheckpointing(pipeline=True))
             else:
-                self._automicro_sharded = shard(model, fsdp2, device=shard_device)
+                self._automicro_sharded = shard(model, fsdp2, device=shard_device, compile=compile_config)
                 _rebind_optimizers(kwargs.get("optimizers"), names_before, model)
                 _route_eval_forward_through_fsdp(model)
                 callback_list.append(_ReshardRootAfterEval(self._automicro_sharded))
@@ -253,6 +256,32 @@ class Trainer(composer.Trainer):
                 # SpeedMonitor sums every rank's flops_per_batch; each stage would count the whole
                 # model's flops for the same samples: count them once, on the first stage.
                 model.flops_per_batch = lambda batch: 0
+
+    @staticmethod
+    def _compile_config(value: Any, sharded: bool, pipeline: bool, kwargs: dict[str, Any]) -> Optional[CompileConfig]:
+        """`compile` (a `CompileConfig`, a mapping of its keys, True or None), checked; with ``scope:
+        model`` it becomes Composer's ``compile_config`` in `kwargs`."""
+        try:
+            config = CompileConfig.from_value(value)
+        except CompileConfigError as error:
+            raise ValueError(f"automicro.Trainer: {error}") from None
+        if config is None:
+            return None
+        if kwargs.get("compile_config") is not None:
+            raise ValueError(
+                "automicro.Trainer: compile and compile_config are both set: keep compile (scope: model is "
+                "Composer's compile_config; scope: blocks compiles each sharded block)"
+            )
+        if pipeline:
+            raise ValueError("automicro.Trainer: compile with parallelism_config['pipeline'] is not supported yet; set compile=None")
+        if config.scope == "blocks" and not sharded:
+            raise ValueError(
+                "automicro.Trainer: compile scope 'blocks' compiles each block the FSDP2 engine shards and needs "
+                "parallelism_config={'fsdp2': {...}}; without FSDP2 use scope 'model'"
+            )
+        if config.scope == "model":
+            kwargs["compile_config"] = config.torch_kwargs()
+        return config
 
     @property
     def sharded_model(self) -> Optional[ShardedModel]:
