@@ -141,6 +141,10 @@ def main(argv: list[str]) -> int:
             f"{tokens / seconds:,.0f} tokens/s over the whole fit ({seconds:.1f} s, {world_size} rank(s))"
         )
         auto = next((c for c in trainer.state.callbacks if isinstance(c, AutoMicrobatching)), None)
+        if cfg.compile is not None:
+            from automicro.engine.compile import compiled_graphs
+
+            print(f"[automicro] {cfg.compile.describe()}: {compiled_graphs()} graph(s) compiled on rank 0")
         found = None if auto is None else auto.summary_line(per_rank_batch)
         if found is not None:
             print(found)

@@ -1,0 +1,172 @@
+"""`compile` from the YAML with `auto`: eager vs per-block vs whole-model compile, fixed vs auto.
+
+    python benchmarks/compile.py --out $OUT [--variants eager-auto,blocks-auto,model-auto] [--batches 30]
+
+One GPU. Each variant is one `scripts/train.py configs/tiny-gpu.yaml` run (its own process, one
+rank) on the 1B preset of `automicro.models` (seq 2048, per-rank batch 32, amp_bf16, AdamW,
+synthetic tokens), with the YAML overrides the variant names:
+  eager-auto / eager-fixed-N        no compile
+  blocks-auto / blocks-fixed-N      compile: true (each sharded block's forward, the default)
+  model-auto / model-fixed-N        compile: {scope: model} (Composer's whole-model compile)
+Per variant, from the run's metrics.jsonl and console: steady tokens/s and MFU (the batches after
+`--skip`, from the wall clock Composer logs per batch; MFU from the model's flops per batch over the
+H100's dense bf16 peak), the first batch's seconds (search and compile), graphs compiled, OOMs,
+the size found, peak reserved memory. Writes `compile.json` and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import sys
+import time
+from typing import Any, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+
+VARIANTS = ("eager-auto", "blocks-auto", "model-auto")
+SEQ, PER_RANK_BATCH = 2048, 32  # per-rank batch = global batch on one GPU
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16, SXM
+
+
+def overrides(variant: str, args: argparse.Namespace, run_dir: str) -> list[str]:
+    kind, _, mode = variant.partition("-")
+    common = [
+        f"model.preset={args.preset}", "data.kind=synthetic", f"data.seq_len={args.seq}",
+        f"global_train_batch_size={PER_RANK_BATCH}", f"max_duration={args.batches}ba", f"run_dir={run_dir}",
+        "loggers.console=false", "loggers.jsonl=true", "callbacks.speed_monitor.window_size=5",
+    ]
+    if args.dry_run:  # CPU: the suite's plumbing only
+        common += ["device=cpu", "precision=fp32", "parallelism_config.fsdp2.mixed_precision=FULL", "callbacks.memory_monitor=null"]
+    else:
+        common.append(f"callbacks.auto_microbatching.memory_fraction={args.memory_fraction}")
+    backend = ["compile.backend=aot_eager"] if args.dry_run else []
+    if kind == "blocks":
+        common += ["compile=true"] + backend
+    elif kind == "model":
+        common += ["compile.scope=model"] + backend
+    elif kind != "eager":
+        raise SystemExit(f"unknown variant {variant!r}")
+    if mode.startswith("fixed-"):
+        common.append(f"device_train_microbatch_size={int(mode.split('-')[1])}")
+    elif mode != "auto":
+        raise SystemExit(f"unknown variant {variant!r}")
+    return common
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    rows = []
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            row = json.loads(line)
+            if not row.get("trace"):
+                rows.append(row)
+    return rows
+
+
+def summarize(variant: str, rows: list[dict[str, Any]], console: list[str], skip: int, gpu: str, seq: int) -> dict[str, Any]:
+    train_h: dict[int, float] = {}
+    flops: dict[int, float] = {}
+    peak = 0.0
+    found = None
+    ooms = 0
+    for row in rows:
+        step = int(row.get("step", 0))
+        if "time/train" in row:
+            train_h[step] = float(row["time/train"])
+        for key, value in row.items():
+            if key.startswith("memory/peak_reserved_mem"):
+                peak = max(peak, float(value))
+            if key == "automicro/found_size" and value:
+                found = int(value)
+            if key == "automicro/ooms_total":
+                ooms = max(ooms, int(value))
+            if key == "throughput/device/flops_per_sec":
+                flops[step] = float(value)
+    steps = sorted(train_h)
+    seconds = {s: (train_h[s] - train_h.get(s - 1, 0.0)) * 3600 for s in steps}
+    steady = [seconds[s] for s in steps if s > skip]
+    step_s = statistics.median(steady) if steady else None
+    tokens_per_s = seq * PER_RANK_BATCH / step_s if step_s else None
+    flops_steady = [flops[s] for s in flops if s > skip]
+    mfu = statistics.median(flops_steady) / PEAK_FLOPS[gpu] if flops_steady and gpu in PEAK_FLOPS else None
+    graphs = next((int(m.group(1)) for line in console if (m := re.search(r"(\d+) graph\(s\) compiled", line))), 0)
+    fixed = re.search(r"-fixed-(\d+)$", variant)
+    return {
+        "variant": variant, "tokens_per_s": tokens_per_s, "step_s": step_s, "mfu": mfu,
+        "first_batch_s": seconds.get(steps[0]) if steps else None, "graphs": graphs, "ooms": ooms,
+        "found": found if not fixed else int(fixed.group(1)), "peak_reserved_gib": peak or None,
+        "steady_batches": len(steady),
+    }
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--batches", type=int, default=30)
+    p.add_argument("--skip", type=int, default=10, help="batches left out of the steady figures (search, compile)")
+    p.add_argument("--memory-fraction", type=float, default=0.95)
+    p.add_argument("--timeout", type=float, default=400.0)
+    p.add_argument("--preset", default="1b")
+    p.add_argument("--seq", type=int, default=SEQ)
+    p.add_argument("--dry-run", action="store_true", help="CPU, aot_eager: check the suite, measure nothing")
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    gpu = "H200" if "H200" in _gpu_name() else "H100" if "H100" in _gpu_name() else "other"
+    results = []
+    for variant in args.variants.split(","):
+        run_dir = os.path.join("/tmp", f"compile-bench-{variant}")
+        shutil.rmtree(run_dir, ignore_errors=True)
+        argv_ = [sys.executable, os.path.join(harness.REPO_ROOT, "scripts", "train.py"), "configs/tiny-gpu.yaml",
+                 *overrides(variant, args, run_dir)]
+        started = time.perf_counter()
+        done = harness.run_launch(argv_, args.timeout, env={**os.environ, **_single_rank()})
+        console = [line for line in (done.stdout or "").splitlines() if line.startswith("[automicro]")]
+        metrics = os.path.join(run_dir, "metrics.jsonl")
+        if done.returncode == 0 and os.path.exists(metrics):
+            result = summarize(variant, read_metrics(metrics), console, args.skip, gpu, args.seq)
+        else:
+            result = {"variant": variant, "error": f"rc {done.returncode}: {(done.stderr or done.stdout or '')[-800:]}"}
+        result["launch_s"] = round(time.perf_counter() - started, 1)
+        result["console"] = console[-12:]
+        print(f"[compile:detail] {variant}: " + " / ".join(console[-4:]), flush=True)
+        results.append(result)
+    base = {r["variant"]: r for r in results if r.get("tokens_per_s")}
+    rows = []
+    for r in results:
+        eager = base.get("eager-" + r["variant"].split("-", 1)[1]) or base.get("eager-auto")
+        rows.append([
+            r["variant"], harness.fmt(r.get("tokens_per_s"), ",.0f"), harness.fmt(r.get("mfu"), ".3f"),
+            harness.fmt(r["tokens_per_s"] / eager["tokens_per_s"], ".2f") if r.get("tokens_per_s") and eager else "–",
+            r.get("found", "–"), r.get("ooms", "–"), harness.fmt(r.get("first_batch_s"), ".1f"), r.get("graphs", "–"),
+            harness.fmt(r.get("peak_reserved_gib"), ".1f"), (r.get("error") or "")[:80],
+        ])
+    header = ["variant", "tokens/s", "MFU", "vs eager", "size", "OOMs", "first batch s", "graphs", "peak GiB", "error"]
+    for line in harness.table_lines(header, rows):
+        print(f"[compile] | {line}", flush=True)
+    harness.write_json(os.path.join(args.out, "compile.json"), {"args": vars(args), "gpu": gpu, "results": results})
+    return 0
+
+
+def _single_rank() -> dict[str, str]:
+    return {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(harness.free_port()), "NODE_RANK": "0"}
+
+
+def _gpu_name() -> str:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
