@@ -87,7 +87,7 @@ def test_empty_yaml_gives_defaults(tmp_path):
     cfg = load_config(p)
     assert cfg == from_dict({})
     assert cfg.run_dir == "runs/automicro"  # the default's interpolation sees the default run_name
-    # The defaults run: `auto` needs FSDP2, so FSDP2 with every default is on.
+    # The defaults run: FSDP2 with every default is on (the search also runs unsharded on one rank).
     assert cfg.fsdp2 == FSDP2Config()
     assert cfg.device_train_microbatch_size == "auto"
 

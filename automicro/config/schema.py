@@ -505,11 +505,13 @@ class TrainConfig:
             problem = auto_eval_problem(train_auto=self.device_train_microbatch_size == AUTO, sharded=self.fsdp2 is not None)
             if problem:
                 raise ConfigError(f"{prefix}device_eval_microbatch_size='auto': {problem}; or set a positive int")
-        if self.device_train_microbatch_size == AUTO and self.fsdp2 is None:
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if self.device_train_microbatch_size == AUTO and self.fsdp2 is None and world > 1:
             raise ConfigError(
-                f"{prefix}device_train_microbatch_size='auto': the search runs on automicro's FSDP2 engine and needs "
-                f"parallelism_config.fsdp2, but parallelism_config is {_describe_parallelism(self.parallelism_config)}; "
-                "set parallelism_config: {fsdp2: {}} (or a positive int device_train_microbatch_size to train without FSDP)"
+                f"{prefix}device_train_microbatch_size='auto': without parallelism_config.fsdp2 (it is "
+                f"{_describe_parallelism(self.parallelism_config)}) auto runs on one rank only, and this job has {world} "
+                "(DDP is not supported with auto); set parallelism_config: {fsdp2: {}} to shard over the ranks, or a "
+                "positive int device_train_microbatch_size"
             )
         problem = load_path_problem(self.load_path, self.checkpoint_format)
         if problem:

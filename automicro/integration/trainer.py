@@ -30,7 +30,8 @@ from automicro.config.schema import AUTO, auto_eval_problem, check_microbatch_si
 from automicro.core.sites import SiteDispatcher
 from automicro.engine import ShardedModel, ensure_record_stream_free, shard
 from automicro.engine.compile import CompileConfig, CompileConfigError
-from automicro.engine.config import fsdp2_from_parallelism_config, pipeline_from_parallelism_config
+from automicro.engine.unsharded import UnshardedModel, unsharded
+from automicro.engine.config import FSDP2ConfigError, fsdp2_from_parallelism_config, pipeline_from_parallelism_config
 from automicro.engine.pipeline import build_pipeline
 from automicro.integration import _composer_internals as composer_internals
 from automicro.integration.callback import AutoMicrobatching
@@ -164,11 +165,6 @@ class Trainer(composer.Trainer):
         for callback in callback_list:
             if isinstance(callback, AutoMicrobatching):
                 callback.bind_trainer()
-        if auto and fsdp2 is None:
-            raise ValueError(
-                "device_train_microbatch_size='auto' in automicro.Trainer needs FSDP2: pass "
-                "parallelism_config={'fsdp2': {}}"
-            )
         if auto and automicro is None:
             automicro = AutoMicrobatching()
             automicro.bind_trainer()
@@ -184,7 +180,19 @@ class Trainer(composer.Trainer):
         ensure_record_stream_free()
         composer_device = _composer_device(device)
         self._automicro_sharded: Optional[ShardedModel] = None
+        self._automicro_unsharded: Optional[UnshardedModel] = None
         self._automicro_pipeline: Optional[PipelineBatch] = None
+        if auto and fsdp2 is None:
+            # One rank without FSDP: Composer's own model placement and autocast; the search runs
+            # on an unsharded handle (`automicro.engine.unsharded`).
+            composer_dist.initialize_dist(composer_device, dist_timeout)
+            if composer_dist.get_world_size() > 1:
+                raise FSDP2ConfigError(
+                    f"device_train_microbatch_size='auto' without parallelism_config['fsdp2'] runs on one rank only "
+                    f"(this job has {composer_dist.get_world_size()}): DDP is not supported with auto; pass "
+                    "parallelism_config={'fsdp2': {}} to shard over the ranks"
+                )
+            self._automicro_unsharded = unsharded(model, composer_device.tensor_to_device(torch.empty(0)).device)
         if fsdp2 is not None:
             composer_dist.initialize_dist(composer_device, dist_timeout)
             names_before = {id(p): n for n, p in model.named_parameters()}
@@ -211,8 +219,9 @@ class Trainer(composer.Trainer):
             if callable(attach_sites):
                 attach_sites(self._automicro_sites)
         if automicro is not None:
-            assert self._automicro_sharded is not None
-            automicro.attach(self._automicro_sharded, sites=self._automicro_sites, pipeline=self._automicro_pipeline)
+            handle = self._automicro_sharded if self._automicro_sharded is not None else self._automicro_unsharded
+            assert handle is not None
+            automicro.attach(handle, sites=self._automicro_sites, pipeline=self._automicro_pipeline)
 
         evaluators = _evaluators(kwargs.get("eval_dataloader"))
         auto_evaluators = [e for e in evaluators if e.auto_microbatching]

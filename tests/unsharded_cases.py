@@ -1,0 +1,97 @@
+"""`auto` without FSDP on one rank (`automicro.engine.unsharded`): cases for tests/test_unsharded.py."""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any, Optional
+
+import torch
+
+import automicro
+from automicro.integration.callback import AutoMicrobatching
+from composer.core import Callback, State
+from composer.loggers import Logger
+from tests.automicro_cases import SEED, OOMAtBatch, adam_steps, history, make_loader, max_error
+from tests.toy_models import ComposerStack
+
+BATCHES = 8
+LIMIT = 5  # a microbatch above 5 samples runs out of memory in its forward (the search finds 5)
+OOM_BATCH = 6  # the hooks are off by then: a one-off OOM there is rerun at the same size
+
+
+class OOMAbove(Callback):
+    """Runs out of memory after the forward of a microbatch of more than `limit` samples (without
+    FSDP there are no sync hooks, so the fault kit's module sites do not fire: an event does)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+
+    def after_forward(self, state: State, logger: Logger) -> None:
+        x, _ = state.batch
+        if x.shape[0] > self.limit:
+            raise torch.OutOfMemoryError("CUDA out of memory. (test: a microbatch above the limit)")
+
+
+def _run(microbatch: Any, limit: Optional[int], fault: Any = None, parallelism: Any = None) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = ComposerStack(width=32)
+    auto = AutoMicrobatching(log_attempts=False) if microbatch == "auto" else None
+    callbacks = [c for c in (auto, OOMAbove(limit) if limit else None, fault) if c is not None]
+    trainer = automicro.Trainer(
+        model=model,
+        train_dataloader=make_loader(1, BATCHES),
+        max_duration=f"{BATCHES}ba",
+        optimizers=torch.optim.AdamW(model.parameters(), lr=1e-2),
+        device="cpu",
+        parallelism_config=parallelism,
+        device_train_microbatch_size=microbatch,
+        callbacks=callbacks,
+        loggers=[],
+        progress_bar=False,
+        log_to_console=False,
+        seed=SEED,
+    )
+    try:
+        trainer.fit()
+        return {
+            "history": history(auto) if auto else [],
+            "split": list(auto.policy.current_split()) if auto else None,
+            "sharded": trainer.sharded_model is not None,
+            "fsdp_params": any(hasattr(p, "full_tensor") for p in model.parameters()),
+            "adam_steps": adam_steps(trainer),
+            "fired": None if fault is None else fault.fired,
+            "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        }
+    finally:
+        trainer.close()
+
+
+def run_one_rank(rank: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+
+    def case(name: str, fn: Any) -> None:
+        try:
+            out[name] = fn()
+        except Exception:  # noqa: BLE001 - report which case broke
+            out[name] = {"crash": traceback.format_exc()}
+
+    case("auto", lambda: _run("auto", LIMIT))
+    split = out["auto"].get("split")
+    if split:
+        case("fixed", lambda: _run(max(split), None))
+        case("auto_one_off", lambda: _run("auto", LIMIT, OOMAtBatch(OOM_BATCH)))
+    for name in ("auto", "auto_one_off"):
+        if name in out and "params" in out[name] and "fixed" in out:
+            out[name]["error"] = max_error(out[name]["params"], out["fixed"]["params"])
+    for result in out.values():
+        result.pop("params", None)
+    return out
+
+
+def run_two_ranks(rank: int, world: int) -> dict[str, Any]:
+    try:
+        _run("auto", None)
+    except Exception as error:  # noqa: BLE001 - the test reads the refusal
+        return {"type": type(error).__name__, "message": str(error)}
+    return {"type": None, "message": ""}
