@@ -1,13 +1,17 @@
-"""`compile` from the YAML with `auto`: eager vs per-block vs whole-model compile, fixed vs auto.
+"""One GPU, what a user would run: eager vs compile, FSDP2 vs unsharded vs Composer's own `auto`.
 
-    python benchmarks/compile.py --out $OUT [--variants eager-auto,blocks-auto,model-auto] [--batches 30]
+    python benchmarks/one_gpu.py --out $OUT [--variants eager-auto,blocks-auto,model-auto] [--batches 30]
 
-One GPU. Each variant is one `scripts/train.py configs/tiny-gpu.yaml` run (its own process, one
-rank) on the 1B preset of `automicro.models` (seq 2048, per-rank batch 32, amp_bf16, AdamW,
-synthetic tokens), with the YAML overrides the variant names:
-  eager-auto / eager-fixed-N        no compile
-  blocks-auto / blocks-fixed-N      compile: true (each sharded block's forward, the default)
-  model-auto / model-fixed-N        compile: {scope: model} (Composer's whole-model compile)
+Each variant is one `scripts/train.py configs/tiny-gpu.yaml` run (its own process, one rank) on the
+1B preset of `automicro.models` (seq 2048, per-rank batch 32, amp_bf16, AdamW, synthetic tokens),
+with the YAML overrides the variant names (`-auto` or `-fixed-N` for the microbatch size):
+  eager-*        FSDP2 (the default config), no compile
+  blocks-*       compile: true (each sharded block's forward, the default scope)
+  model-*        compile: {scope: model} (Composer's whole-model compile)
+  noshard-*      parallelism_config: null (no FSDP; Composer's autocast; `auto` on one rank)
+  composer-*     the stock `composer.Trainer` on the same model, data and optimizer (no FSDP, its
+                 own `auto`: halving), built from the same YAML
+`--memory-fraction` caps the process's GPU memory in every variant.
 Per variant, from the run's metrics.jsonl and console: steady tokens/s and MFU (the batches after
 `--skip`, from the wall clock Composer logs per batch; MFU from the model's flops per batch over the
 H100's dense bf16 peak), the first batch's seconds (search and compile), graphs compiled, OOMs,
@@ -50,6 +54,8 @@ def overrides(variant: str, args: argparse.Namespace, run_dir: str) -> list[str]
         common += ["compile=true"] + backend
     elif kind == "model":
         common += ["compile.scope=model"] + backend
+    elif kind in ("noshard", "composer"):
+        common += ["parallelism_config=null"]
     elif kind != "eager":
         raise SystemExit(f"unknown variant {variant!r}")
     if mode.startswith("fixed-"):
@@ -96,6 +102,8 @@ def summarize(variant: str, rows: list[dict[str, Any]], console: list[str], skip
     flops_steady = [flops[s] for s in flops if s > skip]
     mfu = statistics.median(flops_steady) / PEAK_FLOPS[gpu] if flops_steady and gpu in PEAK_FLOPS else None
     graphs = next((int(m.group(1)) for line in console if (m := re.search(r"(\d+) graph\(s\) compiled", line))), 0)
+    stock = next((int(m.group(1)) for line in console if (m := re.search(r"stock composer: device_train_microbatch_size (\d+)", line))), None)
+    found = found if stock is None else stock
     fixed = re.search(r"-fixed-(\d+)$", variant)
     return {
         "variant": variant, "tokens_per_s": tokens_per_s, "step_s": step_s, "mfu": mfu,
@@ -116,6 +124,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--preset", default="1b")
     p.add_argument("--seq", type=int, default=SEQ)
     p.add_argument("--dry-run", action="store_true", help="CPU, aot_eager: check the suite, measure nothing")
+    if argv is None and sys.argv[1:2] == ["--stock"]:
+        return stock_composer(sys.argv[2:])
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     gpu = "H200" if "H200" in _gpu_name() else "H100" if "H100" in _gpu_name() else "other"
@@ -123,7 +133,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     for variant in args.variants.split(","):
         run_dir = os.path.join("/tmp", f"compile-bench-{variant}")
         shutil.rmtree(run_dir, ignore_errors=True)
-        argv_ = [sys.executable, os.path.join(harness.REPO_ROOT, "scripts", "train.py"), "configs/tiny-gpu.yaml",
+        script = os.path.abspath(__file__) if variant.startswith("composer-") else os.path.join(harness.REPO_ROOT, "scripts", "train.py")
+        argv_ = [sys.executable, script, *(["--stock"] if variant.startswith("composer-") else []), "configs/tiny-gpu.yaml",
                  *overrides(variant, args, run_dir)]
         started = time.perf_counter()
         done = harness.run_launch(argv_, args.timeout, env={**os.environ, **_single_rank()})
@@ -135,7 +146,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             result = {"variant": variant, "error": f"rc {done.returncode}: {(done.stderr or done.stdout or '')[-800:]}"}
         result["launch_s"] = round(time.perf_counter() - started, 1)
         result["console"] = console[-12:]
-        print(f"[compile:detail] {variant}: " + " / ".join(console[-4:]), flush=True)
+        print(f"[one_gpu:detail] {variant}: " + " / ".join(console[-4:]), flush=True)
         results.append(result)
     base = {r["variant"]: r for r in results if r.get("tokens_per_s")}
     rows = []
@@ -149,8 +160,42 @@ def main(argv: Optional[list[str]] = None) -> int:
         ])
     header = ["variant", "tokens/s", "MFU", "vs eager", "size", "OOMs", "first batch s", "graphs", "peak GiB", "error"]
     for line in harness.table_lines(header, rows):
-        print(f"[compile] | {line}", flush=True)
-    harness.write_json(os.path.join(args.out, "compile.json"), {"args": vars(args), "gpu": gpu, "results": results})
+        print(f"[one_gpu] | {line}", flush=True)
+    harness.write_json(os.path.join(args.out, "one_gpu.json"), {"args": vars(args), "gpu": gpu, "results": results})
+    return 0
+
+
+def stock_composer(argv: list[str]) -> int:
+    """The `composer-*` variants: the YAML's model, data and optimizer (automicro's builders) in a
+    stock `composer.Trainer`, without FSDP, with Composer's own `auto`; metrics to the same JSONL."""
+    import torch
+    from composer import Trainer
+    from composer.callbacks import MemoryMonitor, SpeedMonitor
+    from composer.utils import reproducibility
+
+    from automicro.config import load_config, parse_cli
+    from automicro.integration import builders
+    from automicro.integration.loggers import build_loggers
+
+    path, overrides_ = parse_cli(argv)
+    fraction = next((float(o.split("=", 1)[1]) for o in overrides_ if o.startswith("callbacks.auto_microbatching.memory_fraction=")), None)
+    cfg = load_config(path, overrides_)
+    if fraction is not None and torch.cuda.is_available():
+        torch.cuda.set_per_process_memory_fraction(fraction)
+    reproducibility.seed_all(cfg.seed)
+    model = builders.build_model_from(cfg)
+    dataset = builders.build_dataset(cfg, model.model.config.vocab_size)
+    train_dl = builders.train_data(cfg, builders.build_train_dataloader(cfg, dataset, cfg.per_rank_batch_size(1)))
+    trainer = Trainer(
+        model=model, train_dataloader=train_dl, max_duration=cfg.max_duration,
+        optimizers=builders.build_optimizer(cfg, model), schedulers=builders.build_scheduler(cfg), device=cfg.device,
+        precision=cfg.precision, device_train_microbatch_size=cfg.device_train_microbatch_size,
+        callbacks=[SpeedMonitor(window_size=5)] + ([MemoryMonitor()] if torch.cuda.is_available() else []), loggers=build_loggers(cfg), seed=cfg.seed,
+        progress_bar=False,
+    )
+    trainer.fit()
+    print(f"[automicro] stock composer: device_train_microbatch_size {trainer.state.device_train_microbatch_size}", flush=True)
+    trainer.close()
     return 0
 
 
