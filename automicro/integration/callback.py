@@ -229,6 +229,11 @@ class AutoMicrobatching(Callback):
         self._consensus = Consensus.create(use_cpu_group=self.cpu_sync_group, transport=self.consensus_transport)
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self._info(f"consensus transport {self._consensus.describe()}")
+        if dist.is_initialized() and dist.get_world_size() == 1 and sharded.fsdp_modules and pipeline is None:
+            self._info(
+                "one rank: FSDP2 shards nothing here and costs time every microbatch; parallelism_config: null "
+                "trains unsharded with the same auto (README 'One GPU')"
+            )
         if pipeline is not None and self.tokens is not None:
             raise ValueError(
                 "AutoMicrobatching(budget='tokens') cannot run pipeline stages (a pipeline runs equal microbatches); "
