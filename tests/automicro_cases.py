@@ -154,6 +154,14 @@ def cleanup_report(trainer: automicro.Trainer) -> dict[str, Any]:
     }
 
 
+def record_case(out: dict[str, Any], name: str, fn: Any) -> None:
+    """out[name] = fn(), or {"crash": traceback} when it raises (the test reports which case broke)."""
+    try:
+        out[name] = fn()
+    except Exception:  # noqa: BLE001
+        out[name] = {"crash": traceback.format_exc()}
+
+
 def history(auto: AutoMicrobatching) -> list[dict[str, Any]]:
     return [dataclasses.asdict(r) for r in auto.history]
 

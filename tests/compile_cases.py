@@ -11,7 +11,6 @@ is {"crash": ...}.
 
 from __future__ import annotations
 
-import traceback
 from typing import Any
 
 import torch
@@ -26,6 +25,7 @@ from tests.automicro_cases import (
     fault_case,
     history,
     make_loader,
+    record_case,
     max_error,
     reference_params,
 )
@@ -143,10 +143,7 @@ def run_compile_cases(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
 
     def case(name: str, fn: Any) -> None:
-        try:
-            out[name] = fn()
-        except Exception:  # noqa: BLE001 - report which case broke
-            out[name] = {"crash": traceback.format_exc()}
+        record_case(out, name, fn)
 
     case("gated/auto", lambda: _gated(world, "auto", COMPILE))
     found = out["gated/auto"].get("split") if "crash" not in out["gated/auto"] else None

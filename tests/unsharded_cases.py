@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import traceback
 from typing import Any, Optional
 
 import torch
@@ -11,7 +10,7 @@ import automicro
 from automicro.integration.callback import AutoMicrobatching
 from composer.core import Callback, State
 from composer.loggers import Logger
-from tests.automicro_cases import SEED, OOMAtBatch, adam_steps, history, make_loader, max_error
+from tests.automicro_cases import SEED, OOMAtBatch, adam_steps, history, make_loader, max_error, record_case
 from tests.toy_models import ComposerStack
 
 BATCHES = 8
@@ -71,10 +70,7 @@ def run_one_rank(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
 
     def case(name: str, fn: Any) -> None:
-        try:
-            out[name] = fn()
-        except Exception:  # noqa: BLE001 - report which case broke
-            out[name] = {"crash": traceback.format_exc()}
+        record_case(out, name, fn)
 
     case("auto", lambda: _run("auto", LIMIT))
     split = out["auto"].get("split")
