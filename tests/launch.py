@@ -15,13 +15,15 @@ REPO = Path(__file__).resolve().parent.parent
 COMPOSER = Path(sys.executable).parent / "composer"
 
 
-def run(args: list[str], timeout_s: int, env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
+def run(
+    args: list[str], timeout_s: int, env: Optional[dict[str, str]] = None, cwd: Optional[Path] = None
+) -> subprocess.CompletedProcess:
     """stdout+stderr together; a command still running after `timeout_s` is killed with its
     process group and fails the test as a hang."""
     if env is None:
         env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        args, cwd=cwd or REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
     try:
         out, _ = proc.communicate(timeout=timeout_s)

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from tests.launch import COMPOSER, run
+from tests.launch import COMPOSER, REPO, run
 
 if torch.__version__.startswith("2.7."):
     import llmfoundry  # noqa: F401 - the default leg must have it (`make test` installs it): never a silent skip
@@ -68,7 +68,7 @@ def _pretrain_yaml(tmp_path) -> str:
         json.dumps({"context": f"sample {i}: the quick brown fox jumps over", "continuation": " the lazy dog"}) + "\n"
         for i in range(96)
     ))
-    cfg = OmegaConf.load(PRETRAIN)
+    cfg = OmegaConf.load(REPO / PRETRAIN)
     cfg.icl_tasks = [{"label": "lm", "dataset_uri": str(data), "num_fewshot": [0], "icl_task_type": "language_modeling"}]
     path = tmp_path / "pretrain.yaml"
     OmegaConf.save(cfg, path)
@@ -83,7 +83,8 @@ def test_llm_foundrys_pretrain_yaml_trains_evaluates_checkpoints_and_resumes_und
         f"save_folder={tmp_path}/ckpt", "save_interval=2ba", "autoresume=true", "run_name=pretrain",
         f"callbacks.hf_checkpointer.save_folder={tmp_path}/hf", "callbacks.hf_checkpointer.save_interval=4ba",
     ]
-    result = run([str(COMPOSER), "-n", "2", "-m", "automicro.foundry", config, "max_duration=4ba", *keys], 400, OFFLINE)
+    # From tmp_path: llm-foundry copies each ICL dataset into the working directory.
+    result = run([str(COMPOSER), "-n", "2", "-m", "automicro.foundry", config, "max_duration=4ba", *keys], 400, OFFLINE, tmp_path)
     out = result.stdout
     assert result.returncode == 0, out[-6000:]
     # Its fsdp_config block, mapped: one line, and one per key without an FSDP2 meaning.
@@ -110,12 +111,17 @@ def test_llm_foundrys_pretrain_yaml_trains_evaluates_checkpoints_and_resumes_und
     model = torch.load(tmp_path / "ckpt" / "ep0-ba4-rank0.pt", weights_only=False)["state"]["model"]
     assert len(hf) == len(model) > 0
     assert all(torch.equal(value, model[f"model.{name}"]) for name, value in hf.items())
-    # autoresume: the same command, longer, goes on from batch 4 with the split it had found.
-    again = run([str(COMPOSER), "-n", "2", "-m", "automicro.foundry", config, "max_duration=5ba", *keys], 400, OFFLINE)
+    # autoresume: the same command, longer, goes on from batch 4 with the split it had found, and
+    # its evaluators with the sizes they had found (the eval at batch 6 runs out nowhere).
+    for copied in tmp_path.glob("lm-*.jsonl"):  # llm-foundry 0.22's ranks race to replace an existing copy
+        copied.unlink()
+    again = run([str(COMPOSER), "-n", "2", "-m", "automicro.foundry", config, "max_duration=6ba", *keys], 400, OFFLINE, tmp_path)
     assert again.returncode == 0, again.stdout[-6000:]
     assert "[automicro] resumed with microbatch split" in again.stdout
     assert "[automicro] batch 4 attempt 1:" in again.stdout and "[automicro] batch 0 attempt" not in again.stdout
-    assert (tmp_path / "ckpt" / "ep0-ba5-rank0.pt").exists()
+    assert len(re.findall(r"Eval metrics/eval/LanguageCrossEntropy", again.stdout)) == 1
+    assert "-> oom" not in "\n".join(line for line in again.stdout.splitlines() if "[automicro] eval" in line), again.stdout[-6000:]
+    assert (tmp_path / "ckpt" / "ep0-ba6-rank0.pt").exists()
 
 
 @pytest.mark.multiproc

@@ -514,6 +514,7 @@ class AutoMicrobatching(Callback):
             "search_time_s": self.search_time_s,
             "history": history_to_state(self.history),
             "tokens": None if self.tokens is None else self.tokens.state_dict(),
+            "eval": self._eval.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -524,6 +525,7 @@ class AutoMicrobatching(Callback):
         self.history = history_from_state(state.get("history", []))
         if self.tokens is not None and state.get("tokens") is not None:
             self.tokens.load_state_dict(state["tokens"])
+        self._eval.load_state_dict(state.get("eval", {}))
 
     def _ensure_policy(self, batch_size: int, state: Optional[State] = None) -> None:
         if self.tokens is not None and self.tokens.fixed is not None:

@@ -84,13 +84,20 @@ class EvalSearch:
     def found_size(self) -> Optional[int]:
         return None if self.policy is None else self.policy.found_size
 
-    def batch_start(self, evaluator: Any, batch_size: int) -> int:
-        """Set the size this batch is split by; returns it."""
+    def batch_start(self, evaluator: Any, batch_size: int, resumed: Optional[dict[str, Any]] = None) -> int:
+        """Set the size this batch is split by; returns it. `resumed`: this search as a checkpoint
+        kept it (taken up, with a rearm, as the training search is)."""
         if self.policy is None:
             config = self.policy_config or search.PolicyConfig()
             if self.cap is not None:
                 config = replace(config, start_size=self.cap, sizes_for=_SizesUpTo(self.cap))
             self.policy = search.SearchPolicy(config, batch_size)
+            if resumed is not None:
+                self.policy.state = search.SearchState.from_dict(resumed["policy"])
+                self.batches = int(resumed.get("batches", 0))
+                self.policy.observe(search.Rearm("checkpoint loaded"))
+                if self.policy.state.batch_size != batch_size:
+                    self.policy.observe(search.BatchSizeChanged(batch_size))
         size = max(self.policy.current_split())
         chunk = _chunk_for(batch_size, size, self.policy.found_size is not None)
         self._current = _EvalBatch(size=size, chunk=chunk, batch_size=batch_size)
@@ -231,6 +238,7 @@ class EvalFence:
         self._info, self._count_oom, self._make_config = info, count_oom, make_config
         self.searches: dict[str, EvalSearch] = {}
         self.pinned: dict[str, int] = {}  # label -> pinned size, for evaluators not set to `auto`
+        self._resumed: dict[str, Any] = {}  # label -> a checkpoint's search, taken up at its first batch
         self.guarded = False  # guard() installed: eval forwards are fenced
         self.running = False  # between EVAL_START and EVAL_END
         self._fence: Optional[AttemptFence] = None
@@ -259,6 +267,17 @@ class EvalFence:
         self._fence, self._sites, self._recover, self._hooks_active = fence, sites, recover, hooks_active
         self._empty_cache = empty_cache
 
+    def state_dict(self) -> dict[str, Any]:
+        """Each evaluator's search, for checkpoints: a resumed run does not search its eval sizes again."""
+        return {
+            label: {"policy": s.policy.state.to_dict(), "batches": s.batches}
+            for label, s in self.searches.items()
+            if s.policy is not None
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._resumed = dict(state or {})
+
     def pin(self, label: str, size: int) -> None:
         """Evaluator `label` runs at its pinned `size`, split further only after an eval OOM."""
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
@@ -285,7 +304,7 @@ class EvalFence:
             if label not in self.searches:
                 self.searches[label] = EvalSearch(label, self._make_config(), cap=self.pinned.get(label))
             self._search = self.searches[label]
-            self._search.batch_start(evaluator, leading_size(state.batch))
+            self._search.batch_start(evaluator, leading_size(state.batch), self._resumed.pop(label, None))
 
     def batch_end(self) -> None:
         search_ = self._search
