@@ -6,11 +6,15 @@ Differences from `composer.Trainer`, all opt-in through arguments Composer alrea
   `ParallelismConfig` / `FSDP2Config` are carried over where they mean the same thing, or refused
   naming the field (`automicro.integration.composer_config`);
 - `device_train_microbatch_size="auto"` works with FSDP2 (Composer refuses it), driven by the
-  `AutoMicrobatching` callback (one is added with defaults if none is given).
-One argument of its own: `checkpoint_format="full" | "sharded"` (default "full", or what a
+  `AutoMicrobatching` callback (one is added with defaults if none is given); without FSDP it runs
+  on one rank (`automicro.engine.unsharded`); evaluators with a pinned size are split after an
+  eval OOM (`eval_oom`).
+Two arguments of its own: `checkpoint_format="full" | "sharded"` (default "full", or what a
 Composer `FSDP2Config.state_dict_type` asks for; see
 `automicro.integration.checkpointing`); `"sharded"` saves and loads torch.distributed.checkpoint
-shards, Composer's `state_dict_type: sharded`.
+shards, Composer's `state_dict_type: sharded`. `compile=` (`automicro.engine.CompileConfig`, a
+mapping of its keys or True): each sharded block's forward compiled, or Composer's whole-model
+`compile_config` with ``scope: model``.
 Everything else is passed to Composer unchanged.
 """
 
