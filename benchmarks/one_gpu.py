@@ -58,6 +58,7 @@ def overrides(variant: str, args: argparse.Namespace, run_dir: str) -> list[str]
         common += ["parallelism_config=null"]
     elif kind != "eager":
         raise SystemExit(f"unknown variant {variant!r}")
+    common += [o for o in args.extra.split(",") if o]
     if mode.startswith("fixed-"):
         common.append(f"device_train_microbatch_size={int(mode.split('-')[1])}")
     elif mode != "auto":
@@ -122,6 +123,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--memory-fraction", type=float, default=0.95)
     p.add_argument("--timeout", type=float, default=400.0)
     p.add_argument("--preset", default="1b")
+    p.add_argument("--extra", default="", help="more YAML overrides for every variant, comma-separated")
     p.add_argument("--seq", type=int, default=SEQ)
     p.add_argument("--dry-run", action="store_true", help="CPU, aot_eager: check the suite, measure nothing")
     if argv is None and sys.argv[1:2] == ["--stock"]:
