@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
+from composer.core import Callback
 from torchmetrics import Metric
 
 import automicro
@@ -26,6 +27,7 @@ def fit(
     batches: int = 3,
     fsdp2: Optional[dict[str, Any]] = None,
     train_metrics: Optional[Callable[[], dict[str, Any]]] = None,
+    keep_trainer: bool = False,
     **trainer_kwargs: Any,
 ) -> dict[str, Any]:
     """Train the 4-block tiny Llama for `batches` batches; this rank's stage parameters after it.
@@ -70,9 +72,11 @@ def fit(
             "samples": int(trainer.state.timestamp.sample),
             "transport": None if auto is None else auto.transport_name,
             "flops_per_batch": model.flops_per_batch(trainer.state.batch),
+            **({"trainer": trainer} if keep_trainer else {}),
         }
     finally:
-        trainer.close()
+        if not keep_trainer:
+            trainer.close()
 
 
 def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -220,3 +224,53 @@ def sum_free_metric(rank: int, world: int) -> str:
     except Exception as error:  # noqa: BLE001 - returned to the test
         return f"{type(error).__name__}: {error}"
     return "no error"
+
+
+class RoundsPerBatch(Callback):
+    """Consensus rounds each batch took on this rank (`AutoMicrobatching.consensus_rounds`)."""
+
+    def __init__(self, auto: AutoMicrobatching) -> None:
+        self.auto = auto
+        self.rounds: list[int] = []
+        self.hooks_at_start: list[bool] = []  # the sync hooks each batch's first attempt ran with
+        self._seen = 0
+
+    def batch_start(self, state: Any, logger: Any) -> None:
+        self.hooks_at_start.append(self.auto.hooks_active)
+
+    def batch_end(self, state: Any, logger: Any) -> None:
+        total = self.auto.consensus_rounds
+        self.rounds.append(total - self._seen)
+        self._seen = total
+
+
+def steady_faults(rank: int, world: int, schedule: str, faults: list[tuple[str, int, int]]) -> dict[str, Any]:
+    """Per fault (site, failing rank, microbatch index): one OOM on one stage in batch 4, after the
+    size settled and the sync hooks came off (stable after 2 clean batches); the consensus rounds
+    of every batch, the drains, and the parameters against a fixed-size run without the fault."""
+    out: dict[str, Any] = {"cases": []}
+    reference: Optional[dict[str, Any]] = None
+    for site, failing, microbatch in faults:
+        auto = AutoMicrobatching(stable_batches=2, log_attempts=False)
+        injector = FaultInjector(site, ranks=[failing], batch=4, times=1, microbatch_index=microbatch)
+        rounds = RoundsPerBatch(auto)
+        result = fit(schedule, "auto", callbacks=[auto, injector, rounds], batches=6, keep_trainer=True)
+        runner = result["trainer"].pipeline.pipeline.runner
+        if reference is None:
+            reference = fit(schedule, result["found"], batches=6)
+        out["cases"].append({
+            "case": (site, failing, microbatch),
+            "history": result["history"],
+            "hooks": [r.hooks for r in auto.history],
+            "found": result["found"],
+            "fired": injector.fired,
+            "clean": result["clean"],
+            "rounds": rounds.rounds,
+            "hooks_at_start": rounds.hooks_at_start,
+            "time_steps": runner.stats.time_steps,
+            "drains": runner.drains,
+            "drained_steps": runner.drained_steps,
+            "diff": max_difference(result["params"], reference["params"]),
+        })
+        result["trainer"].close()
+    return out

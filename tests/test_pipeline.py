@@ -158,19 +158,67 @@ def test_search_on_two_stages_of_two_data_parallel_ranks_agrees_on_every_rank():
     assert ranks[0]["samples"] == 5 * 2 * cases.PER_PIPELINE_BATCH
 
 
-@pytest.mark.parametrize(
-    "schedule, site, failing, world",
-    [("1F1B", "backward_input", 1, 2), ("ZeroBubble", "backward_weight", 0, 2), ("ZeroBubble", "forward", 3, 4)],
-)
-def test_an_oom_on_one_stage_after_the_hooks_came_off_reruns_the_batch_at_the_same_size(schedule, site, failing, world):
-    ranks = run_multiprocess(cases.steady_fault, world_size=world, args=(schedule, site, failing), timeout_s=600)
+STEADY_FAULTS = {
+    "1F1B": [("forward", 0, 1), ("loss", 1, 0), ("backward_input", 0, 0), ("backward_input", 1, -1)],
+    "ZeroBubble": [("backward_weight", 0, 0), ("forward", 1, 1), ("backward_input", 0, -1)],
+}
+
+
+@pytest.fixture(scope="module", params=["1F1B", "ZeroBubble"])
+def steady_results(request):
+    faults = STEADY_FAULTS[request.param]
+    return request.param, run_multiprocess(cases.steady_faults, world_size=2, args=(request.param, faults), timeout_s=500)
+
+
+def test_after_the_size_settles_a_pipeline_batch_takes_three_consensus_rounds_not_one_per_time_step(steady_results):
+    """The barriers before every time step's exchange come off with the sync hooks (one
+    data-parallel rank per stage): a batch keeps one barrier before and one after its set-up, and
+    the attempt's agreement. While searching (hooks on) there is one per time step."""
+    schedule, ranks = steady_results
+    for out in ranks:
+        for case in out["cases"]:
+            attempts = {}
+            for record in case["history"]:
+                attempts[record[0]] = attempts.get(record[0], 0) + (record[2] != "ok")
+            # Batch 3 (after 2 stable ones) is the one without sync hooks that ran in one attempt
+            # (batch 4 fails and reruns with the hooks on; they come off again after batch 5).
+            quiet = [b for b, on in enumerate(case["hooks_at_start"]) if b > 0 and not on and attempts.get(b, 0) == 0]
+            assert quiet == [3], (schedule, case["case"], case["hooks_at_start"], case["history"])
+            assert case["rounds"][3] == 3, (schedule, case["case"], case["rounds"])
+            # Batches 1 and 2 (hooks on): a barrier per time step and before the set-up, the
+            # agreement, and the sync hooks' points.
+            assert min(case["rounds"][1:3]) >= case["time_steps"] + 2, (schedule, case["rounds"], case["time_steps"])
+
+
+def test_an_oom_on_one_stage_without_barriers_drains_its_schedule_and_reruns_the_batch_at_the_same_size(steady_results):
+    schedule, ranks = steady_results
+    drained = 0
+    for rank, out in enumerate(ranks):
+        for case in out["cases"]:
+            site, failing, _ = case["case"]
+            steady = [(h, hooks) for h, hooks in zip(case["history"], case["hooks"]) if h[0] == 4]
+            (first, first_hooks), (second, _) = steady[0], steady[1]
+            assert first[1:5] == (4, "oom", [failing], [site]), (schedule, case)
+            assert first_hooks is False and "in steady phase" in first[5], (schedule, case)
+            assert second[1:3] == (4, "ok"), (schedule, case)
+            assert case["found"] == 4 and case["clean"]
+            assert case["fired"] == (1 if rank == failing else 0)
+            assert case["drains"] == (1 if rank == failing else 0), (schedule, case)
+            drained += case["drained_steps"]
+            assert case["diff"] < 1e-5, (schedule, case["case"], case["diff"])
+    assert drained > 0  # some faults left sends and receives to drain (a stage's last action leaves none)
+
+
+def test_an_oom_on_a_stage_of_several_data_parallel_ranks_after_the_hooks_came_off_reruns_the_batch():
+    """Two data-parallel ranks per stage: the sync hooks and the per-step barriers stay on."""
+    ranks = run_multiprocess(cases.steady_fault, world_size=4, args=("ZeroBubble", "forward", 3), timeout_s=600)
     for rank, out in enumerate(ranks):
         steady = [h for h in out["history"] if h[0] == 4]
-        assert steady[0][1:5] == (4, "oom", [failing], [site]), out["history"]
+        assert steady[0][1:5] == (4, "oom", [3], ["forward"]), out["history"]
         assert "in steady phase" in steady[0][5], steady[0]
         assert steady[1][1:3] == (4, "ok"), out["history"]
         assert out["found"] == 4 and out["clean"]
-        assert out["fired"] == (1 if rank == failing else 0)
+        assert out["fired"] == (1 if rank == 3 else 0)
         assert out["diff"] < 1e-5, out["diff"]
 
 

@@ -277,7 +277,10 @@ class _Recorder:
     def after_loss(self, microbatch: int) -> None:
         pass
 
-    def before_exchange(self) -> None:
+    every_step = True
+    drains = False
+
+    def barrier(self) -> None:
         self.leave_inner()
         self.barriers += 1
         action, self.current = self.current, None

@@ -812,6 +812,52 @@ def initialize_pipeline_stages(schedule: Any, first_stage_args: tuple[Any, ...])
     schedule._initialize_stages(first_stage_args, {})
 
 
+def check_pipeline_exchange_group() -> None:
+    """torch 2.15's `torch.distributed.config.pipeline_per_edge_p2p` gives each stage-to-stage edge
+    a group of its own; automicro's drain (`stage_placeholders`) exchanges on the stage's group."""
+    if TORCH_VERSION < (2, 15):
+        return
+    from torch.distributed import config as dist_config
+
+    if getattr(dist_config, "pipeline_per_edge_p2p", False):
+        raise RuntimeError(
+            "automicro: torch.distributed.config.pipeline_per_edge_p2p is on (TORCH_DISTRIBUTED_PIPELINE_PER_EDGE_P2P); "
+            "automicro's pipeline executor exchanges on each pipeline's own group: turn it off"
+        )
+
+
+def stage_placeholders(
+    inputs_meta: tuple[torch.Tensor, ...],
+    outputs_meta: tuple[torch.Tensor, ...],
+    is_first: bool,
+    is_last: bool,
+    device: torch.device,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Tensors standing in for one time step's sends and receives of a `PipelineStage` that can no
+    longer compute (a failed attempt's drain): (forward sends, input-gradient sends, forward
+    receives, gradient receives). They mirror torch's stage protocol, the same on 2.7, 2.11 and
+    2.15: `get_fwd_send_ops` sends each output tensor to the next stage (`act_send_info`: one
+    destination per output), `get_bwd_send_ops` sends a gradient for every input received from the
+    previous stage (`_create_grad_send_info`: every `_RecvInfo`), and the receive buffers are
+    shaped as `_make_tensor_from_meta` makes them from the same meta tensors. torch 2.15 exchanges
+    gradients only for boundary tensors that require grad (`_derive_grad_metas`), on the stage's
+    group unless `torch.distributed.config.pipeline_per_edge_p2p` (off by default;
+    `check_pipeline_exchange_group` refuses it) gives each edge a group of its own."""
+
+    def make(metas: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        return [torch.zeros(m.shape, dtype=m.dtype, device=device) for m in metas]
+
+    def grads(metas: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        return tuple(m for m in metas if m.requires_grad) if TORCH_VERSION >= (2, 15) else metas
+
+    return (
+        make(outputs_meta) if not is_last else [],
+        make(grads(inputs_meta)) if not is_first else [],
+        make(inputs_meta) if not is_first else [],
+        make(grads(outputs_meta)) if not is_last else [],
+    )
+
+
 def finish_stage_backward(stage: Any) -> None:
     """After a stage's last backward of the batch: FSDP2's post-backward (the reduce-scatter of
     the accumulated gradients, reshard) and its final callback. No gradient scaling: automicro

@@ -26,10 +26,18 @@ point-to-point sends and receives whenever a rank is ready, so a stage that runs
 leaves its neighbours blocked in a receive, where no consensus point can reach them. Here every
 rank runs the schedule's compute order in the same time steps (`lockstep_table`): in each step a
 rank computes its action (or idles), then every rank meets at one barrier (`PipelineHooks.
-before_exchange`), then the sends and receives of that step, matched within the step, run. A rank
-that fails in a step's compute is seen by every other rank at that step's barrier, before anyone
-enters a send or receive. Within a step, FSDP2's collectives over the stage's ``dp`` ranks keep
-their own sync points (`automicro.core.hooks`).
+barrier`), then the sends and receives of that step, matched within the step, run. A rank that
+fails in a step's compute is seen by every other rank at that step's barrier, before anyone enters
+a send or receive. Within a step, FSDP2's collectives over the stage's ``dp`` ranks keep their own
+sync points (`automicro.core.hooks`).
+
+Once the size has settled, a barrier per time step costs throughput (each rank's host waits for
+the slowest stage's host at every step, where the asynchronous sends and receives would let it run
+ahead). With one data-parallel rank per stage the barriers then come off (``every_step=False``):
+only the batch's set-up keeps one before and one after it. A rank that fails in a step drains:
+it issues every remaining send and receive of its schedule with placeholder tensors
+(`_drain`), so its neighbours finish the batch on placeholders, no operation is left unmatched
+on any rank, and every rank learns of the failure at the attempt's agreement.
 
 Memory (the zero-bubble fix of `shared/seeds/pipelining-zero-bubble-memory.txt`): torch detaches
 the stage output (or loss) in place after the input gradient (dI), so only what the weight
@@ -49,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
@@ -145,24 +154,42 @@ def split_blocks(num_blocks: int, num_stages: int) -> list[range]:
 
 
 class PipelineHooks(Protocol):
-    """What the executor calls around its actions (the integration's consensus and sites)."""
+    """What the executor calls around its actions (the integration's consensus and sites).
+
+    ``every_step``: True, `barrier()` runs before every time step's exchange, so a rank that
+    fails in a step is seen by every other rank there, before any of them sends or receives.
+    False: it runs only before and after a batch's set-up (the receive buffers); a rank that
+    fails in a step then drains the schedule instead (``drains``, `PipelineRunner.run`), so the
+    other stages finish the batch and meet the failure at the attempt's agreement. Needs a stage
+    whose compute issues no collective of its own (one data-parallel rank per stage)."""
+
+    every_step: bool
+    drains: bool
 
     def before_action(self, action: Action) -> None: ...
 
     def after_loss(self, microbatch: int) -> None: ...
 
-    def before_exchange(self) -> None: ...
+    def barrier(self) -> None: ...
 
 
 class NoHooks:
+    every_step = False
+    drains = False
+
     def before_action(self, action: Action) -> None:
         pass
 
     def after_loss(self, microbatch: int) -> None:
         pass
 
-    def before_exchange(self) -> None:
+    def barrier(self) -> None:
         pass
+
+
+class PipelineDrainError(RuntimeError):
+    """A stage failed where the rest of its sends and receives could not be issued (inside an
+    exchange, or while draining): the stages are out of step for good."""
 
 
 @dataclass
@@ -277,6 +304,7 @@ def build_pipeline(
             "seq_len, dtype)"
         )
     internals.install_input_grad_failure_cleanup()
+    internals.check_pipeline_exchange_group()
     sharded = shard(stage_module, fsdp2, mesh=layout.dp_mesh, device=device)
     object.__setattr__(model, "_automicro_sharded", sharded)
     runner = PipelineRunner(sharded, layout, config, compute_dtype=_compute_dtype(fsdp2, stage_module))
@@ -312,6 +340,9 @@ class PipelineRunner:
         self.compute_dtype = compute_dtype
         self.schedule_class = internals.pipeline_schedule_class(SCHEDULE_CLASSES[config.schedule])
         self.stats = PipelineStats()
+        # Failed attempts this rank drained, and the time steps it exchanged placeholders in (`_drain`).
+        self.drains = 0
+        self.drained_steps = 0
         self._stage: Any = None
         self._kept_nodes: list[Any] = []
         # Per runner, not `functools.lru_cache` (a class-wide cache would keep every runner, and its
@@ -380,53 +411,101 @@ class PipelineRunner:
         total: Optional[torch.Tensor] = None
         # Every stage reaches this point before any of them allocates receive buffers or (2.11+)
         # exchanges the set-up message with its neighbours.
-        hooks.before_exchange()
+        hooks.barrier()
         internals.initialize_pipeline_stages(schedule, first_inputs)
-        for step, action in enumerate(table[me]):
-            ops: list[Any] = []
-            if action is not None:
-                hooks.before_action(action)
-                self.stats.actions.append(str(action))
-                if action.kind == "F":
-                    args = tuple(t.to(self.sharded.device) for t in stage_inputs(microbatches[action.microbatch])) if self.layout.is_first else ()
-                    output = stage.forward_one_chunk(action.microbatch, args, {})
-                    if self.config.keep_graph_after_input_grad:
-                        self._kept_nodes.extend(t.grad_fn for t in _tensors(output) if t.grad_fn is not None)
-                    if self.layout.is_last:
-                        loss = loss_fn(output, microbatches[action.microbatch])
-                        losses[action.microbatch] = loss
-                        total = loss.detach() if total is None else total + loss.detach()
-                        # torch keeps every output chunk for a merge the training step never uses.
-                        stage.output_chunks.clear()
-                        hooks.after_loss(action.microbatch)
+        if not hooks.every_step:
+            hooks.barrier()  # a failed set-up is seen here, before any step's exchange
+        step, exchanging = -1, False
+        try:
+            for step, action in enumerate(table[me]):
+                ops: list[Any] = []
+                if action is not None:
+                    hooks.before_action(action)
+                    self.stats.actions.append(str(action))
+                    if action.kind == "F":
+                        args = tuple(t.to(self.sharded.device) for t in stage_inputs(microbatches[action.microbatch])) if self.layout.is_first else ()
+                        output = stage.forward_one_chunk(action.microbatch, args, {})
+                        if self.config.keep_graph_after_input_grad:
+                            self._kept_nodes.extend(t.grad_fn for t in _tensors(output) if t.grad_fn is not None)
+                        if self.layout.is_last:
+                            loss = loss_fn(output, microbatches[action.microbatch])
+                            losses[action.microbatch] = loss
+                            total = loss.detach() if total is None else total + loss.detach()
+                            # torch keeps every output chunk for a merge the training step never uses.
+                            stage.output_chunks.clear()
+                            hooks.after_loss(action.microbatch)
+                        else:
+                            ops.extend(stage.get_fwd_send_ops(action.microbatch))
+                        del output
+                    elif action.kind in ("B", "I"):
+                        loss = losses.pop(action.microbatch, None)
+                        stage.backward_one_chunk(action.microbatch, loss=loss, full_backward=action.kind == "B", last_backward=False)
+                        del loss
+                        if not self.layout.is_first:
+                            ops.extend(stage.get_bwd_send_ops(action.microbatch))
                     else:
-                        ops.extend(stage.get_fwd_send_ops(action.microbatch))
-                    del output
-                elif action.kind in ("B", "I"):
-                    loss = losses.pop(action.microbatch, None)
-                    stage.backward_one_chunk(action.microbatch, loss=loss, full_backward=action.kind == "B", last_backward=False)
-                    del loss
-                    if not self.layout.is_first:
-                        ops.extend(stage.get_bwd_send_ops(action.microbatch))
-                else:
-                    stage.backward_weight_one_chunk(action.microbatch, last_backward=False)
-            before = previous[step] if previous is not None and step < len(previous) else None
-            if before is not None and before.kind == "F":
-                ops.extend(stage.get_fwd_recv_ops(before.microbatch))
-            after = following[step] if following is not None and step < len(following) else None
-            if after is not None and after.kind in ("B", "I"):
-                ops.extend(stage.get_bwd_recv_ops(after.microbatch))
-            hooks.before_exchange()
-            if ops:
-                self.stats.exchanges += 1
-                _exchange(ops)
-                del ops
-            if action is not None and action.kind in ("B", "I"):
-                internals.drop_finished_microbatch(stage, action.microbatch)
+                        stage.backward_weight_one_chunk(action.microbatch, last_backward=False)
+                before = previous[step] if previous is not None and step < len(previous) else None
+                if before is not None and before.kind == "F":
+                    ops.extend(stage.get_fwd_recv_ops(before.microbatch))
+                after = following[step] if following is not None and step < len(following) else None
+                if after is not None and after.kind in ("B", "I"):
+                    ops.extend(stage.get_bwd_recv_ops(after.microbatch))
+                if hooks.every_step:
+                    hooks.barrier()
+                if ops:
+                    self.stats.exchanges += 1
+                    exchanging = True
+                    _exchange(ops)
+                    exchanging = False
+                    del ops
+                if action is not None and action.kind in ("B", "I"):
+                    internals.drop_finished_microbatch(stage, action.microbatch)
+        except BaseException as error:
+            if hooks.drains and step >= 0:
+                losses.clear()
+                total = None
+                self._drain_after(error, table, step, exchanging, inputs_meta, outputs_meta)
+            raise
         internals.finish_stage_backward(stage)
         self.sharded.end_of_backward()
         self.release()
         return total
+
+    def _drain_after(
+        self,
+        error: BaseException,
+        table: dict[int, list[Optional[Action]]],
+        step: int,
+        exchanging: bool,
+        inputs_meta: tuple[torch.Tensor, ...],
+        outputs_meta: tuple[torch.Tensor, ...],
+    ) -> None:
+        """This rank failed in time step `step` with the per-step barriers off: issue every send
+        and receive its schedule has from that step on, with placeholder tensors of the boundary's
+        shapes, so the neighbouring stages (which do not know yet) finish the batch instead of
+        waiting on a receive for ever, and no operation is left unmatched on any rank's stream
+        for the next attempt to pair with. Their results are thrown away: the attempt's agreement
+        fails it on every rank."""
+        if exchanging:
+            raise PipelineDrainError(
+                f"automicro: pipeline stage {self.layout.stage_index} failed inside the exchange of time step {step} "
+                f"({type(error).__name__}: {error}); its neighbours' sends and receives cannot be matched any more"
+            ) from error
+        # The failed attempt's activations: nothing of them is needed any more, and the
+        # placeholders need the room (the error's frames hold the failed action's tensors).
+        self.release()
+        for each in _chain(error):
+            if each.__traceback__ is not None:
+                traceback.clear_frames(each.__traceback__)
+        try:
+            self.drained_steps += _drain(table, step, self.layout, self.sharded.device, inputs_meta, outputs_meta)
+            self.drains += 1
+        except BaseException as drain_error:
+            raise PipelineDrainError(
+                f"automicro: pipeline stage {self.layout.stage_index} failed at time step {step} ({type(error).__name__}) "
+                f"and then could not issue the rest of its sends and receives ({type(drain_error).__name__}: {drain_error})"
+            ) from drain_error
 
     def release(self) -> None:
         """Drop everything the last (or failed) batch left on the stage; safe to call twice."""
@@ -467,6 +546,55 @@ class PipelineRunner:
         return self._tables[num_microbatches]
 
 
+def _drain(
+    table: dict[int, list[Optional[Action]]],
+    start: int,
+    layout: PipelineLayout,
+    device: torch.device,
+    inputs_meta: tuple[torch.Tensor, ...],
+    outputs_meta: tuple[torch.Tensor, ...],
+) -> int:
+    """The sends and receives of this rank's time steps `start`.. in the order `run` issues them
+    (its action's sends, then the receive of the previous stage's forward, then that of the next
+    stage's input gradient), one tensor per boundary tensor as torch's stage sends them: zeros to
+    send, scratch to receive into. Returns the steps that exchanged anything."""
+    me, group = layout.stage_index, layout.pp_group
+    previous, following, mine = table.get(me - 1), table.get(me + 1), table[me]
+    prev_peer = dist.get_global_rank(group, me - 1) if not layout.is_first else -1
+    next_peer = dist.get_global_rank(group, me + 1) if not layout.is_last else -1
+
+    send_out, send_grads, recv_in, recv_grads = internals.stage_placeholders(
+        inputs_meta, outputs_meta, layout.is_first, layout.is_last, device
+    )
+    exchanged = 0
+    for step in range(start, len(mine)):
+        ops: list[Any] = []
+        action = mine[step]
+        if action is not None and action.kind == "F":
+            ops.extend(dist.P2POp(dist.isend, t, next_peer, group) for t in send_out)
+        elif action is not None and action.kind in ("B", "I"):
+            ops.extend(dist.P2POp(dist.isend, t, prev_peer, group) for t in send_grads)
+        before = previous[step] if previous is not None and step < len(previous) else None
+        if before is not None and before.kind == "F":
+            ops.extend(dist.P2POp(dist.irecv, t, prev_peer, group) for t in recv_in)
+        after = following[step] if following is not None and step < len(following) else None
+        if after is not None and after.kind in ("B", "I"):
+            ops.extend(dist.P2POp(dist.irecv, t, next_peer, group) for t in recv_grads)
+        if ops:
+            exchanged += 1
+            _exchange(ops)
+    return exchanged
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    each: Optional[BaseException] = error
+    while each is not None and all(each is not s for s in seen):
+        seen.append(each)
+        each = each.__cause__ or each.__context__
+    return seen
+
+
 def _exchange(ops: list[Any]) -> None:
     """Run one step's sends and receives to completion. In a function of its own: a finished work
     object still references its tensor, and must not outlive the step as a loop variable."""
@@ -494,6 +622,7 @@ __all__ = [
     "Action",
     "Pipeline",
     "PipelineConfig",
+    "PipelineDrainError",
     "PipelineHooks",
     "PipelineLayout",
     "PipelineModelError",

@@ -140,7 +140,7 @@ class BatchStep:
                 finish()
 
             if self.pipeline is not None:
-                hooks = AttemptHooks(self.consensus, self.dispatcher, self.pipeline.stage_index)
+                hooks = AttemptHooks(self.consensus, self.dispatcher, self.pipeline.stage_index, every_step=hooks_on)
                 self.pipeline.run(self.trainer, microbatches, total_loss_dict, end_of_attempt, hooks)
                 return
             composer_internals.run_microbatches(

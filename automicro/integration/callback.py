@@ -155,6 +155,7 @@ class AutoMicrobatching(Callback):
             raise ValueError(f"steady_recovery={steady_recovery!r}: must be true or false")
         # False: no collective ledger; a failure with the hooks off then stops the job after
         # unguarded_timeout_s (the behaviour before in-process recovery; for measuring its cost).
+        # A pipeline then keeps its per-step barriers for the whole run (the cost of not draining).
         self.steady_recovery = steady_recovery
         self.cpu_sync_group = cpu_sync_group
         self.memory_fraction = memory_fraction
@@ -240,9 +241,10 @@ class AutoMicrobatching(Callback):
                 "use budget='samples' with parallelism_config.pipeline"
             )
         if pipeline is not None:
-            # Only equal microbatches, enough for the schedule. The steady-phase guarantee needs no
-            # ledger: the executor's barrier before every exchange stays on for the whole run, and
-            # so do the sync hooks where a stage has several data-parallel ranks (see `_apply_hooks`).
+            # Only equal microbatches, enough for the schedule. The steady phase needs no ledger: with
+            # one data-parallel rank per stage a stage that fails drains its sends and receives
+            # (`automicro.engine.pipeline`); with several, the sync hooks and the executor's barrier
+            # before every exchange stay on for the whole run (see `_apply_hooks`).
             self.policy_config = dataclasses.replace(self.policy_config, sizes_for=pipeline.microbatch_sizes)
             self._ledger = None
             self._alarm = None
@@ -625,8 +627,9 @@ class AutoMicrobatching(Callback):
         assert self.policy is not None
         batch_index = step.batch_index
         while True:
-            # A pipeline's barriers stay on for the whole run: every failure is agreed with the hooks' protocol.
-            hooks_on = self.hooks_active or self._pipeline is not None
+            # A pipeline's per-step barriers come off with the sync hooks (a failed stage drains the
+            # schedule instead, `automicro.engine.pipeline`); steady_recovery=False keeps them on.
+            hooks_on = self.hooks_active or (self._pipeline is not None and not self.steady_recovery)
             if self.tokens is not None:
                 attempt = step.attempt(None, self._budget(), hooks_on)
             else:

@@ -8,8 +8,10 @@ pipelines.
 
 Under auto microbatching (`AutoMicrobatching`) each batch is one attempt of the attempt fence and
 `AttemptHooks` connects the executor to the protocol: a consensus barrier at every time step
-before the step's sends and receives, the `backward_input` / `backward_weight` sites before each
-dI / dW, `loss` after each microbatch's loss, and the attempt context's microbatch index.
+before the step's sends and receives while the sync hooks are on (after the size settled, with one
+data-parallel rank per stage, only around the batch's set-up: a failed stage drains, see
+`automicro.engine.pipeline`), the `backward_input` / `backward_weight` sites before each dI / dW,
+`loss` after each microbatch's loss, and the attempt context's microbatch index.
 
 Train metrics (`get_metrics(is_train=True)`) live on the stage's device on every rank and are
 updated on the last stage, where the outputs are, from each microbatch's outputs. Composer's
@@ -45,12 +47,16 @@ class SamplesDifferError(RuntimeError):
 
 
 class AttemptHooks:
-    """The executor's hooks inside an attempt of the attempt fence."""
+    """The executor's hooks inside an attempt of the attempt fence. `every_step`: a consensus
+    barrier before every time step's exchange (while searching, and always where a stage has
+    several data-parallel ranks); otherwise only around the set-up, and a failed rank drains."""
 
-    def __init__(self, consensus: Consensus, dispatcher: SiteDispatcher, stage_index: int) -> None:
+    def __init__(self, consensus: Consensus, dispatcher: SiteDispatcher, stage_index: int, every_step: bool = True) -> None:
         self.consensus = consensus
         self.dispatcher = dispatcher
         self.stage_name = f"stage{stage_index}"
+        self.every_step = every_step
+        self.drains = not every_step
 
     def before_action(self, action: Action) -> None:
         context = self.dispatcher.context
@@ -64,7 +70,7 @@ class AttemptHooks:
         if self.dispatcher.listens("loss"):
             self.dispatcher.fire("loss", self.stage_name)
 
-    def before_exchange(self) -> None:
+    def barrier(self) -> None:
         self.consensus.barrier()
 
 
