@@ -151,8 +151,9 @@ def table(part: str, cases: list[dict]) -> list[str]:
                  c.get("ooms_total", len(c["oom_attempts"])), sites(c), f"{c.get('found_size')} ({c.get('size_in_use')})", c.get("batches"),
                  c["finished"], c["hang"], c.get("wall_s")] for c in cases]
     elif part == "throughput":
-        header = ["case", "schedule", "fractions", "microbatch", "finished", "OOMs", "tokens/s (last window)", "tokens/s whole fit", "peak alloc r0/r1 MiB"]
-        rows = [[c["case"], c.get("schedule"), c.get("fractions"), c.get("found_size") if c.get("mb") == "auto" and c.get("found_size") else c.get("mb"),
+        header = ["case", "schedule", "override", "fractions", "microbatch", "finished", "OOMs", "tokens/s (last window)", "tokens/s whole fit", "peak alloc r0/r1 MiB"]
+        rows = [[c["case"], c.get("schedule"), (c.get("extra") or "-").split(".")[-1], c.get("fractions"),
+                 c.get("found_size") if c.get("mb") == "auto" and c.get("found_size") else c.get("mb"),
                  c["finished"], c.get("ooms_total", len(c["oom_attempts"])), f(c.get("tokens_per_s_last"), ",.0f"), f(c.get("fit_tokens_per_s"), ",.0f"),
                  "/".join(f(c["peak"].get(r, {}).get("peak_allocated_mib"), ".0f") for r in ("0", "1"))] for c in cases]
     else:
