@@ -3,8 +3,8 @@
 # Llama 1B (22 layers, seq 2048, untied embeddings), amp_bf16, FSDP2 DEFAULT, synthetic data.
 #   PARTS="nohang" bash benchmarks/gpu_pipeline.sh        # any of: nohang throughput memory
 #   NOHANG_SPECS="zb-r0-015 ZeroBubble 0:0.15,1f1b-r1-020 1F1B 1:0.20"   # name schedule rank:fraction [override], comma-separated
-#   (an override such as "callbacks.fault_injector={site: forward, ranks: [0], batch: 8, times: 1}" adds
-#   a steady-phase fault: no spaces allowed in it here, write {site:forward,ranks:[0],...})
+#   (an override such as callbacks.fault_injector={"site":"forward","ranks":[0],"batch":8,"times":1} adds
+#   a steady-phase fault: no spaces in it; separate the specs with ';' when an override holds commas)
 #   CPU_DRY=1 bash benchmarks/gpu_pipeline.sh   # plumbing check on 2 gloo ranks (configs/tiny-cpu-pp.yaml), no GPU
 # nohang:     auto microbatching with a tight memory_fraction on ONE stage, both schedules, each
 #             run under `timeout` (rc 124/137 = hang);
@@ -57,7 +57,7 @@ case_run() {
   echo $rc > "$dir/rc"
   local wall=$(( $(date +%s) - t0 ))
   printf '{"order": %d, "schedule": "%s", "keep_graph": %s, "ac": %s, "mb": "%s", "fractions": "%s", "duration": "%s", "extra": "%s", "wall_s": %d}\n' \
-    $order "$sched" "$keep" "$ac" "$mb" "$frac" "$dur" "$extra" $wall > "$dir/meta.json"
+    $order "$sched" "$keep" "$ac" "$mb" "$frac" "$dur" "${extra//\"/\\\"}" $wall > "$dir/meta.json"
   echo "-- $part/$name: rc $rc in ${wall}s; $(grep -h '\[automicro\] \(done\|microbatch size found\|fixed\)' "$dir/console.log" | tr '\n' ' ' | cut -c1-300)"
   if [ $rc -ne 0 ]; then grep -v Warning "$dir/console.log" | grep -B2 -A25 "Traceback" | head -60; fi
   # a killed launcher can leave ranks behind: show what still holds a GPU
@@ -74,7 +74,8 @@ for part in ${PARTS:-nohang throughput memory}; do
   case $part in
     nohang)
       # name sched frac (one tight stage; 141 GB H200)
-      IFS=, read -ra specs <<< "${NOHANG_SPECS:-zb-r0-015 ZeroBubble 0:0.15,1f1b-r1-020 1F1B 1:0.20,zb-r1-025 ZeroBubble 1:0.25,1f1b-r0-030 1F1B 0:0.30,zb-r0-035 ZeroBubble 0:0.35,1f1b-r0-017 1F1B 0:0.17}"
+      sep=,; [[ "${NOHANG_SPECS:-}" == *";"* ]] && sep=";"  # ';' between specs when an override holds commas
+      IFS=$sep read -ra specs <<< "${NOHANG_SPECS:-zb-r0-015 ZeroBubble 0:0.15,1f1b-r1-020 1F1B 1:0.20,zb-r1-025 ZeroBubble 1:0.25,1f1b-r0-030 1F1B 0:0.30,zb-r0-035 ZeroBubble 0:0.35,1f1b-r0-017 1F1B 0:0.17}"
       for spec in "${specs[@]}"; do
         set -- $spec
         case_run nohang "$1" "$2" false false auto "$3" "${NOHANG_DUR:-8ba}" "${4:-}"
@@ -84,7 +85,8 @@ for part in ${PARTS:-nohang throughput memory}; do
       # TP_SPECS: "name schedule microbatch [override]", comma-separated, run in this order (repeat a
       # name-suffixed pair to interleave); microbatch "found" = the size the first auto case found.
       FRAC=${TP_FRAC:-0:0.20}; DUR=${TP_DUR:-14ba}; S=${TP_SCHED:-1F1B}
-      IFS=, read -ra specs <<< "${TP_SPECS:-auto $S auto,fixed-half $S half,fixed-found $S found,fixed-double $S double}"
+      sep=,; [[ "${TP_SPECS:-}" == *";"* ]] && sep=";"
+      IFS=$sep read -ra specs <<< "${TP_SPECS:-auto $S auto,fixed-half $S half,fixed-found $S found,fixed-double $S double}"
       found=""
       for spec in "${specs[@]}"; do
         set -- $spec
