@@ -20,6 +20,7 @@ import json
 import os
 import re
 import runpy
+import statistics
 import sys
 from typing import Any
 
@@ -27,6 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 
 MIB = 1024**2
+# Per-batch figures leave out the first batches (the search and the batches with the sync hooks on).
+STEADY_FROM = 4
 ATTEMPT = re.compile(r"\[automicro\] batch (\d+) attempt (\d+): size (\d+) split \[([^\]]*)\] -> (\w+)(?: on rank\(s\) \[([^\]]*)\] at \[([^\]]*)\])?; next size (\d+)")
 FOUND = re.compile(r"microbatch size found: (\w+) .*split in use \[([^\]]*)\]; attempts (\d+), OOMs (\d+)")
 DONE = re.compile(r"done: (\d+) batches, final loss (\S+), ([\d,]+) tokens/s over the whole fit \(([\d.]+) s")
@@ -128,6 +131,16 @@ def read_case(folder: str) -> dict:
         tps = [r["throughput/tokens_per_sec"] for r in rows if "throughput/tokens_per_sec" in r]
         case["tokens_per_s_last"] = tps[-1] if tps else None
         case["tokens_per_s_series"] = tps
+        # Composer logs time/train (hours) and time/token at every batch: per-batch seconds and tokens.
+        hours = {r["step"]: r["time/train"] for r in rows if "time/train" in r}
+        tokens = {r["step"]: r["time/token"] for r in rows if "time/token" in r}
+        steps = sorted(set(hours) & set(tokens))
+        case["batch_seconds"] = [round((hours[b] - hours[a]) * 3600, 4) for a, b in zip(steps, steps[1:])]
+        case["batch_tokens"] = [tokens[b] - tokens[a] for a, b in zip(steps, steps[1:])]
+        steady = case["batch_seconds"][STEADY_FROM:]
+        if steady:
+            case["steady_median_s"] = statistics.median(steady)
+            case["steady_tokens_per_s"] = case["batch_tokens"][-1] / case["steady_median_s"]
         peaks = [r["memory/peak_allocated_mem"] for r in rows if "memory/peak_allocated_mem" in r]
         case["monitor_peak_allocated_gb_last"] = peaks[-1] if peaks else None
     probe_dir = os.path.join(folder, "probe")
@@ -151,10 +164,12 @@ def table(part: str, cases: list[dict]) -> list[str]:
                  c.get("ooms_total", len(c["oom_attempts"])), sites(c), f"{c.get('found_size')} ({c.get('size_in_use')})", c.get("batches"),
                  c["finished"], c["hang"], c.get("wall_s")] for c in cases]
     elif part == "throughput":
-        header = ["case", "schedule", "override", "fractions", "microbatch", "finished", "OOMs", "tokens/s (last window)", "tokens/s whole fit", "peak alloc r0/r1 MiB"]
+        header = ["case", "schedule", "override", "fractions", "microbatch", "finished", "OOMs", "tokens/s (last window)",
+                  f"tokens/s (median batch from {STEADY_FROM + 1})", "tokens/s whole fit", "peak alloc r0/r1 MiB"]
         rows = [[c["case"], c.get("schedule"), (c.get("extra") or "-").split(".")[-1], c.get("fractions"),
                  c.get("found_size") if c.get("mb") == "auto" and c.get("found_size") else c.get("mb"),
-                 c["finished"], c.get("ooms_total", len(c["oom_attempts"])), f(c.get("tokens_per_s_last"), ",.0f"), f(c.get("fit_tokens_per_s"), ",.0f"),
+                 c["finished"], c.get("ooms_total", len(c["oom_attempts"])), f(c.get("tokens_per_s_last"), ",.0f"),
+                 f(c.get("steady_tokens_per_s"), ",.0f"), f(c.get("fit_tokens_per_s"), ",.0f"),
                  "/".join(f(c["peak"].get(r, {}).get("peak_allocated_mib"), ".0f") for r in ("0", "1"))] for c in cases]
     else:
         header = ["case", "schedule", "keep_graph", "act_ckpt", "microbatch", "finished", "peak alloc r0 MiB", "peak alloc r1 MiB", "peak reserved r0/r1 MiB", "tokens/s (last window)"]
