@@ -104,12 +104,17 @@ class Success:
     """A full batch at microbatch size `size` finished on every rank.
 
     peak_bytes: max over ranks of the peak memory during the attempt; capacity_bytes: min over
-    ranks of the usable memory. Both optional; they feed the memory prediction.
+    ranks of the usable memory. Both optional; they feed the memory prediction. projected: the
+    attempt ran before memory that later batches will hold existed (the optimizer state of the
+    first step), and peak_bytes already includes it: a projected peak above the prediction's
+    margin of the capacity is a size that would run out of memory later. It is not kept as a
+    success; the search goes on below it without spending an OOM (`_on_projected_failure`).
     """
 
     size: int
     peak_bytes: Optional[int] = None
     capacity_bytes: Optional[int] = None
+    projected: bool = False
 
 
 @dataclass(frozen=True)
@@ -496,8 +501,49 @@ def _record_success(state: SearchState, outcome: Success, config: PolicyConfig) 
     return replace(new, best_success=_best_below(config, new, _hi(new)))
 
 
+def _projected_to_fail(state: SearchState, outcome: Success, config: PolicyConfig) -> bool:
+    return bool(
+        outcome.projected
+        and config.use_prediction
+        and outcome.peak_bytes
+        and outcome.capacity_bytes
+        and outcome.peak_bytes > outcome.capacity_bytes * SAFETY_MARGIN
+        and outcome.size > _min_size(config, state.batch_size)
+    )
+
+
+def _on_projected_failure(state: SearchState, outcome: Success, config: PolicyConfig) -> tuple[SearchState, Decision]:
+    """The attempt ran, but its peak with the memory later batches add does not fit: search below
+    it as after a failure (the sample still feeds the prediction), no OOM spent. At the smallest
+    size there is nowhere lower: that is an ordinary success (`_projected_to_fail`)."""
+    m = outcome.size
+    samples = tuple(s for s in state.samples if s[0] != m) + ((m, int(outcome.peak_bytes or 0), int(outcome.capacity_bytes or 0)),)
+    first_failure = m if state.first_failure is None else min(state.first_failure, m)
+    state = replace(
+        state, samples=samples[-2:], phase=Phase.SEARCHING, found=None, stable_count=0, first_failure=first_failure,
+        retrying=None, retrying_ranks=(),
+    )
+    state = replace(state, best_success=_best_below(config, state, first_failure))
+    why = f"ok at {m}, but its peak with the optimizer state the first step adds does not fit"
+    floor = _min_size(config, state.batch_size)
+    if config.search == "halve":
+        size = _snap(config, state.batch_size, max(floor, m // 2))
+        state = replace(state, size=size)
+        return state, _decide(state, config, False, f"{why} -> try {size} (halving)")
+    lo, hi = state.best_success, first_failure
+    if lo >= floor and not _between(config, state, lo, hi):
+        state = _settle(state, config, lo)
+        return state, _decide(state, config, False, f"{why} -> converged on {lo}, {_in_use(state, config)}")
+    size, predicted = _next_search_size(state, config, upward=False)
+    state = replace(state, size=size)
+    how = "predicted; " if predicted else ""
+    return state, _decide(state, config, False, f"{why} -> try {size} ({how}{_bounds(state)})")
+
+
 def _on_success(state: SearchState, outcome: Success, config: PolicyConfig) -> tuple[SearchState, Decision]:
     m = outcome.size
+    if _projected_to_fail(state, outcome, config):
+        return _on_projected_failure(state, outcome, config)
     lo_before = state.best_success
     state = _record_success(state, outcome, config)
     if state.phase == Phase.STEADY:

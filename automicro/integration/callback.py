@@ -55,6 +55,7 @@ from automicro.core.consensus import (
 )
 from automicro.core.hooks import SYNC_POINTS, SyncHooks
 from automicro.core.ledger import Board, CollectiveLedger, FatalRecoveryError
+from automicro.core.optimizer_memory import pending_state_bytes
 from automicro.core.memory import CudaMemory, MemorySource, NoMemory
 from automicro.core.metrics import (
     AttemptRecord,
@@ -168,6 +169,8 @@ class AutoMicrobatching(Callback):
         self.ooms_total = 0
         self.search_time_s = 0.0
         self._pending_state: Optional[dict[str, Any]] = None
+        self._optimizer_pending = 0  # bytes the first optimizer step will allocate on this rank
+        self._optimizer_state_known = False
         self._sharded: Optional[ShardedModel] = None
         self._consensus: Optional[Consensus] = None
         self._ledger: Optional[CollectiveLedger] = None
@@ -604,9 +607,12 @@ class AutoMicrobatching(Callback):
     def _figures(self) -> LocalFigures:
         retries = self._memory.alloc_retries()
         new = max(0, retries - (self._step.retries_before if self._step is not None else retries))
+        peak = self._memory.peak_bytes()
         return LocalFigures(
             new_alloc_retries=new,
-            peak_bytes=self._memory.peak_bytes(),
+            # Before the first optimizer step: the peak the next batches will see, with the state
+            # that step creates (`automicro.core.optimizer_memory`).
+            peak_bytes=peak + self._optimizer_pending if peak else 0,
             capacity_bytes=self._memory.capacity_bytes(),
             allocated_bytes=self._memory.allocated_bytes(),
             microbatch_tokens=0 if self.tokens is None or self.tokens.plan is None else self.tokens.plan.largest,
@@ -623,6 +629,7 @@ class AutoMicrobatching(Callback):
             pipeline=self._pipeline, tokens=self.tokens, all_reduce=self._all_reduce_sum,
         )
         self._step = step
+        self._optimizer_pending = self._pending_optimizer_bytes(trainer.state)
         self._ensure_policy(step.begin(), trainer.state)
         assert self.policy is not None
         batch_index = step.batch_index
@@ -650,6 +657,7 @@ class AutoMicrobatching(Callback):
                 step.step_optimizers()
                 self._used_split = sizes
                 self._after_success(verdict, batch_index, sizes, seconds)
+                self._optimizer_pending = 0  # the step created the state: evals and later batches hold it
                 return attempt.total_loss_dict
 
             self.ooms_total += 1
@@ -675,6 +683,17 @@ class AutoMicrobatching(Callback):
                 note += f"; {result.replayed} collectives replayed to get the ranks back in step"
             self._record(batch_index, sizes, "oom", verdict, decision.next_size, seconds, note, hooks=hooks_on)
             self._apply_hooks(decision.hooks, decision.reason)
+
+    def _pending_optimizer_bytes(self, state: State) -> int:
+        """The bytes this rank's optimizer state will add at the first step (0 once it exists, or
+        for an optimizer `optimizer_memory` does not know; then nothing is projected)."""
+        if self._optimizer_state_known or not self.policy_config.use_prediction:
+            return 0
+        pending = pending_state_bytes(state.optimizers or [])
+        if not pending:
+            self._optimizer_state_known = True
+            return 0
+        return pending
 
     def _budget(self) -> int:
         """The token budget of the next attempt: the settled one, or the one under test."""
@@ -739,6 +758,7 @@ class AutoMicrobatching(Callback):
                 self._outcome_size(sizes, verdict),
                 peak_bytes=verdict.peak_bytes or None,
                 capacity_bytes=verdict.capacity_bytes or None,
+                projected=self._optimizer_pending > 0,
             )
         )
         if phase_before != search.Phase.STEADY or self._batch_attempts > 1:

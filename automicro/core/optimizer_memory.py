@@ -1,0 +1,70 @@
+"""What an optimizer's state will take once it exists: the memory a first optimizer step adds.
+
+Adam's moments (and most optimizers' state) are created at the first `step()`. A microbatch
+size whose peak fit batch 0 can therefore run out of memory at batch 1, once the state lives
+beside the activations (issue 26: 5-7 OOMs over 3 batches on one GPU, Composer's halving has the
+same fault). `pending_state_bytes(optimizers)` tells the bytes not yet allocated: per parameter
+without state, how many parameter-sized tensors the optimizer's kind keeps, times the parameter's
+bytes on this rank (the local shard of an FSDP2 `DTensor`). The policy adds them to the peak of
+an attempt that ran before the first step (`automicro.core.policy.Success.projected`).
+
+Known kinds (torch's and Composer's classes, matched by name so Composer is not imported): the
+table `STATE_TENSORS`. Any other optimizer gives None: nothing is projected, the search works as
+before (an OOM at batch 1 is then a one-off rerun, then a step down).
+
+Owns: the per-kind state sizes. May not touch: the policy, Composer, collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Callable, Optional
+
+import torch
+
+# Parameter-sized state tensors per parameter, by optimizer class name (a function of the param
+# group for the kinds whose state depends on its options).
+STATE_TENSORS: dict[str, Callable[[dict[str, Any]], int]] = {
+    "Adam": lambda g: 3 if g.get("amsgrad") else 2,
+    "AdamW": lambda g: 3 if g.get("amsgrad") else 2,
+    "NAdam": lambda g: 2,
+    "RAdam": lambda g: 2,
+    "Adamax": lambda g: 2,
+    "SGD": lambda g: 1 if g.get("momentum", 0) else 0,
+    "RMSprop": lambda g: 1 + (1 if g.get("momentum", 0) else 0) + (1 if g.get("centered") else 0),
+    "Adagrad": lambda g: 1,
+    "Adadelta": lambda g: 2,
+    # Composer's optimizers (composer.optim)
+    "DecoupledAdamW": lambda g: 3 if g.get("amsgrad") else 2,
+    "DecoupledSGDW": lambda g: 1 if g.get("momentum", 0) else 0,
+    # llm-foundry's (llmfoundry.optim): Lion keeps one moment
+    "DecoupledLionW": lambda g: 1,
+}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(tensor, "to_local", None)  # an FSDP2 DTensor: this rank's shard
+    return to_local() if callable(to_local) else tensor
+
+
+def pending_state_bytes(optimizers: Iterable[Any]) -> Optional[int]:
+    """Bytes this rank's optimizers will allocate for the state of parameters that have none yet
+    (0 once every parameter has state). None when an optimizer's kind is not in `STATE_TENSORS`."""
+    total = 0
+    for optimizer in optimizers:
+        per_param = STATE_TENSORS.get(type(optimizer).__name__)
+        if per_param is None:
+            return None
+        for group in optimizer.param_groups:
+            tensors = per_param(group)
+            if tensors == 0:
+                continue
+            for param in group["params"]:
+                if not param.requires_grad or optimizer.state.get(param):
+                    continue
+                local = _local(param)
+                total += tensors * local.numel() * local.element_size()
+    return total
+
+
+__all__ = ["STATE_TENSORS", "pending_state_bytes"]

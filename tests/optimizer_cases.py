@@ -1,0 +1,87 @@
+"""Multi-rank cases for the optimizer-state projection (`automicro.core.optimizer_memory`): the
+tiny Llama on CPU ranks under an emulated memory cap, AdamW."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from composer.core import Callback
+
+import automicro
+from automicro.data import SyntheticTokens, build_dataloader
+from automicro.testing import MemoryCapCallback
+
+SEQ = 32
+PER_RANK_BATCH = 16
+# A model whose AdamW state (2x its parameters, sharded) is large next to one microbatch's activations.
+MODEL = dict(vocab_size=1024, d_model=128, n_layers=2, n_heads=4, max_seq_len=SEQ)
+
+
+class PeakPerBatch(Callback):
+    """The emulated peak of each batch (the cap's peak is reset when the batch starts)."""
+
+    def __init__(self, cap: MemoryCapCallback) -> None:
+        self.cap = cap
+        self.peaks: list[int] = []
+
+    def batch_start(self, state: Any, logger: Any) -> None:
+        self.cap.cap.reset_peak()
+
+    def batch_end(self, state: Any, logger: Any) -> None:
+        self.peaks.append(int(self.cap.cap.stats()["peak_bytes"]))
+
+
+def fit(microbatch: Any, limit: int, batches: int, use_prediction: bool = True) -> dict[str, Any]:
+    from automicro.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("tiny", **MODEL)
+    world = torch.distributed.get_world_size()
+    data = build_dataloader(SyntheticTokens(PER_RANK_BATCH * world * batches, SEQ, MODEL["vocab_size"], seed=2), PER_RANK_BATCH, shuffle=False)
+    cap = MemoryCapCallback(limit_bytes=limit, retry_band=0.0)
+    peaks = PeakPerBatch(cap)
+    auto: Optional[automicro.AutoMicrobatching] = None
+    callbacks: list[Any] = [cap, peaks]
+    if microbatch == "auto":
+        auto = automicro.AutoMicrobatching(log_attempts=False, use_prediction=use_prediction)
+        callbacks.insert(0, auto)
+    trainer = automicro.Trainer(
+        model=model, train_dataloader=data, max_duration=f"{batches}ba",
+        optimizers=torch.optim.AdamW(model.parameters(), lr=1e-3), device="cpu",
+        parallelism_config={"fsdp2": {}}, device_train_microbatch_size=microbatch,
+        callbacks=callbacks, loggers=[], progress_bar=False, log_to_console=False, seed=17,
+    )
+    try:
+        trainer.fit()
+        return {
+            "peaks": peaks.peaks,
+            "history": [(r.batch, r.size, r.outcome, r.note) for r in auto.history] if auto else [],
+            "found": auto.found_size if auto else microbatch,
+            "ooms": auto.ooms_total if auto else 0,
+            "params": {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()},
+        }
+    finally:
+        trainer.close()
+
+
+def projection(rank: int, world: int) -> dict[str, Any]:
+    """Peaks of fixed sizes with no limit (batch 0 without the optimizer state, batch 1 with it),
+    a limit between them for size 8 (fits batch 0, not batch 1), then `auto` under that limit with
+    the projection and without it, and a fixed run at the size found."""
+    unlimited = 10**12
+    peaks = {8: fit(8, unlimited, 2)["peaks"]}
+    # Every rank uses rank 0's limit (the same program on every rank: the same peaks to a few bytes).
+    limit = torch.tensor([(peaks[8][0] + peaks[8][1]) // 2], dtype=torch.int64)
+    torch.distributed.broadcast(limit, 0)
+    limit = int(limit)
+    with_projection = fit("auto", limit, 5)
+    without = fit("auto", limit, 5, use_prediction=False)
+    fixed = fit(with_projection["found"], limit, 5)
+    diff = max(float((with_projection["params"][k] - fixed["params"][k]).abs().max()) for k in fixed["params"])
+    return {
+        "peaks": peaks, "limit": limit,
+        "with": {k: v for k, v in with_projection.items() if k != "params"},
+        "without": {k: v for k, v in without.items() if k != "params"},
+        "fixed_peaks": fixed["peaks"], "diff": diff,
+    }
