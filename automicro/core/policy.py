@@ -26,7 +26,9 @@ Search modes (`PolicyConfig.search`):
 - ``bisect``: keeps `best_success` (largest size that fit, below the failure bound; 0 if none)
   and `first_failure` (smallest size that failed or thrashed; None if none) and bisects between
   them, downward after a failure and upward after a success, optionally jumping to a size
-  predicted from the peak memory of two successful sizes. Every size tried while searching is
+  predicted from the peak memory of two successful sizes (before the first optimizer step, a
+  success's peak includes the state that step adds: a size whose projected peak does not fit
+  is searched below like a failure, without an OOM; `Success.projected`). Every size tried while searching is
   strictly between the bounds, so the search ends in at most about log2(B) + 2 attempts.
 - ``halve``: Composer's own policy, as a baseline: halve on failure, settle on the first success,
   split into chunks of that size.
