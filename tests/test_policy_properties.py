@@ -14,6 +14,8 @@ two of them). Promises checked after every step:
 - no split has a part of size 0, a size above the batch, or a sum other than the batch; with
   restricted sizes every split is equal parts of an allowed size;
 - a settled split never reaches a size known to fail;
+- with the prediction on, a size that fit only before the first optimizer step (whose state it
+  does not yet hold; the success reports the projected peak) is never accepted, and costs no OOM;
 - the hooks are on in every phase but STEADY;
 - from any state, a device that stops surprising it converges within a bounded number of
   attempts (bisect: on the largest size that fits), and the hooks come off after exactly
@@ -68,8 +70,9 @@ class PolicyAgainstDevice(RuleBasedStateMachine):
         prediction=st.booleans(),
         pipeline=st.booleans(),
         start=st.none() | st.integers(1, MAX_BATCH),
+        pre_step_extra=st.integers(0, MAX_BATCH),
     )
-    def start(self, batch, threshold, search, stable, prediction, pipeline, start):
+    def start(self, batch, threshold, search, stable, prediction, pipeline, start, pre_step_extra):
         self.config = PolicyConfig(
             search=search, stable_batches=stable, use_prediction=prediction, start_size=start,
             sizes_for=pipeline_sizes if pipeline else None,
@@ -83,6 +86,10 @@ class PolicyAgainstDevice(RuleBasedStateMachine):
         self.rerun_of: Optional[int] = None  # a one-off OOM at a clean size waits for its rerun
         self.surprised = False  # a thrash or a threshold change: the bisect's result is not exact
         self.other_rank_ran_out = False  # another rank's one-off already met the pending rerun
+        # Before the first optimizer step the device fits `pre_step_extra` samples more (the state
+        # that step creates does not exist yet); successes then report the projected peak.
+        self.pre_step_extra = pre_step_extra
+        self.stepped = False
 
     # ---- helpers -----------------------------------------------------------------------------
 
@@ -122,7 +129,17 @@ class PolicyAgainstDevice(RuleBasedStateMachine):
         self.last_oom = m
 
     def _success(self, m: int) -> None:
-        decision = self.policy.observe(Success(m, *self._peak(m)))
+        projected = not self.stepped
+        decision = self.policy.observe(Success(m, *self._peak(m), projected=projected))
+        self.stepped = True  # every clean batch ends in an optimizer step
+        if projected and m > self.threshold and m > self.floor:
+            if self.config.use_prediction:
+                # Fits only before the state exists: never accepted, no OOM spent on it.
+                assert m not in self.policy.state.successes and not decision.rerun, self.policy.state
+                assert self.policy.phase == Phase.SEARCHING or self.size < m, self.policy.state
+                self.rerun_of, self.last_oom = None, None
+                return
+            self.surprised = True  # accepted, as before the projection: it runs out at batch 1
         self.clean.add(m)
         if self.rerun_of is not None:
             assert decision.next_size >= self.rerun_of, (
@@ -137,7 +154,7 @@ class PolicyAgainstDevice(RuleBasedStateMachine):
     @rule()
     def batch_on_the_device(self):
         m = self.size
-        if m <= self.threshold:
+        if m <= self.threshold + (0 if self.stepped else self.pre_step_extra):
             self._success(m)
         else:
             self._oom(m, one_off=False)
@@ -172,6 +189,7 @@ class PolicyAgainstDevice(RuleBasedStateMachine):
         """The run ended: the user relaunches it (a fresh policy, as without a checkpoint)."""
         self.policy = SearchPolicy(self.config, self.policy.batch_size)
         self.ended, self.clean, self.rerun_of, self.last_oom = False, set(), None, None
+        self.stepped = False  # a fresh optimizer too
 
     @precondition(lambda self: not self.ended)
     @rule()
@@ -236,6 +254,13 @@ class PolicyAgainstDevice(RuleBasedStateMachine):
     def hooks_on_unless_steady(self):
         if not self.ended:
             assert self.policy.hooks == (self.policy.phase != Phase.STEADY)
+
+    @invariant()
+    def a_size_that_fit_only_before_the_first_step_is_never_settled_on(self):
+        state = self.policy.state
+        if self.ended or state.found is None or not self.config.use_prediction or self.surprised:
+            return
+        assert self.size <= max(self.threshold, self.floor), (self.size, self.threshold, state)
 
     @invariant()
     def settled_split_below_known_failure(self):

@@ -108,8 +108,8 @@ class Success:
     peak_bytes: max over ranks of the peak memory during the attempt; capacity_bytes: min over
     ranks of the usable memory. Both optional; they feed the memory prediction. projected: the
     attempt ran before memory that later batches will hold existed (the optimizer state of the
-    first step), and peak_bytes already includes it: a projected peak above the prediction's
-    margin of the capacity is a size that would run out of memory later. It is not kept as a
+    first step), and peak_bytes already includes it: a projected peak above the capacity is a
+    size that would run out of memory later. It is not kept as a
     success; the search goes on below it without spending an OOM (`_on_projected_failure`).
     """
 
@@ -509,7 +509,7 @@ def _projected_to_fail(state: SearchState, outcome: Success, config: PolicyConfi
         and config.use_prediction
         and outcome.peak_bytes
         and outcome.capacity_bytes
-        and outcome.peak_bytes > outcome.capacity_bytes * SAFETY_MARGIN
+        and outcome.peak_bytes > outcome.capacity_bytes  # surely will not fit (no margin: a size that may fit stays)
         and outcome.size > _min_size(config, state.batch_size)
     )
 
