@@ -244,7 +244,7 @@ class RoundsPerBatch(Callback):
         self._seen = total
 
 
-def steady_faults(rank: int, world: int, schedule: str, faults: list[tuple[str, int, int]]) -> dict[str, Any]:
+def steady_faults(rank: int, world: int, schedule: str, faults: list[tuple[str, int, int]], stages: int = 2) -> dict[str, Any]:
     """Per fault (site, failing rank, microbatch index): one OOM on one stage in batch 4, after the
     size settled and the sync hooks came off (stable after 2 clean batches); the consensus rounds
     of every batch, the drains, and the parameters against a fixed-size run without the fault."""
@@ -254,10 +254,10 @@ def steady_faults(rank: int, world: int, schedule: str, faults: list[tuple[str, 
         auto = AutoMicrobatching(stable_batches=2, log_attempts=False)
         injector = FaultInjector(site, ranks=[failing], batch=4, times=1, microbatch_index=microbatch)
         rounds = RoundsPerBatch(auto)
-        result = fit(schedule, "auto", callbacks=[auto, injector, rounds], batches=6, keep_trainer=True)
+        result = fit(schedule, "auto", stages=stages, callbacks=[auto, injector, rounds], batches=6, keep_trainer=True)
         runner = result["trainer"].pipeline.pipeline.runner
         if reference is None:
-            reference = fit(schedule, result["found"], batches=6)
+            reference = fit(schedule, result["found"], stages=stages, batches=6)
         out["cases"].append({
             "case": (site, failing, microbatch),
             "history": result["history"],

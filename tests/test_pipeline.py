@@ -209,6 +209,23 @@ def test_an_oom_on_one_stage_without_barriers_drains_its_schedule_and_reruns_the
     assert drained > 0  # some faults left sends and receives to drain (a stage's last action leaves none)
 
 
+def test_a_middle_stage_of_four_drains_to_both_neighbours_and_the_batch_is_rerun():
+    """Four stages of one block: stage 1 fails in a forward and stage 2 in an input gradient,
+    each with sends and receives left on both sides."""
+    faults = [("forward", 1, 2), ("backward_input", 2, 1)]
+    ranks = run_multiprocess(cases.steady_faults, world_size=4, args=("1F1B", faults, 4), timeout_s=600)
+    for rank, out in enumerate(ranks):
+        for case in out["cases"]:
+            site, failing, _ = case["case"]
+            steady = [(h, on) for h, on in zip(case["history"], case["hooks"]) if h[0] == 4]
+            assert steady[0][0][1:5] == (case["found"], "oom", [failing], [site]) and steady[0][1] is False, case
+            assert steady[1][0][2] == "ok", case
+            assert case["drains"] == (1 if rank == failing else 0), case
+            if rank == failing:
+                assert case["drained_steps"] > 0, case
+            assert case["diff"] < 1e-5, (case["case"], case["diff"])
+
+
 def test_an_oom_on_a_stage_of_several_data_parallel_ranks_after_the_hooks_came_off_reruns_the_batch():
     """Two data-parallel ranks per stage: the sync hooks and the per-step barriers stay on."""
     ranks = run_multiprocess(cases.steady_fault, world_size=4, args=("ZeroBubble", "forward", 3), timeout_s=600)
