@@ -415,7 +415,8 @@ class PipelineRunner:
         internals.initialize_pipeline_stages(schedule, first_inputs)
         if not hooks.every_step:
             hooks.barrier()  # a failed set-up is seen here, before any step's exchange
-        step, exchanging = -1, False
+        # The first time step whose sends and receives this rank has not issued yet.
+        unexchanged, exchanging = 0, False
         try:
             for step, action in enumerate(table[me]):
                 ops: list[Any] = []
@@ -459,13 +460,14 @@ class PipelineRunner:
                     _exchange(ops)
                     exchanging = False
                     del ops
+                unexchanged = step + 1
                 if action is not None and action.kind in ("B", "I"):
                     internals.drop_finished_microbatch(stage, action.microbatch)
         except BaseException as error:
-            if hooks.drains and step >= 0:
+            if hooks.drains:
                 losses.clear()
                 total = None
-                self._drain_after(error, table, step, exchanging, inputs_meta, outputs_meta)
+                self._drain_after(error, table, unexchanged, exchanging, inputs_meta, outputs_meta)
             raise
         internals.finish_stage_backward(stage)
         self.sharded.end_of_backward()
@@ -481,12 +483,12 @@ class PipelineRunner:
         inputs_meta: tuple[torch.Tensor, ...],
         outputs_meta: tuple[torch.Tensor, ...],
     ) -> None:
-        """This rank failed in time step `step` with the per-step barriers off: issue every send
-        and receive its schedule has from that step on, with placeholder tensors of the boundary's
-        shapes, so the neighbouring stages (which do not know yet) finish the batch instead of
-        waiting on a receive for ever, and no operation is left unmatched on any rank's stream
-        for the next attempt to pair with. Their results are thrown away: the attempt's agreement
-        fails it on every rank."""
+        """This rank failed with the per-step barriers off before issuing the sends and receives
+        of time step `step`: issue every send and receive its schedule has from that step on, with
+        placeholder tensors of the boundary's shapes, so the neighbouring stages (which do not know
+        yet) finish the batch instead of waiting on a receive for ever, and no operation is left
+        unmatched on any rank's stream for the next attempt to pair with. Their results are thrown
+        away: the attempt's agreement fails it on every rank."""
         if exchanging:
             raise PipelineDrainError(
                 f"automicro: pipeline stage {self.layout.stage_index} failed inside the exchange of time step {step} "
