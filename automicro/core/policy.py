@@ -526,20 +526,7 @@ def _on_projected_failure(state: SearchState, outcome: Success, config: PolicyCo
         retrying=None, retrying_ranks=(),
     )
     state = replace(state, best_success=_best_below(config, state, first_failure))
-    why = f"ok at {m}, but its peak with the optimizer state the first step adds does not fit"
-    floor = _min_size(config, state.batch_size)
-    if config.search == "halve":
-        size = _snap(config, state.batch_size, max(floor, m // 2))
-        state = replace(state, size=size)
-        return state, _decide(state, config, False, f"{why} -> try {size} (halving)")
-    lo, hi = state.best_success, first_failure
-    if lo >= floor and not _between(config, state, lo, hi):
-        state = _settle(state, config, lo)
-        return state, _decide(state, config, False, f"{why} -> converged on {lo}, {_in_use(state, config)}")
-    size, predicted = _next_search_size(state, config, upward=False)
-    state = replace(state, size=size)
-    how = "predicted; " if predicted else ""
-    return state, _decide(state, config, False, f"{why} -> try {size} ({how}{_bounds(state)})")
+    return _search_below(state, config, m, False, f"ok at {m}, but its peak with the optimizer state the first step adds does not fit")
 
 
 def _on_success(state: SearchState, outcome: Success, config: PolicyConfig) -> tuple[SearchState, Decision]:
@@ -605,22 +592,25 @@ def _on_failure(state: SearchState, outcome: Union[OOM, Thrash], config: PolicyC
     state = replace(state, phase=Phase.SEARCHING, found=None, stable_count=0, first_failure=first_failure)
     state = replace(state, best_success=_best_below(config, state, first_failure))
     again = "" if was == Phase.SEARCHING else f" in {was.value.lower()} phase"
+    return _search_below(state, config, m, oom, f"{what} at {m}{again}")
 
+
+def _search_below(state: SearchState, config: PolicyConfig, m: int, rerun: bool, event: str) -> tuple[SearchState, Decision]:
+    """After a failure (or a projected one) at `m`, its bound already set: the next size below it,
+    or settle where nothing is left between the bounds. `event` starts the decision's line."""
+    floor = _min_size(config, state.batch_size)
     if config.search == "halve":
         size = _snap(config, state.batch_size, max(floor, m // 2))
         state = replace(state, size=size)
-        return state, _decide(state, config, oom, f"{what} at {m}{again} -> try {size} (halving)")
-
-    lo, hi = state.best_success, first_failure
+        return state, _decide(state, config, rerun, f"{event} -> try {size} (halving)")
+    lo, hi = state.best_success, _hi(state)
     if lo >= floor and not _between(config, state, lo, hi):
         state = _settle(state, config, lo)
-        return state, _decide(
-            state, config, oom, f"{what} at {m}{again} -> converged on {lo}, {_in_use(state, config)}"
-        )
+        return state, _decide(state, config, rerun, f"{event} -> converged on {lo}, {_in_use(state, config)}")
     size, predicted = _next_search_size(state, config, upward=False)
     state = replace(state, size=size)
     how = "predicted; " if predicted else ""
-    return state, _decide(state, config, oom, f"{what} at {m}{again} -> try {size} ({how}{_bounds(state)})")
+    return state, _decide(state, config, rerun, f"{event} -> try {size} ({how}{_bounds(state)})")
 
 
 def is_one_off(state: SearchState, size: int, ranks: tuple[int, ...] = ()) -> bool:
