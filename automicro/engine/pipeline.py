@@ -463,7 +463,7 @@ class PipelineRunner:
                 unexchanged = step + 1
                 if action is not None and action.kind in ("B", "I"):
                     internals.drop_finished_microbatch(stage, action.microbatch)
-        except BaseException as error:
+        except Exception as error:  # not an interrupt: every rank gets that one, nobody waits on a drain
             if hooks.drains:
                 losses.clear()
                 total = None
