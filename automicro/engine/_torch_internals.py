@@ -964,3 +964,51 @@ def compiled_graph_count() -> int:
 
     return int(counters["stats"]["unique_graphs"])
 
+
+
+# --------------------------------------------------------------------------------------------
+# Layout trades (`automicro.engine.layout`; checked on torch 2.7.0, 2.11.0 and 2.15.0)
+# --------------------------------------------------------------------------------------------
+#
+# `FSDPModule.set_reshard_after_forward` is public from torch 2.9; torch 2.7 has only the
+# param group's `post_forward_mesh_info` (the mesh to reshard to after forward; None: keep the
+# parameters unsharded until backward), which the public setter also writes.
+HAS_SET_RESHARD_AFTER_FORWARD = hasattr(FSDPModule, "set_reshard_after_forward")
+
+
+def set_block_reshard_after_forward(module: FSDPModule, reshard: bool) -> None:
+    """Reshard (True) or keep (False) one FSDP2 module's parameters after forward, this module only."""
+    if HAS_SET_RESHARD_AFTER_FORWARD:
+        module.set_reshard_after_forward(reshard, recurse=False)
+        return
+    group = param_group(module)
+    if group is not None:
+        group.post_forward_mesh_info = group.mesh_info if reshard else None
+
+
+def reshards_after_forward(module: FSDPModule) -> bool:
+    group = param_group(module)
+    return group is not None and group.post_forward_mesh_info is not None
+
+
+def unsharded_param_bytes(modules: list[FSDPModule]) -> tuple[int, int]:
+    """(parameter bytes, gradient bytes) of every module's parameters unsharded: parameters in the
+    dtype forward computes in, gradients in the wider of that and the reduce dtype (what an
+    accumulated unsharded gradient is kept in)."""
+    params = grads = 0
+    for module in modules:
+        group = param_group(module)
+        if group is None:
+            continue
+        for fsdp_param in group.fsdp_params:
+            numel = 1
+            for dim in fsdp_param._orig_size:
+                numel *= int(dim)
+            orig = fsdp_param.sharded_param.dtype
+            # Set at FSDP2's lazy init (the first forward); the group's policy before it.
+            policy = group.mp_policy
+            compute = getattr(fsdp_param, "param_dtype", policy.param_dtype) or orig
+            reduce = getattr(fsdp_param, "reduce_dtype", policy.reduce_dtype) or compute
+            params += numel * compute.itemsize
+            grads += numel * max(compute.itemsize, reduce.itemsize)
+    return params, grads

@@ -4,7 +4,7 @@
 split (sample counts) or the token budget to `BatchStep.attempt`, and turns the agreed verdict
 into the policy's next decision. Everything one attempt does to Composer's state lives here, in
 order: the split (Composer's or ours, by samples, by token budget, or a pipeline's), the attempt
-context, the attempt fence around Composer's microbatch loop (or the pipeline schedule), the wipe
+context, the layout's per-microbatch switch (`automicro.engine.layout`), the attempt fence around Composer's microbatch loop (or the pipeline schedule), the wipe
 of a failed attempt, the failure note when the job is lost, and the optimizer step.
 
 Owns: one batch's attempts (split, run, wipe, step). May not touch: the search policy, the sync
@@ -26,6 +26,7 @@ from automicro.core.consensus import Consensus
 from automicro.core.ledger import FatalRecoveryError
 from automicro.core.memory import MemorySource
 from automicro.core.sites import SiteDispatcher
+from automicro.engine.layout import LayoutEngine
 from automicro.engine.sharding import ShardedModel
 from automicro.integration import _composer_internals as composer_internals
 from automicro.integration.pipeline_batch import AttemptHooks, PipelineBatch
@@ -58,11 +59,12 @@ class BatchStep:
         pipeline: Optional[PipelineBatch] = None,
         tokens: Optional[TokenBudget] = None,
         all_reduce: Optional[Callable[[torch.Tensor], None]] = None,
+        layout: Optional[LayoutEngine] = None,
     ) -> None:
         self.trainer = trainer
         self.fence, self.dispatcher, self.memory = fence, dispatcher, memory
         self.consensus, self.sharded, self.rank = consensus, sharded, rank
-        self.pipeline, self.tokens = pipeline, tokens
+        self.pipeline, self.tokens, self.layout = pipeline, tokens, layout
         self.all_reduce = all_reduce or composer_internals.all_reduce_sum
         self.batch = trainer.state.batch
         self.batch_index = int(trainer.state.timestamp.batch)
@@ -133,6 +135,8 @@ class BatchStep:
         def body(finish: Callable[[], None]) -> None:
             def before_microbatch(index: int) -> None:
                 context.microbatch_index = index
+                if self.layout is not None:
+                    self.layout.before_microbatch(index, len(sizes))
 
             def end_of_attempt() -> None:
                 context.microbatch_index = len(sizes) - 1
@@ -164,6 +168,8 @@ class BatchStep:
     def _wipe(self) -> None:
         """Nothing of a failed attempt may reach the model, optimizer, metrics or data order."""
         composer_internals.reset_after_failure(self.trainer, self.batch)
+        if self.layout is not None:
+            self.layout.reset()
         if self.pipeline is not None:
             self.pipeline.release()
         self.sharded.recover()

@@ -54,6 +54,7 @@ from automicro.core.consensus import (
     Verdict,
 )
 from automicro.core.hooks import SYNC_POINTS, SyncHooks
+from automicro.core.layout import LayoutConfig
 from automicro.core.ledger import Board, CollectiveLedger, FatalRecoveryError
 from automicro.core.optimizer_memory import pending_state_bytes
 from automicro.core.memory import CudaMemory, MemorySource, NoMemory
@@ -75,6 +76,7 @@ from automicro.engine.sharding import ShardedModel
 from automicro.integration import _composer_internals as composer_internals
 from automicro.integration.batch_step import BatchStep
 from automicro.integration.eval_search import EvalFence, EvalSearch
+from automicro.integration.layout_trials import LayoutTrials
 from automicro.integration.pipeline_batch import PipelineBatch
 from automicro.integration.stock_trainer import StockTrainerError, refuse_stock_trainer, stock_trainer_message
 from automicro.integration.token_budget import TokenBudget
@@ -112,6 +114,9 @@ class AutoMicrobatching(Callback):
         budget: str = "samples",
         fixed_tokens: Optional[int] = None,
         eval_oom: str = "split",
+        layout: Union[str, list[str], None] = "auto",
+        layout_trial_batches: int = 3,
+        layout_min_gain: float = 0.01,
     ) -> None:
         self.policy_config = search_config(search, stable_batches, use_prediction, start_size)
         if budget not in BUDGETS:
@@ -126,6 +131,10 @@ class AutoMicrobatching(Callback):
         if self.tokens is not None:
             self.policy_config = self.tokens.policy_config(self.policy_config)
         self.thrash = ThrashDetector(thrash_batches)
+        # What the engine may trade for speed once the size settles (`automicro.core.layout`).
+        self.layout_config = LayoutConfig.parse(layout, layout_trial_batches, layout_min_gain)
+        self.layout: Optional[LayoutTrials] = None
+        self._last_peak = self._last_capacity = 0
         if eval_oom not in EVAL_OOM:
             raise ValueError(
                 f"eval_oom={eval_oom!r}: must be 'split' (an evaluator with a pinned device_eval_microbatch_size that "
@@ -171,6 +180,7 @@ class AutoMicrobatching(Callback):
         self._pending_state: Optional[dict[str, Any]] = None
         self._optimizer_pending = 0  # bytes the first optimizer step will allocate on this rank
         self._optimizer_state_known = False
+        self._layout_state: Optional[dict[str, Any]] = None  # from a checkpoint, applied at the first batch
         self._sharded: Optional[ShardedModel] = None
         self._consensus: Optional[Consensus] = None
         self._ledger: Optional[CollectiveLedger] = None
@@ -264,6 +274,10 @@ class AutoMicrobatching(Callback):
             alarm=self._alarm,
         )
         self._hooks = SyncHooks(sharded, self._consensus, self._dispatcher, sync_points=self.sync_points)
+        self.layout = LayoutTrials(
+            self.layout_config, sharded, self._consensus, self._info,
+            recoverable=self._ledger is not None, pipeline=pipeline is not None,
+        )
         self._eval.attach(
             self._fence, self._dispatcher, self._recover_model, lambda: self.hooks_active, self._memory_empty_cache
         )
@@ -300,7 +314,11 @@ class AutoMicrobatching(Callback):
                 f"[automicro] microbatch budget found: {self.found_size} tokens{batch}; last split "
                 f"{list(self.used_split)}; padding {100 * self.tokens.padding_waste:.1f}% of the tokens trained; {tail}"
             )
-        return f"[automicro] microbatch size found: {self.found_size}{batch}; split in use {list(self.policy.current_split())}; {tail}"
+        layout = "" if self.layout is None or self.layout.engine is None else f"; layout: {self.layout.describe()}"
+        return (
+            f"[automicro] microbatch size found: {self.found_size}{batch}; split in use {list(self.policy.current_split())}"
+            f"{layout}; {tail}"
+        )
 
     # Read-only figures for dashboards, benchmarks and tests.
 
@@ -405,6 +423,8 @@ class AutoMicrobatching(Callback):
 
     def eval_start(self, state: State, logger: Logger) -> None:
         self._eval.running = True
+        if self.layout is not None:
+            self.layout.suspend()
         if self._eval.guarded:
             # An eval forward all-gathers like a training forward: with the eval search on, every
             # all-gather needs its consensus point too.
@@ -429,6 +449,8 @@ class AutoMicrobatching(Callback):
 
     def eval_end(self, state: State, logger: Logger) -> None:
         self._eval.running = False
+        if self.layout is not None:
+            self.layout.resume()
         # Evaluation can leave memory fragmented and a spike behind: guard the next batches.
         if self.policy is None:
             self._apply_hooks(self._eval.guarded, HookReason.AFTER_EVAL)
@@ -493,7 +515,7 @@ class AutoMicrobatching(Callback):
             budget_tokens=0 if self.tokens is None or self.tokens.plan is None else self.tokens.plan.budget,
             padding_waste=None if self.tokens is None else self.tokens.padding_waste,
         )
-        logger.log_metrics(batch_metrics(figures, self.history))
+        logger.log_metrics({**batch_metrics(figures, self.history), **(self.layout.metrics() if self.layout else {})})
         # Composer moves the timestamp to the next batch before BATCH_END.
         for trace in event_traces(self.history, int(state.timestamp.batch) - 1):
             logger.log_traces(trace)
@@ -520,6 +542,7 @@ class AutoMicrobatching(Callback):
             "history": history_to_state(self.history),
             "tokens": None if self.tokens is None else self.tokens.state_dict(),
             "eval": self._eval.state_dict(),
+            "layout": None if self.layout is None else self.layout.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -531,6 +554,7 @@ class AutoMicrobatching(Callback):
         if self.tokens is not None and state.get("tokens") is not None:
             self.tokens.load_state_dict(state["tokens"])
         self._eval.load_state_dict(state.get("eval", {}))
+        self._layout_state = state.get("layout")
 
     def _ensure_policy(self, batch_size: int, state: Optional[State] = None) -> None:
         if self.tokens is not None and self.tokens.fixed is not None:
@@ -627,11 +651,16 @@ class AutoMicrobatching(Callback):
         step = BatchStep(
             trainer, self._fence, self._dispatcher, self._memory, self._consensus, self._sharded, self._rank,
             pipeline=self._pipeline, tokens=self.tokens, all_reduce=self._all_reduce_sum,
+            layout=None if self.layout is None else self.layout.engine,
         )
         self._step = step
         self._optimizer_pending = self._pending_optimizer_bytes(trainer.state)
         self._ensure_policy(step.begin(), trainer.state)
-        assert self.policy is not None
+        assert self.policy is not None and self.layout is not None
+        if self._layout_state is not None:
+            self.layout.load_state_dict(self._layout_state)
+            self._layout_state = None
+        self.layout.before_batch(self.policy.phase == search.Phase.STEADY, self._last_peak, self._last_capacity)
         batch_index = step.batch_index
         while True:
             # A pipeline's per-step barriers come off with the sync hooks (a failed stage drains the
@@ -656,6 +685,8 @@ class AutoMicrobatching(Callback):
             if not verdict.failed:
                 step.step_optimizers()
                 self._used_split = sizes
+                self._last_peak, self._last_capacity = verdict.peak_bytes, verdict.capacity_bytes
+                self.layout.after_success(step.attempts)
                 self._after_success(verdict, batch_index, sizes, seconds)
                 self._optimizer_pending = 0  # the step created the state: evals and later batches hold it
                 return attempt.total_loss_dict
@@ -671,6 +702,12 @@ class AutoMicrobatching(Callback):
                     "see that rank's traceback for the cause"
                 )
                 raise self._agreed_error
+            if self._relieved_by_layout(f"out of memory at size {max(sizes)}"):
+                self._record(
+                    batch_index, sizes, "oom", verdict, max(sizes), seconds,
+                    f"layout undone first; rerun at the same size, now {self.layout.describe()}", hooks=hooks_on,
+                )
+                continue
             try:
                 failed = search.OOM(self._outcome_size(sizes, verdict, failed=True), tuple(verdict.failed_ranks))
                 decision = self.policy.observe(failed)
@@ -683,6 +720,16 @@ class AutoMicrobatching(Callback):
                 note += f"; {result.replayed} collectives replayed to get the ranks back in step"
             self._record(batch_index, sizes, "oom", verdict, decision.next_size, seconds, note, hooks=hooks_on)
             self._apply_hooks(decision.hooks, decision.reason)
+
+    def _relieved_by_layout(self, why: str) -> bool:
+        """Memory pressure at the settled size goes to the layout first: when it undoes a trade, the
+        size stays and the sync hooks come back on until the size is stable again."""
+        assert self.policy is not None
+        if self.layout is None or self.policy.phase != search.Phase.STEADY or self.layout.relieve(why) is None:
+            return False
+        decision = self.policy.observe(search.Rearm("layout undone"))
+        self._apply_hooks(decision.hooks, decision.reason, "layout undone")
+        return True
 
     def _pending_optimizer_bytes(self, state: State) -> int:
         """The bytes this rank's optimizer state will add at the first step (0 once it exists, or
@@ -748,6 +795,10 @@ class AutoMicrobatching(Callback):
         if self.tokens is not None and self.tokens.plan is not None:
             self.tokens.trained(self.tokens.plan)
         if self.thrash.observe(retried_clean_batch):
+            if self._relieved_by_layout(f"thrashing at size {max(sizes)}"):
+                assert self.layout is not None
+                self._record(batch_index, sizes, "thrash", verdict, max(sizes), seconds, f"layout now {self.layout.describe()}")
+                return
             decision = self.policy.observe(search.Thrash(self._outcome_size(sizes, verdict)))
             self._record(batch_index, sizes, "thrash", verdict, decision.next_size, seconds, decision.event)
             self._apply_hooks(decision.hooks, decision.reason)

@@ -1,0 +1,252 @@
+"""The layout search: once the microbatch size has settled, try the trades of memory for speed the
+measured headroom allows, one at a time, and keep a trade only when interleaved timing shows it
+faster (DESIGN.md, "layout").
+
+A *layout* is the set of trades in use. The trades (the FSDP2 engine applies them,
+`automicro.engine.layout`):
+
+- ``grad_sync_once``: gradients are reduced on the last microbatch of a batch only (the others
+  accumulate unsharded gradients; one reduce-scatter per block per batch instead of one per
+  microbatch). Costs the unsharded gradients of every block; only where a batch has several
+  microbatches.
+- ``no_reshard``: parameters are not resharded after forward (ZeRO-2: no all-gather again in
+  backward). Costs the unsharded parameters of every block between forward and backward.
+
+How one trade is tried (`LayoutSearch`): when the size policy is steady and no trial runs, the
+next candidate whose projected extra bytes fit under the agreed capacity (peak + extra <=
+capacity; no margin) is tried; one that does not fit is passed over without an attempt. A trial
+alternates batches with the trade on and off (on first), ``trial_batches`` of each; then every
+rank's batch times are agreed (the max over ranks, one consensus round) and the trade is kept when
+the median with it is below the median without it by more than both ``min_gain`` and the larger
+median absolute deviation of the two arms. Under memory pressure (an out-of-memory error or
+thrashing at the settled size) the trade on trial, else the last kept trade, is undone and the
+batch reruns at the same size: trades go before the microbatch shrinks. A trade undone or
+rejected is not tried again in this run.
+
+Every decision is a function of agreed values only, so every rank takes the same one.
+
+Owns: the trade names, the trial state machine and its checkpoint form. May not touch: torch,
+Composer, FSDP2 (the engine's `LayoutEngine` applies a layout), the size policy.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+GRAD_SYNC_ONCE = "grad_sync_once"
+NO_RESHARD = "no_reshard"
+TRADES = (GRAD_SYNC_ONCE, NO_RESHARD)
+DESCRIPTIONS = {
+    GRAD_SYNC_ONCE: "gradients reduced once per batch",
+    NO_RESHARD: "no resharding after forward",
+}
+MODES = ("auto", "fixed")
+
+
+class LayoutConfigError(ValueError):
+    """A bad ``layout`` value; the message says what is allowed."""
+
+
+@dataclass(frozen=True)
+class LayoutConfig:
+    """``layout``: ``auto`` searches the trades; ``fixed`` keeps the engine's own layout; a list of
+    trade names pins that layout (no search)."""
+
+    mode: str = "auto"
+    pinned: tuple[str, ...] = ()
+    trial_batches: int = 3
+    min_gain: float = 0.01
+
+    @classmethod
+    def parse(cls, value: Union[str, Sequence[str], None], trial_batches: int = 3, min_gain: float = 0.01) -> "LayoutConfig":
+        if isinstance(trial_batches, bool) or not isinstance(trial_batches, int) or trial_batches < 1:
+            raise LayoutConfigError(f"layout_trial_batches={trial_batches!r}: must be a positive int")
+        if isinstance(min_gain, bool) or not isinstance(min_gain, (int, float)) or not 0.0 <= min_gain < 1.0:
+            raise LayoutConfigError(f"layout_min_gain={min_gain!r}: must be a number in [0, 1)")
+        if value is None:
+            value = "auto"
+        if isinstance(value, str):
+            if value not in MODES:
+                raise LayoutConfigError(
+                    f"layout={value!r}: must be 'auto' (try the trades once the size settles), 'fixed' (the "
+                    f"engine's own layout) or a list of trades to pin, from {list(TRADES)}"
+                )
+            return cls(value, (), trial_batches, float(min_gain))
+        if not isinstance(value, (list, tuple)):
+            raise LayoutConfigError(f"layout={value!r}: must be 'auto', 'fixed' or a list of trades from {list(TRADES)}")
+        unknown = [v for v in value if v not in TRADES]
+        if unknown:
+            raise LayoutConfigError(f"layout={list(value)!r}: unknown trade(s) {unknown}; known: {list(TRADES)}")
+        return cls("fixed", tuple(t for t in TRADES if t in value), trial_batches, float(min_gain))
+
+
+def describe(layout: Sequence[str]) -> str:
+    """One phrase for the console: ``default`` or the trades in use."""
+    return ", ".join(DESCRIPTIONS[t] for t in TRADES if t in layout) or "default"
+
+
+@dataclass
+class Trial:
+    trade: str
+    on: list[float] = field(default_factory=list)
+    off: list[float] = field(default_factory=list)
+
+    @property
+    def next_on(self) -> bool:
+        return len(self.on) <= len(self.off)
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    trade: str
+    kept: bool
+    median_on: float
+    median_off: float
+    spread: float
+
+    def line(self) -> str:
+        verdict = "kept" if self.kept else "not kept"
+        gain = 0.0 if self.median_off <= 0 else 100.0 * (1.0 - self.median_on / self.median_off)
+        return (
+            f"layout trial {self.trade} ({DESCRIPTIONS[self.trade]}): {verdict}; median batch {self.median_on:.4f} s "
+            f"with it, {self.median_off:.4f} s without ({gain:+.1f}%; spread {self.spread:.4f} s)"
+        )
+
+
+def _mad(values: Sequence[float]) -> float:
+    median = statistics.median(values)
+    return statistics.median(abs(v - median) for v in values)
+
+
+def judge(trade: str, on: Sequence[float], off: Sequence[float], min_gain: float) -> TrialResult:
+    """Keep `trade` when its median batch time beats the other arm's by more than `min_gain` (a
+    share) and more than the larger median absolute deviation of the two arms."""
+    median_on, median_off = statistics.median(on), statistics.median(off)
+    spread = max(_mad(on), _mad(off))
+    gain = median_off - median_on
+    kept = gain > 0 and gain > min_gain * median_off and gain > spread
+    return TrialResult(trade, kept, median_on, median_off, spread)
+
+
+class LayoutSearch:
+    """The trials of one run. The callback asks `layout_for_batch` before each batch, reports each
+    batch that succeeded with `observe`, agrees the times when `needs_agreement`, and calls
+    `relieve` under memory pressure."""
+
+    def __init__(self, config: LayoutConfig, candidates: Sequence[str]) -> None:
+        self.config = config
+        self.candidates = [t for t in TRADES if t in candidates]
+        self.kept: list[str] = list(config.pinned)
+        self.rejected: dict[str, str] = {}
+        self.trial: Optional[Trial] = None
+        self.results: list[TrialResult] = []
+
+    @property
+    def searching(self) -> bool:
+        return self.config.mode == "auto"
+
+    @property
+    def current(self) -> tuple[str, ...]:
+        """The layout of the next batch."""
+        trades = set(self.kept)
+        if self.trial is not None and self.trial.next_on:
+            trades.add(self.trial.trade)
+        return tuple(t for t in TRADES if t in trades)
+
+    @property
+    def settled(self) -> tuple[str, ...]:
+        return tuple(t for t in TRADES if t in self.kept)
+
+    def _untried(self) -> list[str]:
+        done = set(self.kept) | set(self.rejected) | {r.trade for r in self.results}
+        return [t for t in self.candidates if t not in done]
+
+    def layout_for_batch(self, steady: bool, fits: Callable[[str], Optional[str]]) -> tuple[tuple[str, ...], Optional[str]]:
+        """The layout of the next batch, and a console line when a trial starts or a trade is passed
+        over. `fits(trade)` returns None when the trade's projected bytes fit, else why not."""
+        line = None
+        if self.searching and steady and self.trial is None:
+            for trade in self._untried():
+                problem = fits(trade)
+                if problem is None:
+                    self.trial = Trial(trade)
+                    line = f"layout trial {trade} ({DESCRIPTIONS[trade]}): {self.config.trial_batches} batches with it, as many without"
+                    break
+                self.rejected[trade] = problem
+                line = f"layout trade {trade} ({DESCRIPTIONS[trade]}) not tried: {problem}"
+        elif self.trial is not None and not steady:
+            # The size moved: a trial's times would compare different sizes.
+            self.trial = Trial(self.trial.trade)
+        return self.current, line
+
+    def observe(self, layout: Sequence[str], seconds: float) -> None:
+        """A batch that succeeded at `layout` took `seconds` on this rank."""
+        trial = self.trial
+        if trial is None:
+            return
+        arm = trial.on if trial.trade in layout else trial.off
+        arm.append(float(seconds))
+
+    @property
+    def needs_agreement(self) -> bool:
+        trial = self.trial
+        return trial is not None and min(len(trial.on), len(trial.off)) >= self.config.trial_batches
+
+    def local_times(self) -> list[float]:
+        assert self.trial is not None
+        return self.trial.on + self.trial.off
+
+    def decide(self, agreed: Sequence[float]) -> TrialResult:
+        """`agreed`: `local_times()` after the max over ranks. Ends the trial."""
+        trial = self.trial
+        assert trial is not None and len(agreed) == len(trial.on) + len(trial.off)
+        on, off = list(agreed[: len(trial.on)]), list(agreed[len(trial.on) :])
+        result = judge(trial.trade, on, off, self.config.min_gain)
+        self.results.append(result)
+        if result.kept:
+            self.kept.append(trial.trade)
+        self.trial = None
+        return result
+
+    def relieve(self, failed_layout: Sequence[str], why: str) -> Optional[str]:
+        """Memory pressure at the settled size in a batch run at `failed_layout`: undo the trade on
+        trial if it was on, else the last kept trade (a trial whose trade was off ends untried).
+        Returns the trade undone; None when none is left (the size policy acts then)."""
+        if self.trial is not None:
+            trade = self.trial.trade
+            self.trial = None
+            if trade in failed_layout:
+                self.rejected[trade] = why
+                return trade
+            self.rejected[trade] = f"trial stopped: {why} without it"
+        if self.kept and self.config.mode == "auto":
+            trade = self.kept.pop()
+            self.rejected[trade] = why
+            return trade
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "kept": list(self.kept),
+            "rejected": dict(self.rejected),
+            "tried": [r.trade for r in self.results],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.config.mode != "auto":
+            return  # a pinned or fixed layout wins over what a checkpoint chose
+        self.kept = [t for t in state.get("kept", []) if t in self.candidates]
+        self.rejected = {t: str(w) for t, w in state.get("rejected", {}).items() if t in TRADES}
+        for trade in state.get("tried", []):
+            if trade in TRADES and trade not in self.kept and trade not in self.rejected:
+                self.rejected[trade] = "tried before the checkpoint"
+        self.trial = None
+
+
+__all__ = [
+    "DESCRIPTIONS", "GRAD_SYNC_ONCE", "LayoutConfig", "LayoutConfigError", "LayoutSearch", "NO_RESHARD", "TRADES",
+    "TrialResult", "describe", "judge",
+]

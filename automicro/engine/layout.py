@@ -1,0 +1,83 @@
+"""`LayoutEngine`: puts a layout (`automicro.core.layout`) on a sharded model.
+
+- ``no_reshard``: every wrapped block keeps its parameters unsharded from forward to backward
+  (the root already does, as FSDP2 sets it).
+- ``grad_sync_once``: before each microbatch, gradient reduction is on for the last microbatch
+  of the batch only; the others accumulate unsharded gradients (FSDP2's own accumulation).
+
+`reset()` puts gradient reduction back on (after a failed attempt and between batches), so an
+attempt that never reached its last microbatch leaves no module that skips its reduce-scatter.
+Evaluation runs at the engine's own layout (`suspend` / `resume`): a forward with no backward
+would otherwise leave the blocks unsharded.
+
+Owns: which FSDP2 switches a layout turns, and the projected bytes of each trade. May not touch:
+the layout search, Composer; torch privates outside `_torch_internals`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+from automicro.core.layout import GRAD_SYNC_ONCE, NO_RESHARD
+from automicro.engine import _torch_internals as internals
+from automicro.engine.sharding import ShardedModel
+
+
+class LayoutEngine:
+    """The switches of one sharded model (not a pipeline stage)."""
+
+    def __init__(self, sharded: ShardedModel) -> None:
+        self.sharded = sharded
+        self._blocks = [m for name, m in sharded.named_fsdp_modules if name]
+        self.layout: tuple[str, ...] = ()
+        self._suspended: Optional[tuple[str, ...]] = None
+        self._extra: dict[str, int] = {}
+
+    def candidates(self) -> list[str]:
+        """The trades this model can take: ``no_reshard`` where blocks reshard after forward
+        (``reshard_after_forward: true``, the default), ``grad_sync_once`` wherever it is sharded."""
+        found = []
+        if self.sharded.fsdp_modules:
+            found.append(GRAD_SYNC_ONCE)
+        if self._blocks and self.sharded.config.reshard_after_forward is True:
+            found.append(NO_RESHARD)
+        return found
+
+    def extra_bytes(self, trade: str) -> int:
+        """What `trade` adds to this rank's peak, at most: every block's unsharded parameters
+        (``no_reshard``) or unsharded gradients (``grad_sync_once``)."""
+        if not self._extra:
+            param_bytes, grad_bytes = internals.unsharded_param_bytes(self._blocks)
+            self._extra = {NO_RESHARD: param_bytes, GRAD_SYNC_ONCE: grad_bytes}
+        return self._extra[trade]
+
+    def apply(self, layout: Sequence[str]) -> None:
+        layout = tuple(layout)
+        if self.sharded.config.reshard_after_forward is True:
+            for block in self._blocks:
+                internals.set_block_reshard_after_forward(block, NO_RESHARD not in layout)
+        self.layout = layout
+        self.reset()
+
+    def before_microbatch(self, index: int, count: int) -> None:
+        if GRAD_SYNC_ONCE in self.layout and count > 1:
+            self.sharded.module.set_requires_gradient_sync(index + 1 == count)
+
+    def reset(self) -> None:
+        if self.sharded.fsdp_modules:
+            self.sharded.module.set_requires_gradient_sync(True)
+
+    def suspend(self) -> None:
+        """Evaluation: the engine's own layout until `resume`."""
+        if self._suspended is None and self.layout:
+            self._suspended = self.layout
+            self.apply(())
+
+    def resume(self) -> None:
+        if self._suspended is not None:
+            layout, self._suspended = self._suspended, None
+            self.apply(layout)
+
+
+__all__ = ["LayoutEngine"]

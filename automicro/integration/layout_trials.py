@@ -1,0 +1,178 @@
+"""The layout search in a running job: `AutoMicrobatching` asks `LayoutTrials` which layout the
+next batch runs at, reports the batch's outcome, and hands it memory pressure first.
+
+Wires `automicro.core.layout.LayoutSearch` (which trade, when, kept or not) to the FSDP2 switches
+(`automicro.engine.layout.LayoutEngine`), the batch clock (a device sync around each batch of a
+trial only) and the consensus (one round per trial: every rank's times, max over ranks).
+
+Owns: when a layout is applied, the trial clock, the console lines and metrics of the layout.
+May not touch: the size policy, the attempt fence, Composer; torch privates (the engine's).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+
+from automicro.core.consensus import SLOTS, Consensus
+from automicro.core.layout import TRADES, LayoutConfig, LayoutSearch, describe
+from automicro.engine.layout import LayoutEngine
+from automicro.engine.sharding import ShardedModel
+
+
+class LayoutTrials:
+    """One run's layout. `engine` is None where nothing can be traded (no FSDP2 blocks, a pipeline)."""
+
+    def __init__(
+        self,
+        config: LayoutConfig,
+        sharded: ShardedModel,
+        consensus: Consensus,
+        info: Callable[[str], None],
+        recoverable: bool,
+        pipeline: bool,
+    ) -> None:
+        self.config = config
+        self._consensus, self._info = consensus, info
+        self.engine: Optional[LayoutEngine] = None
+        candidates: list[str] = []
+        if not pipeline and sharded.fsdp_modules:
+            self.engine = LayoutEngine(sharded)
+            candidates = self.engine.candidates()
+        missing = [t for t in config.pinned if t not in candidates]
+        if missing:
+            where = "a pipeline stage" if pipeline else (
+                "a model without FSDP2" if not sharded.fsdp_modules else "this model's FSDP2 settings"
+            )
+            raise ValueError(
+                f"layout={list(config.pinned)!r}: {missing} cannot be used with {where} (no_reshard needs "
+                "parallelism_config.fsdp2.reshard_after_forward: true; both need FSDP2 without a pipeline); "
+                "set layout: fixed"
+            )
+        if config.mode == "auto" and candidates and not recoverable:
+            # An OOM in a trial runs with the sync hooks off: without the ledger it would end the job.
+            info("layout search off: steady_recovery=false cannot recover an OOM in a trial (layout stays fixed)")
+            candidates = []
+        self.search = LayoutSearch(config, candidates)
+        self._device = sharded.device
+        self._started: Optional[float] = None
+        self._pending: Optional[dict[str, Any]] = None
+        self.layout: tuple[str, ...] = ()
+        self.last_run: tuple[str, ...] = ()  # the layout the last batch started at
+        # Turns each measured batch time into the one judged (the identity). Tests replace it to
+        # make a trade look faster or slower without depending on the machine's timing.
+        self.timing: Callable[[tuple[str, ...], float], float] = lambda layout, seconds: seconds
+        if self.engine is not None:
+            self._apply(self.search.settled)
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.search.state_dict()
+
+    def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
+        if state:
+            self.search.load_state_dict(state)
+            if self.engine is not None:
+                self._apply(self.search.settled)
+                if self.layout:
+                    self._info(f"resumed with layout: {describe(self.layout)}")
+
+    # ---- one batch -------------------------------------------------------------------------------
+
+    def before_batch(self, steady: bool, peak_bytes: int, capacity_bytes: int) -> None:
+        """Choose and apply the next batch's layout; start the clock during a trial."""
+        if self.engine is None:
+            return
+        engine = self.engine
+
+        def fits(trade: str) -> Optional[str]:
+            extra = engine.extra_bytes(trade)
+            if not capacity_bytes or not peak_bytes or peak_bytes + extra <= capacity_bytes:
+                return None
+            return (
+                f"needs {extra / 2**20:.1f} MiB more than the peak {peak_bytes / 2**20:.1f} MiB, "
+                f"capacity {capacity_bytes / 2**20:.1f} MiB"
+            )
+
+        layout, line = self.search.layout_for_batch(steady, fits)
+        if line:
+            self._info(line)
+        self._apply(layout)
+        self.last_run = layout
+        self._started = None
+        if self.search.trial is not None:
+            self._sync()
+            self._started = time.perf_counter()
+
+    def after_success(self, attempts: int) -> None:
+        """The batch succeeded (and the optimizer stepped). A batch that retried is not timed."""
+        if self.engine is None:
+            return
+        self.engine.reset()
+        if self._started is None or self.search.trial is None:
+            return
+        self._sync()
+        seconds = time.perf_counter() - self._started
+        self._started = None
+        if attempts == 1:
+            self.search.observe(self.layout, self.timing(self.layout, seconds))
+        if self.search.needs_agreement:
+            local = [int(round(s * 1e6)) for s in self.search.local_times()]
+            agreed: list[int] = []
+            for start in range(0, len(local), SLOTS):  # a round carries at most SLOTS ints per rank
+                agreed.extend(self._consensus.agree_max(local[start : start + SLOTS]))
+            result = self.search.decide([us / 1e6 for us in agreed])
+            self._info(result.line())
+            self._info(f"layout now: {describe(self.search.settled)}")
+            self._apply(self.search.settled)
+
+    def relieve(self, why: str) -> Optional[str]:
+        """Memory pressure at the settled size: undo a trade (the console says which) and return it,
+        or None when the layout has nothing left to give."""
+        if self.engine is None:
+            return None
+        undone = self.search.relieve(self.layout, why)
+        self._started = None
+        if undone is not None:
+            self._apply(self.search.settled)
+            self._info(f"layout: undid {undone} ({why}); layout now: {describe(self.layout)}")
+        return undone
+
+    # ---- evaluation --------------------------------------------------------------------------------
+
+    def suspend(self) -> None:
+        if self.engine is not None:
+            self.engine.suspend()
+
+    def resume(self) -> None:
+        if self.engine is not None:
+            self.engine.resume()
+
+    # ---- figures -----------------------------------------------------------------------------------
+
+    def describe(self) -> str:
+        return describe(self.search.settled)
+
+    def metrics(self) -> dict[str, int]:
+        if self.engine is None:
+            return {}
+        row = {f"automicro/layout/{t}": int(t in self.layout) for t in TRADES}
+        row["automicro/layout/trial"] = int(self.search.trial is not None)
+        return row
+
+    def _apply(self, layout: tuple[str, ...]) -> None:
+        assert self.engine is not None
+        if layout != self.engine.layout or not layout:
+            self.engine.apply(layout)
+        self.layout = layout
+
+    def _sync(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+
+
+__all__ = ["LayoutTrials"]

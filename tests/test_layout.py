@@ -1,0 +1,184 @@
+"""The layout search (`automicro.core.layout`): once the size settles, `auto` tries trading memory
+for speed (gradients reduced once per batch, no resharding after forward), keeps a trade only when
+interleaved batch times show it faster, undoes trades before it shrinks the microbatch, and keeps
+the layout in checkpoints. The rule on its own here; on 1, 2 and 4 CPU ranks in `layout_cases`."""
+
+from __future__ import annotations
+
+import pytest
+
+from automicro.core.layout import GRAD_SYNC_ONCE, NO_RESHARD, LayoutConfig, LayoutConfigError, LayoutSearch, judge
+from automicro.testing.multiprocess import run_multiprocess
+from tests import layout_cases as cases
+
+# ---- the rule ----------------------------------------------------------------------------------
+
+
+def test_a_trade_is_kept_only_when_its_gain_beats_both_the_minimum_and_the_spread():
+    assert judge(GRAD_SYNC_ONCE, [1.0, 1.0, 1.0], [2.0, 2.0, 2.0], 0.01).kept
+    assert not judge(GRAD_SYNC_ONCE, [2.0, 2.0, 2.0], [1.0, 1.0, 1.0], 0.01).kept  # slower
+    assert not judge(GRAD_SYNC_ONCE, [1.995, 1.995], [2.0, 2.0], 0.01).kept  # 0.25% < min_gain
+    # 10% faster by the medians, but each arm spreads by 0.3 s: noise, not a gain.
+    assert not judge(GRAD_SYNC_ONCE, [1.5, 1.8, 2.1], [1.7, 2.0, 2.3], 0.01).kept
+    assert judge(GRAD_SYNC_ONCE, [1.79, 1.8, 1.81], [1.99, 2.0, 2.01], 0.01).kept
+
+
+def _run_trial(search: LayoutSearch, on: float, off: float) -> None:
+    """Batches until the trial needs its agreement (one rank: the local times are the agreed ones)."""
+    while not search.needs_agreement:
+        layout, _ = search.layout_for_batch(True, lambda trade: None)
+        search.observe(layout, on if search.trial.trade in layout else off)
+    search.decide(search.local_times())
+
+
+def test_trials_alternate_with_and_without_the_trade_and_run_one_trade_at_a_time():
+    search = LayoutSearch(LayoutConfig.parse("auto", trial_batches=2), [GRAD_SYNC_ONCE, NO_RESHARD])
+    assert search.layout_for_batch(False, lambda t: None)[0] == ()  # not steady: no trial
+    seen = []
+    for _ in range(4):
+        layout, _ = search.layout_for_batch(True, lambda t: None)
+        seen.append(layout)
+        search.observe(layout, 1.0 if GRAD_SYNC_ONCE in layout else 2.0)
+    assert seen == [(GRAD_SYNC_ONCE,), (), (GRAD_SYNC_ONCE,), ()]
+    assert search.needs_agreement
+    assert search.decide(search.local_times()).kept
+    # The next trial runs on top of what was kept.
+    layout, line = search.layout_for_batch(True, lambda t: None)
+    assert layout == (GRAD_SYNC_ONCE, NO_RESHARD) and "no_reshard" in line
+    search.observe(layout, 3.0)
+    assert search.layout_for_batch(True, lambda t: None)[0] == (GRAD_SYNC_ONCE,)
+
+
+def test_a_trade_whose_projection_does_not_fit_is_passed_over_without_a_trial():
+    search = LayoutSearch(LayoutConfig.parse("auto"), [GRAD_SYNC_ONCE, NO_RESHARD])
+    layout, line = search.layout_for_batch(True, lambda t: "no room" if t == GRAD_SYNC_ONCE else None)
+    assert layout == (NO_RESHARD,) and search.rejected == {GRAD_SYNC_ONCE: "no room"}
+
+
+def test_pressure_undoes_the_trade_on_trial_then_the_last_kept_then_leaves_it_to_the_size():
+    search = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), [GRAD_SYNC_ONCE, NO_RESHARD])
+    _run_trial(search, 1.0, 2.0)
+    assert search.settled == (GRAD_SYNC_ONCE,)
+    layout, _ = search.layout_for_batch(True, lambda t: None)  # no_reshard on trial, on in this batch
+    assert search.relieve(layout, "oom") == NO_RESHARD
+    assert search.settled == (GRAD_SYNC_ONCE,)
+    assert search.relieve((GRAD_SYNC_ONCE,), "oom") == GRAD_SYNC_ONCE
+    assert search.relieve((), "oom") is None
+    # Nothing undone is tried again.
+    assert search.layout_for_batch(True, lambda t: None) == ((), None)
+
+
+def test_pressure_in_a_trial_batch_without_the_trade_ends_the_trial_and_undoes_a_kept_one():
+    search = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), [GRAD_SYNC_ONCE, NO_RESHARD])
+    _run_trial(search, 1.0, 2.0)
+    search.layout_for_batch(True, lambda t: None)
+    search.observe((GRAD_SYNC_ONCE, NO_RESHARD), 1.0)
+    layout, _ = search.layout_for_batch(True, lambda t: None)  # the trial's "without" arm
+    assert layout == (GRAD_SYNC_ONCE,)
+    assert search.relieve(layout, "oom") == GRAD_SYNC_ONCE
+    assert search.trial is None and NO_RESHARD in search.rejected
+
+
+def test_fixed_and_pinned_layouts_never_search_and_a_checkpoint_does_not_override_them():
+    fixed = LayoutSearch(LayoutConfig.parse("fixed"), [GRAD_SYNC_ONCE, NO_RESHARD])
+    assert fixed.layout_for_batch(True, lambda t: None) == ((), None)
+    pinned = LayoutSearch(LayoutConfig.parse([NO_RESHARD]), [GRAD_SYNC_ONCE, NO_RESHARD])
+    pinned.load_state_dict({"kept": [GRAD_SYNC_ONCE]})
+    assert pinned.layout_for_batch(True, lambda t: None) == ((NO_RESHARD,), None)
+    assert pinned.relieve((NO_RESHARD,), "oom") is None  # a pinned trade is the user's: the size gives
+
+
+def test_a_checkpoint_restores_the_kept_layout_and_what_was_tried():
+    search = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), [GRAD_SYNC_ONCE, NO_RESHARD])
+    _run_trial(search, 1.0, 2.0)
+    _run_trial(search, 3.0, 1.0)
+    restored = LayoutSearch(LayoutConfig.parse("auto"), [GRAD_SYNC_ONCE, NO_RESHARD])
+    restored.load_state_dict(search.state_dict())
+    assert restored.settled == (GRAD_SYNC_ONCE,)
+    assert restored.layout_for_batch(True, lambda t: None) == ((GRAD_SYNC_ONCE,), None)
+
+
+@pytest.mark.parametrize(
+    "value, kwargs, message",
+    [
+        ("fast", {}, "must be 'auto'"),
+        (["grad_sync"], {}, "unknown trade(s) ['grad_sync']"),
+        (3, {}, "must be 'auto', 'fixed' or a list"),
+        ("auto", {"trial_batches": 0}, "layout_trial_batches=0"),
+        ("auto", {"min_gain": 1.5}, "layout_min_gain=1.5"),
+    ],
+)
+def test_a_bad_layout_value_names_what_is_allowed(value, kwargs, message):
+    with pytest.raises(LayoutConfigError) as error:
+        LayoutConfig.parse(value, **kwargs)
+    assert message in str(error.value)
+
+
+def test_the_yaml_key_reaches_the_callback_and_a_bad_value_is_a_config_error(tmp_path):
+    from automicro.config import ConfigError, load_config
+    from automicro.integration.builders import build_callbacks
+
+    good = tmp_path / "good.yaml"
+    good.write_text("callbacks:\n  auto_microbatching:\n    layout: [grad_sync_once]\n")
+    [callback] = [c for c in build_callbacks(load_config(str(good))) if type(c).__name__ == "AutoMicrobatching"]
+    assert callback.layout_config.pinned == (GRAD_SYNC_ONCE,)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("callbacks:\n  auto_microbatching:\n    layout: quick\n")
+    with pytest.raises((ConfigError, ValueError)) as error:
+        build_callbacks(load_config(str(bad)))
+    assert "layout='quick'" in str(error.value)
+
+
+# ---- on CPU ranks ----------------------------------------------------------------------------------
+
+
+def _check_trades(result: dict) -> None:
+    auto = result["auto"]
+    assert auto["found"] == 2, auto["history"]
+    assert auto["results"] == [[GRAD_SYNC_ONCE, True], [NO_RESHARD, False]], auto
+    assert auto["settled"] == [GRAD_SYNC_ONCE] and auto["state"]["kept"] == [GRAD_SYNC_ONCE]
+    # Interleaved: the first trial alternates with and without its trade, after the size settled.
+    steady = next(r[0] for r in auto["history"] if "sync hooks off" in r[3])
+    trials = auto["layouts"][steady + 1 : steady + 5]
+    assert trials == [[GRAD_SYNC_ONCE], [], [GRAD_SYNC_ONCE, NO_RESHARD], [GRAD_SYNC_ONCE]], auto["layouts"]
+    assert auto["layouts"][-1] == [GRAD_SYNC_ONCE]
+    assert "layout: gradients reduced once per batch" in auto["summary"]
+    assert result["diff_auto"] < 1e-5, result
+    for name, pinned in result["pinned"].items():
+        # A pinned layout runs from the first batch to the last, the search never changes it.
+        assert pinned["found"] == 2 and all(layout == name.split("+") for layout in pinned["layouts"]), (name, pinned)
+        assert pinned["diff"] < 1e-5, (name, pinned["diff"])
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_the_faster_trade_is_kept_the_slower_not_and_parameters_equal_a_fixed_run(world):
+    results = run_multiprocess(cases.trades, world_size=world, timeout_s=600)
+    for rank in range(world):
+        _check_trades(results[rank])
+    assert len(results[0]["pinned"]) == (1 if world == 2 else 0)
+    assert len({str(results[r]["auto"]["layouts"]) for r in range(world)}) == 1  # the same layouts on every rank
+
+
+@pytest.mark.multiproc
+def test_an_oom_at_the_settled_size_undoes_the_last_trade_and_the_size_stays():
+    results = run_multiprocess(cases.pressure, world_size=2, timeout_s=600)
+    for rank in (0, 1):
+        auto = results[rank]["auto"]
+        assert auto["found"] == 2
+        assert [r[3] for r in auto["history"] if r[2] == "oom" and r[1] == 2] == [
+            "layout undone first; rerun at the same size, now gradients reduced once per batch"
+        ], auto["history"]
+        assert auto["settled"] == [GRAD_SYNC_ONCE] and NO_RESHARD in auto["rejected"]
+        assert all(r[1] == 2 for r in auto["history"] if r[0] >= 2), auto["history"]  # never shrank
+        assert results[rank]["diff"] < 1e-5
+
+
+@pytest.mark.multiproc
+def test_trades_whose_bytes_do_not_fit_are_not_tried():
+    results = run_multiprocess(cases.no_room, world_size=2, timeout_s=600)
+    for rank in (0, 1):
+        auto = results[rank]
+        assert auto["found"] == 2 and auto["results"] == [] and auto["settled"] == []
+        assert set(auto["rejected"]) == {GRAD_SYNC_ONCE, NO_RESHARD} and "needs" in auto["rejected"][NO_RESHARD]
+        assert all(layout == [] for layout in auto["layouts"])
