@@ -18,7 +18,7 @@ from automicro.data import SyntheticTokens, build_dataloader
 from automicro.testing import FaultInjector, MemoryCapCallback
 
 SEQ = 128
-PER_RANK_BATCH = 8
+PER_RANK_BATCH = 4
 # Activations per sample well above the parameters: a cap between two sizes leaves room for the trades.
 MODEL = dict(vocab_size=512, d_model=32, n_layers=2, n_heads=2, max_seq_len=SEQ)
 UNLIMITED = 10**12
@@ -74,7 +74,7 @@ def fit(
 
             auto.batch_end = batch_end  # type: ignore[method-assign]
         trainer.fit()
-        return {
+        result = {
             "found": auto.found_size if microbatch == "auto" else microbatch,
             "settled": list(auto.layout.search.settled) if auto.layout else [],
             "rejected": dict(auto.layout.search.rejected) if auto.layout else {},
@@ -84,69 +84,56 @@ def fit(
             "summary": auto.summary_line(),
             "state": auto.state_dict().get("layout"),
             "peak": int(cap.cap.stats()["peak_bytes"]),
-            "extra": sum(auto.layout.engine.extra_bytes(t) for t in (GRAD_SYNC_ONCE, NO_RESHARD))
-            if auto.layout and auto.layout.engine else 0,
+            "extras": [auto.layout.engine.extra_bytes(t) for t in (GRAD_SYNC_ONCE, NO_RESHARD)]
+            if auto.layout and auto.layout.engine else [0, 0],
             "params": {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()},
         }
+        result["extra"] = sum(result["extras"])
+        return result
     finally:
         trainer.close()
 
 
-def _limit_for(size: int, room: bool) -> int:
-    """A cap below the peak of `size + 1` and above that of `size`; with `room`, above it by both
-    trades' projected bytes too (every rank the same: rank 0's)."""
-    low, high = fit(size, 2, layout="fixed"), fit(size + 1, 2, layout="fixed")
-    floor = low["peak"] + (low["extra"] if room else 0)
-    assert floor < high["peak"], (low["peak"], low["extra"], high["peak"])
-    limit = torch.tensor([(floor + high["peak"]) // 2], dtype=torch.int64)
-    torch.distributed.broadcast(limit, 0)
-    return int(limit)
+def _limits() -> tuple[int, int]:
+    """Two caps below the peak of size 3 and above that of size 2: one with room for both trades'
+    projected bytes, one with room for neither (every rank uses rank 0's)."""
+    low, high = fit(2, 2, layout="fixed"), fit(3, 2, layout="fixed")
+    room = low["peak"] + low["extra"]
+    assert room < high["peak"], (low, high["peak"])
+    tight = low["peak"] + min(low["extras"]) * 3 // 4
+    limits = torch.tensor([(room + high["peak"]) // 2, tight], dtype=torch.int64)
+    torch.distributed.broadcast(limits, 0)
+    return int(limits[0]), int(limits[1])
 
 
 def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in b)
 
 
-def trades(rank: int, world: int) -> dict[str, Any]:
-    """Size found 2 of 8 under a cap with room for both trades' projections; grad_sync_once
-    faster, no_reshard slower: the first is kept, the second not. On 2 ranks also both trades
-    pinned (`layout: [...]`) under the same cap. Every run against a fixed run at size 2."""
-    batches = 9  # settled after batch 3, then one batch with and one without each trade
-    limit = _limit_for(2, room=True)
-    timing = seconds_where(faster=(GRAD_SYNC_ONCE,), slower=(NO_RESHARD,))
-    auto = fit("auto", batches, limit=limit, timing=timing)
-    fixed = fit(2, batches, layout="fixed")
-    pinned = {}
+def _strip(result: dict[str, Any], fixed: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in result.items() if k != "params"}
+    out["diff"] = _diff(result["params"], fixed["params"])
+    return out
+
+
+BATCHES = 10  # settled after batch 3, a trial of each trade in batches 4-7, two batches after
+
+
+def suite(rank: int, world: int) -> dict[str, Any]:
+    """Size found 2 of 4 (two microbatches) under a cap with room for both trades.
+
+    - ``trades``: grad_sync_once timed faster, no_reshard slower: the first is kept, the second not.
+    - 2 ranks also: ``pinned`` (both trades pinned in YAML's ``layout: [...]``); ``pressure`` (both
+      kept, then an OOM on rank 0 at the settled size in batch 8: a trade is undone, the size
+      stays); ``no_room`` (a cap with room for neither trade: neither is tried).
+    Every run's parameters against a fixed run at size 2 with the engine's own layout."""
+    room, tight = _limits()
+    fixed = fit(2, BATCHES, layout="fixed")
+    out = {"trades": _strip(fit("auto", BATCHES, limit=room, timing=seconds_where((GRAD_SYNC_ONCE,), (NO_RESHARD,))), fixed)}
     if world == 2:
-        layout = [GRAD_SYNC_ONCE, NO_RESHARD]
-        pinned["+".join(layout)] = fit("auto", batches, limit=limit, layout=layout)
-    return {
-        "auto": {k: v for k, v in auto.items() if k != "params"},
-        "diff_auto": _diff(auto["params"], fixed["params"]),
-        "pinned": {
-            k: {"found": v["found"], "layouts": v["layouts"], "diff": _diff(v["params"], fixed["params"])}
-            for k, v in pinned.items()
-        },
-    }
-
-
-def pressure(rank: int, world: int) -> dict[str, Any]:
-    """grad_sync_once kept, then an OOM at the settled size (rank 0 only, late in the run): the
-    trade is undone and the batch reruns at the same size; the size never shrinks."""
-    batches = 10
-    timing = seconds_where(faster=(GRAD_SYNC_ONCE, NO_RESHARD))
-    limit = _limit_for(2, room=True)
-    fault = FaultInjector(site="backward_pre", ranks=[0], batch=batches - 2, times=1)
-    auto = fit("auto", batches, limit=limit, timing=timing, faults=[fault])
-    fixed = fit(auto["found"], batches, layout="fixed")
-    return {
-        "auto": {k: v for k, v in auto.items() if k != "params"},
-        "diff": _diff(auto["params"], fixed["params"]),
-    }
-
-
-def no_room(rank: int, world: int) -> dict[str, Any]:
-    """A cap just above the size found: neither trade's projected bytes fit, and neither is tried."""
-    batches = 6
-    auto = fit("auto", batches, limit=_limit_for(2, room=False), timing=seconds_where(faster=(GRAD_SYNC_ONCE, NO_RESHARD)))
-    return {k: v for k, v in auto.items() if k != "params"}
+        out["pinned"] = _strip(fit("auto", BATCHES, limit=room, layout=[GRAD_SYNC_ONCE, NO_RESHARD]), fixed)
+        fault = FaultInjector(site="backward_pre", ranks=[0], batch=8, times=1)
+        faster = seconds_where(faster=(GRAD_SYNC_ONCE, NO_RESHARD))
+        out["pressure"] = _strip(fit("auto", BATCHES, limit=room, timing=faster, faults=[fault]), fixed)
+        out["no_room"] = _strip(fit("auto", BATCHES, limit=tight, timing=faster), fixed)
+    return out

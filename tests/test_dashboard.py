@@ -262,7 +262,7 @@ def test_console_has_one_line_per_search_event_and_one_when_hooks_come_off(demo)
     assert len(attempts) == 7 and len(set(attempts)) == 7, lines  # 2 + 2 + 3 clean batches, as the summary says
     assert lines.count("[automicro] sync hooks off after 3 clean batches at split [4, 4]") == 1, lines
     assert not [line for line in lines if "sync hooks off (" in line], lines
-    assert "[automicro] microbatch size found: 5 (per-rank batch 8); split in use [4, 4]; attempts 7, OOMs 2" in demo["stdout"]
+    assert "[automicro] microbatch size found: 5 (per-rank batch 8); split in use [4, 4]; layout: default; attempts 7, OOMs 2" in demo["stdout"]
     # memory_monitor on CPU only warns.
     assert "memory monitor only works on CUDA devices" in demo["stdout"]
 

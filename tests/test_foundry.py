@@ -37,7 +37,7 @@ def test_a_foundry_yaml_searches_under_asymmetric_caps_and_trains_like_the_fixed
     # 5 ok; then the per-rank batch of 8 runs as the fewest even microbatches.
     assert "size 8 split [8] -> oom on rank(s) [0] at ['forward']" in out, out[-4000:]
     assert "size 6 split [6, 2] -> oom on rank(s) [0]" in out, out[-4000:]
-    assert "[automicro] microbatch size found: 5; split in use [4, 4]; attempts 7, OOMs 2; sync hooks off; 12 batches" in out
+    assert "[automicro] microbatch size found: 5; split in use [4, 4]; layout: default; attempts 7, OOMs 2; sync hooks off; 12 batches" in out
     # llm-foundry's own path built the model, tokenizer, loader and callbacks from its registries.
     assert "llmfoundry" in out and "Building trainer" in out
     fixed = run(

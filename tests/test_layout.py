@@ -80,6 +80,10 @@ def test_pressure_in_a_trial_batch_without_the_trade_ends_the_trial_and_undoes_a
 
 
 def test_fixed_and_pinned_layouts_never_search_and_a_checkpoint_does_not_override_them():
+    import automicro
+
+    # Opt-in until measured on GPUs: the default is the engine's own layout.
+    assert LayoutConfig.parse(None).mode == "fixed" and automicro.AutoMicrobatching().layout_config.mode == "fixed"
     fixed = LayoutSearch(LayoutConfig.parse("fixed"), [GRAD_SYNC_ONCE, NO_RESHARD])
     assert fixed.layout_for_batch(True, lambda t: None) == ((), None)
     pinned = LayoutSearch(LayoutConfig.parse([NO_RESHARD]), [GRAD_SYNC_ONCE, NO_RESHARD])
@@ -132,53 +136,67 @@ def test_the_yaml_key_reaches_the_callback_and_a_bad_value_is_a_config_error(tmp
 # ---- on CPU ranks ----------------------------------------------------------------------------------
 
 
-def _check_trades(result: dict) -> None:
-    auto = result["auto"]
-    assert auto["found"] == 2, auto["history"]
-    assert auto["results"] == [[GRAD_SYNC_ONCE, True], [NO_RESHARD, False]], auto
-    assert auto["settled"] == [GRAD_SYNC_ONCE] and auto["state"]["kept"] == [GRAD_SYNC_ONCE]
-    # Interleaved: the first trial alternates with and without its trade, after the size settled.
-    steady = next(r[0] for r in auto["history"] if "sync hooks off" in r[3])
-    trials = auto["layouts"][steady + 1 : steady + 5]
-    assert trials == [[GRAD_SYNC_ONCE], [], [GRAD_SYNC_ONCE, NO_RESHARD], [GRAD_SYNC_ONCE]], auto["layouts"]
-    assert auto["layouts"][-1] == [GRAD_SYNC_ONCE]
-    assert "layout: gradients reduced once per batch" in auto["summary"]
-    assert result["diff_auto"] < 1e-5, result
-    for name, pinned in result["pinned"].items():
-        # A pinned layout runs from the first batch to the last, the search never changes it.
-        assert pinned["found"] == 2 and all(layout == name.split("+") for layout in pinned["layouts"]), (name, pinned)
-        assert pinned["diff"] < 1e-5, (name, pinned["diff"])
+_RUNS: dict[int, list] = {}
+
+
+def _suite(world: int) -> list:
+    """`cases.suite` on `world` ranks, once per module run (a module-scoped fixture by hand: the
+    tests below take different rank counts from it)."""
+    if world not in _RUNS:
+        _RUNS[world] = run_multiprocess(cases.suite, world_size=world, timeout_s=900)
+    return _RUNS[world]
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_the_faster_trade_is_kept_the_slower_not_and_parameters_equal_a_fixed_run(world):
-    results = run_multiprocess(cases.trades, world_size=world, timeout_s=600)
+    results = _suite(world)
     for rank in range(world):
-        _check_trades(results[rank])
-    assert len(results[0]["pinned"]) == (1 if world == 2 else 0)
-    assert len({str(results[r]["auto"]["layouts"]) for r in range(world)}) == 1  # the same layouts on every rank
+        auto = results[rank]["trades"]
+        assert auto["found"] == 2, auto["history"]
+        assert auto["results"] == [[GRAD_SYNC_ONCE, True], [NO_RESHARD, False]], auto
+        assert auto["settled"] == [GRAD_SYNC_ONCE] and auto["state"]["kept"] == [GRAD_SYNC_ONCE]
+        # Interleaved, after the size settled: with, without, then the next trade on top of the kept one.
+        steady = next(r[0] for r in auto["history"] if "sync hooks off" in r[3])
+        trials = auto["layouts"][steady + 1 : steady + 5]
+        assert trials == [[GRAD_SYNC_ONCE], [], [GRAD_SYNC_ONCE, NO_RESHARD], [GRAD_SYNC_ONCE]], auto["layouts"]
+        assert all(layout == [] for layout in auto["layouts"][: steady + 1])
+        assert auto["layouts"][-1] == [GRAD_SYNC_ONCE]
+        assert "layout: gradients reduced once per batch" in auto["summary"]
+        assert auto["diff"] < 1e-5, auto["diff"]
+    assert len({str(results[r]["trades"]["layouts"]) for r in range(world)}) == 1  # the same on every rank
+
+
+@pytest.mark.multiproc
+def test_a_pinned_layout_runs_from_the_first_batch_and_parameters_equal_a_fixed_run():
+    world, results = 2, _suite(2)
+    for rank in range(world):
+        pinned = results[rank]["pinned"]
+        assert pinned["found"] == 2 and pinned["results"] == []
+        assert all(layout == [GRAD_SYNC_ONCE, NO_RESHARD] for layout in pinned["layouts"]), pinned["layouts"]
+        assert pinned["diff"] < 1e-5
 
 
 @pytest.mark.multiproc
 def test_an_oom_at_the_settled_size_undoes_the_last_trade_and_the_size_stays():
-    results = run_multiprocess(cases.pressure, world_size=2, timeout_s=600)
-    for rank in (0, 1):
-        auto = results[rank]["auto"]
+    world, results = 2, _suite(2)
+    for rank in range(world):
+        auto = results[rank]["pressure"]
         assert auto["found"] == 2
         assert [r[3] for r in auto["history"] if r[2] == "oom" and r[1] == 2] == [
             "layout undone first; rerun at the same size, now gradients reduced once per batch"
         ], auto["history"]
         assert auto["settled"] == [GRAD_SYNC_ONCE] and NO_RESHARD in auto["rejected"]
         assert all(r[1] == 2 for r in auto["history"] if r[0] >= 2), auto["history"]  # never shrank
-        assert results[rank]["diff"] < 1e-5
+        assert auto["diff"] < 1e-5
 
 
 @pytest.mark.multiproc
 def test_trades_whose_bytes_do_not_fit_are_not_tried():
-    results = run_multiprocess(cases.no_room, world_size=2, timeout_s=600)
-    for rank in (0, 1):
-        auto = results[rank]
+    world, results = 2, _suite(2)
+    for rank in range(world):
+        auto = results[rank]["no_room"]
         assert auto["found"] == 2 and auto["results"] == [] and auto["settled"] == []
         assert set(auto["rejected"]) == {GRAD_SYNC_ONCE, NO_RESHARD} and "needs" in auto["rejected"][NO_RESHARD]
         assert all(layout == [] for layout in auto["layouts"])
+        assert auto["diff"] < 1e-5

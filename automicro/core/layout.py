@@ -55,7 +55,7 @@ class LayoutConfig:
     """``layout``: ``auto`` searches the trades; ``fixed`` keeps the engine's own layout; a list of
     trade names pins that layout (no search)."""
 
-    mode: str = "auto"
+    mode: str = "fixed"
     pinned: tuple[str, ...] = ()
     trial_batches: int = 3
     min_gain: float = 0.01
@@ -67,7 +67,7 @@ class LayoutConfig:
         if isinstance(min_gain, bool) or not isinstance(min_gain, (int, float)) or not 0.0 <= min_gain < 1.0:
             raise LayoutConfigError(f"layout_min_gain={min_gain!r}: must be a number in [0, 1)")
         if value is None:
-            value = "auto"
+            value = "fixed"
         if isinstance(value, str):
             if value not in MODES:
                 raise LayoutConfigError(
