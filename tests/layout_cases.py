@@ -15,6 +15,8 @@ import torch
 import automicro
 from automicro.core.layout import GRAD_SYNC_ONCE, NO_RESHARD
 from automicro.data import SyntheticTokens, build_dataloader
+from automicro.engine.layout import LayoutEngine
+from automicro.engine.sharding import sharded_of
 from automicro.testing import FaultInjector, MemoryCapCallback
 
 SEQ = 128
@@ -84,8 +86,8 @@ def fit(
             "summary": auto.summary_line(),
             "state": auto.state_dict().get("layout"),
             "peak": int(cap.cap.stats()["peak_bytes"]),
-            "extras": [auto.layout.engine.extra_bytes(t) for t in (GRAD_SYNC_ONCE, NO_RESHARD)]
-            if auto.layout and auto.layout.engine else [0, 0],
+            # What the engine projects for each trade (a fixed size leaves the callback idle: its own engine).
+            "extras": [LayoutEngine(sharded_of(model)).extra_bytes(t) for t in (GRAD_SYNC_ONCE, NO_RESHARD)],
             "params": {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()},
         }
         result["extra"] = sum(result["extras"])
