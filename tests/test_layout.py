@@ -118,6 +118,21 @@ def test_a_bad_layout_value_names_what_is_allowed(value, kwargs, message):
     assert message in str(error.value)
 
 
+def test_a_pinned_trade_a_model_cannot_take_is_refused_at_set_up_naming_the_fix():
+    import torch
+
+    from automicro.engine.unsharded import UnshardedModel
+    from automicro.integration.layout_trials import LayoutTrials
+
+    unsharded = UnshardedModel(module=torch.nn.Linear(2, 2), device=torch.device("cpu"))
+    with pytest.raises(ValueError) as error:
+        LayoutTrials(LayoutConfig.parse([GRAD_SYNC_ONCE]), unsharded, None, print, recoverable=True, pipeline=False)
+    assert "a model without FSDP2" in str(error.value) and "layout: fixed" in str(error.value)
+    # Without a pinned trade, a model without FSDP2 simply has no layout to search.
+    trials = LayoutTrials(LayoutConfig.parse("auto"), unsharded, None, print, recoverable=True, pipeline=False)
+    assert trials.engine is None and trials.search.candidates == [] and trials.metrics() == {}
+
+
 def test_the_yaml_key_reaches_the_callback_and_a_bad_value_is_a_config_error(tmp_path):
     from automicro.config import ConfigError, load_config
     from automicro.integration.builders import build_callbacks

@@ -1,6 +1,6 @@
 """The layout search: once the microbatch size has settled, try the trades of memory for speed the
 measured headroom allows, one at a time, and keep a trade only when interleaved timing shows it
-faster (DESIGN.md, "layout").
+faster (DESIGN.md, "What the search searches": its layout).
 
 A *layout* is the set of trades in use. The trades (the FSDP2 engine applies them,
 `automicro.engine.layout`):
