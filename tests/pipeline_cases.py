@@ -107,13 +107,15 @@ def fault_matrix(rank: int, world: int, schedule: str, cases: list[tuple[str, in
     return out
 
 
-def search_under_limit(rank: int, world: int, schedule: str, failing: int, stages: int = 2) -> dict[str, Any]:
+def search_under_limit(
+    rank: int, world: int, schedule: str, failing: int, stages: int = 2, other_size: bool = True
+) -> dict[str, Any]:
     """The search when rank `failing` runs out of memory in every forward above microbatch size 2
-    (a memory limit, exact), and fixed-size runs at the size it found and at another size."""
+    (a memory limit, exact), and fixed-size runs at the size it found and (`other_size`) at another."""
     limit = FaultInjector("forward", ranks=[failing], above=2)
     auto = fit(schedule, "auto", stages=stages, callbacks=[AutoMicrobatching(log_attempts=False), limit], batches=5)
     fixed = fit(schedule, auto["found"], stages=stages, batches=5)
-    other = fit(schedule, 1 if auto["found"] != 1 else 2, stages=stages, batches=5)
+    other = fit(schedule, 1 if auto["found"] != 1 else 2, stages=stages, batches=5) if other_size else fixed
     return {
         "history": auto["history"],
         "found": auto["found"],
@@ -135,6 +137,15 @@ def steady_fault(rank: int, world: int, schedule: str, site: str, failing: int) 
     return {"history": auto["history"], "found": auto["found"], "fired": injector.fired,
             "diff": max_difference(auto["params"], fixed["params"]), "clean": auto["clean"],
             "transport": auto["transport"]}
+
+
+def data_parallel_stages(rank: int, world: int) -> dict[str, Any]:
+    """Two stages of two data-parallel ranks each, in one launch: the search under rank 3's limit,
+    then an OOM on rank 3 after the size settled (ZeroBubble, an input gradient)."""
+    return {
+        "search": search_under_limit(rank, world, "ZeroBubble", 3, other_size=False),
+        "steady": steady_fault(rank, world, "ZeroBubble", "backward_input", 3),
+    }
 
 
 def checkpoint_resume(rank: int, world: int, schedule: str, folder: str) -> dict[str, Any]:

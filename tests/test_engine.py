@@ -103,6 +103,7 @@ def test_prefetch_plan_chains_follow_forward_order(two_rank_results):
 
 
 @pytest.mark.multiproc
+@pytest.mark.many_ranks
 def test_hsdp_2x2_on_four_ranks_matches_single_process_or_is_refused_on_torch_27_cpu():
     results = run_multiprocess(engine_cases.run_hsdp_case, world_size=4, timeout_s=300)
     for result in results:

@@ -148,8 +148,16 @@ def test_search_on_two_stages_finds_a_size_that_fits_and_trains_like_a_fixed_siz
     assert ranks[0]["samples"] == ranks[1]["samples"] == 5 * cases.PER_PIPELINE_BATCH
 
 
-def test_search_on_two_stages_of_two_data_parallel_ranks_agrees_on_every_rank():
-    ranks = run_multiprocess(cases.search_under_limit, world_size=4, args=("ZeroBubble", 3), timeout_s=600)
+@pytest.fixture(scope="module")
+def data_parallel():
+    """2 simulated nodes x 2 ranks: each stage's data-parallel pair on one node, the pipeline's
+    sends and receives between the nodes (the usual multi-host layout); one launch for the search
+    and the steady-phase OOM on rank 3 (node 1's second rank)."""
+    return run_multiprocess(cases.data_parallel_stages, world_size=4, nodes=2, timeout_s=900)
+
+
+def test_search_on_two_stages_of_two_data_parallel_ranks_agrees_on_every_rank(data_parallel):
+    ranks = [out["search"] for out in data_parallel]
     assert [r["stage"] for r in ranks] == [0, 0, 1, 1]
     for out in ranks:
         assert out["found"] == 2
@@ -209,6 +217,7 @@ def test_an_oom_on_one_stage_without_barriers_drains_its_schedule_and_reruns_the
     assert drained > 0  # some faults left sends and receives to drain (a stage's last action leaves none)
 
 
+@pytest.mark.many_ranks
 def test_a_middle_stage_of_four_drains_to_both_neighbours_and_the_batch_is_rerun():
     """Four stages of one block: stage 1 fails in a forward and stage 2 in an input gradient,
     each with sends and receives left on both sides."""
@@ -226,17 +235,19 @@ def test_a_middle_stage_of_four_drains_to_both_neighbours_and_the_batch_is_rerun
             assert case["diff"] < 1e-5, (case["case"], case["diff"])
 
 
-def test_an_oom_on_a_stage_of_several_data_parallel_ranks_after_the_hooks_came_off_reruns_the_batch():
-    """Two data-parallel ranks per stage: the sync hooks and the per-step barriers stay on."""
-    ranks = run_multiprocess(cases.steady_fault, world_size=4, args=("ZeroBubble", "forward", 3), timeout_s=600)
-    for rank, out in enumerate(ranks):
+def test_an_oom_on_a_stage_of_several_data_parallel_ranks_after_the_hooks_came_off_reruns_the_batch(data_parallel):
+    """Two data-parallel ranks per stage: the sync hooks and the per-step barriers stay on, and the
+    consensus is hierarchical across the two simulated nodes."""
+    for rank, each in enumerate(data_parallel):
+        out = each["steady"]
         steady = [h for h in out["history"] if h[0] == 4]
-        assert steady[0][1:5] == (4, "oom", [3], ["forward"]), out["history"]
+        assert steady[0][1:5] == (4, "oom", [3], ["backward_input"]), out["history"]
         assert "in steady phase" in steady[0][5], steady[0]
         assert steady[1][1:3] == (4, "ok"), out["history"]
         assert out["found"] == 4 and out["clean"]
         assert out["fired"] == (1 if rank == 3 else 0)
         assert out["diff"] < 1e-5, out["diff"]
+    assert data_parallel[0]["steady"]["transport"] == "hierarchical"
 
 
 @pytest.mark.multiproc
@@ -294,17 +305,6 @@ def test_an_oom_re_raised_by_torch_s_pipeline_stage_still_counts_as_an_oom():
     assert is_oom(wrapped(torch.OutOfMemoryError("out of memory")))
     assert is_oom(wrapped(OOMOnOtherRank("another rank")))
     assert not is_oom(wrapped(ValueError("shape mismatch")))
-
-
-def test_pipeline_across_two_simulated_nodes_recovers_search_and_steady_ooms_with_hierarchical_consensus():
-    """2 nodes x 2 ranks: each stage's data-parallel pair on one node, the pipeline's sends and
-    receives between the nodes (the usual multi-host layout); an OOM on node 1's second rank."""
-    ranks = run_multiprocess(cases.steady_fault, world_size=4, nodes=2, args=("ZeroBubble", "backward_input", 3), timeout_s=600)
-    for out in ranks:
-        steady = [h for h in out["history"] if h[0] == 4]
-        assert steady[0][1:4] == (4, "oom", [3]) and steady[1][1:3] == (4, "ok"), out["history"]
-        assert out["diff"] < 1e-5
-    assert ranks[0]["transport"] == "hierarchical"
 
 
 def test_a_pipeline_saves_sharded_checkpoints_and_resumes_to_the_same_parameters(tmp_path):

@@ -1,0 +1,34 @@
+"""Markers CI's legs select by (`.ci/run`).
+
+- ``torch_versions``: the tests of code that differs between torch versions (FSDP2 and pipeline
+  internals behind `automicro.engine._torch_internals`' gates, compile, checkpoints, the sync hooks
+  and the ledger on FSDP2's collectives). Leg 1 (torch 2.7, Composer's pin) runs every test; legs
+  2 and 3 (torch 2.11, 2.15) run these. What they leave out is automicro's own logic above the
+  engine (config, launcher, consensus transports, console and dashboards, token packing), which
+  the torch version does not reach.
+- ``many_ranks``: 4-rank launches (2 CPU cores run them at half speed). The same code paths run on
+  2 ranks in every leg; leg 1 runs the 4-rank ones too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+TORCH_VERSION_FILES = {
+    "test_automicro.py", "test_checkpoint.py", "test_compile.py", "test_engine.py", "test_floor_rule.py",
+    "test_fsdp_config.py", "test_hf_models.py", "test_layout.py", "test_ledger.py", "test_model.py",
+    "test_optimizer_memory.py", "test_pipeline.py", "test_pipeline_memory.py", "test_steady_state.py",
+    "test_testing_tools.py", "test_trainer.py", "test_unsharded.py",
+}
+# Module fixtures that launch 4 ranks: every test that uses one is a 4-rank test.
+MANY_RANK_FIXTURES = {"matrix_four_ranks", "steady_four_ranks", "data_parallel"}
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    for item in items:
+        if Path(str(item.fspath)).name in TORCH_VERSION_FILES:
+            item.add_marker(pytest.mark.torch_versions)
+        if MANY_RANK_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.many_ranks)
