@@ -1005,10 +1005,11 @@ def unsharded_param_bytes(modules: list[FSDPModule]) -> tuple[int, int]:
             for dim in fsdp_param._orig_size:
                 numel *= int(dim)
             orig = fsdp_param.sharded_param.dtype
-            # Set at FSDP2's lazy init (the first forward); the group's policy before it.
-            policy = group.mp_policy
-            compute = getattr(fsdp_param, "param_dtype", policy.param_dtype) or orig
-            reduce = getattr(fsdp_param, "reduce_dtype", policy.reduce_dtype) or compute
+            # Set at FSDP2's lazy init (the first forward); before it, the policy: the group's on
+            # torch 2.7 and 2.11, each parameter's own (resolved per parameter) on 2.15.
+            policy = getattr(fsdp_param, "mp_policy", None) or getattr(group, "mp_policy", None)
+            compute = getattr(fsdp_param, "param_dtype", getattr(policy, "param_dtype", None)) or orig
+            reduce = getattr(fsdp_param, "reduce_dtype", getattr(policy, "reduce_dtype", None)) or compute
             params += numel * compute.itemsize
             grads += numel * max(compute.itemsize, reduce.itemsize)
     return params, grads
