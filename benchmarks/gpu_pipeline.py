@@ -31,7 +31,7 @@ MIB = 1024**2
 # Per-batch figures leave out the first batches (the search and the batches with the sync hooks on).
 STEADY_FROM = 4
 ATTEMPT = re.compile(r"\[automicro\] batch (\d+) attempt (\d+): size (\d+) split \[([^\]]*)\] -> (\w+)(?: on rank\(s\) \[([^\]]*)\] at \[([^\]]*)\])?; next size (\d+)")
-FOUND = re.compile(r"microbatch size found: (\w+) .*split in use \[([^\]]*)\]; attempts (\d+), OOMs (\d+)")
+FOUND = re.compile(r"microbatch size found: (\w+) .*split in use \[([^\]]*)\](?:; layout: [^;]*)?; attempts (\d+), OOMs (\d+)")
 DONE = re.compile(r"done: (\d+) batches, final loss (\S+), ([\d,]+) tokens/s over the whole fit \(([\d.]+) s")
 
 
