@@ -59,8 +59,8 @@ class LayoutTrials:
         self.search = LayoutSearch(config, candidates)
         self._device = sharded.device
         self._started: Optional[float] = None
-        self._pending: Optional[dict[str, Any]] = None
         self.layout: tuple[str, ...] = ()
+        self._applied = False  # the engine's switches were set once (then only on a change)
         self.last_run: tuple[str, ...] = ()  # the layout the last batch started at
         # Turns each measured batch time into the one judged (the identity). Tests replace it to
         # make a trade look faster or slower without depending on the machine's timing.
@@ -166,8 +166,9 @@ class LayoutTrials:
 
     def _apply(self, layout: tuple[str, ...]) -> None:
         assert self.engine is not None
-        if layout != self.engine.layout or not layout:
+        if layout != self.engine.layout or not self._applied:
             self.engine.apply(layout)
+            self._applied = True
         self.layout = layout
 
     def _sync(self) -> None:
