@@ -160,8 +160,8 @@ class LayoutTrials:
     def metrics(self) -> dict[str, int]:
         if self.engine is None:
             return {}
-        row = {f"automicro/layout/{t}": int(t in self.layout) for t in TRADES}
-        row["automicro/layout/trial"] = int(self.search.trial is not None)
+        row = {f"automicro/layout_{t}": int(t in self.layout) for t in TRADES}
+        row["automicro/layout_trial"] = int(self.search.trial is not None)
         return row
 
     def _apply(self, layout: tuple[str, ...]) -> None:
