@@ -58,7 +58,9 @@ def test_failure_note_round_trip_and_when_it_applies(tmp_path):
     assert note is not None and note.path == path and (note.batch, note.split, note.size) == (7, (6, 2), 6)
     assert note.applies(resumed_at_batch=5, size_in_use=6)
     assert not note.applies(resumed_at_batch=8, size_in_use=6)  # a failure before the checkpoint resumed from
-    assert not note.applies(resumed_at_batch=5, size_in_use=4)  # another size than the one that failed
+    assert not note.applies(resumed_at_batch=5, size_in_use=4)  # below the size that failed: safe
+    # The size shrank after the checkpoint and then failed: the relaunch would start above it.
+    assert note.applies(resumed_at_batch=5, size_in_use=8)
     assert list((tmp_path / "ckpt").iterdir()) == [tmp_path / "ckpt" / failure_note.FILE_NAME]  # no temporary left
 
 

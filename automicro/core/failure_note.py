@@ -31,8 +31,9 @@ class FailureNote:
 
     def applies(self, resumed_at_batch: int, size_in_use: int) -> bool:
         """Only a failure at or after the checkpoint resumed from, at the size the run would use
-        again, says anything about the relaunch."""
-        return self.batch >= resumed_at_batch and self.size == size_in_use
+        again or a smaller one, says anything about the relaunch. (The size can shrink between the
+        checkpoint and the failure: the relaunch would then start above a size that failed.)"""
+        return self.batch >= resumed_at_batch and self.size <= size_in_use
 
 
 def write(folder: Optional[str], rank: int, batch: int, split: tuple[int, ...]) -> Optional[str]:
