@@ -33,6 +33,7 @@ class LayoutEngine:
         self.layout: tuple[str, ...] = ()
         self._suspended: Optional[tuple[str, ...]] = None
         self._extra: dict[str, int] = {}
+        self._sync_off = False  # a microbatch turned gradient reduction off and nothing turned it back
 
     def candidates(self) -> list[str]:
         """The trades this model can take: ``no_reshard`` where blocks reshard after forward
@@ -62,11 +63,16 @@ class LayoutEngine:
 
     def before_microbatch(self, index: int, count: int) -> None:
         if GRAD_SYNC_ONCE in self.layout and count > 1:
-            self.sharded.module.set_requires_gradient_sync(index + 1 == count)
+            last = index + 1 == count
+            self.sharded.module.set_requires_gradient_sync(last)
+            self._sync_off = not last
 
     def reset(self) -> None:
-        if self.sharded.fsdp_modules:
+        """Gradient reduction back on where a microbatch turned it off (a no-op otherwise: this
+        runs after every batch and every failed attempt)."""
+        if self._sync_off:
             self.sharded.module.set_requires_gradient_sync(True)
+            self._sync_off = False
 
     def suspend(self) -> None:
         """Evaluation: the engine's own layout until `resume`."""
