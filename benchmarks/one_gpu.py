@@ -9,6 +9,8 @@ with the YAML overrides the variant names (`-auto` or `-fixed-N` for the microba
   blocks-*       compile: true (each sharded block's forward, the default scope)
   model-*        compile: {scope: model} (Composer's whole-model compile)
   noshard-*      parallelism_config: null (no FSDP; Composer's autocast; `auto` on one rank)
+  layout-*       FSDP2 with `callbacks.auto_microbatching.layout: auto` (issue 26's layout search)
+  pinned-*       FSDP2 with both layout trades pinned (`layout: [grad_sync_once, no_reshard]`)
   composer-*     the stock `composer.Trainer` on the same model, data and optimizer (no FSDP, its
                  own `auto`: halving), built from the same YAML
 `--memory-fraction` caps the process's GPU memory in every variant.
@@ -42,7 +44,7 @@ def overrides(variant: str, args: argparse.Namespace, run_dir: str) -> list[str]
     kind, _, mode = variant.partition("-")
     common = [
         f"model.preset={args.preset}", "data.kind=synthetic", f"data.seq_len={args.seq}",
-        f"global_train_batch_size={PER_RANK_BATCH}", f"max_duration={args.batches}ba", f"run_dir={run_dir}",
+        f"global_train_batch_size={PER_RANK_BATCH * args.nproc}", f"max_duration={args.batches}ba", f"run_dir={run_dir}",
         "loggers.console=false", "loggers.jsonl=true", "callbacks.speed_monitor.window_size=5",
     ]
     if args.dry_run:  # CPU: the suite's plumbing only
@@ -56,6 +58,10 @@ def overrides(variant: str, args: argparse.Namespace, run_dir: str) -> list[str]
         common += ["compile.scope=model"] + backend
     elif kind in ("noshard", "composer"):
         common += ["parallelism_config=null"]
+    elif kind == "layout":
+        common.append("callbacks.auto_microbatching.layout=auto")
+    elif kind == "pinned":
+        common.append("callbacks.auto_microbatching.layout=[grad_sync_once,no_reshard]")
     elif kind != "eager":
         raise SystemExit(f"unknown variant {variant!r}")
     common += [o for o in args.extra.split(",") if o]
@@ -76,7 +82,8 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
     return rows
 
 
-def summarize(variant: str, rows: list[dict[str, Any]], console: list[str], skip: int, gpu: str, seq: int) -> dict[str, Any]:
+def summarize(variant: str, rows: list[dict[str, Any]], console: list[str], skip: int, gpu: str, seq: int,
+              nproc: int = 1) -> dict[str, Any]:
     train_h: dict[int, float] = {}
     flops: dict[int, float] = {}
     peak = 0.0
@@ -99,7 +106,7 @@ def summarize(variant: str, rows: list[dict[str, Any]], console: list[str], skip
     seconds = {s: (train_h[s] - train_h.get(s - 1, 0.0)) * 3600 for s in steps}
     steady = [seconds[s] for s in steps if s > skip]
     step_s = statistics.median(steady) if steady else None
-    tokens_per_s = seq * PER_RANK_BATCH / step_s if step_s else None
+    tokens_per_s = seq * PER_RANK_BATCH * nproc / step_s if step_s else None
     flops_steady = [flops[s] for s in flops if s > skip]
     mfu = statistics.median(flops_steady) / PEAK_FLOPS[gpu] if flops_steady and gpu in PEAK_FLOPS else None
     graphs = next((int(m.group(1)) for line in console if (m := re.search(r"(\d+) graph\(s\) compiled", line))), 0)
@@ -125,6 +132,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--preset", default="1b")
     p.add_argument("--extra", default="", help="more YAML overrides for every variant, comma-separated")
     p.add_argument("--seq", type=int, default=SEQ)
+    p.add_argument("--nproc", type=int, default=1, help="GPUs (ranks) of this host per variant; per-rank batch stays 32")
     p.add_argument("--dry-run", action="store_true", help="CPU, aot_eager: check the suite, measure nothing")
     if argv is None and sys.argv[1:2] == ["--stock"]:
         return stock_composer(sys.argv[2:])
@@ -136,19 +144,24 @@ def main(argv: Optional[list[str]] = None) -> int:
         run_dir = os.path.join("/tmp", f"compile-bench-{variant}")
         shutil.rmtree(run_dir, ignore_errors=True)
         script = os.path.abspath(__file__) if variant.startswith("composer-") else os.path.join(harness.REPO_ROOT, "scripts", "train.py")
-        argv_ = [sys.executable, script, *(["--stock"] if variant.startswith("composer-") else []), "configs/tiny-gpu.yaml",
-                 *overrides(variant, args, run_dir)]
+        rest = [*(["--stock"] if variant.startswith("composer-") else []), "configs/tiny-gpu.yaml", *overrides(variant, args, run_dir)]
+        if args.nproc == 1:
+            argv_, env = [sys.executable, script, *rest], {**os.environ, **_single_rank()}
+        else:  # one process per GPU of this host (torchrun's standalone rendezvous)
+            argv_ = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc), script, *rest]
+            env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
         started = time.perf_counter()
-        done = harness.run_launch(argv_, args.timeout, env={**os.environ, **_single_rank()})
+        done = harness.run_launch(argv_, args.timeout, env=env)
         console = [line for line in (done.stdout or "").splitlines() if line.startswith("[automicro]")]
         metrics = os.path.join(run_dir, "metrics.jsonl")
         if done.returncode == 0 and os.path.exists(metrics):
-            result = summarize(variant, read_metrics(metrics), console, args.skip, gpu, args.seq)
+            result = summarize(variant, read_metrics(metrics), console, args.skip, gpu, args.seq, args.nproc)
+            result["layout_lines"] = [line for line in console if "layout" in line][:12]
         else:
             result = {"variant": variant, "error": f"rc {done.returncode}: {(done.stderr or done.stdout or '')[-800:]}"}
         result["launch_s"] = round(time.perf_counter() - started, 1)
         result["console"] = console[-12:]
-        print(f"[one_gpu:detail] {variant}: " + " / ".join(console[-4:]), flush=True)
+        print(f"[one_gpu:detail] {variant}: " + " / ".join(result.get("layout_lines", [])[-3:] + console[-2:]), flush=True)
         results.append(result)
     base = {r["variant"]: r for r in results if r.get("tokens_per_s")}
     rows = []

@@ -44,15 +44,18 @@ def test_trials_alternate_with_and_without_the_trade_and_run_one_trade_at_a_time
     assert search.decide(search.local_times()).kept
     # The next trial runs on top of what was kept.
     layout, line = search.layout_for_batch(True, lambda t: None)
-    assert layout == (GRAD_SYNC_ONCE, NO_RESHARD) and "no_reshard" in line
+    assert layout == (GRAD_SYNC_ONCE, NO_RESHARD) and len(line) == 1 and "no_reshard" in line[0]
     search.observe(layout, 3.0)
     assert search.layout_for_batch(True, lambda t: None)[0] == (GRAD_SYNC_ONCE,)
 
 
 def test_a_trade_whose_projection_does_not_fit_is_passed_over_without_a_trial():
     search = LayoutSearch(LayoutConfig.parse("auto"), [GRAD_SYNC_ONCE, NO_RESHARD])
-    layout, line = search.layout_for_batch(True, lambda t: "no room" if t == GRAD_SYNC_ONCE else None)
+    layout, lines = search.layout_for_batch(True, lambda t: "no room" if t == GRAD_SYNC_ONCE else None)
     assert layout == (NO_RESHARD,) and search.rejected == {GRAD_SYNC_ONCE: "no room"}
+    # Both are said: the trade passed over and the trial that starts.
+    assert [line.split(" (")[0] for line in lines] == ["layout trade grad_sync_once", "layout trial no_reshard"]
+    assert lines[0].endswith("not tried: no room")
 
 
 def test_pressure_undoes_the_trade_on_trial_then_the_last_kept_then_leaves_it_to_the_size():
@@ -65,7 +68,7 @@ def test_pressure_undoes_the_trade_on_trial_then_the_last_kept_then_leaves_it_to
     assert search.relieve((GRAD_SYNC_ONCE,), "oom") == GRAD_SYNC_ONCE
     assert search.relieve((), "oom") is None
     # Nothing undone is tried again.
-    assert search.layout_for_batch(True, lambda t: None) == ((), None)
+    assert search.layout_for_batch(True, lambda t: None) == ((), [])
 
 
 def test_pressure_in_a_trial_batch_without_the_trade_ends_the_trial_and_undoes_a_kept_one():
@@ -82,13 +85,18 @@ def test_pressure_in_a_trial_batch_without_the_trade_ends_the_trial_and_undoes_a
 def test_fixed_and_pinned_layouts_never_search_and_a_checkpoint_does_not_override_them():
     import automicro
 
-    # Opt-in until measured on GPUs: the default is the engine's own layout.
-    assert LayoutConfig.parse(None).mode == "fixed" and automicro.AutoMicrobatching().layout_config.mode == "fixed"
+    # The default searches on CUDA devices only; on CPU it is the engine's own layout. `auto` given
+    # explicitly searches anywhere.
+    default = automicro.AutoMicrobatching().layout_config
+    assert default == LayoutConfig.parse(None)
+    assert default.resolve("cuda").mode == "auto" and default.resolve("cpu").mode == "fixed"
+    assert LayoutConfig.parse("auto").resolve("cpu").mode == "auto"
+    assert LayoutConfig.parse("fixed").resolve("cuda").mode == "fixed"
     fixed = LayoutSearch(LayoutConfig.parse("fixed"), [GRAD_SYNC_ONCE, NO_RESHARD])
-    assert fixed.layout_for_batch(True, lambda t: None) == ((), None)
+    assert fixed.layout_for_batch(True, lambda t: None) == ((), [])
     pinned = LayoutSearch(LayoutConfig.parse([NO_RESHARD]), [GRAD_SYNC_ONCE, NO_RESHARD])
     pinned.load_state_dict({"kept": [GRAD_SYNC_ONCE]})
-    assert pinned.layout_for_batch(True, lambda t: None) == ((NO_RESHARD,), None)
+    assert pinned.layout_for_batch(True, lambda t: None) == ((NO_RESHARD,), [])
     assert pinned.relieve((NO_RESHARD,), "oom") is None  # a pinned trade is the user's: the size gives
 
 
@@ -99,7 +107,7 @@ def test_a_checkpoint_restores_the_kept_layout_and_what_was_tried():
     restored = LayoutSearch(LayoutConfig.parse("auto"), [GRAD_SYNC_ONCE, NO_RESHARD])
     restored.load_state_dict(search.state_dict())
     assert restored.settled == (GRAD_SYNC_ONCE,)
-    assert restored.layout_for_batch(True, lambda t: None) == ((GRAD_SYNC_ONCE,), None)
+    assert restored.layout_for_batch(True, lambda t: None) == ((GRAD_SYNC_ONCE,), [])
 
 
 @pytest.mark.parametrize(

@@ -59,6 +59,16 @@ class LayoutConfig:
     pinned: tuple[str, ...] = ()
     trial_batches: int = 3
     min_gain: float = 0.01
+    # The default (``layout`` not given): ``auto`` on a CUDA device, ``fixed`` elsewhere. A CPU
+    # batch's time says nothing of a GPU's, and CPU runs are tests and demos; ``layout: auto``
+    # given explicitly searches on any device.
+    gpu_only: bool = False
+
+    def resolve(self, device_type: str) -> "LayoutConfig":
+        """The config on this device: the default turns into ``fixed`` off CUDA."""
+        if self.gpu_only and device_type != "cuda":
+            return LayoutConfig("fixed", (), self.trial_batches, self.min_gain)
+        return self
 
     @classmethod
     def parse(cls, value: Union[str, Sequence[str], None], trial_batches: int = 3, min_gain: float = 0.01) -> "LayoutConfig":
@@ -67,7 +77,7 @@ class LayoutConfig:
         if isinstance(min_gain, bool) or not isinstance(min_gain, (int, float)) or not 0.0 <= min_gain < 1.0:
             raise LayoutConfigError(f"layout_min_gain={min_gain!r}: must be a number in [0, 1)")
         if value is None:
-            value = "fixed"
+            return cls("auto", (), trial_batches, float(min_gain), gpu_only=True)
         if isinstance(value, str):
             if value not in MODES:
                 raise LayoutConfigError(
@@ -164,23 +174,25 @@ class LayoutSearch:
         done = set(self.kept) | set(self.rejected) | {r.trade for r in self.results}
         return [t for t in self.candidates if t not in done]
 
-    def layout_for_batch(self, steady: bool, fits: Callable[[str], Optional[str]]) -> tuple[tuple[str, ...], Optional[str]]:
-        """The layout of the next batch, and a console line when a trial starts or a trade is passed
-        over. `fits(trade)` returns None when the trade's projected bytes fit, else why not."""
-        line = None
+    def layout_for_batch(self, steady: bool, fits: Callable[[str], Optional[str]]) -> tuple[tuple[str, ...], list[str]]:
+        """The layout of the next batch, and a console line for each trade passed over and for a
+        trial that starts. `fits(trade)` returns None when the trade's projected bytes fit, else why not."""
+        lines: list[str] = []
         if self.searching and steady and self.trial is None:
             for trade in self._untried():
                 problem = fits(trade)
                 if problem is None:
                     self.trial = Trial(trade)
-                    line = f"layout trial {trade} ({DESCRIPTIONS[trade]}): {self.config.trial_batches} batches with it, as many without"
+                    lines.append(
+                        f"layout trial {trade} ({DESCRIPTIONS[trade]}): {self.config.trial_batches} batches with it, as many without"
+                    )
                     break
                 self.rejected[trade] = problem
-                line = f"layout trade {trade} ({DESCRIPTIONS[trade]}) not tried: {problem}"
+                lines.append(f"layout trade {trade} ({DESCRIPTIONS[trade]}) not tried: {problem}")
         elif self.trial is not None and not steady:
             # The size moved: a trial's times would compare different sizes.
             self.trial = Trial(self.trial.trade)
-        return self.current, line
+        return self.current, lines
 
     def observe(self, layout: Sequence[str], seconds: float) -> None:
         """A batch that succeeded at `layout` took `seconds` on this rank."""

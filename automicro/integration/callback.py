@@ -114,7 +114,7 @@ class AutoMicrobatching(Callback):
         budget: str = "samples",
         fixed_tokens: Optional[int] = None,
         eval_oom: str = "split",
-        layout: Union[str, list[str], None] = "fixed",
+        layout: Union[str, list[str], None] = None,
         layout_trial_batches: int = 3,
         layout_min_gain: float = 0.01,
     ) -> None:

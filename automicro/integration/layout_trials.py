@@ -35,6 +35,7 @@ class LayoutTrials:
         recoverable: bool,
         pipeline: bool,
     ) -> None:
+        config = config.resolve(sharded.device.type)
         self.config = config
         self._consensus, self._info = consensus, info
         self.engine: Optional[LayoutEngine] = None
@@ -98,8 +99,8 @@ class LayoutTrials:
                 f"capacity {capacity_bytes / 2**20:.1f} MiB"
             )
 
-        layout, line = self.search.layout_for_batch(steady, fits)
-        if line:
+        layout, lines = self.search.layout_for_batch(steady, fits)
+        for line in lines:
             self._info(line)
         self._apply(layout)
         self.last_run = layout
