@@ -12,7 +12,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# Multi-rank tests fork their workers from one server that imported torch, Composer and automicro
+# once per pytest process (`automicro.testing.multiprocess`, "forkserver"), instead of a fresh
+# interpreter per worker ("spawn": 3-5 s of imports per worker). On the 2-core CI machine this
+# took the torch_versions tests from 1117 s to 749 s (torch 2.7, 2026-11-26). A test that reads
+# the workers' output through capfd passes start_method="spawn" (a forkserver's workers write to
+# the server's stderr). AUTOMICRO_MP_START_METHOD=spawn in the environment restores spawn for all.
+os.environ.setdefault("AUTOMICRO_MP_START_METHOD", "forkserver")
 
 TORCH_VERSION_FILES = {
     "test_automicro.py", "test_checkpoint.py", "test_compile.py", "test_engine.py", "test_floor_rule.py",

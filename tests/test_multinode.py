@@ -102,7 +102,7 @@ def test_unrecoverable_oom_on_gloo_nodes_stops_every_rank_within_the_bound_namin
     with pytest.raises(MultiprocessFailure) as failure:
         run_multiprocess(
             steady_cases.run_unrecoverable, world_size=2, nodes=2, args=(TIMEOUT_S,), timeout_s=150,
-            failure_grace_s=40,
+            failure_grace_s=40, start_method="spawn",  # spawn: the workers' stderr reaches capfd
         )
     info = failure.value
     failing = info.results.get(1)
@@ -153,7 +153,7 @@ def test_oom_between_batches_stops_every_rank_naming_the_rank_and_event_and_leav
     with pytest.raises(MultiprocessFailure) as failure:
         run_multiprocess(
             steady_cases.run_oom_between_batches, world_size=2, nodes=nodes, args=(folder,), timeout_s=150,
-            failure_grace_s=40,
+            failure_grace_s=40, start_method="spawn",  # spawn: the workers' stderr reaches capfd
         )
     info = failure.value
     failing = info.results.get(1)

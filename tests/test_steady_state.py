@@ -157,7 +157,7 @@ def test_unrecoverable_failure_stops_every_rank_within_the_bound_naming_rank_sit
     replay it. Rank 1 gives up after the bound; rank 0's watcher ends it with the same story."""
     with pytest.raises(MultiprocessFailure) as failure:
         run_multiprocess(cases.run_unrecoverable, world_size=2, args=(UNRECOVERABLE_TIMEOUT_S,), timeout_s=120,
-                         failure_grace_s=30)
+                         failure_grace_s=30, start_method="spawn")  # spawn: the workers' stderr reaches capfd
     info = failure.value
     rank1 = info.results.get(1)
     assert rank1 is not None, info.errors

@@ -209,7 +209,8 @@ def test_a_non_oom_error_on_one_rank_is_named_on_every_rank(capfd, case):
     callback between batches (the ledger's board tells them); before, the other rank's last line
     was gloo's "Connection closed by peer"."""
     with pytest.raises(MultiprocessFailure) as failure:
-        run_multiprocess(getattr(cases, case), world_size=2, timeout_s=120, failure_grace_s=30)
+        # spawn: the workers' stderr reaches capfd (a forkserver's workers write to the server's)
+        run_multiprocess(getattr(cases, case), world_size=2, timeout_s=120, failure_grace_s=30, start_method="spawn")
     _every_rank_names_rank_1(failure.value, capfd.readouterr().err)
 
 
