@@ -33,6 +33,17 @@ Search modes (`PolicyConfig.search`):
 - ``halve``: Composer's own policy, as a baseline: halve on failure, settle on the first success,
   split into chunks of that size.
 
+The probe (`PolicyConfig.probe`, bisect mode with prediction): instead of starting at the whole
+batch and halving down through OOMs, the first attempt runs a split of two small sizes, the
+floor twice, then chunks of the floor + 1 (`probe_split`, e.g. 32 -> (1, 1, 2, ..., 2)). The
+attempt reports the peak of each size over the microbatches after the first (their peaks hold
+the gradients, as every later microbatch's do; `Success.peaks_by_size`): two samples from one
+attempt, so the next size is predicted at once. Then the model ends the search: upward, a size
+predicted not to fit under the margin is tried once at the size predicted to fill the whole
+capacity; where even that is no larger than the best success, or after an OOM where nothing
+predicted lies between the bounds, the search converges on the best success without spending an
+OOM on the sizes between.
+
 Where only some sizes can run (a pipeline: equal microbatches, enough of them for the schedule),
 `PolicyConfig.sizes_for(batch_size)` lists them: every size tried, bisected and settled on is one
 of them (the middle one between the bounds), and a split is then always equal parts.
@@ -52,6 +63,8 @@ from typing import Any, Callable, Optional, Union
 SAFETY_MARGIN = 0.95
 
 SEARCH_MODES = ("bisect", "halve")
+#: How a decision says the probe's memory model ended the search.
+PREDICTED_EDGE = "the next size is predicted not to fit"
 STATE_VERSION = 1
 
 
@@ -117,6 +130,9 @@ class Success:
     peak_bytes: Optional[int] = None
     capacity_bytes: Optional[int] = None
     projected: bool = False
+    # (size, peak_bytes) per distinct microbatch size of the attempt, each the max over ranks and
+    # over the microbatches of that size after the first (the probe; empty: not measured).
+    peaks_by_size: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -183,6 +199,9 @@ class PolicyConfig:
     # What a size counts: "samples" per microbatch, or "tokens" (a token budget: the split is
     # planned outside the policy, from the budget; `batch_size` is then the budget's domain).
     unit: str = "samples"
+    # Start with `probe_split` and let the memory model end the search (module docstring). Applies
+    # in bisect mode with prediction, sizes in samples and every size allowed; ignored elsewhere.
+    probe: bool = False
 
     def __post_init__(self) -> None:
         if self.unit not in ("samples", "tokens"):
@@ -197,6 +216,18 @@ class PolicyConfig:
             raise ValueError(f"start_size={self.start_size!r}: must be None (the batch size) or an int >= 1")
         if not _is_int(self.min_size) or self.min_size < 1:
             raise ValueError(f"min_size={self.min_size!r}: must be an int >= 1")
+        if not isinstance(self.probe, bool):
+            raise ValueError(f"probe={self.probe!r}: must be true or false")
+        if self.probe and self.start_size is not None:
+            raise ValueError(f"probe=True with start_size={self.start_size!r}: the probe chooses the first sizes itself")
+
+    @property
+    def probes(self) -> bool:
+        """Whether the probe applies to this config (module docstring)."""
+        return (
+            self.probe and self.search == "bisect" and self.use_prediction and self.unit == "samples"
+            and self.sizes_for is None and self.start_size is None
+        )
 
 
 @dataclass(frozen=True)
@@ -311,6 +342,17 @@ def even_split(batch_size: int, max_size: int) -> tuple[int, ...]:
     return (q + 1,) * r + (q,) * (n - r)
 
 
+def probe_split(batch_size: int, floor: int = 1) -> Optional[tuple[int, ...]]:
+    """The probe's split: `floor` twice, then chunks of `floor` + 1 (e.g. (32, 1) -> (1, 1, 2, ...,
+    2)), so each of the two sizes runs at least once after the first microbatch. None where the
+    batch is too small for that (fewer than 3 * floor + 1 samples)."""
+    if not _is_int(floor) or floor < 1:
+        raise ValueError(f"floor={floor!r}: must be an int >= 1")
+    if batch_size < 3 * floor + 1:
+        return None
+    return (floor, floor) + chunk_split(batch_size - 2 * floor, floor + 1)
+
+
 def _check_split_args(batch_size: int, size: int) -> None:
     if not _is_int(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r}: must be an int >= 1")
@@ -338,6 +380,16 @@ def predict_max_size(samples: tuple[tuple[int, int, int], ...], margin: float = 
     if not math.isfinite(value):
         return None
     return math.floor(value)
+
+
+def _model_peak(samples: tuple[tuple[int, int, int], ...], size: int) -> int:
+    """The linear model's peak at `size`, through the last two samples (`predict_max_size`)."""
+    (m1, p1, _), (m2, p2, _) = samples[-2], samples[-1]
+    return int(p1 + (size - m1) * (p2 - p1) / (m2 - m1))
+
+
+def _under(samples: tuple[tuple[int, int, int], ...], capacity: int) -> tuple[tuple[int, int, int], ...]:
+    return tuple((m, p, capacity) for m, p, _ in samples)
 
 
 def _allowed(config: PolicyConfig, batch_size: int) -> Optional[tuple[int, ...]]:
@@ -389,12 +441,26 @@ def initial_state(config: PolicyConfig, batch_size: int) -> SearchState:
         raise ValueError(f"batch_size={batch_size!r}: must be an int >= 1")
     start = config.start_size if config.start_size is not None else batch_size
     start = _snap(config, batch_size, max(_min_size(config, batch_size), min(start, batch_size)))
-    return SearchState(batch_size=batch_size, phase=Phase.SEARCHING, size=start)
+    state = SearchState(batch_size=batch_size, phase=Phase.SEARCHING, size=start)
+    split = _probe(state, config)
+    return state if split is None else replace(state, size=max(split))
+
+
+def _probe(state: SearchState, config: PolicyConfig) -> Optional[tuple[int, ...]]:
+    """The probe split while nothing has been tried yet (`PolicyConfig.probe`), else None."""
+    if not config.probes or state.phase != Phase.SEARCHING or state.attempts or state.successes:
+        return None
+    if state.first_failure is not None or state.found is not None:
+        return None
+    return probe_split(state.batch_size, _min_size(config, state.batch_size))
 
 
 def current_split(state: SearchState, config: PolicyConfig) -> tuple[int, ...]:
     """The microbatch sizes of the next attempt (sum = batch size)."""
     if state.phase == Phase.SEARCHING or state.found is None:
+        probe = _probe(state, config)
+        if probe is not None and max(probe) == state.size:
+            return probe
         return chunk_split(state.batch_size, state.size)
     if config.search == "halve":
         return chunk_split(state.batch_size, state.found)
@@ -429,8 +495,9 @@ def _settle(state: SearchState, config: PolicyConfig, found: int) -> SearchState
     return replace(settled, size=max(split))
 
 
-def _next_search_size(state: SearchState, config: PolicyConfig, upward: bool) -> tuple[int, bool]:
-    """Next size strictly between the bounds (bisect mode); (size, predicted)."""
+def _next_search_size(state: SearchState, config: PolicyConfig, upward: bool) -> tuple[Optional[int], bool]:
+    """Next size strictly between the bounds (bisect mode); (size, predicted). (None, True): the
+    probe's memory model says no size above the best success fits: converge on it."""
     lo, hi = state.best_success, _hi(state)
     floor = _min_size(config, state.batch_size)
     if config.sizes_for is not None:
@@ -445,6 +512,21 @@ def _next_search_size(state: SearchState, config: PolicyConfig, upward: bool) ->
         predicted = predict_max_size(state.samples)
         if predicted is not None and lo < predicted < hi and predicted >= floor:
             return predicted, True
+        if config.probes and predicted is not None and lo >= floor:
+            if upward and predicted >= hi:
+                return hi - 1, True  # everything below the bound is predicted to fit
+            if not upward and predicted >= hi:
+                # The size that ran out was predicted to fit: less memory is usable than the model
+                # says (fragmentation, a workspace). Predict again under the model's peak at it.
+                below = predict_max_size(_under(state.samples, _model_peak(state.samples, hi)))
+                if below is not None and lo < below < hi:
+                    return below, True
+                return None, True
+            edge = predict_max_size(state.samples, margin=1.0)
+            if upward and predicted <= lo and edge is not None and lo < edge:
+                return min(edge, hi - 1), True  # once: the size predicted to fill the whole capacity
+            if predicted <= lo:
+                return None, True  # nothing above the best success is predicted to fit: converge
     if upward:
         return (lo + hi + 1) // 2, False
     return (max(lo, floor - 1) + hi) // 2, False
@@ -487,14 +569,33 @@ def _check_size(state: SearchState, size: Any) -> None:
         raise ValueError(f"outcome size {size!r}: must be an int in 1..{state.batch_size}")
 
 
+def _new_samples(state: SearchState, outcome: Success, config: PolicyConfig) -> tuple[tuple[int, int, int], ...]:
+    """The prediction's samples after `outcome`: with the probe, the smallest and the largest size
+    of this attempt where it measured two; else this attempt's peak joins the latest other one."""
+    if outcome.capacity_bytes is None or outcome.capacity_bytes <= 0:
+        return state.samples
+    capacity = int(outcome.capacity_bytes)
+    by_size = sorted({size: peak for size, peak in outcome.peaks_by_size if peak > 0}.items())
+    if config.probes and len(by_size) >= 2:
+        # Two sizes of one attempt, the same memory around them.
+        return tuple((size, int(peak), capacity) for size, peak in (by_size[0], by_size[-1]))
+    if config.probes and by_size:
+        # One size after the first microbatch (e.g. (9, 7): the 7): measured as the other samples
+        # were, unlike the attempt's peak, which may be the first microbatch's, before gradients.
+        m, peak = by_size[-1]
+    elif outcome.peak_bytes is None:
+        return state.samples
+    else:
+        m, peak = outcome.size, outcome.peak_bytes
+    samples = tuple(s for s in state.samples if s[0] != m) + ((m, int(peak), capacity),)
+    return samples[-2:]
+
+
 def _record_success(state: SearchState, outcome: Success, config: PolicyConfig) -> SearchState:
     m = outcome.size
     state = replace(state, retrying=None, retrying_ranks=())
     successes = tuple(sorted(set(state.successes) | {m}))
-    samples = state.samples
-    if outcome.peak_bytes is not None and outcome.capacity_bytes is not None and outcome.capacity_bytes > 0:
-        samples = tuple(s for s in samples if s[0] != m) + ((m, int(outcome.peak_bytes), int(outcome.capacity_bytes)),)
-        samples = samples[-2:]
+    samples = _new_samples(state, outcome, config)
     first_failure = state.first_failure
     if first_failure is not None and m >= first_failure:
         # The failure did not reproduce at this size: that bound is stale.
@@ -519,10 +620,10 @@ def _on_projected_failure(state: SearchState, outcome: Success, config: PolicyCo
     it as after a failure (the sample still feeds the prediction), no OOM spent. At the smallest
     size there is nowhere lower: that is an ordinary success (`_projected_to_fail`)."""
     m = outcome.size
-    samples = tuple(s for s in state.samples if s[0] != m) + ((m, int(outcome.peak_bytes or 0), int(outcome.capacity_bytes or 0)),)
+    samples = _new_samples(state, outcome, config)
     first_failure = m if state.first_failure is None else min(state.first_failure, m)
     state = replace(
-        state, samples=samples[-2:], phase=Phase.SEARCHING, found=None, stable_count=0, first_failure=first_failure,
+        state, samples=samples, phase=Phase.SEARCHING, found=None, stable_count=0, first_failure=first_failure,
         retrying=None, retrying_ranks=(),
     )
     state = replace(state, best_success=_best_below(config, state, first_failure))
@@ -559,6 +660,9 @@ def _on_success(state: SearchState, outcome: Success, config: PolicyConfig) -> t
             state, config, False, f"ok at {m} -> converged on {lo}, {_in_use(state, config)}"
         )
     size, predicted = _next_search_size(state, config, upward=True)
+    if size is None:
+        state = _settle(state, config, lo)
+        return state, _decide(state, config, False, f"ok at {m} -> converged on {lo}, {_in_use(state, config)} ({PREDICTED_EDGE})")
     state = replace(state, size=size)
     how = "predicted; " if predicted else ""
     return state, _decide(state, config, False, f"ok at {m} -> try {size} ({how}{_bounds(state)})")
@@ -608,6 +712,9 @@ def _search_below(state: SearchState, config: PolicyConfig, m: int, rerun: bool,
         state = _settle(state, config, lo)
         return state, _decide(state, config, rerun, f"{event} -> converged on {lo}, {_in_use(state, config)}")
     size, predicted = _next_search_size(state, config, upward=False)
+    if size is None:
+        state = _settle(state, config, lo)
+        return state, _decide(state, config, rerun, f"{event} -> converged on {lo}, {_in_use(state, config)} ({PREDICTED_EDGE})")
     state = replace(state, size=size)
     how = "predicted; " if predicted else ""
     return state, _decide(state, config, rerun, f"{event} -> try {size} ({how}{_bounds(state)})")
@@ -665,6 +772,9 @@ def _on_batch_size(state: SearchState, outcome: BatchSizeChanged, config: Policy
     size = _snap(config, new_b, min(state.size, new_b))
     if size not in _between(config, state, lo, hi):
         size, _ = _next_search_size(state, config, upward=state.first_failure is None)
+        if size is None:
+            state = _settle(state, config, lo)
+            return state, _decide(state, config, False, f"{prefix}: converged on {lo}, {_in_use(state, config)} ({PREDICTED_EDGE})")
     state = replace(state, phase=Phase.SEARCHING, size=size)
     return state, _decide(state, config, False, f"{prefix}: try {size} ({_bounds(state)})")
 
@@ -733,6 +843,7 @@ __all__ = [
     "HookReason",
     "OOM",
     "Outcome",
+    "PREDICTED_EDGE",
     "Phase",
     "PolicyConfig",
     "Rearm",
@@ -746,5 +857,6 @@ __all__ = [
     "initial_state",
     "is_one_off",
     "predict_max_size",
+    "probe_split",
     "transition",
 ]
