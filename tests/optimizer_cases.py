@@ -32,7 +32,7 @@ class PeakPerBatch(Callback):
         self.peaks.append(int(self.cap.cap.stats()["peak_bytes"]))
 
 
-def fit(microbatch: Any, limit: int, batches: int, use_prediction: bool = True) -> dict[str, Any]:
+def fit(microbatch: Any, limit: int, batches: int, use_prediction: bool = True, start_size: Any = None) -> dict[str, Any]:
     from automicro.models import build_model
 
     torch.manual_seed(0)
@@ -44,7 +44,7 @@ def fit(microbatch: Any, limit: int, batches: int, use_prediction: bool = True) 
     auto: Optional[automicro.AutoMicrobatching] = None
     callbacks: list[Any] = [cap, peaks]
     if microbatch == "auto":
-        auto = automicro.AutoMicrobatching(log_attempts=False, use_prediction=use_prediction)
+        auto = automicro.AutoMicrobatching(log_attempts=False, use_prediction=use_prediction, start_size=start_size)
         callbacks.insert(0, auto)
     trainer = automicro.Trainer(
         model=model, train_dataloader=data, max_duration=f"{batches}ba",
@@ -57,6 +57,7 @@ def fit(microbatch: Any, limit: int, batches: int, use_prediction: bool = True) 
         return {
             "peaks": peaks.peaks,
             "history": [(r.batch, r.size, r.outcome, r.note) for r in auto.history] if auto else [],
+            "splits": [list(r.split) for r in auto.history] if auto else [],
             "found": auto.found_size if auto else microbatch,
             "ooms": auto.ooms_total if auto else 0,
             "params": {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()},
@@ -84,4 +85,26 @@ def projection(rank: int, world: int) -> dict[str, Any]:
         "with": {k: v for k, v in with_projection.items() if k != "params"},
         "without": {k: v for k, v in without.items() if k != "params"},
         "fixed_peaks": fixed["peaks"], "diff": diff,
+    }
+
+
+def probe(rank: int, world: int) -> dict[str, Any]:
+    """`start_size='probe'` against the whole batch first ('batch', the CPU default) under a limit
+    halfway between the peaks of sizes 4 and 8 once Adam's state exists, and a fixed run at the
+    size the probe found."""
+    unlimited = 10**12
+    peaks = {m: fit(m, unlimited, 2)["peaks"] for m in (4, 8)}
+    limit = torch.tensor([(peaks[4][1] + peaks[8][1]) // 2], dtype=torch.int64)
+    torch.distributed.broadcast(limit, 0)
+    limit = int(limit)
+    probed = fit("auto", limit, 6, start_size="probe")
+    whole = fit("auto", limit, 6, start_size="batch")
+    fixed = fit(probed["found"], limit, 6)
+    bigger = fit(probed["found"] + 1, unlimited, 2) if probed["found"] < PER_RANK_BATCH else None
+    diff = max(float((probed["params"][k] - fixed["params"][k]).abs().max()) for k in fixed["params"])
+    return {
+        "peaks": peaks, "limit": limit, "diff": diff,
+        "probe": {k: v for k, v in probed.items() if k != "params"},
+        "batch": {k: v for k, v in whole.items() if k != "params"},
+        "next_size_peak": None if bigger is None else max(bigger["peaks"]),
     }

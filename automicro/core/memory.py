@@ -66,3 +66,43 @@ class CudaMemory:
 
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
+
+
+class MicrobatchPeaks:
+    """The peaks of one attempt's microbatches, by size, over a `MemorySource` whose peak is reset
+    as each microbatch starts (the probe of the search, `automicro.core.policy`).
+
+    Only microbatches after the first count toward a size: the first one's backward creates the
+    gradients, every later one's peak holds them. `peak_bytes()` is the attempt's peak so far, as
+    the source's own would be without the resets."""
+
+    def __init__(self, memory: MemorySource, sizes: tuple[int, ...]) -> None:
+        self.memory, self.sizes = memory, sizes
+        self._index = -1
+        self._attempt_peak = 0
+        self._by_size: dict[int, int] = {}
+
+    def start(self, index: int) -> None:
+        """Microbatch `index` starts: the one before it ended."""
+        self.end()
+        self._index = index
+        self.memory.reset_peak()
+
+    def end(self) -> None:
+        """The running microbatch ended (the last one: at the end of the attempt)."""
+        if self._index < 0:
+            return
+        peak = self.memory.peak_bytes()
+        self._attempt_peak = max(self._attempt_peak, peak)
+        if self._index >= 1:
+            size = self.sizes[self._index]
+            self._by_size[size] = max(self._by_size.get(size, 0), peak)
+        self._index = -1
+
+    def peak_bytes(self) -> int:
+        return max(self._attempt_peak, self.memory.peak_bytes())
+
+    def by_size(self) -> tuple[tuple[int, int], ...]:
+        """(size, peak) of the smallest and the largest size measured (one pair if only one)."""
+        known = sorted(self._by_size.items())
+        return tuple(known if len(known) < 2 else (known[0], known[-1]))

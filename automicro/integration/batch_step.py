@@ -24,7 +24,7 @@ from automicro.core import failure_note
 from automicro.core.attempt import AttemptFence, AttemptResult, RandomState
 from automicro.core.consensus import Consensus
 from automicro.core.ledger import FatalRecoveryError
-from automicro.core.memory import MemorySource
+from automicro.core.memory import MemorySource, MicrobatchPeaks
 from automicro.core.sites import SiteDispatcher
 from automicro.engine.layout import LayoutEngine
 from automicro.engine.sharding import ShardedModel
@@ -72,6 +72,7 @@ class BatchStep:
         self.retries_before = 0  # the allocator's retry count when this attempt began
         self._lengths: list[int] = []
         self._random_state: Optional[RandomState] = None
+        self.peaks: Optional[MicrobatchPeaks] = None  # per-microbatch peaks of the attempt, if asked
 
     def begin(self) -> int:
         """What the policy sizes this batch by: its samples, or (budget="tokens") the largest batch
@@ -107,10 +108,13 @@ class BatchStep:
 
     # ---- run -------------------------------------------------------------------------------------
 
-    def attempt(self, split: Optional[tuple[int, ...]], budget: Optional[int], hooks_on: bool) -> Attempt:
+    def attempt(
+        self, split: Optional[tuple[int, ...]], budget: Optional[int], hooks_on: bool, track_peaks: bool = False
+    ) -> Attempt:
         """One attempt at `split` (samples per microbatch) or, with a token budget, at `budget`.
         Every retry starts from the random state the batch started with, so a retry at the same
-        split computes exactly what the first attempt would have."""
+        split computes exactly what the first attempt would have. `track_peaks`: measure each
+        microbatch's peak (`self.peaks`; Composer's microbatch loop only, not a pipeline's)."""
         assert self._random_state is not None, "begin() first"
         self.attempts += 1
         if self.attempts > 1:
@@ -129,17 +133,22 @@ class BatchStep:
         # A site of an earlier attempt must not be blamed for a failure before any site fires.
         context.last_site, context.last_module = "other", ""
         self.memory.reset_peak()
+        self.peaks = MicrobatchPeaks(self.memory, sizes) if track_peaks and self.pipeline is None else None
         # Retries are counted per attempt: a failed attempt's retries say nothing about thrashing.
         self.retries_before = self.memory.alloc_retries()
 
         def body(finish: Callable[[], None]) -> None:
             def before_microbatch(index: int) -> None:
                 context.microbatch_index = index
+                if self.peaks is not None:
+                    self.peaks.start(index)
                 if self.layout is not None:
                     self.layout.before_microbatch(index, len(sizes))
 
             def end_of_attempt() -> None:
                 context.microbatch_index = len(sizes) - 1
+                if self.peaks is not None:
+                    self.peaks.end()
                 self.dispatcher.fire("optimizer_step", "")
                 finish()
 
@@ -158,6 +167,10 @@ class BatchStep:
                 failure_note.write(composer_internals.checkpoint_folder(state), self.rank, self.batch_index, sizes)
             raise
         return Attempt(sizes, result, total_loss_dict)
+
+    def peak_bytes(self) -> int:
+        """The peak of the attempt so far (the memory source's, across the per-microbatch resets)."""
+        return self.memory.peak_bytes() if self.peaks is None else self.peaks.peak_bytes()
 
     def step_optimizers(self) -> None:
         """After an attempt every rank agreed succeeded."""

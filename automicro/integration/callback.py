@@ -103,7 +103,7 @@ class AutoMicrobatching(Callback):
         thrash_batches: int = 2,
         search: str = "bisect",
         use_prediction: bool = True,
-        start_size: Optional[int] = None,
+        start_size: Union[int, str, None] = None,
         cpu_sync_group: bool = True,
         memory_fraction: Optional[Union[float, dict[int, float]]] = None,
         log_attempts: bool = True,
@@ -118,7 +118,12 @@ class AutoMicrobatching(Callback):
         layout_trial_batches: int = 3,
         layout_min_gain: float = 0.01,
     ) -> None:
-        self.policy_config = search_config(search, stable_batches, use_prediction, start_size)
+        # None: the probe on a GPU, the whole batch on CPU (resolved at attach, as the layout).
+        self.start = _start(start_size, search, use_prediction, budget)
+        self.policy_config = search_config(
+            search, stable_batches, use_prediction, start_size if isinstance(start_size, int) else None,
+            probe=self.start == "probe",
+        )
         if budget not in BUDGETS:
             raise ValueError(
                 f"budget={budget!r}: must be 'samples' (the search counts samples per microbatch) or 'tokens' (it "
@@ -256,6 +261,13 @@ class AutoMicrobatching(Callback):
             raise ValueError(
                 "AutoMicrobatching(budget='tokens') cannot run pipeline stages (a pipeline runs equal microbatches); "
                 "use budget='samples' with parallelism_config.pipeline"
+            )
+        if self.start == "auto" and sharded.device.type == "cuda":
+            self.policy_config = dataclasses.replace(self.policy_config, probe=True)
+        if pipeline is not None and self.start == "probe":
+            raise ValueError(
+                "AutoMicrobatching(start_size='probe') cannot run pipeline stages (a pipeline runs equal microbatches, "
+                "the probe two sizes); leave start_size out or set it to 'batch' or a size"
             )
         if pipeline is not None:
             # Only equal microbatches, enough for the schedule. The steady phase needs no ledger: with
@@ -641,7 +653,7 @@ class AutoMicrobatching(Callback):
     def _figures(self) -> LocalFigures:
         retries = self._memory.alloc_retries()
         new = max(0, retries - (self._step.retries_before if self._step is not None else retries))
-        peak = self._memory.peak_bytes()
+        peak = self._memory.peak_bytes() if self._step is None else self._step.peak_bytes()
         return LocalFigures(
             new_alloc_retries=new,
             # Before the first optimizer step: the peak the next batches will see, with the state
@@ -679,7 +691,8 @@ class AutoMicrobatching(Callback):
             if self.tokens is not None:
                 attempt = step.attempt(None, self._budget(), hooks_on)
             else:
-                attempt = step.attempt(tuple(self.policy.current_split()), None, hooks_on)
+                track = self.policy_config.probes and self.policy.phase == search.Phase.SEARCHING
+                attempt = step.attempt(tuple(self.policy.current_split()), None, hooks_on, track_peaks=track)
             self._batch_attempts = step.attempts
             result, sizes = attempt.result, attempt.sizes
             verdict, seconds = result.verdict, result.seconds
@@ -697,7 +710,7 @@ class AutoMicrobatching(Callback):
                 self._used_split = sizes
                 self._last_peak, self._last_capacity = verdict.peak_bytes, verdict.capacity_bytes
                 self.layout.after_success(step.attempts)
-                self._after_success(verdict, batch_index, sizes, seconds)
+                self._after_success(verdict, batch_index, sizes, seconds, self._agreed_peaks(step))
                 self._optimizer_pending = 0  # the step created the state: evals and later batches hold it
                 return attempt.total_loss_dict
 
@@ -797,7 +810,20 @@ class AutoMicrobatching(Callback):
             "activation_checkpointing, cpu_offload) or raise the memory limit."
         )
 
-    def _after_success(self, verdict: Verdict, batch_index: int, sizes: tuple[int, ...], seconds: float) -> None:
+    def _agreed_peaks(self, step: BatchStep) -> tuple[tuple[int, int], ...]:
+        """The attempt's per-size microbatch peaks, the max over ranks (one round, every rank: the
+        attempt was tracked on all or none), with the optimizer state the first step adds."""
+        if step.peaks is None:
+            return ()
+        assert self._consensus is not None
+        local = step.peaks.by_size()
+        agreed = self._consensus.agree_max([peak for _, peak in local])
+        return tuple((size, peak + self._optimizer_pending) for (size, _), peak in zip(local, agreed) if peak)
+
+    def _after_success(
+        self, verdict: Verdict, batch_index: int, sizes: tuple[int, ...], seconds: float,
+        peaks_by_size: tuple[tuple[int, int], ...] = (),
+    ) -> None:
         assert self.policy is not None
         self._batch_retries = verdict.any_new_alloc_retries
         # As in Composer's rule, a batch that already ran out of memory is not counted for thrashing.
@@ -820,6 +846,7 @@ class AutoMicrobatching(Callback):
                 peak_bytes=verdict.peak_bytes or None,
                 capacity_bytes=verdict.capacity_bytes or None,
                 projected=self._optimizer_pending > 0,
+                peaks_by_size=peaks_by_size,
             )
         )
         if phase_before != search.Phase.STEADY or self._batch_attempts > 1:
@@ -893,13 +920,41 @@ def _build_alarm(consensus: Consensus) -> Any:
     return JobLostAlarm.create(consensus.group)
 
 
-def search_config(search_mode: str, stable_batches: int, use_prediction: bool, start_size: Optional[int]):
+def search_config(
+    search_mode: str, stable_batches: int, use_prediction: bool, start_size: Optional[int], probe: bool = False
+):
     return search.PolicyConfig(
         search=search_mode,
         stable_batches=stable_batches,
         use_prediction=use_prediction,
         start_size=start_size,
+        probe=probe,
     )
+
+
+START_SIZES = ("probe", "batch")
+
+
+def _start(start_size: Union[int, str, None], search_mode: str, use_prediction: bool, budget: str) -> str:
+    """How the search starts: "auto" (the probe on a GPU, else the batch), "probe", "batch" or
+    "size" (an int, checked by the policy's config)."""
+    if start_size is None:
+        return "auto"
+    if isinstance(start_size, int) and not isinstance(start_size, bool):
+        return "size"
+    if start_size not in START_SIZES:
+        raise ValueError(
+            f"start_size={start_size!r}: must be left out (the probe on a GPU, the whole batch on CPU), 'probe' "
+            "(two small sizes first, then the size the measured memory predicts), 'batch' (the whole batch first, "
+            "halving down, as Composer) or a microbatch size >= 1"
+        )
+    if start_size == "probe" and (search_mode != "bisect" or not use_prediction or budget != "samples"):
+        raise ValueError(
+            f"start_size='probe' needs search='bisect', use_prediction=true and budget='samples' (got "
+            f"search={search_mode!r}, use_prediction={use_prediction!r}, budget={budget!r}); the probe feeds the "
+            "bisection's memory prediction"
+        )
+    return start_size
 
 
 __all__ = ["AutoMicrobatching", "AttemptRecord", "MicrobatchSizeError", "is_oom"]
