@@ -11,6 +11,8 @@ with the YAML overrides the variant names (`-auto` or `-fixed-N` for the microba
   noshard-*      parallelism_config: null (no FSDP; Composer's autocast; `auto` on one rank)
   layout-*       FSDP2 with `callbacks.auto_microbatching.layout: auto` (issue 26's layout search)
   pinned-*       FSDP2 with both layout trades pinned (`layout: [grad_sync_once, no_reshard]`)
+  wholebatch-*   the default config with `start_size: batch`: the search starts at the whole batch
+                 and halves down, as before the probe (issue 26, item 3)
   composer-*     the stock `composer.Trainer` on the same model, data and optimizer (no FSDP, its
                  own `auto`: halving), built from the same YAML
 `--memory-fraction` caps the process's GPU memory in every variant.
@@ -62,6 +64,8 @@ def overrides(variant: str, args: argparse.Namespace, run_dir: str) -> list[str]
         common.append("callbacks.auto_microbatching.layout=auto")
     elif kind == "pinned":
         common.append("callbacks.auto_microbatching.layout=[grad_sync_once,no_reshard]")
+    elif kind == "wholebatch":
+        common.append("callbacks.auto_microbatching.start_size=batch")
     elif kind != "eager":
         raise SystemExit(f"unknown variant {variant!r}")
     common += [o for o in args.extra.split(",") if o]
@@ -113,11 +117,15 @@ def summarize(variant: str, rows: list[dict[str, Any]], console: list[str], skip
     stock = next((int(m.group(1)) for line in console if (m := re.search(r"stock composer: device_train_microbatch_size (\d+)", line))), None)
     found = found if stock is None else stock
     fixed = re.search(r"-fixed-(\d+)$", variant)
+    # The batch whose attempt ended the search ("... -> converged on N"), and the attempts spent.
+    found_at = next((int(m.group(1)) for line in console if "converged on" in line
+                     and (m := re.search(r"\] batch (\d+) attempt", line))), None)
+    attempts = next((int(m.group(1)) for line in console if (m := re.search(r"attempts (\d+), OOMs", line))), None)
     return {
         "variant": variant, "tokens_per_s": tokens_per_s, "step_s": step_s, "mfu": mfu,
         "first_batch_s": seconds.get(steps[0]) if steps else None, "graphs": graphs, "ooms": ooms,
         "found": found if not fixed else int(fixed.group(1)), "peak_reserved_gib": peak or None,
-        "steady_batches": len(steady),
+        "steady_batches": len(steady), "found_at_batch": found_at, "search_attempts": attempts,
     }
 
 
@@ -161,6 +169,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             result = {"variant": variant, "error": f"rc {done.returncode}: {(done.stderr or done.stdout or '')[-800:]}"}
         result["launch_s"] = round(time.perf_counter() - started, 1)
         result["console"] = console[-12:]
+        result["search_lines"] = [line for line in console if "] batch " in line and " attempt " in line][:12]
         print(f"[one_gpu:detail] {variant}: " + " / ".join(result.get("layout_lines", [])[-3:] + console[-2:]), flush=True)
         results.append(result)
     base = {r["variant"]: r for r in results if r.get("tokens_per_s")}
@@ -170,10 +179,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         rows.append([
             r["variant"], harness.fmt(r.get("tokens_per_s"), ",.0f"), harness.fmt(r.get("mfu"), ".3f"),
             harness.fmt(r["tokens_per_s"] / eager["tokens_per_s"], ".2f") if r.get("tokens_per_s") and eager else "–",
-            r.get("found", "–"), r.get("ooms", "–"), harness.fmt(r.get("first_batch_s"), ".1f"), r.get("graphs", "–"),
+            r.get("found", "–"), r.get("ooms", "–"), r.get("found_at_batch", "–"), harness.fmt(r.get("first_batch_s"), ".1f"), r.get("graphs", "–"),
             harness.fmt(r.get("peak_reserved_gib"), ".1f"), (r.get("error") or "")[:80],
         ])
-    header = ["variant", "tokens/s", "MFU", "vs eager", "size", "OOMs", "first batch s", "graphs", "peak GiB", "error"]
+    header = ["variant", "tokens/s", "MFU", "vs eager", "size", "OOMs", "found at batch", "first batch s", "graphs", "peak GiB", "error"]
     for line in harness.table_lines(header, rows):
         print(f"[one_gpu] | {line}", flush=True)
     harness.write_json(os.path.join(args.out, "one_gpu.json"), {"args": vars(args), "gpu": gpu, "results": results})

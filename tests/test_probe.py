@@ -255,3 +255,40 @@ def test_property_never_a_size_that_fails_later_at_most_two_ooms(batch, fixed, g
     assert 1 <= run.found <= lossless.largest_fit(batch), run
     assert lossless.fits(even_split(batch, run.found), True), run
     assert run.ooms <= 2 and run.batches <= 3, run
+
+
+def test_the_yaml_key_reaches_the_callback_and_bad_values_say_what_to_change(tmp_path):
+    import torch
+
+    from automicro.config import ConfigError, load_config
+    from automicro.engine.unsharded import UnshardedModel
+    from automicro.integration.builders import build_callbacks
+    from automicro.integration.callback import AutoMicrobatching
+
+    def callback(body: str):
+        path = tmp_path / "c.yaml"
+        path.write_text("callbacks:\n  auto_microbatching:\n" + body)
+        return next(c for c in build_callbacks(load_config(str(path))) if type(c).__name__ == "AutoMicrobatching")
+
+    assert callback("    start_size: probe\n").policy_config.probes
+    assert not callback("    start_size: batch\n").policy_config.probes
+    assert callback("    start_size: 4\n").policy_config.start_size == 4
+    default = callback("    stable_batches: 3\n")
+    assert default.start == "auto" and not default.policy_config.probe, "resolved at attach, by the device"
+    for body, message in [
+        ("    start_size: quick\n", "start_size='quick': must be left out"),
+        ("    start_size: probe\n    search: halve\n", "start_size='probe' needs search='bisect'"),
+        ("    start_size: probe\n    budget: tokens\n", "budget='tokens'"),
+        ("    start_size: probe\n    use_prediction: false\n", "use_prediction=true"),
+        ("    start_size: 0\n", "start_size=0"),
+    ]:
+        with pytest.raises((ConfigError, ValueError)) as error:
+            callback(body)
+        assert message in str(error.value), (body, str(error.value))
+    # The default resolves by the device the model trains on: the whole batch first on CPU, the
+    # probe on a GPU (a CUDA device object is all `attach` reads of it here).
+    for device, probes in (("cpu", False), ("cuda", True)):
+        auto = AutoMicrobatching(log_attempts=False)
+        auto.attach(UnshardedModel(module=torch.nn.Linear(2, 2), device=torch.device(device)))
+        assert auto.policy_config.probe is probes, device
+        auto.close(None, None)
