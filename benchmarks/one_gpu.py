@@ -15,7 +15,11 @@ with the YAML overrides the variant names (`-auto` or `-fixed-N` for the microba
                  and halves down, as before the probe (issue 26, item 3)
   composer-*     the stock `composer.Trainer` on the same model, data and optimizer (no FSDP, its
                  own `auto`: halving), built from the same YAML
-`--memory-fraction` caps the process's GPU memory in every variant.
+`--memory-fraction` caps the process's GPU memory in every variant. `--model hf` swaps the model for a
+transformers `LlamaForCausalLM` of the same 1B shape (hidden 2048, 16 layers, 32 heads, 8 KV heads,
+MLP 8192, vocab 32000, built from its config, no weights downloaded) in Composer's
+`HuggingFaceModel`: the same YAML, data and variants, the model builder replaced in the variant's
+process (`--hf` ahead of its arguments).
 Per variant, from the run's metrics.jsonl and console: steady tokens/s and MFU (the batches after
 `--skip`, from the wall clock Composer logs per batch; MFU from the model's flops per batch over the
 H100's dense bf16 peak), the first batch's seconds (search and compile), graphs compiled, OOMs,
@@ -142,6 +146,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--seq", type=int, default=SEQ)
     p.add_argument("--nproc", type=int, default=1, help="GPUs (ranks) of this host per variant; per-rank batch stays 32")
     p.add_argument("--dry-run", action="store_true", help="CPU, aot_eager: check the suite, measure nothing")
+    p.add_argument("--model", choices=("automicro", "hf"), default="automicro",
+                   help="automicro.models' Llama (the preset), or a transformers LlamaForCausalLM of the 1B shape")
+    if argv is None and sys.argv[1:2] == ["--hf"]:
+        _use_hf_llama("--tiny-hf" in sys.argv)
+        sys.argv = [a for a in sys.argv if a not in ("--hf", "--tiny-hf")]
+        if sys.argv[1:2] != ["--stock"]:
+            sys.path.insert(0, os.path.join(harness.REPO_ROOT, "scripts"))
+            import train  # noqa: E402 - scripts/train.py, with the model builder replaced
+
+            return train.main(sys.argv[1:])
     if argv is None and sys.argv[1:2] == ["--stock"]:
         return stock_composer(sys.argv[2:])
     args = p.parse_args(argv)
@@ -153,6 +167,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         shutil.rmtree(run_dir, ignore_errors=True)
         script = os.path.abspath(__file__) if variant.startswith("composer-") else os.path.join(harness.REPO_ROOT, "scripts", "train.py")
         rest = [*(["--stock"] if variant.startswith("composer-") else []), "configs/tiny-gpu.yaml", *overrides(variant, args, run_dir)]
+        if args.model == "hf":
+            script, rest = os.path.abspath(__file__), ["--hf", *rest, *(["--tiny-hf"] if args.dry_run else [])]
         if args.nproc == 1:
             argv_, env = [sys.executable, script, *rest], {**os.environ, **_single_rank()}
         else:  # one process per GPU of this host (torchrun's standalone rendezvous)
@@ -221,6 +237,30 @@ def stock_composer(argv: list[str]) -> int:
     print(f"[automicro] stock composer: device_train_microbatch_size {trainer.state.device_train_microbatch_size}", flush=True)
     trainer.close()
     return 0
+
+
+def _use_hf_llama(tiny: bool) -> None:
+    """Replace the YAML's model builder, in this process, with a transformers Llama of the 1B shape
+    (`--model hf`; `tiny`: a 2-layer one for the CPU dry run)."""
+    from automicro.integration import builders
+
+    def build(cfg: Any) -> Any:
+        import warnings
+
+        from composer.models import HuggingFaceModel
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        shape = (
+            dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+            if tiny else
+            dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, intermediate_size=8192)
+        )
+        config = LlamaConfig(vocab_size=32000, max_position_embeddings=max(cfg.data.seq_len, 128), use_cache=False, **shape)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return HuggingFaceModel(LlamaForCausalLM(config), tokenizer=None, use_logits=True)
+
+    builders.build_model_from = build
 
 
 def _single_rank() -> dict[str, str]:

@@ -707,6 +707,11 @@ class AutoMicrobatching(Callback):
                 raise result.unreported
             if not verdict.failed:
                 step.step_optimizers()
+                if self._optimizer_pending:
+                    # The first step just made the optimizer state among the blocks batch 0's
+                    # attempts left cached: batch 1 starts from an emptied cache, as a rerun does,
+                    # so the size chosen with that state projected meets the memory it was chosen for.
+                    self._memory.empty_cache()
                 self._used_split = sizes
                 self._last_peak, self._last_capacity = verdict.peak_bytes, verdict.capacity_bytes
                 self.layout.after_success(step.attempts)
