@@ -50,7 +50,7 @@ def overrides(variant: str, args: argparse.Namespace, run_dir: str) -> list[str]
     kind, _, mode = variant.partition("-")
     common = [
         f"model.preset={args.preset}", "data.kind=synthetic", f"data.seq_len={args.seq}",
-        f"global_train_batch_size={PER_RANK_BATCH * args.nproc}", f"max_duration={args.batches}ba", f"run_dir={run_dir}",
+        f"global_train_batch_size={args.batch * args.nproc}", f"max_duration={args.batches}ba", f"run_dir={run_dir}",
         "loggers.console=false", "loggers.jsonl=true", "callbacks.speed_monitor.window_size=5",
     ]
     if args.dry_run:  # CPU: the suite's plumbing only
@@ -91,7 +91,7 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
 
 
 def summarize(variant: str, rows: list[dict[str, Any]], console: list[str], skip: int, gpu: str, seq: int,
-              nproc: int = 1) -> dict[str, Any]:
+              nproc: int = 1, batch: int = PER_RANK_BATCH) -> dict[str, Any]:
     train_h: dict[int, float] = {}
     flops: dict[int, float] = {}
     peak = 0.0
@@ -114,7 +114,7 @@ def summarize(variant: str, rows: list[dict[str, Any]], console: list[str], skip
     seconds = {s: (train_h[s] - train_h.get(s - 1, 0.0)) * 3600 for s in steps}
     steady = [seconds[s] for s in steps if s > skip]
     step_s = statistics.median(steady) if steady else None
-    tokens_per_s = seq * PER_RANK_BATCH * nproc / step_s if step_s else None
+    tokens_per_s = seq * batch * nproc / step_s if step_s else None
     flops_steady = [flops[s] for s in flops if s > skip]
     mfu = statistics.median(flops_steady) / PEAK_FLOPS[gpu] if flops_steady and gpu in PEAK_FLOPS else None
     graphs = next((int(m.group(1)) for line in console if (m := re.search(r"(\d+) graph\(s\) compiled", line))), 0)
@@ -144,6 +144,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--preset", default="1b")
     p.add_argument("--extra", default="", help="more YAML overrides for every variant, comma-separated")
     p.add_argument("--seq", type=int, default=SEQ)
+    p.add_argument("--batch", type=int, default=PER_RANK_BATCH, help="per-rank batch (samples)")
     p.add_argument("--nproc", type=int, default=1, help="GPUs (ranks) of this host per variant; per-rank batch stays 32")
     p.add_argument("--dry-run", action="store_true", help="CPU, aot_eager: check the suite, measure nothing")
     p.add_argument("--model", choices=("automicro", "hf"), default="automicro",
@@ -179,7 +180,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         console = [line for line in (done.stdout or "").splitlines() if line.startswith("[automicro]")]
         metrics = os.path.join(run_dir, "metrics.jsonl")
         if done.returncode == 0 and os.path.exists(metrics):
-            result = summarize(variant, read_metrics(metrics), console, args.skip, gpu, args.seq, args.nproc)
+            result = summarize(variant, read_metrics(metrics), console, args.skip, gpu, args.seq, args.nproc, args.batch)
             result["layout_lines"] = [line for line in console if "layout" in line][:12]
         else:
             result = {"variant": variant, "error": f"rc {done.returncode}: {(done.stderr or done.stdout or '')[-800:]}"}

@@ -10,7 +10,9 @@ A *layout* is the set of trades in use. The trades (the FSDP2 engine applies the
   microbatch). Costs the unsharded gradients of every block; only where a batch has several
   microbatches.
 - ``no_reshard``: parameters are not resharded after forward (ZeRO-2: no all-gather again in
-  backward). Costs the unsharded parameters of every block between forward and backward.
+  backward), nor after the backward of a microbatch other than the batch's last (no all-gather
+  again in the next forward). Costs the unsharded parameters of every block between forward and
+  backward (held across the batch's microbatches: the same peak).
 
 How one trade is tried (`LayoutSearch`): when the size policy is steady and no trial runs, the
 next candidate whose projected extra bytes fit under the agreed capacity (peak + extra <=
@@ -41,7 +43,7 @@ NO_RESHARD = "no_reshard"
 TRADES = (GRAD_SYNC_ONCE, NO_RESHARD)
 DESCRIPTIONS = {
     GRAD_SYNC_ONCE: "gradients reduced once per batch",
-    NO_RESHARD: "no resharding after forward",
+    NO_RESHARD: "no resharding after forward, nor between microbatches",
 }
 MODES = ("auto", "fixed")
 
