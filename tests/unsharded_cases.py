@@ -59,7 +59,6 @@ def _run(microbatch: Any, limit: Optional[int], fault: Any = None, parallelism: 
             "fsdp_params": any(hasattr(p, "full_tensor") for p in model.parameters()),
             "adam_steps": adam_steps(trainer),
             "fired": None if fault is None else fault.fired,
-            "kept_fsdp2": None if auto is None else auto.one_rank_fsdp2,
             "summary": None if auto is None else auto.summary_line(),
             "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
         }
@@ -79,19 +78,9 @@ def run_one_rank(rank: int, world: int) -> dict[str, Any]:
     if split:
         case("fixed", lambda: _run(max(split), None))
         case("auto_one_off", lambda: _run("auto", LIMIT, OOMAtBatch(OOM_BATCH)))
-        # The layout search's one-rank choice (`automicro.integration.one_rank`) as the Trainer wires it:
-        # on CPU it keeps FSDP2 and says why; where it decides "unsharded" (a GPU; forced here), the
-        # FSDP2 config is dropped and the run is the unsharded one.
-        case("fsdp2_kept_on_cpu", lambda: _run("auto", LIMIT, parallelism={"fsdp2": {}}))
-        from automicro.integration import one_rank
-
-        decide = one_rank.keep_fsdp2
-        one_rank.keep_fsdp2 = lambda **kwargs: None
-        try:
-            case("fsdp2_dropped", lambda: _run("auto", LIMIT, parallelism={"fsdp2": {}}))
-        finally:
-            one_rank.keep_fsdp2 = decide
-    for name in ("auto", "auto_one_off", "fsdp2_dropped"):
+        # One rank with FSDP2 in the config keeps it (the layout's trades make it cheap on a GPU).
+        case("fsdp2_kept", lambda: _run("auto", LIMIT, parallelism={"fsdp2": {}}))
+    for name in ("auto", "auto_one_off"):
         if name in out and "params" in out[name] and "fixed" in out:
             out[name]["error"] = max_error(out[name]["params"], out["fixed"]["params"])
     for result in out.values():

@@ -139,9 +139,6 @@ class AutoMicrobatching(Callback):
         # What the engine may trade for speed once the size settles (`automicro.core.layout`).
         self.layout_config = LayoutConfig.parse(layout, layout_trial_batches, layout_min_gain)
         self.layout: Optional[LayoutTrials] = None
-        # Set by `automicro.Trainer` on one rank: why FSDP2 stays (None: not asked, or unsharded).
-        self.one_rank_fsdp2: Optional[str] = None
-        self.unsharded_one_rank = False  # set by `automicro.Trainer` when it dropped FSDP2 on one rank
         self._last_peak = self._last_capacity = 0
         if eval_oom not in EVAL_OOM:
             raise ValueError(
@@ -251,11 +248,11 @@ class AutoMicrobatching(Callback):
         self._consensus = Consensus.create(use_cpu_group=self.cpu_sync_group, transport=self.consensus_transport)
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self._info(f"consensus transport {self._consensus.describe()}")
-        if dist.is_initialized() and dist.get_world_size() == 1 and sharded.fsdp_modules and pipeline is None:
-            kept = f" (FSDP2 kept: {self.one_rank_fsdp2})" if self.one_rank_fsdp2 else ""
+        one_rank = dist.is_initialized() and dist.get_world_size() == 1 and sharded.fsdp_modules and pipeline is None
+        if one_rank and self.layout_config.resolve(sharded.device.type).mode != "auto" and not self.layout_config.pinned:
             self._info(
-                f"one rank{kept}: FSDP2 shards nothing here and costs time every microbatch; parallelism_config: null "
-                "trains unsharded with the same auto (README 'One GPU')"
+                "one rank: FSDP2 with the fixed layout gathers parameters and reduces gradients every microbatch; "
+                "layout: auto (the default on a GPU) trades that away once the size is found (README 'One GPU')"
             )
         if pipeline is not None and self.tokens is not None:
             raise ValueError(
@@ -331,8 +328,6 @@ class AutoMicrobatching(Callback):
                 f"{list(self.used_split)}; padding {100 * self.tokens.padding_waste:.1f}% of the tokens trained; {tail}"
             )
         layout = "" if self.layout is None or self.layout.engine is None else f"; layout: {self.layout.describe()}"
-        if self.unsharded_one_rank:
-            layout = "; layout: unsharded (one rank)"
         return (
             f"[automicro] microbatch size found: {self.found_size}{batch}; split in use {list(self.policy.current_split())}"
             f"{layout}; {tail}"
@@ -374,10 +369,6 @@ class AutoMicrobatching(Callback):
     def consensus_finish_s(self) -> float:
         """Seconds this rank spent in end-of-attempt agreements so far."""
         return 0.0 if self._consensus is None else self._consensus.finish_seconds
-
-    def say(self, message: str) -> None:
-        """One `[automicro]` console line (rank 0) from the trainer's set-up."""
-        self._info(message)
 
     def _info(self, message: str) -> None:
         if self._rank == 0 and self.log_attempts:

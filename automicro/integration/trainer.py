@@ -38,7 +38,6 @@ from automicro.engine.unsharded import UnshardedModel, unsharded
 from automicro.engine.config import FSDP2ConfigError, fsdp2_from_parallelism_config, pipeline_from_parallelism_config
 from automicro.engine.pipeline import build_pipeline
 from automicro.integration import _composer_internals as composer_internals
-from automicro.integration import one_rank
 from automicro.integration.callback import AutoMicrobatching
 from automicro.integration.checkpointing import FullCheckpointLoading, ShardedCheckpointing, check_checkpoint_format
 from automicro.integration.composer_config import from_composer_parallelism
@@ -187,28 +186,6 @@ class Trainer(composer.Trainer):
         self._automicro_sharded: Optional[ShardedModel] = None
         self._automicro_unsharded: Optional[UnshardedModel] = None
         self._automicro_pipeline: Optional[PipelineBatch] = None
-        if auto and fsdp2 is not None and pipeline is None and automicro is not None:
-            # One rank: FSDP2 shards nothing; where the layout is searched, train unsharded
-            # (`automicro.integration.one_rank` says when FSDP2 stays, and why).
-            composer_dist.initialize_dist(composer_device, dist_timeout)
-            device_here = composer_device.tensor_to_device(torch.empty(0)).device
-            precision = kwargs.get("precision")
-            optimizers = kwargs.get("optimizers")
-            keep = one_rank.keep_fsdp2(
-                layout=automicro.layout_config, device_type=device_here.type, world_size=composer_dist.get_world_size(),
-                fsdp2=fsdp2, compile_config=compile_config, checkpoint_format=checkpoint_format,
-                load_path=kwargs.get("load_path"),
-                auto_eval=any(e.auto_microbatching for e in _evaluators(kwargs.get("eval_dataloader"))),
-                model=model,
-                optimizers=[] if optimizers is None else (optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]),
-                autocast="amp" in str(getattr(precision, "value", precision) or ""),
-                capacity_bytes=one_rank.cuda_capacity(device_here, automicro.memory_fraction),
-            )
-            automicro.one_rank_fsdp2 = keep
-            if keep is None:
-                automicro.say(one_rank.UNSHARDED_LINE)
-                automicro.unsharded_one_rank = True
-                fsdp2 = None
         if auto and fsdp2 is None:
             # One rank without FSDP: Composer's own model placement and autocast; the search runs
             # on an unsharded handle (`automicro.engine.unsharded`).
