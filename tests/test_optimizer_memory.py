@@ -106,21 +106,3 @@ def test_two_ranks_under_a_cap_that_fits_size_8_only_before_adam_s_state_find_th
         assert projected["found"] == before["found"]
         assert out["diff"] < 1e-5  # trains like a fixed run at the size it found
 
-
-@pytest.mark.multiproc
-def test_two_ranks_probe_first_finds_the_size_with_fewer_ooms_than_the_whole_batch_first():
-    """Issue 26, item 3, on CPU ranks: the probe's split first ((1, 1, 2, ...)), the size its two
-    agreed per-microbatch peaks predict, at most one OOM, none once the size is chosen; the same
-    training as a fixed run at that size."""
-    ranks = run_multiprocess(cases.probe, world_size=2, timeout_s=600)
-    for out in ranks:
-        probe, whole = out["probe"], out["batch"]
-        assert out["peaks"][4][1] < out["limit"] < out["peaks"][8][1], out
-        assert probe["splits"][0] == [1, 1] + [2] * 7, probe["splits"]
-        assert probe["ooms"] <= 1, probe["history"]
-        assert not any("phase" in note for _, _, outcome, note in probe["history"] if outcome == "oom")
-        assert whole["ooms"] > probe["ooms"], (whole["history"], probe["history"])
-        # The largest size that fits, or one below it where the model's margin stops it.
-        assert probe["found"] in (whole["found"], whole["found"] - 1), (probe["history"], whole["history"])
-        assert out["next_size_peak"] is None or out["next_size_peak"] > out["limit"] * 0.95, out
-        assert out["diff"] < 1e-5

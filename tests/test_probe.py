@@ -17,6 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from automicro.testing.multiprocess import run_multiprocess
+from tests import optimizer_cases
 from automicro.core.policy import (
     OOM,
     PREDICTED_EDGE,
@@ -295,3 +297,22 @@ def test_the_yaml_key_reaches_the_callback_and_bad_values_say_what_to_change(tmp
         auto.attach(UnshardedModel(module=torch.nn.Linear(2, 2), device=torch.device(device)))
         assert auto.policy_config.probe is probes, device
         auto.close(None, None)
+
+
+@pytest.mark.multiproc
+def test_two_ranks_probe_first_finds_the_size_with_fewer_ooms_than_the_whole_batch_first():
+    """Issue 26, item 3, on CPU ranks: the probe's split first ((1, 1, 2, ...)), the size its two
+    agreed per-microbatch peaks predict, at most one OOM, none once the size is chosen; the same
+    training as a fixed run at that size."""
+    ranks = run_multiprocess(optimizer_cases.probe, world_size=2, timeout_s=600)
+    for out in ranks:
+        probe, whole = out["probe"], out["batch"]
+        assert out["peaks"][4][1] < out["limit"] < out["peaks"][8][1], out
+        assert probe["splits"][0] == [1, 1] + [2] * 7, probe["splits"]
+        assert probe["ooms"] <= 1, probe["history"]
+        assert not any("phase" in note for _, _, outcome, note in probe["history"] if outcome == "oom")
+        assert whole["ooms"] > probe["ooms"], (whole["history"], probe["history"])
+        # The largest size that fits, or one below it where the model's margin stops it.
+        assert probe["found"] in (whole["found"], whole["found"] - 1), (probe["history"], whole["history"])
+        assert out["next_size_peak"] is None or out["next_size_peak"] > out["limit"] * 0.95, out
+        assert out["diff"] < 1e-5
