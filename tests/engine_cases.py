@@ -193,7 +193,84 @@ def run_engine_cases(rank: int, world: int) -> dict[str, Any]:
             except Exception:  # noqa: BLE001
                 results[f"recover/{point}/{config_name}"] = {"exception": traceback.format_exc()}
     results["plan"] = train_sharded(rank, world, NUMERICS_CONFIGS["prefetch2"])["plan"]
+    for name, layout in KEEP_LAYOUTS.items():
+        for fail in (False, True):
+            try:
+                results[f"keep/{name}/{'fail' if fail else 'clean'}"] = keep_between_microbatches(rank, world, layout, fail)
+            except Exception:  # noqa: BLE001
+                results[f"keep/{name}/{'fail' if fail else 'clean'}"] = {"exception": traceback.format_exc()}
     return results
+
+
+KEEP_LAYOUTS = {"fixed": (), "no_reshard": ("no_reshard",), "both": ("no_reshard", "grad_sync_once")}
+ACCUM = 3
+
+
+def keep_between_microbatches(rank: int, world: int, layout: tuple[str, ...], fail: bool) -> dict[str, Any]:
+    """`LayoutEngine` with `layout` over 3 microbatches per step: the blocks' sharded state after
+    each backward (no_reshard keeps them unsharded until the last microbatch), and with `fail` a
+    forward that raises in step 1's second microbatch (after the first kept its parameters
+    unsharded), then the recovery and the step run again; the parameters against the reference."""
+    from automicro.engine.layout import LayoutEngine
+
+    torch.manual_seed(0)
+    model = Stack()
+    sharded = shard(model, FSDP2Config())
+    engine = LayoutEngine(sharded)
+    engine.apply(layout)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    report: dict[str, Any] = {"states": [], "failed": False}
+    # What each trade is projected to cost: every block's unsharded parameters / gradients (fp32).
+    report["extra_bytes"] = (engine.extra_bytes("no_reshard"), engine.extra_bytes("grad_sync_once"))
+    report["block_bytes"] = 4 * sum(p.numel() for block in model.blocks for p in block.parameters())
+
+    def blocks_state() -> list[str]:
+        return sorted({row["sharded"] for row in sharded.states() if row["module"].startswith("blocks")})
+
+    def run_step(x: torch.Tensor, y: torch.Tensor, raise_in: Optional[int]) -> list[list[str]]:
+        states = []
+        for index, (xm, ym) in enumerate(zip(x.chunk(ACCUM), y.chunk(ACCUM))):
+            engine.before_microbatch(index, ACCUM)
+            handles = [model.blocks[1].register_forward_hook(_raise)] if index == raise_in else []
+            try:
+                (((model(xm) - ym) ** 2).mean() / ACCUM).backward()
+            finally:
+                for handle in handles:
+                    handle.remove()
+            states.append(blocks_state())
+        return states
+
+    for step, (x, y) in enumerate(make_data(STEPS, GLOBAL_BATCH * ACCUM)):
+        x, y = _local(x, rank, world), _local(y, rank, world)
+        opt.zero_grad(set_to_none=True)
+        if fail and step == 1:
+            try:
+                run_step(x, y, raise_in=1)
+            except Boom:
+                report["failed"] = True
+                report["unsharded_before_recover"] = blocks_state()
+            sharded.recover()
+            engine.reset()
+            report["clean_after_recover"] = sharded.is_clean()
+            opt.zero_grad(set_to_none=True)
+        report["states"].append(run_step(x, y, raise_in=None))
+        opt.step()
+        engine.reset()
+    report["clean_at_end"] = sharded.is_clean()
+    report["error"] = max_error(full_state(model), _reference_accum())
+    return report
+
+
+def _reference_accum() -> dict[str, torch.Tensor]:
+    """The unsharded model on the whole batch of `keep_between_microbatches` (3 x GLOBAL_BATCH)."""
+    torch.manual_seed(0)
+    model = Stack()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for x, y in make_data(STEPS, GLOBAL_BATCH * ACCUM):
+        opt.zero_grad(set_to_none=True)
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def run_hsdp_case(rank: int, world: int) -> dict[str, Any]:

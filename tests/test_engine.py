@@ -341,3 +341,25 @@ def test_torch_version_gate_and_its_message_agree(monkeypatch, version, supporte
     else:
         with pytest.raises(RuntimeError, match=r"supports torch 2\.7 to 2\.15 \(checked on 2\.7, 2\.11, 2\.15\).*Install torch 2\.7\.0 .*, 2\.11\.0 or 2\.15\.0"):
             internals.check_supported_torch()
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", list(engine_cases.KEEP_LAYOUTS))
+@pytest.mark.parametrize("fail", ["clean", "fail"])
+def test_no_reshard_keeps_parameters_unsharded_between_microbatches_and_recovers(two_rank_results, name, fail):
+    """The layout trade `no_reshard` (`LayoutEngine`): the blocks stay unsharded after the backward
+    of every microbatch but the batch's last; the fixed layout reshards after each. A failure in
+    a later microbatch (the parameters still unsharded from the one before) recovers to a clean,
+    sharded model, and training equals the unsharded reference (fp32)."""
+    result = _ok(two_rank_results[0][f"keep/{name}/{fail}"])
+    kept = engine_cases.KEEP_LAYOUTS[name] != ()
+    assert result["extra_bytes"] == (result["block_bytes"], result["block_bytes"]), result
+    for states in result["states"]:
+        assert states[-1] == ["SHARDED"], result["states"]
+        assert all(s == (["UNSHARDED"] if kept else ["SHARDED"]) for s in states[:-1]), result["states"]
+    assert result["clean_at_end"]
+    if fail == "fail":
+        assert result["failed"] and result["clean_after_recover"]
+        if kept:  # every block still held from the microbatch before (the fixed layout: only the one that failed)
+            assert result["unsharded_before_recover"] == ["UNSHARDED"], result
+    assert result["error"] < TOLERANCE, result["error"]
