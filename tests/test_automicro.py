@@ -22,7 +22,8 @@ WORLD2_CASES = [
 ]
 WORLD2_ONE_RANK = 1
 WORLD4_SITES = ("forward_pre", "backward_pre", "unshard_alloc", "reduce_scatter_alloc")
-WORLD4_CASES = [(site, who, where) for site in WORLD4_SITES for who in ("one", "every") for where in cases.MICROBATCH]
+# The first and the last microbatch (the middle one is the 2-rank matrix's, at every site): 16 cases, not 24.
+WORLD4_CASES = [(site, who, where) for site in WORLD4_SITES for who in ("one", "every") for where in ("first", "last")]
 WORLD4_ONE_RANK = 3
 # Consensus transports (automicro.core.transport): the two-rank matrix and the collectives-only
 # subset run on the default ("auto": shared memory, every rank is on this host), the four-rank
@@ -170,7 +171,7 @@ def test_two_ranks_oom_at_site_on_rank1_or_every_rank_finds_largest_allowed_size
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("where", list(cases.MICROBATCH))
+@pytest.mark.parametrize("where", ["first", "last"])
 @pytest.mark.parametrize("who", ["one", "every"])
 @pytest.mark.parametrize("site", WORLD4_SITES)
 def test_four_ranks_oom_at_collective_site_on_rank3_or_every_rank_finds_largest_allowed_size_with_exact_params(
