@@ -88,19 +88,19 @@ def projection(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-def probe(rank: int, world: int) -> dict[str, Any]:
-    """`start_size='probe'` against the whole batch first ('batch', the CPU default) under a limit
-    halfway between the peaks of sizes 4 and 8 once Adam's state exists, and a fixed run at the
-    size the probe found."""
+def probe(rank: int, world: int, compare: bool = True) -> dict[str, Any]:
+    """`start_size='probe'` under a limit halfway between the peaks of sizes 4 and 8 once Adam's
+    state exists, and a fixed run at the size the probe found; with `compare`, also the whole
+    batch first ('batch', the CPU default) and the peak of the next size up."""
     unlimited = 10**12
     peaks = {m: fit(m, unlimited, 2)["peaks"] for m in (4, 8)}
     limit = torch.tensor([(peaks[4][1] + peaks[8][1]) // 2], dtype=torch.int64)
     torch.distributed.broadcast(limit, 0)
     limit = int(limit)
     probed = fit("auto", limit, 6, start_size="probe")
-    whole = fit("auto", limit, 6, start_size="batch")
+    whole = fit("auto", limit, 6, start_size="batch") if compare else {}
     fixed = fit(probed["found"], limit, 6)
-    bigger = fit(probed["found"] + 1, unlimited, 2) if probed["found"] < PER_RANK_BATCH else None
+    bigger = fit(probed["found"] + 1, unlimited, 2) if compare and probed["found"] < PER_RANK_BATCH else None
     diff = max(float((probed["params"][k] - fixed["params"][k]).abs().max()) for k in fixed["params"])
     return {
         "peaks": peaks, "limit": limit, "diff": diff,

@@ -307,12 +307,28 @@ def test_two_ranks_probe_first_finds_the_size_with_fewer_ooms_than_the_whole_bat
     ranks = run_multiprocess(optimizer_cases.probe, world_size=2, timeout_s=600)
     for out in ranks:
         probe, whole = out["probe"], out["batch"]
-        assert out["peaks"][4][1] < out["limit"] < out["peaks"][8][1], out
-        assert probe["splits"][0] == [1, 1] + [2] * 7, probe["splits"]
-        assert probe["ooms"] <= 1, probe["history"]
-        assert not any("phase" in note for _, _, outcome, note in probe["history"] if outcome == "oom")
+        _check_probe(out)
         assert whole["ooms"] > probe["ooms"], (whole["history"], probe["history"])
         # The largest size that fits, or one below it where the model's margin stops it.
         assert probe["found"] in (whole["found"], whole["found"] - 1), (probe["history"], whole["history"])
         assert out["next_size_peak"] is None or out["next_size_peak"] > out["limit"] * 0.95, out
-        assert out["diff"] < 1e-5
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world", [1, pytest.param(4, marks=pytest.mark.many_ranks)])
+def test_one_and_four_ranks_probe_first_and_train_like_the_fixed_size(world):
+    for out in run_multiprocess(optimizer_cases.probe, world_size=world, args=(False,), timeout_s=600):
+        # On one rank the split alone moves AdamW's parameters by 3.7e-5 to 7.2e-5 after 6 batches
+        # (fixed runs at sizes 2, 4 and 6 against each other, measured 2026-11-26): the bound is
+        # that floor, not 1e-5.
+        _check_probe(out, tolerance=1e-5 if world > 1 else 1e-4)
+
+
+def _check_probe(out, tolerance=1e-5):
+    probe = out["probe"]
+    assert out["peaks"][4][1] < out["limit"] < out["peaks"][8][1], out
+    assert probe["splits"][0] == [1, 1] + [2] * 7, probe["splits"]
+    assert probe["ooms"] <= 1, probe["history"]
+    assert not any("phase" in note for _, _, outcome, note in probe["history"] if outcome == "oom")
+    assert 4 <= probe["found"] < 8, probe["history"]
+    assert out["diff"] < tolerance, out["diff"]
