@@ -38,9 +38,9 @@ batch and halving down through OOMs, the first attempt runs a split of two small
 floor twice, then chunks of the floor + 1 (`probe_split`, e.g. 32 -> (1, 1, 2, ..., 2)). The
 attempt reports the peak of each size over the microbatches after the first (their peaks hold
 the gradients, as every later microbatch's do; `Success.peaks_by_size`): two samples from one
-attempt, so the next size is predicted at once. Then the model ends the search: upward, a size
-predicted not to fit under the margin is tried once at the size predicted to fill the whole
-capacity; where even that is no larger than the best success, or after an OOM where nothing
+attempt, so the next size is predicted at once. Then the model ends the search: upward, where the
+margin's prediction is no larger than the best success, the size predicted to fill the whole
+capacity is tried; where even that is no larger than the best success, or after an OOM where nothing
 predicted lies between the bounds, the search converges on the best success without spending an
 OOM on the sizes between.
 
@@ -524,7 +524,7 @@ def _next_search_size(state: SearchState, config: PolicyConfig, upward: bool) ->
                 return None, True
             edge = predict_max_size(state.samples, margin=1.0)
             if upward and predicted <= lo and edge is not None and lo < edge:
-                return min(edge, hi - 1), True  # once: the size predicted to fill the whole capacity
+                return min(edge, hi - 1), True  # the size predicted to fill the whole capacity
             if predicted <= lo:
                 return None, True  # nothing above the best success is predicted to fit: converge
     if upward:
