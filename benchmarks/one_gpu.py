@@ -13,6 +13,9 @@ with the YAML overrides the variant names (`-auto` or `-fixed-N` for the microba
   pinned-*       FSDP2 with both layout trades pinned (`layout: [grad_sync_once, no_reshard]`)
   wholebatch-*   the default config with `start_size: batch`: the search starts at the whole batch
                  and halves down, as before the probe (issue 26, item 3)
+  ac-*           the default config with `activation_checkpointing: true` (the layout search may
+                 switch it off: the `no_recompute` trade)
+  acfixed-*      `activation_checkpointing: true` with `layout: fixed` (checkpointing stays on)
   composer-*     the stock `composer.Trainer` on the same model, data and optimizer (no FSDP, its
                  own `auto`: halving), built from the same YAML
 `--memory-fraction` caps the process's GPU memory in every variant. `--model hf` swaps the model for a
@@ -70,6 +73,10 @@ def overrides(variant: str, args: argparse.Namespace, run_dir: str) -> list[str]
         common.append("callbacks.auto_microbatching.layout=[grad_sync_once,no_reshard]")
     elif kind == "wholebatch":
         common.append("callbacks.auto_microbatching.start_size=batch")
+    elif kind in ("ac", "acfixed"):
+        common.append("parallelism_config.fsdp2.activation_checkpointing=true")
+        if kind == "acfixed":
+            common.append("callbacks.auto_microbatching.layout=fixed")
     elif kind != "eager":
         raise SystemExit(f"unknown variant {variant!r}")
     common += [o for o in args.extra.split(",") if o]

@@ -193,36 +193,55 @@ def run_engine_cases(rank: int, world: int) -> dict[str, Any]:
             except Exception:  # noqa: BLE001
                 results[f"recover/{point}/{config_name}"] = {"exception": traceback.format_exc()}
     results["plan"] = train_sharded(rank, world, NUMERICS_CONFIGS["prefetch2"])["plan"]
-    for name, layout in KEEP_LAYOUTS.items():
+    for name, (layout, ac) in KEEP_LAYOUTS.items():
         for fail in (False, True):
             try:
-                results[f"keep/{name}/{'fail' if fail else 'clean'}"] = keep_between_microbatches(rank, world, layout, fail)
+                results[f"keep/{name}/{'fail' if fail else 'clean'}"] = keep_between_microbatches(rank, world, layout, fail, ac)
             except Exception:  # noqa: BLE001
                 results[f"keep/{name}/{'fail' if fail else 'clean'}"] = {"exception": traceback.format_exc()}
     return results
 
 
-KEEP_LAYOUTS = {"fixed": (), "no_reshard": ("no_reshard",), "both": ("no_reshard", "grad_sync_once")}
+# name: (layout, the blocks checkpoint their activations). With checkpointing, "fixed" recomputes
+# every block in backward; "no_recompute" and "all" switch that off (a layout trade).
+KEEP_LAYOUTS = {
+    "fixed": ((), False),
+    "no_reshard": (("no_reshard",), False),
+    "both": (("no_reshard", "grad_sync_once"), False),
+    "ac_fixed": ((), True),
+    "no_recompute": (("no_recompute",), True),
+    "all": (("no_reshard", "grad_sync_once", "no_recompute"), True),
+}
 ACCUM = 3
 
 
-def keep_between_microbatches(rank: int, world: int, layout: tuple[str, ...], fail: bool) -> dict[str, Any]:
+def keep_between_microbatches(rank: int, world: int, layout: tuple[str, ...], fail: bool, ac: bool = False) -> dict[str, Any]:
     """`LayoutEngine` with `layout` over 3 microbatches per step: the blocks' sharded state after
     each backward (no_reshard keeps them unsharded until the last microbatch), and with `fail` a
     forward that raises in step 1's second microbatch (after the first kept its parameters
-    unsharded), then the recovery and the step run again; the parameters against the reference."""
+    unsharded), then the recovery and the step run again; the parameters against the reference.
+    `ac`: the blocks checkpoint their activations; each step counts the blocks' forwards (a
+    recomputed block runs its forward twice per microbatch), and a last step runs at the engine's
+    own layout again (the switch turned back)."""
     from automicro.engine.layout import LayoutEngine
 
     torch.manual_seed(0)
     model = Stack()
-    sharded = shard(model, FSDP2Config())
+    sharded = shard(model, FSDP2Config(activation_checkpointing=ac))
     engine = LayoutEngine(sharded)
     engine.apply(layout)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    report: dict[str, Any] = {"states": [], "failed": False}
+    report: dict[str, Any] = {"states": [], "failed": False, "forwards": [], "candidates": engine.candidates()}
     # What each trade is projected to cost: every block's unsharded parameters / gradients (fp32).
     report["extra_bytes"] = (engine.extra_bytes("no_reshard"), engine.extra_bytes("grad_sync_once"))
     report["block_bytes"] = 4 * sum(p.numel() for block in model.blocks for p in block.parameters())
+    forwards = [0]
+
+    def count(*_: Any) -> None:
+        forwards[0] += 1
+
+    for block in model.blocks:
+        block.up.register_forward_hook(count)
 
     def blocks_state() -> list[str]:
         return sorted({row["sharded"] for row in sharded.states() if row["module"].startswith("blocks")})
@@ -243,6 +262,8 @@ def keep_between_microbatches(rank: int, world: int, layout: tuple[str, ...], fa
     for step, (x, y) in enumerate(make_data(STEPS, GLOBAL_BATCH * ACCUM)):
         x, y = _local(x, rank, world), _local(y, rank, world)
         opt.zero_grad(set_to_none=True)
+        if ac and step == STEPS - 1:
+            engine.apply(tuple(t for t in layout if t != "no_recompute"))  # undone between batches: recomputation is back
         if fail and step == 1:
             try:
                 run_step(x, y, raise_in=1)
@@ -253,7 +274,9 @@ def keep_between_microbatches(rank: int, world: int, layout: tuple[str, ...], fa
             engine.reset()
             report["clean_after_recover"] = sharded.is_clean()
             opt.zero_grad(set_to_none=True)
+        forwards[0] = 0
         report["states"].append(run_step(x, y, raise_in=None))
+        report["forwards"].append(forwards[0])
         opt.step()
         engine.reset()
     report["clean_at_end"] = sharded.is_clean()

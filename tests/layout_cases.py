@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 
 import automicro
-from automicro.core.layout import GRAD_SYNC_ONCE, NO_RESHARD
+from automicro.core.layout import GRAD_SYNC_ONCE, NO_RECOMPUTE, NO_RESHARD
 from automicro.data import SyntheticTokens, build_dataloader
 from automicro.engine.layout import LayoutEngine
 from automicro.engine.sharding import sharded_of
@@ -139,4 +139,30 @@ def suite(rank: int, world: int) -> dict[str, Any]:
         out["pressure"] = _strip(fit("auto", BATCHES, limit=room, timing=faster, faults=[fault]), fixed)
         no_room = fit("auto", 5, limit=tight, timing=faster)  # settled after batch 3: batch 4 would try one
         out["no_room"] = {k: v for k, v in no_room.items() if k != "params"}
+        out.update(recompute_cases())
     return out
+
+
+AC = {"activation_checkpointing": True}
+
+
+def recompute_cases() -> dict[str, Any]:
+    """The blocks checkpoint their activations (``activation_checkpointing: true``), so
+    ``no_recompute`` is a candidate; only it is timed faster.
+
+    - ``recompute_kept``: no cap: the whole batch in one microbatch, the trade kept.
+    - ``recompute_oom``: a cap between the whole batch's peak with checkpointing and without: the
+      size settles at 4 with it, the trial's first batch runs out of memory, the trade is undone and
+      the batch reruns at 4; never tried again at 4.
+    Parameters against a fixed run with checkpointing at size 4 (recomputation changes no number)."""
+    with_ac, without = fit(4, 2, layout="fixed", fsdp2=AC), fit(4, 2, layout="fixed")
+    assert with_ac["peak"] < without["peak"], (with_ac["peak"], without["peak"])
+    limit = torch.tensor([(with_ac["peak"] + without["peak"]) // 2], dtype=torch.int64)
+    torch.distributed.broadcast(limit, 0)
+    batches = BATCHES + 2  # settled after batch 3; the three trials in batches 4-9, one batch after
+    fixed = fit(4, batches, layout="fixed", fsdp2=AC)
+    faster = seconds_where(faster=(NO_RECOMPUTE,))
+    return {
+        "recompute_kept": _strip(fit("auto", batches, timing=faster, fsdp2=AC), fixed),
+        "recompute_oom": _strip(fit("auto", batches, limit=int(limit[0]), timing=faster, fsdp2=AC), fixed),
+    }

@@ -346,14 +346,27 @@ def test_torch_version_gate_and_its_message_agree(monkeypatch, version, supporte
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", list(engine_cases.KEEP_LAYOUTS))
 @pytest.mark.parametrize("fail", ["clean", "fail"])
-def test_no_reshard_keeps_parameters_unsharded_between_microbatches_and_recovers(two_rank_results, name, fail):
-    """The layout trade `no_reshard` (`LayoutEngine`): the blocks stay unsharded after the backward
-    of every microbatch but the batch's last; the fixed layout reshards after each. A failure in
+def test_layout_trades_switch_resharding_and_recomputation_and_recover(two_rank_results, name, fail):
+    """The layout trades on the engine (`LayoutEngine`): with `no_reshard` the blocks stay unsharded
+    after the backward of every microbatch but the batch's last; the fixed layout reshards after
+    each. With `no_recompute` checkpointed blocks run their forward once, not twice, until the
+    trade is undone between batches. A failure in
     a later microbatch (the parameters still unsharded from the one before) recovers to a clean,
     sharded model, and training equals the unsharded reference (fp32)."""
     result = _ok(two_rank_results[0][f"keep/{name}/{fail}"])
-    kept = engine_cases.KEEP_LAYOUTS[name] != ()
+    layout, ac = engine_cases.KEEP_LAYOUTS[name]
+    kept = "no_reshard" in layout
     assert result["extra_bytes"] == (result["block_bytes"], result["block_bytes"]), result
+    # no_recompute is a candidate exactly where the blocks checkpoint their activations; each block
+    # runs its forward once per microbatch, twice with recomputation (the last step: the trade undone).
+    assert ("no_recompute" in result["candidates"]) == ac, result["candidates"]
+    once = 3 * engine_cases.ACCUM  # 3 blocks, 3 microbatches
+    if ac:
+        before = once if "no_recompute" in layout else 2 * once
+        expected = [before] * (engine_cases.STEPS - 1) + [2 * once]
+    else:
+        expected = [once] * engine_cases.STEPS
+    assert result["forwards"] == expected, result["forwards"]
     for states in result["states"]:
         assert states[-1] == ["SHARDED"], result["states"]
         assert all(s == (["UNSHARDED"] if kept else ["SHARDED"]) for s in states[:-1]), result["states"]

@@ -1,5 +1,6 @@
 """The layout search (`automicro.core.layout`): once the size settles, `auto` tries trading memory
-for speed (gradients reduced once per batch, no resharding after forward), keeps a trade only when
+for speed (gradients reduced once per batch, no resharding after forward, activation checkpointing
+off), keeps a trade only when
 interleaved batch times show it faster, undoes trades before it shrinks the microbatch, and keeps
 the layout in checkpoints. The rule on its own here; on 1, 2 and 4 CPU ranks in `layout_cases`."""
 
@@ -7,7 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from automicro.core.layout import GRAD_SYNC_ONCE, NO_RESHARD, LayoutConfig, LayoutConfigError, LayoutSearch, judge
+from automicro.core.layout import (
+    GRAD_SYNC_ONCE, NO_RECOMPUTE, NO_RESHARD, TRADES, LayoutConfig, LayoutConfigError, LayoutSearch, judge,
+)
 from automicro.testing.multiprocess import run_multiprocess
 from tests import layout_cases as cases
 
@@ -80,6 +83,54 @@ def test_pressure_in_a_trial_batch_without_the_trade_ends_the_trial_and_undoes_a
     assert layout == (GRAD_SYNC_ONCE,)
     assert search.relieve(layout, "oom") == GRAD_SYNC_ONCE
     assert search.trial is None and NO_RESHARD in search.rejected
+
+
+def test_a_trade_that_did_not_fit_is_tried_again_only_once_the_microbatch_is_smaller():
+    """Pressure at size 11 (the trade on trial) and a projection that did not fit at 11: both come
+    back once the size policy settles on microbatches of 8, neither at 11 again; a trade that was
+    slower never comes back; the sizes survive a checkpoint."""
+    search = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), list(TRADES))
+    layout, _ = search.layout_for_batch(True, lambda t: None, 11)
+    assert layout == (GRAD_SYNC_ONCE,)
+    assert search.relieve(layout, "thrashing at size 11", 11) == GRAD_SYNC_ONCE
+    # Next steady batch at 11: no_reshard is projected not to fit, no_recompute is tried.
+    no_room = {NO_RESHARD: "no room"}
+    layout, lines = search.layout_for_batch(True, lambda t: no_room.get(t), 11)
+    assert layout == (NO_RECOMPUTE,) and search.rejected[NO_RESHARD] == "no room"
+    assert [line.split(" (")[0] for line in lines] == ["layout trade no_reshard", "layout trial no_recompute"]
+    search.observe(layout, 3.0)
+    layout, _ = search.layout_for_batch(True, lambda t: None, 11)
+    search.observe(layout, 2.0)
+    assert not search.decide(search.local_times()).kept  # slower
+    assert search.layout_for_batch(True, lambda t: None, 11) == ((), [])
+    assert search.too_big_at == {GRAD_SYNC_ONCE: 11, NO_RESHARD: 11}
+
+    restored = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), list(TRADES))
+    restored.load_state_dict(search.state_dict())
+    assert restored.too_big_at == search.too_big_at and restored.layout_for_batch(True, lambda t: None, 11) == ((), [])
+    for s in (search, restored):
+        layout, lines = s.layout_for_batch(True, lambda t: None, 8)
+        assert layout == (GRAD_SYNC_ONCE,), lines
+        assert [line.split(" (")[0] for line in lines] == [
+            "layout trade grad_sync_once", "layout trade no_reshard", "layout trial grad_sync_once",
+        ]
+        assert lines[0].endswith("may be tried again: the microbatch is now 8, smaller than 11 where it did not fit")
+        assert s.too_big_at == {} and NO_RECOMPUTE not in s._untried()
+
+
+def test_a_kept_trade_undone_under_pressure_comes_back_at_a_smaller_size_and_the_count_is_bounded():
+    search = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), [GRAD_SYNC_ONCE])
+    trials = []
+    for size in [6, 6, 5, 5, 3, 3, 3]:  # pressure after every kept trial: the size policy shrinks
+        layout, lines = search.layout_for_batch(True, lambda t: None, size)
+        if search.trial is not None:
+            trials.append(size)
+            _run_trial(search, 1.0, 2.0)
+            assert search.settled == (GRAD_SYNC_ONCE,)
+            assert search.relieve(search.settled, "oom", size) == GRAD_SYNC_ONCE
+        else:
+            assert layout == () and lines == []
+    assert trials == [6, 5, 3]  # once at each size
 
 
 def test_fixed_and_pinned_layouts_never_search_and_a_checkpoint_does_not_override_them():
@@ -222,3 +273,26 @@ def test_trades_whose_bytes_do_not_fit_are_not_tried():
         assert auto["found"] == 2 and auto["results"] == [] and auto["settled"] == []
         assert set(auto["rejected"]) == {GRAD_SYNC_ONCE, NO_RESHARD} and "needs" in auto["rejected"][NO_RESHARD]
         assert all(layout == [] for layout in auto["layouts"]) and len(auto["layouts"]) == 5
+
+
+@pytest.mark.multiproc
+def test_activation_checkpointing_off_is_a_trade_kept_when_faster_and_undone_by_an_oom():
+    """``no_recompute`` on 2 ranks, the blocks checkpointed: tried after the other two, last; kept
+    when timed faster; under a cap it cannot meet, its trial's first batch runs out of memory, the
+    trade is undone, the batch reruns at the same size and it is not tried again at that size.
+    Parameters equal a fixed run with checkpointing at the same size."""
+    for rank in range(2):
+        kept, oom = _suite(2)[rank]["recompute_kept"], _suite(2)[rank]["recompute_oom"]
+        for run in (kept, oom):
+            assert run["found"] == 4, run["history"]
+            assert run["diff"] < 1e-5, run["diff"]
+            steady = next(r[0] for r in run["history"] if "sync hooks off" in r[3])
+            assert [x for x in run["layouts"][steady + 1 : steady + 5]] == [[GRAD_SYNC_ONCE], [], [NO_RESHARD], []]
+        assert kept["results"] == [[GRAD_SYNC_ONCE, False], [NO_RESHARD, False], [NO_RECOMPUTE, True]], kept
+        assert kept["layouts"][-1] == [NO_RECOMPUTE] and "layout: activation checkpointing off" in kept["summary"]
+        assert oom["results"] == [[GRAD_SYNC_ONCE, False], [NO_RESHARD, False]], oom
+        [(batch, size, note)] = [(r[0], r[1], r[3]) for r in oom["history"] if r[2] == "oom"]
+        assert size == 4 and note == "layout undone first; rerun at the same size, now default", oom["history"]
+        assert oom["layouts"][batch] == [NO_RECOMPUTE] and all(NO_RECOMPUTE not in x for x in oom["layouts"][batch + 1 :])
+        assert oom["rejected"][NO_RECOMPUTE].startswith("out of memory at size 4") and oom["state"]["too_big_at"] == {NO_RECOMPUTE: 4}
+        assert "OOMs 1" in oom["summary"]

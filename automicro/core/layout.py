@@ -13,6 +13,12 @@ A *layout* is the set of trades in use. The trades (the FSDP2 engine applies the
   backward), nor after the backward of a microbatch other than the batch's last (no all-gather
   again in the next forward). Costs the unsharded parameters of every block between forward and
   backward (held across the batch's microbatches: the same peak).
+- ``no_recompute``: where the blocks checkpoint their activations
+  (``parallelism_config.fsdp2.activation_checkpointing: true``), checkpointing is switched off:
+  the backward uses the activations the forward kept instead of running each block's forward
+  again. Costs every block's activations at the microbatch size; those bytes are not projected
+  (they depend on the model's layers), so this trade is tried last and its first batch is the
+  measurement: an OOM or thrashing in it undoes it (below).
 
 How one trade is tried (`LayoutSearch`): when the size policy is steady and no trial runs, the
 next candidate whose projected extra bytes fit under the agreed capacity (peak + extra <=
@@ -22,8 +28,10 @@ rank's batch times are agreed (the max over ranks, one consensus round) and the 
 the median with it is below the median without it by more than both ``min_gain`` and the larger
 median absolute deviation of the two arms. Under memory pressure (an out-of-memory error or
 thrashing at the settled size) the trade on trial, else the last kept trade, is undone and the
-batch reruns at the same size: trades go before the microbatch shrinks. A trade undone or
-rejected is not tried again in this run.
+batch reruns at the same size: trades go before the microbatch shrinks. A trade that did not fit
+(undone under pressure, or projected not to fit) is tried again only once the microbatch the
+size policy settles on is smaller than the one it did not fit at; a trade that was not faster is
+not tried again in this run.
 
 Every decision is a function of agreed values only, so every rank takes the same one.
 
@@ -40,10 +48,12 @@ from typing import Any, Optional, Union
 
 GRAD_SYNC_ONCE = "grad_sync_once"
 NO_RESHARD = "no_reshard"
-TRADES = (GRAD_SYNC_ONCE, NO_RESHARD)
+NO_RECOMPUTE = "no_recompute"
+TRADES = (GRAD_SYNC_ONCE, NO_RESHARD, NO_RECOMPUTE)  # also the order they are tried in
 DESCRIPTIONS = {
     GRAD_SYNC_ONCE: "gradients reduced once per batch",
     NO_RESHARD: "no resharding after forward, nor between microbatches",
+    NO_RECOMPUTE: "activation checkpointing off",
 }
 MODES = ("auto", "fixed")
 
@@ -153,6 +163,9 @@ class LayoutSearch:
         self.candidates = [t for t in TRADES if t in candidates]
         self.kept: list[str] = list(config.pinned)
         self.rejected: dict[str, str] = {}
+        # For a trade rejected for memory: the largest microbatch it did not fit at (undone under
+        # pressure, or projected not to fit). Below that size it may be tried again.
+        self.too_big_at: dict[str, int] = {}
         self.trial: Optional[Trial] = None
         self.results: list[TrialResult] = []
 
@@ -173,14 +186,40 @@ class LayoutSearch:
         return tuple(t for t in TRADES if t in self.kept)
 
     def _untried(self) -> list[str]:
-        done = set(self.kept) | set(self.rejected) | {r.trade for r in self.results}
+        slower = {r.trade for r in self.results if not r.kept}
+        done = set(self.kept) | set(self.rejected) | slower
         return [t for t in self.candidates if t not in done]
 
-    def layout_for_batch(self, steady: bool, fits: Callable[[str], Optional[str]]) -> tuple[tuple[str, ...], list[str]]:
+    def _readmit(self, size: Optional[int]) -> list[str]:
+        """Trades that did not fit at a larger microbatch than `size` may be tried again."""
+        lines = []
+        for trade, at in list(self.too_big_at.items()):
+            if size is not None and size < at:
+                del self.too_big_at[trade]
+                self.rejected.pop(trade, None)
+                lines.append(
+                    f"layout trade {trade} ({DESCRIPTIONS[trade]}) may be tried again: the microbatch is now {size}, "
+                    f"smaller than {at} where it did not fit"
+                )
+        return lines
+
+    def _reject_for_memory(self, trade: str, why: str, size: Optional[int]) -> None:
+        self.rejected[trade] = why
+        if size is not None:
+            self.too_big_at[trade] = size
+        else:
+            self.too_big_at.pop(trade, None)
+
+    def layout_for_batch(
+        self, steady: bool, fits: Callable[[str], Optional[str]], size: Optional[int] = None,
+    ) -> tuple[tuple[str, ...], list[str]]:
         """The layout of the next batch, and a console line for each trade passed over and for a
-        trial that starts. `fits(trade)` returns None when the trade's projected bytes fit, else why not."""
+        trial that starts. `fits(trade)` returns None when the trade's projected bytes fit (or
+        cannot be projected), else why not; `size` is the largest microbatch of the next batch
+        (None: unknown, no trade is tried again)."""
         lines: list[str] = []
         if self.searching and steady and self.trial is None:
+            lines += self._readmit(size)
             for trade in self._untried():
                 problem = fits(trade)
                 if problem is None:
@@ -189,7 +228,7 @@ class LayoutSearch:
                         f"layout trial {trade} ({DESCRIPTIONS[trade]}): {self.config.trial_batches} batches with it, as many without"
                     )
                     break
-                self.rejected[trade] = problem
+                self._reject_for_memory(trade, problem, size)
                 lines.append(f"layout trade {trade} ({DESCRIPTIONS[trade]}) not tried: {problem}")
         elif self.trial is not None and not steady:
             # The size moved: a trial's times would compare different sizes.
@@ -225,20 +264,21 @@ class LayoutSearch:
         self.trial = None
         return result
 
-    def relieve(self, failed_layout: Sequence[str], why: str) -> Optional[str]:
-        """Memory pressure at the settled size in a batch run at `failed_layout`: undo the trade on
-        trial if it was on, else the last kept trade (a trial whose trade was off ends untried).
-        Returns the trade undone; None when none is left (the size policy acts then)."""
+    def relieve(self, failed_layout: Sequence[str], why: str, size: Optional[int] = None) -> Optional[str]:
+        """Memory pressure at the settled size in a batch run at `failed_layout` (largest microbatch
+        `size`): undo the trade on trial if it was on, else the last kept trade (a trial whose trade
+        was off ends untried). Returns the trade undone; None when none is left (the size policy
+        acts then)."""
         if self.trial is not None:
             trade = self.trial.trade
             self.trial = None
             if trade in failed_layout:
-                self.rejected[trade] = why
+                self._reject_for_memory(trade, why, size)
                 return trade
-            self.rejected[trade] = f"trial stopped: {why} without it"
+            self._reject_for_memory(trade, f"trial stopped: {why} without it", size)
         if self.kept and self.config.mode == "auto":
             trade = self.kept.pop()
-            self.rejected[trade] = why
+            self._reject_for_memory(trade, why, size)
             return trade
         return None
 
@@ -246,7 +286,8 @@ class LayoutSearch:
         return {
             "kept": list(self.kept),
             "rejected": dict(self.rejected),
-            "tried": [r.trade for r in self.results],
+            "tried": [r.trade for r in self.results if not r.kept],
+            "too_big_at": dict(self.too_big_at),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -254,13 +295,16 @@ class LayoutSearch:
             return  # a pinned or fixed layout wins over what a checkpoint chose
         self.kept = [t for t in state.get("kept", []) if t in self.candidates]
         self.rejected = {t: str(w) for t, w in state.get("rejected", {}).items() if t in TRADES}
+        self.too_big_at = {
+            t: int(n) for t, n in state.get("too_big_at", {}).items() if t in self.rejected and not isinstance(n, bool)
+        }
         for trade in state.get("tried", []):
             if trade in TRADES and trade not in self.kept and trade not in self.rejected:
                 self.rejected[trade] = "tried before the checkpoint"
         self.trial = None
 
-
 __all__ = [
-    "DESCRIPTIONS", "GRAD_SYNC_ONCE", "LayoutConfig", "LayoutConfigError", "LayoutSearch", "NO_RESHARD", "TRADES",
+    "DESCRIPTIONS", "GRAD_SYNC_ONCE", "LayoutConfig", "LayoutConfigError", "LayoutSearch", "NO_RECOMPUTE", "NO_RESHARD",
+    "TRADES",
     "TrialResult", "describe", "judge",
 ]

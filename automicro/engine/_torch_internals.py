@@ -473,6 +473,31 @@ def apply_activation_checkpointing(module: nn.Module) -> None:
     checkpoint(module)
 
 
+def has_activation_checkpointing(module: nn.Module) -> bool:
+    """Whether `apply_activation_checkpointing` was applied to `module` (the composable API's
+    registry: `checkpoint.state(module)` is None where it was not)."""
+    from torch.distributed._composable import checkpoint
+
+    return checkpoint.state(module) is not None
+
+
+def set_activation_checkpointing(module: nn.Module, on: bool) -> None:
+    """Switch a checkpointed module's recomputation on or off between forwards. The composable
+    checkpoint's hooks run only while the module's state has `enable_hook` set (the same flag its
+    recomputation clears to run the forward again without checkpointing); off, the forward keeps its
+    activations for backward as an unwrapped module does. Never flip it between a forward and its
+    backward."""
+    from torch.distributed._composable import checkpoint
+
+    state = checkpoint.state(module)
+    if state is None or not hasattr(state, "enable_hook"):
+        raise RuntimeError(
+            f"automicro: this torch ({torch.__version__}) has no activation checkpointing switch on "
+            f"{type(module).__name__}; pin a layout without no_recompute"
+        )
+    state.enable_hook = bool(on)
+
+
 # --------------------------------------------------------------------------------------------
 # FSDP2's side-stream buffers from the compute stream's memory (torch >= 2.9; checked on 2.11.0; on 2.15.0
 # with CPU streams only, no GPU)

@@ -7,6 +7,8 @@
   is unsharded at the turn from forward to backward either way).
 - ``grad_sync_once``: before each microbatch, gradient reduction is on for the last microbatch
   of the batch only; the others accumulate unsharded gradients (FSDP2's own accumulation).
+- ``no_recompute``: the blocks' activation checkpointing (applied at build time where
+  ``activation_checkpointing: true``) is switched off, and back on, between batches.
 
 `reset()` puts gradient reduction back on (after a failed attempt and between batches), so an
 attempt that never reached its last microbatch leaves no module that skips its reduce-scatter.
@@ -22,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Optional
 
-from automicro.core.layout import GRAD_SYNC_ONCE, NO_RESHARD
+from automicro.core.layout import GRAD_SYNC_ONCE, NO_RECOMPUTE, NO_RESHARD
 from automicro.engine import _torch_internals as internals
 from automicro.engine.sharding import ShardedModel
 
@@ -41,17 +43,27 @@ class LayoutEngine:
 
     def candidates(self) -> list[str]:
         """The trades this model can take: ``no_reshard`` where blocks reshard after forward
-        (``reshard_after_forward: true``, the default), ``grad_sync_once`` wherever it is sharded."""
+        (``reshard_after_forward: true``, the default), ``grad_sync_once`` wherever it is sharded,
+        ``no_recompute`` where the blocks checkpoint their activations."""
         found = []
         if self.sharded.fsdp_modules:
             found.append(GRAD_SYNC_ONCE)
         if self._blocks and self.sharded.config.reshard_after_forward is True:
             found.append(NO_RESHARD)
+        if self._checkpointed:
+            found.append(NO_RECOMPUTE)
         return found
 
-    def extra_bytes(self, trade: str) -> int:
+    @property
+    def _checkpointed(self) -> list:
+        return [b for b in self._blocks if internals.has_activation_checkpointing(b)]
+
+    def extra_bytes(self, trade: str) -> Optional[int]:
         """What `trade` adds to this rank's peak, at most: every block's unsharded parameters
-        (``no_reshard``) or unsharded gradients (``grad_sync_once``)."""
+        (``no_reshard``) or unsharded gradients (``grad_sync_once``); None for ``no_recompute``
+        (the activations depend on the layers and the microbatch: not projected)."""
+        if trade == NO_RECOMPUTE:
+            return None
         if not self._extra:
             param_bytes, grad_bytes = internals.unsharded_param_bytes(self._blocks)
             self._extra = {NO_RESHARD: param_bytes, GRAD_SYNC_ONCE: grad_bytes}
@@ -62,6 +74,8 @@ class LayoutEngine:
         if self.sharded.config.reshard_after_forward is True:
             for block in self._blocks:
                 internals.set_block_reshard_after_forward(block, NO_RESHARD not in layout)
+        for block in self._checkpointed:
+            internals.set_activation_checkpointing(block, NO_RECOMPUTE not in layout)
         self.layout = layout
         self.reset()
 

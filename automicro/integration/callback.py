@@ -673,7 +673,10 @@ class AutoMicrobatching(Callback):
         if self._layout_state is not None:
             self.layout.load_state_dict(self._layout_state)
             self._layout_state = None
-        self.layout.before_batch(self.policy.phase == search.Phase.STEADY, self._last_peak, self._last_capacity)
+        self.layout.before_batch(
+            self.policy.phase == search.Phase.STEADY, self._last_peak, self._last_capacity,
+            None if self.tokens is not None else max(self.policy.current_split()),
+        )
         batch_index = step.batch_index
         while True:
             # A pipeline's per-step barriers come off with the sync hooks (a failed stage drains the
@@ -721,7 +724,7 @@ class AutoMicrobatching(Callback):
                     "see that rank's traceback for the cause"
                 )
                 raise self._agreed_error
-            if self._relieved_by_layout(f"out of memory at size {max(sizes)}"):
+            if self._relieved_by_layout(f"out of memory at size {max(sizes)}", max(sizes)):
                 self._record(
                     batch_index, sizes, "oom", verdict, max(sizes), seconds,
                     f"layout undone first; rerun at the same size, now {self.layout.describe()}", hooks=hooks_on,
@@ -740,11 +743,11 @@ class AutoMicrobatching(Callback):
             self._record(batch_index, sizes, "oom", verdict, decision.next_size, seconds, note, hooks=hooks_on)
             self._apply_hooks(decision.hooks, decision.reason)
 
-    def _relieved_by_layout(self, why: str) -> bool:
+    def _relieved_by_layout(self, why: str, size: int) -> bool:
         """Memory pressure at the settled size goes to the layout first: when it undoes a trade, the
         size stays and the sync hooks come back on until the size is stable again."""
         assert self.policy is not None
-        if self.layout is None or self.policy.phase != search.Phase.STEADY or self.layout.relieve(why) is None:
+        if self.layout is None or self.policy.phase != search.Phase.STEADY or self.layout.relieve(why, size) is None:
             return False
         decision = self.policy.observe(search.Rearm("layout undone"))
         self._apply_hooks(decision.hooks, decision.reason, "layout undone")
@@ -827,7 +830,7 @@ class AutoMicrobatching(Callback):
         if self.tokens is not None and self.tokens.plan is not None:
             self.tokens.trained(self.tokens.plan)
         if self.thrash.observe(retried_clean_batch):
-            if self._relieved_by_layout(f"thrashing at size {max(sizes)}"):
+            if self._relieved_by_layout(f"thrashing at size {max(sizes)}", max(sizes)):
                 assert self.layout is not None
                 self._record(batch_index, sizes, "thrash", verdict, max(sizes), seconds, f"layout now {self.layout.describe()}")
                 return

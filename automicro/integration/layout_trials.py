@@ -50,8 +50,9 @@ class LayoutTrials:
             )
             raise ValueError(
                 f"layout={list(config.pinned)!r}: {missing} cannot be used with {where} (no_reshard needs "
-                "parallelism_config.fsdp2.reshard_after_forward: true; both need FSDP2 without a pipeline); "
-                "set layout: fixed"
+                "parallelism_config.fsdp2.reshard_after_forward: true, no_recompute needs "
+                "parallelism_config.fsdp2.activation_checkpointing: true; all need FSDP2 without a pipeline); "
+                "set layout: fixed or drop those trades"
             )
         if config.mode == "auto" and candidates and not recoverable:
             # An OOM in a trial runs with the sync hooks off: without the ledger it would end the job.
@@ -84,14 +85,17 @@ class LayoutTrials:
 
     # ---- one batch -------------------------------------------------------------------------------
 
-    def before_batch(self, steady: bool, peak_bytes: int, capacity_bytes: int) -> None:
-        """Choose and apply the next batch's layout; start the clock during a trial."""
+    def before_batch(self, steady: bool, peak_bytes: int, capacity_bytes: int, size: Optional[int] = None) -> None:
+        """Choose and apply the next batch's layout; start the clock during a trial. `size`: the
+        next batch's largest microbatch (a trade that did not fit at a larger one may be tried again)."""
         if self.engine is None:
             return
         engine = self.engine
 
         def fits(trade: str) -> Optional[str]:
             extra = engine.extra_bytes(trade)
+            if extra is None:
+                return None  # not projected: the trial's first batch measures it (OOM-safe)
             if not capacity_bytes or not peak_bytes or peak_bytes + extra <= capacity_bytes:
                 return None
             return (
@@ -99,7 +103,7 @@ class LayoutTrials:
                 f"capacity {capacity_bytes / 2**20:.1f} MiB"
             )
 
-        layout, lines = self.search.layout_for_batch(steady, fits)
+        layout, lines = self.search.layout_for_batch(steady, fits, size)
         for line in lines:
             self._info(line)
         self._apply(layout)
@@ -131,12 +135,12 @@ class LayoutTrials:
             self._info(f"layout now: {describe(self.search.settled)}")
             self._apply(self.search.settled)
 
-    def relieve(self, why: str) -> Optional[str]:
-        """Memory pressure at the settled size: undo a trade (the console says which) and return it,
-        or None when the layout has nothing left to give."""
+    def relieve(self, why: str, size: Optional[int] = None) -> Optional[str]:
+        """Memory pressure at the settled size (largest microbatch `size`): undo a trade (the console
+        says which) and return it, or None when the layout has nothing left to give."""
         if self.engine is None:
             return None
-        undone = self.search.relieve(self.layout, why)
+        undone = self.search.relieve(self.layout, why, size)
         self._started = None
         if undone is not None:
             self._apply(self.search.settled)
