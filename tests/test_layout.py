@@ -118,6 +118,27 @@ def test_a_trade_that_did_not_fit_is_tried_again_only_once_the_microbatch_is_sma
         assert s.too_big_at == {} and NO_RECOMPUTE not in s._untried()
 
 
+def test_a_slower_trade_is_tried_again_only_on_top_of_a_different_layout():
+    search = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), [GRAD_SYNC_ONCE, NO_RESHARD])
+    _run_trial(search, 2.0, 1.0)  # grad_sync_once slower on the engine's own layout
+    _run_trial(search, 1.0, 2.0)  # no_reshard faster: kept
+    assert search.settled == (NO_RESHARD,) and search.trial is None
+    layout, lines = search.layout_for_batch(True, lambda t: None)
+    assert layout == (GRAD_SYNC_ONCE, NO_RESHARD) and lines[0].startswith("layout trial grad_sync_once")
+    search.observe(layout, 1.5)
+    layout, _ = search.layout_for_batch(True, lambda t: None)
+    search.observe(layout, 1.0)
+    assert not search.decide(search.local_times()).kept
+    assert search.layout_for_batch(True, lambda t: None) == ((NO_RESHARD,), [])
+    restored = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), [GRAD_SYNC_ONCE, NO_RESHARD])
+    restored.load_state_dict(search.state_dict())
+    assert restored.slower_on == {GRAD_SYNC_ONCE: [(), (NO_RESHARD,)]}
+    assert restored.layout_for_batch(True, lambda t: None) == ((NO_RESHARD,), [])
+    # Undone under pressure, the layout under it is the one it was slower on: not tried again.
+    assert search.relieve((NO_RESHARD,), "oom", 4) == NO_RESHARD
+    assert search.layout_for_batch(True, lambda t: None, 4) == ((), [])
+
+
 def test_a_kept_trade_undone_under_pressure_comes_back_at_a_smaller_size_and_the_count_is_bounded():
     search = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), [GRAD_SYNC_ONCE])
     trials = []
@@ -288,8 +309,10 @@ def test_activation_checkpointing_off_is_a_trade_kept_when_faster_and_undone_by_
             assert run["diff"] < 1e-5, run["diff"]
             steady = next(r[0] for r in run["history"] if "sync hooks off" in r[3])
             assert [x for x in run["layouts"][steady + 1 : steady + 5]] == [[GRAD_SYNC_ONCE], [], [NO_RESHARD], []]
+        # The two slower trades come back on top of the new layout (batch 10 starts the first again).
         assert kept["results"] == [[GRAD_SYNC_ONCE, False], [NO_RESHARD, False], [NO_RECOMPUTE, True]], kept
-        assert kept["layouts"][-1] == [NO_RECOMPUTE] and "layout: activation checkpointing off" in kept["summary"]
+        assert kept["settled"] == [NO_RECOMPUTE] and kept["layouts"][-1] == [GRAD_SYNC_ONCE, NO_RECOMPUTE]
+        assert "layout: activation checkpointing off" in kept["summary"]
         assert oom["results"] == [[GRAD_SYNC_ONCE, False], [NO_RESHARD, False]], oom
         [(batch, size, note)] = [(r[0], r[1], r[3]) for r in oom["history"] if r[2] == "oom"]
         assert size == 4 and note == "layout undone first; rerun at the same size, now default", oom["history"]

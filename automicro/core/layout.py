@@ -31,7 +31,8 @@ thrashing at the settled size) the trade on trial, else the last kept trade, is 
 batch reruns at the same size: trades go before the microbatch shrinks. A trade that did not fit
 (undone under pressure, or projected not to fit) is tried again only once the microbatch the
 size policy settles on is smaller than the one it did not fit at; a trade that was not faster is
-not tried again in this run.
+tried again only on top of a different layout (another trade kept or undone since: trades
+interact, as gradients reduced once per batch gains more where the parameters stay unsharded).
 
 Every decision is a function of agreed values only, so every rank takes the same one.
 
@@ -168,6 +169,8 @@ class LayoutSearch:
         self.too_big_at: dict[str, int] = {}
         self.trial: Optional[Trial] = None
         self.results: list[TrialResult] = []
+        # For a trade that was not faster: the layouts (kept trades) it was tried on top of.
+        self.slower_on: dict[str, list[tuple[str, ...]]] = {}
 
     @property
     def searching(self) -> bool:
@@ -186,7 +189,7 @@ class LayoutSearch:
         return tuple(t for t in TRADES if t in self.kept)
 
     def _untried(self) -> list[str]:
-        slower = {r.trade for r in self.results if not r.kept}
+        slower = {t for t, bases in self.slower_on.items() if self.settled in bases}
         done = set(self.kept) | set(self.rejected) | slower
         return [t for t in self.candidates if t not in done]
 
@@ -259,6 +262,8 @@ class LayoutSearch:
         on, off = list(agreed[: len(trial.on)]), list(agreed[len(trial.on) :])
         result = judge(trial.trade, on, off, self.config.min_gain)
         self.results.append(result)
+        if not result.kept:
+            self.slower_on.setdefault(trial.trade, []).append(self.settled)
         if result.kept:
             self.kept.append(trial.trade)
         self.trial = None
@@ -286,7 +291,7 @@ class LayoutSearch:
         return {
             "kept": list(self.kept),
             "rejected": dict(self.rejected),
-            "tried": [r.trade for r in self.results if not r.kept],
+            "slower_on": {t: [list(b) for b in bases] for t, bases in self.slower_on.items()},
             "too_big_at": dict(self.too_big_at),
         }
 
@@ -298,7 +303,10 @@ class LayoutSearch:
         self.too_big_at = {
             t: int(n) for t, n in state.get("too_big_at", {}).items() if t in self.rejected and not isinstance(n, bool)
         }
-        for trade in state.get("tried", []):
+        self.slower_on = {
+            t: [tuple(x for x in TRADES if x in b) for b in bases] for t, bases in state.get("slower_on", {}).items() if t in TRADES
+        }
+        for trade in state.get("tried", []):  # checkpoints before "slower_on": every trade tried
             if trade in TRADES and trade not in self.kept and trade not in self.rejected:
                 self.rejected[trade] = "tried before the checkpoint"
         self.trial = None
