@@ -44,6 +44,7 @@ def fit(
     faults: Optional[list[Any]] = None,
     fsdp2: Optional[dict[str, Any]] = None,
     trial_batches: int = 1,
+    start_size: Any = None,
 ) -> dict[str, Any]:
     from automicro.models import build_model
 
@@ -54,7 +55,9 @@ def fit(
         SyntheticTokens(PER_RANK_BATCH * world * batches, SEQ, MODEL["vocab_size"], seed=2), PER_RANK_BATCH, shuffle=False
     )
     cap = MemoryCapCallback(limit_bytes=limit, retry_band=0.0)
-    auto = automicro.AutoMicrobatching(log_attempts=False, layout=layout, layout_trial_batches=trial_batches)
+    auto = automicro.AutoMicrobatching(
+        log_attempts=False, layout=layout, layout_trial_batches=trial_batches, start_size=start_size,
+    )
     trainer = automicro.Trainer(
         model=model, train_dataloader=data, max_duration=f"{batches}ba",
         optimizers=torch.optim.SGD(model.parameters(), lr=0.1), device="cpu",
@@ -62,6 +65,7 @@ def fit(
         callbacks=[auto, cap, *(faults or [])], loggers=[], progress_bar=False, log_to_console=False, seed=17,
     )
     layouts: list[tuple[str, ...]] = []
+    splits: list[list[int]] = []  # the split each batch trained with
     try:
         if timing is not None:
             assert auto.layout is not None
@@ -72,6 +76,7 @@ def fit(
 
             def batch_end(state: Any, logger: Any) -> None:
                 layouts.append(auto.layout.last_run if auto.layout else ())
+                splits.append(list(auto._used_split or ()))
                 original(state, logger)
 
             auto.batch_end = batch_end  # type: ignore[method-assign]
@@ -83,6 +88,8 @@ def fit(
             "results": [[r.trade, r.kept] for r in auto.layout.search.results] if auto.layout else [],
             "layouts": [list(x) for x in layouts],
             "history": [(r.batch, r.size, r.outcome, r.note) for r in auto.history],
+            "splits": splits,
+            "trial_lines": [r.line() for r in auto.layout.search.results] if auto.layout else [],
             "summary": auto.summary_line(),
             "state": auto.state_dict().get("layout"),
             "peak": int(cap.cap.stats()["peak_bytes"]),
@@ -166,3 +173,22 @@ def recompute_cases() -> dict[str, Any]:
         "recompute_kept": _strip(fit("auto", batches, timing=faster, fsdp2=AC), fixed),
         "recompute_oom": _strip(fit("auto", batches, limit=int(limit[0]), timing=faster, fsdp2=AC), fixed),
     }
+
+
+def downsize_case(rank: int, world: int) -> dict[str, Any]:
+    """The probe (two sizes for the memory model) under a cap where size 2 fits but neither trade
+    fits on top of it, while both fit at size 1: after the trades are passed over at 2, a downsize
+    trial runs size 1 with both against size 2 without; timed faster, size 1 is adopted."""
+    one, two = fit(1, 2, layout="fixed"), fit(2, 2, layout="fixed")
+    both = one["peak"] + one["extra"]
+    cap = torch.tensor([two["peak"] + min(two["extras"]) // 2], dtype=torch.int64)
+    torch.distributed.broadcast(cap, 0)
+    limit = int(cap[0])
+    report: dict[str, Any] = {"fits_at_1": both <= limit, "fits_at_2": two["peak"] <= limit}
+    faster = seconds_where(faster=(GRAD_SYNC_ONCE,))
+    batches = 14
+    fixed = fit(2, batches, layout="fixed")
+    report["auto"] = _strip(fit("auto", batches, limit=limit, timing=faster, start_size="probe"), fixed)
+    slower = seconds_where(slower=(GRAD_SYNC_ONCE,))
+    report["slower"] = _strip(fit("auto", batches, limit=limit, timing=slower, start_size="probe"), fixed)
+    return report

@@ -319,3 +319,91 @@ def test_activation_checkpointing_off_is_a_trade_kept_when_faster_and_undone_by_
         assert oom["layouts"][batch] == [NO_RECOMPUTE] and all(NO_RECOMPUTE not in x for x in oom["layouts"][batch + 1 :])
         assert oom["rejected"][NO_RECOMPUTE].startswith("out of memory at size 4") and oom["state"]["too_big_at"] == {NO_RECOMPUTE: 4}
         assert "OOMs 1" in oom["summary"]
+
+
+# ---- the downsize trial: a smaller microbatch with the trades that did not fit ---------------------
+
+
+def _downsize_search(smaller_at: int = 2) -> LayoutSearch:
+    """Both trades projected not to fit at the size found, 3; the model says they fit at 2."""
+    search = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), [GRAD_SYNC_ONCE, NO_RESHARD])
+    layout, lines = search.layout_for_batch(True, lambda t: "no room", 3, 3, lambda trades: smaller_at)
+    assert search.rejected == {GRAD_SYNC_ONCE: "no room", NO_RESHARD: "no room"}
+    return search
+
+
+def test_trades_that_do_not_fit_at_the_size_found_are_tried_together_at_a_smaller_one():
+    search = _downsize_search()
+    trial = search.trial
+    assert trial is not None and trial.trades == (GRAD_SYNC_ONCE, NO_RESHARD) and (trial.size, trial.from_size) == (2, 3)
+    # The "with" batch runs at 2 with both trades, the "without" batch at the size found.
+    assert search.current == (GRAD_SYNC_ONCE, NO_RESHARD) and search.trial_size == 2
+    search.observe(search.current, 1.0)
+    assert search.current == () and search.trial_size is None
+    search.observe((), 2.0)
+    result = search.decide(search.local_times())
+    assert result.kept and result.size == 2 and "at microbatch 2 (found 3): kept" in result.line()
+    assert search.settled == (GRAD_SYNC_ONCE, NO_RESHARD) and search.rejected == {} and search.too_big_at == {}
+    assert search.downsized_from == [3]
+
+
+def test_a_downsize_trial_runs_once_per_size_found_and_pressure_in_it_keeps_the_size():
+    slower = _downsize_search()
+    slower.observe(slower.current, 3.0)
+    slower.observe((), 2.0)
+    assert not slower.decide(slower.local_times()).kept
+    assert slower.layout_for_batch(True, lambda t: "no room", 3, 3, lambda trades: 2) == ((), [])
+    assert set(slower.rejected) == {GRAD_SYNC_ONCE, NO_RESHARD}
+    # An OOM in the "with" batch: the trial ends, the trades stay rejected at 3, the batch reruns at 3.
+    pressed = _downsize_search()
+    assert pressed.relieve(pressed.current, "out of memory at size 2", 2) == f"{GRAD_SYNC_ONCE}+{NO_RESHARD}"
+    assert pressed.trial is None and pressed.trial_size is None and pressed.too_big_at == {GRAD_SYNC_ONCE: 3, NO_RESHARD: 3}
+    assert pressed.layout_for_batch(True, lambda t: "no room", 3, 3, lambda trades: 2) == ((), [])
+    restored = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), [GRAD_SYNC_ONCE, NO_RESHARD])
+    restored.load_state_dict(pressed.state_dict())
+    assert restored.downsized_from == [3] and restored.layout_for_batch(True, lambda t: "no room", 3, 3, lambda t: 2) == ((), [])
+
+
+def test_a_downsize_trial_takes_each_trade_alone_when_both_do_not_fit_and_none_without_a_projection():
+    search = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), [GRAD_SYNC_ONCE, NO_RESHARD])
+    search.layout_for_batch(True, lambda t: "no room", 3, 3, lambda trades: 1 if len(trades) == 1 else None)
+    assert search.trial.trades == (GRAD_SYNC_ONCE,) and search.trial.size == 1
+    none = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), [GRAD_SYNC_ONCE, NO_RESHARD])
+    assert none.layout_for_batch(True, lambda t: "no room", 3, 3, lambda trades: None)[0] == ()
+    assert none.trial is None and none.downsized_from == []
+
+
+def test_the_size_policy_adopts_a_smaller_size_only_when_steady():
+    from automicro.core import policy as search
+
+    p = search.SearchPolicy(search.PolicyConfig(), 8)
+    with pytest.raises(ValueError, match="Adopt"):
+        p.observe(search.Adopt(2))  # still searching
+    for _ in range(4):
+        p.observe(search.Success(8))
+    assert p.phase == search.Phase.STEADY and p.found_size == 8
+    decision = p.observe(search.Adopt(3))
+    assert p.found_size == 3 and p.phase == search.Phase.STEADY and decision.split == p.current_split() == p.split_for(3)
+    assert decision.event == "layout: microbatch now 3, split (3, 3, 2)" and not decision.hooks
+    with pytest.raises(ValueError, match="Adopt"):
+        p.observe(search.Adopt(5))  # not smaller
+
+
+@pytest.mark.multiproc
+def test_a_smaller_microbatch_with_the_trades_is_adopted_when_faster_and_parameters_equal_a_fixed_run():
+    """2 ranks, the probe, a cap where size 2 fits but neither trade on top of it, both at size 1:
+    the downsize trial runs size 1 with both trades against 2 without; faster, size 1 and the
+    trades are kept (no OOM); slower, size 2 stays. Parameters equal a fixed run at size 2."""
+    for report in run_multiprocess(cases.downsize_case, world_size=2, timeout_s=600):
+        assert report["fits_at_1"] and report["fits_at_2"], report
+        auto, slower = report["auto"], report["slower"]
+        for run in (auto, slower):
+            assert run["diff"] < 1e-5, run["diff"]
+            assert "OOMs 0" in run["summary"], run["summary"]
+            steady = next(r[0] for r in run["history"] if "sync hooks off" in r[3])
+            # The trades passed over at 2, then one batch with both at 1, one without at 2.
+            assert run["splits"][steady + 1 : steady + 3] == [[1, 1, 1, 1], [2, 2]], run["splits"]
+            assert run["layouts"][steady + 1 : steady + 3] == [[GRAD_SYNC_ONCE, NO_RESHARD], []], run["layouts"]
+        assert auto["found"] == 1 and auto["settled"] == [GRAD_SYNC_ONCE, NO_RESHARD], auto
+        assert all(s == [1, 1, 1, 1] for s in auto["splits"][steady + 3 :]) and "microbatch size found: 1" in auto["summary"]
+        assert slower["found"] == 2 and slower["settled"] == [] and all(s == [2, 2] for s in slower["splits"][steady + 2 :])

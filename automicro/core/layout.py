@@ -34,6 +34,16 @@ size policy settles on is smaller than the one it did not fit at; a trade that w
 tried again only on top of a different layout (another trade kept or undone since: trades
 interact, as gradients reduced once per batch gains more where the parameters stay unsharded).
 
+A smaller microbatch with more trades can be faster than the largest that fits without them (one
+H100, a 3B model: microbatch 2 with both trades 10% faster than 3 without). So once nothing is left
+to try at the size found, the trades that did not fit there are tried together (else each alone)
+at the largest smaller microbatch the size policy's memory model says they fit at: a *downsize
+trial*, its "with" batches at that size and trades, its "without" batches at the size found and
+the kept layout, judged by the same rule on whole-batch times. Kept, the size policy settles on
+the smaller size (`automicro.core.policy.Adopt`). Once per size found; pressure in its "with"
+batches ends it as a trial's does. ``no_recompute`` is never downsized (its bytes are not
+projected).
+
 Every decision is a function of agreed values only, so every rank takes the same one.
 
 Owns: the trade names, the trial state machine and its checkpoint form. May not touch: torch,
@@ -44,7 +54,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Union
 
 GRAD_SYNC_ONCE = "grad_sync_once"
@@ -113,13 +123,32 @@ def describe(layout: Sequence[str]) -> str:
 
 @dataclass
 class Trial:
-    trade: str
+    """One trial: `trades` on top of the kept ones against the kept ones alone. A trial with a
+    `size` (a downsize trial) runs its "with" batches at that smaller microbatch, its "without"
+    batches at `from_size`, the size found."""
+
+    trades: tuple[str, ...]
     on: list[float] = field(default_factory=list)
     off: list[float] = field(default_factory=list)
+    size: Optional[int] = None
+    from_size: Optional[int] = None
+
+    @property
+    def trade(self) -> str:
+        return "+".join(self.trades)
 
     @property
     def next_on(self) -> bool:
         return len(self.on) <= len(self.off)
+
+    def restarted(self) -> "Trial":
+        return Trial(self.trades, size=self.size, from_size=self.from_size)
+
+    def heading(self) -> str:
+        what = f"{self.trade} ({describe(self.trades)})"
+        if self.size is None:
+            return f"layout trial {what}"
+        return f"layout trial {what} at microbatch {self.size} (found {self.from_size})"
 
 
 @dataclass(frozen=True)
@@ -129,12 +158,15 @@ class TrialResult:
     median_on: float
     median_off: float
     spread: float
+    size: Optional[int] = None  # a downsize trial's microbatch
+    heading: str = ""
 
     def line(self) -> str:
         verdict = "kept" if self.kept else "not kept"
         gain = 0.0 if self.median_off <= 0 else 100.0 * (1.0 - self.median_on / self.median_off)
+        heading = self.heading or f"layout trial {self.trade} ({describe(self.trade.split('+'))})"
         return (
-            f"layout trial {self.trade} ({DESCRIPTIONS[self.trade]}): {verdict}; median batch {self.median_on:.4f} s "
+            f"{heading}: {verdict}; median batch {self.median_on:.4f} s "
             f"with it, {self.median_off:.4f} s without ({gain:+.1f}%; spread {self.spread:.4f} s)"
         )
 
@@ -155,9 +187,9 @@ def judge(trade: str, on: Sequence[float], off: Sequence[float], min_gain: float
 
 
 class LayoutSearch:
-    """The trials of one run. The callback asks `layout_for_batch` before each batch, reports each
-    batch that succeeded with `observe`, agrees the times when `needs_agreement`, and calls
-    `relieve` under memory pressure."""
+    """The trials of one run. The callback asks `layout_for_batch` before each batch (and
+    `trial_size` for the split of a downsize trial's batch), reports each batch that succeeded with
+    `observe`, agrees the times when `needs_agreement`, and calls `relieve` under memory pressure."""
 
     def __init__(self, config: LayoutConfig, candidates: Sequence[str]) -> None:
         self.config = config
@@ -171,6 +203,8 @@ class LayoutSearch:
         self.results: list[TrialResult] = []
         # For a trade that was not faster: the layouts (kept trades) it was tried on top of.
         self.slower_on: dict[str, list[tuple[str, ...]]] = {}
+        # The sizes found from which a downsize trial ran (kept or not): never again from those.
+        self.downsized_from: list[int] = []
 
     @property
     def searching(self) -> bool:
@@ -181,8 +215,14 @@ class LayoutSearch:
         """The layout of the next batch."""
         trades = set(self.kept)
         if self.trial is not None and self.trial.next_on:
-            trades.add(self.trial.trade)
+            trades.update(self.trial.trades)
         return tuple(t for t in TRADES if t in trades)
+
+    @property
+    def trial_size(self) -> Optional[int]:
+        """The microbatch of the next batch where a downsize trial runs it (None: the size found)."""
+        trial = self.trial
+        return trial.size if trial is not None and trial.next_on else None
 
     @property
     def settled(self) -> tuple[str, ...]:
@@ -213,29 +253,57 @@ class LayoutSearch:
         else:
             self.too_big_at.pop(trade, None)
 
+    def _downsize(
+        self, size: Optional[int], found: Optional[int], smaller: Optional[Callable[[tuple[str, ...]], Optional[int]]],
+    ) -> Optional[Trial]:
+        """Nothing left to try at the size found: the trades that did not fit there, at the largest
+        smaller microbatch the memory model says they fit at (all of them together, else each
+        alone, in trade order). Once per size found."""
+        if smaller is None or size is None or found is None or found in self.downsized_from:
+            return None
+        waiting = tuple(t for t in TRADES if self.too_big_at.get(t) == size and t in self.candidates)
+        for trades in [waiting] + ([(t,) for t in waiting] if len(waiting) > 1 else []):
+            if not trades:
+                continue
+            target = smaller(trades)
+            if target is not None and target < found:
+                return Trial(trades, size=target, from_size=found)
+        return None
+
     def layout_for_batch(
         self, steady: bool, fits: Callable[[str], Optional[str]], size: Optional[int] = None,
+        found: Optional[int] = None, smaller: Optional[Callable[[tuple[str, ...]], Optional[int]]] = None,
     ) -> tuple[tuple[str, ...], list[str]]:
         """The layout of the next batch, and a console line for each trade passed over and for a
         trial that starts. `fits(trade)` returns None when the trade's projected bytes fit (or
         cannot be projected), else why not; `size` is the largest microbatch of the next batch
-        (None: unknown, no trade is tried again)."""
+        (None: unknown, no trade is tried again), `found` the size the search settled on.
+        `smaller(trades)`: the largest size found below `found` where those trades' projected bytes
+        fit (None: none, or no projection); with it, a downsize trial may start once nothing is
+        left to try at `found`."""
         lines: list[str] = []
         if self.searching and steady and self.trial is None:
             lines += self._readmit(size)
             for trade in self._untried():
                 problem = fits(trade)
                 if problem is None:
-                    self.trial = Trial(trade)
-                    lines.append(
-                        f"layout trial {trade} ({DESCRIPTIONS[trade]}): {self.config.trial_batches} batches with it, as many without"
-                    )
+                    self.trial = Trial((trade,))
+                    lines.append(f"{self.trial.heading()}: {self.config.trial_batches} batches with it, as many without")
                     break
                 self._reject_for_memory(trade, problem, size)
                 lines.append(f"layout trade {trade} ({DESCRIPTIONS[trade]}) not tried: {problem}")
+            if self.trial is None:
+                self.trial = self._downsize(size, found, smaller)
+                if self.trial is not None:
+                    assert found is not None
+                    self.downsized_from.append(found)
+                    lines.append(
+                        f"{self.trial.heading()}: {self.config.trial_batches} batches with them at {self.trial.size}, "
+                        f"as many without at {found}"
+                    )
         elif self.trial is not None and not steady:
             # The size moved: a trial's times would compare different sizes.
-            self.trial = Trial(self.trial.trade)
+            self.trial = self.trial.restarted()
         return self.current, lines
 
     def observe(self, layout: Sequence[str], seconds: float) -> None:
@@ -243,7 +311,7 @@ class LayoutSearch:
         trial = self.trial
         if trial is None:
             return
-        arm = trial.on if trial.trade in layout else trial.off
+        arm = trial.on if set(trial.trades) <= set(layout) else trial.off
         arm.append(float(seconds))
 
     @property
@@ -256,16 +324,21 @@ class LayoutSearch:
         return self.trial.on + self.trial.off
 
     def decide(self, agreed: Sequence[float]) -> TrialResult:
-        """`agreed`: `local_times()` after the max over ranks. Ends the trial."""
+        """`agreed`: `local_times()` after the max over ranks. Ends the trial. A kept downsize trial
+        (`result.size`): the caller settles the size policy on that size."""
         trial = self.trial
         assert trial is not None and len(agreed) == len(trial.on) + len(trial.off)
         on, off = list(agreed[: len(trial.on)]), list(agreed[len(trial.on) :])
         result = judge(trial.trade, on, off, self.config.min_gain)
+        result = replace(result, size=trial.size, heading=trial.heading())
         self.results.append(result)
-        if not result.kept:
-            self.slower_on.setdefault(trial.trade, []).append(self.settled)
         if result.kept:
-            self.kept.append(trial.trade)
+            for trade in trial.trades:
+                self.kept.append(trade)
+                self.rejected.pop(trade, None)
+                self.too_big_at.pop(trade, None)
+        elif trial.size is None:
+            self.slower_on.setdefault(trial.trade, []).append(self.settled)
         self.trial = None
         return result
 
@@ -273,14 +346,15 @@ class LayoutSearch:
         """Memory pressure at the settled size in a batch run at `failed_layout` (largest microbatch
         `size`): undo the trade on trial if it was on, else the last kept trade (a trial whose trade
         was off ends untried). Returns the trade undone; None when none is left (the size policy
-        acts then)."""
+        acts then). A downsize trial's trades stay where they were (rejected at the size found)."""
         if self.trial is not None:
-            trade = self.trial.trade
-            self.trial = None
-            if trade in failed_layout:
-                self._reject_for_memory(trade, why, size)
-                return trade
-            self._reject_for_memory(trade, f"trial stopped: {why} without it", size)
+            trial, self.trial = self.trial, None
+            if set(trial.trades) <= set(failed_layout):
+                if trial.size is None:
+                    self._reject_for_memory(trial.trade, why, size)
+                return trial.trade
+            if trial.size is None:
+                self._reject_for_memory(trial.trade, f"trial stopped: {why} without it", size)
         if self.kept and self.config.mode == "auto":
             trade = self.kept.pop()
             self._reject_for_memory(trade, why, size)
@@ -293,6 +367,7 @@ class LayoutSearch:
             "rejected": dict(self.rejected),
             "slower_on": {t: [list(b) for b in bases] for t, bases in self.slower_on.items()},
             "too_big_at": dict(self.too_big_at),
+            "downsized_from": list(self.downsized_from),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -306,6 +381,7 @@ class LayoutSearch:
         self.slower_on = {
             t: [tuple(x for x in TRADES if x in b) for b in bases] for t, bases in state.get("slower_on", {}).items() if t in TRADES
         }
+        self.downsized_from = [int(n) for n in state.get("downsized_from", [])]
         for trade in state.get("tried", []):  # checkpoints before "slower_on": every trade tried
             if trade in TRADES and trade not in self.kept and trade not in self.rejected:
                 self.rejected[trade] = "tried before the checkpoint"

@@ -176,7 +176,16 @@ class DomainGrew:
     new_B: int
 
 
-Outcome = Union[Success, OOM, Thrash, Rearm, BatchSizeChanged, DomainGrew]
+@dataclass(frozen=True)
+class Adopt:
+    """The layout search settles the microbatch at `size`, smaller than the one found: its trial ran
+    `size` with trades that did not fit at the larger one, clean, and faster (`automicro.core.layout`).
+    Only while STEADY and for a size below the one found."""
+
+    size: int
+
+
+Outcome = Union[Success, OOM, Thrash, Rearm, BatchSizeChanged, DomainGrew, Adopt]
 
 
 # ---- config, state, decision -----------------------------------------------------------------
@@ -551,6 +560,10 @@ def transition(state: SearchState, outcome: Outcome, config: PolicyConfig) -> tu
     elif isinstance(outcome, Rearm):
         new, decision = _on_rearm(state, outcome, config)
         reason = HookReason.REARM
+    elif isinstance(outcome, Adopt):
+        _check_size(state, outcome.size)
+        new, decision = _on_adopt(state, outcome, config)
+        reason = HookReason.STEADY
     elif isinstance(outcome, BatchSizeChanged):
         new, decision = _on_batch_size(state, outcome, config)
         reason = HookReason.BATCH_SIZE_CHANGED
@@ -743,6 +756,14 @@ def _on_rearm(state: SearchState, outcome: Rearm, config: PolicyConfig) -> tuple
     return state, _decide(state, config, False, f"rearm{reason}: stable count reset")
 
 
+def _on_adopt(state: SearchState, outcome: Adopt, config: PolicyConfig) -> tuple[SearchState, Decision]:
+    if state.phase != Phase.STEADY or state.found is None or not outcome.size < state.found or config.unit == "tokens":
+        raise ValueError(f"Adopt({outcome.size}) needs a steady search over samples whose size found is larger (state {state})")
+    state = replace(state, found=outcome.size)
+    state = replace(state, size=max(current_split(state, config)))
+    return state, _decide(state, config, False, f"layout: microbatch now {outcome.size}, {_in_use(state, config)}")
+
+
 def _on_batch_size(state: SearchState, outcome: BatchSizeChanged, config: PolicyConfig) -> tuple[SearchState, Decision]:
     new_b = outcome.new_B
     if not _is_int(new_b) or new_b < 1:
@@ -814,6 +835,21 @@ class SearchPolicy:
     def current_split(self) -> tuple[int, ...]:
         return current_split(self.state, self.config)
 
+    def split_for(self, found: int) -> tuple[int, ...]:
+        """The split a settled search at `found` would run (the found size's own split rule)."""
+        return current_split(replace(self.state, phase=Phase.STEADY, found=found), self.config)
+
+    def projected_peak(self, size: int) -> Optional[int]:
+        """The memory model's peak bytes for a microbatch of `size` (the last two samples at distinct
+        sizes, growing with the size); None where it cannot tell."""
+        samples = self.state.samples
+        if len(samples) < 2 or samples[-1][0] == samples[-2][0]:
+            return None
+        (m1, p1, _), (m2, p2, _) = samples[-2], samples[-1]
+        if not (p2 - p1) / (m2 - m1) > 0:
+            return None
+        return _model_peak(samples, size)
+
     @property
     def batch_size(self) -> int:
         return self.state.batch_size
@@ -836,6 +872,7 @@ class SearchPolicy:
 
 __all__ = [
     "SAFETY_MARGIN",
+    "Adopt",
     "BatchSizeChanged",
     "CannotFitError",
     "Decision",

@@ -675,7 +675,7 @@ class AutoMicrobatching(Callback):
             self._layout_state = None
         self.layout.before_batch(
             self.policy.phase == search.Phase.STEADY, self._last_peak, self._last_capacity,
-            None if self.tokens is not None else max(self.policy.current_split()),
+            *(() if self.tokens is not None else (max(self.policy.current_split()), self.policy.found_size, self._peak_at)),
         )
         batch_index = step.batch_index
         while True:
@@ -686,7 +686,9 @@ class AutoMicrobatching(Callback):
                 attempt = step.attempt(None, self._budget(), hooks_on)
             else:
                 track = self.policy_config.probes and self.policy.phase == search.Phase.SEARCHING
-                attempt = step.attempt(tuple(self.policy.current_split()), None, hooks_on, track_peaks=track)
+                downsized = self.layout.trial_size
+                split = self.policy.current_split() if downsized is None else self.policy.split_for(downsized)
+                attempt = step.attempt(tuple(split), None, hooks_on, track_peaks=track)
             self._batch_attempts = step.attempts
             result, sizes = attempt.result, attempt.sizes
             verdict, seconds = result.verdict, result.seconds
@@ -709,6 +711,10 @@ class AutoMicrobatching(Callback):
                 self._used_split = sizes
                 self._last_peak, self._last_capacity = verdict.peak_bytes, verdict.capacity_bytes
                 self.layout.after_success(step.attempts)
+                adopted = self.layout.take_adopted()
+                if adopted is not None:
+                    decision = self.policy.observe(search.Adopt(adopted))
+                    self._info(decision.event)
                 self._after_success(verdict, batch_index, sizes, seconds, self._agreed_peaks(step))
                 self._optimizer_pending = 0  # the step created the state: evals and later batches hold it
                 return attempt.total_loss_dict
@@ -752,6 +758,14 @@ class AutoMicrobatching(Callback):
         decision = self.policy.observe(search.Rearm("layout undone"))
         self._apply_hooks(decision.hooks, decision.reason, "layout undone")
         return True
+
+    def _peak_at(self, found: int) -> Optional[int]:
+        """The memory model's peak were the size found `found` (its split's largest microbatch);
+        None below the smallest size allowed or where the model cannot tell."""
+        assert self.policy is not None
+        if found < self.policy_config.min_size:
+            return None
+        return self.policy.projected_peak(max(self.policy.split_for(found)))
 
     def _pending_optimizer_bytes(self, state: State) -> int:
         """The bytes this rank's optimizer state will add at the first step (0 once it exists, or
@@ -842,7 +856,8 @@ class AutoMicrobatching(Callback):
         decision = self.policy.observe(
             search.Success(
                 self._outcome_size(sizes, verdict),
-                peak_bytes=verdict.peak_bytes or None,
+                # A layout trial's "with" batch does not feed the memory model (its trade's bytes are in it).
+                peak_bytes=None if self.layout is not None and self.layout.trial_batch else verdict.peak_bytes or None,
                 capacity_bytes=verdict.capacity_bytes or None,
                 projected=self._optimizer_pending > 0,
                 peaks_by_size=peaks_by_size,

@@ -63,7 +63,9 @@ class LayoutTrials:
         self._started: Optional[float] = None
         self.layout: tuple[str, ...] = ()
         self._applied = False  # the engine's switches were set once (then only on a change)
+        self.adopted: Optional[int] = None  # a kept downsize trial's size, for the size policy (once)
         self.last_run: tuple[str, ...] = ()  # the layout the last batch started at
+        self.trial_batch = False
         # Turns each measured batch time into the one judged (the identity). Tests replace it to
         # make a trade look faster or slower without depending on the machine's timing.
         self.timing: Callable[[tuple[str, ...], float], float] = lambda layout, seconds: seconds
@@ -85,9 +87,14 @@ class LayoutTrials:
 
     # ---- one batch -------------------------------------------------------------------------------
 
-    def before_batch(self, steady: bool, peak_bytes: int, capacity_bytes: int, size: Optional[int] = None) -> None:
+    def before_batch(
+        self, steady: bool, peak_bytes: int, capacity_bytes: int, size: Optional[int] = None,
+        found: Optional[int] = None, peak_at: Optional[Callable[[int], Optional[int]]] = None,
+    ) -> None:
         """Choose and apply the next batch's layout; start the clock during a trial. `size`: the
-        next batch's largest microbatch (a trade that did not fit at a larger one may be tried again)."""
+        next batch's largest microbatch (a trade that did not fit at a larger one may be tried
+        again); `found`: the size found; `peak_at(n)`: the size policy's projected peak were the
+        size found `n` (None: no projection, or below the smallest size allowed)."""
         if self.engine is None:
             return
         engine = self.engine
@@ -103,11 +110,26 @@ class LayoutTrials:
                 f"capacity {capacity_bytes / 2**20:.1f} MiB"
             )
 
-        layout, lines = self.search.layout_for_batch(steady, fits, size)
+        def smaller(trades: tuple[str, ...]) -> Optional[int]:
+            extras = [engine.extra_bytes(t) for t in trades]
+            if found is None or peak_at is None or not capacity_bytes or any(e is None for e in extras):
+                return None
+            extra = sum(e for e in extras if e is not None)
+            for n in range(found - 1, 0, -1):
+                peak = peak_at(n)
+                if peak is None:
+                    return None
+                if peak + extra <= capacity_bytes:
+                    return n
+            return None
+
+        layout, lines = self.search.layout_for_batch(steady, fits, size, found, smaller)
         for line in lines:
             self._info(line)
         self._apply(layout)
         self.last_run = layout
+        # A trial's "with" batch: its peak is the trade's, not the layout's the size policy models.
+        self.trial_batch = self.search.trial is not None and self.search.trial.next_on
         self._started = None
         if self.search.trial is not None:
             self._sync()
@@ -132,8 +154,19 @@ class LayoutTrials:
                 agreed.extend(self._consensus.agree_max(local[start : start + SLOTS]))
             result = self.search.decide([us / 1e6 for us in agreed])
             self._info(result.line())
+            if result.kept and result.size is not None:
+                self.adopted = result.size
             self._info(f"layout now: {describe(self.search.settled)}")
             self._apply(self.search.settled)
+
+    @property
+    def trial_size(self) -> Optional[int]:
+        """The size found the next batch runs at instead of the policy's (a downsize trial's batch)."""
+        return None if self.engine is None else self.search.trial_size
+
+    def take_adopted(self) -> Optional[int]:
+        size, self.adopted = self.adopted, None
+        return size
 
     def relieve(self, why: str, size: Optional[int] = None) -> Optional[str]:
         """Memory pressure at the settled size (largest microbatch `size`): undo a trade (the console
