@@ -285,8 +285,15 @@ def torchrun(nproc: int, script: str, *args: str, python: str = sys.executable) 
 
 
 def run_launch(argv: list[str], timeout: float, env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, cwd=REPO_ROOT, env={**os.environ, **(env or {})}, timeout=timeout,
-                          capture_output=True, text=True, check=False)
+    """One launch; past `timeout` it is killed and reported as rc 124 with what it printed (the suite
+    goes on to its next variant)."""
+    try:
+        return subprocess.run(argv, cwd=REPO_ROOT, env={**os.environ, **(env or {})}, timeout=timeout,
+                              capture_output=True, text=True, check=False)
+    except subprocess.TimeoutExpired as expired:
+        def text(x: Any) -> str:
+            return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+        return subprocess.CompletedProcess(argv, 124, text(expired.stdout), text(expired.stderr) + f"\ntimed out after {timeout:.0f} s")
 
 
 def interleave_launches(launches: dict[str, Callable[[int], list[str]]], rounds: int,

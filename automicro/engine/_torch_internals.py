@@ -1016,11 +1016,12 @@ def reshards_after_forward(module: FSDPModule) -> bool:
     return group is not None and group.post_forward_mesh_info is not None
 
 
-def unsharded_param_bytes(modules: list[FSDPModule]) -> tuple[int, int]:
-    """(parameter bytes, gradient bytes) of every module's parameters unsharded: parameters in the
-    dtype forward computes in, gradients in the wider of that and the reduce dtype (what an
-    accumulated unsharded gradient is kept in)."""
-    params = grads = 0
+def unsharded_param_bytes(modules: list[FSDPModule]) -> tuple[int, int, int]:
+    """(parameter bytes, gradient bytes, sharded gradient bytes) of every module's parameters:
+    unsharded, parameters in the dtype forward computes in, gradients in the wider of that and the
+    reduce dtype (what an accumulated unsharded gradient is kept in); and this rank's sharded
+    gradients, in the sharded parameters' dtype (what a reduce-scatter leaves in `.grad`)."""
+    params = grads = sharded = 0
     for module in modules:
         group = param_group(module)
         if group is None:
@@ -1037,4 +1038,7 @@ def unsharded_param_bytes(modules: list[FSDPModule]) -> tuple[int, int]:
             reduce = getattr(fsdp_param, "reduce_dtype", getattr(policy, "reduce_dtype", None)) or compute
             params += numel * compute.itemsize
             grads += numel * max(compute.itemsize, reduce.itemsize)
-    return params, grads
+            local = fsdp_param.sharded_param
+            local = local.to_local() if hasattr(local, "to_local") else local  # a DTensor: this rank's shard
+            sharded += local.numel() * orig.itemsize
+    return params, grads, sharded

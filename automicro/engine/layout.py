@@ -60,13 +60,17 @@ class LayoutEngine:
 
     def extra_bytes(self, trade: str) -> Optional[int]:
         """What `trade` adds to this rank's peak, at most: every block's unsharded parameters
-        (``no_reshard``) or unsharded gradients (``grad_sync_once``); None for ``no_recompute``
+        (``no_reshard``) or unsharded gradients less the sharded ones the engine's own layout holds
+        (``grad_sync_once``); None for ``no_recompute``
         (the activations depend on the layers and the microbatch: not projected)."""
         if trade == NO_RECOMPUTE:
             return None
         if not self._extra:
-            param_bytes, grad_bytes = internals.unsharded_param_bytes(self._blocks)
-            self._extra = {NO_RESHARD: param_bytes, GRAD_SYNC_ONCE: grad_bytes}
+            param_bytes, grad_bytes, sharded_grad_bytes = internals.unsharded_param_bytes(self._blocks)
+            # The engine's own layout holds the sharded gradients from the first microbatch's
+            # reduce-scatter on; reduced once per batch, the unsharded ones take their place until
+            # the last (one rank: the same bytes).
+            self._extra = {NO_RESHARD: param_bytes, GRAD_SYNC_ONCE: max(0, grad_bytes - sharded_grad_bytes)}
         return self._extra[trade]
 
     def apply(self, layout: Sequence[str]) -> None:
