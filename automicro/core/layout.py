@@ -298,7 +298,8 @@ class LayoutSearch:
                     assert found is not None
                     self.downsized_from.append(found)
                     lines.append(
-                        f"{self.trial.heading()}: {self.config.trial_batches} batches with them at {self.trial.size}, "
+                        f"{self.trial.heading()}: {self.config.trial_batches} batches with "
+                        f"{'it' if len(self.trial.trades) == 1 else 'them'} at {self.trial.size}, "
                         f"as many without at {found}"
                     )
         elif self.trial is not None and not steady:
