@@ -407,3 +407,39 @@ def test_a_smaller_microbatch_with_the_trades_is_adopted_when_faster_and_paramet
         assert auto["found"] == 1 and auto["settled"] == [GRAD_SYNC_ONCE, NO_RESHARD], auto
         assert all(s == [1, 1, 1, 1] for s in auto["splits"][steady + 3 :]) and "microbatch size found: 1" in auto["summary"]
         assert slower["found"] == 2 and slower["settled"] == [] and all(s == [2, 2] for s in slower["splits"][steady + 2 :])
+
+
+def test_trades_each_faster_by_too_little_are_tried_together_once():
+    """Each trade 5% faster, under a min_gain of 10%: neither is kept alone; together (the two
+    H200s' case) they are tried once as one, kept when that beats the rule; a pair whose bytes do
+    not fit together is not tried, its trades stay rejected at that size (a downsize may follow)."""
+    config = LayoutConfig.parse("auto", trial_batches=1, min_gain=0.1)
+    search = LayoutSearch(config, [GRAD_SYNC_ONCE, NO_RESHARD])
+    _run_trial(search, 1.9, 2.0)
+    _run_trial(search, 1.9, 2.0)
+    assert search.settled == () and search.near == {(): [GRAD_SYNC_ONCE, NO_RESHARD]}
+    layout, lines = search.layout_for_batch(True, lambda t: None)
+    assert layout == (GRAD_SYNC_ONCE, NO_RESHARD) and lines == [
+        "layout trial grad_sync_once+no_reshard (gradients reduced once per batch, no resharding after forward, nor "
+        "between microbatches): 1 batches with them, as many without"
+    ]
+    search.observe(layout, 1.5)
+    search.observe(search.layout_for_batch(True, lambda t: None)[0], 2.0)
+    assert search.decide(search.local_times()).kept and search.settled == (GRAD_SYNC_ONCE, NO_RESHARD)
+    # Slower together: tried once on that layout, never again.
+    slower = LayoutSearch(config, [GRAD_SYNC_ONCE, NO_RESHARD])
+    _run_trial(slower, 1.9, 2.0)
+    _run_trial(slower, 1.9, 2.0)
+    _run_trial(slower, 2.5, 2.0)
+    assert slower.layout_for_batch(True, lambda t: None) == ((), [])
+    # Not fitting together (each alone did): both rejected at that size, for a downsize trial.
+    tight = LayoutSearch(config, [GRAD_SYNC_ONCE, NO_RESHARD])
+    _run_trial(tight, 1.9, 2.0)
+    _run_trial(tight, 1.9, 2.0)
+    layout, lines = tight.layout_for_batch(True, lambda t: "no room" if "+" in t else None, 6, 6, lambda trades: 4)
+    assert lines[0] == "layout trades grad_sync_once+no_reshard not tried together: no room"
+    assert tight.too_big_at == {GRAD_SYNC_ONCE: 6, NO_RESHARD: 6}
+    assert tight.trial is not None and tight.trial.size == 4 and tight.trial.trades == (GRAD_SYNC_ONCE, NO_RESHARD)
+    restored = LayoutSearch(config, [GRAD_SYNC_ONCE, NO_RESHARD])
+    restored.load_state_dict(search.state_dict())
+    assert restored.settled == (GRAD_SYNC_ONCE, NO_RESHARD) and restored.near == search.near

@@ -33,6 +33,8 @@ batch reruns at the same size: trades go before the microbatch shrinks. A trade 
 size policy settles on is smaller than the one it did not fit at; a trade that was not faster is
 tried again only on top of a different layout (another trade kept or undone since: trades
 interact, as gradients reduced once per batch gains more where the parameters stay unsharded).
+Trades that were each faster, but by less than the rule asks, are tried together once on that
+layout (two H200s: +0.8% and +1.0% alone, +4% together); that trial is judged as one trade.
 
 A smaller microbatch with more trades can be faster than the largest that fits without them (one
 H100, a 3B model: microbatch 2 with both trades 10% faster than 3 without). So once nothing is left
@@ -205,6 +207,9 @@ class LayoutSearch:
         self.slower_on: dict[str, list[tuple[str, ...]]] = {}
         # The sizes found from which a downsize trial ran (kept or not): never again from those.
         self.downsized_from: list[int] = []
+        # For a layout (kept trades): the trades that were faster on top of it, but not by enough.
+        # Two or more are tried together once (each alone may gain less than `min_gain`, together more).
+        self.near: dict[tuple[str, ...], list[str]] = {}
 
     @property
     def searching(self) -> bool:
@@ -293,6 +298,19 @@ class LayoutSearch:
                 self._reject_for_memory(trade, problem, size)
                 lines.append(f"layout trade {trade} ({DESCRIPTIONS[trade]}) not tried: {problem}")
             if self.trial is None:
+                together = tuple(t for t in TRADES if t in self.near.get(self.settled, ()) and t not in self.rejected)
+                joint = "+".join(together)
+                if len(together) > 1 and self.settled not in self.slower_on.get(joint, []):
+                    problem = fits(joint)
+                    if problem is None:
+                        self.trial = Trial(together)
+                        lines.append(f"{self.trial.heading()}: {self.config.trial_batches} batches with them, as many without")
+                    else:
+                        self.slower_on.setdefault(joint, []).append(self.settled)
+                        for trade in together:
+                            self._reject_for_memory(trade, f"with {joint}: {problem}", size)
+                        lines.append(f"layout trades {joint} not tried together: {problem}")
+            if self.trial is None:
                 self.trial = self._downsize(size, found, smaller)
                 if self.trial is not None:
                     assert found is not None
@@ -340,6 +358,8 @@ class LayoutSearch:
                 self.too_big_at.pop(trade, None)
         elif trial.size is None:
             self.slower_on.setdefault(trial.trade, []).append(self.settled)
+            if len(trial.trades) == 1 and result.median_on < result.median_off:
+                self.near.setdefault(self.settled, []).append(trial.trade)
         self.trial = None
         return result
 
@@ -352,10 +372,12 @@ class LayoutSearch:
             trial, self.trial = self.trial, None
             if set(trial.trades) <= set(failed_layout):
                 if trial.size is None:
-                    self._reject_for_memory(trial.trade, why, size)
+                    for trade in trial.trades:
+                        self._reject_for_memory(trade, why, size)
                 return trial.trade
             if trial.size is None:
-                self._reject_for_memory(trial.trade, f"trial stopped: {why} without it", size)
+                for trade in trial.trades:
+                    self._reject_for_memory(trade, f"trial stopped: {why} without it", size)
         if self.kept and self.config.mode == "auto":
             trade = self.kept.pop()
             self._reject_for_memory(trade, why, size)
@@ -369,6 +391,7 @@ class LayoutSearch:
             "slower_on": {t: [list(b) for b in bases] for t, bases in self.slower_on.items()},
             "too_big_at": dict(self.too_big_at),
             "downsized_from": list(self.downsized_from),
+            "near": [[list(base), list(trades)] for base, trades in self.near.items()],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -380,9 +403,13 @@ class LayoutSearch:
             t: int(n) for t, n in state.get("too_big_at", {}).items() if t in self.rejected and not isinstance(n, bool)
         }
         self.slower_on = {
-            t: [tuple(x for x in TRADES if x in b) for b in bases] for t, bases in state.get("slower_on", {}).items() if t in TRADES
+            t: [tuple(x for x in TRADES if x in b) for b in bases]
+            for t, bases in state.get("slower_on", {}).items() if all(x in TRADES for x in t.split("+"))
         }
         self.downsized_from = [int(n) for n in state.get("downsized_from", [])]
+        self.near = {
+            tuple(t for t in TRADES if t in base): [t for t in trades if t in TRADES] for base, trades in state.get("near", [])
+        }
         for trade in state.get("tried", []):  # checkpoints before "slower_on": every trade tried
             if trade in TRADES and trade not in self.kept and trade not in self.rejected:
                 self.rejected[trade] = "tried before the checkpoint"

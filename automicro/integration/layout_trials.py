@@ -100,9 +100,10 @@ class LayoutTrials:
         engine = self.engine
 
         def fits(trade: str) -> Optional[str]:
-            extra = engine.extra_bytes(trade)
-            if extra is None:
+            extras = [engine.extra_bytes(t) for t in trade.split("+")]  # "a+b": trades tried together
+            if any(e is None for e in extras):
                 return None  # not projected: the trial's first batch measures it (OOM-safe)
+            extra = sum(e for e in extras if e is not None)
             if not capacity_bytes or not peak_bytes or peak_bytes + extra <= capacity_bytes:
                 return None
             return (
