@@ -35,26 +35,6 @@ TORCH_VERSION_FILES = {
 # turns (`automicro.engine.layout`: reshard after forward and after backward, gradient sync, the
 # trades' projected bytes) run on every torch in test_engine's launch; test_layout's trials, undo
 # and checkpoints are automicro's logic above them (about 75 s a leg).
-# Legs 2 and 3 (.ci/run sets AUTOMICRO_CI_LEG=versions) run the 2-rank fault matrices of
-# test_automicro and test_steady_state at one microbatch position per (site, who), rotating over
-# the positions, instead of every position: the torch version reaches the site (its FSDP2 hook or
-# collective), while the position is the policy's and the fence's logic, which leg 1 runs at every
-# position. Measured on 2026-11-26 before it: legs 2 and 3 took 511 s and 464 s of tests.
-VERSIONS_LEG = os.environ.get("AUTOMICRO_CI_LEG") == "versions"
-
-
-def one_position_per_site(cases: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
-    """On the versions legs: of the (site, who, where) cases, one `where` per (site, who), the
-    k-th of that pair's positions for the k-th pair (so every position still runs somewhere);
-    elsewhere all of them."""
-    if not VERSIONS_LEG:
-        return cases
-    pairs: dict[tuple[str, str], list[str]] = {}
-    for site, who, where in cases:
-        pairs.setdefault((site, who), []).append(where)
-    return [(site, who, wheres[k % len(wheres)]) for k, ((site, who), wheres) in enumerate(pairs.items())]
-
-
 # Module fixtures that launch 4 ranks: every test that uses one is a 4-rank test.
 MANY_RANK_FIXTURES = {"matrix_four_ranks", "steady_four_ranks", "data_parallel"}
 

@@ -14,13 +14,12 @@ import pytest
 from automicro.core.policy import chunk_split, even_split
 from automicro.testing.multiprocess import run_multiprocess
 from tests import automicro_cases as cases
-from tests.conftest import one_position_per_site
 
 TOLERANCE = 1e-5
 
-WORLD2_CASES = one_position_per_site([
+WORLD2_CASES = [
     (site, who, where) for site in cases.MATRIX_SITES for who in ("one", "every") for where in cases.MICROBATCH
-])
+]
 WORLD2_ONE_RANK = 1
 WORLD4_SITES = ("forward_pre", "backward_pre", "unshard_alloc", "reduce_scatter_alloc")
 # The first and the last microbatch (the middle one is the 2-rank matrix's, at every site): 16 cases, not 24.
@@ -158,7 +157,9 @@ def _check_fault_case(
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("site, who, where", WORLD2_CASES)
+@pytest.mark.parametrize("where", list(cases.MICROBATCH))
+@pytest.mark.parametrize("who", ["one", "every"])
+@pytest.mark.parametrize("site", cases.MATRIX_SITES)
 def test_two_ranks_oom_at_site_on_rank1_or_every_rank_finds_largest_allowed_size_with_exact_params(
     matrix_two_ranks, site, who, where
 ):

@@ -13,7 +13,6 @@ import pytest
 
 from automicro.testing.multiprocess import MultiprocessFailure, run_multiprocess
 from tests import steady_cases as cases
-from tests.conftest import one_position_per_site
 
 TOLERANCE = 1e-5
 
@@ -23,9 +22,7 @@ def _where(site: str) -> tuple[str, ...]:
     return ("last",) if site == "optimizer_step" else ("first", "last")
 
 
-WORLD2_CASES = one_position_per_site(
-    [(site, who, where) for site in cases.SITES for who in ("one", "every") for where in _where(site)]
-)
+WORLD2_CASES = [(site, who, where) for site in cases.SITES for who in ("one", "every") for where in _where(site)]
 WORLD2_ONE_RANK = 1
 WORLD4_SITES = ("forward_pre", "backward", "unshard_alloc", "reduce_scatter_alloc", "grad_hook")
 # One rank (rank 2: neither the first nor the last) at every site in the first microbatch, and in
