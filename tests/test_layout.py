@@ -297,13 +297,14 @@ def test_trades_whose_bytes_do_not_fit_are_not_tried():
 
 
 @pytest.mark.multiproc
-def test_activation_checkpointing_off_is_a_trade_kept_when_faster_and_undone_by_an_oom():
-    """``no_recompute`` on 2 ranks, the blocks checkpointed: tried after the other two, last; kept
+@pytest.mark.parametrize("world", [1, 2])
+def test_activation_checkpointing_off_is_a_trade_kept_when_faster_and_undone_by_an_oom(world):
+    """``no_recompute`` on 1 and 2 ranks, the blocks checkpointed: tried after the other two, last; kept
     when timed faster; under a cap it cannot meet, its trial's first batch runs out of memory, the
     trade is undone, the batch reruns at the same size and it is not tried again at that size.
     Parameters equal a fixed run with checkpointing at the same size."""
-    for rank in range(2):
-        kept, oom = _suite(2)[rank]["recompute_kept"], _suite(2)[rank]["recompute_oom"]
+    for rank in range(world):
+        kept, oom = _suite(world)[rank]["recompute_kept"], _suite(world)[rank]["recompute_oom"]
         for run in (kept, oom):
             assert run["found"] == 4, run["history"]
             assert run["diff"] < 1e-5, run["diff"]

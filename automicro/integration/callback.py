@@ -759,13 +759,15 @@ class AutoMicrobatching(Callback):
         self._apply_hooks(decision.hooks, decision.reason, "layout undone")
         return True
 
-    def _peak_at(self, found: int) -> Optional[int]:
-        """The memory model's peak were the size found `found` (its split's largest microbatch);
+    def _peak_at(self, found: int) -> Optional[tuple[int, int]]:
+        """(The largest microbatch, the memory model's peak at it) were the size found `found`;
         None below the smallest size allowed or where the model cannot tell."""
         assert self.policy is not None
         if found < self.policy_config.min_size:
             return None
-        return self.policy.projected_peak(max(self.policy.split_for(found)))
+        largest = max(self.policy.split_for(found))
+        peak = self.policy.projected_peak(largest)
+        return None if peak is None else (largest, peak)
 
     def _pending_optimizer_bytes(self, state: State) -> int:
         """The bytes this rank's optimizer state will add at the first step (0 once it exists, or

@@ -89,12 +89,13 @@ class LayoutTrials:
 
     def before_batch(
         self, steady: bool, peak_bytes: int, capacity_bytes: int, size: Optional[int] = None,
-        found: Optional[int] = None, peak_at: Optional[Callable[[int], Optional[int]]] = None,
+        found: Optional[int] = None, peak_at: Optional[Callable[[int], Optional[tuple[int, int]]]] = None,
     ) -> None:
         """Choose and apply the next batch's layout; start the clock during a trial. `size`: the
         next batch's largest microbatch (a trade that did not fit at a larger one may be tried
-        again); `found`: the size found; `peak_at(n)`: the size policy's projected peak were the
-        size found `n` (None: no projection, or below the smallest size allowed)."""
+        again); `found`: the size found; `peak_at(n)`: (the largest microbatch, the size policy's
+        projected peak) were the size found `n` (None: no projection, or below the smallest size
+        allowed). A downsize trial runs only at a split whose largest microbatch is below `size`."""
         if self.engine is None:
             return
         engine = self.engine
@@ -117,10 +118,11 @@ class LayoutTrials:
                 return None
             extra = sum(e for e in extras if e is not None)
             for n in range(found - 1, 0, -1):
-                peak = peak_at(n)
-                if peak is None:
+                projected = peak_at(n)
+                if projected is None:
                     return None
-                if peak + extra <= capacity_bytes:
+                largest, peak = projected
+                if (size is None or largest < size) and peak + extra <= capacity_bytes:
                     return n
             return None
 
