@@ -23,6 +23,7 @@ setup(
         "dev": [
             "pytest>=8",
             "pytest-timeout>=2.3",
+            "pytest-xdist>=3.5",  # make test runs two pytest workers (2-core CI: workers idle in launches)
             "hypothesis>=6.100",  # stateful property tests of the search policy
             "matplotlib>=3.7",  # tests/test_dashboard.py renders scripts/plot_run.py's PNG
             "transformers>=4.51,<4.52",  # tests with Hugging Face models built from a config (llm-foundry 0.22's pin)

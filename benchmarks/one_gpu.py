@@ -188,11 +188,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         metrics = os.path.join(run_dir, "metrics.jsonl")
         if done.returncode == 0 and os.path.exists(metrics):
             result = summarize(variant, read_metrics(metrics), console, args.skip, gpu, args.seq, args.nproc, args.batch)
-            result["layout_lines"] = [line for line in console if "layout" in line][:12]
+            result["layout_lines"] = [line for line in console if "layout" in line][:40]
         else:
             result = {"variant": variant, "error": f"rc {done.returncode}: {(done.stderr or done.stdout or '')[-800:]}"}
         result["launch_s"] = round(time.perf_counter() - started, 1)
         result["console"] = console[-12:]
+        result["memory_lines"] = [line for line in console if "per sample" in line or " -> oom" in line or "thrash" in line][:20]
         result["search_lines"] = [line for line in console if "] batch " in line and " attempt " in line][:12]
         print(f"[one_gpu:detail] {variant}: " + " / ".join(result.get("layout_lines", [])[-3:] + console[-2:]), flush=True)
         results.append(result)

@@ -159,9 +159,12 @@ def recompute_cases() -> dict[str, Any]:
     ``no_recompute`` is a candidate; only it is timed faster.
 
     - ``recompute_kept``: no cap: the whole batch in one microbatch, the trade kept.
-    - ``recompute_oom``: a cap between the whole batch's peak with checkpointing and without: the
-      size settles at 4 with it, the trial's first batch runs out of memory, the trade is undone and
-      the batch reruns at 4; never tried again at 4.
+    - ``recompute_oom``: the probe (two sizes for the memory model) and a cap between the whole
+      batch's peak with checkpointing and without: the size settles at 4 with it, the trial's first
+      batch runs out of memory, the trade is undone and the batch reruns at 4; never tried again at
+      4. Then one batch at size 1 without checkpointing measures its bytes per sample, and a
+      downsize trial runs the largest smaller size they fit at without checkpointing against 4
+      with it: timed faster, that size is adopted.
     Parameters against a fixed run with checkpointing at size 4 (recomputation changes no number)."""
     with_ac, without = fit(4, 2, layout="fixed", fsdp2=AC), fit(4, 2, layout="fixed")
     assert with_ac["peak"] < without["peak"], (with_ac["peak"], without["peak"])
@@ -172,7 +175,11 @@ def recompute_cases() -> dict[str, Any]:
     faster = seconds_where(faster=(NO_RECOMPUTE,))
     return {
         "recompute_kept": _strip(fit("auto", batches, timing=faster, fsdp2=AC), fixed),
-        "recompute_oom": _strip(fit("auto", batches, limit=int(limit[0]), timing=faster, fsdp2=AC), fixed),
+        "recompute_oom": _strip(
+            fit("auto", batches + 5, limit=int(limit[0]), timing=faster, fsdp2=AC, start_size="probe"),
+            fit(4, batches + 5, layout="fixed", fsdp2=AC),
+        ),
+        "limit": int(limit[0]),
     }
 
 

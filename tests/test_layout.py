@@ -298,27 +298,35 @@ def test_trades_whose_bytes_do_not_fit_are_not_tried():
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("world", [1, 2])
-def test_activation_checkpointing_off_is_a_trade_kept_when_faster_and_undone_by_an_oom(world):
+def test_activation_checkpointing_off_is_a_trade_kept_when_faster_undone_by_an_oom_then_measured_and_downsized(world):
     """``no_recompute`` on 1 and 2 ranks, the blocks checkpointed: tried after the other two, last; kept
     when timed faster; under a cap it cannot meet, its trial's first batch runs out of memory, the
-    trade is undone, the batch reruns at the same size and it is not tried again at that size.
-    Parameters equal a fixed run with checkpointing at the same size."""
+    trade is undone, the batch reruns at the same size and it is not tried again at that size. Then
+    one batch at size 1 measures its bytes, and the downsize trial runs it at the largest smaller
+    size they fit at: faster, that size is adopted with no other OOM. Parameters equal a fixed run
+    with checkpointing at size 4."""
     for rank in range(world):
         kept, oom = _suite(world)[rank]["recompute_kept"], _suite(world)[rank]["recompute_oom"]
         for run in (kept, oom):
-            assert run["found"] == 4, run["history"]
             assert run["diff"] < 1e-5, run["diff"]
             steady = next(r[0] for r in run["history"] if "sync hooks off" in r[3])
             assert [x for x in run["layouts"][steady + 1 : steady + 5]] == [[GRAD_SYNC_ONCE], [], [NO_RESHARD], []]
         # The two slower trades come back on top of the new layout (batch 10 starts the first again).
         assert kept["results"] == [[GRAD_SYNC_ONCE, False], [NO_RESHARD, False], [NO_RECOMPUTE, True]], kept
         assert kept["settled"] == [NO_RECOMPUTE] and kept["layouts"][-1] == [GRAD_SYNC_ONCE, NO_RECOMPUTE]
-        assert "layout: activation checkpointing off" in kept["summary"]
-        assert oom["results"] == [[GRAD_SYNC_ONCE, False], [NO_RESHARD, False]], oom
+        assert "layout: activation checkpointing off" in kept["summary"] and kept["found"] == 4
         [(batch, size, note)] = [(r[0], r[1], r[3]) for r in oom["history"] if r[2] == "oom"]
         assert size == 4 and note == "layout undone first; rerun at the same size, now default", oom["history"]
-        assert oom["layouts"][batch] == [NO_RECOMPUTE] and all(NO_RECOMPUTE not in x for x in oom["layouts"][batch + 1 :])
-        assert oom["rejected"][NO_RECOMPUTE].startswith("out of memory at size 4") and oom["state"]["too_big_at"] == {NO_RECOMPUTE: 4}
+        assert oom["layouts"][batch] == [NO_RECOMPUTE] and oom["splits"][batch] == [4]
+        # Undone; three clean batches at 4 (sync hooks off again), then the measuring batch
+        # at the probe's split, then the downsize trial (with: 2 + 2 without checkpointing; without: 4 with it).
+        assert [x for x in oom["layouts"][batch + 1 : batch + 6]] == [[], [], [NO_RECOMPUTE], [NO_RECOMPUTE], []], oom
+        assert oom["splits"][batch + 3 : batch + 6] == [[1, 1, 2], [2, 2], [4]], oom["splits"]
+        per_sample = oom["state"]["per_sample"][NO_RECOMPUTE]
+        assert 0 < per_sample and 2 * per_sample < _suite(world)[rank]["limit"], oom["state"]
+        assert oom["results"] == [[GRAD_SYNC_ONCE, False], [NO_RESHARD, False], [NO_RECOMPUTE, True]], oom
+        assert oom["found"] == 3 and oom["splits"][-1] == [2, 2] and oom["settled"] == [NO_RECOMPUTE]
+        assert oom["state"]["too_big_at"] == {} and oom["state"]["downsized_from"] == [4]
         assert "OOMs 1" in oom["summary"]
 
 
@@ -372,6 +380,64 @@ def test_a_downsize_trial_takes_each_trade_alone_when_both_do_not_fit_and_none_w
     none = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), [GRAD_SYNC_ONCE, NO_RESHARD])
     assert none.layout_for_batch(True, lambda t: "no room", 3, 3, lambda trades: None)[0] == ()
     assert none.trial is None and none.downsized_from == []
+
+
+def _recompute_rejected_at(found: int = 4) -> LayoutSearch:
+    """``no_recompute`` ran out of memory at the size found (`found`), undone: it waits for a downsize."""
+    search = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), [NO_RECOMPUTE])
+    search.layout_for_batch(True, lambda t: None, found, found)
+    assert search.trial is not None and search.current == (NO_RECOMPUTE,)
+    assert search.relieve(search.current, f"out of memory at size {found}", found) == NO_RECOMPUTE
+    assert search.too_big_at == {NO_RECOMPUTE: found}
+    return search
+
+
+def test_no_recompute_is_measured_in_one_batch_at_the_smallest_size_then_downsized_with_its_bytes():
+    search = _recompute_rejected_at()
+    # Without a size to measure at (no memory figures): no downsize, nothing measured.
+    assert search.layout_for_batch(True, lambda t: None, 4, 4, lambda trades: 2, None) == ((), [])
+    layout, lines = search.layout_for_batch(True, lambda t: None, 4, 4, lambda trades: 2, 1)
+    trial = search.trial
+    assert trial is not None and trial.measure and (trial.size, trial.from_size) == (1, 4)
+    assert layout == (NO_RECOMPUTE,) and search.trial_size == 1 and search.downsized_from == []
+    assert lines == [f"layout trade {NO_RECOMPUTE} (activation checkpointing off): measuring its bytes in one batch "
+                     "at microbatches 1 and 2 (found 4): it did not fit at 4"]
+    assert search.measuring is None and not search.needs_agreement
+    search.observe(layout, 5.0)
+    assert search.measuring is trial and not search.needs_agreement
+    assert "3.00 MiB per sample" in search.measured(3 * 2**20)
+    assert search.trial is None and search.per_sample == {NO_RECOMPUTE: 3 * 2**20}
+    # Next batch: the downsize trial, at the size `smaller` gives with those bytes.
+    asked: list[tuple[str, ...]] = []
+    layout, lines = search.layout_for_batch(True, lambda t: None, 4, 4, lambda trades: asked.append(trades) or 2, 1)
+    assert asked == [(NO_RECOMPUTE,)] and search.trial is not None and not search.trial.measure
+    assert (search.trial.size, search.trial.from_size, search.downsized_from) == (2, 4, [4])
+    restored = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), [NO_RECOMPUTE])
+    restored.load_state_dict(search.state_dict())
+    assert restored.per_sample == {NO_RECOMPUTE: 3 * 2**20} and restored.too_big_at == {NO_RECOMPUTE: 4}
+
+
+def test_pressure_in_the_measuring_batch_or_no_measure_ends_it_for_good():
+    pressed = _recompute_rejected_at()
+    pressed.layout_for_batch(True, lambda t: None, 4, 4, lambda trades: 2, 1)
+    assert pressed.relieve(pressed.current, "out of memory at size 1", 1) == NO_RECOMPUTE
+    assert pressed.trial is None and pressed.per_sample == {NO_RECOMPUTE: None}
+    # Never measured again, nor downsized; the checkpoint keeps it so.
+    assert pressed.layout_for_batch(True, lambda t: None, 4, 4, lambda trades: 2, 1) == ((), [])
+    restored = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), [NO_RECOMPUTE])
+    restored.load_state_dict(pressed.state_dict())
+    assert restored.layout_for_batch(True, lambda t: None, 4, 4, lambda trades: 2, 1) == ((), [])
+    unknown = _recompute_rejected_at()
+    unknown.layout_for_batch(True, lambda t: None, 4, 4, lambda trades: 2, 1)
+    unknown.observe(unknown.current, 5.0)
+    assert "could not be measured" in unknown.measured(None) and unknown.per_sample == {NO_RECOMPUTE: None}
+    assert unknown.layout_for_batch(True, lambda t: None, 4, 4, lambda trades: 2, 1) == ((), [])
+    # A measured trade that fits nowhere smaller: no downsize trial.
+    nowhere = _recompute_rejected_at()
+    nowhere.layout_for_batch(True, lambda t: None, 4, 4, lambda trades: None, 1)
+    nowhere.observe(nowhere.current, 5.0)
+    nowhere.measured(2**30)
+    assert nowhere.layout_for_batch(True, lambda t: None, 4, 4, lambda trades: None, 1) == ((), [])
 
 
 def test_the_size_policy_adopts_a_smaller_size_only_when_steady():

@@ -43,8 +43,17 @@ at the largest smaller microbatch the size policy's memory model says they fit a
 trial*, its "with" batches at that size and trades, its "without" batches at the size found and
 the kept layout, judged by the same rule on whole-batch times. Kept, the size policy settles on
 the smaller size (`automicro.core.policy.Adopt`). Once per size found; pressure in its "with"
-batches ends it as a trial's does. ``no_recompute`` is never downsized (its bytes are not
-projected).
+batches ends it as a trial's does.
+
+``no_recompute``'s bytes are not projected from the model, so before its downsize trial one batch
+*measures* them: it runs with checkpointing off at the probe's split (the two smallest sizes,
+`automicro.core.policy.probe_split`), its microbatch peaks are tracked by size (after the first
+microbatch, before the optimizer step: activations, not the step's own peak), and the growth per
+sample there less the size policy's growth per sample (checkpointing on) is the trade's bytes per
+sample (`per_sample`, checkpointed). From then on they are projected like the others' (bytes per
+sample times the microbatch, under the policy's safety margin: a slope measured at the smallest
+sizes is extrapolated). Pressure in the measuring batch ends it, and the trade is never measured
+again (one OOM at most, at the smallest sizes).
 
 Every decision is a function of agreed values only, so every rank takes the same one.
 
@@ -63,6 +72,8 @@ GRAD_SYNC_ONCE = "grad_sync_once"
 NO_RESHARD = "no_reshard"
 NO_RECOMPUTE = "no_recompute"
 TRADES = (GRAD_SYNC_ONCE, NO_RESHARD, NO_RECOMPUTE)  # also the order they are tried in
+# Trades whose bytes grow with the microbatch and are measured, not projected from the model.
+MEASURED = (NO_RECOMPUTE,)
 DESCRIPTIONS = {
     GRAD_SYNC_ONCE: "gradients reduced once per batch",
     NO_RESHARD: "no resharding after forward, nor between microbatches",
@@ -134,6 +145,8 @@ class Trial:
     off: list[float] = field(default_factory=list)
     size: Optional[int] = None
     from_size: Optional[int] = None
+    # One batch at `size` with the trade on, to measure its bytes (no timing, no verdict).
+    measure: bool = False
 
     @property
     def trade(self) -> str:
@@ -144,10 +157,12 @@ class Trial:
         return len(self.on) <= len(self.off)
 
     def restarted(self) -> "Trial":
-        return Trial(self.trades, size=self.size, from_size=self.from_size)
+        return Trial(self.trades, size=self.size, from_size=self.from_size, measure=self.measure)
 
     def heading(self) -> str:
         what = f"{self.trade} ({describe(self.trades)})"
+        if self.measure:
+            return f"layout trade {what}: measuring its bytes in one batch at microbatches {self.size} and {self.size + 1} (found {self.from_size})"
         if self.size is None:
             return f"layout trial {what}"
         return f"layout trial {what} at microbatch {self.size} (found {self.from_size})"
@@ -210,6 +225,9 @@ class LayoutSearch:
         # For a layout (kept trades): the trades that were faster on top of it, but not by enough.
         # Two or more are tried together once (each alone may gain less than `min_gain`, together more).
         self.near: dict[tuple[str, ...], list[str]] = {}
+        # For a trade in MEASURED: its bytes per sample, measured in one batch (None: that batch ran
+        # out of memory or could not be compared; never measured again).
+        self.per_sample: dict[str, Optional[float]] = {}
 
     @property
     def searching(self) -> bool:
@@ -260,13 +278,24 @@ class LayoutSearch:
 
     def _downsize(
         self, size: Optional[int], found: Optional[int], smaller: Optional[Callable[[tuple[str, ...]], Optional[int]]],
+        measure_at: Optional[int] = None,
     ) -> Optional[Trial]:
         """Nothing left to try at the size found: the trades that did not fit there, at the largest
         smaller microbatch the memory model says they fit at (all of them together, else each
-        alone, in trade order). Once per size found."""
+        alone, in trade order). Once per size found. A waiting trade in MEASURED is measured first
+        (one batch at `measure_at`, the smallest size), where `measure_at` is given."""
         if smaller is None or size is None or found is None or found in self.downsized_from:
             return None
-        waiting = tuple(t for t in TRADES if self.too_big_at.get(t) == size and t in self.candidates)
+        waiting = tuple(
+            t for t in TRADES
+            if self.too_big_at.get(t) == size and t in self.candidates and (t not in MEASURED or self.per_sample.get(t, 0) is not None)
+        )
+        unmeasured = [t for t in waiting if t in MEASURED and t not in self.per_sample]
+        if unmeasured:
+            if measure_at is None or measure_at >= found:
+                waiting = tuple(t for t in waiting if t not in unmeasured)
+            else:
+                return Trial((unmeasured[0],), size=measure_at, from_size=found, measure=True)
         for trades in [waiting] + ([(t,) for t in waiting] if len(waiting) > 1 else []):
             if not trades:
                 continue
@@ -278,6 +307,7 @@ class LayoutSearch:
     def layout_for_batch(
         self, steady: bool, fits: Callable[[str], Optional[str]], size: Optional[int] = None,
         found: Optional[int] = None, smaller: Optional[Callable[[tuple[str, ...]], Optional[int]]] = None,
+        measure_at: Optional[int] = None,
     ) -> tuple[tuple[str, ...], list[str]]:
         """The layout of the next batch, and a console line for each trade passed over and for a
         trial that starts. `fits(trade)` returns None when the trade's projected bytes fit (or
@@ -285,7 +315,8 @@ class LayoutSearch:
         (None: unknown, no trade is tried again), `found` the size the search settled on.
         `smaller(trades)`: the largest size found below `found` where those trades' projected bytes
         fit (None: none, or no projection); with it, a downsize trial may start once nothing is
-        left to try at `found`."""
+        left to try at `found`. `measure_at`: the smallest microbatch, where a trade in MEASURED
+        can be measured (None: it cannot, e.g. no memory figures)."""
         lines: list[str] = []
         if self.searching and steady and self.trial is None:
             lines += self._readmit(size)
@@ -311,8 +342,10 @@ class LayoutSearch:
                             self._reject_for_memory(trade, f"with {joint}: {problem}", size)
                         lines.append(f"layout trades {joint} not tried together: {problem}")
             if self.trial is None:
-                self.trial = self._downsize(size, found, smaller)
-                if self.trial is not None:
+                self.trial = self._downsize(size, found, smaller, measure_at)
+                if self.trial is not None and self.trial.measure:
+                    lines.append(f"{self.trial.heading()}: it did not fit at {size}")
+                elif self.trial is not None:
                     assert found is not None
                     self.downsized_from.append(found)
                     lines.append(
@@ -336,7 +369,30 @@ class LayoutSearch:
     @property
     def needs_agreement(self) -> bool:
         trial = self.trial
-        return trial is not None and min(len(trial.on), len(trial.off)) >= self.config.trial_batches
+        return trial is not None and not trial.measure and min(len(trial.on), len(trial.off)) >= self.config.trial_batches
+
+    @property
+    def measuring(self) -> Optional[Trial]:
+        """The measuring trial whose one batch just succeeded (`measured` ends it)."""
+        trial = self.trial
+        return trial if trial is not None and trial.measure and trial.on else None
+
+    def measured(self, per_sample: Optional[float], how: str = "") -> str:
+        """The measuring batch's result (agreed): the trade's bytes per sample, or None where they
+        could not be told (`how`: the figures, for the console). Ends the measurement; returns its
+        console line."""
+        trial = self.trial
+        assert trial is not None and trial.measure
+        self.trial = None
+        trade = trial.trades[0]
+        if per_sample is None:
+            self.per_sample[trade] = None
+            return f"layout trade {trade}: its bytes could not be measured; not tried at a smaller microbatch"
+        self.per_sample[trade] = max(0.0, float(per_sample))
+        return (
+            f"layout trade {trade} ({DESCRIPTIONS[trade]}): {per_sample / 2**20:.2f} MiB per sample more"
+            f"{' (' + how + ')' if how else ''}"
+        )
 
     def local_times(self) -> list[float]:
         assert self.trial is not None
@@ -370,6 +426,9 @@ class LayoutSearch:
         acts then). A downsize trial's trades stay where they were (rejected at the size found)."""
         if self.trial is not None:
             trial, self.trial = self.trial, None
+            if trial.measure:
+                # Even the smallest microbatch did not fit with it: never measured again.
+                self.per_sample[trial.trades[0]] = None
             if set(trial.trades) <= set(failed_layout):
                 if trial.size is None:
                     for trade in trial.trades:
@@ -392,6 +451,7 @@ class LayoutSearch:
             "too_big_at": dict(self.too_big_at),
             "downsized_from": list(self.downsized_from),
             "near": [[list(base), list(trades)] for base, trades in self.near.items()],
+            **({"per_sample": dict(self.per_sample)} if self.per_sample else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -410,13 +470,17 @@ class LayoutSearch:
         self.near = {
             tuple(t for t in TRADES if t in base): [t for t in trades if t in TRADES] for base, trades in state.get("near", [])
         }
+        self.per_sample = {
+            t: (None if v is None else float(v)) for t, v in state.get("per_sample", {}).items() if t in MEASURED
+        }
         for trade in state.get("tried", []):  # checkpoints before "slower_on": every trade tried
             if trade in TRADES and trade not in self.kept and trade not in self.rejected:
                 self.rejected[trade] = "tried before the checkpoint"
         self.trial = None
 
 __all__ = [
-    "DESCRIPTIONS", "GRAD_SYNC_ONCE", "LayoutConfig", "LayoutConfigError", "LayoutSearch", "NO_RECOMPUTE", "NO_RESHARD",
+    "DESCRIPTIONS", "GRAD_SYNC_ONCE", "LayoutConfig", "LayoutConfigError", "LayoutSearch", "MEASURED", "NO_RECOMPUTE",
+    "NO_RESHARD",
     "TRADES",
     "TrialResult", "describe", "judge",
 ]

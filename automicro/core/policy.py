@@ -835,6 +835,11 @@ class SearchPolicy:
     def current_split(self) -> tuple[int, ...]:
         return current_split(self.state, self.config)
 
+    def probe_split(self) -> Optional[tuple[int, ...]]:
+        """The probe's split of this batch (two sizes at the floor; None where the batch is too
+        small): a layout trade's bytes are measured with it (`automicro.core.layout`)."""
+        return probe_split(self.state.batch_size, _min_size(self.config, self.state.batch_size))
+
     def split_for(self, found: int) -> tuple[int, ...]:
         """The split a settled search at `found` would run (the found size's own split rule)."""
         return current_split(replace(self.state, phase=Phase.STEADY, found=found), self.config)

@@ -675,7 +675,10 @@ class AutoMicrobatching(Callback):
             self._layout_state = None
         self.layout.before_batch(
             self.policy.phase == search.Phase.STEADY, self._last_peak, self._last_capacity,
-            *(() if self.tokens is not None else (max(self.policy.current_split()), self.policy.found_size, self._peak_at)),
+            *(() if self.tokens is not None else (
+                max(self.policy.current_split()), self.policy.found_size, self._peak_at,
+                self.policy.probe_split() if self.policy_config.probes else None,
+            )),
         )
         batch_index = step.batch_index
         while True:
@@ -688,6 +691,9 @@ class AutoMicrobatching(Callback):
                 track = self.policy_config.probes and self.policy.phase == search.Phase.SEARCHING
                 downsized = self.layout.trial_size
                 split = self.policy.current_split() if downsized is None else self.policy.split_for(downsized)
+                if self.layout.measure_split_next:
+                    # A layout trade's bytes, measured at the probe's split (`automicro.core.layout`).
+                    split, track = self.policy.probe_split() or split, True
                 attempt = step.attempt(tuple(split), None, hooks_on, track_peaks=track)
             self._batch_attempts = step.attempts
             result, sizes = attempt.result, attempt.sizes
@@ -710,12 +716,15 @@ class AutoMicrobatching(Callback):
                     self._memory.empty_cache()
                 self._used_split = sizes
                 self._last_peak, self._last_capacity = verdict.peak_bytes, verdict.capacity_bytes
-                self.layout.after_success(step.attempts)
+                peaks = self._agreed_peaks(step)
+                trial_batch = self.layout.trial_batch
+                self.layout.after_success(step.attempts, peaks)
                 adopted = self.layout.take_adopted()
                 if adopted is not None:
                     decision = self.policy.observe(search.Adopt(adopted))
                     self._info(decision.event)
-                self._after_success(verdict, batch_index, sizes, seconds, self._agreed_peaks(step))
+                # A layout trial's "with" batch does not feed the memory model (its trade's bytes are in it).
+                self._after_success(verdict, batch_index, sizes, seconds, () if trial_batch else peaks, trial_batch)
                 self._optimizer_pending = 0  # the step created the state: evals and later batches hold it
                 return attempt.total_loss_dict
 
@@ -837,7 +846,7 @@ class AutoMicrobatching(Callback):
 
     def _after_success(
         self, verdict: Verdict, batch_index: int, sizes: tuple[int, ...], seconds: float,
-        peaks_by_size: tuple[tuple[int, int], ...] = (),
+        peaks_by_size: tuple[tuple[int, int], ...] = (), trial_batch: bool = False,
     ) -> None:
         assert self.policy is not None
         self._batch_retries = verdict.any_new_alloc_retries
@@ -858,8 +867,7 @@ class AutoMicrobatching(Callback):
         decision = self.policy.observe(
             search.Success(
                 self._outcome_size(sizes, verdict),
-                # A layout trial's "with" batch does not feed the memory model (its trade's bytes are in it).
-                peak_bytes=None if self.layout is not None and self.layout.trial_batch else verdict.peak_bytes or None,
+                peak_bytes=None if trial_batch else verdict.peak_bytes or None,
                 capacity_bytes=verdict.capacity_bytes or None,
                 projected=self._optimizer_pending > 0,
                 peaks_by_size=peaks_by_size,

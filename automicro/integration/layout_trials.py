@@ -19,6 +19,7 @@ import torch
 
 from automicro.core.consensus import SLOTS, Consensus
 from automicro.core.layout import TRADES, LayoutConfig, LayoutSearch, describe
+from automicro.core.policy import SAFETY_MARGIN
 from automicro.engine.layout import LayoutEngine
 from automicro.engine.sharding import ShardedModel
 
@@ -66,6 +67,7 @@ class LayoutTrials:
         self.adopted: Optional[int] = None  # a kept downsize trial's size, for the size policy (once)
         self.last_run: tuple[str, ...] = ()  # the layout the last batch started at
         self.trial_batch = False
+        self._peak_at: Optional[Callable[[int], Optional[tuple[int, int]]]] = None
         # Turns each measured batch time into the one judged (the identity). Tests replace it to
         # make a trade look faster or slower without depending on the machine's timing.
         self.timing: Callable[[tuple[str, ...], float], float] = lambda layout, seconds: seconds
@@ -90,12 +92,15 @@ class LayoutTrials:
     def before_batch(
         self, steady: bool, peak_bytes: int, capacity_bytes: int, size: Optional[int] = None,
         found: Optional[int] = None, peak_at: Optional[Callable[[int], Optional[tuple[int, int]]]] = None,
+        measure_split: Optional[tuple[int, ...]] = None,
     ) -> None:
         """Choose and apply the next batch's layout; start the clock during a trial. `size`: the
         next batch's largest microbatch (a trade that did not fit at a larger one may be tried
         again); `found`: the size found; `peak_at(n)`: (the largest microbatch, the size policy's
         projected peak) were the size found `n` (None: no projection, or below the smallest size
-        allowed). A downsize trial runs only at a split whose largest microbatch is below `size`."""
+        allowed). A downsize trial runs only at a split whose largest microbatch is below `size`.
+        `measure_split`: the probe's split, where a measured trade's bytes can be measured (None:
+        they cannot; `measure_split_next` says when the next batch runs it)."""
         if self.engine is None:
             return
         engine = self.engine
@@ -112,21 +117,44 @@ class LayoutTrials:
                 f"capacity {capacity_bytes / 2**20:.1f} MiB"
             )
 
+        per_sample = self.search.per_sample
+
         def smaller(trades: tuple[str, ...]) -> Optional[int]:
-            extras = [engine.extra_bytes(t) for t in trades]
-            if found is None or peak_at is None or not capacity_bytes or any(e is None for e in extras):
+            # A measured trade's bytes grow with the microbatch (bytes per sample), the others' do not.
+            fixed = [engine.extra_bytes(t) for t in trades if per_sample.get(t) is None]
+            growing = sum(per_sample.get(t) or 0.0 for t in trades)
+            if found is None or peak_at is None or not capacity_bytes or any(e is None for e in fixed):
                 return None
-            extra = sum(e for e in extras if e is not None)
+            extra = sum(e for e in fixed if e is not None)
+            # A slope measured at the smallest sizes and extrapolated: under the policy's margin.
+            room = capacity_bytes * (SAFETY_MARGIN if growing else 1.0)
             for n in range(found - 1, 0, -1):
                 projected = peak_at(n)
                 if projected is None:
                     return None
                 largest, peak = projected
-                if (size is None or largest < size) and peak + extra <= capacity_bytes:
+                if (size is None or largest < size) and peak + extra + growing * largest <= room:
                     return n
             return None
 
-        layout, lines = self.search.layout_for_batch(steady, fits, size, found, smaller)
+        measure_at = None
+        if measure_split and found is not None and peak_at is not None and capacity_bytes:
+            measure_at = min(measure_split)
+        self._peak_at = peak_at
+        started = self.search.trial
+        layout, lines = self.search.layout_for_batch(steady, fits, size, found, smaller, measure_at)
+        trial = self.search.trial
+        if trial is not None and trial is not started and trial.size is not None and not trial.measure and peak_at:
+            projected = peak_at(trial.size)
+            if projected is not None:
+                largest, peak = projected
+                extra = sum(per_sample.get(t) or 0.0 for t in trial.trades) * largest + sum(
+                    engine.extra_bytes(t) or 0 for t in trial.trades if per_sample.get(t) is None
+                )
+                lines.append(
+                    f"layout trial {trial.trade} at microbatch {trial.size}: projected peak "
+                    f"{(peak + extra) / 2**20:.1f} MiB, capacity {capacity_bytes / 2**20:.1f} MiB"
+                )
         for line in lines:
             self._info(line)
         self._apply(layout)
@@ -138,8 +166,16 @@ class LayoutTrials:
             self._sync()
             self._started = time.perf_counter()
 
-    def after_success(self, attempts: int) -> None:
-        """The batch succeeded (and the optimizer stepped). A batch that retried is not timed."""
+    @property
+    def measure_split_next(self) -> bool:
+        """The next batch measures a trade's bytes: it runs at the probe's split, its microbatch
+        peaks tracked (`after_success` takes them)."""
+        trial = None if self.engine is None else self.search.trial
+        return trial is not None and trial.measure and not trial.on
+
+    def after_success(self, attempts: int, peaks_by_size: tuple[tuple[int, int], ...] = ()) -> None:
+        """The batch succeeded (and the optimizer stepped); `peaks_by_size`: its agreed microbatch
+        peaks by size, where they were tracked. A batch that retried is not timed."""
         if self.engine is None:
             return
         self.engine.reset()
@@ -150,6 +186,23 @@ class LayoutTrials:
         self._started = None
         if attempts == 1:
             self.search.observe(self.layout, self.timing(self.layout, seconds))
+        trial = self.search.measuring
+        if trial is not None:
+            per_sample, how = None, ""
+            by_size = sorted(peaks_by_size)
+            if len(by_size) >= 2 and self._peak_at is not None:
+                (s1, p1), (s2, p2) = by_size[0], by_size[-1]
+                on1, on2 = self._peak_at(s1), self._peak_at(s2)
+                if on1 is not None and on2 is not None and on1[0] == s1 and on2[0] == s2:
+                    with_it, without = (p2 - p1) / (s2 - s1), (on2[1] - on1[1]) / (s2 - s1)
+                    per_sample = with_it - without
+                    how = (
+                        f"{with_it / 2**20:.1f} MiB per sample with it at microbatches {s1} and {s2}, "
+                        f"{without / 2**20:.1f} MiB without"
+                    )
+            self._info(self.search.measured(per_sample, how))
+            self._apply(self.search.settled)
+            return
         if self.search.needs_agreement:
             local = [int(round(s * 1e6)) for s in self.search.local_times()]
             agreed: list[int] = []
