@@ -6,6 +6,10 @@ VENV := .venv
 VENV211 := .venv-211
 VENV215 := .venv-215
 PYTEST_ARGS ?=
+# Two pytest workers, one test file each at a time (pytest-xdist; 0: one process). On the 2-core CI
+# machine the multi-rank tests leave cores idle while launchers start and ranks wait on each other.
+PYTEST_WORKERS ?= 2
+PYTEST := -m pytest tests $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 # Overrides for the demo, e.g. `make demo DEMO_ARGS=loggers.wandb=true` (an offline wandb run).
 DEMO_ARGS ?=
 
@@ -64,13 +68,13 @@ foundry-demo: $(VENV)/.foundry
 	WANDB_MODE=$${WANDB_MODE:-offline} $(VENV)/bin/composer -n 2 -m automicro.foundry configs/foundry-tiny-cpu.yaml $(DEMO_ARGS)
 
 test: $(VENV)/.installed $(VENV)/.foundry
-	$(VENV)/bin/python -m pytest tests $(PYTEST_ARGS)
+	$(VENV)/bin/python $(PYTEST) $(PYTEST_ARGS)
 
 test-211: $(VENV211)/.installed
-	$(VENV211)/bin/python -m pytest tests $(PYTEST_ARGS)
+	$(VENV211)/bin/python $(PYTEST) $(PYTEST_ARGS)
 
 test-215: $(VENV215)/.installed
-	$(VENV215)/bin/python -m pytest tests $(PYTEST_ARGS)
+	$(VENV215)/bin/python $(PYTEST) $(PYTEST_ARGS)
 
 wheelhouse:
 	bash scripts/gpu_wheelhouse.sh

@@ -297,6 +297,20 @@ def test_trades_whose_bytes_do_not_fit_are_not_tried():
 
 
 @pytest.mark.multiproc
+@pytest.mark.many_ranks
+def test_activation_checkpointing_off_is_kept_when_faster_on_four_ranks():
+    """``no_recompute`` on 4 ranks (the module's 4-rank run): tried last, kept when timed faster, the
+    same layouts on every rank; parameters equal a fixed run with checkpointing."""
+    results = _suite(4)
+    for rank in range(4):
+        kept = results[rank]["recompute_kept"]
+        assert kept["found"] == 4 and kept["diff"] < 1e-5, (kept["history"], kept["diff"])
+        assert kept["results"] == [[GRAD_SYNC_ONCE, False], [NO_RESHARD, False], [NO_RECOMPUTE, True]], kept
+        assert kept["settled"] == [NO_RECOMPUTE] and kept["layouts"][-1] == [GRAD_SYNC_ONCE, NO_RECOMPUTE]
+    assert len({str(results[r]["recompute_kept"]["layouts"]) for r in range(4)}) == 1
+
+
+@pytest.mark.multiproc
 @pytest.mark.parametrize("world", [1, 2])
 def test_activation_checkpointing_off_is_a_trade_kept_when_faster_undone_by_an_oom_then_measured_and_downsized(world):
     """``no_recompute`` on 1 and 2 ranks, the blocks checkpointed: tried after the other two, last; kept
