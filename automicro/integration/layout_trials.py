@@ -119,21 +119,28 @@ class LayoutTrials:
 
         per_sample = self.search.per_sample
 
-        def smaller(trades: tuple[str, ...]) -> Optional[int]:
-            # A measured trade's bytes grow with the microbatch (bytes per sample), the others' do not.
+        def extra_at(trades: tuple[str, ...], largest: int) -> Optional[float]:
+            """The trades' bytes beside a microbatch of `largest`: a measured trade's grow with it
+            (bytes per sample), the others' do not. None: not projected."""
             fixed = [engine.extra_bytes(t) for t in trades if per_sample.get(t) is None]
-            growing = sum(per_sample.get(t) or 0.0 for t in trades)
-            if found is None or peak_at is None or not capacity_bytes or any(e is None for e in fixed):
+            if any(e is None for e in fixed):
                 return None
-            extra = sum(e for e in fixed if e is not None)
+            return sum(e for e in fixed if e is not None) + sum(per_sample.get(t) or 0.0 for t in trades) * largest
+
+        def smaller(trades: tuple[str, ...]) -> Optional[int]:
+            if found is None or peak_at is None or not capacity_bytes:
+                return None
             # A slope measured at the smallest sizes and extrapolated: under the policy's margin.
-            room = capacity_bytes * (SAFETY_MARGIN if growing else 1.0)
+            room = capacity_bytes * (SAFETY_MARGIN if any(per_sample.get(t) for t in trades) else 1.0)
             for n in range(found - 1, 0, -1):
                 projected = peak_at(n)
                 if projected is None:
                     return None
                 largest, peak = projected
-                if (size is None or largest < size) and peak + extra + growing * largest <= room:
+                extra = extra_at(trades, largest)
+                if extra is None:
+                    return None
+                if (size is None or largest < size) and peak + extra <= room:
                     return n
             return None
 
@@ -146,11 +153,9 @@ class LayoutTrials:
         trial = self.search.trial
         if trial is not None and trial is not started and trial.size is not None and not trial.measure and peak_at:
             projected = peak_at(trial.size)
-            if projected is not None:
-                largest, peak = projected
-                extra = sum(per_sample.get(t) or 0.0 for t in trial.trades) * largest + sum(
-                    engine.extra_bytes(t) or 0 for t in trial.trades if per_sample.get(t) is None
-                )
+            extra = None if projected is None else extra_at(trial.trades, projected[0])
+            if projected is not None and extra is not None:
+                peak = projected[1]
                 lines.append(
                     f"layout trial {trial.trade} at microbatch {trial.size}: projected peak "
                     f"{(peak + extra) / 2**20:.1f} MiB, capacity {capacity_bytes / 2**20:.1f} MiB"
