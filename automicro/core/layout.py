@@ -451,6 +451,7 @@ class LayoutSearch:
             "too_big_at": dict(self.too_big_at),
             "downsized_from": list(self.downsized_from),
             "near": [[list(base), list(trades)] for base, trades in self.near.items()],
+            # Only once measured: a run without checkpointing keeps the state (and its bytes) it had.
             **({"per_sample": dict(self.per_sample)} if self.per_sample else {}),
         }
 
