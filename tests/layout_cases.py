@@ -13,8 +13,9 @@ from typing import Any, Optional
 import torch
 
 import automicro
-from automicro.core.layout import GRAD_SYNC_ONCE, NO_RECOMPUTE, NO_RESHARD
+from automicro.core.layout import GRAD_SYNC_ONCE, NO_RECOMPUTE, NO_RESHARD, RECOMPUTE
 from automicro.data import SyntheticTokens, build_dataloader
+from automicro.engine._torch_internals import has_activation_checkpointing
 from automicro.engine.layout import LayoutEngine
 from automicro.engine.sharding import sharded_of
 from automicro.testing import FaultInjector, MemoryCapCallback
@@ -96,6 +97,8 @@ def fit(
             # What the engine projects for each trade (a fixed size leaves the callback idle: its own engine).
             "extras": [LayoutEngine(sharded_of(model)).extra_bytes(t) for t in (GRAD_SYNC_ONCE, NO_RESHARD)],
             "params": {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()},
+            # Blocks carrying activation checkpointing (on, or switched off for `recompute`).
+            "checkpointed": sum(map(has_activation_checkpointing, model.modules())),
         }
         result["extra"] = sum(result["extras"])
         return result
@@ -150,6 +153,35 @@ def suite(rank: int, world: int) -> dict[str, Any]:
         out.update(recompute_cases())
     else:
         out.update(recompute_cases(oom=False))
+    out.update(upsize_cases(two_ways=world == 2))
+    return out
+
+
+def upsize_cases(two_ways: bool = False) -> dict[str, Any]:
+    """The user did not ask for checkpointing: the engine carries it switched off, ``recompute`` is a
+    candidate. The probe, and a cap where size 2 fits without checkpointing but 3 does not, while 4
+    (the whole batch) fits with it, with room for the projection's margin:
+
+    - ``upsize``: checkpointing on timed faster. After the other trades at 2, one batch measures
+      it (on, at the probe's split), then the upsize trial runs 4 with it against 2 without: kept,
+      the size policy settles on 4.
+    - ``upsize_slower`` (`two_ways`): timed slower, not kept; the size stays 2.
+    Parameters against a fixed run at size 2 without checkpointing (recomputation changes no number)."""
+    without2, without3 = fit(2, 2, layout="fixed")["peak"], fit(3, 2, layout="fixed")["peak"]
+    with4 = fit(4, 2, layout="fixed", fsdp2=AC)["peak"]
+    cap = torch.tensor([(without3 + max(without2, int(with4 / 0.9))) // 2], dtype=torch.int64)
+    torch.distributed.broadcast(cap, 0)
+    limit = int(cap[0])
+    batches = 16
+    fixed = fit(2, batches, layout="fixed")
+    out: dict[str, Any] = {"upsize_limit": [without2, without3, with4, limit], "fixed_checkpointed": fit("auto", 1, layout="fixed")["checkpointed"]}
+    out["upsize"] = _strip(
+        fit("auto", batches, limit=limit, timing=seconds_where(faster=(RECOMPUTE,)), start_size="probe"), fixed
+    )
+    if two_ways:
+        out["upsize_slower"] = _strip(
+            fit("auto", batches, limit=limit, timing=seconds_where(slower=(RECOMPUTE,)), start_size="probe"), fixed
+        )
     return out
 
 

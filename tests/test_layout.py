@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from automicro.core.layout import (
-    GRAD_SYNC_ONCE, NO_RECOMPUTE, NO_RESHARD, TRADES, LayoutConfig, LayoutConfigError, LayoutSearch, judge,
+    GRAD_SYNC_ONCE, NO_RECOMPUTE, NO_RESHARD, RECOMPUTE, TRADES, LayoutConfig, LayoutConfigError, LayoutSearch, judge,
 )
 from automicro.testing.multiprocess import run_multiprocess
 from tests import layout_cases as cases
@@ -311,6 +311,39 @@ def test_activation_checkpointing_off_is_kept_when_faster_on_four_ranks():
 
 
 @pytest.mark.multiproc
+@pytest.mark.parametrize("world", [1, 2, pytest.param(4, marks=pytest.mark.many_ranks)])
+def test_checkpointing_on_is_measured_then_kept_at_the_larger_microbatch_it_admits_when_faster(world):
+    """``recompute`` on 1, 2 and 4 ranks, the user not asking for checkpointing: under a cap where 2
+    fits without it and 3 does not, after the other trades at 2, one batch measures it at the
+    probe's split, then 4 with it against 2 without; faster, 4 is adopted with checkpointing on, no
+    OOM; slower (2 ranks), the size stays 2. Parameters equal a fixed run at 2 without it."""
+    results = _suite(world)
+    for rank in range(world):
+        without2, without3, with4, limit = results[rank]["upsize_limit"]
+        assert without2 <= limit < without3 and with4 < limit, results[rank]["upsize_limit"]
+        runs = [results[rank]["upsize"]] + ([results[rank]["upsize_slower"]] if world == 2 else [])
+        # The switch is carried only where the layout is searched: each of the two blocks, not under layout: fixed.
+        assert results[rank]["fixed_checkpointed"] == 0 and runs[0]["checkpointed"] == cases.MODEL["n_layers"]
+        for run in runs:
+            assert run["diff"] < 1e-5 and "OOMs 0" in run["summary"], (run["diff"], run["summary"])
+            steady = next(r[0] for r in run["history"] if "sync hooks off" in r[3])
+            # The two other trades at 2 (not faster), then the measuring batch, then 4 with it, 2 without.
+            assert run["layouts"][steady + 1 : steady + 8] == [
+                [GRAD_SYNC_ONCE], [], [NO_RESHARD], [], [RECOMPUTE], [RECOMPUTE], [],
+            ], run["layouts"]
+            assert run["splits"][steady + 5 : steady + 8] == [[1, 1, 2], [4], [2, 2]], run["splits"]
+            assert run["state"]["fits_up_to"] == {RECOMPUTE: 4} and run["state"]["upsized_from"] == [2]
+        up = runs[0]
+        assert up["found"] == 4 and up["settled"] == [RECOMPUTE] and "layout: activation checkpointing on" in up["summary"]
+        assert all(s == [4] for s in up["splits"][steady + 8 :]) and all(RECOMPUTE in x for x in up["layouts"][steady + 8 :])
+        if world == 2:
+            slower = runs[1]
+            assert slower["found"] == 2 and slower["settled"] == [] and [RECOMPUTE, False] in slower["results"]
+            assert all(s == [2, 2] and x == [] for s, x in zip(slower["splits"][steady + 8 :], slower["layouts"][steady + 8 :]))
+    assert len({str(results[r]["upsize"]["layouts"]) for r in range(world)}) == 1
+
+
+@pytest.mark.multiproc
 @pytest.mark.parametrize("world", [1, 2])
 def test_activation_checkpointing_off_is_a_trade_kept_when_faster_undone_by_an_oom_then_measured_and_downsized(world):
     """``no_recompute`` on 1 and 2 ranks, the blocks checkpointed: tried after the other two, last; kept
@@ -454,7 +487,7 @@ def test_pressure_in_the_measuring_batch_or_no_measure_ends_it_for_good():
     assert nowhere.layout_for_batch(True, lambda t: None, 4, 4, lambda trades: None, 1) == ((), [])
 
 
-def test_the_size_policy_adopts_a_smaller_size_only_when_steady():
+def test_the_size_policy_adopts_another_size_only_when_steady():
     from automicro.core import policy as search
 
     p = search.SearchPolicy(search.PolicyConfig(), 8)
@@ -466,8 +499,20 @@ def test_the_size_policy_adopts_a_smaller_size_only_when_steady():
     decision = p.observe(search.Adopt(3))
     assert p.found_size == 3 and p.phase == search.Phase.STEADY and decision.split == p.current_split() == p.split_for(3)
     assert decision.event == "layout: microbatch now 3, split (3, 3, 2)" and not decision.hooks
-    with pytest.raises(ValueError, match="Adopt"):
-        p.observe(search.Adopt(5))  # not smaller
+    for bad in (3, 9, 0):  # the size found itself, beyond the batch, below 1
+        with pytest.raises(ValueError, match="Adopt|must be an int in 1..8"):
+            p.observe(search.Adopt(bad))
+    # Larger (checkpointing on admitted it): the bounds and the memory model were the other layout's.
+    q = search.SearchPolicy(search.PolicyConfig(), 8)
+    q.observe(search.Success(8, peak_bytes=800, capacity_bytes=900))
+    q.observe(search.OOM(4))
+    q.observe(search.Success(2, peak_bytes=300, capacity_bytes=900))
+    while q.phase != search.Phase.STEADY:
+        q.observe(search.Success(max(q.current_split()), peak_bytes=400, capacity_bytes=900))
+    assert q.found_size < 4 and q.state.first_failure is not None and q.state.samples
+    decision = q.observe(search.Adopt(6))
+    assert q.found_size == 6 and q.state.first_failure is None and q.state.samples == () and q.state.best_success == 6
+    assert decision.split == (4, 4) and q.projected_peak(6) is None and q.phase == search.Phase.STEADY
 
 
 @pytest.mark.multiproc
@@ -486,8 +531,14 @@ def test_a_smaller_microbatch_with_the_trades_is_adopted_when_faster_and_paramet
             assert run["splits"][steady + 1 : steady + 3] == [[1, 1, 1, 1], [2, 2]], run["splits"]
             assert run["layouts"][steady + 1 : steady + 3] == [[GRAD_SYNC_ONCE, NO_RESHARD], []], run["layouts"]
         assert auto["found"] == 1 and auto["settled"] == [GRAD_SYNC_ONCE, NO_RESHARD], auto
-        assert all(s == [1, 1, 1, 1] for s in auto["splits"][steady + 3 :]) and "microbatch size found: 1" in auto["summary"]
-        assert slower["found"] == 2 and slower["settled"] == [] and all(s == [2, 2] for s in slower["splits"][steady + 2 :])
+        # Checkpointing on (the engine carries it switched off) is measured and tried at a larger size
+        # after that; timed no faster, it is not kept.
+        def without_recompute(run, start):
+            return [s for s, x in zip(run["splits"][start:], run["layouts"][start:]) if RECOMPUTE not in x]
+
+        assert [RECOMPUTE, False] in auto["results"] and [RECOMPUTE, False] in slower["results"]
+        assert set(map(tuple, without_recompute(auto, steady + 3))) == {(1, 1, 1, 1)} and "microbatch size found: 1" in auto["summary"]
+        assert slower["found"] == 2 and slower["settled"] == [] and set(map(tuple, without_recompute(slower, steady + 2))) == {(2, 2)}
 
 
 def test_trades_each_faster_by_too_little_are_tried_together_once():
@@ -524,3 +575,104 @@ def test_trades_each_faster_by_too_little_are_tried_together_once():
     restored = LayoutSearch(config, [GRAD_SYNC_ONCE, NO_RESHARD])
     restored.load_state_dict(search.state_dict())
     assert restored.settled == (GRAD_SYNC_ONCE, NO_RESHARD) and restored.near == search.near
+
+
+# ---- checkpointing on, at a larger microbatch (`recompute`) -------------------------------------
+
+
+def _upsize_search(found: int = 2) -> LayoutSearch:
+    """``grad_sync_once`` tried at `found` (slower); ``recompute`` waits, never tried at that size."""
+    search = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), [GRAD_SYNC_ONCE, RECOMPUTE])
+    _run_trial(search, 3.0, 2.0)
+    assert search.settled == () and search.trial is None
+    return search
+
+
+def _measure(search: LayoutSearch, found: int, fits_up_to) -> list[str]:
+    layout, lines = search.layout_for_batch(True, lambda t: None, found, found, None, 1)
+    trial = search.trial
+    assert trial is not None and trial.measure and (trial.size, trial.from_size) == (1, found), lines
+    assert layout == (RECOMPUTE,) and search.measuring is None
+    search.observe(layout, 9.0)
+    assert search.measuring is trial and not search.needs_agreement
+    return lines + [search.measured(None, "how", fits_up_to=fits_up_to)]
+
+
+def test_recompute_is_measured_then_tried_at_the_larger_size_it_fits_and_never_undone_under_pressure():
+    search = _upsize_search()
+    # Without a size to measure at (no probe, no memory figures): nothing is tried.
+    assert search.layout_for_batch(True, lambda t: None, 2, 2, None, None) == ((), [])
+    assert _measure(search, 2, 4) == [
+        "layout trade recompute (activation checkpointing on): measuring its bytes in one batch at microbatches 1 "
+        "and 2 (found 2): a larger microbatch may fit with it",
+        "layout trade recompute (activation checkpointing on): fits microbatch 4 at most (how)",
+    ]
+    assert search.trial is None and search.fits_up_to == {RECOMPUTE: 4} and search.settled == ()
+    layout, lines = search.layout_for_batch(True, lambda t: None, 2, 2, None, 1)
+    assert layout == (RECOMPUTE,) and search.trial_size == 4 and search.trial.upsize and search.upsized_from == [2]
+    assert lines == [
+        "layout trial recompute (activation checkpointing on) at microbatch 4 (found 2): 1 batches with it at 4, "
+        "as many without at 2"
+    ]
+    search.observe(layout, 1.0)
+    layout, _ = search.layout_for_batch(True, lambda t: None, 2, 2, None, 1)
+    assert layout == () and search.trial_size is None
+    search.observe(layout, 2.0)
+    result = search.decide(search.local_times())
+    assert result.kept and result.size == 4 and search.settled == (RECOMPUTE,)
+    # At 4 (adopted): the trades are tried again on top; recompute is never tried, nor measured, again.
+    layout, lines = search.layout_for_batch(True, lambda t: None, 4, 4, None, 1)
+    assert layout == (GRAD_SYNC_ONCE, RECOMPUTE) and search.trial.size is None, lines
+    search.observe(layout, 1.0)
+    search.observe(search.layout_for_batch(True, lambda t: None, 4, 4, None, 1)[0], 2.0)
+    assert search.decide(search.local_times()).kept and search.settled == (GRAD_SYNC_ONCE, RECOMPUTE)
+    assert search.layout_for_batch(True, lambda t: None, 4, 4, None, 1) == ((GRAD_SYNC_ONCE, RECOMPUTE), [])
+    # Pressure: the other trade goes; checkpointing stays (the size shrinks instead).
+    assert search.relieve(search.current, "out of memory at size 4", 4) == GRAD_SYNC_ONCE
+    assert search.relieve(search.current, "out of memory at size 4", 4) is None and search.settled == (RECOMPUTE,)
+    restored = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), [GRAD_SYNC_ONCE, RECOMPUTE])
+    restored.load_state_dict(search.state_dict())
+    assert restored.settled == (RECOMPUTE,) and restored.fits_up_to == {RECOMPUTE: 4} and restored.upsized_from == [2]
+
+
+def test_recompute_not_kept_or_not_fitting_larger_is_not_tried_again_from_that_size():
+    slower = _upsize_search()
+    _measure(slower, 2, 4)
+    slower.layout_for_batch(True, lambda t: None, 2, 2, None, 1)
+    slower.observe((RECOMPUTE,), 3.0)
+    slower.observe(slower.layout_for_batch(True, lambda t: None, 2, 2, None, 1)[0], 2.0)
+    result = slower.decide(slower.local_times())
+    assert not result.kept and slower.settled == () and slower.upsized_from == [2]
+    assert slower.layout_for_batch(True, lambda t: None, 2, 2, None, 1) == ((), [])
+    # From a smaller size found (the policy shrank later): tried again, without measuring again.
+    layout, lines = slower.layout_for_batch(True, lambda t: None, 1, 1, None, 1)
+    assert layout == (RECOMPUTE,) and slower.trial_size == 4 and not slower.trial.measure, lines
+    # Its model fits no larger size than the one found: said once, no trial.
+    small = _upsize_search()
+    _measure(small, 2, 2)
+    assert small.layout_for_batch(True, lambda t: None, 2, 2, None, 1) == ((), [
+        "layout trade recompute (activation checkpointing on) not tried: it fits microbatch 2 at most, not larger than 2 found"
+    ])
+    assert small.layout_for_batch(True, lambda t: None, 2, 2, None, 1) == ((), [])
+
+
+def test_pressure_in_recomputes_measuring_batch_or_its_trial_ends_it_and_the_batch_reruns_at_the_size_found():
+    pressed = _upsize_search()
+    pressed.layout_for_batch(True, lambda t: None, 2, 2, None, 1)
+    assert pressed.relieve(pressed.current, "out of memory at size 2", 2) == RECOMPUTE
+    assert pressed.trial is None and pressed.fits_up_to == {RECOMPUTE: None}
+    assert pressed.layout_for_batch(True, lambda t: None, 1, 1, None, 1) == ((), [])
+    unread = _upsize_search()
+    assert "could not be measured" in _measure(unread, 2, None)[-1] and unread.fits_up_to == {RECOMPUTE: None}
+    assert unread.layout_for_batch(True, lambda t: None, 2, 2, None, 1) == ((), [])
+    trial = _upsize_search()
+    _measure(trial, 2, 4)
+    trial.layout_for_batch(True, lambda t: None, 2, 2, None, 1)
+    assert trial.relieve(trial.current, "out of memory at size 4", 4) == RECOMPUTE
+    assert trial.trial is None and trial.trial_size is None and trial.rejected == {} and trial.settled == ()
+    assert trial.layout_for_batch(True, lambda t: None, 2, 2, None, 1) == ((), [])
+
+
+def test_recompute_cannot_be_pinned():
+    with pytest.raises(LayoutConfigError, match="activation_checkpointing: true"):
+        LayoutConfig.parse([RECOMPUTE])

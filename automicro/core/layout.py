@@ -19,6 +19,12 @@ A *layout* is the set of trades in use. The trades (the FSDP2 engine applies the
   again. Costs every block's activations at the microbatch size; those bytes are not projected
   (they depend on the model's layers), so this trade is tried last and its first batch is the
   measurement: an OOM or thrashing in it undoes it (below).
+- ``recompute``: where the user did not ask for checkpointing, the engine checkpoints every block
+  switched off (`automicro.engine.sharding.shard`'s ``checkpoint_switch``) and this trade switches
+  it on: a forward per block again in backward, for activations that no longer grow with the
+  microbatch as fast. Slower at the same size, so it is only ever tried at a *larger* microbatch
+  (an upsize trial, below), and never undone under pressure (the size shrinks instead: undoing it
+  at the larger size would surely run out of memory).
 
 How one trade is tried (`LayoutSearch`): when the size policy is steady and no trial runs, the
 next candidate whose projected extra bytes fit under the agreed capacity (peak + extra <=
@@ -55,6 +61,15 @@ sample times the microbatch, under the policy's safety margin: a slope measured 
 sizes is extrapolated). Pressure in the measuring batch ends it, and the trade is never measured
 again (one OOM at most, at the smallest sizes).
 
+Where the microbatch found is small, checkpointing can pay for its recomputation with a larger
+microbatch (a 3B model on one H100 settles on 1). So once nothing else is left to try at the size
+found, ``recompute`` is measured in one batch (on, at the probe's split: its own memory model,
+fixed bytes plus bytes per sample, from its microbatch peaks) and, where that model fits a larger
+microbatch than the one found under the policy's margin (`fits_up_to`), an *upsize trial* runs
+that size with it against the size found without it, by the same rule. Kept, the size policy
+settles on the larger size (`automicro.core.policy.Adopt`). Once per size found; pressure in the
+measuring batch ends it for good, pressure in a trial's "with" batches ends that trial.
+
 Every decision is a function of agreed values only, so every rank takes the same one.
 
 Owns: the trade names, the trial state machine and its checkpoint form. May not touch: torch,
@@ -71,13 +86,20 @@ from typing import Any, Optional, Union
 GRAD_SYNC_ONCE = "grad_sync_once"
 NO_RESHARD = "no_reshard"
 NO_RECOMPUTE = "no_recompute"
-TRADES = (GRAD_SYNC_ONCE, NO_RESHARD, NO_RECOMPUTE)  # also the order they are tried in
+RECOMPUTE = "recompute"
+TRADES = (GRAD_SYNC_ONCE, NO_RESHARD, NO_RECOMPUTE, RECOMPUTE)  # also the order they are tried in
 # Trades whose bytes grow with the microbatch and are measured, not projected from the model.
 MEASURED = (NO_RECOMPUTE,)
+# Trades that save bytes per sample at a cost in time: tried only at a larger microbatch (an upsize
+# trial), measured first, never undone under pressure.
+UPSIZE = (RECOMPUTE,)
+# What a pinned layout may name: checkpointing on is `activation_checkpointing: true`.
+PINNABLE = tuple(t for t in TRADES if t not in UPSIZE)
 DESCRIPTIONS = {
     GRAD_SYNC_ONCE: "gradients reduced once per batch",
     NO_RESHARD: "no resharding after forward, nor between microbatches",
     NO_RECOMPUTE: "activation checkpointing off",
+    RECOMPUTE: "activation checkpointing on",
 }
 MODES = ("auto", "fixed")
 
@@ -118,14 +140,19 @@ class LayoutConfig:
             if value not in MODES:
                 raise LayoutConfigError(
                     f"layout={value!r}: must be 'auto' (try the trades once the size settles), 'fixed' (the "
-                    f"engine's own layout) or a list of trades to pin, from {list(TRADES)}"
+                    f"engine's own layout) or a list of trades to pin, from {list(PINNABLE)}"
                 )
             return cls(value, (), trial_batches, float(min_gain))
         if not isinstance(value, (list, tuple)):
-            raise LayoutConfigError(f"layout={value!r}: must be 'auto', 'fixed' or a list of trades from {list(TRADES)}")
+            raise LayoutConfigError(f"layout={value!r}: must be 'auto', 'fixed' or a list of trades from {list(PINNABLE)}")
+        if any(v in UPSIZE for v in value):
+            raise LayoutConfigError(
+                f"layout={list(value)!r}: {RECOMPUTE!r} is chosen by layout: auto only (at a larger microbatch); "
+                "to checkpoint every block, set parallelism_config.fsdp2.activation_checkpointing: true"
+            )
         unknown = [v for v in value if v not in TRADES]
         if unknown:
-            raise LayoutConfigError(f"layout={list(value)!r}: unknown trade(s) {unknown}; known: {list(TRADES)}")
+            raise LayoutConfigError(f"layout={list(value)!r}: unknown trade(s) {unknown}; known: {list(PINNABLE)}")
         return cls("fixed", tuple(t for t in TRADES if t in value), trial_batches, float(min_gain))
 
 
@@ -166,6 +193,10 @@ class Trial:
         if self.size is None:
             return f"layout trial {what}"
         return f"layout trial {what} at microbatch {self.size} (found {self.from_size})"
+
+    @property
+    def upsize(self) -> bool:
+        return self.size is not None and self.from_size is not None and self.size > self.from_size
 
 
 @dataclass(frozen=True)
@@ -228,6 +259,11 @@ class LayoutSearch:
         # For a trade in MEASURED: its bytes per sample, measured in one batch (None: that batch ran
         # out of memory or could not be compared; never measured again).
         self.per_sample: dict[str, Optional[float]] = {}
+        # For a trade in UPSIZE: the largest microbatch its measured memory model fits under the
+        # margin (None: its measuring batch ran out of memory or could not be read; never again).
+        self.fits_up_to: dict[str, Optional[int]] = {}
+        # The sizes found from which an upsize trial ran or was passed over: never again from those.
+        self.upsized_from: list[int] = []
 
     @property
     def searching(self) -> bool:
@@ -253,7 +289,7 @@ class LayoutSearch:
 
     def _untried(self) -> list[str]:
         slower = {t for t, bases in self.slower_on.items() if self.settled in bases}
-        done = set(self.kept) | set(self.rejected) | slower
+        done = set(self.kept) | set(self.rejected) | slower | set(UPSIZE)
         return [t for t in self.candidates if t not in done]
 
     def _readmit(self, size: Optional[int]) -> list[str]:
@@ -304,6 +340,39 @@ class LayoutSearch:
                 return Trial(trades, size=target, from_size=found)
         return None
 
+    def _upsize(self, found: Optional[int], measure_at: Optional[int]) -> tuple[Optional[Trial], list[str]]:
+        """Nothing else left to try at the size found: a trade in UPSIZE, measured first (one batch
+        at `measure_at`), then tried at the largest microbatch its model fits, where that is larger
+        than `found`. Once per size found."""
+        lines: list[str] = []
+        if found is None or found in self.upsized_from:
+            return None, lines
+        for trade in UPSIZE:
+            if trade not in self.candidates or trade in self.kept:
+                continue
+            if trade not in self.fits_up_to:
+                if measure_at is None:
+                    continue
+                trial = Trial((trade,), size=measure_at, from_size=found, measure=True)
+                lines.append(f"{trial.heading()}: a larger microbatch may fit with it")
+                return trial, lines
+            self.upsized_from.append(found)
+            target = self.fits_up_to[trade]
+            if target is None:
+                continue
+            if target <= found:
+                lines.append(
+                    f"layout trade {trade} ({DESCRIPTIONS[trade]}) not tried: it fits microbatch {target} at most, "
+                    f"not larger than {found} found"
+                )
+                continue
+            trial = Trial((trade,), size=target, from_size=found)
+            lines.append(
+                f"{trial.heading()}: {self.config.trial_batches} batches with it at {target}, as many without at {found}"
+            )
+            return trial, lines
+        return None, lines
+
     def layout_for_batch(
         self, steady: bool, fits: Callable[[str], Optional[str]], size: Optional[int] = None,
         found: Optional[int] = None, smaller: Optional[Callable[[tuple[str, ...]], Optional[int]]] = None,
@@ -353,6 +422,9 @@ class LayoutSearch:
                         f"{'it' if len(self.trial.trades) == 1 else 'them'} at {self.trial.size}, "
                         f"as many without at {found}"
                     )
+            if self.trial is None:
+                self.trial, more = self._upsize(found, measure_at)
+                lines += more
         elif self.trial is not None and not steady:
             # The size moved: a trial's times would compare different sizes.
             self.trial = self.trial.restarted()
@@ -377,14 +449,23 @@ class LayoutSearch:
         trial = self.trial
         return trial if trial is not None and trial.measure and trial.on else None
 
-    def measured(self, per_sample: Optional[float], how: str = "") -> str:
+    def measured(self, per_sample: Optional[float], how: str = "", fits_up_to: Optional[int] = None) -> str:
         """The measuring batch's result (agreed): the trade's bytes per sample, or None where they
-        could not be told (`how`: the figures, for the console). Ends the measurement; returns its
-        console line."""
+        could not be told (`how`: the figures, for the console); for a trade in UPSIZE, the largest
+        microbatch its model fits (`fits_up_to`; None: could not be told). Ends the measurement;
+        returns its console line."""
         trial = self.trial
         assert trial is not None and trial.measure
         self.trial = None
         trade = trial.trades[0]
+        if trade in UPSIZE:
+            self.fits_up_to[trade] = fits_up_to
+            if fits_up_to is None:
+                return f"layout trade {trade}: its bytes could not be measured; not tried at a larger microbatch"
+            return (
+                f"layout trade {trade} ({DESCRIPTIONS[trade]}): fits microbatch {fits_up_to} at most"
+                f"{' (' + how + ')' if how else ''}"
+            )
         if per_sample is None:
             self.per_sample[trade] = None
             return f"layout trade {trade}: its bytes could not be measured; not tried at a smaller microbatch"
@@ -421,14 +502,17 @@ class LayoutSearch:
 
     def relieve(self, failed_layout: Sequence[str], why: str, size: Optional[int] = None) -> Optional[str]:
         """Memory pressure at the settled size in a batch run at `failed_layout` (largest microbatch
-        `size`): undo the trade on trial if it was on, else the last kept trade (a trial whose trade
-        was off ends untried). Returns the trade undone; None when none is left (the size policy
-        acts then). A downsize trial's trades stay where they were (rejected at the size found)."""
+        `size`): undo the trade on trial if it was on, else the last kept trade but one in UPSIZE (a
+        trial whose trade was off ends untried). Returns the trade undone; None when none is left
+        (the size policy acts then). A downsize or upsize trial's trades stay where they were."""
         if self.trial is not None:
             trial, self.trial = self.trial, None
             if trial.measure:
                 # Even the smallest microbatch did not fit with it: never measured again.
-                self.per_sample[trial.trades[0]] = None
+                if trial.trades[0] in UPSIZE:
+                    self.fits_up_to[trial.trades[0]] = None
+                else:
+                    self.per_sample[trial.trades[0]] = None
             if set(trial.trades) <= set(failed_layout):
                 if trial.size is None:
                     for trade in trial.trades:
@@ -437,8 +521,11 @@ class LayoutSearch:
             if trial.size is None:
                 for trade in trial.trades:
                     self._reject_for_memory(trade, f"trial stopped: {why} without it", size)
-        if self.kept and self.config.mode == "auto":
-            trade = self.kept.pop()
+        # A trade in UPSIZE stays: the size it admitted would not fit without it (the size shrinks).
+        undoable = [t for t in self.kept if t not in UPSIZE]
+        if undoable and self.config.mode == "auto":
+            trade = undoable[-1]
+            self.kept.remove(trade)
             self._reject_for_memory(trade, why, size)
             return trade
         return None
@@ -453,6 +540,8 @@ class LayoutSearch:
             "near": [[list(base), list(trades)] for base, trades in self.near.items()],
             # Only once measured: a run without checkpointing keeps the state (and its bytes) it had.
             **({"per_sample": dict(self.per_sample)} if self.per_sample else {}),
+            **({"fits_up_to": dict(self.fits_up_to)} if self.fits_up_to else {}),
+            **({"upsized_from": list(self.upsized_from)} if self.upsized_from else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -474,6 +563,10 @@ class LayoutSearch:
         self.per_sample = {
             t: (None if v is None else float(v)) for t, v in state.get("per_sample", {}).items() if t in MEASURED
         }
+        self.fits_up_to = {
+            t: (None if v is None else int(v)) for t, v in state.get("fits_up_to", {}).items() if t in UPSIZE
+        }
+        self.upsized_from = [int(n) for n in state.get("upsized_from", [])]
         for trade in state.get("tried", []):  # checkpoints before "slower_on": every trade tried
             if trade in TRADES and trade not in self.kept and trade not in self.rejected:
                 self.rejected[trade] = "tried before the checkpoint"
@@ -481,7 +574,7 @@ class LayoutSearch:
 
 __all__ = [
     "DESCRIPTIONS", "GRAD_SYNC_ONCE", "LayoutConfig", "LayoutConfigError", "LayoutSearch", "MEASURED", "NO_RECOMPUTE",
-    "NO_RESHARD",
-    "TRADES",
+    "NO_RESHARD", "PINNABLE", "RECOMPUTE",
+    "TRADES", "UPSIZE",
     "TrialResult", "describe", "judge",
 ]

@@ -178,9 +178,9 @@ class DomainGrew:
 
 @dataclass(frozen=True)
 class Adopt:
-    """The layout search settles the microbatch at `size`, smaller than the one found: its trial ran
-    `size` with trades that did not fit at the larger one, clean, and faster (`automicro.core.layout`).
-    Only while STEADY and for a size below the one found."""
+    """The layout search settles the microbatch at `size`, other than the one found: its trial ran
+    `size` with trades that did not fit at the larger one (or, larger, with a trade that saves
+    bytes per sample), clean, and faster (`automicro.core.layout`). Only while STEADY, over samples."""
 
     size: int
 
@@ -757,8 +757,19 @@ def _on_rearm(state: SearchState, outcome: Rearm, config: PolicyConfig) -> tuple
 
 
 def _on_adopt(state: SearchState, outcome: Adopt, config: PolicyConfig) -> tuple[SearchState, Decision]:
-    if state.phase != Phase.STEADY or state.found is None or not outcome.size < state.found or config.unit == "tokens":
-        raise ValueError(f"Adopt({outcome.size}) needs a steady search over samples whose size found is larger (state {state})")
+    if (
+        state.phase != Phase.STEADY or state.found is None or not _is_int(outcome.size)
+        or not 1 <= outcome.size <= state.batch_size or outcome.size == state.found or config.unit == "tokens"
+    ):
+        raise ValueError(f"Adopt({outcome.size}) needs a steady search over samples found at another size (state {state})")
+    if outcome.size > state.found:
+        # A layout that saves bytes per sample made a larger size fit: what failed above the size
+        # found, and the memory model, were the other layout's (the model is rebuilt from this one's peaks).
+        first_failure = state.first_failure if state.first_failure is not None and state.first_failure > outcome.size else None
+        state = replace(
+            state, first_failure=first_failure, best_success=outcome.size, samples=(),
+            successes=tuple(sorted(set(state.successes) | {outcome.size})),
+        )
     state = replace(state, found=outcome.size)
     state = replace(state, size=max(current_split(state, config)))
     return state, _decide(state, config, False, f"layout: microbatch now {outcome.size}, {_in_use(state, config)}")

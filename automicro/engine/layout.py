@@ -9,6 +9,8 @@
   of the batch only; the others accumulate unsharded gradients (FSDP2's own accumulation).
 - ``no_recompute``: the blocks' activation checkpointing (applied at build time where
   ``activation_checkpointing: true``) is switched off, and back on, between batches.
+- ``recompute``: the blocks' checkpointing applied switched off at build time (`shard`'s
+  ``checkpoint_switch``, where ``activation_checkpointing: false``) is switched on between batches.
 
 `reset()` puts gradient reduction back on (after a failed attempt and between batches), so an
 attempt that never reached its last microbatch leaves no module that skips its reduce-scatter.
@@ -24,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Optional
 
-from automicro.core.layout import GRAD_SYNC_ONCE, NO_RECOMPUTE, NO_RESHARD
+from automicro.core.layout import GRAD_SYNC_ONCE, NO_RECOMPUTE, NO_RESHARD, RECOMPUTE
 from automicro.engine import _torch_internals as internals
 from automicro.engine.sharding import ShardedModel
 
@@ -44,15 +46,21 @@ class LayoutEngine:
     def candidates(self) -> list[str]:
         """The trades this model can take: ``no_reshard`` where blocks reshard after forward
         (``reshard_after_forward: true``, the default), ``grad_sync_once`` wherever it is sharded,
-        ``no_recompute`` where the blocks checkpoint their activations."""
+        ``no_recompute`` where the blocks checkpoint their activations, ``recompute`` where they
+        carry checkpointing switched off (`shard`'s ``checkpoint_switch``)."""
         found = []
         if self.sharded.fsdp_modules:
             found.append(GRAD_SYNC_ONCE)
         if self._blocks and self.sharded.config.reshard_after_forward is True:
             found.append(NO_RESHARD)
         if self._checkpointed:
-            found.append(NO_RECOMPUTE)
+            found.append(NO_RECOMPUTE if self._asked else RECOMPUTE)
         return found
+
+    @property
+    def _asked(self) -> bool:
+        """The user asked for checkpointing (``activation_checkpointing: true``)."""
+        return bool(self.sharded.config.activation_checkpointing)
 
     @property
     def _checkpointed(self) -> list:
@@ -61,9 +69,9 @@ class LayoutEngine:
     def extra_bytes(self, trade: str) -> Optional[int]:
         """What `trade` adds to this rank's peak, at most: every block's unsharded parameters
         (``no_reshard``) or unsharded gradients less the sharded ones the engine's own layout holds
-        (``grad_sync_once``); None for ``no_recompute``
+        (``grad_sync_once``); None for ``no_recompute`` and ``recompute``
         (the activations depend on the layers and the microbatch: not projected)."""
-        if trade == NO_RECOMPUTE:
+        if trade in (NO_RECOMPUTE, RECOMPUTE):
             return None
         if not self._extra:
             param_bytes, grad_bytes, sharded_grad_bytes = internals.unsharded_param_bytes(self._blocks)
@@ -78,8 +86,9 @@ class LayoutEngine:
         if self.sharded.config.reshard_after_forward is True:
             for block in self._blocks:
                 internals.set_block_reshard_after_forward(block, NO_RESHARD not in layout)
+        on = NO_RECOMPUTE not in layout if self._asked else RECOMPUTE in layout
         for block in self._checkpointed:
-            internals.set_activation_checkpointing(block, NO_RECOMPUTE not in layout)
+            internals.set_activation_checkpointing(block, on)
         self.layout = layout
         self.reset()
 

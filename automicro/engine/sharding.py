@@ -415,6 +415,7 @@ def shard(
     mesh: Optional[DeviceMesh] = None,
     device: Optional[torch.device] = None,
     compile: Optional[CompileConfig] = None,
+    checkpoint_switch: bool = False,
 ) -> ShardedModel:
     """Shard `model` in place with `fully_shard` and return its `ShardedModel` handle.
 
@@ -426,6 +427,9 @@ def shard(
         device: where shards live; defaults to the current CUDA device under NCCL, else CPU.
         compile: with ``scope: blocks``, each sharded block's forward is compiled in place before
             sharding (the root's, when only the root is sharded); other scopes are not the engine's.
+        checkpoint_switch: where ``config.activation_checkpointing`` is false, checkpoint every
+            wrapped block all the same, switched off (the hooks return at once): the layout search's
+            ``recompute`` trade switches it on (`automicro.engine.layout`).
     """
     internals.check_supported_torch()
     if not dist.is_initialized():
@@ -465,8 +469,10 @@ def shard(
     if compile is not None and compile.scope == "blocks":
         compile_blocks([named[name] for name in wrapped] or [model], compile)
     for name in wrapped:
-        if config.activation_checkpointing:
+        if config.activation_checkpointing or checkpoint_switch:
             internals.apply_activation_checkpointing(named[name])
+            if not config.activation_checkpointing:
+                internals.set_activation_checkpointing(named[name], False)
         fully_shard(named[name], reshard_after_forward=config.reshard_after_forward, **kwargs)
     # The root keeps its parameters unsharded between forward and backward (FSDP2 does the same
     # for the root by default), so no reshard_after_forward here.

@@ -229,6 +229,10 @@ class AutoMicrobatching(Callback):
 
     # ---- wiring ------------------------------------------------------------------------------
 
+    def searches_layout(self, device_type: str) -> bool:
+        """Whether the layout is searched on this device (``layout: auto``, the default on a GPU)."""
+        return self.layout_config.resolve(device_type).mode == "auto" and self.steady_recovery
+
     def attach(
         self,
         sharded: ShardedModel,
@@ -864,6 +868,10 @@ class AutoMicrobatching(Callback):
             self._apply_hooks(decision.hooks, decision.reason)
             return
         phase_before = self.policy.phase
+        found = self.policy.found_size
+        if trial_batch and found is not None and max(sizes) > found:
+            # An upsize trial's "with" batch: that size ran with a layout the policy does not model.
+            return
         decision = self.policy.observe(
             search.Success(
                 self._outcome_size(sizes, verdict),

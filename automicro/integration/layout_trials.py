@@ -18,8 +18,8 @@ from typing import Any, Optional
 import torch
 
 from automicro.core.consensus import SLOTS, Consensus
-from automicro.core.layout import TRADES, LayoutConfig, LayoutSearch, describe
-from automicro.core.policy import SAFETY_MARGIN
+from automicro.core.layout import TRADES, UPSIZE, LayoutConfig, LayoutSearch, describe
+from automicro.core.policy import SAFETY_MARGIN, predict_max_size
 from automicro.engine.layout import LayoutEngine
 from automicro.engine.sharding import ShardedModel
 
@@ -68,6 +68,8 @@ class LayoutTrials:
         self.last_run: tuple[str, ...] = ()  # the layout the last batch started at
         self.trial_batch = False
         self._peak_at: Optional[Callable[[int], Optional[tuple[int, int]]]] = None
+        self._capacity = 0  # the agreed capacity the next batch was chosen under
+        self._batch_size = 0  # the probe split's samples (this rank's batch)
         # Turns each measured batch time into the one judged (the identity). Tests replace it to
         # make a trade look faster or slower without depending on the machine's timing.
         self.timing: Callable[[tuple[str, ...], float], float] = lambda layout, seconds: seconds
@@ -145,9 +147,10 @@ class LayoutTrials:
             return None
 
         measure_at = None
-        if measure_split and found is not None and peak_at is not None and capacity_bytes:
+        if measure_split and found is not None and capacity_bytes:
             measure_at = min(measure_split)
-        self._peak_at = peak_at
+            self._batch_size = sum(measure_split)
+        self._peak_at, self._capacity = peak_at, capacity_bytes
         started = self.search.trial
         layout, lines = self.search.layout_for_batch(steady, fits, size, found, smaller, measure_at)
         trial = self.search.trial
@@ -192,6 +195,10 @@ class LayoutTrials:
         if attempts == 1:
             self.search.observe(self.layout, self.timing(self.layout, seconds))
         trial = self.search.measuring
+        if trial is not None and trial.trades[0] in UPSIZE:
+            self._info(self._measured_upsize(sorted(peaks_by_size)))
+            self._apply(self.search.settled)
+            return
         if trial is not None:
             per_sample, how = None, ""
             by_size = sorted(peaks_by_size)
@@ -219,6 +226,22 @@ class LayoutTrials:
                 self.adopted = result.size
             self._info(f"layout now: {describe(self.search.settled)}")
             self._apply(self.search.settled)
+
+    def _measured_upsize(self, by_size: list[tuple[int, int]]) -> str:
+        """A trade in UPSIZE was on in this batch at the probe's split: its own memory model
+        (fixed bytes and bytes per sample through the smallest and largest microbatch's peaks) gives
+        the largest microbatch under the policy's margin, at most the batch."""
+        fits_up_to, how = None, ""
+        if len(by_size) >= 2 and self._capacity and self._batch_size:
+            (s1, p1), (s2, p2) = by_size[0], by_size[-1]
+            largest = predict_max_size(((s1, p1, self._capacity), (s2, p2, self._capacity)), SAFETY_MARGIN)
+            if largest is not None and largest >= 1:
+                fits_up_to = min(largest, self._batch_size)
+                how = (
+                    f"{(p2 - p1) / (s2 - s1) / 2**20:.2f} MiB per sample with it at microbatches {s1} and {s2}, "
+                    f"peak {p2 / 2**20:.1f} MiB at {s2}, capacity {self._capacity / 2**20:.1f} MiB"
+                )
+        return self.search.measured(None, how, fits_up_to=fits_up_to)
 
     @property
     def trial_size(self) -> Optional[int]:

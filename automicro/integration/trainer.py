@@ -209,7 +209,16 @@ class Trainer(composer.Trainer):
                 if checkpoint_format == "sharded":
                     callback_list.append(ShardedCheckpointing(pipeline=True))
             else:
-                self._automicro_sharded = shard(model, fsdp2, device=shard_device, compile=compile_config)
+                # Checkpointing on every block, switched off, where the layout search may switch it on
+                # (`recompute`, `automicro.core.layout`); not under compile (a switch in a compiled
+                # region recompiles it, and compiled checkpointing is not tested here).
+                switch = (
+                    automicro is not None and automicro.searches_layout(shard_device.type)
+                    and compile_config is None and kwargs.get("compile_config") is None
+                )
+                self._automicro_sharded = shard(
+                    model, fsdp2, device=shard_device, compile=compile_config, checkpoint_switch=switch,
+                )
                 _rebind_optimizers(kwargs.get("optimizers"), names_before, model)
                 _route_eval_forward_through_fsdp(model)
                 callback_list.append(_ReshardRootAfterEval(self._automicro_sharded))
