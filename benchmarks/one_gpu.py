@@ -11,6 +11,7 @@ with the YAML overrides the variant names (`-auto` or `-fixed-N` for the microba
   noshard-*      parallelism_config: null (no FSDP; Composer's autocast; `auto` on one rank)
   layout-*       FSDP2 with `callbacks.auto_microbatching.layout: auto` (issue 26's layout search)
   pinned-*       FSDP2 with both layout trades pinned (`layout: [grad_sync_once, no_reshard]`)
+  gso-*          FSDP2 with `layout: [grad_sync_once]` pinned (no search, no checkpointing)
   wholebatch-*   the default config with `start_size: batch`: the search starts at the whole batch
                  and halves down, as before the probe (issue 26, item 3)
   ac-*           the default config with `activation_checkpointing: true` (the layout search may
@@ -71,6 +72,8 @@ def overrides(variant: str, args: argparse.Namespace, run_dir: str) -> list[str]
         common.append("callbacks.auto_microbatching.layout=auto")
     elif kind == "pinned":
         common.append("callbacks.auto_microbatching.layout=[grad_sync_once,no_reshard]")
+    elif kind == "gso":
+        common.append("callbacks.auto_microbatching.layout=[grad_sync_once]")
     elif kind == "wholebatch":
         common.append("callbacks.auto_microbatching.start_size=batch")
     elif kind in ("ac", "acfixed"):
