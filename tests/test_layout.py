@@ -651,9 +651,15 @@ def test_recompute_not_kept_or_not_fitting_larger_is_not_tried_again_from_that_s
     small = _upsize_search()
     _measure(small, 2, 2)
     assert small.layout_for_batch(True, lambda t: None, 2, 2, None, 1) == ((), [
-        "layout trade recompute (activation checkpointing on) not tried: it fits microbatch 2 at most, not larger than 2 found"
+        "layout trade recompute (activation checkpointing on) not tried: it fits microbatch 2 at most, no larger "
+        "microbatch than at 2 found"
     ])
     assert small.layout_for_batch(True, lambda t: None, 2, 2, None, 1) == ((), [])
+    # Larger, but its split's largest microbatch is not (a batch of 16: 10 runs as 8, 8, as 8 does).
+    same_split = _upsize_search(8)
+    _measure(same_split, 8, 10)
+    layout, lines = same_split.layout_for_batch(True, lambda t: None, 8, 8, None, 1, lambda n: max(-(-16 // -(-16 // n)), 1))
+    assert layout == () and same_split.trial is None and "no larger microbatch than at 8" in lines[0], lines
 
 
 def test_pressure_in_recomputes_measuring_batch_or_its_trial_ends_it_and_the_batch_reruns_at_the_size_found():

@@ -340,10 +340,12 @@ class LayoutSearch:
                 return Trial(trades, size=target, from_size=found)
         return None
 
-    def _upsize(self, found: Optional[int], measure_at: Optional[int]) -> tuple[Optional[Trial], list[str]]:
+    def _upsize(
+        self, found: Optional[int], measure_at: Optional[int], largest_at: Optional[Callable[[int], int]] = None,
+    ) -> tuple[Optional[Trial], list[str]]:
         """Nothing else left to try at the size found: a trade in UPSIZE, measured first (one batch
         at `measure_at`), then tried at the largest microbatch its model fits, where that is larger
-        than `found`. Once per size found."""
+        than `found` (and, by `largest_at`, its split's largest microbatch too). Once per size found."""
         lines: list[str] = []
         if found is None or found in self.upsized_from:
             return None, lines
@@ -360,10 +362,10 @@ class LayoutSearch:
             target = self.fits_up_to[trade]
             if target is None:
                 continue
-            if target <= found:
+            if target <= found or (largest_at is not None and largest_at(target) <= largest_at(found)):
                 lines.append(
                     f"layout trade {trade} ({DESCRIPTIONS[trade]}) not tried: it fits microbatch {target} at most, "
-                    f"not larger than {found} found"
+                    f"no larger microbatch than at {found} found"
                 )
                 continue
             trial = Trial((trade,), size=target, from_size=found)
@@ -376,7 +378,7 @@ class LayoutSearch:
     def layout_for_batch(
         self, steady: bool, fits: Callable[[str], Optional[str]], size: Optional[int] = None,
         found: Optional[int] = None, smaller: Optional[Callable[[tuple[str, ...]], Optional[int]]] = None,
-        measure_at: Optional[int] = None,
+        measure_at: Optional[int] = None, largest_at: Optional[Callable[[int], int]] = None,
     ) -> tuple[tuple[str, ...], list[str]]:
         """The layout of the next batch, and a console line for each trade passed over and for a
         trial that starts. `fits(trade)` returns None when the trade's projected bytes fit (or
@@ -385,7 +387,8 @@ class LayoutSearch:
         `smaller(trades)`: the largest size found below `found` where those trades' projected bytes
         fit (None: none, or no projection); with it, a downsize trial may start once nothing is
         left to try at `found`. `measure_at`: the smallest microbatch, where a trade in MEASURED
-        can be measured (None: it cannot, e.g. no memory figures)."""
+        can be measured (None: it cannot, e.g. no memory figures); `largest_at(n)`: the largest
+        microbatch of the split a size found of `n` runs (an upsize trial needs a larger one)."""
         lines: list[str] = []
         if self.searching and steady and self.trial is None:
             lines += self._readmit(size)
@@ -423,7 +426,7 @@ class LayoutSearch:
                         f"as many without at {found}"
                     )
             if self.trial is None:
-                self.trial, more = self._upsize(found, measure_at)
+                self.trial, more = self._upsize(found, measure_at, largest_at)
                 lines += more
         elif self.trial is not None and not steady:
             # The size moved: a trial's times would compare different sizes.

@@ -682,6 +682,7 @@ class AutoMicrobatching(Callback):
             *(() if self.tokens is not None else (
                 max(self.policy.current_split()), self.policy.found_size, self._peak_at,
                 self.policy.probe_split() if self.policy_config.probes else None,
+                lambda n: max(self.policy.split_for(n)),
             )),
         )
         batch_index = step.batch_index

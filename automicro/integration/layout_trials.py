@@ -94,7 +94,7 @@ class LayoutTrials:
     def before_batch(
         self, steady: bool, peak_bytes: int, capacity_bytes: int, size: Optional[int] = None,
         found: Optional[int] = None, peak_at: Optional[Callable[[int], Optional[tuple[int, int]]]] = None,
-        measure_split: Optional[tuple[int, ...]] = None,
+        measure_split: Optional[tuple[int, ...]] = None, largest_at: Optional[Callable[[int], int]] = None,
     ) -> None:
         """Choose and apply the next batch's layout; start the clock during a trial. `size`: the
         next batch's largest microbatch (a trade that did not fit at a larger one may be tried
@@ -102,7 +102,8 @@ class LayoutTrials:
         projected peak) were the size found `n` (None: no projection, or below the smallest size
         allowed). A downsize trial runs only at a split whose largest microbatch is below `size`.
         `measure_split`: the probe's split, where a measured trade's bytes can be measured (None:
-        they cannot; `measure_split_next` says when the next batch runs it)."""
+        they cannot; `measure_split_next` says when the next batch runs it). `largest_at(n)`: the largest
+        microbatch of the split were the size found `n`."""
         if self.engine is None:
             return
         engine = self.engine
@@ -152,7 +153,7 @@ class LayoutTrials:
             self._batch_size = sum(measure_split)
         self._peak_at, self._capacity = peak_at, capacity_bytes
         started = self.search.trial
-        layout, lines = self.search.layout_for_batch(steady, fits, size, found, smaller, measure_at)
+        layout, lines = self.search.layout_for_batch(steady, fits, size, found, smaller, measure_at, largest_at)
         trial = self.search.trial
         if trial is not None and trial is not started and trial.size is not None and not trial.measure and peak_at:
             projected = peak_at(trial.size)
