@@ -5,6 +5,7 @@ what to change; none depends on timing."""
 
 from __future__ import annotations
 
+import json
 import sys
 import warnings
 
@@ -111,15 +112,32 @@ SWEEP = [
 ]
 
 
+def _argv(overrides: list[str], run_dir: str) -> list[str]:
+    args = ["configs/tiny-cpu.yaml", "max_duration=1ba", *overrides]
+    return args if any(o.startswith("run_dir=") for o in overrides) else [*args, f"run_dir={run_dir}"]
+
+
+@pytest.fixture(scope="module")
+def sweep_results(tmp_path_factory) -> dict[str, dict]:
+    """Every case of SWEEP through `scripts/train.py`'s `main`, in one process (tests/config_error_run.py:
+    one import of torch and Composer instead of one per case; 13 s each before)."""
+    from tests.config_error_run import MARKER
+
+    ids = [case.id for case in SWEEP]
+    argvs = [_argv(list(case.values[0]), str(tmp_path_factory.mktemp(case.id))) for case in SWEEP]
+    result = _launch([sys.executable, "tests/config_error_run.py", json.dumps(argvs)], timeout_s=600)
+    assert result.returncode == 0 and MARKER in result.stdout, result.stdout[-4000:]
+    results = json.loads(result.stdout.split(MARKER, 1)[1].splitlines()[0])
+    return dict(zip(ids, results))
+
+
 @pytest.mark.parametrize("overrides, fragments", SWEEP)
-def test_a_bad_top_level_value_ends_in_one_config_error_line_not_a_traceback(tmp_path, overrides, fragments):
-    args = [sys.executable, "scripts/train.py", "configs/tiny-cpu.yaml", "max_duration=1ba", f"run_dir={tmp_path}", *overrides]
-    if any(o.startswith("run_dir=") for o in overrides):
-        args.remove(f"run_dir={tmp_path}")
-    result = _launch(args, timeout_s=180)
-    lines = [line for line in result.stdout.splitlines() if line.strip()]
-    assert result.returncode == 2, result.stdout[-3000:]
-    assert "Traceback" not in result.stdout, result.stdout[-3000:]
+def test_a_bad_top_level_value_ends_in_one_config_error_line_not_a_traceback(sweep_results, request, overrides, fragments):
+    result = sweep_results[request.node.callspec.id]
+    output = result["output"]
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert result["returncode"] == 2, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
     error_lines = [line for line in lines if line.startswith("config error: ")]
     assert len(error_lines) == 1 and error_lines[0] == lines[-1], lines[-5:]
     for fragment in fragments:
