@@ -243,7 +243,7 @@ def _suite(world: int) -> list:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("world", [1, 2, pytest.param(4, marks=pytest.mark.many_ranks)])
+@pytest.mark.parametrize("world", [1, 2])
 def test_the_faster_trade_is_kept_the_slower_not_and_parameters_equal_a_fixed_run(world):
     results = _suite(world)
     for rank in range(world):
@@ -314,32 +314,28 @@ def test_activation_checkpointing_off_is_kept_when_faster_on_four_ranks():
 @pytest.mark.parametrize("world", [1, 2, pytest.param(4, marks=pytest.mark.many_ranks)])
 def test_checkpointing_on_is_measured_then_kept_at_the_larger_microbatch_it_admits_when_faster(world):
     """``recompute`` on 1, 2 and 4 ranks, the user not asking for checkpointing: under a cap where 2
-    fits without it and 3 does not, after the other trades at 2, one batch measures it at the
-    probe's split, then 4 with it against 2 without; faster, 4 is adopted with checkpointing on, no
-    OOM; slower (2 ranks), the size stays 2. Parameters equal a fixed run at 2 without it."""
+    fits without it and 3 does not, ``grad_sync_once`` (timed faster) is kept at 2 and ``no_reshard``
+    (not faster) not; then one batch measures checkpointing at the probe's split, then 4 with it
+    against 2 without; faster, 4 is adopted with checkpointing on, no OOM, the same layouts on every
+    rank. Parameters equal a fixed run at 2 without it. (On 4 ranks this is also the run where a
+    trade is kept and another not: the module's 4-rank launch runs no other such case.)"""
     results = _suite(world)
+    gso, both = [GRAD_SYNC_ONCE], [GRAD_SYNC_ONCE, RECOMPUTE]
     for rank in range(world):
         without2, without3, with4, limit = results[rank]["upsize_limit"]
         assert without2 <= limit < without3 and with4 < limit, results[rank]["upsize_limit"]
-        runs = [results[rank]["upsize"]] + ([results[rank]["upsize_slower"]] if world == 2 else [])
-        # The switch is carried only where the layout is searched: each of the two blocks, not under layout: fixed.
-        assert results[rank]["fixed_checkpointed"] == 0 and runs[0]["checkpointed"] == cases.MODEL["n_layers"]
-        for run in runs:
-            assert run["diff"] < 1e-5 and "OOMs 0" in run["summary"], (run["diff"], run["summary"])
-            steady = next(r[0] for r in run["history"] if "sync hooks off" in r[3])
-            # The two other trades at 2 (not faster), then the measuring batch, then 4 with it, 2 without.
-            assert run["layouts"][steady + 1 : steady + 8] == [
-                [GRAD_SYNC_ONCE], [], [NO_RESHARD], [], [RECOMPUTE], [RECOMPUTE], [],
-            ], run["layouts"]
-            assert run["splits"][steady + 5 : steady + 8] == [[1, 1, 2], [4], [2, 2]], run["splits"]
-            assert run["state"]["fits_up_to"] == {RECOMPUTE: 4} and run["state"]["upsized_from"] == [2]
-        up = runs[0]
-        assert up["found"] == 4 and up["settled"] == [RECOMPUTE] and "layout: activation checkpointing on" in up["summary"]
+        # The switch is carried where the layout is searched (each of the two blocks), not where it is pinned.
+        up = results[rank]["upsize"]
+        assert up["checkpointed"] == cases.MODEL["n_layers"] and results[rank].get("pinned_checkpointed", 0) == 0
+        assert up["diff"] < 1e-5 and "OOMs 0" in up["summary"], (up["diff"], up["summary"])
+        steady = next(r[0] for r in up["history"] if "sync hooks off" in r[3])
+        # The two other trades at 2, then the measuring batch, then 4 with it, 2 without.
+        assert up["layouts"][steady + 1 : steady + 8] == [gso, [], [GRAD_SYNC_ONCE, NO_RESHARD], gso, both, both, gso], up["layouts"]
+        assert up["splits"][steady + 5 : steady + 8] == [[1, 1, 2], [4], [2, 2]], up["splits"]
+        assert up["state"]["fits_up_to"] == {RECOMPUTE: 4} and up["state"]["upsized_from"] == [2]
+        assert up["results"][:3] == [[GRAD_SYNC_ONCE, True], [NO_RESHARD, False], [RECOMPUTE, True]], up["results"]
+        assert up["found"] == 4 and up["settled"] == both and "activation checkpointing on" in up["summary"]
         assert all(s == [4] for s in up["splits"][steady + 8 :]) and all(RECOMPUTE in x for x in up["layouts"][steady + 8 :])
-        if world == 2:
-            slower = runs[1]
-            assert slower["found"] == 2 and slower["settled"] == [] and [RECOMPUTE, False] in slower["results"]
-            assert all(s == [2, 2] and x == [] for s, x in zip(slower["splits"][steady + 8 :], slower["layouts"][steady + 8 :]))
     assert len({str(results[r]["upsize"]["layouts"]) for r in range(world)}) == 1
 
 
@@ -531,12 +527,12 @@ def test_a_smaller_microbatch_with_the_trades_is_adopted_when_faster_and_paramet
             assert run["splits"][steady + 1 : steady + 3] == [[1, 1, 1, 1], [2, 2]], run["splits"]
             assert run["layouts"][steady + 1 : steady + 3] == [[GRAD_SYNC_ONCE, NO_RESHARD], []], run["layouts"]
         assert auto["found"] == 1 and auto["settled"] == [GRAD_SYNC_ONCE, NO_RESHARD], auto
-        # Checkpointing on (the engine carries it switched off) is measured and tried at a larger size
-        # after that; timed no faster, it is not kept.
+        # Checkpointing on (the engine carries it switched off) is measured after that and tried at a
+        # larger size where its split has a larger microbatch; timed no faster, it is not kept.
         def without_recompute(run, start):
             return [s for s, x in zip(run["splits"][start:], run["layouts"][start:]) if RECOMPUTE not in x]
 
-        assert [RECOMPUTE, False] in auto["results"] and [RECOMPUTE, False] in slower["results"]
+        assert [RECOMPUTE, False] in auto["results"] and [RECOMPUTE, True] not in slower["results"]
         assert set(map(tuple, without_recompute(auto, steady + 3))) == {(1, 1, 1, 1)} and "microbatch size found: 1" in auto["summary"]
         assert slower["found"] == 2 and slower["settled"] == [] and set(map(tuple, without_recompute(slower, steady + 2))) == {(2, 2)}
 
