@@ -172,7 +172,9 @@ def upsize_cases(without2: int, without3: int) -> dict[str, Any]:
     (the whole batch) fits with it, with room for the projection's margin. ``grad_sync_once`` and
     checkpointing on are timed faster: the first is kept at 2 (``no_reshard`` not), then one batch
     measures checkpointing (on, at the probe's split), then the upsize trial runs 4 with it against 2
-    without: kept, the size policy settles on 4 (``upsize``). Not kept: `downsize_case`'s runs.
+    without: kept, the size policy settles on 4 (``upsize``); an OOM on rank 0 in the last batch then
+    undoes ``grad_sync_once`` and reruns the batch at 4 with checkpointing still on. Not kept:
+    `downsize_case`'s runs.
     Parameters against a fixed run at size 2 without checkpointing (recomputation changes no number)."""
     with4 = fit(4, 2, layout="fixed", fsdp2=AC)["peak"]
     cap = torch.tensor([(without3 + max(without2, int(with4 / 0.9))) // 2], dtype=torch.int64)
@@ -182,7 +184,9 @@ def upsize_cases(without2: int, without3: int) -> dict[str, Any]:
     fixed = fit(2, batches, layout="fixed")
     out: dict[str, Any] = {"upsize_limit": [without2, without3, with4, limit]}
     faster = seconds_where(faster=(GRAD_SYNC_ONCE, RECOMPUTE))
-    out["upsize"] = _strip(fit("auto", batches, limit=limit, timing=faster, start_size="probe"), fixed)
+    # Pressure at the adopted size in the last batch: an OOM on rank 0 undoes grad_sync_once, never checkpointing.
+    fault = FaultInjector(site="backward_pre", ranks=[0], batch=batches - 1, times=1)
+    out["upsize"] = _strip(fit("auto", batches, limit=limit, timing=faster, start_size="probe", faults=[fault]), fixed)
     return out
 
 

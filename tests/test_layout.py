@@ -317,7 +317,8 @@ def test_checkpointing_on_is_measured_then_kept_at_the_larger_microbatch_it_admi
     fits without it and 3 does not, ``grad_sync_once`` (timed faster) is kept at 2 and ``no_reshard``
     (not faster) not; then one batch measures checkpointing at the probe's split, then 4 with it
     against 2 without; faster, 4 is adopted with checkpointing on, no OOM, the same layouts on every
-    rank. Parameters equal a fixed run at 2 without it. (On 4 ranks this is also the run where a
+    rank. An OOM in the last batch undoes ``grad_sync_once``, never checkpointing, and the batch
+    reruns at 4. Parameters equal a fixed run at 2 without it. (On 4 ranks this is also the run where a
     trade is kept and another not: the module's 4-rank launch runs no other such case.)"""
     results = _suite(world)
     gso, both = [GRAD_SYNC_ONCE], [GRAD_SYNC_ONCE, RECOMPUTE]
@@ -327,15 +328,19 @@ def test_checkpointing_on_is_measured_then_kept_at_the_larger_microbatch_it_admi
         # The switch is carried where the layout is searched (each of the two blocks), not where it is pinned.
         up = results[rank]["upsize"]
         assert up["checkpointed"] == cases.MODEL["n_layers"] and results[rank].get("pinned_checkpointed", 0) == 0
-        assert up["diff"] < 1e-5 and "OOMs 0" in up["summary"], (up["diff"], up["summary"])
+        assert up["diff"] < 1e-5 and "OOMs 1" in up["summary"], (up["diff"], up["summary"])
         steady = next(r[0] for r in up["history"] if "sync hooks off" in r[3])
         # The two other trades at 2, then the measuring batch, then 4 with it, 2 without.
         assert up["layouts"][steady + 1 : steady + 8] == [gso, [], [GRAD_SYNC_ONCE, NO_RESHARD], gso, both, both, gso], up["layouts"]
         assert up["splits"][steady + 5 : steady + 8] == [[1, 1, 2], [4], [2, 2]], up["splits"]
         assert up["state"]["fits_up_to"] == {RECOMPUTE: 4} and up["state"]["upsized_from"] == [2]
         assert up["results"][:3] == [[GRAD_SYNC_ONCE, True], [NO_RESHARD, False], [RECOMPUTE, True]], up["results"]
-        assert up["found"] == 4 and up["settled"] == both and "activation checkpointing on" in up["summary"]
         assert all(s == [4] for s in up["splits"][steady + 8 :]) and all(RECOMPUTE in x for x in up["layouts"][steady + 8 :])
+        # The OOM in the last batch, at 4: grad_sync_once undone, checkpointing kept, the size kept.
+        [(batch, size, note)] = [(r[0], r[1], r[3]) for r in up["history"] if r[2] == "oom"]
+        assert (batch, size) == (len(up["splits"]) - 1, 4), up["history"]
+        assert note == "layout undone first; rerun at the same size, now activation checkpointing on", note
+        assert up["found"] == 4 and up["settled"] == [RECOMPUTE] and GRAD_SYNC_ONCE in up["rejected"], up
     assert len({str(results[r]["upsize"]["layouts"]) for r in range(world)}) == 1
 
 
