@@ -211,23 +211,25 @@ KEEP_LAYOUTS = {
     "ac_fixed": ((), True),
     "no_recompute": (("no_recompute",), True),
     "all": (("no_reshard", "grad_sync_once", "no_recompute"), True),
+    # "switch": checkpointing carried switched off (`shard`'s checkpoint_switch); "recompute" turns it on.
+    "recompute": (("recompute", "grad_sync_once"), "switch"),
 }
 ACCUM = 3
 
 
-def keep_between_microbatches(rank: int, world: int, layout: tuple[str, ...], fail: bool, ac: bool = False) -> dict[str, Any]:
+def keep_between_microbatches(rank: int, world: int, layout: tuple[str, ...], fail: bool, ac: Any = False) -> dict[str, Any]:
     """`LayoutEngine` with `layout` over 3 microbatches per step: the blocks' sharded state after
     each backward (no_reshard keeps them unsharded until the last microbatch), and with `fail` a
     forward that raises in step 1's second microbatch (after the first kept its parameters
     unsharded), then the recovery and the step run again; the parameters against the reference.
-    `ac`: the blocks checkpoint their activations; each step counts the blocks' forwards (a
-    recomputed block runs its forward twice per microbatch), and a last step runs at the engine's
-    own layout again (the switch turned back)."""
+    `ac`: the blocks checkpoint their activations (True), or carry checkpointing switched off
+    ("switch"); each step counts the blocks' forwards (a recomputed block runs its forward twice per
+    microbatch), and a last step runs at the engine's own layout again (the switch turned back)."""
     from automicro.engine.layout import LayoutEngine
 
     torch.manual_seed(0)
     model = Stack()
-    sharded = shard(model, FSDP2Config(activation_checkpointing=ac))
+    sharded = shard(model, FSDP2Config(activation_checkpointing=ac is True), checkpoint_switch=ac == "switch")
     engine = LayoutEngine(sharded)
     engine.apply(layout)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -263,7 +265,8 @@ def keep_between_microbatches(rank: int, world: int, layout: tuple[str, ...], fa
         x, y = _local(x, rank, world), _local(y, rank, world)
         opt.zero_grad(set_to_none=True)
         if ac and step == STEPS - 1:
-            engine.apply(tuple(t for t in layout if t != "no_recompute"))  # undone between batches: recomputation is back
+            # Undone between batches: recomputation is back (no_recompute) or gone again (recompute).
+            engine.apply(tuple(t for t in layout if t not in ("no_recompute", "recompute")))
         if fail and step == 1:
             try:
                 run_step(x, y, raise_in=1)

@@ -360,11 +360,15 @@ def test_layout_trades_switch_resharding_and_recomputation_and_recover(two_rank_
     assert result["extra_bytes"] == (result["block_bytes"], result["block_bytes"] // 2), result
     # no_recompute is a candidate exactly where the blocks checkpoint their activations; each block
     # runs its forward once per microbatch, twice with recomputation (the last step: the trade undone).
-    assert ("no_recompute" in result["candidates"]) == ac, result["candidates"]
+    # recompute is one where they carry it switched off (`shard`'s checkpoint_switch).
+    assert ("no_recompute" in result["candidates"]) == (ac is True), result["candidates"]
+    assert ("recompute" in result["candidates"]) == (ac == "switch"), result["candidates"]
     once = 3 * engine_cases.ACCUM  # 3 blocks, 3 microbatches
-    if ac:
+    if ac is True:
         before = once if "no_recompute" in layout else 2 * once
         expected = [before] * (engine_cases.STEPS - 1) + [2 * once]
+    elif ac == "switch":
+        expected = [2 * once if "recompute" in layout else once] * (engine_cases.STEPS - 1) + [once]
     else:
         expected = [once] * engine_cases.STEPS
     assert result["forwards"] == expected, result["forwards"]
