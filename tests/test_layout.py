@@ -678,6 +678,10 @@ def test_pressure_in_recomputes_measuring_batch_or_its_trial_ends_it_and_the_bat
     assert trial.relieve(trial.current, "out of memory at size 4", 4) == RECOMPUTE
     assert trial.trial is None and trial.trial_size is None and trial.rejected == {} and trial.settled == ()
     assert trial.layout_for_batch(True, lambda t: None, 2, 2, None, 1) == ((), [])
+    # Its model was wrong at 4: from a smaller size found, it is tried below 4.
+    assert trial.fits_up_to == {RECOMPUTE: 3}
+    trial.layout_for_batch(True, lambda t: None, 1, 1, None, 1)
+    assert trial.trial is not None and trial.trial.size == 3 and trial.trial.upsize
 
 
 def test_recompute_cannot_be_pinned():

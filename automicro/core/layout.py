@@ -68,7 +68,8 @@ fixed bytes plus bytes per sample, from its microbatch peaks) and, where that mo
 microbatch than the one found under the policy's margin (`fits_up_to`), an *upsize trial* runs
 that size with it against the size found without it, by the same rule. Kept, the size policy
 settles on the larger size (`automicro.core.policy.Adopt`). Once per size found; pressure in the
-measuring batch ends it for good, pressure in a trial's "with" batches ends that trial.
+measuring batch ends it for good, pressure in a trial's "with" batches ends that trial and caps the
+trade below that size (from another size found it is tried smaller).
 
 Every decision is a function of agreed values only, so every rank takes the same one.
 
@@ -517,6 +518,11 @@ class LayoutSearch:
                 else:
                     self.per_sample[trial.trades[0]] = None
             if set(trial.trades) <= set(failed_layout):
+                if trial.upsize and not trial.measure:
+                    # Its model was wrong at that size: from another size found, try below it.
+                    assert trial.size is not None
+                    for trade in trial.trades:
+                        self.fits_up_to[trade] = trial.size - 1
                 if trial.size is None:
                     for trade in trial.trades:
                         self._reject_for_memory(trade, why, size)
