@@ -246,7 +246,7 @@ class LayoutTrials:
 
     @property
     def trial_size(self) -> Optional[int]:
-        """The size found the next batch runs at instead of the policy's (a downsize trial's batch)."""
+        """The size found the next batch runs at instead of the policy's (a downsize or upsize trial's batch)."""
         return None if self.engine is None else self.search.trial_size
 
     def take_adopted(self) -> Optional[int]:
