@@ -513,6 +513,12 @@ class TrainConfig:
                 "(DDP is not supported with auto); set parallelism_config: {fsdp2: {}} to shard over the ranks, or a "
                 "positive int device_train_microbatch_size"
             )
+        if self.model.init_device == "meta" and self.fsdp2 is None:
+            raise ConfigError(
+                f"{prefix}model.init_device='meta': the model is built without memory, and only FSDP2 materializes "
+                f"it (shard by shard); parallelism_config is {_describe_parallelism(self.parallelism_config)}. Set "
+                "model.init_device: cpu, or parallelism_config: {fsdp2: {}}"
+            )
         problem = load_path_problem(self.load_path, self.checkpoint_format)
         if problem:
             raise ConfigError(f"{prefix}load_path={self.load_path!r}: {problem}")

@@ -214,7 +214,7 @@ class AttemptFence:
         kind = KIND_OOM if own_error is None else KIND_ERROR
         timeout = None if hooks_active else self.recovery_timeout_s
         try:
-            verdict = self.consensus.fail(kind, site, self._report(), own_code_zero=followed, timeout_s=timeout)
+            verdict = self.consensus.fail(kind, site, self._report().reached(), own_code_zero=followed, timeout_s=timeout)
         except RuntimeError as timeout_error:
             why = (
                 f"the other ranks did not reach the consensus within {timeout} s ({timeout_error}); a rank blocked "

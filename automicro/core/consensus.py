@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import numpy as np
@@ -124,6 +124,15 @@ class LocalFigures:
     allocated_bytes: int = 0
     collectives: int = 0  # collectives this rank issued in the attempt (automicro.core.ledger)
     microbatch_tokens: int = 0  # this rank's largest microbatch in padded tokens (budget="tokens")
+    # Of peak_bytes, what is projected rather than reached (the state the first optimizer step will
+    # create): not sent; a failed attempt reports only the bytes it reached (`AttemptFence`).
+    projected_bytes: int = 0
+
+    def reached(self) -> "LocalFigures":
+        """These figures as a failed attempt reports them: its peak without what is projected."""
+        if not self.projected_bytes:
+            return self
+        return replace(self, peak_bytes=max(0, self.peak_bytes - self.projected_bytes), projected_bytes=0)
 
 
 @dataclass

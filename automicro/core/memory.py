@@ -1,14 +1,24 @@
 """Where memory figures come from: the CUDA caching allocator, or the CPU `MemoryCap` emulation.
 
-Owns: the `MemorySource` protocol and its CUDA and no-memory sources. May not touch: the
+The capacity is what this process can still get (DESIGN.md, "Memory truth"): the smaller of
+torch's per-process limit and this process's reserved bytes plus the device's free bytes, with
+`AutoMicrobatching(memory_fraction)` as a further cap; read on every attempt.
+
+Owns: the `MemorySource` protocol and its CUDA and no-memory sources, the capacity reading. May not touch: the
 policy, Composer; the CPU emulation lives in `automicro.testing.memory_cap`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Optional, Protocol
 
 import torch
+
+# A capacity that moves by more than this fraction is a change: worth a line here, and, growing, it
+# reopens the sizes that ran out under less memory (`automicro.core.policy`).
+from automicro.core.policy import CAPACITY_CHANGE
 
 
 class MemorySource(Protocol):
@@ -18,6 +28,44 @@ class MemorySource(Protocol):
     def capacity_bytes(self) -> int: ...
     def alloc_retries(self) -> int: ...
     def empty_cache(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class CapacityReading:
+    """What this process can still get on its device, and why (bytes; 0: no such limit).
+
+    total: the device's memory (a MIG slice reports its own); free: what the driver says is free
+    (`cudaMemGetInfo`), beside `reserved`, what this process's caching allocator already holds;
+    torch_limit: torch's per-process fraction times the total (`set_per_process_memory_fraction`);
+    own_limit: `AutoMicrobatching(memory_fraction)` times the total."""
+
+    total: int
+    free: int
+    reserved: int
+    torch_limit: int = 0
+    own_limit: int = 0
+
+    @property
+    def usable(self) -> int:
+        limits = [self.reserved + self.free] + [b for b in (self.torch_limit, self.own_limit) if b > 0]
+        return max(0, min(limits))
+
+    def why(self) -> str:
+        """What makes the capacity smaller than the device total ("" where nothing does)."""
+        gib = 2**30
+        reasons = []
+        outside = self.total - self.free - self.reserved
+        if self.reserved + self.free == self.usable and outside > CAPACITY_CHANGE * self.total:
+            reasons.append(
+                f"{outside / gib:.1f} GiB of the device is held outside this process's allocator "
+                "(another process, this process's CUDA context and communication buffers)"
+            )
+        own_set = self.own_limit and self.own_limit == self.torch_limit  # AutoMicrobatching set torch's too
+        if self.torch_limit and self.torch_limit == self.usable and self.torch_limit < self.total and not own_set:
+            reasons.append(f"torch per-process fraction {self.torch_limit / self.total:.2f}")
+        if self.own_limit and self.own_limit == self.usable and self.own_limit < self.total:
+            reasons.append(f"AutoMicrobatching memory_fraction {self.own_limit / self.total:.2f}")
+        return "; ".join(reasons)
 
 
 class NoMemory:
@@ -42,11 +90,30 @@ class NoMemory:
         pass
 
 
-class CudaMemory:
-    """The current CUDA device's caching allocator."""
+def read_cuda_capacity(own_fraction: Optional[float] = None) -> CapacityReading:
+    """The current CUDA device as it is now: read on every attempt, since other processes take and
+    give back memory while this one runs."""
+    device = torch.cuda.current_device()
+    free, total = torch.cuda.mem_get_info(device)
+    fraction = float(torch.cuda.get_per_process_memory_fraction(device))
+    return CapacityReading(
+        total=int(total),
+        free=int(free),
+        reserved=int(torch.cuda.memory_reserved(device)),
+        torch_limit=int(total * fraction) if fraction < 1.0 else 0,
+        own_limit=int(total * own_fraction) if own_fraction else 0,
+    )
 
-    def __init__(self, memory_fraction: Optional[float] = None) -> None:
+
+class CudaMemory:
+    """The current CUDA device's caching allocator. Capacity: what this process can still get
+    (`read_cuda_capacity`), never the device total alone."""
+
+    def __init__(
+        self, memory_fraction: Optional[float] = None, read: Optional[Callable[[], CapacityReading]] = None,
+    ) -> None:
         self.memory_fraction = memory_fraction
+        self._read = read if read is not None else (lambda: read_cuda_capacity(memory_fraction))
 
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats()
@@ -57,15 +124,45 @@ class CudaMemory:
     def allocated_bytes(self) -> int:
         return int(torch.cuda.memory_allocated())
 
+    def capacity_reading(self) -> CapacityReading:
+        return self._read()
+
     def capacity_bytes(self) -> int:
-        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-        return int(total * (self.memory_fraction or 1.0))
+        return self._read().usable
 
     def alloc_retries(self) -> int:
         return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
 
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
+
+
+class CapacityWatch:
+    """The console's view of the capacity: one line for the first reading (with why it is below the
+    device total), one line whenever it moves by more than `CAPACITY_CHANGE` since the last line."""
+
+    def __init__(self) -> None:
+        self.announced: Optional[int] = None
+
+    def observe(self, capacity: int, reading: Optional[CapacityReading] = None) -> Optional[str]:
+        if capacity <= 0:
+            return None
+        mib = 2**20
+        why = "" if reading is None else reading.why()
+        if self.announced is None:
+            self.announced = capacity
+            if reading is None:
+                return f"memory capacity {capacity / mib:.1f} MiB"
+            return (
+                f"memory capacity {capacity / mib:.1f} MiB of the device's {reading.total / mib:.1f} MiB"
+                + (f": {why}" if why else "")
+            )
+        before = self.announced
+        if abs(capacity - before) <= CAPACITY_CHANGE * before:
+            return None
+        self.announced = capacity
+        moved = "grew" if capacity > before else "shrank"
+        return f"memory capacity {moved}: {before / mib:.1f} -> {capacity / mib:.1f} MiB" + (f" ({why})" if why else "")
 
 
 class MicrobatchPeaks:

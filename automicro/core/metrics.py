@@ -18,6 +18,7 @@ Metrics logged each batch (rank 0, through Composer's loggers):
 | `automicro/search_time_s` | seconds spent in failed attempts so far |
 | `automicro/alloc_retries` | allocator retries seen this batch (any rank) |
 | `automicro/found_size` | largest microbatch size that fit on every rank (0 while searching) |
+| `automicro/capacity_bytes` | memory this process can still get, the least over ranks, read at the batch's last attempt (0: unknown; `automicro.core.memory`) |
 | `automicro/last_oom_rank` | lowest failed rank of the latest OOM (-1: none yet) |
 | `automicro/last_oom_site` | its site as an index into `automicro.core.sites.ALL_SITES` (-1: none) |
 | `automicro/budget_tokens` | budget="tokens" only: tokens per microbatch of the split in use (`found_size` is then in tokens too) |
@@ -79,6 +80,7 @@ class BatchFigures:
     found_size: int
     budget_tokens: int = 0  # budget="tokens": the token budget of the split in use (0: samples)
     padding_waste: Optional[float] = None  # budget="tokens": padding share of the tokens trained
+    capacity_bytes: int = 0  # the agreed capacity (min over ranks) of the batch's last attempt (0: unknown)
 
 
 def batch_metrics(figures: BatchFigures, history: Sequence[AttemptRecord]) -> dict[str, Any]:
@@ -94,6 +96,7 @@ def batch_metrics(figures: BatchFigures, history: Sequence[AttemptRecord]) -> di
         "automicro/search_time_s": figures.search_time_s,
         "automicro/alloc_retries": int(figures.alloc_retries),
         "automicro/found_size": figures.found_size,
+        "automicro/capacity_bytes": figures.capacity_bytes,
         **last_oom_metrics(history),
         **token_metrics(figures),
     }

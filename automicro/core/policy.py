@@ -61,6 +61,8 @@ from typing import Any, Callable, Optional, Union
 
 #: Predicted sizes aim at this fraction of the usable memory.
 SAFETY_MARGIN = 0.95
+#: A capacity read that moves by more than this fraction is a change (`automicro.core.memory` too).
+CAPACITY_CHANGE = 0.05
 
 SEARCH_MODES = ("bisect", "halve")
 #: How a decision says the probe's memory model ended the search.
@@ -144,6 +146,12 @@ class OOM:
     ranks: tuple[int, ...] = ()
     # False: this OOM already cost a run (a failure note from the last launch): never a one-off.
     may_rerun: bool = True
+    # The least, over the ranks that ran out, of the bytes their attempt had reached when it failed
+    # (the peak before the allocation that failed, nothing projected): what the process can get is
+    # at least this and less than this plus the one allocation that failed. None: not measured.
+    reached_bytes: Optional[int] = None
+    # The capacity read when it failed (min over ranks; None: unknown).
+    capacity_bytes: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -267,6 +275,13 @@ class SearchState:
     attempts: int = 0
     retrying: Optional[int] = None
     retrying_ranks: tuple[int, ...] = ()
+    # The memory the OOMs showed usable: the most their attempts reached (`OOM.reached_bytes`), or a
+    # later success's peak. An OOM came just above it, so predictions stay under it where the
+    # capacity read says more. None: no OOM moved a bound since the capacity last grew.
+    ceiling: Optional[int] = None
+    # The capacity read when the failure bound (and the ceiling) was set: a capacity that grows past
+    # it by more than CAPACITY_CHANGE reopens the sizes that ran out under less memory.
+    bound_capacity: Optional[int] = None
 
     @property
     def hooks(self) -> bool:
@@ -287,6 +302,8 @@ class SearchState:
             "attempts": self.attempts,
             "retrying": self.retrying,
             "retrying_ranks": list(self.retrying_ranks),
+            "ceiling": self.ceiling,
+            "bound_capacity": self.bound_capacity,
         }
 
     @classmethod
@@ -311,6 +328,8 @@ class SearchState:
             attempts=int(d.get("attempts", 0)),
             retrying=None if d.get("retrying") is None else int(d["retrying"]),
             retrying_ranks=tuple(int(r) for r in d.get("retrying_ranks", ())),
+            ceiling=None if d.get("ceiling") is None else int(d["ceiling"]),
+            bound_capacity=None if d.get("bound_capacity") is None else int(d["bound_capacity"]),
         )
         if state.batch_size < 1 or not (1 <= state.size <= state.batch_size):
             raise ValueError(f"policy state size {state.size} / batch size {state.batch_size}: out of range")
@@ -399,6 +418,22 @@ def _model_peak(samples: tuple[tuple[int, int, int], ...], size: int) -> int:
 
 def _under(samples: tuple[tuple[int, int, int], ...], capacity: int) -> tuple[tuple[int, int, int], ...]:
     return tuple((m, p, capacity) for m, p, _ in samples)
+
+
+def _usable(state: "SearchState") -> tuple[tuple[int, int, int], ...]:
+    """The samples under the memory the last OOMs showed usable (`SearchState.ceiling`)."""
+    if state.ceiling is None:
+        return state.samples
+    return tuple((m, p, min(c, state.ceiling)) for m, p, c in state.samples)
+
+
+def _capped(state: "SearchState") -> bool:
+    """Whether an OOM's ceiling is below the capacity read: the read one says more than there is."""
+    return state.ceiling is not None and any(state.ceiling < c for _, _, c in state.samples)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 def _allowed(config: PolicyConfig, batch_size: int) -> Optional[tuple[int, ...]]:
@@ -509,30 +544,36 @@ def _next_search_size(state: SearchState, config: PolicyConfig, upward: bool) ->
     probe's memory model says no size above the best success fits: converge on it."""
     lo, hi = state.best_success, _hi(state)
     floor = _min_size(config, state.batch_size)
+    samples = _usable(state)
     if config.sizes_for is not None:
         candidates = _between(config, state, lo, hi)
         if config.use_prediction:
-            predicted = predict_max_size(state.samples)
+            predicted = predict_max_size(samples)
             fitting = [s for s in candidates if predicted is not None and s <= predicted]
             if fitting:
                 return fitting[-1], True
         return candidates[len(candidates) // 2], False
     if config.use_prediction:
-        predicted = predict_max_size(state.samples)
+        predicted = predict_max_size(samples)
         if predicted is not None and lo < predicted < hi and predicted >= floor:
             return predicted, True
         if config.probes and predicted is not None and lo >= floor:
             if upward and predicted >= hi:
                 return hi - 1, True  # everything below the bound is predicted to fit
             if not upward and predicted >= hi:
+                if state.ceiling is not None:
+                    # Predicted to fit even under what the OOM showed usable: the model cannot
+                    # explain the failure (it is not linear there). Bisect.
+                    return (max(lo, floor - 1) + hi) // 2, False
                 # The size that ran out was predicted to fit: less memory is usable than the model
                 # says (fragmentation, a workspace). Predict again under the model's peak at it.
-                below = predict_max_size(_under(state.samples, _model_peak(state.samples, hi)))
+                below = predict_max_size(_under(samples, _model_peak(samples, hi)))
                 if below is not None and lo < below < hi:
                     return below, True
                 return None, True
-            edge = predict_max_size(state.samples, margin=1.0)
-            if upward and predicted <= lo and edge is not None and lo < edge:
+            edge = predict_max_size(samples, margin=1.0)
+            # Not where an OOM set the capacity: filling what it showed usable is asking for another.
+            if upward and predicted <= lo and edge is not None and lo < edge and not _capped(state):
                 return min(edge, hi - 1), True  # the size predicted to fill the whole capacity
             if predicted <= lo:
                 return None, True  # nothing above the best success is predicted to fit: converge
@@ -600,7 +641,8 @@ def _new_samples(state: SearchState, outcome: Success, config: PolicyConfig) -> 
         return state.samples
     else:
         m, peak = outcome.size, outcome.peak_bytes
-    samples = tuple(s for s in state.samples if s[0] != m) + ((m, int(peak), capacity),)
+    # Every sample under the capacity read now: other processes take and give back memory.
+    samples = _under(tuple(s for s in state.samples if s[0] != m), capacity) + ((m, int(peak), capacity),)
     return samples[-2:]
 
 
@@ -613,7 +655,10 @@ def _record_success(state: SearchState, outcome: Success, config: PolicyConfig) 
     if first_failure is not None and m >= first_failure:
         # The failure did not reproduce at this size: that bound is stale.
         first_failure = None
-    new = replace(state, successes=successes, samples=samples, first_failure=first_failure)
+    ceiling = state.ceiling
+    if ceiling is not None and not outcome.projected and outcome.peak_bytes and outcome.peak_bytes > ceiling:
+        ceiling = int(outcome.peak_bytes)  # it ran: at least this much is usable
+    new = replace(state, successes=successes, samples=samples, first_failure=first_failure, ceiling=ceiling)
     return replace(new, best_success=_best_below(config, new, _hi(new)))
 
 
@@ -623,7 +668,8 @@ def _projected_to_fail(state: SearchState, outcome: Success, config: PolicyConfi
         and config.use_prediction
         and outcome.peak_bytes
         and outcome.capacity_bytes
-        and outcome.peak_bytes > outcome.capacity_bytes  # surely will not fit (no margin: a size that may fit stays)
+        # surely will not fit (no margin: a size that may fit stays)
+        and outcome.peak_bytes > min(outcome.capacity_bytes, state.ceiling or outcome.capacity_bytes)
         and outcome.size > _min_size(config, state.batch_size)
     )
 
@@ -643,12 +689,39 @@ def _on_projected_failure(state: SearchState, outcome: Success, config: PolicyCo
     return _search_below(state, config, m, False, f"ok at {m}, but its peak with the optimizer state the first step adds does not fit")
 
 
+def _grew(state: SearchState, capacity: Optional[int]) -> Optional[str]:
+    """How the capacity read at a success grew past the one the failure bound was set under."""
+    before = state.bound_capacity
+    if not capacity or not before or capacity <= before * (1 + CAPACITY_CHANGE):
+        return None
+    if state.first_failure is None and state.ceiling is None:
+        return None
+    return f"{_mib(before)} -> {_mib(capacity)}"
+
+
 def _on_success(state: SearchState, outcome: Success, config: PolicyConfig) -> tuple[SearchState, Decision]:
     m = outcome.size
+    grew = _grew(state, outcome.capacity_bytes)
+    if grew is not None:
+        # Memory came back (another process gave it up): what ran out under less is no bound now.
+        state = replace(state, first_failure=None, ceiling=None, bound_capacity=None)
     if _projected_to_fail(state, outcome, config):
         return _on_projected_failure(state, outcome, config)
     lo_before = state.best_success
     state = _record_success(state, outcome, config)
+    if grew is not None and state.phase != Phase.SEARCHING and config.search == "bisect" and config.unit == "samples":
+        lo = state.best_success
+        if _between(config, state, lo, _hi(state)):
+            state = replace(state, phase=Phase.SEARCHING, found=None, stable_count=0)
+            size, predicted = _next_search_size(state, config, upward=True)
+            grew = f"ok at {m}; memory capacity grew ({grew}): larger sizes may fit"
+            if size is None:
+                # The largest size that ran clean before is what the model says fits again.
+                state = _settle(state, config, lo)
+                return state, _decide(state, config, False, f"{grew} -> back to {lo}, {_in_use(state, config)}")
+            state = replace(state, size=size)
+            how = "predicted; " if predicted else ""
+            return state, _decide(state, config, False, f"{grew} -> try {size} ({how}{_bounds(state)})")
     if state.phase == Phase.STEADY:
         return state, _decide(state, config, False, "")
     if state.phase == Phase.SETTLING:
@@ -687,7 +760,8 @@ def _on_failure(state: SearchState, outcome: Union[OOM, Thrash], config: PolicyC
     what = "OOM" if oom else "thrash"
     floor = _min_size(config, state.batch_size)
     was = state.phase
-    if oom and outcome.may_rerun and is_one_off(state, m, outcome.ranks):  # type: ignore[union-attr]
+    shrank = _shrank(state, outcome.capacity_bytes if oom else None)  # type: ignore[union-attr]
+    if oom and outcome.may_rerun and not shrank and is_one_off(state, m, outcome.ranks):  # type: ignore[union-attr]
         # One OOM at a size that already ran clean is an event (a long sequence, fragmentation,
         # memory left by an eval or a checkpoint), not a new limit: rerun the same split with
         # the sync hooks on. Only a repeat (an OOM in that rerun) moves the bounds.
@@ -707,9 +781,36 @@ def _on_failure(state: SearchState, outcome: Union[OOM, Thrash], config: PolicyC
 
     first_failure = m if state.first_failure is None else min(state.first_failure, m)
     state = replace(state, phase=Phase.SEARCHING, found=None, stable_count=0, first_failure=first_failure)
+    if oom:
+        state = _learn_from_oom(state, outcome)  # type: ignore[arg-type]
     state = replace(state, best_success=_best_below(config, state, first_failure))
     again = "" if was == Phase.SEARCHING else f" in {was.value.lower()} phase"
+    if shrank is not None:
+        again += f" (memory capacity shrank: {shrank})"
     return _search_below(state, config, m, oom, f"{what} at {m}{again}")
+
+
+def _last_capacity(state: SearchState) -> Optional[int]:
+    return state.samples[-1][2] if state.samples else None
+
+
+def _shrank(state: SearchState, capacity: Optional[int]) -> Optional[str]:
+    """How the capacity read at a failure shrank since the last success's ("", None: it did not)."""
+    before = _last_capacity(state)
+    if not capacity or not before or capacity >= before * (1 - CAPACITY_CHANGE):
+        return None
+    return f"{_mib(before)} -> {_mib(capacity)}, another process took memory"
+
+
+def _learn_from_oom(state: SearchState, outcome: OOM) -> SearchState:
+    """A bound-moving OOM corrects the memory model: what its attempt had reached is usable, and not
+    much more (up to the one allocation that failed). The ceiling is the most any OOM (or a later
+    success) reached; it stands for the capacity wherever the capacity read says more."""
+    ceiling = state.ceiling
+    if outcome.reached_bytes:
+        ceiling = int(outcome.reached_bytes) if ceiling is None else max(ceiling, int(outcome.reached_bytes))
+    bound_capacity = int(outcome.capacity_bytes) if outcome.capacity_bytes else state.bound_capacity
+    return replace(state, ceiling=ceiling, bound_capacity=bound_capacity)
 
 
 def _search_below(state: SearchState, config: PolicyConfig, m: int, rerun: bool, event: str) -> tuple[SearchState, Decision]:
@@ -865,6 +966,11 @@ class SearchPolicy:
         if not (p2 - p1) / (m2 - m1) > 0:
             return None
         return _model_peak(samples, size)
+
+    def usable_bytes(self, capacity: int) -> int:
+        """`capacity` (read), or less where an OOM showed less usable (`SearchState.ceiling`)."""
+        ceiling = self.state.ceiling
+        return capacity if ceiling is None or not capacity else min(capacity, ceiling)
 
     @property
     def batch_size(self) -> int:

@@ -57,7 +57,7 @@ from automicro.core.hooks import SYNC_POINTS, SyncHooks
 from automicro.core.layout import LayoutConfig
 from automicro.core.ledger import Board, CollectiveLedger, FatalRecoveryError
 from automicro.core.optimizer_memory import pending_state_bytes
-from automicro.core.memory import CudaMemory, MemorySource, NoMemory
+from automicro.core.memory import CapacityWatch, CudaMemory, MemorySource, NoMemory
 from automicro.core.metrics import (
     AttemptRecord,
     BatchFigures,
@@ -140,6 +140,7 @@ class AutoMicrobatching(Callback):
         self.layout_config = LayoutConfig.parse(layout, layout_trial_batches, layout_min_gain)
         self.layout: Optional[LayoutTrials] = None
         self._last_peak = self._last_capacity = 0
+        self._capacity_watch = CapacityWatch()
         if eval_oom not in EVAL_OOM:
             raise ValueError(
                 f"eval_oom={eval_oom!r}: must be 'split' (an evaluator with a pinned device_eval_microbatch_size that "
@@ -305,8 +306,10 @@ class AutoMicrobatching(Callback):
             if isinstance(fraction, dict):
                 fraction = fraction.get(self._rank)
             if fraction is not None:
-                # Makes memory tight (and different per rank) on purpose: tests and benchmarks.
-                torch.cuda.set_per_process_memory_fraction(float(fraction))
+                # A further cap (tests and benchmarks make ranks differ with it): never above a
+                # per-process fraction the user's script already set.
+                current = torch.cuda.get_per_process_memory_fraction()
+                torch.cuda.set_per_process_memory_fraction(min(float(fraction), float(current)))
             self._memory = CudaMemory(fraction)
 
     def set_memory_source(self, memory: MemorySource) -> None:
@@ -531,6 +534,7 @@ class AutoMicrobatching(Callback):
             found_size=self.found_size or 0,
             budget_tokens=0 if self.tokens is None or self.tokens.plan is None else self.tokens.plan.budget,
             padding_waste=None if self.tokens is None else self.tokens.padding_waste,
+            capacity_bytes=self._last_capacity,
         )
         logger.log_metrics({**batch_metrics(figures, self.history), **(self.layout.metrics() if self.layout else {})})
         # Composer moves the timestamp to the next batch before BATCH_END.
@@ -645,6 +649,26 @@ class AutoMicrobatching(Callback):
 
     # ---- the guarded batch step --------------------------------------------------------------
 
+    def _capacity(self) -> int:
+        """What this process can still get now (read on every attempt: other processes share the card)."""
+        return self._memory.capacity_bytes()
+
+    def _watch_capacity(self, verdict: Verdict) -> None:
+        """One line for the first capacity agreed, one whenever it moves (`CapacityWatch`): on the
+        rank whose reading is the least, which knows why."""
+        capacity = verdict.capacity_bytes
+        least = min((r for r in verdict.reports if r.capacity_bytes > 0), key=lambda r: r.capacity_bytes, default=None)
+        reading = getattr(self._memory, "capacity_reading", None)
+        ours = least is not None and least.rank == self._rank
+        line = self._capacity_watch.observe(capacity, reading() if ours and callable(reading) else None)
+        if line is None or least is None:
+            return
+        if len(verdict.reports) > 1:
+            line += f" (the least over ranks: rank {least.rank}'s)"
+        if ours and self.log_attempts:
+            print(f"[automicro] {line}", flush=True)
+        log.info("automicro: %s", line)
+
     def _figures(self) -> LocalFigures:
         retries = self._memory.alloc_retries()
         new = max(0, retries - (self._step.retries_before if self._step is not None else retries))
@@ -654,7 +678,8 @@ class AutoMicrobatching(Callback):
             # Before the first optimizer step: the peak the next batches will see, with the state
             # that step creates (`automicro.core.optimizer_memory`).
             peak_bytes=peak + self._optimizer_pending if peak else 0,
-            capacity_bytes=self._memory.capacity_bytes(),
+            projected_bytes=self._optimizer_pending if peak else 0,
+            capacity_bytes=self._capacity(),
             allocated_bytes=self._memory.allocated_bytes(),
             microbatch_tokens=0 if self.tokens is None or self.tokens.plan is None else self.tokens.plan.largest,
         )
@@ -678,7 +703,7 @@ class AutoMicrobatching(Callback):
             self.layout.load_state_dict(self._layout_state)
             self._layout_state = None
         self.layout.before_batch(
-            self.policy.phase == search.Phase.STEADY, self._last_peak, self._last_capacity,
+            self.policy.phase == search.Phase.STEADY, self._last_peak, self.policy.usable_bytes(self._last_capacity),
             *(() if self.tokens is not None else (
                 max(self.policy.current_split()), self.policy.found_size, self._peak_at,
                 self.policy.probe_split() if self.policy_config.probes else None,
@@ -703,6 +728,7 @@ class AutoMicrobatching(Callback):
             self._batch_attempts = step.attempts
             result, sizes = attempt.result, attempt.sizes
             verdict, seconds = result.verdict, result.seconds
+            self._watch_capacity(verdict)
             if result.unreported is not None:
                 # This rank raised although no rank reported a failure: never count that as a
                 # success (the batch would be skipped silently, or the error swallowed).
@@ -751,7 +777,10 @@ class AutoMicrobatching(Callback):
                 )
                 continue
             try:
-                failed = search.OOM(self._outcome_size(sizes, verdict, failed=True), tuple(verdict.failed_ranks))
+                failed = search.OOM(
+                    self._outcome_size(sizes, verdict, failed=True), tuple(verdict.failed_ranks),
+                    reached_bytes=_reached(verdict), capacity_bytes=verdict.capacity_bytes or None,
+                )
                 decision = self.policy.observe(failed)
             except search.CannotFitError as error:
                 self._record(batch_index, sizes, "oom", verdict, 0, seconds, hooks=hooks_on)
@@ -918,6 +947,13 @@ class AutoMicrobatching(Callback):
         )
         self.history.append(record)
         self._info(record.console_line())
+
+
+def _reached(verdict: Verdict) -> Optional[int]:
+    """The least peak a rank that ran out of memory had reached (its report leaves out what is
+    projected, `LocalFigures.reached`); None where no failed rank measured one."""
+    reached = [r.peak_bytes for r in verdict.reports if r.kind == KIND_OOM and r.peak_bytes > 0]
+    return min(reached) if reached else None
 
 
 def _build_ledger(sharded: ShardedModel, consensus: Consensus, rank: int) -> CollectiveLedger:

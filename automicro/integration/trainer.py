@@ -154,6 +154,12 @@ class Trainer(composer.Trainer):
             )
             if problem:
                 raise ValueError(f"automicro.Trainer: parallelism_config['pipeline'] {problem}")
+        if fsdp2 is None and pipeline is None and _on_meta(model):
+            raise ValueError(
+                "automicro.Trainer: the model's parameters are on the meta device (no memory yet), and without "
+                "parallelism_config['fsdp2'] nothing materializes them; build the model on a real device (YAML: "
+                "model.init_device: cpu) or pass parallelism_config={'fsdp2': {}}, which materializes it shard by shard"
+            )
         compile_config = self._compile_config(compile, fsdp2 is not None, pipeline is not None, kwargs)
         check_checkpoint_format(
             checkpoint_format,
@@ -378,3 +384,9 @@ class Trainer(composer.Trainer):
         pipe.run(self, pipe.split(batch, [size] * (batch_size // size)), total_loss_dict, end_of_attempt=lambda: None)
         composer_internals.step_optimizers(self)
         return total_loss_dict
+
+
+def _on_meta(model: Any) -> bool:
+    """Whether any parameter of `model` is on the meta device."""
+    parameters = getattr(model, "parameters", None)
+    return callable(parameters) and any(p.is_meta for p in parameters())
