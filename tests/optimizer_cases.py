@@ -32,20 +32,38 @@ class PeakPerBatch(Callback):
         self.peaks.append(int(self.cap.cap.stats()["peak_bytes"]))
 
 
-def fit(microbatch: Any, limit: int, batches: int, use_prediction: bool = True, start_size: Any = None) -> dict[str, Any]:
+class SplitPerBatch(Callback):
+    """The split each batch trained at (the auto-microbatching callback's, after the batch)."""
+
+    def __init__(self, auto: Any) -> None:
+        self.auto = auto
+        self.splits: list[list[int]] = []
+
+    def batch_end(self, state: Any, logger: Any) -> None:
+        self.splits.append(list(self.auto.used_split))
+
+
+def fit(
+    microbatch: Any, limit: int, batches: int, use_prediction: bool = True, start_size: Any = None,
+    cap: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
+    """`cap`: more `MemoryCapCallback` arguments (`capacity_reads`, `limit_at_batch`)."""
     from automicro.models import build_model
 
     torch.manual_seed(0)
     model = build_model("tiny", **MODEL)
     world = torch.distributed.get_world_size()
     data = build_dataloader(SyntheticTokens(PER_RANK_BATCH * world * batches, SEQ, MODEL["vocab_size"], seed=2), PER_RANK_BATCH, shuffle=False)
-    cap = MemoryCapCallback(limit_bytes=limit, retry_band=0.0)
-    peaks = PeakPerBatch(cap)
+    cap_callback = MemoryCapCallback(limit_bytes=limit, retry_band=0.0, **(cap or {}))
+    peaks = PeakPerBatch(cap_callback)
     auto: Optional[automicro.AutoMicrobatching] = None
-    callbacks: list[Any] = [cap, peaks]
+    callbacks: list[Any] = [cap_callback, peaks]
+    splits: Optional[SplitPerBatch] = None
     if microbatch == "auto":
         auto = automicro.AutoMicrobatching(log_attempts=False, use_prediction=use_prediction, start_size=start_size)
+        splits = SplitPerBatch(auto)
         callbacks.insert(0, auto)
+        callbacks.append(splits)
     trainer = automicro.Trainer(
         model=model, train_dataloader=data, max_duration=f"{batches}ba",
         optimizers=torch.optim.AdamW(model.parameters(), lr=1e-3), device="cpu",
@@ -60,6 +78,7 @@ def fit(microbatch: Any, limit: int, batches: int, use_prediction: bool = True, 
             "splits": [list(r.split) for r in auto.history] if auto else [],
             "found": auto.found_size if auto else microbatch,
             "ooms": auto.ooms_total if auto else 0,
+            "used": splits.splits if splits else [],
             "params": {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()},
         }
     finally:

@@ -47,6 +47,7 @@ from automicro.core.alarm import JobLostAlarm
 from automicro.core.attempt import AttemptFence, is_oom
 from automicro.core.consensus import (
     KIND_ERROR,
+    KIND_OOM,
     Consensus,
     FailedOnOtherRank,
     LocalFigures,
@@ -911,7 +912,7 @@ class AutoMicrobatching(Callback):
                 peaks_by_size=peaks_by_size,
             )
         )
-        if phase_before != search.Phase.STEADY or self._batch_attempts > 1:
+        if phase_before != search.Phase.STEADY or self._batch_attempts > 1 or decision.phase != search.Phase.STEADY:
             self._record(batch_index, sizes, "ok", verdict, decision.next_size, seconds, decision.event)
         if self.tokens is not None and phase_before == search.Phase.SEARCHING and self.policy.found_size is not None:
             self._info(

@@ -25,17 +25,35 @@ class MemoryCapCallback(Callback):
     CPU for the whole fit, which also feeds AutoMicrobatching's memory figures.
 
     YAML: ``callbacks: {memory_cap: {limit_bytes: {0: 6000000, 1: 9000000}}}``
+
+    A card that is not all ours: ``capacity_reads`` is what the capacity reading says instead of the
+    limit (bytes, or a {rank: bytes} map: a shared card read as if it were all this process's), and
+    ``limit_at_batch`` ({batch index: bytes or {rank: bytes}}) changes the limit as that batch
+    starts (another process takes memory, or gives it back); the reading follows the limit unless
+    ``capacity_reads`` pins it.
     """
 
-    def __init__(self, limit_bytes: Any, retry_band: float = 0.10) -> None:
-        if isinstance(limit_bytes, dict):
-            bad = {k: v for k, v in limit_bytes.items() if not isinstance(k, int) or not isinstance(v, int) or v <= 0}
-            if bad:
-                raise ValueError(f"memory_cap.limit_bytes: entries {bad} must map a rank (int) to a positive int of bytes")
-        elif isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int) or limit_bytes <= 0:
-            raise ValueError(f"memory_cap.limit_bytes={limit_bytes!r}: must be a positive int of bytes or a {{rank: bytes}} map")
+    def __init__(
+        self, limit_bytes: Any, retry_band: float = 0.10, capacity_reads: Any = None,
+        limit_at_batch: Optional[dict[int, Any]] = None,
+    ) -> None:
+        _check_bytes("memory_cap.limit_bytes", limit_bytes)
+        if capacity_reads is not None:
+            _check_bytes("memory_cap.capacity_reads", capacity_reads)
+        schedule = dict(limit_at_batch or {})
+        for batch, limit in schedule.items():
+            if isinstance(batch, bool) or not isinstance(batch, int) or batch < 0:
+                raise ValueError(f"memory_cap.limit_at_batch: key {batch!r} must be a batch index (an int >= 0)")
+            _check_bytes(f"memory_cap.limit_at_batch.{batch}", limit)
         self.cap = MemoryCap(limit_bytes, retry_band=retry_band)
+        self.capacity_reads = capacity_reads
+        self.limit_at_batch = schedule
         self._entered = False
+
+    def batch_start(self, state: State, logger: Logger) -> None:
+        limit = self.limit_at_batch.get(int(state.timestamp.batch))
+        if limit is not None:
+            self.cap.set_limit(limit)
 
     def fit_start(self, state: State, logger: Logger) -> None:
         if not self._entered:
@@ -45,7 +63,7 @@ class MemoryCapCallback(Callback):
             for callback in state.callbacks:
                 set_memory_source = getattr(callback, "set_memory_source", None)  # AutoMicrobatching
                 if callable(set_memory_source):
-                    set_memory_source(CapMemory(self.cap))
+                    set_memory_source(CapMemory(self.cap, self._reads()))
 
     def fit_end(self, state: State, logger: Logger) -> None:
         self.close()
@@ -56,11 +74,32 @@ class MemoryCapCallback(Callback):
             self.cap.__exit__(None, None, None)
 
 
-class CapMemory:
-    """`MemorySource` over a `MemoryCap`."""
+    def _reads(self) -> Optional[int]:
+        reads = self.capacity_reads
+        if isinstance(reads, dict):
+            rank = self.cap.rank
+            if rank not in reads:
+                raise KeyError(f"memory_cap.capacity_reads: no reading given for rank {rank} (readings for ranks {sorted(reads)})")
+            return int(reads[rank])
+        return None if reads is None else int(reads)
 
-    def __init__(self, cap: MemoryCap) -> None:
+
+def _check_bytes(key: str, value: Any) -> None:
+    if isinstance(value, dict):
+        bad = {k: v for k, v in value.items() if not isinstance(k, int) or isinstance(v, bool) or not isinstance(v, int) or v <= 0}
+        if bad:
+            raise ValueError(f"{key}: entries {bad} must map a rank (int) to a positive int of bytes")
+    elif isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{key}={value!r}: must be a positive int of bytes or a {{rank: bytes}} map")
+
+
+class CapMemory:
+    """`MemorySource` over a `MemoryCap`; `reads`: what its capacity reading says instead of the
+    limit (None: the limit as it is now)."""
+
+    def __init__(self, cap: MemoryCap, reads: Optional[int] = None) -> None:
         self.cap = cap
+        self.reads = reads
 
     def reset_peak(self) -> None:
         self.cap.reset_peak()
@@ -72,7 +111,7 @@ class CapMemory:
         return int(self.cap.live_bytes)
 
     def capacity_bytes(self) -> int:
-        return int(self.cap.limit_bytes or 0)
+        return self.reads if self.reads is not None else int(self.cap.limit_bytes or 0)
 
     def alloc_retries(self) -> int:
         return int(self.cap.memory_stats()["num_alloc_retries"])

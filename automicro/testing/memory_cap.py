@@ -248,6 +248,13 @@ class MemoryCap:
             return self._resolve_limit()
         return self._limit
 
+    def set_limit(self, limit_bytes: LimitSpec) -> None:
+        """A new limit from now on (another process took or gave back memory); bytes already live
+        stay counted, the next allocation is checked against it."""
+        with self._lock:
+            self._limit_spec = limit_bytes
+            self._resolve_limit()
+
     # ---- activation ----------------------------------------------------------------------------
 
     def __enter__(self) -> "MemoryCap":
