@@ -19,7 +19,11 @@ with the YAML overrides the variant names (`-auto` or `-fixed-N` for the microba
   acfixed-*      `activation_checkpointing: true` with `layout: fixed` (checkpointing stays on)
   composer-*     the stock `composer.Trainer` on the same model, data and optimizer (no FSDP, its
                  own `auto`: halving), built from the same YAML
-`--memory-fraction` caps the process's GPU memory in every variant. `--model hf` swaps the model for a
+`--memory-fraction` caps the process's GPU memory in every variant, told to automicro
+(`AutoMicrobatching(memory_fraction=...)`; 0: not set). A card that is not all ours (issue 39):
+`--torch-fraction F` sets `torch.cuda.set_per_process_memory_fraction(F)` first thing in each
+variant's process, as a user's own script would, telling automicro nothing; `--hog-gib G` starts
+another process that holds G GiB of the same GPU for the whole variant (a notebook, a server). `--model hf` swaps the model for a
 transformers `LlamaForCausalLM` of the same 1B shape (hidden 2048, 16 layers, 32 heads, 8 KV heads,
 MLP 8192, vocab 32000, built from its config, no weights downloaded) in Composer's
 `HuggingFaceModel`: the same YAML, data and variants, the model builder replaced in the variant's
@@ -59,7 +63,7 @@ def overrides(variant: str, args: argparse.Namespace, run_dir: str) -> list[str]
     ]
     if args.dry_run:  # CPU: the suite's plumbing only
         common += ["device=cpu", "precision=fp32", "parallelism_config.fsdp2.mixed_precision=FULL", "callbacks.memory_monitor=null"]
-    else:
+    elif args.memory_fraction:
         common.append(f"callbacks.auto_microbatching.memory_fraction={args.memory_fraction}")
     backend = ["compile.backend=aot_eager"] if args.dry_run else []
     if kind == "blocks":
@@ -107,6 +111,8 @@ def summarize(variant: str, rows: list[dict[str, Any]], console: list[str], skip
     peak = 0.0
     found = None
     ooms = 0
+    allocated: dict[int, float] = {}  # GiB allocated after each batch (Composer's MemoryMonitor)
+    capacity: dict[int, int] = {}
     for row in rows:
         step = int(row.get("step", 0))
         if "time/train" in row:
@@ -120,6 +126,10 @@ def summarize(variant: str, rows: list[dict[str, Any]], console: list[str], skip
                 ooms = max(ooms, int(value))
             if key == "throughput/device/flops_per_sec":
                 flops[step] = float(value)
+            if key == "memory/current_allocated_mem":
+                allocated[step] = float(value)
+            if key == "automicro/capacity_bytes" and value:
+                capacity[step] = int(value)
     steps = sorted(train_h)
     seconds = {s: (train_h[s] - train_h.get(s - 1, 0.0)) * 3600 for s in steps}
     steady = [seconds[s] for s in steps if s > skip]
@@ -140,6 +150,9 @@ def summarize(variant: str, rows: list[dict[str, Any]], console: list[str], skip
         "first_batch_s": seconds.get(steps[0]) if steps else None, "graphs": graphs, "ooms": ooms,
         "found": found if not fixed else int(fixed.group(1)), "peak_reserved_gib": peak or None,
         "steady_batches": len(steady), "found_at_batch": found_at, "search_attempts": attempts,
+        # Memory no batch uses shows as allocated bytes that grow between batches at the same split.
+        "allocated_gib_by_batch": [allocated[s] for s in sorted(allocated)],
+        "capacity_mib_by_batch": sorted({round(c / 2**20) for c in capacity.values()}),
     }
 
 
@@ -149,7 +162,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--batches", type=int, default=30)
     p.add_argument("--skip", type=int, default=10, help="batches left out of the steady figures (search, compile)")
-    p.add_argument("--memory-fraction", type=float, default=0.95)
+    p.add_argument("--memory-fraction", type=float, default=0.95, help="told to automicro (0: not set)")
+    p.add_argument("--torch-fraction", type=float, default=0.0,
+                   help="torch.cuda.set_per_process_memory_fraction in each variant's process, automicro not told (0: none)")
+    p.add_argument("--hog-gib", type=float, default=0.0,
+                   help="another process holds this many GiB of the GPU (negative: all but that many GiB of what is free)")
+    p.add_argument("--tag", default="", help="appended to each variant's name in the results (several settings in one file)")
     p.add_argument("--timeout", type=float, default=400.0)
     p.add_argument("--preset", default="1b")
     p.add_argument("--extra", default="", help="more YAML overrides for every variant, comma-separated")
@@ -159,6 +177,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="CPU, aot_eager: check the suite, measure nothing")
     p.add_argument("--model", choices=("automicro", "hf"), default="automicro",
                    help="automicro.models' Llama (the preset), or a transformers LlamaForCausalLM of the 1B shape")
+    if argv is None and sys.argv[1:2] == ["--hog"]:
+        return hog(float(sys.argv[2]))
+    if argv is None and sys.argv[1].startswith("--torch-fraction="):
+        import torch
+
+        torch.cuda.set_per_process_memory_fraction(float(sys.argv[1].split("=", 1)[1]))
+        sys.argv = sys.argv[:1] + sys.argv[2:]
+    if argv is None and sys.argv[1:2] == ["--train"]:
+        sys.path.insert(0, os.path.join(harness.REPO_ROOT, "scripts"))
+        import train  # noqa: E402 - scripts/train.py
+
+        return train.main(sys.argv[2:])
     if argv is None and sys.argv[1:2] == ["--hf"]:
         _use_hf_llama("--tiny-hf" in sys.argv)
         sys.argv = [a for a in sys.argv if a not in ("--hf", "--tiny-hf")]
@@ -180,13 +210,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         rest = [*(["--stock"] if variant.startswith("composer-") else []), "configs/tiny-gpu.yaml", *overrides(variant, args, run_dir)]
         if args.model == "hf":
             script, rest = os.path.abspath(__file__), ["--hf", *rest, *(["--tiny-hf"] if args.dry_run else [])]
+        if args.torch_fraction:
+            if script != os.path.abspath(__file__):  # scripts/train.py, run from this file's process
+                script, rest = os.path.abspath(__file__), ["--train", *rest]
+            rest = [f"--torch-fraction={args.torch_fraction}", *rest]
         if args.nproc == 1:
             argv_, env = [sys.executable, script, *rest], {**os.environ, **_single_rank()}
         else:  # one process per GPU of this host (torchrun's standalone rendezvous)
             argv_ = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc), script, *rest]
             env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
         started = time.perf_counter()
-        done = harness.run_launch(argv_, args.timeout, env=env)
+        holder = start_hog(args.hog_gib) if args.hog_gib else None
+        try:
+            done = harness.run_launch(argv_, args.timeout, env=env)
+        finally:
+            if holder is not None:
+                holder.kill()
+                holder.wait()
         console = [line for line in (done.stdout or "").splitlines() if line.startswith("[automicro]")]
         metrics = os.path.join(run_dir, "metrics.jsonl")
         if done.returncode == 0 and os.path.exists(metrics):
@@ -195,6 +235,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         else:
             result = {"variant": variant, "error": f"rc {done.returncode}: {(done.stderr or done.stdout or '')[-800:]}"}
         result["launch_s"] = round(time.perf_counter() - started, 1)
+        result["variant"] = variant + args.tag
+        result["setting"] = {"torch_fraction": args.torch_fraction, "hog_gib": args.hog_gib, "model": args.model,
+                             "memory_fraction": args.memory_fraction}
         result["console"] = console[-12:]
         result["memory_lines"] = [line for line in console if "per sample" in line or " -> oom" in line or "thrash" in line][:20]
         result["search_lines"] = [line for line in console if "] batch " in line and " attempt " in line][:12]
@@ -203,7 +246,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     base = {r["variant"]: r for r in results if r.get("tokens_per_s")}
     rows = []
     for r in results:
-        eager = base.get("eager-" + r["variant"].split("-", 1)[1]) or base.get("eager-auto")
+        eager = base.get("eager-" + r["variant"].split("-", 1)[1]) or base.get("eager-auto" + args.tag)
         rows.append([
             r["variant"], harness.fmt(r.get("tokens_per_s"), ",.0f"), harness.fmt(r.get("mfu"), ".3f"),
             harness.fmt(r["tokens_per_s"] / eager["tokens_per_s"], ".2f") if r.get("tokens_per_s") and eager else "–",
@@ -213,7 +256,34 @@ def main(argv: Optional[list[str]] = None) -> int:
     header = ["variant", "tokens/s", "MFU", "vs eager", "size", "OOMs", "found at batch", "first batch s", "graphs", "peak GiB", "error"]
     for line in harness.table_lines(header, rows):
         print(f"[one_gpu] | {line}", flush=True)
-    harness.write_json(os.path.join(args.out, "one_gpu.json"), {"args": vars(args), "gpu": gpu, "results": results})
+    harness.write_json(os.path.join(args.out, f"one_gpu{args.tag}.json"), {"args": vars(args), "gpu": gpu, "results": results})
+    return 0
+
+
+def start_hog(gib: float) -> Any:
+    """Another process that takes `gib` GiB of the GPU and holds it (a notebook, an inference server);
+    returns once it holds them."""
+    import subprocess
+
+    holder = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--hog", str(gib)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None
+    line = holder.stdout.readline()
+    if not line.startswith("holding"):
+        holder.kill()
+        raise SystemExit(f"the memory hog did not start: {line!r}")
+    print(f"[one_gpu:detail] another process is {line.strip()}", flush=True)
+    return holder
+
+
+def hog(gib: float) -> int:
+    import torch
+
+    if gib < 0:  # leave -gib GiB free, whatever the card
+        gib = torch.cuda.mem_get_info()[0] / 2**30 + gib
+    held = torch.empty(int(gib * 2**30), dtype=torch.uint8, device="cuda")
+    free, total = torch.cuda.mem_get_info()
+    print(f"holding {held.numel() / 2**30:.1f} GiB ({free / 2**30:.1f} of {total / 2**30:.1f} GiB left free)", flush=True)
+    time.sleep(3600)
     return 0
 
 
