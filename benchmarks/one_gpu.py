@@ -167,6 +167,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="torch.cuda.set_per_process_memory_fraction in each variant's process, automicro not told (0: none)")
     p.add_argument("--hog-gib", type=float, default=0.0,
                    help="another process holds this many GiB of the GPU (negative: all but that many GiB of what is free)")
+    p.add_argument("--hog-later", default="",
+                   help="more processes that take memory mid-run: 'T:G:D,...' takes G GiB T s after the launch and gives "
+                        "it back D s later (D 0: holds it to the end)")
     p.add_argument("--tag", default="", help="appended to each variant's name in the results (several settings in one file)")
     p.add_argument("--timeout", type=float, default=400.0)
     p.add_argument("--preset", default="1b")
@@ -178,7 +181,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--model", choices=("automicro", "hf"), default="automicro",
                    help="automicro.models' Llama (the preset), or a transformers LlamaForCausalLM of the 1B shape")
     if argv is None and sys.argv[1:2] == ["--hog"]:
-        return hog(float(sys.argv[2]))
+        return hog(*(float(x) for x in sys.argv[2:5]))
     if argv is None and sys.argv[1].startswith("--torch-fraction="):
         import torch
 
@@ -220,11 +223,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             argv_ = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc), script, *rest]
             env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
         started = time.perf_counter()
-        holder = start_hog(args.hog_gib) if args.hog_gib else None
+        holders = [start_hog(args.hog_gib)] if args.hog_gib else []
+        for item in filter(None, args.hog_later.split(",")):
+            after, gib, hold = (float(x) for x in item.split(":"))
+            holders.append(start_hog(gib, after, hold))
         try:
             done = harness.run_launch(argv_, args.timeout, env=env)
         finally:
-            if holder is not None:
+            for holder in holders:
                 holder.kill()
                 holder.wait()
         console = [line for line in (done.stdout or "").splitlines() if line.startswith("[automicro]")]
@@ -260,12 +266,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
-def start_hog(gib: float) -> Any:
+def start_hog(gib: float, after: float = 0.0, hold: float = 0.0) -> Any:
     """Another process that takes `gib` GiB of the GPU and holds it (a notebook, an inference server);
-    returns once it holds them."""
+    returns once it holds them. `after` > 0: it takes them that many seconds from now (and returns at
+    once), gives them back `hold` seconds later (0: never)."""
     import subprocess
 
-    holder = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--hog", str(gib)], stdout=subprocess.PIPE, text=True)
+    argv = [sys.executable, os.path.abspath(__file__), "--hog", str(gib), str(after), str(hold)]
+    holder = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    if after:
+        print(f"[one_gpu:detail] another process takes {gib} GiB {after:.0f} s from now, for {hold or 'the rest'} s", flush=True)
+        return holder
     assert holder.stdout is not None
     line = holder.stdout.readline()
     if not line.startswith("holding"):
@@ -275,14 +286,18 @@ def start_hog(gib: float) -> Any:
     return holder
 
 
-def hog(gib: float) -> int:
+def hog(gib: float, after: float = 0.0, hold: float = 0.0) -> int:
     import torch
 
+    time.sleep(after)
     if gib < 0:  # leave -gib GiB free, whatever the card
         gib = torch.cuda.mem_get_info()[0] / 2**30 + gib
     held = torch.empty(int(gib * 2**30), dtype=torch.uint8, device="cuda")
     free, total = torch.cuda.mem_get_info()
     print(f"holding {held.numel() / 2**30:.1f} GiB ({free / 2**30:.1f} of {total / 2**30:.1f} GiB left free)", flush=True)
+    time.sleep(hold or 3600)
+    del held
+    torch.cuda.empty_cache()
     time.sleep(3600)
     return 0
 
