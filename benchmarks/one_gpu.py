@@ -292,6 +292,22 @@ def hog(gib: float, after: float = 0.0, hold: float = 0.0) -> int:
     time.sleep(after)
     if gib < 0:  # leave -gib GiB free, whatever the card
         gib = torch.cuda.mem_get_info()[0] / 2**30 + gib
+    if after:
+        # Later in the run: a GiB at a time, as the training process leaves it free (its cached
+        # blocks stay its own), for up to a minute.
+        chunks: list[Any] = []
+        deadline = time.time() + 60
+        while len(chunks) < int(gib) and time.time() < deadline:
+            try:
+                chunks.append(torch.empty(2**30, dtype=torch.uint8, device="cuda"))
+            except torch.OutOfMemoryError:
+                time.sleep(0.2)
+        print(f"[one_gpu:detail] the later process holds {len(chunks)} GiB", flush=True)
+        time.sleep(hold or 3600)
+        chunks.clear()
+        torch.cuda.empty_cache()
+        time.sleep(3600)
+        return 0
     held = torch.empty(int(gib * 2**30), dtype=torch.uint8, device="cuda")
     free, total = torch.cuda.mem_get_info()
     print(f"holding {held.numel() / 2**30:.1f} GiB ({free / 2**30:.1f} of {total / 2**30:.1f} GiB left free)", flush=True)
