@@ -500,8 +500,7 @@ class AutoMicrobatching(Callback):
 
     def _recover_model(self) -> None:
         assert self._sharded is not None
-        self._sharded.recover()
-        self._memory.empty_cache()
+        self._sharded.recover()  # the cache stays this process's, as after a training attempt (`BatchStep._wipe`)
 
     def _rearm(self, reason: str) -> None:
         if self.policy is None:
