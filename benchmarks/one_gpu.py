@@ -170,6 +170,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--hog-later", default="",
                    help="more processes that take memory mid-run: 'T:G:D,...' takes G GiB T s after the launch and gives "
                         "it back D s later (D 0: holds it to the end)")
+    p.add_argument("--hog-device", type=int, default=0, help="the GPU the other processes take memory on (--nproc 2: 1 shares only rank 1's)")
     p.add_argument("--tag", default="", help="appended to each variant's name in the results (several settings in one file)")
     p.add_argument("--timeout", type=float, default=400.0)
     p.add_argument("--preset", default="1b")
@@ -223,10 +224,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             argv_ = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc), script, *rest]
             env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
         started = time.perf_counter()
-        holders = [start_hog(args.hog_gib)] if args.hog_gib else []
+        holders = [start_hog(args.hog_gib, device=args.hog_device)] if args.hog_gib else []
         for item in filter(None, args.hog_later.split(",")):
             after, gib, hold = (float(x) for x in item.split(":"))
-            holders.append(start_hog(gib, after, hold))
+            holders.append(start_hog(gib, after, hold, device=args.hog_device))
         try:
             done = harness.run_launch(argv_, args.timeout, env=env)
         finally:
@@ -266,14 +267,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
-def start_hog(gib: float, after: float = 0.0, hold: float = 0.0) -> Any:
+def start_hog(gib: float, after: float = 0.0, hold: float = 0.0, device: int = 0) -> Any:
     """Another process that takes `gib` GiB of the GPU and holds it (a notebook, an inference server);
     returns once it holds them. `after` > 0: it takes them that many seconds from now (and returns at
     once), gives them back `hold` seconds later (0: never)."""
     import subprocess
 
     argv = [sys.executable, os.path.abspath(__file__), "--hog", str(gib), str(after), str(hold)]
-    holder = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": str(device)})
     if after:
         print(f"[one_gpu:detail] another process takes {gib} GiB {after:.0f} s from now, for {hold or 'the rest'} s", flush=True)
         return holder
