@@ -740,11 +740,10 @@ class AutoMicrobatching(Callback):
                 raise result.unreported
             if not verdict.failed:
                 step.step_optimizers()
-                if self._optimizer_pending:
-                    # The first step just made the optimizer state among the blocks batch 0's
-                    # attempts left cached: batch 1 starts from an emptied cache, as a rerun does,
-                    # so the size chosen with that state projected meets the memory it was chosen for.
-                    self._memory.empty_cache()
+                # The cache is not emptied after the first step either (it was, to give batch 1 an
+                # unfragmented cache): on a shared card another process took what it freed (an H200:
+                # 20 GiB, and size 1 no longer fit). Where batch 1 needs those blocks, the allocator
+                # frees its unused ones and retries by itself.
                 self._used_split = sizes
                 self._last_peak, self._last_capacity = verdict.peak_bytes, verdict.capacity_bytes
                 peaks = self._agreed_peaks(step)
