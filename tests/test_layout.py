@@ -678,10 +678,31 @@ def test_pressure_in_recomputes_measuring_batch_or_its_trial_ends_it_and_the_bat
     assert trial.relieve(trial.current, "out of memory at size 4", 4) == RECOMPUTE
     assert trial.trial is None and trial.trial_size is None and trial.rejected == {} and trial.settled == ()
     assert trial.layout_for_batch(True, lambda t: None, 2, 2, None, 1) == ((), [])
-    # Its model was wrong at 4: from a smaller size found, it is tried below 4.
-    assert trial.fits_up_to == {RECOMPUTE: 3}
-    trial.layout_for_batch(True, lambda t: None, 1, 1, None, 1)
-    assert trial.trial is not None and trial.trial.size == 3 and trial.trial.upsize
+    # Its model was wrong at 4: never tried again this run, from a smaller size found neither.
+    assert trial.fits_up_to == {RECOMPUTE: None}
+    assert trial.layout_for_batch(True, lambda t: None, 1, 1, None, 1) == ((), [])
+
+
+def test_recompute_is_not_measured_where_the_size_found_runs_the_whole_batch_and_waits_while_memory_is_taken():
+    whole = _upsize_search()
+    assert whole.layout_for_batch(True, lambda t: None, 2, 2, None, 1, capacity=10**9, whole_batch=2) == ((), [
+        "layout trade recompute (activation checkpointing on) not tried: the size found runs the whole batch in one "
+        "microbatch, no larger microbatch exists"
+    ])
+    assert whole.trial is None and whole.upsized_from == [2]
+    shrunk = _upsize_search()
+    shrunk.layout_for_batch(True, lambda t: None, 2, 2, None, 1, capacity=10**9, whole_batch=8)
+    shrunk.observe((RECOMPUTE,), 1.0)
+    shrunk.measured(None, "how", fits_up_to=4, capacity=10**9)
+    assert shrunk.fits_capacity == {RECOMPUTE: 10**9}
+    # Another process took a fifth of the memory since: no trial, nothing said twice, nothing lost.
+    assert shrunk.layout_for_batch(True, lambda t: None, 2, 2, None, 1, capacity=8 * 10**8, whole_batch=8) == ((), [])
+    assert shrunk.upsized_from == []
+    layout, _ = shrunk.layout_for_batch(True, lambda t: None, 2, 2, None, 1, capacity=10**9, whole_batch=8)
+    assert layout == (RECOMPUTE,) and shrunk.trial_size == 4, "the memory is back: tried"
+    restored = _upsize_search()
+    restored.load_state_dict(shrunk.state_dict())
+    assert restored.fits_capacity == {RECOMPUTE: 10**9}
 
 
 def test_recompute_cannot_be_pinned():

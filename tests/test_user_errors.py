@@ -97,6 +97,7 @@ SWEEP = [
     # (overrides, fragments of the one `config error:` line)
     pytest.param(["load_path=/definitely/not/here.pt"], ["load_path='/definitely/not/here.pt'", "no such file", "load_path to null"], id="load-path-missing"),
     pytest.param(["parallelism_config=null", "compile=true"], ["compile.scope='blocks'", "parallelism_config.fsdp2", "scope: model"], id="compile-blocks-without-fsdp2"),
+    pytest.param(["parallelism_config=null", "model.init_device=meta"], ["model.init_device='meta'", "only FSDP2 materializes", "model.init_device: cpu"], id="meta-without-fsdp2"),
     pytest.param(["seed=99999999999"], ["seed=99999999999", "4294967295"], id="seed-range"),
     pytest.param(["device=gpu"], ["device='gpu'", "no CUDA device", "device: cpu"], id="gpu-without-cuda"),
     pytest.param(["run_dir=/proc/automicro-test/x"], ["run_dir='/proc/automicro-test/x'", "cannot create or write"], id="run-dir-unwritable"),
@@ -289,3 +290,14 @@ def test_composer_parallelism_config_with_fsdp1_is_refused_by_the_trainer_naming
 
     with pytest.raises(FSDP2ConfigError, match=r"ParallelismConfig\)\.fsdp: .*FSDP2 only.*set fsdp=None"):
         automicro.Trainer(model=ComposerStack(), device="cpu", max_duration="1ba", parallelism_config=ParallelismConfig(fsdp=FSDPConfig()))
+
+
+def test_a_meta_device_model_without_fsdp2_is_refused_with_the_fix():
+    """Issue 39, item 7: torch's raw `Cannot copy out of meta tensor` became one line naming the fix."""
+    import automicro
+
+    with torch.device("meta"):
+        model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"meta device .* model\.init_device: cpu\) or pass parallelism_config=\{'fsdp2': \{\}\}"):
+        automicro.Trainer(model=model, train_dataloader=None, max_duration="1ba", device="cpu",
+                          device_train_microbatch_size="auto", parallelism_config=None)

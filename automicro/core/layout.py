@@ -68,13 +68,16 @@ fixed bytes plus bytes per sample, from its microbatch peaks) and, where that mo
 microbatch than the one found under the policy's margin (`fits_up_to`), an *upsize trial* runs
 that size with it against the size found without it, by the same rule. Kept, the size policy
 settles on the larger size (`automicro.core.policy.Adopt`). Once per size found; pressure in the
-measuring batch ends it for good, pressure in a trial's "with" batches ends that trial and caps the
-trade below that size (from another size found it is tried smaller).
+measuring batch ends it for good, and so does pressure in a trial's "with" batches: a trial that ran
+out is not tried again this run (each OOM costs memory another process on the card may take). Not
+measured where the size found already runs the whole batch in one microbatch; its trial waits while
+the capacity is below the one its bytes were measured under (another process took memory since).
 
 Every decision is a function of agreed values only, so every rank takes the same one.
 
 Owns: the trade names, the trial state machine and its checkpoint form. May not touch: torch,
-Composer, FSDP2 (the engine's `LayoutEngine` applies a layout), the size policy.
+Composer, FSDP2 (the engine's `LayoutEngine` applies a layout), the size policy (but for its
+`CAPACITY_CHANGE` threshold).
 """
 
 from __future__ import annotations
@@ -83,6 +86,8 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Union
+
+from automicro.core.policy import CAPACITY_CHANGE
 
 GRAD_SYNC_ONCE = "grad_sync_once"
 NO_RESHARD = "no_reshard"
@@ -265,6 +270,9 @@ class LayoutSearch:
         self.fits_up_to: dict[str, Optional[int]] = {}
         # The sizes found from which an upsize trial ran or was passed over: never again from those.
         self.upsized_from: list[int] = []
+        # For a trade in UPSIZE: the capacity its bytes were measured under. Where less is usable now
+        # (another process took memory), its trial waits: what fitted then may not fit now.
+        self.fits_capacity: dict[str, int] = {}
 
     @property
     def searching(self) -> bool:
@@ -343,16 +351,29 @@ class LayoutSearch:
 
     def _upsize(
         self, found: Optional[int], measure_at: Optional[int], largest_at: Optional[Callable[[int], int]] = None,
+        capacity: int = 0, whole_batch: Optional[int] = None,
     ) -> tuple[Optional[Trial], list[str]]:
         """Nothing else left to try at the size found: a trade in UPSIZE, measured first (one batch
         at `measure_at`), then tried at the largest microbatch its model fits, where that is larger
-        than `found` (and, by `largest_at`, its split's largest microbatch too). Once per size found."""
+        than `found` (and, by `largest_at`, its split's largest microbatch too). Once per size found.
+        Not where the size found already runs the whole batch (`whole_batch`) in one microbatch, nor,
+        for now, while `capacity` is below the one its bytes were measured under."""
         lines: list[str] = []
         if found is None or found in self.upsized_from:
             return None, lines
         for trade in UPSIZE:
             if trade not in self.candidates or trade in self.kept:
                 continue
+            if whole_batch is not None and (largest_at(found) if largest_at is not None else found) >= whole_batch:
+                self.upsized_from.append(found)
+                lines.append(
+                    f"layout trade {trade} ({DESCRIPTIONS[trade]}) not tried: the size found runs the whole batch "
+                    "in one microbatch, no larger microbatch exists"
+                )
+                continue
+            measured_under = self.fits_capacity.get(trade)
+            if measured_under and capacity and capacity < measured_under * (1 - CAPACITY_CHANGE):
+                continue  # waits until the memory is back (the line about the capacity said it shrank)
             if trade not in self.fits_up_to:
                 if measure_at is None:
                     continue
@@ -380,6 +401,7 @@ class LayoutSearch:
         self, steady: bool, fits: Callable[[str], Optional[str]], size: Optional[int] = None,
         found: Optional[int] = None, smaller: Optional[Callable[[tuple[str, ...]], Optional[int]]] = None,
         measure_at: Optional[int] = None, largest_at: Optional[Callable[[int], int]] = None,
+        capacity: int = 0, whole_batch: Optional[int] = None,
     ) -> tuple[tuple[str, ...], list[str]]:
         """The layout of the next batch, and a console line for each trade passed over and for a
         trial that starts. `fits(trade)` returns None when the trade's projected bytes fit (or
@@ -389,7 +411,9 @@ class LayoutSearch:
         fit (None: none, or no projection); with it, a downsize trial may start once nothing is
         left to try at `found`. `measure_at`: the smallest microbatch, where a trade in MEASURED
         can be measured (None: it cannot, e.g. no memory figures); `largest_at(n)`: the largest
-        microbatch of the split a size found of `n` runs (an upsize trial needs a larger one)."""
+        microbatch of the split a size found of `n` runs (an upsize trial needs a larger one);
+        `capacity`: the usable bytes now (0: unknown), `whole_batch`: this rank's batch in samples
+        (None: unknown), both for the upsize trial (`_upsize`)."""
         lines: list[str] = []
         if self.searching and steady and self.trial is None:
             lines += self._readmit(size)
@@ -427,7 +451,7 @@ class LayoutSearch:
                         f"as many without at {found}"
                     )
             if self.trial is None:
-                self.trial, more = self._upsize(found, measure_at, largest_at)
+                self.trial, more = self._upsize(found, measure_at, largest_at, capacity, whole_batch)
                 lines += more
         elif self.trial is not None and not steady:
             # The size moved: a trial's times would compare different sizes.
@@ -453,7 +477,9 @@ class LayoutSearch:
         trial = self.trial
         return trial if trial is not None and trial.measure and trial.on else None
 
-    def measured(self, per_sample: Optional[float], how: str = "", fits_up_to: Optional[int] = None) -> str:
+    def measured(
+        self, per_sample: Optional[float], how: str = "", fits_up_to: Optional[int] = None, capacity: int = 0,
+    ) -> str:
         """The measuring batch's result (agreed): the trade's bytes per sample, or None where they
         could not be told (`how`: the figures, for the console); for a trade in UPSIZE, the largest
         microbatch its model fits (`fits_up_to`; None: could not be told). Ends the measurement;
@@ -464,6 +490,8 @@ class LayoutSearch:
         trade = trial.trades[0]
         if trade in UPSIZE:
             self.fits_up_to[trade] = fits_up_to
+            if capacity:
+                self.fits_capacity[trade] = int(capacity)
             if fits_up_to is None:
                 return f"layout trade {trade}: its bytes could not be measured; not tried at a larger microbatch"
             return (
@@ -519,10 +547,10 @@ class LayoutSearch:
                     self.per_sample[trial.trades[0]] = None
             if set(trial.trades) <= set(failed_layout):
                 if trial.upsize and not trial.measure:
-                    # Its model was wrong at that size: from another size found, try below it.
-                    assert trial.size is not None
+                    # Its model was wrong at that size: never tried again this run (each try that runs
+                    # out costs memory other processes on the card may take, and the size found).
                     for trade in trial.trades:
-                        self.fits_up_to[trade] = trial.size - 1
+                        self.fits_up_to[trade] = None
                 if trial.size is None:
                     for trade in trial.trades:
                         self._reject_for_memory(trade, why, size)
@@ -551,6 +579,7 @@ class LayoutSearch:
             **({"per_sample": dict(self.per_sample)} if self.per_sample else {}),
             **({"fits_up_to": dict(self.fits_up_to)} if self.fits_up_to else {}),
             **({"upsized_from": list(self.upsized_from)} if self.upsized_from else {}),
+            **({"fits_capacity": dict(self.fits_capacity)} if self.fits_capacity else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -576,6 +605,7 @@ class LayoutSearch:
             t: (None if v is None else int(v)) for t, v in state.get("fits_up_to", {}).items() if t in UPSIZE
         }
         self.upsized_from = [int(n) for n in state.get("upsized_from", [])]
+        self.fits_capacity = {t: int(c) for t, c in state.get("fits_capacity", {}).items() if t in UPSIZE}
         for trade in state.get("tried", []):  # checkpoints before "slower_on": every trade tried
             if trade in TRADES and trade not in self.kept and trade not in self.rejected:
                 self.rejected[trade] = "tried before the checkpoint"

@@ -153,7 +153,10 @@ class LayoutTrials:
             self._batch_size = sum(measure_split)
         self._peak_at, self._capacity = peak_at, capacity_bytes
         started = self.search.trial
-        layout, lines = self.search.layout_for_batch(steady, fits, size, found, smaller, measure_at, largest_at)
+        layout, lines = self.search.layout_for_batch(
+            steady, fits, size, found, smaller, measure_at, largest_at, capacity_bytes,
+            sum(measure_split) if measure_split else None,
+        )
         trial = self.search.trial
         if trial is not None and trial is not started and trial.size is not None and not trial.measure and peak_at:
             projected = peak_at(trial.size)
@@ -242,7 +245,7 @@ class LayoutTrials:
                     f"{(p2 - p1) / (s2 - s1) / 2**20:.2f} MiB per sample with it at microbatches {s1} and {s2}, "
                     f"peak {p2 / 2**20:.1f} MiB at {s2}, capacity {self._capacity / 2**20:.1f} MiB"
                 )
-        return self.search.measured(None, how, fits_up_to=fits_up_to)
+        return self.search.measured(None, how, fits_up_to=fits_up_to, capacity=self._capacity)
 
     @property
     def trial_size(self) -> Optional[int]:
