@@ -28,6 +28,7 @@ from automicro.core.policy import (
     SearchPolicy,
     SearchState,
     Success,
+    Thrash,
     chunk_split,
     even_split,
     probe_split,
@@ -468,3 +469,22 @@ def test_the_ceiling_survives_a_checkpoint():
     train(policy, device, 4, stepped=False)
     assert policy.state.ceiling is not None and policy.state.bound_capacity == 143 * GIB
     assert SearchState.from_dict(policy.state.to_dict()) == policy.state
+
+
+def test_thrashing_under_less_memory_is_no_bound_once_the_memory_is_back():
+    """An H200 (session 20): another process took 12 GiB, `auto` thrashed at 8 and settled on 5; the
+    memory came back and the size stayed at 5. A thrash now records the capacity it happened under."""
+    device = llama_1b(60)
+    policy = SearchPolicy(PolicyConfig(probe=True), 32)
+    train(policy, device, 6, stepped=False)
+    before = policy.state.found
+    policy.observe(Thrash(before))
+    assert policy.state.first_failure == before and policy.state.bound_capacity == 60 * GIB
+    train(policy, device, 6)
+    assert policy.state.found < before
+    device.capacity = device.reported = int(76 * GIB)
+    events = []
+    original = policy.observe
+    policy.observe = lambda outcome: events.append(original(outcome).event) or None  # type: ignore[method-assign]
+    train(policy, device, 8)
+    assert policy.state.found >= before and any("memory capacity grew" in e for e in events), (events, policy.state)

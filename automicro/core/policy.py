@@ -783,6 +783,9 @@ def _on_failure(state: SearchState, outcome: Union[OOM, Thrash], config: PolicyC
     state = replace(state, phase=Phase.SEARCHING, found=None, stable_count=0, first_failure=first_failure)
     if oom:
         state = _learn_from_oom(state, outcome)  # type: ignore[arg-type]
+    elif _last_capacity(state):
+        # Thrashing under this capacity: memory that comes back later reopens the sizes above too.
+        state = replace(state, bound_capacity=_last_capacity(state))
     state = replace(state, best_success=_best_below(config, state, first_failure))
     again = "" if was == Phase.SEARCHING else f" in {was.value.lower()} phase"
     if shrank is not None:
