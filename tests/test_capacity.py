@@ -62,3 +62,19 @@ def test_a_capacity_read_3x_too_large_and_a_limit_that_moves(world):
         assert after >= before, (used, moving["history"])
         notes = " / ".join(note for _, _, _, note in moving["history"])
         assert "memory capacity shrank" in notes and "memory capacity grew" in notes, moving["history"]
+
+
+@pytest.mark.multiproc
+def test_a_failed_attempt_leaves_nothing_allocated_at_any_site_hooks_on_or_off_under_every_layout():
+    """Issue 39, item 3 (after a failed layout trial, 6.7 GiB no batch used stayed allocated on an
+    H200): with the memory cap counting live tensor bytes, every failed attempt's wipe brings them
+    back to what they were before it (the callback's own check, 1 MiB / 1% tolerance), at every
+    site, searching (sync hooks on) and steady (hooks off, the ledger's recovery), under the default
+    layout, both trades pinned and activation checkpointing on."""
+    for out in run_multiprocess(capacity_cases.left_behind, world_size=2, timeout_s=900):
+        for name, case in out.items():
+            assert "crash" not in case, (name, case)
+            assert case["ooms"] >= 1 and case["fired"], (name, case)
+            if name.endswith("/steady"):
+                assert False in case["hooks_at_failures"], (name, case)
+            assert case["left_behind"] == 0, (name, case)

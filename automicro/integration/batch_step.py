@@ -73,6 +73,8 @@ class BatchStep:
         self._lengths: list[int] = []
         self._random_state: Optional[RandomState] = None
         self.peaks: Optional[MicrobatchPeaks] = None  # per-microbatch peaks of the attempt, if asked
+        # (allocated before the last attempt, allocated after its wipe) where it failed, else None.
+        self.left_behind: Optional[tuple[int, int]] = None
 
     def begin(self) -> int:
         """What the policy sizes this batch by: its samples, or (budget="tokens") the largest batch
@@ -160,12 +162,15 @@ class BatchStep:
                 self.trainer, microbatches, total_loss_dict, before_microbatch, end_of_attempt, self.all_reduce
             )
 
+        before = self.memory.allocated_bytes()
         try:
             result = self.fence.run(body, self._wipe, hooks_on)
         except FatalRecoveryError as lost:
             if getattr(lost, "oom", True):
                 failure_note.write(composer_internals.checkpoint_folder(state), self.rank, self.batch_index, sizes)
             raise
+        # What a failed attempt left allocated after its wipe (DESIGN.md, "Memory truth": nothing).
+        self.left_behind = (before, self.memory.allocated_bytes()) if result.verdict.failed else None
         return Attempt(sizes, result, total_loss_dict)
 
     def peak_bytes(self) -> int:

@@ -85,6 +85,8 @@ from automicro.integration.token_budget import TokenBudget
 log = logging.getLogger(__name__)
 
 BUDGETS = ("samples", "tokens")
+#: A failed attempt may leave this share of what was allocated before it (and 1 MiB) without a line.
+LEFT_BEHIND_TOLERANCE = 0.01
 EVAL_OOM = ("split", "stop")
 
 
@@ -141,6 +143,7 @@ class AutoMicrobatching(Callback):
         self.layout_config = LayoutConfig.parse(layout, layout_trial_batches, layout_min_gain)
         self.layout: Optional[LayoutTrials] = None
         self._last_peak = self._last_capacity = 0
+        self.left_behind_bytes = 0  # the most a failed attempt left allocated after its wipe (`_check_left_behind`)
         self._capacity_watch = CapacityWatch()
         if eval_oom not in EVAL_OOM:
             raise ValueError(
@@ -760,6 +763,7 @@ class AutoMicrobatching(Callback):
 
             self.ooms_total += 1
             self.search_time_s += seconds
+            self._check_left_behind(step, batch_index)
             if result.own_error is not None or verdict.error_ranks:
                 self._record(batch_index, sizes, "error", verdict, sizes[0], seconds, hooks=hooks_on)
                 # Every rank agreed on this failure: `fit_raised` has nobody left to tell.
@@ -790,6 +794,26 @@ class AutoMicrobatching(Callback):
                 note += f"; {result.replayed} collectives replayed to get the ranks back in step"
             self._record(batch_index, sizes, "oom", verdict, decision.next_size, seconds, note, hooks=hooks_on)
             self._apply_hooks(decision.hooks, decision.reason)
+
+    def _check_left_behind(self, step: BatchStep, batch_index: int) -> None:
+        """A failed attempt must leave nothing allocated after its wipe (DESIGN.md, "Memory truth"):
+        more than `LEFT_BEHIND_TOLERANCE` of what was allocated before it (at least 1 MiB: a
+        collective's buffer freed a moment later, a library's first workspace) is said, on the rank
+        it happened on, and kept in `left_behind_bytes` (the most, for tests and benchmarks)."""
+        if step.left_behind is None:
+            return
+        before, after = step.left_behind
+        extra = after - before
+        if extra <= max(2**20, LEFT_BEHIND_TOLERANCE * before):
+            return
+        self.left_behind_bytes = max(self.left_behind_bytes, extra)
+        line = (
+            f"rank {self._rank}: the failed attempt of batch {batch_index} left {extra / 2**20:.1f} MiB allocated after "
+            f"its wipe ({before / 2**20:.1f} MiB before it, {after / 2**20:.1f} MiB after): memory no batch uses"
+        )
+        log.warning("automicro: %s", line)
+        if self.log_attempts:
+            print(f"[automicro] {line}", flush=True)
 
     def _relieved_by_layout(self, why: str, size: int) -> bool:
         """Memory pressure at the settled size goes to the layout first: when it undoes a trade, the
