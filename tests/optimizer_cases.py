@@ -107,15 +107,21 @@ def projection(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def _agreed(value: int) -> int:
+    """Rank 0's value on every rank (the same program on every rank: the same peaks to a few bytes)."""
+    tensor = torch.tensor([value], dtype=torch.int64)
+    torch.distributed.broadcast(tensor, 0)
+    return int(tensor)
+
+
 def probe(rank: int, world: int, compare: bool = True) -> dict[str, Any]:
     """`start_size='probe'` under a limit halfway between the peaks of sizes 4 and 8 once Adam's
     state exists, and a fixed run at the size the probe found; with `compare`, also the whole
-    batch first ('batch', the CPU default) and the peak of the next size up."""
+    batch first ('batch', the CPU default) and the peak of the next size up. Then, in the same
+    process group, a card that is not all ours (`shared_card`)."""
     unlimited = 10**12
-    peaks = {m: fit(m, unlimited, 2)["peaks"] for m in (4, 8)}
-    limit = torch.tensor([(peaks[4][1] + peaks[8][1]) // 2], dtype=torch.int64)
-    torch.distributed.broadcast(limit, 0)
-    limit = int(limit)
+    peaks = {m: fit(m, unlimited, 2)["peaks"] for m in (2, 4, 8)}
+    limit = _agreed((peaks[4][1] + peaks[8][1]) // 2)
     probed = fit("auto", limit, 6, start_size="probe")
     whole = fit("auto", limit, 6, start_size="batch") if compare else {}
     fixed = fit(probed["found"], limit, 6)
@@ -126,4 +132,21 @@ def probe(rank: int, world: int, compare: bool = True) -> dict[str, Any]:
         "probe": {k: v for k, v in probed.items() if k != "params"},
         "batch": {k: v for k, v in whole.items() if k != "params"},
         "next_size_peak": None if bigger is None else max(bigger["peaks"]),
+        "shared": shared_card(peaks, limit),
+    }
+
+
+def shared_card(peaks: dict[int, list[int]], limit: int) -> dict[str, Any]:
+    """Issue 39: `auto` (the probe first) under `limit` while the capacity reads 3x that limit, a
+    fixed run at the size it found; then a run whose limit drops below size 4's peak at batch 4 and
+    comes back at batch 8 (the capacity read follows it)."""
+    small = _agreed((peaks[2][1] + peaks[4][1]) // 2)
+    told = fit("auto", limit, 6, start_size="probe", cap={"capacity_reads": 3 * limit})
+    fixed = fit(told["found"], limit, 6)
+    moving = fit("auto", limit, 12, start_size="probe", cap={"limit_at_batch": {4: small, 8: limit}})
+    diff = max(float((told["params"][k] - fixed["params"][k]).abs().max()) for k in fixed["params"])
+    return {
+        "small": small, "diff": diff,
+        "told": {k: v for k, v in told.items() if k != "params"},
+        "moving": {k: v for k, v in moving.items() if k != "params"},
     }

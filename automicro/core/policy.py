@@ -713,15 +713,7 @@ def _on_success(state: SearchState, outcome: Success, config: PolicyConfig) -> t
         lo = state.best_success
         if _between(config, state, lo, _hi(state)):
             state = replace(state, phase=Phase.SEARCHING, found=None, stable_count=0)
-            size, predicted = _next_search_size(state, config, upward=True)
-            grew = f"ok at {m}; memory capacity grew ({grew}): larger sizes may fit"
-            if size is None:
-                # The largest size that ran clean before is what the model says fits again.
-                state = _settle(state, config, lo)
-                return state, _decide(state, config, False, f"{grew} -> back to {lo}, {_in_use(state, config)}")
-            state = replace(state, size=size)
-            how = "predicted; " if predicted else ""
-            return state, _decide(state, config, False, f"{grew} -> try {size} ({how}{_bounds(state)})")
+            return _search_above(state, config, f"ok at {m}; memory capacity grew ({grew}): larger sizes may fit")
     if state.phase == Phase.STEADY:
         return state, _decide(state, config, False, "")
     if state.phase == Phase.SETTLING:
@@ -745,13 +737,20 @@ def _on_success(state: SearchState, outcome: Success, config: PolicyConfig) -> t
         return state, _decide(
             state, config, False, f"ok at {m} -> converged on {lo}, {_in_use(state, config)}"
         )
+    return _search_above(state, config, f"ok at {m}")
+
+
+def _search_above(state: SearchState, config: PolicyConfig, event: str) -> tuple[SearchState, Decision]:
+    """After a success, searching: the next size above the best success, or settle on it where the
+    model says nothing above fits. `event` starts the decision's line."""
+    lo = state.best_success
     size, predicted = _next_search_size(state, config, upward=True)
     if size is None:
         state = _settle(state, config, lo)
-        return state, _decide(state, config, False, f"ok at {m} -> converged on {lo}, {_in_use(state, config)} ({PREDICTED_EDGE})")
+        return state, _decide(state, config, False, f"{event} -> converged on {lo}, {_in_use(state, config)} ({PREDICTED_EDGE})")
     state = replace(state, size=size)
     how = "predicted; " if predicted else ""
-    return state, _decide(state, config, False, f"ok at {m} -> try {size} ({how}{_bounds(state)})")
+    return state, _decide(state, config, False, f"{event} -> try {size} ({how}{_bounds(state)})")
 
 
 def _on_failure(state: SearchState, outcome: Union[OOM, Thrash], config: PolicyConfig) -> tuple[SearchState, Decision]:
