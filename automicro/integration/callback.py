@@ -47,7 +47,6 @@ from automicro.core.alarm import JobLostAlarm
 from automicro.core.attempt import AttemptFence, is_oom
 from automicro.core.consensus import (
     KIND_ERROR,
-    KIND_OOM,
     Consensus,
     FailedOnOtherRank,
     LocalFigures,
@@ -58,7 +57,7 @@ from automicro.core.hooks import SYNC_POINTS, SyncHooks
 from automicro.core.layout import LayoutConfig
 from automicro.core.ledger import Board, CollectiveLedger, FatalRecoveryError
 from automicro.core.optimizer_memory import pending_state_bytes
-from automicro.core.memory import CapacityWatch, CudaMemory, MemorySource, NoMemory
+from automicro.core.memory import CudaMemory, MemorySource, NoMemory
 from automicro.core.metrics import (
     AttemptRecord,
     BatchFigures,
@@ -78,6 +77,7 @@ from automicro.integration import _composer_internals as composer_internals
 from automicro.integration.batch_step import BatchStep
 from automicro.integration.eval_search import EvalFence, EvalSearch
 from automicro.integration.layout_trials import LayoutTrials
+from automicro.integration.memory_truth import MemoryTruth, reached_bytes
 from automicro.integration.pipeline_batch import PipelineBatch
 from automicro.integration.stock_trainer import StockTrainerError, refuse_stock_trainer, stock_trainer_message
 from automicro.integration.token_budget import TokenBudget
@@ -85,8 +85,6 @@ from automicro.integration.token_budget import TokenBudget
 log = logging.getLogger(__name__)
 
 BUDGETS = ("samples", "tokens")
-#: A failed attempt may leave this share of what was allocated before it (and 1 MiB) without a line.
-LEFT_BEHIND_TOLERANCE = 0.01
 EVAL_OOM = ("split", "stop")
 
 
@@ -143,8 +141,7 @@ class AutoMicrobatching(Callback):
         self.layout_config = LayoutConfig.parse(layout, layout_trial_batches, layout_min_gain)
         self.layout: Optional[LayoutTrials] = None
         self._last_peak = self._last_capacity = 0
-        self.left_behind_bytes = 0  # the most a failed attempt left allocated after its wipe (`_check_left_behind`)
-        self._capacity_watch = CapacityWatch()
+        self._memory_truth = MemoryTruth(lambda: self._memory, lambda: self._rank, log_attempts)
         if eval_oom not in EVAL_OOM:
             raise ValueError(
                 f"eval_oom={eval_oom!r}: must be 'split' (an evaluator with a pinned device_eval_microbatch_size that "
@@ -355,6 +352,12 @@ class AutoMicrobatching(Callback):
     def attempt_context(self) -> AttemptContext:
         """Where the current attempt is: batch, attempt, microbatch, last site (read it, do not write it)."""
         return self._dispatcher.context
+
+    @property
+    def left_behind_bytes(self) -> int:
+        """The most a failed attempt left allocated after its wipe on this rank (0: nothing beyond
+        the tolerance, `automicro.integration.memory_truth`)."""
+        return self._memory_truth.left_behind_bytes
 
     @property
     def used_split(self) -> tuple[int, ...]:
@@ -652,26 +655,6 @@ class AutoMicrobatching(Callback):
 
     # ---- the guarded batch step --------------------------------------------------------------
 
-    def _capacity(self) -> int:
-        """What this process can still get now (read on every attempt: other processes share the card)."""
-        return self._memory.capacity_bytes()
-
-    def _watch_capacity(self, verdict: Verdict) -> None:
-        """One line for the first capacity agreed, one whenever it moves (`CapacityWatch`): on the
-        rank whose reading is the least, which knows why."""
-        capacity = verdict.capacity_bytes
-        least = min((r for r in verdict.reports if r.capacity_bytes > 0), key=lambda r: r.capacity_bytes, default=None)
-        reading = getattr(self._memory, "capacity_reading", None)
-        ours = least is not None and least.rank == self._rank
-        line = self._capacity_watch.observe(capacity, reading() if ours and callable(reading) else None)
-        if line is None or least is None:
-            return
-        if len(verdict.reports) > 1:
-            line += f" (the least over ranks: rank {least.rank}'s)"
-        if ours and self.log_attempts:
-            print(f"[automicro] {line}", flush=True)
-        log.info("automicro: %s", line)
-
     def _figures(self) -> LocalFigures:
         retries = self._memory.alloc_retries()
         new = max(0, retries - (self._step.retries_before if self._step is not None else retries))
@@ -682,7 +665,7 @@ class AutoMicrobatching(Callback):
             # that step creates (`automicro.core.optimizer_memory`).
             peak_bytes=peak + self._optimizer_pending if peak else 0,
             projected_bytes=self._optimizer_pending if peak else 0,
-            capacity_bytes=self._capacity(),
+            capacity_bytes=self._memory.capacity_bytes(),  # read on every attempt: other processes share cards
             allocated_bytes=self._memory.allocated_bytes(),
             microbatch_tokens=0 if self.tokens is None or self.tokens.plan is None else self.tokens.plan.largest,
         )
@@ -731,7 +714,7 @@ class AutoMicrobatching(Callback):
             self._batch_attempts = step.attempts
             result, sizes = attempt.result, attempt.sizes
             verdict, seconds = result.verdict, result.seconds
-            self._watch_capacity(verdict)
+            self._memory_truth.after_attempt(verdict)
             if result.unreported is not None:
                 # This rank raised although no rank reported a failure: never count that as a
                 # success (the batch would be skipped silently, or the error swallowed).
@@ -763,7 +746,7 @@ class AutoMicrobatching(Callback):
 
             self.ooms_total += 1
             self.search_time_s += seconds
-            self._check_left_behind(step, batch_index)
+            self._memory_truth.after_failure(step.left_behind, batch_index)
             if result.own_error is not None or verdict.error_ranks:
                 self._record(batch_index, sizes, "error", verdict, sizes[0], seconds, hooks=hooks_on)
                 # Every rank agreed on this failure: `fit_raised` has nobody left to tell.
@@ -782,7 +765,7 @@ class AutoMicrobatching(Callback):
             try:
                 failed = search.OOM(
                     self._outcome_size(sizes, verdict, failed=True), tuple(verdict.failed_ranks),
-                    reached_bytes=_reached(verdict), capacity_bytes=verdict.capacity_bytes or None,
+                    reached_bytes=reached_bytes(verdict), capacity_bytes=verdict.capacity_bytes or None,
                 )
                 decision = self.policy.observe(failed)
             except search.CannotFitError as error:
@@ -794,26 +777,6 @@ class AutoMicrobatching(Callback):
                 note += f"; {result.replayed} collectives replayed to get the ranks back in step"
             self._record(batch_index, sizes, "oom", verdict, decision.next_size, seconds, note, hooks=hooks_on)
             self._apply_hooks(decision.hooks, decision.reason)
-
-    def _check_left_behind(self, step: BatchStep, batch_index: int) -> None:
-        """A failed attempt must leave nothing allocated after its wipe (DESIGN.md, "Memory truth"):
-        more than `LEFT_BEHIND_TOLERANCE` of what was allocated before it (at least 1 MiB: a
-        collective's buffer freed a moment later, a library's first workspace) is said, on the rank
-        it happened on, and kept in `left_behind_bytes` (the most, for tests and benchmarks)."""
-        if step.left_behind is None:
-            return
-        before, after = step.left_behind
-        extra = after - before
-        if extra <= max(2**20, LEFT_BEHIND_TOLERANCE * before):
-            return
-        self.left_behind_bytes = max(self.left_behind_bytes, extra)
-        line = (
-            f"rank {self._rank}: the failed attempt of batch {batch_index} left {extra / 2**20:.1f} MiB allocated after "
-            f"its wipe ({before / 2**20:.1f} MiB before it, {after / 2**20:.1f} MiB after): memory no batch uses"
-        )
-        log.warning("automicro: %s", line)
-        if self.log_attempts:
-            print(f"[automicro] {line}", flush=True)
 
     def _relieved_by_layout(self, why: str, size: int) -> bool:
         """Memory pressure at the settled size goes to the layout first: when it undoes a trade, the
@@ -970,13 +933,6 @@ class AutoMicrobatching(Callback):
         )
         self.history.append(record)
         self._info(record.console_line())
-
-
-def _reached(verdict: Verdict) -> Optional[int]:
-    """The least peak a rank that ran out of memory had reached (its report leaves out what is
-    projected, `LocalFigures.reached`); None where no failed rank measured one."""
-    reached = [r.peak_bytes for r in verdict.reports if r.kind == KIND_OOM and r.peak_bytes > 0]
-    return min(reached) if reached else None
 
 
 def _build_ledger(sharded: ShardedModel, consensus: Consensus, rank: int) -> CollectiveLedger:
