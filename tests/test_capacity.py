@@ -4,6 +4,7 @@ corrects the memory model, a capacity that moves mid-run."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from automicro.core.memory import CapacityReading, CapacityWatch, CudaMemory
 from automicro.testing.multiprocess import run_multiprocess
@@ -27,6 +28,19 @@ def test_capacity_is_what_this_process_can_still_get():
     assert whole.why() == "", "a CUDA context's half GiB is not worth a reason"
     source = CudaMemory(read=lambda: another_process)
     assert source.capacity_bytes() == int(43 * GIB) and source.capacity_reading() is another_process
+
+
+def test_the_cache_goes_back_to_the_device_only_where_no_other_process_would_take_it(monkeypatch):
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    shared = CudaMemory(read=lambda: CapacityReading(total=TOTAL, free=int(40 * GIB), reserved=int(3 * GIB)))
+    assert shared.capacity_reading().shared
+    shared.empty_cache()
+    assert emptied == [], "another process holds 100 GiB: it would take what the cache gives back"
+    capped = CudaMemory(read=lambda: CapacityReading(total=TOTAL, free=TOTAL - 3 * GIB, reserved=int(2.5 * GIB), torch_limit=40 * GIB))
+    assert not capped.capacity_reading().shared
+    capped.empty_cache()
+    assert emptied == [1], "a torch fraction, and the card otherwise ours (a CUDA context's half GiB): emptied"
 
 
 def test_the_capacity_line_comes_once_and_again_only_when_it_moves():

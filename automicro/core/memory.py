@@ -50,12 +50,18 @@ class CapacityReading:
         limits = [self.reserved + self.free] + [b for b in (self.torch_limit, self.own_limit) if b > 0]
         return max(0, min(limits))
 
+    @property
+    def shared(self) -> bool:
+        """Whether more than `CAPACITY_CHANGE` of the device is held outside this process's allocator
+        (another process, most of the time; this process's CUDA context alone is far less)."""
+        return self.total - self.free - self.reserved > CAPACITY_CHANGE * self.total
+
     def why(self) -> str:
         """What makes the capacity smaller than the device total ("" where nothing does)."""
         gib = 2**30
         reasons = []
         outside = self.total - self.free - self.reserved
-        if self.reserved + self.free == self.usable and outside > CAPACITY_CHANGE * self.total:
+        if self.reserved + self.free == self.usable and self.shared:
             reasons.append(
                 f"{outside / gib:.1f} GiB of the device is held outside this process's allocator "
                 "(another process, this process's CUDA context and communication buffers)"
@@ -134,7 +140,12 @@ class CudaMemory:
         return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
 
     def empty_cache(self) -> None:
-        torch.cuda.empty_cache()
+        """Give the allocator's unused blocks back to the device, unless another process holds memory
+        on it: that process would take them (an H200, session 20: 20 GiB went, and size 1 no longer
+        fit). Where it is kept, the allocator still frees its unused blocks and retries by itself
+        before it raises an OOM."""
+        if not self._read().shared:
+            torch.cuda.empty_cache()
 
 
 class CapacityWatch:

@@ -191,10 +191,7 @@ class BatchStep:
         if self.pipeline is not None:
             self.pipeline.release()
         self.sharded.recover()
-        # The cache is not emptied: on a card shared with other processes, the blocks the failed
-        # attempt freed would go to them (seen on an H200: a process that took memory as it came free
-        # left too little for size 1). The caching allocator frees its unused blocks and retries by
-        # itself before it raises an OOM, so the rerun loses nothing to the cache.
+        self.memory.empty_cache()  # not on a card another process shares (`CudaMemory.empty_cache`)
 
 
 __all__ = ["Attempt", "BatchStep"]

@@ -506,7 +506,8 @@ class AutoMicrobatching(Callback):
 
     def _recover_model(self) -> None:
         assert self._sharded is not None
-        self._sharded.recover()  # the cache stays this process's, as after a training attempt (`BatchStep._wipe`)
+        self._sharded.recover()
+        self._memory.empty_cache()
 
     def _rearm(self, reason: str) -> None:
         if self.policy is None:
@@ -726,10 +727,12 @@ class AutoMicrobatching(Callback):
                 raise result.unreported
             if not verdict.failed:
                 step.step_optimizers()
-                # The cache is not emptied after the first step either (it was, to give batch 1 an
-                # unfragmented cache): on a shared card another process took what it freed (an H200:
-                # 20 GiB, and size 1 no longer fit). Where batch 1 needs those blocks, the allocator
-                # frees its unused ones and retries by itself.
+                if self._optimizer_pending:
+                    # The first step just made the optimizer state among the blocks batch 0's
+                    # attempts left cached: batch 1 starts from an emptied cache, as a rerun does,
+                    # so the size chosen with that state projected meets the memory it was chosen for
+                    # (not on a card another process shares: `CudaMemory.empty_cache`).
+                    self._memory.empty_cache()
                 self._used_split = sizes
                 self._last_peak, self._last_capacity = verdict.peak_bytes, verdict.capacity_bytes
                 peaks = self._agreed_peaks(step)
