@@ -44,6 +44,14 @@ capacity is tried; where even that is no larger than the best success, or after 
 predicted lies between the bounds, the search converges on the best success without spending an
 OOM on the sizes between.
 
+The capacity is read, not known (another process, a per-process fraction): an OOM that moves a bound
+carries the bytes its attempt had reached (`OOM.reached_bytes`), and the most any OOM reached is the
+`ceiling` the model plans under wherever the capacity read says more (no "whole capacity" try under
+it; a failure the model cannot explain even under it is bisected). An OOM under a capacity read more
+than `CAPACITY_CHANGE` below the last success's shrinks at once (no one-off rerun: the memory went to
+another process); a success under one that grew by as much past the one a bound was set under (an
+OOM's or a thrash's) drops that bound and the ceiling, and searches above again.
+
 Where only some sizes can run (a pipeline: equal microbatches, enough of them for the schedule),
 `PolicyConfig.sizes_for(batch_size)` lists them: every size tried, bisected and settled on is one
 of them (the middle one between the bounds), and a split is then always equal parts.
