@@ -678,9 +678,19 @@ def test_pressure_in_recomputes_measuring_batch_or_its_trial_ends_it_and_the_bat
     assert trial.relieve(trial.current, "out of memory at size 4", 4) == RECOMPUTE
     assert trial.trial is None and trial.trial_size is None and trial.rejected == {} and trial.settled == ()
     assert trial.layout_for_batch(True, lambda t: None, 2, 2, None, 1) == ((), [])
-    # Its model was wrong at 4: never tried again this run, from a smaller size found neither.
+    # Its model was wrong at 4: never tried again this run, from a smaller size found neither...
     assert trial.fits_up_to == {RECOMPUTE: None}
     assert trial.layout_for_batch(True, lambda t: None, 1, 1, None, 1) == ((), [])
+    # ...unless the memory it ran out under comes back (another process gave it up).
+    grown = _upsize_search()
+    _measure(grown, 2, 4)
+    grown.layout_for_batch(True, lambda t: None, 2, 2, None, 1, capacity=10**9)
+    assert grown.relieve(grown.current, "out of memory at size 4", 4, capacity=10**9) == RECOMPUTE
+    assert grown.failed_under == {RECOMPUTE: 10**9}
+    assert grown.layout_for_batch(True, lambda t: None, 1, 1, None, 1, capacity=10**9) == ((), [])
+    layout, lines = grown.layout_for_batch(True, lambda t: None, 1, 1, None, 1, capacity=2 * 10**9)
+    assert "may be tried again: the memory capacity grew past the 953.7 MiB its trial ran out under" in lines[0], lines
+    assert layout == (RECOMPUTE,) and grown.trial.measure, "measured again"
 
 
 def test_recompute_is_not_measured_where_the_size_found_runs_the_whole_batch_and_waits_while_memory_is_taken():

@@ -69,7 +69,8 @@ microbatch than the one found under the policy's margin (`fits_up_to`), an *upsi
 that size with it against the size found without it, by the same rule. Kept, the size policy
 settles on the larger size (`automicro.core.policy.Adopt`). Once per size found; pressure in the
 measuring batch ends it for good, and so does pressure in a trial's "with" batches: a trial that ran
-out is not tried again this run (each OOM costs memory another process on the card may take). Not
+out is not tried again this run (each OOM costs memory another process on the card may take) until
+the capacity grows past the one it ran out under. Not
 measured where the size found already runs the whole batch in one microbatch; its trial waits while
 the capacity is below the one its bytes were measured under (another process took memory since).
 
@@ -273,6 +274,9 @@ class LayoutSearch:
         # For a trade in UPSIZE: the capacity its bytes were measured under. Where less is usable now
         # (another process took memory), its trial waits: what fitted then may not fit now.
         self.fits_capacity: dict[str, int] = {}
+        # For a trade in UPSIZE whose trial ran out: the capacity it ran out under. It is measured
+        # again only once the capacity grows past that by more than CAPACITY_CHANGE.
+        self.failed_under: dict[str, int] = {}
 
     @property
     def searching(self) -> bool:
@@ -359,6 +363,17 @@ class LayoutSearch:
         Not where the size found already runs the whole batch (`whole_batch`) in one microbatch, nor,
         for now, while `capacity` is below the one its bytes were measured under."""
         lines: list[str] = []
+        for trade, ran_out_under in list(self.failed_under.items()):
+            if capacity > ran_out_under * (1 + CAPACITY_CHANGE):
+                # The memory its trial ran out under came back: measured again, from any size found.
+                del self.failed_under[trade]
+                self.fits_up_to.pop(trade, None)
+                self.fits_capacity.pop(trade, None)
+                self.upsized_from.clear()
+                lines.append(
+                    f"layout trade {trade} ({DESCRIPTIONS[trade]}) may be tried again: the memory capacity grew "
+                    f"past the {ran_out_under / 2**20:.1f} MiB its trial ran out under"
+                )
         if found is None or found in self.upsized_from:
             return None, lines
         for trade in UPSIZE:
@@ -532,7 +547,9 @@ class LayoutSearch:
         self.trial = None
         return result
 
-    def relieve(self, failed_layout: Sequence[str], why: str, size: Optional[int] = None) -> Optional[str]:
+    def relieve(
+        self, failed_layout: Sequence[str], why: str, size: Optional[int] = None, capacity: int = 0,
+    ) -> Optional[str]:
         """Memory pressure at the settled size in a batch run at `failed_layout` (largest microbatch
         `size`): undo the trade on trial if it was on, else the last kept trade but one in UPSIZE (a
         trial whose trade was off ends untried). Returns the trade undone; None when none is left
@@ -547,10 +564,13 @@ class LayoutSearch:
                     self.per_sample[trial.trades[0]] = None
             if set(trial.trades) <= set(failed_layout):
                 if trial.upsize and not trial.measure:
-                    # Its model was wrong at that size: never tried again this run (each try that runs
-                    # out costs memory other processes on the card may take, and the size found).
+                    # Its model was wrong at that size: not tried again this run (each try that runs
+                    # out costs memory other processes on the card may take), unless the capacity
+                    # (`capacity`, read when it ran out) grows.
                     for trade in trial.trades:
                         self.fits_up_to[trade] = None
+                        if capacity:
+                            self.failed_under[trade] = int(capacity)
                 if trial.size is None:
                     for trade in trial.trades:
                         self._reject_for_memory(trade, why, size)
@@ -580,6 +600,7 @@ class LayoutSearch:
             **({"fits_up_to": dict(self.fits_up_to)} if self.fits_up_to else {}),
             **({"upsized_from": list(self.upsized_from)} if self.upsized_from else {}),
             **({"fits_capacity": dict(self.fits_capacity)} if self.fits_capacity else {}),
+            **({"failed_under": dict(self.failed_under)} if self.failed_under else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -606,6 +627,7 @@ class LayoutSearch:
         }
         self.upsized_from = [int(n) for n in state.get("upsized_from", [])]
         self.fits_capacity = {t: int(c) for t, c in state.get("fits_capacity", {}).items() if t in UPSIZE}
+        self.failed_under = {t: int(c) for t, c in state.get("failed_under", {}).items() if t in UPSIZE}
         for trade in state.get("tried", []):  # checkpoints before "slower_on": every trade tried
             if trade in TRADES and trade not in self.kept and trade not in self.rejected:
                 self.rejected[trade] = "tried before the checkpoint"

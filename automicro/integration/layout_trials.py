@@ -261,7 +261,7 @@ class LayoutTrials:
         says which) and return it, or None when the layout has nothing left to give."""
         if self.engine is None:
             return None
-        undone = self.search.relieve(self.layout, why, size)
+        undone = self.search.relieve(self.layout, why, size, self._capacity)
         self._started = None
         if undone is not None:
             self._apply(self.search.settled)
