@@ -46,9 +46,11 @@ def test_the_cache_goes_back_to_the_device_only_where_no_other_process_would_tak
 def test_the_capacity_line_comes_once_and_again_only_when_it_moves():
     watch = CapacityWatch()
     reading = CapacityReading(total=TOTAL, free=int(40 * GIB), reserved=int(3 * GIB))
-    first = watch.observe(reading.usable, reading)
+    first = watch.observe(reading.usable, lambda: reading)
     assert first is not None and first.startswith("memory capacity 44032.0 MiB of the device's 146432.0 MiB: ")
-    assert watch.observe(int(43.5 * GIB), reading) is None, "within 5%: the same capacity"
+    reads = []
+    assert watch.observe(int(43.5 * GIB), lambda: reads.append(1) or reading) is None, "within 5%: the same capacity"
+    assert reads == [], "no line, no device query"
     assert watch.observe(int(23 * GIB)) == "memory capacity shrank: 44032.0 -> 23552.0 MiB"
     assert watch.observe(int(43 * GIB)).startswith("memory capacity grew: 23552.0 -> 44032.0 MiB")
     assert watch.observe(0) is None, "no figures: no line"

@@ -78,7 +78,7 @@ Every decision is a function of agreed values only, so every rank takes the same
 
 Owns: the trade names, the trial state machine and its checkpoint form. May not touch: torch,
 Composer, FSDP2 (the engine's `LayoutEngine` applies a layout), the size policy (but for its
-`CAPACITY_CHANGE` threshold).
+`capacity_moved` rule).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Union
 
-from automicro.core.policy import CAPACITY_CHANGE
+from automicro.core.policy import capacity_moved
 
 GRAD_SYNC_ONCE = "grad_sync_once"
 NO_RESHARD = "no_reshard"
@@ -275,7 +275,7 @@ class LayoutSearch:
         # (another process took memory), its trial waits: what fitted then may not fit now.
         self.fits_capacity: dict[str, int] = {}
         # For a trade in UPSIZE whose trial ran out: the capacity it ran out under. It is measured
-        # again only once the capacity grows past that by more than CAPACITY_CHANGE.
+        # again only once the capacity grows past that (`capacity_moved`).
         self.failed_under: dict[str, int] = {}
 
     @property
@@ -364,7 +364,7 @@ class LayoutSearch:
         for now, while `capacity` is below the one its bytes were measured under."""
         lines: list[str] = []
         for trade, ran_out_under in list(self.failed_under.items()):
-            if capacity > ran_out_under * (1 + CAPACITY_CHANGE):
+            if capacity_moved(ran_out_under, capacity) == "grew":
                 # The memory its trial ran out under came back: measured again, from any size found.
                 del self.failed_under[trade]
                 self.fits_up_to.pop(trade, None)
@@ -386,8 +386,7 @@ class LayoutSearch:
                     "in one microbatch, no larger microbatch exists"
                 )
                 continue
-            measured_under = self.fits_capacity.get(trade)
-            if measured_under and capacity and capacity < measured_under * (1 - CAPACITY_CHANGE):
+            if capacity_moved(self.fits_capacity.get(trade), capacity) == "shrank":
                 continue  # waits until the memory is back (the line about the capacity said it shrank)
             if trade not in self.fits_up_to:
                 if measure_at is None:

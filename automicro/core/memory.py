@@ -18,7 +18,7 @@ import torch
 
 # A capacity that moves by more than this fraction is a change: worth a line here, and, growing, it
 # reopens the sizes that ran out under less memory (`automicro.core.policy`).
-from automicro.core.policy import CAPACITY_CHANGE
+from automicro.core.policy import CAPACITY_CHANGE, capacity_moved
 
 
 class MemorySource(Protocol):
@@ -60,10 +60,9 @@ class CapacityReading:
         """What makes the capacity smaller than the device total ("" where nothing does)."""
         gib = 2**30
         reasons = []
-        outside = self.total - self.free - self.reserved
         if self.reserved + self.free == self.usable and self.shared:
             reasons.append(
-                f"{outside / gib:.1f} GiB of the device is held outside this process's allocator "
+                f"{(self.total - self.free - self.reserved) / gib:.1f} GiB of the device is held outside this process's allocator "
                 "(another process, this process's CUDA context and communication buffers)"
             )
         own_set = self.own_limit and self.own_limit == self.torch_limit  # AutoMicrobatching set torch's too
@@ -155,25 +154,24 @@ class CapacityWatch:
     def __init__(self) -> None:
         self.announced: Optional[int] = None
 
-    def observe(self, capacity: int, reading: Optional[CapacityReading] = None) -> Optional[str]:
+    def observe(self, capacity: int, read: Optional[Callable[[], CapacityReading]] = None) -> Optional[str]:
+        """The line for `capacity` (agreed), or None. `read`: this rank's reading, for why; called
+        only when there is a line (a device query, not one per batch)."""
         if capacity <= 0:
             return None
         mib = 2**20
-        why = "" if reading is None else reading.why()
-        if self.announced is None:
-            self.announced = capacity
-            if reading is None:
-                return f"memory capacity {capacity / mib:.1f} MiB"
-            return (
-                f"memory capacity {capacity / mib:.1f} MiB of the device's {reading.total / mib:.1f} MiB"
-                + (f": {why}" if why else "")
-            )
         before = self.announced
-        if abs(capacity - before) <= CAPACITY_CHANGE * before:
+        moved = None if before is None else capacity_moved(before, capacity)
+        if before is not None and moved is None:
             return None
         self.announced = capacity
-        moved = "grew" if capacity > before else "shrank"
-        return f"memory capacity {moved}: {before / mib:.1f} -> {capacity / mib:.1f} MiB" + (f" ({why})" if why else "")
+        reading = None if read is None else read()
+        why = "" if reading is None else reading.why()
+        if moved is not None:
+            return f"memory capacity {moved}: {before / mib:.1f} -> {capacity / mib:.1f} MiB" + (f" ({why})" if why else "")
+        if reading is None:
+            return f"memory capacity {capacity / mib:.1f} MiB"
+        return f"memory capacity {capacity / mib:.1f} MiB of the device's {reading.total / mib:.1f} MiB" + (f": {why}" if why else "")
 
 
 class MicrobatchPeaks:

@@ -72,6 +72,15 @@ SAFETY_MARGIN = 0.95
 #: A capacity read that moves by more than this fraction is a change (`automicro.core.memory` too).
 CAPACITY_CHANGE = 0.05
 
+
+def capacity_moved(before: Optional[int], now: Optional[int]) -> Optional[str]:
+    """"grew" or "shrank" where the capacity read `now` moved by more than `CAPACITY_CHANGE` from
+    `before`; None where it did not, or either is unknown (0 or None). The one rule for the policy,
+    the layout trials and the console."""
+    if not before or not now or abs(now - before) <= CAPACITY_CHANGE * before:
+        return None
+    return "grew" if now > before else "shrank"
+
 SEARCH_MODES = ("bisect", "halve")
 #: How a decision says the probe's memory model ended the search.
 PREDICTED_EDGE = "the next size is predicted not to fit"
@@ -700,11 +709,9 @@ def _on_projected_failure(state: SearchState, outcome: Success, config: PolicyCo
 def _grew(state: SearchState, capacity: Optional[int]) -> Optional[str]:
     """How the capacity read at a success grew past the one the failure bound was set under."""
     before = state.bound_capacity
-    if not capacity or not before or capacity <= before * (1 + CAPACITY_CHANGE):
+    if capacity_moved(before, capacity) != "grew" or (state.first_failure is None and state.ceiling is None):
         return None
-    if state.first_failure is None and state.ceiling is None:
-        return None
-    return f"{_mib(before)} -> {_mib(capacity)}"
+    return f"{_mib(before)} -> {_mib(capacity)}"  # type: ignore[arg-type]
 
 
 def _on_success(state: SearchState, outcome: Success, config: PolicyConfig) -> tuple[SearchState, Decision]:
@@ -807,9 +814,9 @@ def _last_capacity(state: SearchState) -> Optional[int]:
 def _shrank(state: SearchState, capacity: Optional[int]) -> Optional[str]:
     """How the capacity read at a failure shrank since the last success's ("", None: it did not)."""
     before = _last_capacity(state)
-    if not capacity or not before or capacity >= before * (1 - CAPACITY_CHANGE):
+    if capacity_moved(before, capacity) != "shrank":
         return None
-    return f"{_mib(before)} -> {_mib(capacity)}, another process took memory"
+    return f"{_mib(before)} -> {_mib(capacity)}, another process took memory"  # type: ignore[arg-type]
 
 
 def _learn_from_oom(state: SearchState, outcome: OOM) -> SearchState:
@@ -1020,6 +1027,7 @@ __all__ = [
     "SearchState",
     "Success",
     "Thrash",
+    "capacity_moved",
     "chunk_split",
     "current_split",
     "even_split",

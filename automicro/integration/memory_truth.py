@@ -45,7 +45,7 @@ class MemoryTruth:
             return
         ours = least.rank == self._rank()
         reading: Any = getattr(self._memory(), "capacity_reading", None)
-        line = self._watch.observe(verdict.capacity_bytes, reading() if ours and callable(reading) else None)
+        line = self._watch.observe(verdict.capacity_bytes, reading if ours and callable(reading) else None)
         if line is None:
             return
         if len(verdict.reports) > 1:
