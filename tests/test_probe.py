@@ -252,6 +252,20 @@ def test_probe_state_survives_a_checkpoint():
     assert resumed.current_split() == probe_split(32)
 
 
+def _physical(batch, fixed, grads, per_tenth, optimizer, capacity, loss_pct, reported=None):
+    """The drawn device (sizes in GiB, a tenth of a GiB per sample), or None where it is not
+    physical: even size 1 does not fit (CannotFitError, tested in test_policy), or a larger size fits
+    and a smaller not (one microbatch, no gradients yet)."""
+    device = Device(
+        fixed=fixed * GIB, grads=grads * GIB, per_sample=per_tenth * GIB // 10, optimizer=optimizer * GIB,
+        capacity=capacity * GIB, loss=loss_pct / 100, reported=reported,
+    )
+    truth = device.largest_fit(batch)
+    if truth == 0 or not all(device.fits(chunk_split(batch, m), True) for m in range(1, truth + 1)):
+        return None
+    return device
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     batch=st.integers(1, 96),
@@ -263,14 +277,8 @@ def test_probe_state_survives_a_checkpoint():
     loss_pct=st.integers(0, 8),
 )
 def test_property_never_a_size_that_fails_later_at_most_two_ooms(batch, fixed, grads, per_tenth, optimizer, capacity, loss_pct):
-    device = Device(
-        fixed=fixed * GIB, grads=grads * GIB, per_sample=per_tenth * GIB // 10, optimizer=optimizer * GIB,
-        capacity=capacity * GIB, loss=loss_pct / 100,
-    )
-    truth = device.largest_fit(batch)
-    if truth == 0 or not all(device.fits(chunk_split(batch, m), True) for m in range(1, truth + 1)):
-        # Even size 1 does not fit (CannotFitError, tested in test_policy), or a device where a
-        # larger size fits and a smaller not (one microbatch, no gradients yet): not physical.
+    device = _physical(batch, fixed, grads, per_tenth, optimizer, capacity, loss_pct)
+    if device is None:
         return
     run = search(device, batch)
     # Never a size that runs out once the optimizer state exists, as far as the reported capacity
@@ -429,13 +437,10 @@ def test_a_card_another_process_holds_converges_within_two_ooms(held_gib):
     loss_pct=st.integers(0, 4),
 )
 def test_property_a_capacity_read_wrong_by_up_to_3x_costs_at_most_3_ooms(batch, fixed, grads, per_tenth, optimizer, capacity, wrong_by, loss_pct):
-    device = Device(
-        fixed=fixed * GIB, grads=grads * GIB, per_sample=per_tenth * GIB // 10, optimizer=optimizer * GIB,
-        capacity=capacity * GIB, loss=loss_pct / 100, reported=int(wrong_by * capacity * GIB),
-    )
-    truth = device.largest_fit(batch)
-    if truth == 0 or not all(device.fits(chunk_split(batch, m), True) for m in range(1, truth + 1)):
+    device = _physical(batch, fixed, grads, per_tenth, optimizer, capacity, loss_pct, reported=int(wrong_by * capacity * GIB))
+    if device is None:
         return  # not physical, as above
+    truth = device.largest_fit(batch)
     policy = SearchPolicy(PolicyConfig(probe=True), batch)
     used, ooms = train(policy, device, 6, stepped=False)
     assert ooms <= (2 if wrong_by == 1.0 else 3), (used, ooms, policy.state)
