@@ -43,11 +43,38 @@ class SplitPerBatch(Callback):
         self.splits.append(list(self.auto.used_split))
 
 
+class CyclicGarbage(Callback):
+    """Every batch leaves `nbytes` of tensor in a reference cycle, with Python's cyclic collector off
+    for the fit: llm-foundry's `scheduled_gc` turns it off between its collections, and every
+    `torch.save` (a checkpoint) leaves its storages in a cycle."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._was_enabled = True
+
+    def fit_start(self, state: Any, logger: Any) -> None:
+        import gc
+
+        self._was_enabled = gc.isenabled()
+        gc.disable()
+
+    def batch_end(self, state: Any, logger: Any) -> None:
+        cycle: list[Any] = [torch.zeros(self.nbytes, dtype=torch.uint8)]
+        cycle.append(cycle)
+
+    def fit_end(self, state: Any, logger: Any) -> None:
+        import gc
+
+        if self._was_enabled:
+            gc.enable()
+
+
 def fit(
     microbatch: Any, limit: int, batches: int, use_prediction: bool = True, start_size: Any = None,
-    cap: Optional[dict[str, Any]] = None,
+    cap: Optional[dict[str, Any]] = None, more: Optional[list[Any]] = None,
 ) -> dict[str, Any]:
-    """`cap`: more `MemoryCapCallback` arguments (`capacity_reads`, `limit_at_batch`)."""
+    """`cap`: more `MemoryCapCallback` arguments (`capacity_reads`, `limit_at_batch`); `more`: more
+    callbacks."""
     from automicro.models import build_model
 
     torch.manual_seed(0)
@@ -57,7 +84,7 @@ def fit(
     cap_callback = MemoryCapCallback(limit_bytes=limit, retry_band=0.0, **(cap or {}))
     peaks = PeakPerBatch(cap_callback)
     auto: Optional[automicro.AutoMicrobatching] = None
-    callbacks: list[Any] = [cap_callback, peaks]
+    callbacks: list[Any] = [cap_callback, peaks] + list(more or [])
     splits: Optional[SplitPerBatch] = None
     if microbatch == "auto":
         auto = automicro.AutoMicrobatching(log_attempts=False, use_prediction=use_prediction, start_size=start_size)
@@ -139,14 +166,18 @@ def probe(rank: int, world: int, compare: bool = True) -> dict[str, Any]:
 def shared_card(peaks: dict[int, list[int]], limit: int) -> dict[str, Any]:
     """Issue 39: `auto` (the probe first) under `limit` while the capacity reads 3x that limit, a
     fixed run at the size it found; then a run whose limit drops below size 4's peak at batch 4 and
-    comes back at batch 8 (the capacity read follows it)."""
+    comes back at batch 8 (the capacity read follows it); then one where every batch leaves an
+    eighth of the gap between sizes 4 and 8 in a reference cycle, the cyclic collector off."""
     small = _agreed((peaks[2][1] + peaks[4][1]) // 2)
     told = fit("auto", limit, 6, start_size="probe", cap={"capacity_reads": 3 * limit})
     fixed = fit(told["found"], limit, 6)
     moving = fit("auto", limit, 12, start_size="probe", cap={"limit_at_batch": {4: small, 8: limit}})
+    garbage = _agreed((peaks[8][1] - peaks[4][1]) // 8)
+    held = fit("auto", limit, 10, start_size="probe", more=[CyclicGarbage(garbage)])
     diff = max(float((told["params"][k] - fixed["params"][k]).abs().max()) for k in fixed["params"])
     return {
-        "small": small, "diff": diff,
+        "small": small, "diff": diff, "garbage": garbage,
         "told": {k: v for k, v in told.items() if k != "params"},
         "moving": {k: v for k, v in moving.items() if k != "params"},
+        "held": {k: v for k, v in held.items() if k != "params"},
     }

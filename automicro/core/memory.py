@@ -10,6 +10,7 @@ policy, Composer; the CPU emulation lives in `automicro.testing.memory_cap`.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional, Protocol
@@ -93,6 +94,19 @@ class NoMemory:
 
     def empty_cache(self) -> None:
         pass
+
+
+def release_after_failure(memory: MemorySource) -> None:
+    """After a failed attempt, before its rerun: free what only Python reference cycles still hold,
+    then hand the allocator's unused blocks back (`empty_cache`, where the source allows it).
+
+    Tensors in reference cycles outlive their last use until the cyclic collector runs, and the
+    caching allocator cannot free them: `torch.save` (every checkpoint) leaves its storages in one,
+    and llm-foundry's `scheduled_gc` turns the automatic collector off for thousands of batches. A
+    size that ran clean then runs out for memory no batch uses; collecting first lets the rerun at
+    that size find it (a full collection: tens to hundreds of milliseconds, on failures only)."""
+    gc.collect()
+    memory.empty_cache()
 
 
 def read_cuda_capacity(own_fraction: Optional[float] = None) -> CapacityReading:

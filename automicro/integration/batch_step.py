@@ -24,7 +24,7 @@ from automicro.core import failure_note
 from automicro.core.attempt import AttemptFence, AttemptResult, RandomState
 from automicro.core.consensus import Consensus
 from automicro.core.ledger import FatalRecoveryError
-from automicro.core.memory import MemorySource, MicrobatchPeaks
+from automicro.core.memory import MemorySource, MicrobatchPeaks, release_after_failure
 from automicro.core.sites import SiteDispatcher
 from automicro.engine.layout import LayoutEngine
 from automicro.engine.sharding import ShardedModel
@@ -191,7 +191,8 @@ class BatchStep:
         if self.pipeline is not None:
             self.pipeline.release()
         self.sharded.recover()
-        self.memory.empty_cache()  # not on a card another process shares (`CudaMemory.empty_cache`)
+        # Reference cycles first; the cache not on a card another process shares (`CudaMemory.empty_cache`).
+        release_after_failure(self.memory)
 
 
 __all__ = ["Attempt", "BatchStep"]

@@ -57,7 +57,7 @@ from automicro.core.hooks import SYNC_POINTS, SyncHooks
 from automicro.core.layout import LayoutConfig
 from automicro.core.ledger import Board, CollectiveLedger, FatalRecoveryError
 from automicro.core.optimizer_memory import pending_state_bytes
-from automicro.core.memory import CudaMemory, MemorySource, NoMemory
+from automicro.core.memory import CudaMemory, MemorySource, NoMemory, release_after_failure
 from automicro.core.metrics import (
     AttemptRecord,
     BatchFigures,
@@ -298,7 +298,7 @@ class AutoMicrobatching(Callback):
             recoverable=self._ledger is not None, pipeline=pipeline is not None,
         )
         self._eval.attach(
-            self._fence, self._dispatcher, self._recover_model, lambda: self.hooks_active, self._memory_empty_cache
+            self._fence, self._dispatcher, self._recover_model, lambda: self.hooks_active, self._release_memory
         )
         if memory is not None:
             self._memory = memory
@@ -483,8 +483,8 @@ class AutoMicrobatching(Callback):
             self._apply_hooks(self._eval.guarded, HookReason.AFTER_EVAL)
         self._rearm("eval")
 
-    def _memory_empty_cache(self) -> None:
-        self._memory.empty_cache()
+    def _release_memory(self) -> None:
+        release_after_failure(self._memory)
 
     def guard_eval_metric(self, model: Any) -> Callable[..., Any]:
         """Called by `automicro.Trainer`: `model.update_metric`, where an eval metric update that runs
@@ -507,7 +507,7 @@ class AutoMicrobatching(Callback):
     def _recover_model(self) -> None:
         assert self._sharded is not None
         self._sharded.recover()
-        self._memory.empty_cache()
+        release_after_failure(self._memory)
 
     def _rearm(self, reason: str) -> None:
         if self.policy is None:
