@@ -267,6 +267,26 @@ def test_live_bytes_drop_when_freed_and_peak_kept():
     assert cap.stats()["peak_bytes"] == 0
 
 
+def test_paused_cap_counts_no_new_storage_but_still_sees_frees():
+    """A checkpoint's state dict is host memory on a GPU: while paused, nothing new is counted (and
+    nothing runs out); frees of storages counted before still come off."""
+    cap = MemoryCap(2 * MB)
+    with cap:
+        a = torch.empty(250_000)
+        cap.pause()
+        assert cap.paused
+        host = torch.empty(1_000_000)  # 4 MB: over the limit, but not device memory
+        assert cap.live_bytes == MB
+        del a
+        assert cap.live_bytes == 0
+        cap.resume()
+        b = torch.empty(250_000)
+        assert cap.live_bytes == MB and not cap.paused
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(500_000)
+    del host, b
+
+
 def test_views_inplace_and_preexisting_storages_not_counted():
     pre = torch.randn(1000)  # created before the cap
     cap = MemoryCap(None)

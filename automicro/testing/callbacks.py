@@ -50,7 +50,23 @@ class MemoryCapCallback(Callback):
         self.limit_at_batch = schedule
         self._entered = False
 
+    # A checkpoint's state dict lives in host memory on a GPU (Composer's saver offloads it to the
+    # CPU), and `torch.save` leaves its storages in a reference cycle until the collector runs: on
+    # CPU ranks those would count as device memory, a little more each checkpoint. Composer's saver
+    # comes after every user callback, so the cap pauses before it saves and resumes at whichever
+    # event comes next.
+    def batch_checkpoint(self, state: State, logger: Logger) -> None:
+        self.cap.pause()
+
+    epoch_checkpoint = iteration_checkpoint = batch_checkpoint
+
+    def before_dataloader(self, state: State, logger: Logger) -> None:
+        self.cap.resume()
+
+    epoch_start = epoch_end = eval_start = iteration_start = before_dataloader
+
     def batch_start(self, state: State, logger: Logger) -> None:
+        self.cap.resume()
         limit = self.limit_at_batch.get(int(state.timestamp.batch))
         if limit is not None:
             self.cap.set_limit(limit)
@@ -69,6 +85,7 @@ class MemoryCapCallback(Callback):
         self.close()
 
     def close(self, state: Optional[State] = None, logger: Optional[Logger] = None) -> None:
+        self.cap.resume()
         if self._entered:
             self._entered = False
             self.cap.__exit__(None, None, None)

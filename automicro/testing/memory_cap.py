@@ -158,7 +158,8 @@ class _CapMode(TorchDispatchMode):
         kwargs = kwargs or {}
         # The mode is popped while we run: neither the op nor our bookkeeping re-enters it.
         out = func(*args, **kwargs)
-        self.cap._after_op(func, args, kwargs, out)
+        if not self.cap.paused:
+            self.cap._after_op(func, args, kwargs, out)
         return out
 
 
@@ -283,6 +284,20 @@ class MemoryCap:
             finally:
                 self._tls.resize.remove()
                 self._tls.resize = None
+
+    @property
+    def paused(self) -> bool:
+        """Whether new storages go uncounted on the calling thread (`pause`)."""
+        return getattr(self._tls, "paused", False)
+
+    def pause(self) -> None:
+        """Count no new storage on the calling thread until `resume()`: what a GPU would hold in host
+        memory, such as a checkpoint's state dict (Composer offloads it to the CPU). Frees and
+        resizes of storages already counted still are."""
+        self._tls.paused = True
+
+    def resume(self) -> None:
+        self._tls.paused = False
 
     @property
     def active(self) -> bool:
