@@ -46,7 +46,9 @@ def fit(
     fsdp2: Optional[dict[str, Any]] = None,
     trial_batches: int = 1,
     start_size: Any = None,
+    cap_args: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
+    """`cap_args`: more `MemoryCapCallback` arguments (`limit_at_batch`)."""
     from automicro.models import build_model
 
     torch.manual_seed(0)
@@ -55,7 +57,7 @@ def fit(
     data = build_dataloader(
         SyntheticTokens(PER_RANK_BATCH * world * batches, SEQ, MODEL["vocab_size"], seed=2), PER_RANK_BATCH, shuffle=False
     )
-    cap = MemoryCapCallback(limit_bytes=limit, retry_band=0.0)
+    cap = MemoryCapCallback(limit_bytes=limit, retry_band=0.0, **(cap_args or {}))
     auto = automicro.AutoMicrobatching(
         log_attempts=False, layout=layout, layout_trial_batches=trial_batches, start_size=start_size,
     )
@@ -187,6 +189,11 @@ def upsize_cases(without2: int, without3: int) -> dict[str, Any]:
     # Pressure at the adopted size in the last batch: an OOM on rank 0 undoes grad_sync_once, never checkpointing.
     fault = FaultInjector(site="backward_pre", ranks=[0], batch=batches - 1, times=1)
     out["upsize"] = _strip(fit("auto", batches, limit=limit, timing=faster, start_size="probe", faults=[fault]), fixed)
+    # Issue 39: the memory comes back (another process gave it up) after checkpointing was kept at 4:
+    # undone, the size searched again from 2 without it, 4 fits now; checkpointing is not tried again
+    # (4 is the whole batch).
+    returned = fit("auto", batches + 6, limit=limit, timing=faster, start_size="probe", cap_args={"limit_at_batch": {13: 4 * limit}})
+    out["returned"] = _strip(returned, fit(2, batches + 6, layout="fixed"))
     return out
 
 

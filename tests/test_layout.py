@@ -341,6 +341,16 @@ def test_checkpointing_on_is_measured_then_kept_at_the_larger_microbatch_it_admi
         assert (batch, size) == (len(up["splits"]) - 1, 4), up["history"]
         assert note == "layout undone first; rerun at the same size, now activation checkpointing on", note
         assert up["found"] == 4 and up["settled"] == [RECOMPUTE] and GRAD_SYNC_ONCE in up["rejected"], up
+        # The memory came back at batch 13 (4x the cap): checkpointing, kept at 4 under the cap, is
+        # undone and the size searched again from 2 without it: 4 fits; the same parameters, no OOM.
+        back = results[rank]["returned"]
+        assert "OOMs 0" in back["summary"] and back["diff"] < 1e-5, (back["summary"], back["history"])
+        assert any(RECOMPUTE in x for x in back["layouts"][:13]), back["layouts"]
+        assert back["settled"] == [GRAD_SYNC_ONCE] and back["found"] == 4, (back["settled"], back["history"])
+        assert back["splits"][-1] == [4] and RECOMPUTE not in back["layouts"][-1], (back["splits"], back["layouts"])
+        assert all(x == [GRAD_SYNC_ONCE] for x in back["layouts"][14:]), back["layouts"]
+        # The batch after the capacity grew was searched again (hooks on), and 4 ran without it.
+        assert (14, 4, "ok", "ok at 4 -> converged on 4, split (4,)") in [tuple(r) for r in back["history"]], back["history"]
     assert len({str(results[r]["upsize"]["layouts"]) for r in range(world)}) == 1
 
 
@@ -514,6 +524,22 @@ def test_the_size_policy_adopts_another_size_only_when_steady():
     decision = q.observe(search.Adopt(6))
     assert q.found_size == 6 and q.state.first_failure is None and q.state.samples == () and q.state.best_success == 6
     assert decision.split == (4, 4) and q.projected_peak(6) is None and q.phase == search.Phase.STEADY
+    shelved = q.state.shelved
+    assert shelved, "the model without the trade is kept aside"
+    restored = search.SearchState.from_dict(q.state.to_dict())
+    assert restored.shelved == shelved
+    # The trade undone (the memory came back, 900 -> 2000): upward again from the size found
+    # without it, under the model from before the trade, read at the capacity now; hooks on.
+    decision = q.observe(search.Adopt(3, reopen=True, capacity_bytes=2000))
+    assert q.phase == search.Phase.SEARCHING and decision.hooks and decision.reason == search.HookReason.SEARCHING
+    assert q.state.first_failure is None and q.state.best_success == 3 and q.state.shelved == ()
+    assert q.state.samples == tuple((m, p, 2000) for m, p, _ in shelved)
+    assert decision.event.startswith("layout: the trade that admitted a larger size is undone, 3 is the size found without it -> try ")
+    assert max(decision.split) > 3
+    # Nothing left above it: settled there.
+    whole = search.SearchPolicy(search.PolicyConfig(), 4)
+    decision = whole.observe(search.Adopt(4, reopen=True))
+    assert whole.found_size == 4 and decision.event.endswith("; split (4,)")
 
 
 @pytest.mark.multiproc
@@ -718,3 +744,38 @@ def test_recompute_is_not_measured_where_the_size_found_runs_the_whole_batch_and
 def test_recompute_cannot_be_pinned():
     with pytest.raises(LayoutConfigError, match="activation_checkpointing: true"):
         LayoutConfig.parse([RECOMPUTE])
+
+
+def test_recompute_kept_under_less_memory_is_undone_when_the_memory_comes_back_and_tried_again():
+    """Issue 39 (one H200, a 12 GiB neighbour that left): checkpointing was kept at 8 from 2 under
+    26.8 GiB; the memory came back (39.1 GiB) and the run stayed at 5 with it, 0.84x Composer's
+    size 4 without. A kept upsize trade is undone once the capacity grows past the one it was kept
+    under; the size is searched again from the size found without it; then it is measured again."""
+    search = _upsize_search()
+    _measure(search, 2, 4)
+    layout, _ = search.layout_for_batch(True, lambda t: None, 2, 2, None, 1, capacity=10**9)
+    search.observe(layout, 1.0)
+    search.observe(search.layout_for_batch(True, lambda t: None, 2, 2, None, 1, capacity=10**9)[0], 2.0)
+    assert search.decide(search.local_times(), capacity=10**9).kept and search.settled == (RECOMPUTE,)
+    assert search.kept_under == {RECOMPUTE: (10**9, 2)}
+    assert search.reconsider(int(1.04 * 10**9)) == (None, []), "within 5%: the same memory"
+    restored = _upsize_search()
+    restored.load_state_dict(search.state_dict())
+    assert restored.kept_under == {RECOMPUTE: (10**9, 2)}
+    size, lines = restored.reconsider(2 * 10**9)
+    assert size == 2 and restored.settled == () and restored.kept_under == {}
+    assert lines == [
+        "layout trade recompute (activation checkpointing on) undone: the memory capacity grew past the 953.7 MiB "
+        "it was kept under; the size is searched again from 2 without it, then it is measured and tried again"
+    ]
+    assert restored.reconsider(4 * 10**9) == (None, []), "once"
+    # From the size found next (say 3 without it), measured again: it may be kept again or not.
+    layout, _ = restored.layout_for_batch(True, lambda t: None, 3, 3, None, 1, capacity=2 * 10**9)
+    assert layout == (RECOMPUTE,) and restored.trial.measure and restored.trial.from_size == 3
+    # A trade kept with no capacity read (no memory figures) is never reconsidered.
+    blind = _upsize_search()
+    _measure(blind, 2, 4)
+    blind.layout_for_batch(True, lambda t: None, 2, 2, None, 1)
+    blind.observe((RECOMPUTE,), 1.0)
+    blind.observe(blind.layout_for_batch(True, lambda t: None, 2, 2, None, 1)[0], 2.0)
+    assert blind.decide(blind.local_times()).kept and blind.reconsider(10**12) == (None, [])

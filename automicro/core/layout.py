@@ -70,7 +70,10 @@ that size with it against the size found without it, by the same rule. Kept, the
 settles on the larger size (`automicro.core.policy.Adopt`). Once per size found; pressure in the
 measuring batch ends it for good, and so does pressure in a trial's "with" batches: a trial that ran
 out is not tried again this run (each OOM costs memory another process on the card may take) until
-the capacity grows past the one it ran out under. Not
+the capacity grows past the one it ran out under. A kept one is undone once the capacity grows past
+the one it was kept under (another process gave memory back: without it a larger microbatch may fit
+now, and be faster): the size policy searches upward again from the size found without it, and the
+trade is measured and tried again from there. Not
 measured where the size found already runs the whole batch in one microbatch; its trial waits while
 the capacity is below the one its bytes were measured under (another process took memory since).
 
@@ -277,6 +280,9 @@ class LayoutSearch:
         # For a trade in UPSIZE whose trial ran out: the capacity it ran out under. It is measured
         # again only once the capacity grows past that (`capacity_moved`).
         self.failed_under: dict[str, int] = {}
+        # For a trade in UPSIZE kept by its trial: the capacity it was kept under and the size found
+        # without it. Where the capacity grows past that, it is undone (`reconsider`).
+        self.kept_under: dict[str, tuple[int, int]] = {}
 
     @property
     def searching(self) -> bool:
@@ -411,6 +417,32 @@ class LayoutSearch:
             return trial, lines
         return None, lines
 
+    def reconsider(self, capacity: int) -> tuple[Optional[int], list[str]]:
+        """A trade in UPSIZE was kept under less memory than the capacity read now (`capacity`; another
+        process gave memory back): without it a larger microbatch may fit now, and may be faster.
+        Undo it; it is measured and tried again from the size found next. Returns the size found
+        without it (the size policy searches upward from there: `automicro.core.policy.Adopt` with
+        `reopen`) and the console lines; (None, []) where nothing is undone, or a trial is running."""
+        if not self.searching or self.trial is not None or not capacity:
+            return None, []
+        for trade in UPSIZE:
+            if trade not in self.kept or trade not in self.kept_under:
+                continue
+            kept_under, from_size = self.kept_under[trade]
+            if capacity_moved(kept_under, capacity) != "grew":
+                continue
+            del self.kept_under[trade]
+            self.kept.remove(trade)
+            for table in (self.fits_up_to, self.fits_capacity, self.failed_under):
+                table.pop(trade, None)
+            self.upsized_from.clear()
+            return from_size, [
+                f"layout trade {trade} ({DESCRIPTIONS[trade]}) undone: the memory capacity grew past the "
+                f"{kept_under / 2**20:.1f} MiB it was kept under; the size is searched again from {from_size} "
+                "without it, then it is measured and tried again"
+            ]
+        return None, []
+
     def layout_for_batch(
         self, steady: bool, fits: Callable[[str], Optional[str]], size: Optional[int] = None,
         found: Optional[int] = None, smaller: Optional[Callable[[tuple[str, ...]], Optional[int]]] = None,
@@ -525,9 +557,10 @@ class LayoutSearch:
         assert self.trial is not None
         return self.trial.on + self.trial.off
 
-    def decide(self, agreed: Sequence[float]) -> TrialResult:
+    def decide(self, agreed: Sequence[float], capacity: int = 0) -> TrialResult:
         """`agreed`: `local_times()` after the max over ranks. Ends the trial. A kept downsize trial
-        (`result.size`): the caller settles the size policy on that size."""
+        (`result.size`): the caller settles the size policy on that size. `capacity`: the capacity
+        read now, which a kept upsize trial is kept under (`reconsider`)."""
         trial = self.trial
         assert trial is not None and len(agreed) == len(trial.on) + len(trial.off)
         on, off = list(agreed[: len(trial.on)]), list(agreed[len(trial.on) :])
@@ -539,6 +572,8 @@ class LayoutSearch:
                 self.kept.append(trade)
                 self.rejected.pop(trade, None)
                 self.too_big_at.pop(trade, None)
+                if trial.upsize and trade in UPSIZE and capacity and trial.from_size is not None:
+                    self.kept_under[trade] = (int(capacity), int(trial.from_size))
         elif trial.size is None:
             self.slower_on.setdefault(trial.trade, []).append(self.settled)
             if len(trial.trades) == 1 and result.median_on < result.median_off:
@@ -600,6 +635,7 @@ class LayoutSearch:
             **({"upsized_from": list(self.upsized_from)} if self.upsized_from else {}),
             **({"fits_capacity": dict(self.fits_capacity)} if self.fits_capacity else {}),
             **({"failed_under": dict(self.failed_under)} if self.failed_under else {}),
+            **({"kept_under": {t: list(v) for t, v in self.kept_under.items()}} if self.kept_under else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -627,6 +663,9 @@ class LayoutSearch:
         self.upsized_from = [int(n) for n in state.get("upsized_from", [])]
         self.fits_capacity = {t: int(c) for t, c in state.get("fits_capacity", {}).items() if t in UPSIZE}
         self.failed_under = {t: int(c) for t, c in state.get("failed_under", {}).items() if t in UPSIZE}
+        self.kept_under = {
+            t: (int(c), int(n)) for t, (c, n) in state.get("kept_under", {}).items() if t in UPSIZE and t in self.kept
+        }
         for trade in state.get("tried", []):  # checkpoints before "slower_on": every trade tried
             if trade in TRADES and trade not in self.kept and trade not in self.rejected:
                 self.rejected[trade] = "tried before the checkpoint"

@@ -205,9 +205,17 @@ class DomainGrew:
 class Adopt:
     """The layout search settles the microbatch at `size`, other than the one found: its trial ran
     `size` with trades that did not fit at the larger one (or, larger, with a trade that saves
-    bytes per sample), clean, and faster (`automicro.core.layout`). Only while STEADY, over samples."""
+    bytes per sample), clean, and faster (`automicro.core.layout`). Only while STEADY, over samples.
+
+    `reopen`: the layout undid a trade that had let a larger size fit, because the memory it was kept
+    under came back (`LayoutSearch.reconsider`): `size` is the size found without it. The bounds and
+    the ceiling came from runs with the trade, so they go, and the memory model is the one from
+    before that trade was adopted (`SearchState.shelved`, under the capacity read now); the search
+    runs upward again from `size` with the sync hooks on. Any phase, over samples."""
 
     size: int
+    reopen: bool = False
+    capacity_bytes: Optional[int] = None
 
 
 Outcome = Union[Success, OOM, Thrash, Rearm, BatchSizeChanged, DomainGrew, Adopt]
@@ -299,6 +307,9 @@ class SearchState:
     # The capacity read when the failure bound (and the ceiling) was set: a capacity that grows past
     # it by more than CAPACITY_CHANGE reopens the sizes that ran out under less memory.
     bound_capacity: Optional[int] = None
+    # The samples of the layout before an `Adopt` of a larger size (a trade that saves bytes per
+    # sample): they are the model again where that trade is undone (`Adopt(reopen=True)`).
+    shelved: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def hooks(self) -> bool:
@@ -321,6 +332,7 @@ class SearchState:
             "retrying_ranks": list(self.retrying_ranks),
             "ceiling": self.ceiling,
             "bound_capacity": self.bound_capacity,
+            "shelved": [list(s) for s in self.shelved],
         }
 
     @classmethod
@@ -347,6 +359,7 @@ class SearchState:
             retrying_ranks=tuple(int(r) for r in d.get("retrying_ranks", ())),
             ceiling=None if d.get("ceiling") is None else int(d["ceiling"]),
             bound_capacity=None if d.get("bound_capacity") is None else int(d["bound_capacity"]),
+            shelved=tuple((int(m), int(p), int(c)) for m, p, c in d.get("shelved", ())),
         )
         if state.batch_size < 1 or not (1 <= state.size <= state.batch_size):
             raise ValueError(f"policy state size {state.size} / batch size {state.batch_size}: out of range")
@@ -621,7 +634,9 @@ def transition(state: SearchState, outcome: Outcome, config: PolicyConfig) -> tu
     elif isinstance(outcome, Adopt):
         _check_size(state, outcome.size)
         new, decision = _on_adopt(state, outcome, config)
-        reason = HookReason.STEADY
+        reason = HookReason.STEADY if new.phase == Phase.STEADY else (
+            HookReason.SEARCHING if new.phase == Phase.SEARCHING else HookReason.SETTLING
+        )
     elif isinstance(outcome, BatchSizeChanged):
         new, decision = _on_batch_size(state, outcome, config)
         reason = HookReason.BATCH_SIZE_CHANGED
@@ -875,6 +890,8 @@ def _on_rearm(state: SearchState, outcome: Rearm, config: PolicyConfig) -> tuple
 
 
 def _on_adopt(state: SearchState, outcome: Adopt, config: PolicyConfig) -> tuple[SearchState, Decision]:
+    if outcome.reopen:
+        return _on_reopen(state, outcome.size, outcome.capacity_bytes, config)
     if (
         state.phase != Phase.STEADY or state.found is None or not _is_int(outcome.size)
         or not 1 <= outcome.size <= state.batch_size or outcome.size == state.found or config.unit == "tokens"
@@ -885,12 +902,32 @@ def _on_adopt(state: SearchState, outcome: Adopt, config: PolicyConfig) -> tuple
         # found, and the memory model, were the other layout's (the model is rebuilt from this one's peaks).
         first_failure = state.first_failure if state.first_failure is not None and state.first_failure > outcome.size else None
         state = replace(
-            state, first_failure=first_failure, best_success=outcome.size, samples=(),
+            state, first_failure=first_failure, best_success=outcome.size, samples=(), shelved=state.samples,
             successes=tuple(sorted(set(state.successes) | {outcome.size})),
         )
     state = replace(state, found=outcome.size)
     state = replace(state, size=max(current_split(state, config)))
     return state, _decide(state, config, False, f"layout: microbatch now {outcome.size}, {_in_use(state, config)}")
+
+
+def _on_reopen(
+    state: SearchState, size: int, capacity: Optional[int], config: PolicyConfig,
+) -> tuple[SearchState, Decision]:
+    """`Adopt(size, reopen=True, capacity_bytes)`: search upward again from `size` (see `Adopt`)."""
+    if config.unit == "tokens":
+        raise ValueError(f"Adopt({size}, reopen=True) needs a search over samples (unit {config.unit!r})")
+    samples = state.shelved if not capacity else _under(state.shelved, int(capacity))
+    state = replace(
+        state, phase=Phase.SEARCHING, found=None, stable_count=0, best_success=size, first_failure=None,
+        successes=tuple(sorted({s for s in state.successes if s <= size} | {size})), samples=samples,
+        shelved=(), ceiling=None, bound_capacity=None, retrying=None, retrying_ranks=(),
+    )
+    event = f"layout: the trade that admitted a larger size is undone, {size} is the size found without it"
+    if config.search != "bisect" or not _between(config, state, size, _hi(state)):
+        state = _settle(state, config, size)
+        return state, _decide(state, config, False, f"{event}; {_in_use(state, config)}")
+    state = replace(state, size=size)
+    return _search_above(state, config, event)
 
 
 def _on_batch_size(state: SearchState, outcome: BatchSizeChanged, config: PolicyConfig) -> tuple[SearchState, Decision]:

@@ -696,7 +696,13 @@ class AutoMicrobatching(Callback):
                 self.policy.probe_split() if self.policy_config.probes else None,
                 lambda n: max(self.policy.split_for(n)),
             )),
+            capacity_read=self._last_capacity or 0,
         )
+        undone = self.layout.take_undone()
+        if undone is not None:
+            decision = self.policy.observe(search.Adopt(undone, reopen=True, capacity_bytes=self._last_capacity))
+            self._apply_hooks(decision.hooks, decision.reason, "a layout trade undone")
+            self._info(decision.event)
         batch_index = step.batch_index
         while True:
             # A pipeline's per-step barriers come off with the sync hooks (a failed stage drains the

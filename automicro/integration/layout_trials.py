@@ -69,6 +69,8 @@ class LayoutTrials:
         self.trial_batch = False
         self._peak_at: Optional[Callable[[int], Optional[tuple[int, int]]]] = None
         self._capacity = 0  # the agreed capacity the next batch was chosen under
+        self._capacity_read = 0  # the capacity read (agreed), no ceiling applied: kept trades compare it
+        self.undone: Optional[int] = None  # the size found without a kept upsize trade just undone (once)
         self._batch_size = 0  # the probe split's samples (this rank's batch)
         # Turns each measured batch time into the one judged (the identity). Tests replace it to
         # make a trade look faster or slower without depending on the machine's timing.
@@ -95,6 +97,7 @@ class LayoutTrials:
         self, steady: bool, peak_bytes: int, capacity_bytes: int, size: Optional[int] = None,
         found: Optional[int] = None, peak_at: Optional[Callable[[int], Optional[tuple[int, int]]]] = None,
         measure_split: Optional[tuple[int, ...]] = None, largest_at: Optional[Callable[[int], int]] = None,
+        capacity_read: int = 0,
     ) -> None:
         """Choose and apply the next batch's layout; start the clock during a trial. `size`: the
         next batch's largest microbatch (a trade that did not fit at a larger one may be tried
@@ -103,10 +106,18 @@ class LayoutTrials:
         allowed). A downsize trial runs only at a split whose largest microbatch is below `size`.
         `measure_split`: the probe's split, where a measured trade's bytes can be measured (None:
         they cannot; `measure_split_next` says when the next batch runs it). `largest_at(n)`: the largest
-        microbatch of the split were the size found `n`."""
+        microbatch of the split were the size found `n`. `capacity_read`: the capacity as read (the
+        least over ranks, no ceiling applied), against which a kept upsize trade is reconsidered
+        (`take_undone` then gives the size policy the size found without it)."""
         if self.engine is None:
             return
         engine = self.engine
+        self._capacity_read = capacity_read
+        undone, lines = self.search.reconsider(capacity_read) if found is not None else (None, [])
+        if undone is not None:
+            self.undone, steady = undone, False  # the size is searched again first: no trial now
+            for line in lines:
+                self._info(line)
 
         def fits(trade: str) -> Optional[str]:
             extras = [engine.extra_bytes(t) for t in trade.split("+")]  # "a+b": trades tried together
@@ -224,7 +235,7 @@ class LayoutTrials:
             agreed: list[int] = []
             for start in range(0, len(local), SLOTS):  # a round carries at most SLOTS ints per rank
                 agreed.extend(self._consensus.agree_max(local[start : start + SLOTS]))
-            result = self.search.decide([us / 1e6 for us in agreed])
+            result = self.search.decide([us / 1e6 for us in agreed], self._capacity_read)
             self._info(result.line())
             if result.kept and result.size is not None:
                 self.adopted = result.size
@@ -254,6 +265,10 @@ class LayoutTrials:
 
     def take_adopted(self) -> Optional[int]:
         size, self.adopted = self.adopted, None
+        return size
+
+    def take_undone(self) -> Optional[int]:
+        size, self.undone = self.undone, None
         return size
 
     def relieve(self, why: str, size: Optional[int] = None) -> Optional[str]:
