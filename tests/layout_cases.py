@@ -189,6 +189,26 @@ def upsize_cases(without2: int, without3: int) -> dict[str, Any]:
     # Pressure at the adopted size in the last batch: an OOM on rank 0 undoes grad_sync_once, never checkpointing.
     fault = FaultInjector(site="backward_pre", ranks=[0], batch=batches - 1, times=1)
     out["upsize"] = _strip(fit("auto", batches, limit=limit, timing=faster, start_size="probe", faults=[fault]), fixed)
+    # Issue 39, item 4: the rerun at the size found, the trade undone, runs out too (a second fault):
+    # an error-level line says the trade was not what held the memory; the size policy goes on.
+    import logging
+
+    class Errors(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.ERROR)
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    errors, truth = Errors(), logging.getLogger("automicro.integration.memory_truth")
+    truth.addHandler(errors)
+    try:
+        twice = FaultInjector(site="backward_pre", ranks=[0], batch=batches - 1, times=2)
+        again = fit("auto", batches, limit=limit, timing=faster, start_size="probe", faults=[twice])
+    finally:
+        truth.removeHandler(errors)
+    out["rerun_out"] = {**_strip(again, fixed), "errors": errors.lines}
     # Issue 39: the memory comes back (another process gave it up) after checkpointing was kept at 4:
     # undone, the size searched again from 2 without it, 4 fits now; checkpointing is not tried again
     # (4 is the whole batch).

@@ -341,6 +341,15 @@ def test_checkpointing_on_is_measured_then_kept_at_the_larger_microbatch_it_admi
         assert (batch, size) == (len(up["splits"]) - 1, 4), up["history"]
         assert note == "layout undone first; rerun at the same size, now activation checkpointing on", note
         assert up["found"] == 4 and up["settled"] == [RECOMPUTE] and GRAD_SYNC_ONCE in up["rejected"], up
+        # Twice: the rerun with grad_sync_once undone runs out at 4 too: one error-level line, then
+        # the size policy's own rerun (a one-off at a size that ran clean) trains the batch.
+        twice = results[rank]["rerun_out"]
+        assert [r[2] for r in twice["history"] if r[0] == len(twice["splits"]) - 1] == ["oom", "oom", "ok"], twice["history"]
+        assert len(twice["errors"]) == 1 and twice["errors"][0].startswith(
+            f"automicro: microbatch size 4 runs out again in batch {len(twice['splits']) - 1} with layout trade "
+            "grad_sync_once undone: the trade was not what held the memory"
+        ), twice["errors"]
+        assert twice["found"] == 4 and twice["diff"] < 1e-5, (twice["found"], twice["diff"])
         # The memory came back at batch 13 (4x the cap): checkpointing, kept at 4 under the cap, is
         # undone and the size searched again from 2 without it: 4 fits; the same parameters, no OOM.
         back = results[rank]["returned"]

@@ -142,6 +142,7 @@ class AutoMicrobatching(Callback):
         self.layout: Optional[LayoutTrials] = None
         self._last_peak = self._last_capacity = 0
         self._memory_truth = MemoryTruth(lambda: self._memory, lambda: self._rank, log_attempts)
+        self._last_undone = ""  # the layout trade `_relieved_by_layout` undid last
         if eval_oom not in EVAL_OOM:
             raise ValueError(
                 f"eval_oom={eval_oom!r}: must be 'split' (an evaluator with a pinned device_eval_microbatch_size that "
@@ -722,6 +723,7 @@ class AutoMicrobatching(Callback):
             result, sizes = attempt.result, attempt.sizes
             verdict, seconds = result.verdict, result.seconds
             self._memory_truth.after_attempt(verdict)
+            self._memory_truth.after_rerun(verdict.failed, max(sizes))
             if result.unreported is not None:
                 # This rank raised although no rank reported a failure: never count that as a
                 # success (the batch would be skipped silently, or the error swallowed).
@@ -766,6 +768,7 @@ class AutoMicrobatching(Callback):
                 )
                 raise self._agreed_error
             if self._relieved_by_layout(f"out of memory at size {max(sizes)}", max(sizes)):
+                self._memory_truth.layout_undone(self._last_undone, max(sizes), batch_index)
                 self._record(
                     batch_index, sizes, "oom", verdict, max(sizes), seconds,
                     f"layout undone first; rerun at the same size, now {self.layout.describe()}", hooks=hooks_on,
@@ -791,8 +794,12 @@ class AutoMicrobatching(Callback):
         """Memory pressure at the settled size goes to the layout first: when it undoes a trade, the
         size stays and the sync hooks come back on until the size is stable again."""
         assert self.policy is not None
-        if self.layout is None or self.policy.phase != search.Phase.STEADY or self.layout.relieve(why, size) is None:
+        if self.layout is None or self.policy.phase != search.Phase.STEADY:
             return False
+        undone = self.layout.relieve(why, size)
+        if undone is None:
+            return False
+        self._last_undone = undone
         decision = self.policy.observe(search.Rearm("layout undone"))
         self._apply_hooks(decision.hooks, decision.reason, "layout undone")
         return True

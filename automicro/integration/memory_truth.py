@@ -30,12 +30,39 @@ def reached_bytes(verdict: Verdict) -> Optional[int]:
 
 class MemoryTruth:
     """One rank's view: `after_attempt` for every attempt's verdict, `after_failure` once a failed
-    attempt's wipe is done."""
+    attempt's wipe is done, `layout_undone` and `after_rerun` around the rerun of a batch whose
+    layout trade was undone for memory."""
 
     def __init__(self, memory: Callable[[], MemorySource], rank: Callable[[], int], say: bool) -> None:
         self._memory, self._rank, self._say = memory, rank, say
         self._watch = CapacityWatch()
         self.left_behind_bytes = 0  # the most a failed attempt left allocated after its wipe
+        self._undone: Optional[tuple[str, int, int, int]] = None  # (trade, size, batch, allocated then)
+        self.reruns_out = 0  # reruns at the size found that ran out with the trade undone (error lines)
+
+    def layout_undone(self, trade: str, size: int, batch_index: int) -> None:
+        """A layout trade (on trial, or kept) was undone for memory in a batch at the size found
+        `size`; the batch reruns there without it (`after_rerun` says how that went)."""
+        self._undone = (trade, size, batch_index, self._memory().allocated_bytes())
+
+    def after_rerun(self, failed: bool, size: int) -> None:
+        """The attempt after `layout_undone`. Running out again at the size found, which ran clean
+        before the trade, is an error-level line: the trade was not what held the memory (memory a
+        trial left behind, another process, fragmentation), and the size policy acts next."""
+        if self._undone is None:
+            return
+        trade, at, batch, allocated = self._undone
+        self._undone = None
+        if not failed or size != at:
+            return
+        self.reruns_out += 1
+        now = self._memory().allocated_bytes()
+        self._line(
+            f"microbatch size {at} runs out again in batch {batch} with layout trade {trade} undone: the trade was not "
+            f"what held the memory ({now / 2**20:.1f} MiB allocated on rank {self._rank()} after the wipe, "
+            f"{allocated / 2**20:.1f} MiB when it was undone); the size policy decides next",
+            self._rank() == 0, logging.ERROR,
+        )
 
     def after_attempt(self, verdict: Verdict) -> None:
         """One line for the first capacity agreed, one whenever it moves (`CapacityWatch`): on the
