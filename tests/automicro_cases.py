@@ -20,7 +20,7 @@ from composer.utils import dist as composer_dist
 from torch.utils.data import DataLoader, TensorDataset
 
 import automicro
-from automicro.core.hooks import count_module_hooks
+from automicro.engine.hooks import count_module_hooks
 from automicro.core.sites import SITES
 from automicro.engine import _torch_internals as internals
 from automicro.engine import sharded_of

@@ -45,7 +45,7 @@ def _batch(seed: int, size: int) -> dict[str, torch.Tensor]:
 def run_sites_and_memory(rank: int, world: int) -> dict[str, Any]:
     """Which modules are wrapped, which sites fire (and torch's warnings) in one step, and the
     peak bytes per rank of one forward/backward with the blocks wrapped vs the root alone."""
-    from automicro.core.hooks import SiteHooks
+    from automicro.engine.hooks import SiteHooks
     from automicro.engine import FSDP2Config, shard
     from automicro.testing.memory_cap import MemoryCap
 

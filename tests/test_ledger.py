@@ -18,6 +18,7 @@ from automicro.core.attempt import AttemptFence, RandomState
 from automicro.core.consensus import LocalFigures, OOMOnOtherRank, RankReport, Verdict
 from automicro.core.ledger import CAPACITY, FIELDS, Board, CollectiveLedger, FatalRecoveryError
 from automicro.core.sites import AttemptContext
+from automicro.engine._torch_internals import collective_sequence_number
 from automicro.testing.multiprocess import run_multiprocess
 
 
@@ -216,7 +217,7 @@ def _replay_two_ranks(rank: int, world: int) -> dict[str, Any]:
 
     board = Board.create(None)
     assert board is not None
-    ledger = CollectiveLedger(board, [dist.group.WORLD], torch.device("cpu"), rank=rank, poll_s=0)
+    ledger = CollectiveLedger(board, [dist.group.WORLD], torch.device("cpu"), rank=rank, poll_s=0, sequence_number=collective_sequence_number)
     # Rank 0 plays a rank that went on before it saw rank 1's failure flag (no early stop).
     ledger.begin_attempt(stop_early=rank == 1)
     out: dict[str, Any] = {}
@@ -269,7 +270,7 @@ def _several_nodes_run_ahead(rank: int, world: int, stray: bool) -> dict[str, An
 
     consensus = Consensus.create()
     exchange = dist.new_group(backend="gloo")
-    ledger = CollectiveLedger(None, [dist.group.WORLD], torch.device("cpu"), rank=rank, poll_s=0, exchange_group=exchange)
+    ledger = CollectiveLedger(None, [dist.group.WORLD], torch.device("cpu"), rank=rank, poll_s=0, exchange_group=exchange, sequence_number=collective_sequence_number)
     fence = AttemptFence(consensus, AttemptContext(), LocalFigures, ledger, recovery_timeout_s=30)
     works: list[Any] = []
     tensors: list[torch.Tensor] = []
@@ -339,7 +340,7 @@ def _stray_collective_two_ranks(rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     board = Board.create(None)
-    ledger = CollectiveLedger(board, [dist.group.WORLD], torch.device("cpu"), rank=rank, poll_s=0)
+    ledger = CollectiveLedger(board, [dist.group.WORLD], torch.device("cpu"), rank=rank, poll_s=0, sequence_number=collective_sequence_number)
     ledger.begin_attempt(stop_early=rank == 1)
     ledger.all_reduce(torch.ones(2))
     out: dict[str, Any] = {"error": None}

@@ -761,6 +761,23 @@ def test_policy_module_is_pure_python():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_core_imports_nothing_above_it():
+    """The layering (issue 40): `automicro.core` is the bottom floor. No module in it imports the
+    engine, the integration, the config, the testing kit, the models, the data, or Composer, not even
+    inside a function: engine -> core and integration -> engine and core only."""
+    above = ("composer", "automicro.engine", "automicro.integration", "automicro.config", "automicro.testing",
+             "automicro.models", "automicro.data", "llmfoundry")
+    core = Path(POLICY_FILE).parent
+    bad = []
+    for path in sorted(core.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            )
+            bad += [f"{path.name}:{node.lineno} imports {n}" for n in names if n == "automicro" or n.startswith(above)]
+    assert len(list(core.glob("*.py"))) > 10 and not bad, bad
+
+
 # ---- config validation -----------------------------------------------------------------------
 
 BAD_CONFIGS = [

@@ -65,7 +65,7 @@ def test_failure_note_round_trip_and_when_it_applies(tmp_path):
 
 
 def test_a_site_only_listeners_act_on_is_known_to_be_listened_to_and_removal_forgets_it():
-    from automicro.core.hooks import SYNC_SITES
+    from automicro.engine.hooks import SYNC_SITES
     from automicro.core.sites import SiteDispatcher
 
     sites = SiteDispatcher()

@@ -52,6 +52,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, Optional
 
 import numpy as np
@@ -61,7 +62,6 @@ import torch.distributed as dist
 from automicro.core.consensus import OOMOnOtherRank
 from automicro.core.sites import ALL_SITES, site_index
 from automicro.core.transport import open_shared_segment, process_exists
-from automicro.engine._torch_internals import collective_sequence_number
 
 ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = 1, 2, 3
 KINDS = {"all_gather": ALL_GATHER, "reduce_scatter": REDUCE_SCATTER, "all_reduce": ALL_REDUCE}
@@ -248,6 +248,7 @@ class CollectiveLedger:
         poll_s: float = 0.2,
         exchange_group: Any = None,
         alarm: Any = None,
+        sequence_number: Optional[Callable[[Any], int]] = None,
     ) -> None:
         self.board = board
         # Without a board: the job-lost alarm over the launcher's store (automicro.core.alarm).
@@ -264,9 +265,11 @@ class CollectiveLedger:
         self.issued = 0
         self.replayed_total = 0
         self._stop_early = False
-        # The groups' c10d sequence numbers let a replay notice a collective outside the ledger
-        # (the model's own) that would pair with a replayed one; only with a process group.
-        self._sequenced = dist.is_initialized()
+        # The groups' c10d sequence numbers (`sequence_number(group)`: the engine's
+        # `collective_sequence_number`, a torch private) let a replay notice a collective outside the
+        # ledger (the model's own) that would pair with a replayed one; only with a process group.
+        self._sequence_number = sequence_number
+        self._sequenced = sequence_number is not None and dist.is_initialized()
         # Without a board (ranks on several nodes) this rank keeps its own record of the attempt;
         # after the consensus, the rank that issued most hands its record to the others (`align`).
         self._entries: list[tuple[int, int, int, int, int, int]] = []
@@ -303,7 +306,7 @@ class CollectiveLedger:
         if self._stop_early and board.failed_in(self.epoch):  # type: ignore[union-attr]
             raise OOMOnOtherRank("automicro: another rank failed in this attempt (collective ledger)")
         index = self._group_index.get(group if group is not None else self.groups[0], -1)
-        sequence = collective_sequence_number(group) if self._sequenced else -1
+        sequence = self._sequence_number(group) if self._sequence_number is not None and self._sequenced else -1
         entry = (KINDS[kind], index, _DTYPE_CODES.get(tensor.dtype, -1), tensor.numel(), _op_code(op), sequence)
         if board is not None:
             board.publish(self.committed, entry)
@@ -398,9 +401,9 @@ class CollectiveLedger:
         `replays_before`: replays this rank will have issued on the entry's group before it."""
         if entry.group < 0 or entry.dtype < 0:
             return f"collective {index} ({entry.describe()}) is on a group or dtype the ledger does not track"
-        if entry.sequence < 0:
+        if entry.sequence < 0 or self._sequence_number is None:
             return ""
-        mine = collective_sequence_number(self.groups[entry.group]) + replays_before
+        mine = self._sequence_number(self.groups[entry.group]) + replays_before
         if mine != entry.sequence:
             # Rank `source` issued other collectives on this group before this one (the model's
             # own, unseen by the ledger): a replay would pair with one of those.

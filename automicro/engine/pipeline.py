@@ -29,7 +29,7 @@ rank computes its action (or idles), then every rank meets at one barrier (`Pipe
 barrier`), then the sends and receives of that step, matched within the step, run. A rank that
 fails in a step's compute is seen by every other rank at that step's barrier, before anyone enters
 a send or receive. Within a step, FSDP2's collectives over the stage's ``dp`` ranks keep their own
-sync points (`automicro.core.hooks`).
+sync points (`automicro.engine.hooks`).
 
 Once the size has settled, a barrier per time step costs throughput (each rank's host waits for
 the slowest stage's host at every step, where the asynchronous sends and receives would let it run

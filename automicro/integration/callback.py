@@ -53,7 +53,7 @@ from automicro.core.consensus import (
     OOMOnOtherRank,
     Verdict,
 )
-from automicro.core.hooks import SYNC_POINTS, SyncHooks
+from automicro.engine.hooks import SYNC_POINTS, SyncHooks
 from automicro.core.layout import LayoutConfig
 from automicro.core.ledger import Board, CollectiveLedger, FatalRecoveryError
 from automicro.core.optimizer_memory import pending_state_bytes
@@ -957,7 +957,9 @@ def _build_ledger(sharded: ShardedModel, consensus: Consensus, rank: int) -> Col
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return CollectiveLedger(None, [None], sharded.device, rank, poll_s=0)
+        return CollectiveLedger(
+            None, [None], sharded.device, rank, poll_s=0, sequence_number=torch_internals.collective_sequence_number
+        )
     groups: list[Any] = [dist.group.WORLD]
     for dim in range(sharded.mesh.ndim):
         group = sharded.mesh.get_group(dim)
@@ -965,14 +967,17 @@ def _build_ledger(sharded: ShardedModel, consensus: Consensus, rank: int) -> Col
             groups.append(group)
     board = Board.create(consensus.group)
     if board is not None:
-        return CollectiveLedger(board, groups, sharded.device, rank)
+        return CollectiveLedger(board, groups, sharded.device, rank, sequence_number=torch_internals.collective_sequence_number)
     # Several nodes: the board is the launcher's store, written only after a failure, and the job-lost
     # alarm carries what the shared board's fatal record would. Without a store, the ranks hand their
     # records over after the consensus on a CPU group of their own (`CollectiveLedger.align`).
     exchange = dist.new_group(backend="gloo")
     alarm = JobLostAlarm.create(exchange)
     store_board = StoreBoard.create(exchange)
-    return CollectiveLedger(store_board, groups, sharded.device, rank, poll_s=0, exchange_group=exchange, alarm=alarm)
+    return CollectiveLedger(
+        store_board, groups, sharded.device, rank, poll_s=0, exchange_group=exchange, alarm=alarm,
+        sequence_number=torch_internals.collective_sequence_number,
+    )
 
 
 def _build_alarm(consensus: Consensus) -> Any:

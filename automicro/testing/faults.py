@@ -33,7 +33,7 @@ import torch.distributed as dist
 from composer.core import Callback, State
 from composer.loggers import Logger
 
-from automicro.core.hooks import SiteHooks
+from automicro.engine.hooks import SiteHooks
 from automicro.core.sites import INJECTABLE_SITES, PRIORITY_FAULT, AttemptContext, SiteDispatcher
 
 BETWEEN_BATCHES = "between_batches"
