@@ -189,6 +189,8 @@ def upsize_cases(without2: int, without3: int) -> dict[str, Any]:
     # Pressure at the adopted size in the last batch: an OOM on rank 0 undoes grad_sync_once, never checkpointing.
     fault = FaultInjector(site="backward_pre", ranks=[0], batch=batches - 1, times=1)
     out["upsize"] = _strip(fit("auto", batches, limit=limit, timing=faster, start_size="probe", faults=[fault]), fixed)
+    if torch.distributed.get_world_size() > 2:
+        return out  # the two runs below run on 1 and 2 ranks (4 ranks on CI's 2 cores: ~2 min more)
     # Issue 39, item 4: the rerun at the size found, the trade undone, runs out too (a second fault):
     # an error-level line says the trade was not what held the memory; the size policy goes on.
     import logging

@@ -319,7 +319,9 @@ def test_checkpointing_on_is_measured_then_kept_at_the_larger_microbatch_it_admi
     against 2 without; faster, 4 is adopted with checkpointing on, no OOM, the same layouts on every
     rank. An OOM in the last batch undoes ``grad_sync_once``, never checkpointing, and the batch
     reruns at 4. Parameters equal a fixed run at 2 without it. (On 4 ranks this is also the run where a
-    trade is kept and another not: the module's 4-rank launch runs no other such case.)"""
+    trade is kept and another not: the module's 4-rank launch runs no other such case.) On 1 and 2
+    ranks also (issue 39): the rerun with the trade undone runs out too (an error-level line), and
+    the memory coming back undoes checkpointing (the size searched again without it)."""
     results = _suite(world)
     gso, both = [GRAD_SYNC_ONCE], [GRAD_SYNC_ONCE, RECOMPUTE]
     for rank in range(world):
@@ -341,6 +343,8 @@ def test_checkpointing_on_is_measured_then_kept_at_the_larger_microbatch_it_admi
         assert (batch, size) == (len(up["splits"]) - 1, 4), up["history"]
         assert note == "layout undone first; rerun at the same size, now activation checkpointing on", note
         assert up["found"] == 4 and up["settled"] == [RECOMPUTE] and GRAD_SYNC_ONCE in up["rejected"], up
+        if world > 2:
+            continue  # the two runs below are not launched on 4 ranks (`layout_cases.upsize_cases`)
         # Twice: the rerun with grad_sync_once undone runs out at 4 too: one error-level line, then
         # the size policy's own rerun (a one-off at a size that ran clean) trains the batch.
         twice = results[rank]["rerun_out"]
