@@ -13,7 +13,7 @@ PYTEST := -m pytest tests $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKER
 # Overrides for the demo, e.g. `make demo DEMO_ARGS=loggers.wandb=true` (an offline wandb run).
 DEMO_ARGS ?=
 
-.PHONY: demo demo-pp demo-varlen foundry-demo test test-211 test-215 venv venv-211 venv-215 wheelhouse clean-venv
+.PHONY: demo demo-pp demo-varlen foundry-demo test test-quick test-211 test-215 venv venv-211 venv-215 wheelhouse clean-venv
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -69,6 +69,15 @@ foundry-demo: $(VENV)/.foundry
 
 test: $(VENV)/.installed $(VENV)/.foundry
 	$(VENV)/bin/python $(PYTEST) $(PYTEST_ARGS)
+
+# The development loop (a few minutes, not a gate: CI runs `make test`): the policy, its property
+# tests, the layout and capacity logic, config parsing, and one 2-rank end-to-end run of the demo
+# config under the composer launcher.
+QUICK := tests/test_policy.py tests/test_policy_properties.py tests/test_probe.py tests/test_layout.py \
+	tests/test_capacity.py tests/test_config.py tests/test_floor_rule.py
+test-quick: $(VENV)/.installed
+	$(VENV)/bin/python -m pytest $(QUICK) -m "not multiproc" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest tests/test_e2e.py -k launcher_runs_tiny_cpu_config $(PYTEST_ARGS)
 
 test-211: $(VENV211)/.installed
 	$(VENV211)/bin/python $(PYTEST) $(PYTEST_ARGS)
