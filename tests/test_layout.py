@@ -549,6 +549,12 @@ def test_the_size_policy_adopts_another_size_only_when_steady():
     assert q.state.samples == tuple((m, p, 2000) for m, p, _ in shelved)
     assert decision.event.startswith("layout: the trade that admitted a larger size is undone, 3 is the size found without it -> try ")
     assert max(decision.split) > 3
+    # Also while searching (the size policy reopened for the memory that came back first).
+    searching = search.SearchPolicy(search.PolicyConfig(), 8)
+    searching.observe(search.Success(8, peak_bytes=800, capacity_bytes=900))
+    searching.observe(search.OOM(4))
+    assert searching.phase == search.Phase.SEARCHING
+    assert searching.observe(search.Adopt(2, reopen=True, capacity_bytes=2000)).hooks and searching.state.best_success == 2
     # Nothing left above it: settled there.
     whole = search.SearchPolicy(search.PolicyConfig(), 4)
     decision = whole.observe(search.Adopt(4, reopen=True))

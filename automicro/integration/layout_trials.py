@@ -113,7 +113,7 @@ class LayoutTrials:
             return
         engine = self.engine
         self._capacity_read = capacity_read
-        undone, lines = self.search.reconsider(capacity_read) if found is not None else (None, [])
+        undone, lines = self.search.reconsider(capacity_read) if size is not None else (None, [])
         if undone is not None:
             self.undone, steady = undone, False  # the size is searched again first: no trial now
             for line in lines:
