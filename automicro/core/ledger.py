@@ -51,8 +51,8 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -268,8 +268,7 @@ class CollectiveLedger:
         # The groups' c10d sequence numbers (`sequence_number(group)`: the engine's
         # `collective_sequence_number`, a torch private) let a replay notice a collective outside the
         # ledger (the model's own) that would pair with a replayed one; only with a process group.
-        self._sequence_number = sequence_number
-        self._sequenced = sequence_number is not None and dist.is_initialized()
+        self._sequence_number = sequence_number if dist.is_initialized() else None
         # Without a board (ranks on several nodes) this rank keeps its own record of the attempt;
         # after the consensus, the rank that issued most hands its record to the others (`align`).
         self._entries: list[tuple[int, int, int, int, int, int]] = []
@@ -306,7 +305,7 @@ class CollectiveLedger:
         if self._stop_early and board.failed_in(self.epoch):  # type: ignore[union-attr]
             raise OOMOnOtherRank("automicro: another rank failed in this attempt (collective ledger)")
         index = self._group_index.get(group if group is not None else self.groups[0], -1)
-        sequence = self._sequence_number(group) if self._sequence_number is not None and self._sequenced else -1
+        sequence = self._sequence_number(group) if self._sequence_number is not None else -1
         entry = (KINDS[kind], index, _DTYPE_CODES.get(tensor.dtype, -1), tensor.numel(), _op_code(op), sequence)
         if board is not None:
             board.publish(self.committed, entry)

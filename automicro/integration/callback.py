@@ -142,7 +142,6 @@ class AutoMicrobatching(Callback):
         self.layout: Optional[LayoutTrials] = None
         self._last_peak = self._last_capacity = 0
         self._memory_truth = MemoryTruth(lambda: self._memory, lambda: self._rank, log_attempts)
-        self._last_undone = ""  # the layout trade `_relieved_by_layout` undid last
         if eval_oom not in EVAL_OOM:
             raise ValueError(
                 f"eval_oom={eval_oom!r}: must be 'split' (an evaluator with a pinned device_eval_microbatch_size that "
@@ -767,8 +766,9 @@ class AutoMicrobatching(Callback):
                     "see that rank's traceback for the cause"
                 )
                 raise self._agreed_error
-            if self._relieved_by_layout(f"out of memory at size {max(sizes)}", max(sizes)):
-                self._memory_truth.layout_undone(self._last_undone, max(sizes), batch_index)
+            undone = self._relieved_by_layout(f"out of memory at size {max(sizes)}", max(sizes))
+            if undone is not None:
+                self._memory_truth.layout_undone(undone, max(sizes), batch_index)
                 self._record(
                     batch_index, sizes, "oom", verdict, max(sizes), seconds,
                     f"layout undone first; rerun at the same size, now {self.layout.describe()}", hooks=hooks_on,
@@ -790,19 +790,18 @@ class AutoMicrobatching(Callback):
             self._record(batch_index, sizes, "oom", verdict, decision.next_size, seconds, note, hooks=hooks_on)
             self._apply_hooks(decision.hooks, decision.reason)
 
-    def _relieved_by_layout(self, why: str, size: int) -> bool:
-        """Memory pressure at the settled size goes to the layout first: when it undoes a trade, the
-        size stays and the sync hooks come back on until the size is stable again."""
+    def _relieved_by_layout(self, why: str, size: int) -> Optional[str]:
+        """Memory pressure at the settled size goes to the layout first: when it undoes a trade (the
+        one returned; None: nothing undone), the size stays and the sync hooks come back on until the
+        size is stable again."""
         assert self.policy is not None
         if self.layout is None or self.policy.phase != search.Phase.STEADY:
-            return False
+            return None
         undone = self.layout.relieve(why, size)
-        if undone is None:
-            return False
-        self._last_undone = undone
-        decision = self.policy.observe(search.Rearm("layout undone"))
-        self._apply_hooks(decision.hooks, decision.reason, "layout undone")
-        return True
+        if undone is not None:
+            decision = self.policy.observe(search.Rearm("layout undone"))
+            self._apply_hooks(decision.hooks, decision.reason, "layout undone")
+        return undone
 
     def _peak_at(self, found: int) -> Optional[tuple[int, int]]:
         """(The largest microbatch, the memory model's peak at it) were the size found `found`;
@@ -891,7 +890,7 @@ class AutoMicrobatching(Callback):
         if self.tokens is not None and self.tokens.plan is not None:
             self.tokens.trained(self.tokens.plan)
         if self.thrash.observe(retried_clean_batch):
-            if self._relieved_by_layout(f"thrashing at size {max(sizes)}", max(sizes)):
+            if self._relieved_by_layout(f"thrashing at size {max(sizes)}", max(sizes)) is not None:
                 assert self.layout is not None
                 self._record(batch_index, sizes, "thrash", verdict, max(sizes), seconds, f"layout now {self.layout.describe()}")
                 return

@@ -38,7 +38,6 @@ class MemoryTruth:
         self._watch = CapacityWatch()
         self.left_behind_bytes = 0  # the most a failed attempt left allocated after its wipe
         self._undone: Optional[tuple[str, int, int, int]] = None  # (trade, size, batch, allocated then)
-        self.reruns_out = 0  # reruns at the size found that ran out with the trade undone (error lines)
 
     def layout_undone(self, trade: str, size: int, batch_index: int) -> None:
         """A layout trade (on trial, or kept) was undone for memory in a batch at the size found
@@ -55,7 +54,6 @@ class MemoryTruth:
         self._undone = None
         if not failed or size != at:
             return
-        self.reruns_out += 1
         now = self._memory().allocated_bytes()
         self._line(
             f"microbatch size {at} runs out again in batch {batch} with layout trade {trade} undone: the trade was not "
