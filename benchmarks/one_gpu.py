@@ -113,6 +113,7 @@ def summarize(variant: str, rows: list[dict[str, Any]], console: list[str], skip
     ooms = 0
     allocated: dict[int, float] = {}  # GiB allocated after each batch (Composer's MemoryMonitor)
     capacity: dict[int, int] = {}
+    sizes: dict[int, int] = {}  # the microbatch size each batch ran at (its last attempt)
     for row in rows:
         step = int(row.get("step", 0))
         if "time/train" in row:
@@ -130,6 +131,8 @@ def summarize(variant: str, rows: list[dict[str, Any]], console: list[str], skip
                 allocated[step] = float(value)
             if key == "automicro/capacity_bytes" and value:
                 capacity[step] = int(value)
+            if key == "automicro/microbatch_size" and value:
+                sizes[step] = int(value)
     steps = sorted(train_h)
     seconds = {s: (train_h[s] - train_h.get(s - 1, 0.0)) * 3600 for s in steps}
     steady = [seconds[s] for s in steps if s > skip]
@@ -153,6 +156,8 @@ def summarize(variant: str, rows: list[dict[str, Any]], console: list[str], skip
         # Memory no batch uses shows as allocated bytes that grow between batches at the same split.
         "allocated_gib_by_batch": [allocated[s] for s in sorted(allocated)],
         "capacity_mib_by_batch": sorted({round(c / 2**20) for c in capacity.values()}),
+        "size_by_batch": [sizes[s] for s in sorted(sizes)],
+        "capacity_mib_each_batch": [round(capacity[s] / 2**20) for s in sorted(capacity)],
     }
 
 
@@ -169,7 +174,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="another process holds this many GiB of the GPU (negative: all but that many GiB of what is free)")
     p.add_argument("--hog-later", default="",
                    help="more processes that take memory mid-run: 'T:G:D,...' takes G GiB T s after the launch and gives "
-                        "it back D s later (D 0: holds it to the end)")
+                        "it back D s later (D 0: holds it to the end); 'bN:G:bM' takes them once the run has logged "
+                        "batch N and gives them back once it has logged batch M (bM omitted or 0: holds them)")
     p.add_argument("--hog-device", type=int, default=0, help="the GPU the other processes take memory on (--nproc 2: 1 shares only rank 1's)")
     p.add_argument("--tag", default="", help="appended to each variant's name in the results (several settings in one file)")
     p.add_argument("--timeout", type=float, default=400.0)
@@ -182,7 +188,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--model", choices=("automicro", "hf"), default="automicro",
                    help="automicro.models' Llama (the preset), or a transformers LlamaForCausalLM of the 1B shape")
     if argv is None and sys.argv[1:2] == ["--hog"]:
-        return hog(*(float(x) for x in sys.argv[2:5]))
+        return hog(*sys.argv[2:6])
     if argv is None and sys.argv[1].startswith("--torch-fraction="):
         import torch
 
@@ -226,8 +232,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         started = time.perf_counter()
         holders = [start_hog(args.hog_gib, device=args.hog_device)] if args.hog_gib else []
         for item in filter(None, args.hog_later.split(",")):
-            after, gib, hold = (float(x) for x in item.split(":"))
-            holders.append(start_hog(gib, after, hold, device=args.hog_device))
+            after, gib, hold = (item.split(":") + ["0"])[:3]
+            holders.append(start_hog(float(gib), after, hold, device=args.hog_device, metrics=os.path.join(run_dir, "metrics.jsonl")))
         try:
             done = harness.run_launch(argv_, args.timeout, env=env)
         finally:
@@ -267,15 +273,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
-def start_hog(gib: float, after: float = 0.0, hold: float = 0.0, device: int = 0) -> Any:
+def start_hog(gib: float, after: Any = 0.0, hold: Any = 0.0, device: int = 0, metrics: str = "") -> Any:
     """Another process that takes `gib` GiB of the GPU and holds it (a notebook, an inference server);
     returns once it holds them. `after` > 0: it takes them that many seconds from now (and returns at
-    once), gives them back `hold` seconds later (0: never)."""
+    once), gives them back `hold` seconds later (0: never). `after` "bN": once the run's `metrics`
+    file has batch N; `hold` "bM": gives them back once it has batch M."""
     import subprocess
 
-    argv = [sys.executable, os.path.abspath(__file__), "--hog", str(gib), str(after), str(hold)]
+    argv = [sys.executable, os.path.abspath(__file__), "--hog", str(gib), str(after), str(hold), metrics]
     holder = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": str(device)})
-    if after:
+    if str(after) not in ("0", "0.0"):
         print(f"[one_gpu:detail] another process takes {gib} GiB {after:.0f} s from now, for {hold or 'the rest'} s", flush=True)
         return holder
     assert holder.stdout is not None
@@ -287,10 +294,28 @@ def start_hog(gib: float, after: float = 0.0, hold: float = 0.0, device: int = 0
     return holder
 
 
-def hog(gib: float, after: float = 0.0, hold: float = 0.0) -> int:
+def _wait(when: str, metrics: str) -> None:
+    """Sleep `when` seconds, or ("bN") until the run's metrics file has logged batch N."""
+    if not when.startswith("b"):
+        time.sleep(float(when))
+        return
+    target = int(when[1:])
+    while True:
+        try:
+            with open(metrics, encoding="utf-8") as handle:
+                if any(int(json.loads(line).get("step", 0)) >= target for line in handle if line.strip()):
+                    return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.2)
+
+
+def hog(gib_: str, after_: str = "0", hold_: str = "0", metrics: str = "") -> int:
     import torch
 
-    time.sleep(after)
+    gib, after = float(gib_), after_ if after_.startswith("b") else float(after_)
+    hold = hold_ if hold_.startswith("b") else float(hold_)
+    _wait(str(after), metrics)
     if gib < 0:  # leave -gib GiB free, whatever the card
         gib = torch.cuda.mem_get_info()[0] / 2**30 + gib
     if after:
@@ -303,8 +328,8 @@ def hog(gib: float, after: float = 0.0, hold: float = 0.0) -> int:
                 chunks.append(torch.empty(2**30, dtype=torch.uint8, device="cuda"))
             except torch.OutOfMemoryError:
                 time.sleep(0.2)
-        print(f"[one_gpu:detail] the later process holds {len(chunks)} GiB", flush=True)
-        time.sleep(hold or 3600)
+        print(f"[one_gpu:detail] the later process holds {len(chunks)} GiB", file=sys.stderr, flush=True)
+        _wait(str(hold or 3600), metrics)
         chunks.clear()
         torch.cuda.empty_cache()
         time.sleep(3600)
@@ -312,7 +337,7 @@ def hog(gib: float, after: float = 0.0, hold: float = 0.0) -> int:
     held = torch.empty(int(gib * 2**30), dtype=torch.uint8, device="cuda")
     free, total = torch.cuda.mem_get_info()
     print(f"holding {held.numel() / 2**30:.1f} GiB ({free / 2**30:.1f} of {total / 2**30:.1f} GiB left free)", flush=True)
-    time.sleep(hold or 3600)
+    _wait(str(hold or 3600), metrics)
     del held
     torch.cuda.empty_cache()
     time.sleep(3600)
