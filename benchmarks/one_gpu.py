@@ -242,6 +242,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                 holder.wait()
         console = [line for line in (done.stdout or "").splitlines() if line.startswith("[automicro]")]
         metrics = os.path.join(run_dir, "metrics.jsonl")
+        with open(os.path.join(args.out, f"{variant}{args.tag}.log"), "w", encoding="utf-8") as log:
+            log.write((done.stdout or "") + "\n--- stderr ---\n" + (done.stderr or "")[-20000:])
+        if os.path.exists(metrics):
+            shutil.copy(metrics, os.path.join(args.out, f"{variant}{args.tag}.metrics.jsonl"))
         if done.returncode == 0 and os.path.exists(metrics):
             result = summarize(variant, read_metrics(metrics), console, args.skip, gpu, args.seq, args.nproc, args.batch)
             result["layout_lines"] = [line for line in console if "layout" in line][:40]
