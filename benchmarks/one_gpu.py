@@ -230,11 +230,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             argv_ = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc), script, *rest]
             env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
         started = time.perf_counter()
-        holders = [start_hog(args.hog_gib, device=args.hog_device)] if args.hog_gib else []
-        for item in filter(None, args.hog_later.split(",")):
-            after, gib, hold = (item.split(":") + ["0"])[:3]
-            holders.append(start_hog(float(gib), after, hold, device=args.hog_device, metrics=os.path.join(run_dir, "metrics.jsonl")))
+        holders: list[Any] = []
         try:
+            if args.hog_gib:
+                holders.append(start_hog(args.hog_gib, device=args.hog_device))
+            for item in filter(None, args.hog_later.split(",")):
+                after, gib, hold = (item.split(":") + ["0"])[:3]
+                holders.append(start_hog(float(gib), after, hold, device=args.hog_device, metrics=os.path.join(run_dir, "metrics.jsonl")))
             done = harness.run_launch(argv_, args.timeout, env=env)
         finally:
             for holder in holders:
@@ -287,7 +289,9 @@ def start_hog(gib: float, after: Any = 0.0, hold: Any = 0.0, device: int = 0, me
     argv = [sys.executable, os.path.abspath(__file__), "--hog", str(gib), str(after), str(hold), metrics]
     holder = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": str(device)})
     if str(after) not in ("0", "0.0"):
-        print(f"[one_gpu:detail] another process takes {gib} GiB {after:.0f} s from now, for {hold or 'the rest'} s", flush=True)
+        when = f"once batch {after[1:]} is logged" if str(after).startswith("b") else f"{float(after):.0f} s from now"
+        until = f"until batch {hold[1:]}" if str(hold).startswith("b") else f"for {float(hold):.0f} s" if float(hold) else "to the end"
+        print(f"[one_gpu:detail] another process takes {gib} GiB {when}, {until}", flush=True)
         return holder
     assert holder.stdout is not None
     line = holder.stdout.readline()
