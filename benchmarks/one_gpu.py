@@ -302,19 +302,23 @@ def start_hog(gib: float, after: Any = 0.0, hold: Any = 0.0, device: int = 0, me
     return holder
 
 
+def _reached(when: str, metrics: str) -> bool:
+    """Whether the run's metrics file has logged batch N (`when` "bN"; False for seconds)."""
+    if not when.startswith("b"):
+        return False
+    try:
+        with open(metrics, encoding="utf-8") as handle:
+            return any(int(json.loads(line).get("step", 0)) >= int(when[1:]) for line in handle if line.strip())
+    except (OSError, ValueError):
+        return False
+
+
 def _wait(when: str, metrics: str) -> None:
     """Sleep `when` seconds, or ("bN") until the run's metrics file has logged batch N."""
     if not when.startswith("b"):
         time.sleep(float(when))
         return
-    target = int(when[1:])
-    while True:
-        try:
-            with open(metrics, encoding="utf-8") as handle:
-                if any(int(json.loads(line).get("step", 0)) >= target for line in handle if line.strip()):
-                    return
-        except (OSError, ValueError):
-            pass
+    while not _reached(when, metrics):
         time.sleep(0.2)
 
 
@@ -328,16 +332,17 @@ def hog(gib_: str, after_: str = "0", hold_: str = "0", metrics: str = "") -> in
         gib = torch.cuda.mem_get_info()[0] / 2**30 + gib
     if after:
         # Later in the run: a GiB at a time, as the training process leaves it free (its cached
-        # blocks stay its own), for up to a minute.
+        # blocks stay its own), for up to a minute, or until the give-back batch.
         chunks: list[Any] = []
-        deadline = time.time() + 60
-        while len(chunks) < int(gib) and time.time() < deadline:
+        deadline = time.time() + (1e9 if str(hold).startswith("b") else 60)
+        while len(chunks) < int(gib) and time.time() < deadline and not _reached(str(hold), metrics):
             try:
                 chunks.append(torch.empty(2**30, dtype=torch.uint8, device="cuda"))
             except torch.OutOfMemoryError:
                 time.sleep(0.2)
         print(f"[one_gpu:detail] the later process holds {len(chunks)} GiB", file=sys.stderr, flush=True)
         _wait(str(hold or 3600), metrics)
+        print(f"[one_gpu:detail] the later process gives its {len(chunks)} GiB back", file=sys.stderr, flush=True)
         chunks.clear()
         torch.cuda.empty_cache()
         time.sleep(3600)
@@ -346,6 +351,7 @@ def hog(gib_: str, after_: str = "0", hold_: str = "0", metrics: str = "") -> in
     free, total = torch.cuda.mem_get_info()
     print(f"holding {held.numel() / 2**30:.1f} GiB ({free / 2**30:.1f} of {total / 2**30:.1f} GiB left free)", flush=True)
     _wait(str(hold or 3600), metrics)
+    print(f"[one_gpu:detail] the process holding {held.numel() / 2**30:.1f} GiB gives them back", file=sys.stderr, flush=True)
     del held
     torch.cuda.empty_cache()
     time.sleep(3600)
