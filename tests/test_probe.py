@@ -526,3 +526,27 @@ def test_thrashing_under_less_memory_is_no_bound_once_the_memory_is_back():
     policy.observe = lambda outcome: events.append(original(outcome).event) or None  # type: ignore[method-assign]
     train(policy, device, 8)
     assert policy.state.found >= before and any("memory capacity grew" in e for e in events), (events, policy.state)
+
+
+@pytest.mark.parametrize("gib", [28, 33])
+def test_a_size_the_model_capped_under_less_memory_is_searched_above_once_the_memory_is_back(gib):
+    """An H200 (session 22): another process held 12 GiB from the launch; `auto` converged on 2
+    because the model predicted 3 would not fit (no OOM, so no bound); the 12 GiB came back at
+    batch 14 and the size stayed at 2 for the rest of the run. 28 GiB: the size above ran, but its
+    peak with the optimizer state was projected not to fit (a bound no OOM set)."""
+    device = llama_1b(gib)
+    policy = SearchPolicy(PolicyConfig(probe=True), 32)
+    train(policy, device, 6, stepped=False)
+    before = policy.state.found
+    assert policy.state.phase == Phase.STEADY and policy.state.ceiling is None and before == device.largest_fit(32)
+    assert (policy.state.first_failure is not None) == (gib == 28), policy.state
+    train(policy, device, 4)
+    assert policy.state.phase == Phase.STEADY and policy.state.found == before, "the same memory: nothing reopens"
+    device.capacity = device.reported = int(50 * GIB)
+    events = []
+    original = policy.observe
+    policy.observe = lambda outcome: events.append(original(outcome).event) or None  # type: ignore[method-assign]
+    used, ooms = train(policy, device, 8)
+    assert policy.state.found > before and ooms == 0, (events, policy.state)
+    assert any("memory capacity grew" in e for e in events), events
+    assert device.fits(used[-1], True) and max(used[-1]) >= device.largest_fit(32) - 1, (used, device.largest_fit(32))

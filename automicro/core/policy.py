@@ -715,16 +715,21 @@ def _on_projected_failure(state: SearchState, outcome: Success, config: PolicyCo
     first_failure = m if state.first_failure is None else min(state.first_failure, m)
     state = replace(
         state, samples=samples, phase=Phase.SEARCHING, found=None, stable_count=0, first_failure=first_failure,
-        retrying=None, retrying_ranks=(),
+        retrying=None, retrying_ranks=(), bound_capacity=int(outcome.capacity_bytes or 0) or state.bound_capacity,
     )
     state = replace(state, best_success=_best_below(config, state, first_failure))
     return _search_below(state, config, m, False, f"ok at {m}, but its peak with the optimizer state the first step adds does not fit")
 
 
 def _grew(state: SearchState, capacity: Optional[int]) -> Optional[str]:
-    """How the capacity read at a success grew past the one the failure bound was set under."""
-    before = state.bound_capacity
-    if capacity_moved(before, capacity) != "grew" or (state.first_failure is None and state.ceiling is None):
+    """How the capacity read at a success grew past the one the failure bound was set under, or,
+    with no bound, past the one the model's samples were under (it converged where the size above
+    was predicted not to fit: a limit of the memory read then, as a bound is)."""
+    if state.first_failure is None and state.ceiling is None:
+        before = min((c for _, _, c in state.samples), default=None) if state.found is not None else None
+    else:
+        before = state.bound_capacity
+    if capacity_moved(before, capacity) != "grew":
         return None
     return f"{_mib(before)} -> {_mib(capacity)}"  # type: ignore[arg-type]
 
@@ -733,7 +738,8 @@ def _on_success(state: SearchState, outcome: Success, config: PolicyConfig) -> t
     m = outcome.size
     grew = _grew(state, outcome.capacity_bytes)
     if grew is not None:
-        # Memory came back (another process gave it up): what ran out under less is no bound now.
+        # Memory came back (another process gave it up): what ran out, or was predicted not to
+        # fit, under less is no bound now.
         state = replace(state, first_failure=None, ceiling=None, bound_capacity=None)
     if _projected_to_fail(state, outcome, config):
         return _on_projected_failure(state, outcome, config)
@@ -741,9 +747,12 @@ def _on_success(state: SearchState, outcome: Success, config: PolicyConfig) -> t
     state = _record_success(state, outcome, config)
     if grew is not None and state.phase != Phase.SEARCHING and config.search == "bisect" and config.unit == "samples":
         lo = state.best_success
-        if _between(config, state, lo, _hi(state)):
-            state = replace(state, phase=Phase.SEARCHING, found=None, stable_count=0)
-            return _search_above(state, config, f"ok at {m}; memory capacity grew ({grew}): larger sizes may fit")
+        searching = replace(state, phase=Phase.SEARCHING, found=None, stable_count=0)
+        # A size that ran clean before is above the one in use, or the model now has one above.
+        if _between(config, state, lo, _hi(state)) and (
+            lo > (state.found or 0) or _next_search_size(searching, config, upward=True)[0] is not None
+        ):
+            return _search_above(searching, config, f"ok at {m}; memory capacity grew ({grew}): larger sizes may fit")
     if state.phase == Phase.STEADY:
         return state, _decide(state, config, False, "")
     if state.phase == Phase.SETTLING:
