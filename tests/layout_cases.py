@@ -95,6 +95,7 @@ def fit(
             "trial_lines": [r.line() for r in auto.layout.search.results] if auto.layout else [],
             "summary": auto.summary_line(),
             "state": auto.state_dict().get("layout"),
+            "shared_said": bool(auto.layout.search.shared_said) if auto.layout else False,
             "peak": int(cap.cap.stats()["peak_bytes"]),
             # What the engine projects for each trade (a fixed size leaves the callback idle: its own engine).
             "extras": [LayoutEngine(sharded_of(model)).extra_bytes(t) for t in (GRAD_SYNC_ONCE, NO_RESHARD)],
@@ -216,6 +217,12 @@ def upsize_cases(without2: int, without3: int) -> dict[str, Any]:
     # (4 is the whole batch).
     returned = fit("auto", batches + 6, limit=limit, timing=faster, start_size="probe", cap_args={"limit_at_batch": {13: 4 * limit}})
     out["returned"] = _strip(returned, fit(2, batches + 6, layout="fixed"))
+    # Issue 39 (an H200, session 22): another process holds memory on the last rank's card only: no
+    # rank measures or tries checkpointing at a larger microbatch (the other process could take what
+    # the reshaped allocations free); the rest of the search as in `upsize`.
+    last = torch.distributed.get_world_size() - 1
+    shared = fit("auto", batches, limit=limit, timing=faster, start_size="probe", cap_args={"held_outside": {last: 5 * 2**30}})
+    out["shared"] = _strip(shared, fixed)
     return out
 
 

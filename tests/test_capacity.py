@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from automicro.core.memory import CapacityReading, CapacityWatch, CudaMemory
+from automicro.core.memory import CapacityReading, CapacityWatch, CudaMemory, NoMemory, held_outside_bytes
 from automicro.testing.multiprocess import run_multiprocess
 from tests import capacity_cases
 
@@ -28,6 +28,11 @@ def test_capacity_is_what_this_process_can_still_get():
     assert whole.why() == "", "a CUDA context's half GiB is not worth a reason"
     source = CudaMemory(read=lambda: another_process)
     assert source.capacity_bytes() == int(43 * GIB) and source.capacity_reading() is another_process
+    # What the ranks agree on before an upsize trial (`Verdict.outside_bytes`): another process's
+    # bytes where the card is shared; a torch fraction or a context's half GiB is no other process.
+    assert held_outside_bytes(source) == int(100 * GIB) and another_process.outside == int(100 * GIB)
+    assert capped.outside == 0 and whole.outside == 0 and held_outside_bytes(NoMemory()) == 0
+    assert held_outside_bytes(object()) == 0, "a memory source of the user's own may leave it out"
 
 
 def test_the_cache_goes_back_to_the_device_only_where_no_other_process_would_take_it(monkeypatch):

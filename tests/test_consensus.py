@@ -73,7 +73,8 @@ def _consensus_protocol(rank: int, world: int, transport: str) -> dict:
     """Rank 1 fails at its third sync point; every other rank syncs until it hears of it."""
     consensus = Consensus.create(transport=transport)
     consensus.begin_attempt()
-    figures = LocalFigures(peak_bytes=1000 + rank, capacity_bytes=5000 - rank)
+    # Another process holds memory on rank 1's card only (the last slot of a rank's report).
+    figures = LocalFigures(peak_bytes=1000 + rank, capacity_bytes=5000 - rank, outside_bytes=700 * rank)
     raised = None
     if rank == 1:
         consensus.sync()
@@ -95,6 +96,7 @@ def _consensus_protocol(rank: int, world: int, transport: str) -> dict:
         "sites": verdict.sites,
         "peak": verdict.peak_bytes,
         "capacity": verdict.capacity_bytes,
+        "outside": (verdict.outside_bytes, clean.outside_bytes),
         "clean_failed": clean.failed,
         "syncs": consensus.sync_count,
     }
@@ -107,7 +109,7 @@ def test_consensus_protocol_same_verdict_and_round_count_on_each_transport(trans
     for rank, result in enumerate(per_rank):
         assert result["transport"] == transport
         assert result["failed_ranks"] == [1] and result["sites"] == ["backward"], result
-        assert result["peak"] == 1001 and result["capacity"] == 4999, result
+        assert result["peak"] == 1001 and result["capacity"] == 4999 and result["outside"] == (700, 700), result
         assert result["clean_failed"] is False
     assert per_rank[0]["raised"] == "OOMOnOtherRank"
     assert per_rank[0]["syncs"] == per_rank[1]["syncs"], "ranks ran different numbers of rounds"

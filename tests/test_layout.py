@@ -364,6 +364,13 @@ def test_checkpointing_on_is_measured_then_kept_at_the_larger_microbatch_it_admi
         assert all(x == [GRAD_SYNC_ONCE] for x in back["layouts"][14:]), back["layouts"]
         # The batch after the capacity grew was searched again (hooks on), and 4 ran without it.
         assert (14, 4, "ok", "ok at 4 -> converged on 4, split (4,)") in [tuple(r) for r in back["history"]], back["history"]
+        # Another process holds memory on the last rank's card: checkpointing is neither measured nor
+        # tried at a larger microbatch on any rank; the same two trials as `upsize` at 2.
+        shared = results[rank]["shared"]
+        assert shared["found"] == 2 and "OOMs 0" in shared["summary"] and shared["diff"] < 1e-5, shared["history"]
+        assert shared["results"] == [[GRAD_SYNC_ONCE, True], [NO_RESHARD, False]], shared["results"]
+        assert all(RECOMPUTE not in x for x in shared["layouts"]) and not shared["state"].get("fits_up_to"), shared["layouts"]
+        assert all(s == [2, 2] for s in shared["splits"][-3:]) and shared["shared_said"], (shared["splits"], shared)
     assert len({str(results[r]["upsize"]["layouts"]) for r in range(world)}) == 1
 
 

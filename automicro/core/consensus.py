@@ -4,7 +4,8 @@ One fused all-reduce (MAX) of an int64 vector per sync point, on a CPU (gloo) si
 the control plane needs no device sync and never stalls the GPU stream:
 
     [still_running] + world_size x [code, new_alloc_retries, peak_bytes, capacity_bytes, allocated_bytes,
-                                    collectives issued in the attempt]
+                                    collectives issued in the attempt, microbatch tokens,
+                                    bytes another process holds on the device]
 
 Each rank writes only its own slots, so after MAX every rank knows every rank's report.
 - a rank at a sync point sends still_running=1, code=0; if any code is set it raises
@@ -36,7 +37,7 @@ from automicro.core.sites import ALL_SITES, site_index
 from automicro.core.hierarchical import HierarchicalTransport
 from automicro.core.transport import TRANSPORTS, ProcessGroupTransport, ShmTransport, gather_identities, node_layout
 
-SLOTS = 7
+SLOTS = 8
 KIND_OOM = 1
 KIND_ERROR = 2
 _SITE_BASE = 64  # code = kind * _SITE_BASE + site index
@@ -61,6 +62,7 @@ class RankReport:
     allocated_bytes: int
     collectives: int = 0
     microbatch_tokens: int = 0
+    outside_bytes: int = 0
 
     @property
     def failed(self) -> bool:
@@ -104,6 +106,12 @@ class Verdict:
         return min(known) if known else 0
 
     @property
+    def outside_bytes(self) -> int:
+        """The most any rank's device has held outside its process's allocator, where that is more
+        than a context's worth (`automicro.core.memory.CapacityReading.outside`; 0: no card shared)."""
+        return max((r.outside_bytes for r in self.reports), default=0)
+
+    @property
     def microbatch_tokens(self) -> int:
         """The largest microbatch of the attempt over all ranks, in padded tokens (token budget)."""
         return max((r.microbatch_tokens for r in self.reports), default=0)
@@ -124,6 +132,7 @@ class LocalFigures:
     allocated_bytes: int = 0
     collectives: int = 0  # collectives this rank issued in the attempt (automicro.core.ledger)
     microbatch_tokens: int = 0  # this rank's largest microbatch in padded tokens (budget="tokens")
+    outside_bytes: int = 0  # what another process holds on this rank's device (`held_outside_bytes`)
     # Of peak_bytes, what is projected rather than reached (the state the first optimizer step will
     # create): not sent; a failed attempt reports only the bytes it reached (`AttemptFence`).
     projected_bytes: int = 0
@@ -221,6 +230,7 @@ class Consensus:
             figures.allocated_bytes,
             figures.collectives,
             figures.microbatch_tokens,
+            figures.outside_bytes,
         )
         if self.world_size > 1:
             vec = self.transport.max_reduce(vec, timeout_s)
@@ -231,10 +241,10 @@ class Consensus:
         reports = []
         for rank in range(self.world_size):
             base = 1 + SLOTS * rank
-            code, retries, peak, capacity, allocated, collectives, tokens = (int(x) for x in vec[base : base + SLOTS])
+            code, retries, peak, capacity, allocated, collectives, tokens, outside = (int(x) for x in vec[base : base + SLOTS])
             kind = code // _SITE_BASE
             site = ALL_SITES[code % _SITE_BASE] if kind else ""
-            reports.append(RankReport(rank, kind, site, retries, peak, capacity, allocated, collectives, tokens))
+            reports.append(RankReport(rank, kind, site, retries, peak, capacity, allocated, collectives, tokens, outside))
         return Verdict(tuple(reports), rounds)
 
     @staticmethod

@@ -274,6 +274,7 @@ class LayoutSearch:
         self.fits_up_to: dict[str, Optional[int]] = {}
         # The sizes found from which an upsize trial ran or was passed over: never again from those.
         self.upsized_from: list[int] = []
+        self.shared_said = False  # the line that an upsize trial waits for a card not shared was printed
         # For a trade in UPSIZE: the capacity its bytes were measured under. Where less is usable now
         # (another process took memory), its trial waits: what fitted then may not fit now.
         self.fits_capacity: dict[str, int] = {}
@@ -361,13 +362,17 @@ class LayoutSearch:
 
     def _upsize(
         self, found: Optional[int], measure_at: Optional[int], largest_at: Optional[Callable[[int], int]] = None,
-        capacity: int = 0, whole_batch: Optional[int] = None,
+        capacity: int = 0, whole_batch: Optional[int] = None, outside: int = 0,
     ) -> tuple[Optional[Trial], list[str]]:
         """Nothing else left to try at the size found: a trade in UPSIZE, measured first (one batch
         at `measure_at`), then tried at the largest microbatch its model fits, where that is larger
         than `found` (and, by `largest_at`, its split's largest microbatch too). Once per size found.
         Not where the size found already runs the whole batch (`whole_batch`) in one microbatch, nor,
-        for now, while `capacity` is below the one its bytes were measured under."""
+        for now, while `capacity` is below the one its bytes were measured under, nor while another
+        process holds memory on a rank's device (`outside` bytes): a larger microbatch reshapes this
+        process's allocations, the caching allocator releases blocks as they change shape, and the
+        other process may take them (an H200, session 22: 9.2 GiB went that way, the size found no
+        longer fitted, and the run settled below it). Tried once the card is not shared."""
         lines: list[str] = []
         for trade, ran_out_under in list(self.failed_under.items()):
             if capacity_moved(ran_out_under, capacity) == "grew":
@@ -394,6 +399,16 @@ class LayoutSearch:
                 continue
             if capacity_moved(self.fits_capacity.get(trade), capacity) == "shrank":
                 continue  # waits until the memory is back (the line about the capacity said it shrank)
+            if outside:
+                if not self.shared_said:
+                    self.shared_said = True
+                    lines.append(
+                        f"layout trade {trade} ({DESCRIPTIONS[trade]}) not tried at a larger microbatch for now: "
+                        f"another process holds {outside / 2**30:.1f} GiB of a rank's GPU, and memory this process "
+                        "frees while its allocations change shape may go to it (tried once the card is not shared)"
+                    )
+                continue
+            self.shared_said = False
             if trade not in self.fits_up_to:
                 if measure_at is None:
                     continue
@@ -447,7 +462,7 @@ class LayoutSearch:
         self, steady: bool, fits: Callable[[str], Optional[str]], size: Optional[int] = None,
         found: Optional[int] = None, smaller: Optional[Callable[[tuple[str, ...]], Optional[int]]] = None,
         measure_at: Optional[int] = None, largest_at: Optional[Callable[[int], int]] = None,
-        capacity: int = 0, whole_batch: Optional[int] = None,
+        capacity: int = 0, whole_batch: Optional[int] = None, outside: int = 0,
     ) -> tuple[tuple[str, ...], list[str]]:
         """The layout of the next batch, and a console line for each trade passed over and for a
         trial that starts. `fits(trade)` returns None when the trade's projected bytes fit (or
@@ -459,7 +474,8 @@ class LayoutSearch:
         can be measured (None: it cannot, e.g. no memory figures); `largest_at(n)`: the largest
         microbatch of the split a size found of `n` runs (an upsize trial needs a larger one);
         `capacity`: the usable bytes now (0: unknown), `whole_batch`: this rank's batch in samples
-        (None: unknown), both for the upsize trial (`_upsize`)."""
+        (None: unknown), `outside`: the most another process holds on any rank's device (0: none),
+        all for the upsize trial (`_upsize`)."""
         lines: list[str] = []
         if self.searching and steady and self.trial is None:
             lines += self._readmit(size)
@@ -497,7 +513,7 @@ class LayoutSearch:
                         f"as many without at {found}"
                     )
             if self.trial is None:
-                self.trial, more = self._upsize(found, measure_at, largest_at, capacity, whole_batch)
+                self.trial, more = self._upsize(found, measure_at, largest_at, capacity, whole_batch, outside)
                 lines += more
         elif self.trial is not None and not steady:
             # The size moved: a trial's times would compare different sizes.

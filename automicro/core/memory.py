@@ -13,7 +13,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 
@@ -57,6 +57,11 @@ class CapacityReading:
         (another process, most of the time; this process's CUDA context alone is far less)."""
         return self.total - self.free - self.reserved > CAPACITY_CHANGE * self.total
 
+    @property
+    def outside(self) -> int:
+        """The bytes held outside this process's allocator where the card is `shared` (else 0)."""
+        return self.total - self.free - self.reserved if self.shared else 0
+
     def why(self) -> str:
         """What makes the capacity smaller than the device total ("" where nothing does)."""
         gib = 2**30
@@ -89,11 +94,21 @@ class NoMemory:
     def capacity_bytes(self) -> int:
         return 0
 
+    def held_outside_bytes(self) -> int:
+        return 0
+
     def alloc_retries(self) -> int:
         return 0
 
     def empty_cache(self) -> None:
         pass
+
+
+def held_outside_bytes(memory: Any) -> int:
+    """What another process holds on this process's device, by `memory`'s reading (0: the card is
+    all this process's, or the source cannot tell). A source may leave `held_outside_bytes` out."""
+    read = getattr(memory, "held_outside_bytes", None)
+    return max(0, int(read())) if callable(read) else 0
 
 
 def release_after_failure(memory: MemorySource) -> None:
@@ -148,6 +163,9 @@ class CudaMemory:
 
     def capacity_bytes(self) -> int:
         return self._read().usable
+
+    def held_outside_bytes(self) -> int:
+        return self._read().outside
 
     def alloc_retries(self) -> int:
         return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))

@@ -57,7 +57,7 @@ from automicro.engine.hooks import SYNC_POINTS, SyncHooks
 from automicro.core.layout import LayoutConfig
 from automicro.core.ledger import Board, CollectiveLedger, FatalRecoveryError
 from automicro.core.optimizer_memory import pending_state_bytes
-from automicro.core.memory import CudaMemory, MemorySource, NoMemory, release_after_failure
+from automicro.core.memory import CudaMemory, MemorySource, NoMemory, held_outside_bytes, release_after_failure
 from automicro.core.metrics import (
     AttemptRecord,
     BatchFigures,
@@ -140,7 +140,7 @@ class AutoMicrobatching(Callback):
         # What the engine may trade for speed once the size settles (`automicro.core.layout`).
         self.layout_config = LayoutConfig.parse(layout, layout_trial_batches, layout_min_gain)
         self.layout: Optional[LayoutTrials] = None
-        self._last_peak = self._last_capacity = 0
+        self._last_peak = self._last_capacity = self._last_outside = 0
         self._memory_truth = MemoryTruth(lambda: self._memory, lambda: self._rank, log_attempts)
         if eval_oom not in EVAL_OOM:
             raise ValueError(
@@ -669,6 +669,7 @@ class AutoMicrobatching(Callback):
             capacity_bytes=self._memory.capacity_bytes(),  # read on every attempt: other processes share cards
             allocated_bytes=self._memory.allocated_bytes(),
             microbatch_tokens=0 if self.tokens is None or self.tokens.plan is None else self.tokens.plan.largest,
+            outside_bytes=held_outside_bytes(self._memory),
         )
 
     def train_batch(self, trainer: Any) -> dict[str, torch.Tensor]:
@@ -696,7 +697,7 @@ class AutoMicrobatching(Callback):
                 self.policy.probe_split() if self.policy_config.probes else None,
                 lambda n: max(self.policy.split_for(n)),
             )),
-            capacity_read=self._last_capacity or 0,
+            capacity_read=self._last_capacity or 0, outside_bytes=self._last_outside,
         )
         undone = self.layout.take_undone()
         if undone is not None:
@@ -742,6 +743,7 @@ class AutoMicrobatching(Callback):
                     self._memory.empty_cache()
                 self._used_split = sizes
                 self._last_peak, self._last_capacity = verdict.peak_bytes, verdict.capacity_bytes
+                self._last_outside = verdict.outside_bytes
                 peaks = self._agreed_peaks(step)
                 trial_batch = self.layout.trial_batch
                 self.layout.after_success(step.attempts, peaks)

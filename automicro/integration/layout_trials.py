@@ -97,7 +97,7 @@ class LayoutTrials:
         self, steady: bool, peak_bytes: int, capacity_bytes: int, size: Optional[int] = None,
         found: Optional[int] = None, peak_at: Optional[Callable[[int], Optional[tuple[int, int]]]] = None,
         measure_split: Optional[tuple[int, ...]] = None, largest_at: Optional[Callable[[int], int]] = None,
-        capacity_read: int = 0,
+        capacity_read: int = 0, outside_bytes: int = 0,
     ) -> None:
         """Choose and apply the next batch's layout; start the clock during a trial. `size`: the
         next batch's largest microbatch (a trade that did not fit at a larger one may be tried
@@ -108,7 +108,8 @@ class LayoutTrials:
         they cannot; `measure_split_next` says when the next batch runs it). `largest_at(n)`: the largest
         microbatch of the split were the size found `n`. `capacity_read`: the capacity as read (the
         least over ranks, no ceiling applied), against which a kept upsize trade is reconsidered
-        (`take_undone` then gives the size policy the size found without it)."""
+        (`take_undone` then gives the size policy the size found without it). `outside_bytes`: the most
+        another process holds on any rank's device (agreed; 0: no card shared): no upsize trial then."""
         if self.engine is None:
             return
         engine = self.engine
@@ -166,7 +167,7 @@ class LayoutTrials:
         started = self.search.trial
         layout, lines = self.search.layout_for_batch(
             steady, fits, size, found, smaller, measure_at, largest_at, capacity_bytes,
-            sum(measure_split) if measure_split else None,
+            sum(measure_split) if measure_split else None, outside_bytes,
         )
         trial = self.search.trial
         if trial is not None and trial is not started and trial.size is not None and not trial.measure and peak_at:

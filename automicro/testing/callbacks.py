@@ -30,14 +30,17 @@ class MemoryCapCallback(Callback):
     limit (bytes, or a {rank: bytes} map: a shared card read as if it were all this process's), and
     ``limit_at_batch`` ({batch index: bytes or {rank: bytes}}) changes the limit as that batch
     starts (another process takes memory, or gives it back); the reading follows the limit unless
-    ``capacity_reads`` pins it.
+    ``capacity_reads`` pins it. ``held_outside`` (bytes, or a {rank: bytes} map) is what the reading
+    says another process holds on the rank's device (`automicro.core.memory.held_outside_bytes`).
     """
 
     def __init__(
         self, limit_bytes: Any, retry_band: float = 0.10, capacity_reads: Any = None,
-        limit_at_batch: Optional[dict[int, Any]] = None,
+        limit_at_batch: Optional[dict[int, Any]] = None, held_outside: Any = None,
     ) -> None:
         _check_bytes("memory_cap.limit_bytes", limit_bytes)
+        if held_outside is not None:
+            _check_bytes("memory_cap.held_outside", held_outside)
         if capacity_reads is not None:
             _check_bytes("memory_cap.capacity_reads", capacity_reads)
         schedule = dict(limit_at_batch or {})
@@ -47,6 +50,7 @@ class MemoryCapCallback(Callback):
             _check_bytes(f"memory_cap.limit_at_batch.{batch}", limit)
         self.cap = MemoryCap(limit_bytes, retry_band=retry_band)
         self.capacity_reads = capacity_reads
+        self.held_outside = held_outside
         self.limit_at_batch = schedule
         self._entered = False
 
@@ -79,7 +83,7 @@ class MemoryCapCallback(Callback):
             for callback in state.callbacks:
                 set_memory_source = getattr(callback, "set_memory_source", None)  # AutoMicrobatching
                 if callable(set_memory_source):
-                    set_memory_source(CapMemory(self.cap, self._reads()))
+                    set_memory_source(CapMemory(self.cap, self._reads(), self._per_rank(self.held_outside, "held_outside") or 0))
 
     def fit_end(self, state: State, logger: Logger) -> None:
         self.close()
@@ -92,13 +96,19 @@ class MemoryCapCallback(Callback):
 
 
     def _reads(self) -> Optional[int]:
-        reads = self.capacity_reads
-        if isinstance(reads, dict):
+        return self._per_rank(self.capacity_reads, "capacity_reads", required=True)
+
+    def _per_rank(self, value: Any, key: str, required: bool = False) -> Optional[int]:
+        """This rank's entry of `value` (bytes, or a {rank: bytes} map; a rank left out of a map
+        reads None where not `required`)."""
+        if isinstance(value, dict):
             rank = self.cap.rank
-            if rank not in reads:
-                raise KeyError(f"memory_cap.capacity_reads: no reading given for rank {rank} (readings for ranks {sorted(reads)})")
-            return int(reads[rank])
-        return None if reads is None else int(reads)
+            if rank not in value:
+                if not required:
+                    return None
+                raise KeyError(f"memory_cap.{key}: no reading given for rank {rank} (readings for ranks {sorted(value)})")
+            return int(value[rank])
+        return None if value is None else int(value)
 
 
 def _check_bytes(key: str, value: Any) -> None:
@@ -112,11 +122,12 @@ def _check_bytes(key: str, value: Any) -> None:
 
 class CapMemory:
     """`MemorySource` over a `MemoryCap`; `reads`: what its capacity reading says instead of the
-    limit (None: the limit as it is now)."""
+    limit (None: the limit as it is now); `outside`: what it says another process holds."""
 
-    def __init__(self, cap: MemoryCap, reads: Optional[int] = None) -> None:
+    def __init__(self, cap: MemoryCap, reads: Optional[int] = None, outside: int = 0) -> None:
         self.cap = cap
         self.reads = reads
+        self.outside = outside
 
     def reset_peak(self) -> None:
         self.cap.reset_peak()
@@ -129,6 +140,9 @@ class CapMemory:
 
     def capacity_bytes(self) -> int:
         return self.reads if self.reads is not None else int(self.cap.limit_bytes or 0)
+
+    def held_outside_bytes(self) -> int:
+        return self.outside
 
     def alloc_retries(self) -> int:
         return int(self.cap.memory_stats()["num_alloc_retries"])
