@@ -13,7 +13,7 @@ PYTEST := -m pytest tests $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKER
 # Overrides for the demo, e.g. `make demo DEMO_ARGS=loggers.wandb=true` (an offline wandb run).
 DEMO_ARGS ?=
 
-.PHONY: demo demo-pp demo-varlen foundry-demo test test-quick test-211 test-215 venv venv-211 venv-215 wheelhouse clean-venv
+.PHONY: demo demo-pp demo-varlen foundry-demo test test-full test-quick test-211 test-215 venv venv-211 venv-215 wheelhouse clean-venv
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -69,6 +69,11 @@ foundry-demo: $(VENV)/.foundry
 
 test: $(VENV)/.installed $(VENV)/.foundry
 	$(VENV)/bin/python $(PYTEST) $(PYTEST_ARGS)
+
+# Every cell of the fault matrices (`make test` draws a seeded sample that covers every site:
+# tests/matrix.py; AUTOMICRO_TEST_SEED=N repeats the draw a run printed).
+test-full: $(VENV)/.installed $(VENV)/.foundry
+	$(VENV)/bin/python $(PYTEST) --full $(PYTEST_ARGS)
 
 # The development loop (a few minutes, not a gate: CI runs `make test`): the policy, its property
 # tests, the layout and capacity logic, config parsing, and one 2-rank end-to-end run of the demo

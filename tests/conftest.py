@@ -60,3 +60,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.torch_versions)
         if MANY_RANK_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.many_ranks)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--full", action="store_true", default=False,
+        help="run every cell of the fault matrices (tests/matrix.py); without it each run draws a seeded sample",
+    )
+
+
+def pytest_configure(config):
+    from tests import matrix
+
+    matrix.configure(config)
+
+
+def pytest_report_header(config):
+    from tests import matrix
+
+    return f"automicro: fault matrices {'in full' if matrix.full() else f'sampled, seed {matrix.seed()}'}"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    from tests import matrix
+
+    line = matrix.summary()
+    if line:
+        terminalreporter.write_line(line)

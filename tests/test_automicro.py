@@ -14,16 +14,20 @@ import pytest
 from automicro.core.policy import chunk_split, even_split
 from automicro.testing.multiprocess import run_multiprocess
 from tests import automicro_cases as cases
+from tests import matrix
 
 TOLERANCE = 1e-5
 
-WORLD2_CASES = [
+# Sampled (tests/matrix.py): every site in every run, who and where drawn; `--full` runs all 48.
+WORLD2_CASES = matrix.sample("automicro 2 ranks", [
     (site, who, where) for site in cases.MATRIX_SITES for who in ("one", "every") for where in cases.MICROBATCH
-]
+])
 WORLD2_ONE_RANK = 1
 WORLD4_SITES = ("forward_pre", "backward_pre", "unshard_alloc", "reduce_scatter_alloc")
 # The first and the last microbatch (the middle one is the 2-rank matrix's, at every site): 16 cases, not 24.
-WORLD4_CASES = [(site, who, where) for site in WORLD4_SITES for who in ("one", "every") for where in ("first", "last")]
+WORLD4_CASES = matrix.sample(
+    "automicro 4 ranks", [(site, who, where) for site in WORLD4_SITES for who in ("one", "every") for where in ("first", "last")]
+)
 WORLD4_ONE_RANK = 3
 # Consensus transports (automicro.core.transport): the two-rank matrix and the collectives-only
 # subset run on the default ("auto": shared memory, every rank is on this host), the four-rank
@@ -40,7 +44,9 @@ def matrix_two_ranks():
 
 
 COLLECTIVES_ONLY_SITES = ["forward_pre", "backward", "unshard_alloc", "reduce_scatter_alloc", "loss"]
-COLLECTIVES_ONLY_CASES = [(site, "one", where) for site in COLLECTIVES_ONLY_SITES for where in ("first", "last")]
+COLLECTIVES_ONLY_CASES = matrix.sample(
+    "automicro collectives only", [(site, "one", where) for site in COLLECTIVES_ONLY_SITES for where in ("first", "last")]
+)
 
 
 @pytest.fixture(scope="module")
@@ -157,9 +163,7 @@ def _check_fault_case(
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("where", list(cases.MICROBATCH))
-@pytest.mark.parametrize("who", ["one", "every"])
-@pytest.mark.parametrize("site", cases.MATRIX_SITES)
+@pytest.mark.parametrize("site, who, where", WORLD2_CASES)
 def test_two_ranks_oom_at_site_on_rank1_or_every_rank_finds_largest_allowed_size_with_exact_params(
     matrix_two_ranks, site, who, where
 ):
@@ -171,9 +175,7 @@ def test_two_ranks_oom_at_site_on_rank1_or_every_rank_finds_largest_allowed_size
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("where", ["first", "last"])
-@pytest.mark.parametrize("who", ["one", "every"])
-@pytest.mark.parametrize("site", WORLD4_SITES)
+@pytest.mark.parametrize("site, who, where", WORLD4_CASES)
 def test_four_ranks_oom_at_collective_site_on_rank3_or_every_rank_finds_largest_allowed_size_with_exact_params(
     matrix_four_ranks, site, who, where
 ):
@@ -185,8 +187,7 @@ def test_four_ranks_oom_at_collective_site_on_rank3_or_every_rank_finds_largest_
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("where", ["first", "last"])
-@pytest.mark.parametrize("site", COLLECTIVES_ONLY_SITES)
+@pytest.mark.parametrize("site, where", [(site, where) for site, _, where in COLLECTIVES_ONLY_CASES])
 def test_consensus_only_before_collectives_still_never_deadlocks_and_finds_the_size(matrix_collectives_only, site, where):
     # sync_points="collectives": no consensus at module boundaries, only between FSDP2's buffer
     # allocation and its collectives; rank 1 fails and rank 0 must notice at its next collective.

@@ -1,0 +1,87 @@
+"""Fault matrices, sampled: every CI run draws its own cases, every run covers every site.
+
+A fault matrix crosses the sites a fault can hit (forward, backward, the collectives, ...) with
+who fails (one rank, every rank), where (the first or the last microbatch), the sync hooks on or
+off, the schedule. Running every cell on every CI run costs most of CI's time; each cell guards the
+same code as its neighbours on the other axes. So CI runs a sample: per value of the matrix's main
+axis (the site, usually), at least `per_key` cells drawn from that value's row, the draw seeded.
+Over CI runs every cell comes up; `make test-full` (pytest `--full`) runs every cell at once.
+
+The seed: `AUTOMICRO_TEST_SEED` (an int) where set, else drawn at the start of the pytest run;
+pytest's header and its last lines print it, with how to repeat the draw. Test IDs name the cell,
+so a failing cell is rerun by its ID as well.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Optional, TypeVar
+
+T = TypeVar("T")
+
+SEED_ENV = "AUTOMICRO_TEST_SEED"
+FULL_ENV = "AUTOMICRO_FULL_MATRIX"
+
+
+def full() -> bool:
+    """Whether every cell runs (`pytest --full`, `make test-full`, or AUTOMICRO_FULL_MATRIX=1)."""
+    return os.environ.get(FULL_ENV, "") not in ("", "0")
+
+
+def seed() -> int:
+    """This run's seed (`tests/conftest.py` sets it before the test modules are imported)."""
+    value = os.environ.get(SEED_ENV, "")
+    if not value:
+        value = str(random.SystemRandom().randrange(2**31))
+        os.environ[SEED_ENV] = value
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{SEED_ENV}={value!r}: must be an int (the seed a CI run printed)") from None
+
+
+DRAWN: dict[str, tuple[int, int]] = {}  # matrix name -> (cells run, cells in all): the summary line
+
+
+def sample(
+    name: str, cells: Sequence[T], key: Callable[[T], Hashable] = lambda cell: cell[0],  # type: ignore[index]
+    per_key: int = 1, always: Optional[Callable[[T], bool]] = None,
+) -> list[T]:
+    """The cells of matrix `name` this run takes, in their own order: for each value of `key(cell)`,
+    `per_key` of its cells (all where it has fewer), drawn with this run's seed and the matrix's
+    name; `always(cell)` keeps a cell in every run. Every cell under `full()`."""
+    cells = list(cells)
+    if len(set(map(repr, cells))) != len(cells):
+        raise ValueError(f"matrix {name!r}: a cell appears twice")
+    if full():
+        DRAWN[name] = (len(cells), len(cells))
+        return cells
+    rng = random.Random(f"{seed()}:{name}")
+    rows: dict[Hashable, list[int]] = {}
+    for index, cell in enumerate(cells):
+        rows.setdefault(key(cell), []).append(index)
+    chosen = {i for i, cell in enumerate(cells) if always is not None and always(cell)}
+    for row in rows.values():
+        kept = [i for i in row if i in chosen]  # a cell kept always counts toward its row's draw
+        rest = [i for i in row if i not in chosen]
+        chosen.update(rng.sample(rest, min(max(0, per_key - len(kept)), len(rest))))
+    DRAWN[name] = (len(chosen), len(cells))
+    return [cell for i, cell in enumerate(cells) if i in chosen]
+
+
+def summary() -> str:
+    """One line: the seed, and what each matrix ran of its cells."""
+    if not DRAWN:
+        return ""
+    how = "every cell (--full)" if full() else f"seed {seed()} ({SEED_ENV}={seed()} repeats it; --full runs every cell)"
+    parts = ", ".join(f"{name} {ran}/{total}" for name, (ran, total) in sorted(DRAWN.items()))
+    return f"fault matrices: {how}: {parts}"
+
+
+def configure(config: Any) -> None:
+    """From `tests/conftest.py`'s pytest_configure: `--full`, and the seed fixed for the run."""
+    if config.getoption("--full", default=False):
+        os.environ[FULL_ENV] = "1"
+    seed()
