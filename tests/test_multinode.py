@@ -13,6 +13,7 @@ import pytest
 
 from automicro.core.hierarchical import LEADER_GRACE_S
 from automicro.testing.multiprocess import MultiprocessFailure, run_multiprocess
+from tests import matrix
 from tests import automicro_cases as cases
 from tests import steady_cases
 from tests.launch import run as _run
@@ -20,15 +21,16 @@ from tests.test_automicro import _check_fault_case
 from tests.test_steady_state import _check_recovered
 
 # (site, who, where): who "rankN" = only rank N fails, "every" = every rank.
-TWO_BY_TWO = [
+# Sampled (tests/matrix.py): every site with every "who" in each run, the microbatch drawn.
+TWO_BY_TWO = matrix.sample("nodes 2x2", [
     (site, who, where)
     for site in ("forward_pre", "reduce_scatter_alloc")
     for who in ("rank3", "rank2", "every")  # a non-leader, a node leader, everyone
     for where in ("first", "last")
-]
-FOUR_BY_ONE = [
+], key=lambda cell: cell[:2])
+FOUR_BY_ONE = matrix.sample("nodes 4x1", [
     (site, who, where) for site in ("backward_pre", "unshard_alloc") for who in ("rank1", "every") for where in ("first", "last")
-]
+], key=lambda cell: cell[:2])
 
 
 @pytest.fixture(scope="module")

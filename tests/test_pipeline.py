@@ -11,6 +11,7 @@ from automicro.core import policy
 from automicro.engine.config import FSDP2ConfigError, PipelineConfig, fsdp2_from_parallelism_config
 from automicro.engine.pipeline import Action, PipelineModelError, lockstep_table, split_blocks
 from automicro.testing.multiprocess import run_multiprocess
+from tests import matrix
 from tests import pipeline_cases as cases
 
 # ---- the lockstep timing ---------------------------------------------------------------------
@@ -104,6 +105,9 @@ def test_search_with_no_runnable_size_says_so():
 
 FAULTS_1F1B = [("forward", 0, 0), ("forward", 1, 1), ("backward_input", 1, 0), ("backward_input", 0, 1)]
 FAULTS_ZB = FAULTS_1F1B + [("backward_weight", 0, 0), ("backward_weight", 1, 1)]
+# Sampled (tests/matrix.py): every site in each run, the stage and the microbatch drawn.
+FAULTS_1F1B = matrix.sample("pipeline 1F1B", FAULTS_1F1B)
+FAULTS_ZB = matrix.sample("pipeline ZeroBubble", FAULTS_ZB)
 
 
 @pytest.fixture(scope="module", params=["1F1B", "ZeroBubble"])
