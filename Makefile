@@ -82,7 +82,7 @@ QUICK := tests/test_policy.py tests/test_policy_properties.py tests/test_probe.p
 	tests/test_capacity.py tests/test_config.py tests/test_floor_rule.py
 test-quick: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest $(QUICK) -m "not multiproc" $(PYTEST_ARGS)
-	$(VENV)/bin/python -m pytest tests/test_e2e.py -k launcher_runs_tiny_cpu_config $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest tests/test_dashboard.py -k launcher_runs_tiny_cpu_config $(PYTEST_ARGS)
 
 test-211: $(VENV211)/.installed
 	$(VENV211)/bin/python $(PYTEST) $(PYTEST_ARGS)

@@ -124,6 +124,19 @@ def _readme_metric_keys() -> set[str]:
 
 
 @pytest.mark.multiproc
+@pytest.mark.multiproc
+def test_launcher_runs_tiny_cpu_config_on_two_ranks_with_a_real_search(demo):
+    """`composer -n 2 scripts/train.py configs/tiny-cpu.yaml` (the demo, here with wandb offline and
+    the memory monitor, neither of which moves the search)."""
+    # Rank 0's cap (13 MB) fits 5 samples per microbatch: the search must land there exactly,
+    # then split the per-rank batch of 8 evenly.
+    assert "microbatch size found: 5 (per-rank batch 8); split in use [4, 4]" in demo["stdout"], demo["stdout"][-4000:]
+    assert "oom on rank(s) [0]" in demo["stdout"]
+    sizes = [row["automicro/microbatch_size"] for row in demo["rows"] if "automicro/microbatch_size" in row]
+    assert sizes and sizes[-1] == 4
+    assert any("loss/train/total" in row for row in demo["rows"])
+
+
 def test_the_wandb_run_config_is_the_resolved_yaml_and_the_last_lines_say_where_outputs_are(demo):
     config = _read_wandb_records(demo["run_dir"])["config"]
     # The YAML's own values, the command line's overrides and the filled-in defaults.
