@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from automicro.core.memory import CapacityReading, CapacityWatch, CudaMemory, NoMemory, held_outside_bytes
+from automicro.core.memory import CapacityReading, CapacityWatch, CudaMemory, NoMemory, capacity_and_outside, held_outside_bytes
 from automicro.testing.multiprocess import run_multiprocess
 from tests import capacity_cases
 
@@ -33,6 +33,10 @@ def test_capacity_is_what_this_process_can_still_get():
     assert held_outside_bytes(source) == int(100 * GIB) and another_process.outside == int(100 * GIB)
     assert capped.outside == 0 and whole.outside == 0 and held_outside_bytes(NoMemory()) == 0
     assert held_outside_bytes(object()) == 0, "a memory source of the user's own may leave it out"
+    reads = []
+    counted = CudaMemory(read=lambda: reads.append(1) or another_process)
+    assert capacity_and_outside(counted) == (int(43 * GIB), int(100 * GIB)) and reads == [1], "one device query"
+    assert capacity_and_outside(NoMemory()) == (0, 0)
 
 
 def test_the_cache_goes_back_to_the_device_only_where_no_other_process_would_take_it(monkeypatch):

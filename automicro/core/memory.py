@@ -111,6 +111,16 @@ def held_outside_bytes(memory: Any) -> int:
     return max(0, int(read())) if callable(read) else 0
 
 
+def capacity_and_outside(memory: MemorySource) -> tuple[int, int]:
+    """(`capacity_bytes`, `held_outside_bytes`) of `memory` from one device reading where the source
+    offers one (`capacity_reading`: a CUDA device is queried once per attempt, not twice)."""
+    reading = getattr(memory, "capacity_reading", None)
+    if callable(reading):
+        now = reading()
+        return now.usable, now.outside
+    return memory.capacity_bytes(), held_outside_bytes(memory)
+
+
 def release_after_failure(memory: MemorySource) -> None:
     """After a failed attempt, before its rerun: free what only Python reference cycles still hold,
     then hand the allocator's unused blocks back (`empty_cache`, where the source allows it).

@@ -57,7 +57,7 @@ from automicro.engine.hooks import SYNC_POINTS, SyncHooks
 from automicro.core.layout import LayoutConfig
 from automicro.core.ledger import Board, CollectiveLedger, FatalRecoveryError
 from automicro.core.optimizer_memory import pending_state_bytes
-from automicro.core.memory import CudaMemory, MemorySource, NoMemory, held_outside_bytes, release_after_failure
+from automicro.core.memory import CudaMemory, MemorySource, NoMemory, capacity_and_outside, release_after_failure
 from automicro.core.metrics import (
     AttemptRecord,
     BatchFigures,
@@ -660,16 +660,17 @@ class AutoMicrobatching(Callback):
         retries = self._memory.alloc_retries()
         new = max(0, retries - (self._step.retries_before if self._step is not None else retries))
         peak = self._memory.peak_bytes() if self._step is None else self._step.peak_bytes()
+        capacity, outside = capacity_and_outside(self._memory)  # read on every attempt: other processes share cards
         return LocalFigures(
             new_alloc_retries=new,
             # Before the first optimizer step: the peak the next batches will see, with the state
             # that step creates (`automicro.core.optimizer_memory`).
             peak_bytes=peak + self._optimizer_pending if peak else 0,
             projected_bytes=self._optimizer_pending if peak else 0,
-            capacity_bytes=self._memory.capacity_bytes(),  # read on every attempt: other processes share cards
+            capacity_bytes=capacity,
             allocated_bytes=self._memory.allocated_bytes(),
             microbatch_tokens=0 if self.tokens is None or self.tokens.plan is None else self.tokens.plan.largest,
-            outside_bytes=held_outside_bytes(self._memory),
+            outside_bytes=outside,
         )
 
     def train_batch(self, trainer: Any) -> dict[str, torch.Tensor]:
