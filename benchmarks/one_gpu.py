@@ -19,6 +19,7 @@ with the YAML overrides the variant names (`-auto` or `-fixed-N` for the microba
   acfixed-*      `activation_checkpointing: true` with `layout: fixed` (checkpointing stays on)
   composer-*     the stock `composer.Trainer` on the same model, data and optimizer (no FSDP, its
                  own `auto`: halving), built from the same YAML
+  composercompile-*  the same with Composer's own `compile_config={}` (torch.compile of the whole model)
 `--memory-fraction` caps the process's GPU memory in every variant, told to automicro
 (`AutoMicrobatching(memory_fraction=...)`; 0: not set). A card that is not all ours (issue 39):
 `--torch-fraction F` sets `torch.cuda.set_per_process_memory_fraction(F)` first thing in each
@@ -72,6 +73,8 @@ def overrides(variant: str, args: argparse.Namespace, run_dir: str) -> list[str]
         common += ["compile.scope=model"] + backend
     elif kind in ("noshard", "composer"):
         common += ["parallelism_config=null"]
+    elif kind == "composercompile":  # Composer's own compile: the whole model, its `compile_config`
+        common += ["parallelism_config=null", "compile.scope=model"] + backend
     elif kind == "layout":
         common.append("callbacks.auto_microbatching.layout=auto")
     elif kind == "pinned":
@@ -216,8 +219,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     for variant in args.variants.split(","):
         run_dir = os.path.join("/tmp", f"compile-bench-{variant}")
         shutil.rmtree(run_dir, ignore_errors=True)
-        script = os.path.abspath(__file__) if variant.startswith("composer-") else os.path.join(harness.REPO_ROOT, "scripts", "train.py")
-        rest = [*(["--stock"] if variant.startswith("composer-") else []), "configs/tiny-gpu.yaml", *overrides(variant, args, run_dir)]
+        stock = variant.startswith(("composer-", "composercompile-"))
+        script = os.path.abspath(__file__) if stock else os.path.join(harness.REPO_ROOT, "scripts", "train.py")
+        rest = [*(["--stock"] if stock else []), "configs/tiny-gpu.yaml", *overrides(variant, args, run_dir)]
         if args.model == "hf":
             script, rest = os.path.abspath(__file__), ["--hf", *rest, *(["--tiny-hf"] if args.dry_run else [])]
         if args.torch_fraction:
@@ -287,7 +291,9 @@ def start_hog(gib: float, after: Any = 0.0, hold: Any = 0.0, device: int = 0, me
     import subprocess
 
     argv = [sys.executable, os.path.abspath(__file__), "--hog", str(gib), str(after), str(hold), metrics]
-    holder = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": str(device)})
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    physical = visible[device] if device < len(visible) else str(device)  # this process's device `device`
+    holder = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": physical})
     if str(after) not in ("0", "0.0"):
         when = f"once batch {after[1:]} is logged" if str(after).startswith("b") else f"{float(after):.0f} s from now"
         until = f"until batch {hold[1:]}" if str(hold).startswith("b") else f"for {float(hold):.0f} s" if float(hold) else "to the end"
@@ -371,6 +377,11 @@ def stock_composer(argv: list[str]) -> int:
     from automicro.integration.loggers import build_loggers
 
     path, overrides_ = parse_cli(argv)
+    # automicro's schema refuses `auto` without FSDP2 on several ranks (DDP); Composer's own takes it.
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    auto = not any(o.startswith("device_train_microbatch_size=") for o in overrides_)
+    if world > 1 and auto:
+        overrides_ = [*overrides_, "device_train_microbatch_size=1"]
     fraction = next((float(o.split("=", 1)[1]) for o in overrides_ if o.startswith("callbacks.auto_microbatching.memory_fraction=")), None)
     cfg = load_config(path, overrides_)
     if fraction is not None and torch.cuda.is_available():
@@ -382,7 +393,8 @@ def stock_composer(argv: list[str]) -> int:
     trainer = Trainer(
         model=model, train_dataloader=train_dl, max_duration=cfg.max_duration,
         optimizers=builders.build_optimizer(cfg, model), schedulers=builders.build_scheduler(cfg), device=cfg.device,
-        precision=cfg.precision, device_train_microbatch_size=cfg.device_train_microbatch_size,
+        precision=cfg.precision, device_train_microbatch_size="auto" if world > 1 and auto else cfg.device_train_microbatch_size,
+        compile_config=None if cfg.compile is None else {k: v for k, v in (("backend", cfg.compile.backend),) if v},
         callbacks=[SpeedMonitor(window_size=5)] + ([MemoryMonitor()] if torch.cuda.is_available() else []), loggers=build_loggers(cfg), seed=cfg.seed,
         progress_bar=False,
     )

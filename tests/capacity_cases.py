@@ -53,6 +53,7 @@ def left_behind(rank: int, world: int) -> dict[str, Any]:
             trainer.fit()
             out[f"{layout}/{site}/{when}"] = {
                 "ooms": auto.ooms_total, "left_behind": auto.left_behind_bytes, "fired": injector.fired,
+                "left_behind_exact": auto.left_behind_exact, "checked": auto.left_behind_checked,
                 "hooks_at_failures": [r.hooks for r in auto.history if r.outcome == "oom"],
             }
         except Exception as error:  # noqa: BLE001 - the test says which case broke

@@ -13,6 +13,7 @@ import automicro
 from automicro.data import SyntheticTokens, build_dataloader
 from automicro.integration.callback import AutoMicrobatching
 from automicro.models import build_model
+from automicro.testing import MemoryCapCallback
 from automicro.testing.faults import FaultInjector
 
 SEQ = 16
@@ -72,6 +73,7 @@ def fit(
             "samples": int(trainer.state.timestamp.sample),
             "transport": None if auto is None else auto.transport_name,
             "flops_per_batch": model.flops_per_batch(trainer.state.batch),
+            "left_behind": None if auto is None else (auto.left_behind_exact, auto.left_behind_checked),
             **({"trainer": trainer} if keep_trainer else {}),
         }
     finally:
@@ -91,7 +93,11 @@ def fault_matrix(rank: int, world: int, schedule: str, cases: list[tuple[str, in
     out: dict[str, Any] = {"cases": []}
     for site, failing, microbatch in cases:
         injector = FaultInjector(site, ranks=[failing], microbatch_index=microbatch, batch=0, times=1)
-        result = fit(schedule, "auto", callbacks=[AutoMicrobatching(log_attempts=False), injector])
+        # Live tensor bytes counted (no limit): what the failed attempt left after its wipe. Without
+        # the prediction: an injected OOM's bytes reached would cap the search like a real one's.
+        counted = MemoryCapCallback(limit_bytes=10**12, retry_band=0.0)
+        auto = AutoMicrobatching(log_attempts=False, use_prediction=False)
+        result = fit(schedule, "auto", callbacks=[auto, injector, counted])
         if result["found"] not in references:  # every rank agreed on it: the same runs on all
             references[result["found"]] = fit(schedule, result["found"])
         out["cases"].append(
@@ -101,6 +107,7 @@ def fault_matrix(rank: int, world: int, schedule: str, cases: list[tuple[str, in
                 "history": result["history"],
                 "found": result["found"],
                 "clean": result["clean"],
+                "left_behind": result["left_behind"],
                 "diff": max_difference(result["params"], references[result["found"]]["params"]),
             }
         )
@@ -265,7 +272,8 @@ def steady_faults(rank: int, world: int, schedule: str, faults: list[tuple[str, 
         auto = AutoMicrobatching(stable_batches=2, log_attempts=False)
         injector = FaultInjector(site, ranks=[failing], batch=4, times=1, microbatch_index=microbatch)
         rounds = RoundsPerBatch(auto)
-        result = fit(schedule, "auto", stages=stages, callbacks=[auto, injector, rounds], batches=6, keep_trainer=True)
+        counted = MemoryCapCallback(limit_bytes=10**12, retry_band=0.0)  # live tensor bytes, no limit
+        result = fit(schedule, "auto", stages=stages, callbacks=[auto, injector, rounds, counted], batches=6, keep_trainer=True)
         runner = result["trainer"].pipeline.pipeline.runner
         if reference is None:
             reference = fit(schedule, result["found"], stages=stages, batches=6)
@@ -281,6 +289,7 @@ def steady_faults(rank: int, world: int, schedule: str, faults: list[tuple[str, 
             "time_steps": runner.stats.time_steps,
             "drains": runner.drains,
             "drained_steps": runner.drained_steps,
+            "left_behind": result["left_behind"],
             "diff": max_difference(result["params"], reference["params"]),
         })
         result["trainer"].close()

@@ -136,6 +136,29 @@ def test_after_a_failed_attempt_on_one_stage_the_parameters_equal_a_fixed_size_r
             assert case["diff"] < 1e-5, (schedule, case["case"], case["diff"])
 
 
+def _left_nothing(schedule, case):
+    """Live tensor bytes allocated during each failed attempt and still held after its wipe, on
+    both stages (counted exactly by a memory cap with no limit; a few bytes of gloo buffers may be
+    in flight): the stage's activations, the schedule's sends and the gradients are all gone."""
+    exact, checked = case["left_behind"]
+    assert checked.get("train", 0) >= 1, (schedule, case)
+    assert exact <= 4096, (schedule, case["case"], exact)
+
+
+def test_a_failed_attempt_on_one_stage_leaves_nothing_allocated_on_any_stage(fault_results):
+    schedule, _, ranks = fault_results
+    for out in ranks:
+        for case in out["cases"]:
+            _left_nothing(schedule, case)
+
+
+def test_a_failed_steady_attempt_that_drained_its_schedule_leaves_nothing_allocated(steady_results):
+    schedule, ranks = steady_results
+    for out in ranks:
+        for case in out["cases"]:
+            _left_nothing(schedule, case)
+
+
 # ---- multi-rank: the search under a memory limit on one rank, 2 stages and 2 stages x 2 -------
 
 

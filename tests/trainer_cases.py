@@ -42,7 +42,12 @@ def _eval_run(
     eval_samples: int = 32,
     eval_oom: str = "split",
     metric_oom: Optional[tuple[list[int], int]] = None,
+    counted: bool = False,
 ) -> dict[str, Any]:
+    """`counted`: under a memory cap with no limit (live tensor bytes counted), so that what each
+    failed attempt left allocated after its wipe is measured (`left_behind`)."""
+    from automicro.testing import MemoryCapCallback
+
     torch.manual_seed(0)
     model = build_model("tiny", max_seq_len=SEQ)
     metric_fault = None
@@ -58,6 +63,8 @@ def _eval_run(
     if metric_fault is not None:
         metric_fault.armed = lambda: auto._eval.running  # eval only (training metrics run in the fence)
     callbacks = [auto] + ([injector] if injector is not None else [])
+    if counted:
+        callbacks.append(MemoryCapCallback(limit_bytes=10**12, retry_band=0.0))
     trainer = automicro.Trainer(
         model=model,
         train_dataloader=train,
@@ -90,6 +97,9 @@ def _eval_run(
             "metric_fired": None if metric_fault is None else metric_fault.fired,
             "metric_pieces": auto._eval.metric_pieces,
             "searched": sorted(auto.eval_searches),
+            "left_behind": auto.left_behind_bytes,
+            "left_behind_exact": auto.left_behind_exact,
+            "left_behind_checked": auto.left_behind_checked,
         }
     finally:
         trainer.close()
@@ -134,6 +144,8 @@ def run_eval_cases(rank: int, world: int) -> dict[str, Any]:
     for name, microbatch, injector, samples in (
         ("fixed_4", 4, None, 32),
         ("auto_rank1_ooms_above_4", "auto", FaultInjector("eval_forward", ranks=[1], above=4), 32),
+        # Inside the model, after a block's forward (training's search runs into it too).
+        ("auto_rank1_ooms_in_forward_above_4", "auto", FaultInjector("forward", ranks=[1], above=4), 32),
         ("auto_every_rank_ooms_above_2", "auto", FaultInjector("eval_forward", above=2), 32),
         # 4 eval batches per rank: enough for the bisect to climb back up to 6 (halving stops at 4).
         ("fixed_4_long", 4, None, 64),
@@ -143,7 +155,7 @@ def run_eval_cases(rank: int, world: int) -> dict[str, Any]:
         ("pinned_3", 3, FaultInjector("eval_forward", ranks=[0], above=4), 32),
     ):
         try:
-            results[name] = _eval_run(microbatch, injector, samples)
+            results[name] = _eval_run(microbatch, injector, samples, counted=injector is not None)
         except Exception:  # noqa: BLE001 - the test reports which case broke
             results[name] = {"crash": traceback.format_exc()}
     for name, kwargs in (

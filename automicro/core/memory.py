@@ -121,6 +121,32 @@ def capacity_and_outside(memory: MemorySource) -> tuple[int, int]:
     return memory.capacity_bytes(), held_outside_bytes(memory)
 
 
+@dataclass(frozen=True)
+class AttemptMark:
+    """This rank's memory as an attempt starts (`mark_attempt`); `left_after_wipe` reads it again."""
+
+    allocated: int
+    token: Any = None  # the source's own mark, where it can count what was allocated since (`held_since`)
+
+
+def mark_attempt(memory: MemorySource) -> AttemptMark:
+    """Before an attempt: allocated bytes, and the source's own mark where it offers `mark`."""
+    mark = getattr(memory, "mark", None)
+    return AttemptMark(memory.allocated_bytes(), mark() if callable(mark) else None)
+
+
+def left_after_wipe(memory: MemorySource, mark: AttemptMark) -> tuple[int, int]:
+    """(allocated before the attempt, allocated after its wipe). Where the source can count the
+    bytes allocated (or grown) since its mark that are still live (`held_since`), "after" is the
+    mark plus those: memory freed during the wipe that was allocated before the attempt (garbage
+    the wipe's collection found) then cannot hide what the attempt left. Otherwise (a CUDA device)
+    the allocator's total, which such frees can lower."""
+    held_since = getattr(memory, "held_since", None)
+    if mark.token is not None and callable(held_since):
+        return mark.allocated, mark.allocated + int(held_since(mark.token))
+    return mark.allocated, memory.allocated_bytes()
+
+
 def release_after_failure(memory: MemorySource) -> None:
     """After a failed attempt, before its rerun: free what only Python reference cycles still hold,
     then hand the allocator's unused blocks back (`empty_cache`, where the source allows it).

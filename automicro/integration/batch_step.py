@@ -24,7 +24,7 @@ from automicro.core import failure_note
 from automicro.core.attempt import AttemptFence, AttemptResult, RandomState
 from automicro.core.consensus import Consensus
 from automicro.core.ledger import FatalRecoveryError
-from automicro.core.memory import MemorySource, MicrobatchPeaks, release_after_failure
+from automicro.core.memory import MemorySource, MicrobatchPeaks, left_after_wipe, mark_attempt, release_after_failure
 from automicro.core.sites import SiteDispatcher
 from automicro.engine.layout import LayoutEngine
 from automicro.engine.sharding import ShardedModel
@@ -162,7 +162,7 @@ class BatchStep:
                 self.trainer, microbatches, total_loss_dict, before_microbatch, end_of_attempt, self.all_reduce
             )
 
-        before = self.memory.allocated_bytes()
+        mark = mark_attempt(self.memory)
         try:
             result = self.fence.run(body, self._wipe, hooks_on)
         except FatalRecoveryError as lost:
@@ -170,7 +170,7 @@ class BatchStep:
                 failure_note.write(composer_internals.checkpoint_folder(state), self.rank, self.batch_index, sizes)
             raise
         # What a failed attempt left allocated after its wipe (DESIGN.md, "Memory truth": nothing).
-        self.left_behind = (before, self.memory.allocated_bytes()) if result.verdict.failed else None
+        self.left_behind = left_after_wipe(self.memory, mark) if result.verdict.failed else None
         return Attempt(sizes, result, total_loss_dict)
 
     def peak_bytes(self) -> int:

@@ -298,7 +298,9 @@ class AutoMicrobatching(Callback):
             recoverable=self._ledger is not None, pipeline=pipeline is not None,
         )
         self._eval.attach(
-            self._fence, self._dispatcher, self._recover_model, lambda: self.hooks_active, self._release_memory
+            self._fence, self._dispatcher, self._recover_model, lambda: self.hooks_active, self._release_memory,
+            memory=lambda: self._memory,
+            after_failure=lambda left_behind, what: self._memory_truth.after_failure(left_behind, what, "eval"),
         )
         if memory is not None:
             self._memory = memory
@@ -358,6 +360,17 @@ class AutoMicrobatching(Callback):
         """The most a failed attempt left allocated after its wipe on this rank (0: nothing beyond
         the tolerance, `automicro.integration.memory_truth`)."""
         return self._memory_truth.left_behind_bytes
+
+    @property
+    def left_behind_checked(self) -> dict[str, int]:
+        """How many failed attempts' wipes `left_behind_bytes` covers, by kind ("train", "eval")."""
+        return dict(self._memory_truth.checked)
+
+    @property
+    def left_behind_exact(self) -> int:
+        """The most a failed attempt left allocated after its wipe, below the tolerance too (bytes;
+        exact under `automicro.testing.MemoryCap`, which counts live tensor bytes)."""
+        return self._memory_truth.left_behind_exact
 
     @property
     def used_split(self) -> tuple[int, ...]:
@@ -759,7 +772,7 @@ class AutoMicrobatching(Callback):
 
             self.ooms_total += 1
             self.search_time_s += seconds
-            self._memory_truth.after_failure(step.left_behind, batch_index)
+            self._memory_truth.after_failure(step.left_behind, f"batch {batch_index}")
             if result.own_error is not None or verdict.error_ranks:
                 self._record(batch_index, sizes, "error", verdict, sizes[0], seconds, hooks=hooks_on)
                 # Every rank agreed on this failure: `fit_raised` has nobody left to tell.

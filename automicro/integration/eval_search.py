@@ -34,6 +34,7 @@ import torch
 from automicro.core import policy as search
 from automicro.core.attempt import AttemptFence, is_oom
 from automicro.core.consensus import FailedOnOtherRank, OOMOnOtherRank, Verdict
+from automicro.core.memory import MemorySource, NoMemory, left_after_wipe, mark_attempt
 from automicro.core.metrics import AttemptRecord
 from automicro.core.sites import SiteDispatcher
 from automicro.integration import _composer_internals as composer_internals
@@ -251,6 +252,9 @@ class EvalFence:
         self._evaluator: Any = None
         self._split_batch: Callable[[Any, int], Any] = lambda batch, size: [batch]
         self._empty_cache: Callable[[], None] = lambda: None
+        self._memory: Callable[[], MemorySource] = NoMemory
+        self._after_failure: Callable[[tuple[int, int], str], None] = lambda left_behind, what: None
+        self._where = "eval"  # the eval batch in progress, for the line about memory left behind
         self.metric_pieces = 0  # metric updates run in pieces after an OOM (see `guard_metric`)
         self._pieces_said: set[str] = set()
 
@@ -261,11 +265,15 @@ class EvalFence:
         recover: Callable[[], None],
         hooks_active: Callable[[], bool],
         empty_cache: Callable[[], None] = lambda: None,
+        memory: Callable[[], MemorySource] = NoMemory,
+        after_failure: Callable[[tuple[int, int], str], None] = lambda left_behind, what: None,
     ) -> None:
         """The training attempt's fence and sites; `recover` brings the model back after a failure,
-        `empty_cache` returns the allocator's free blocks."""
+        `empty_cache` returns the allocator's free blocks; `memory` is this rank's memory source,
+        and `after_failure` gets (before a failed eval attempt, after its wipe) and the eval
+        batch it was, as a training attempt's are checked (`MemoryTruth.after_failure`)."""
         self._fence, self._sites, self._recover, self._hooks_active = fence, sites, recover, hooks_active
-        self._empty_cache = empty_cache
+        self._empty_cache, self._memory, self._after_failure = empty_cache, memory, after_failure
 
     def state_dict(self) -> dict[str, Any]:
         """Each evaluator's search, for checkpoints: a resumed run does not search its eval sizes again."""
@@ -296,6 +304,8 @@ class EvalFence:
         self._metrics = metrics
         self._snapshot = {name: copy.deepcopy(m.metric_state) for name, m in metrics.items()}
         label = state.dataloader_label or ""
+        timestamp = getattr(state, "eval_timestamp", None)
+        self._where = f"eval '{label}' batch {int(timestamp.batch) if timestamp is not None else '?'}"
         evaluator = next((e for e in state.evaluators if e.label == label), None)
         self._evaluator, self._search = evaluator, None
         split = getattr(getattr(evaluator, "dataloader", None), "split_batch", None)  # the evaluator's DataSpec
@@ -350,9 +360,12 @@ class EvalFence:
                 sites.fire("eval_forward", "")
                 return eval_forward(*args, **kwargs)
 
+            mark = mark_attempt(self._memory())
             result = self._fence.run(body, self._wipe_failed, self._hooks_active())
             if result.unreported is not None:
                 raise result.unreported
+            if result.verdict.failed:  # what the failed attempt left allocated after its wipe: nothing
+                self._after_failure(left_after_wipe(self._memory(), mark), self._where)
             if result.own_error is not None:
                 self._count_oom()
                 raise result.own_error

@@ -37,6 +37,11 @@ class MemoryTruth:
         self._memory, self._rank, self._say = memory, rank, say
         self._watch = CapacityWatch()
         self.left_behind_bytes = 0  # the most a failed attempt left allocated after its wipe
+        # Failed attempts whose wipe was checked, by kind ("train", "eval"): what the figure covers.
+        self.checked: dict[str, int] = {}
+        # The most any checked wipe left, below the tolerance too (exact where the source counts
+        # live tensor bytes, as `automicro.testing.MemoryCap` does): what tests assert on.
+        self.left_behind_exact = 0
         self._undone: Optional[tuple[str, int, int, int]] = None  # (trade, size, batch, allocated then)
 
     def layout_undone(self, trade: str, size: int, batch_index: int) -> None:
@@ -77,18 +82,21 @@ class MemoryTruth:
             line += f" (the least over ranks: rank {least.rank}'s)"
         self._line(line, ours, logging.INFO)
 
-    def after_failure(self, left_behind: Optional[tuple[int, int]], batch_index: int) -> None:
-        """`left_behind`: (allocated before the attempt, after its wipe), `BatchStep.left_behind`.
+    def after_failure(self, left_behind: Optional[tuple[int, int]], what: str, kind: str = "train") -> None:
+        """`left_behind`: (allocated before the attempt, after its wipe), `BatchStep.left_behind` or
+        the eval fence's; `what` names the attempt in the line ("batch 7", "eval 'lm' batch 2").
         Nothing may be left (DESIGN.md); more than the tolerance is said on the rank it happened on."""
         if left_behind is None:
             return
+        self.checked[kind] = self.checked.get(kind, 0) + 1
         before, after = left_behind
         extra = after - before
+        self.left_behind_exact = max(self.left_behind_exact, extra)
         if extra <= max(2**20, LEFT_BEHIND_TOLERANCE * before):
             return
         self.left_behind_bytes = max(self.left_behind_bytes, extra)
         self._line(
-            f"rank {self._rank()}: the failed attempt of batch {batch_index} left {extra / 2**20:.1f} MiB allocated "
+            f"rank {self._rank()}: the failed attempt of {what} left {extra / 2**20:.1f} MiB allocated "
             f"after its wipe ({before / 2**20:.1f} MiB before it, {after / 2**20:.1f} MiB after): memory no batch uses",
             True, logging.WARNING,
         )

@@ -138,6 +138,12 @@ class CapMemory:
     def allocated_bytes(self) -> int:
         return int(self.cap.live_bytes)
 
+    def mark(self) -> Any:
+        return self.cap.mark()
+
+    def held_since(self, mark: Any) -> int:
+        return self.cap.held_since(mark)
+
     def capacity_bytes(self) -> int:
         return self.reads if self.reads is not None else int(self.cap.limit_bytes or 0)
 

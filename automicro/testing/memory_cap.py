@@ -364,6 +364,25 @@ class MemoryCap:
         with self._lock:
             self._peak_bytes = self._live_bytes
 
+    def mark(self) -> dict[int, tuple["_Entry", int]]:
+        """A mark to count what is allocated from now on (`held_since`): each counted storage and
+        its size now. O(number of counted storages)."""
+        with self._lock:
+            return {key: (entry, entry.nbytes) for key, entry in self._entries.items()}
+
+    def held_since(self, mark: dict[int, tuple["_Entry", int]]) -> int:
+        """Live bytes allocated since `mark`: storages counted after it, and what storages counted
+        then have grown by (an FSDP2 unsharded parameter's storage is resized up, not allocated)."""
+        with self._lock:
+            held = 0
+            for key, entry in self._entries.items():
+                then = mark.get(key)
+                if then is None or then[0] is not entry:
+                    held += entry.nbytes
+                else:
+                    held += max(0, entry.nbytes - then[1])
+            return held
+
     def reset_counters(self) -> None:
         """Zero num_alloc_retries / num_ooms / num_allocs (live bytes are kept)."""
         with self._lock:
