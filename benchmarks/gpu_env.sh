@@ -1,4 +1,5 @@
-# Sourced by the device-tool scripts (gpu_smoke.sh, gpu_steady.sh): the shared set-up of a GPU call.
+# Sourced by a hand-written device-tool command (`benchmarks/run.py --install` does the same for its
+# suites): the shared set-up of a GPU call.
 # Keeps NVLink multicast off (shared hosts: see the device tool's KINDS.md), installs the carried
 # wheels (`.whl`, scripts/gpu_wheelhouse.sh) ahead of the image's packages, and writes the GPUs and
 # versions under $OUT. WHL names the wheel folder when it is not ./.whl.

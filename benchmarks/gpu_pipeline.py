@@ -1,5 +1,8 @@
-"""Pipeline parallelism on 2 GPUs (2 stages): a per-rank memory probe around scripts/train.py,
-and the parser that turns the runs of benchmarks/gpu_pipeline.sh into JSON and tables.
+"""Pipeline parallelism on 2 GPUs (2 stages): the cases, a per-rank memory probe around
+scripts/train.py, and the parser that turns the runs into JSON and tables.
+
+  # every part's cases (what `python3 benchmarks/run.py pipeline` launches); --help for the parts' knobs
+  python benchmarks/gpu_pipeline.py run --out OUT [--parts nohang,throughput,memory] [--cpu-dry]
 
   # one rank of a training run, with its peak GPU memory written to $PROBE_DIR/rank<R>.json at exit
   python -m composer.cli.launcher -n 2 benchmarks/gpu_pipeline.py probe CONFIG key=value ...
@@ -22,7 +25,7 @@ import re
 import runpy
 import statistics
 import sys
-from typing import Any
+from typing import Any, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
@@ -191,13 +194,131 @@ def parse(out: str, part: str) -> None:
     print("\n".join(lines))
 
 
+# ---- the cases (`run`) -------------------------------------------------------------------------------
+
+NOHANG_SPECS = ("zb-r0-015 ZeroBubble 0:0.15,1f1b-r1-020 1F1B 1:0.20,zb-r1-025 ZeroBubble 1:0.25,"
+                "1f1b-r0-030 1F1B 0:0.30,zb-r0-035 ZeroBubble 0:0.35,1f1b-r0-017 1F1B 0:0.17")
+
+
+def _specs(text: str) -> list[list[str]]:
+    """Comma-separated specs of space-separated fields (';' between specs when an override holds commas)."""
+    return [spec.split() for spec in text.split(";" if ";" in text else ",") if spec.strip()]
+
+
+def run(argv: list[str]) -> int:
+    """Each case: one `composer -n 2` launch of scripts/train.py under the probe, its console, rc,
+    metrics and per-rank peaks under WORK/<part>/<case>/; then each part's JSON and table in OUT."""
+    import argparse
+    import subprocess
+    import time
+
+    p = argparse.ArgumentParser(prog="gpu_pipeline.py run")
+    p.add_argument("--out", required=True)
+    p.add_argument("--work", default="/tmp/gpu_pipeline", help="the runs' folders (logs, metrics, probes)")
+    p.add_argument("--parts", default="nohang,throughput,memory")
+    p.add_argument("--run-s", type=float, default=170.0, help="each case's timeout (the hang watchdog)")
+    p.add_argument("--cpu-dry", action="store_true", help="CPU stand-in: configs/tiny-cpu-pp.yaml under memory caps")
+    p.add_argument("--gbs", type=int, default=0, help="global batch (32 on GPUs, 12 on the CPU stand-in)")
+    p.add_argument("--nohang-specs", default=NOHANG_SPECS, help="'name schedule rank:fraction[ override]', ...")
+    p.add_argument("--nohang-dur", default="8ba")
+    p.add_argument("--tp-specs", default="", help="'name schedule microbatch[ override]', ... (microbatch: auto, N, found, half, double)")
+    p.add_argument("--tp-sched", default="1F1B")
+    p.add_argument("--tp-frac", default="0:0.20")
+    p.add_argument("--tp-dur", default="14ba")
+    p.add_argument("--mem-mb", default="4")
+    p.add_argument("--mem-dur", default="4ba")
+    args = p.parse_args(argv)
+    dry = args.cpu_dry
+    gbs = args.gbs or (12 if dry else 32)
+    if dry:
+        config, mp = "configs/tiny-cpu-pp.yaml", "FULL"
+        base = [f"global_train_batch_size={gbs}", "loggers.console=false", "eval_interval=null", "save_folder=null", "load_path=null"]
+    else:
+        config, mp = "configs/tiny-gpu.yaml", "DEFAULT"
+        base = ["model.preset=1b", "model.init_device=meta", "model.tie_embeddings=false", "data.kind=synthetic", "data.seq_len=2048",
+                "data.num_samples=4096", f"global_train_batch_size={gbs}", "loggers.console=false", "eval_interval=null",
+                "save_folder=null", "load_path=null", "precision=amp_bf16"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"PROBE_CPU_CAP": "1"} if dry else {})}
+    order = 0
+
+    def case_run(part: str, name: str, sched: str, keep: str, ac: str, mb: str, frac: str, dur: str, extra: str = "") -> str:
+        nonlocal order
+        folder = os.path.join(args.work, part, name)
+        subprocess.run(["rm", "-rf", folder], check=False)
+        os.makedirs(folder)
+        order += 1
+        fsdp2 = f"fsdp2: {{mixed_precision: {mp}, activation_checkpointing: {ac}}}"
+        pc = (f"parallelism_config={{{fsdp2}}}" if sched == "FSDP2" else
+              f"parallelism_config={{{fsdp2}, pipeline: {{stages: 2, schedule: {sched}, keep_graph_after_input_grad: {keep}}}}}")
+        cb = f"callbacks.auto_microbatching.memory_fraction={{{frac}}}" if frac != "none" and not dry else "callbacks.auto_microbatching.log_attempts=true"
+        # The CPU stand-in's memory caps stay tight for the searches, roomy for fixed sizes.
+        more = ["callbacks.memory_cap.limit_bytes={0: 2000000000, 1: 2000000000}"] if dry and frac == "none" else []
+        argv_ = [sys.executable, "-m", "composer.cli.launcher", "-n", "2", os.path.abspath(__file__), "probe", config,
+                 f"run_name=pp-{name}", f"run_dir={os.path.join(folder, 'run')}", *base, f"max_duration={dur}",
+                 f"device_train_microbatch_size={mb}", pc, cb, *more, *([extra] if extra else [])]
+        # A fixed size leaves AutoMicrobatching idle (no memory_fraction): the probe sets the same fraction.
+        case_env = {**env, "PROBE_FRACTION": "" if frac == "none" else frac, "PROBE_DIR": os.path.join(folder, "probe")}
+        started = time.time()
+        done = harness.run_launch(argv_, args.run_s, env=case_env)
+        with open(os.path.join(folder, "console.log"), "w", encoding="utf-8") as handle:
+            handle.write((done.stdout or "") + (done.stderr or ""))
+        with open(os.path.join(folder, "rc"), "w", encoding="utf-8") as handle:
+            handle.write(str(done.returncode))
+        wall = int(time.time() - started)
+        with open(os.path.join(folder, "meta.json"), "w", encoding="utf-8") as handle:
+            json.dump({"order": order, "schedule": sched, "keep_graph": keep == "true", "ac": ac == "true", "mb": mb,
+                       "fractions": frac, "duration": dur, "extra": extra, "wall_s": wall}, handle)
+        lines = [line for line in (done.stdout or "").splitlines() if re.search(r"\[automicro\] (done|microbatch size found|fixed)", line)]
+        print(f"[pipeline] {part}/{name}: rc {done.returncode} in {wall} s; {' '.join(lines)[:300]}", flush=True)
+        if done.returncode != 0:
+            print("\n".join(line for line in (done.stdout or "").splitlines()[-40:] if "Warning" not in line), flush=True)
+        return folder
+
+    started = time.time()
+    for part in filter(None, args.parts.split(",")):
+        if part == "nohang":  # one tight stage per case
+            for name, sched, frac, *extra in _specs(args.nohang_specs):
+                case_run("nohang", name, sched, "false", "false", "auto", frac, args.nohang_dur, " ".join(extra))
+        elif part == "throughput":  # in this order; "found" = the size the first auto case found
+            specs = _specs(args.tp_specs or f"auto {args.tp_sched} auto,fixed-half {args.tp_sched} half,"
+                           f"fixed-found {args.tp_sched} found,fixed-double {args.tp_sched} double")
+            found: Optional[int] = None
+            for name, sched, mb, *extra in specs:
+                if mb != "auto" and not mb.isdigit():
+                    if found is None:
+                        print(f"[pipeline] skip {name}: no size found yet", flush=True)
+                        continue
+                    size = {"found": found, "half": found // 2, "double": found * 2}[mb]
+                    if size < 1 or size > gbs // 2:
+                        print(f"[pipeline] skip {name}: size {size}", flush=True)
+                        continue
+                    mb = str(size)
+                folder = case_run("throughput", name, sched, "false", "false", mb, args.tp_frac, args.tp_dur, " ".join(extra))
+                if found is None and mb == "auto" and sched != "FSDP2":
+                    case = read_case(folder)
+                    found = case.get("found_size") or case.get("size_in_use")
+                    print(f"[pipeline] found size: {found}", flush=True)
+        elif part == "memory":
+            for sched in ("1F1B", "ZeroBubble"):
+                for keep in ("false", "true"):
+                    for ac in ("false", "true"):
+                        case_run("memory", f"{sched}-keep_{keep}-ac_{ac}", sched, keep, ac, args.mem_mb, "none", args.mem_dur)
+        else:
+            raise SystemExit(f"gpu_pipeline.py run: unknown part {part!r} (nohang, throughput, memory)")
+        parse(args.work, part)
+        os.makedirs(args.out, exist_ok=True)
+        for suffix in (".json", "_table.txt"):
+            subprocess.run(["cp", os.path.join(args.work, f"pipeline_{part}{suffix}"), args.out], check=False)
+        print(f"[pipeline] {part} done at {time.time() - started:.0f} s", flush=True)
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "run":
+        raise SystemExit(run(sys.argv[2:]))
     if sys.argv[1] == "probe":
         probe(sys.argv[2:])
     elif sys.argv[1] == "parse":
         parse(sys.argv[2], sys.argv[3])
-    elif sys.argv[1] == "found":  # the found size (else the size in use) of one case, for the shell script
-        case = read_case(sys.argv[2])
-        print(case.get("found_size") or case.get("size_in_use") or "")
     else:
         raise SystemExit(__doc__)

@@ -135,7 +135,7 @@ def run_case(site: str, when: str, compiled: bool, args: argparse.Namespace) -> 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    p.add_argument("--out", default=os.environ.get("OUT", "runs/bench"))
     p.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
     p.add_argument("--tiny", action="store_true", help="the tiny preset, short sequences (the CPU check)")
     p.add_argument("--preset", default="125m")

@@ -166,7 +166,7 @@ def summarize(variant: str, rows: list[dict[str, Any]], console: list[str], skip
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    p.add_argument("--out", default=os.environ.get("OUT", "runs/bench"))
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--batches", type=int, default=30)
     p.add_argument("--skip", type=int, default=10, help="batches left out of the steady figures (search, compile)")

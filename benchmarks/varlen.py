@@ -134,7 +134,7 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    p.add_argument("--out", default=os.environ.get("OUT", "runs/bench"))
     p.add_argument("--variants", default=",".join(VARIANTS[:4]))
     p.add_argument("--variant", help=argparse.SUPPRESS)  # one variant, in this process
     p.add_argument("--batches", type=int, default=14)

@@ -173,3 +173,47 @@ def test_vs_plain_suite_runs_interleaved_on_cpu(tmp_path):
     assert auto["rounds_per_batch"] == 1  # one end-of-batch consensus round left
     assert rep["models_freed"] is True
     assert "within noise" in (out / "vs_plain_table.txt").read_text() or "claimed" in (out / "vs_plain_table.txt").read_text()
+
+
+# ---- the one runner (benchmarks/run.py) -------------------------------------------------------------
+
+
+def _runner_args(**overrides):
+    import argparse
+
+    base = dict(out="/tmp/automicro-run-test", nproc=0, timeout=0.0, cpu=False, python=sys.executable, rest=[])
+    return argparse.Namespace(**{**base, **overrides})
+
+
+def test_every_suite_launches_files_that_exist_with_its_out_folder():
+    import run as runner
+
+    for name, suite in runner.SUITES.items():
+        for cpu in (False, True) if suite.cpu else (False,):
+            launches = suite.launches(_runner_args(cpu=cpu))
+            assert launches, name
+            for launch in launches:
+                files = [a for a in launch.argv if a.endswith(".py")]
+                assert files and all(os.path.exists(os.path.join(ROOT, f)) for f in files), (name, launch.argv)
+                assert launch.timeout > 0, (name, launch.name)
+                assert any("/tmp/automicro-run-test" in a for a in launch.argv), (name, launch.argv)
+                if cpu and "--tiny" not in launch.argv:  # the CPU check never asks for a GPU
+                    assert "--dry-run" in launch.argv or "--cpu-dry" in launch.argv or "--gpu" not in launch.argv, (name, launch.argv)
+
+
+def test_runner_refuses_unknown_suites_and_cpu_checks_a_suite_lacks(tmp_path):
+    import run as runner
+
+    with pytest.raises(SystemExit, match="unknown suite"):
+        runner.run(["nosuch", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="no CPU check"):
+        runner.run(["smoke", "--cpu", "--out", str(tmp_path)])
+
+
+def test_runner_passes_args_after_the_separator_and_keeps_only_summary_lines():
+    import run as runner
+
+    (launch,) = runner.SUITES["one_gpu"].launches(_runner_args(rest=["--variants", "eager-auto"]))
+    assert launch.argv[-2:] == ["--variants", "eager-auto"]
+    text = "[one_gpu] | a table\n[one_gpu:detail] noise\n[automicro] a trainer line\n[rank0]: traceback\nplain\n[steady_oom] ok"
+    assert runner._summary_lines(text) == ["[one_gpu] | a table", "[steady_oom] ok"]
