@@ -74,6 +74,7 @@ from automicro.core.transport import TRANSPORTS
 from automicro.engine import _torch_internals as torch_internals
 from automicro.engine.sharding import ShardedModel
 from automicro.integration import _composer_internals as composer_internals
+from automicro.integration.batch_kinds import BatchKind, batch_kind
 from automicro.integration.batch_step import BatchStep
 from automicro.integration.eval_search import EvalFence, EvalSearch
 from automicro.integration.layout_trials import LayoutTrials
@@ -133,9 +134,10 @@ class AutoMicrobatching(Callback):
         # budget="tokens": the search's sizes are tokens per microbatch (`token_budget`).
         if fixed_tokens is not None and budget != "tokens":
             raise ValueError(f"fixed_tokens={fixed_tokens!r} needs budget='tokens'")
-        self.tokens: Optional[TokenBudget] = TokenBudget(fixed_tokens) if budget == "tokens" else None
-        if self.tokens is not None:
-            self.policy_config = self.tokens.policy_config(self.policy_config)
+        # What a batch is counted in (`batch_kinds`): the callback asks it, never `if tokens`.
+        self.kind: BatchKind = batch_kind(budget, fixed_tokens)
+        self.tokens: Optional[TokenBudget] = self.kind.tokens
+        self.policy_config = self.kind.policy_config(self.policy_config)
         self.thrash = ThrashDetector(thrash_batches)
         # What the engine may trade for speed once the size settles (`automicro.core.layout`).
         self.layout_config = LayoutConfig.parse(layout, layout_trial_batches, layout_min_gain)
@@ -216,14 +218,7 @@ class AutoMicrobatching(Callback):
 
     def check_trainer(self, trainer: Any) -> None:
         """Called by `automicro.Trainer` once Composer's Trainer is built: settings that cannot go together."""
-        if self.tokens is not None and trainer.accumulate_train_batch_on_tokens and composer_internals.counts_padded_tokens(trainer):
-            raise ValueError(
-                "AutoMicrobatching(budget='tokens') with accumulate_train_batch_on_tokens=True: Composer's default "
-                "token counter counts padded input_ids, and each microbatch is re-padded to its own longest sample, "
-                "so the loss weights would change with the split. Count real tokens: pass DataSpec(dataloader, "
-                "get_num_tokens_in_batch=automicro.data.count_tokens) (or your own counter of labels != -100), or set "
-                "accumulate_train_batch_on_tokens=False"
-            )
+        self.kind.check_trainer(trainer)
 
     def bind_trainer(self) -> None:
         """Called by `automicro.Trainer` for each of its AutoMicrobatching callbacks."""
@@ -260,11 +255,8 @@ class AutoMicrobatching(Callback):
                 "one rank: FSDP2 with the fixed layout gathers parameters and reduces gradients every microbatch; "
                 "layout: auto (the default on a GPU) trades that away once the size is found (README 'One GPU')"
             )
-        if pipeline is not None and self.tokens is not None:
-            raise ValueError(
-                "AutoMicrobatching(budget='tokens') cannot run pipeline stages (a pipeline runs equal microbatches); "
-                "use budget='samples' with parallelism_config.pipeline"
-            )
+        if pipeline is not None:
+            self.kind.check_pipeline()
         if self.start == "auto" and sharded.device.type == "cuda":
             self.policy_config = dataclasses.replace(self.policy_config, probe=True)
         if pipeline is not None and self.start == "probe":
@@ -330,18 +322,9 @@ class AutoMicrobatching(Callback):
         """What the search found, for the console at the end of a fit (None before any batch)."""
         if self.policy is None:
             return None
-        batch = "" if per_rank_batch is None else f" (per-rank batch {per_rank_batch}{' samples' if self.tokens else ''})"
         tail = f"attempts {len(self.history)}, OOMs {self.ooms_total}; sync hooks {'on' if self.hooks_active else 'off'}"
-        if self.tokens is not None:
-            return (
-                f"[automicro] microbatch budget found: {self.found_size} tokens{batch}; last split "
-                f"{list(self.used_split)}; padding {100 * self.tokens.padding_waste:.1f}% of the tokens trained; {tail}"
-            )
         layout = "" if self.layout is None or self.layout.engine is None else f"; layout: {self.layout.describe()}"
-        return (
-            f"[automicro] microbatch size found: {self.found_size}{batch}; split in use {list(self.policy.current_split())}"
-            f"{layout}; {tail}"
-        )
+        return self.kind.summary(self.policy, per_rank_batch, layout, self.used_split, tail)
 
     # Read-only figures for dashboards, benchmarks and tests.
 
@@ -552,8 +535,8 @@ class AutoMicrobatching(Callback):
             search_time_s=self.search_time_s,
             alloc_retries=self._batch_retries,
             found_size=self.found_size or 0,
-            budget_tokens=0 if self.tokens is None or self.tokens.plan is None else self.tokens.plan.budget,
-            padding_waste=None if self.tokens is None else self.tokens.padding_waste,
+            budget_tokens=self.kind.metric_figures()[0],
+            padding_waste=self.kind.metric_figures()[1],
             capacity_bytes=self._last_capacity,
         )
         logger.log_metrics({**batch_metrics(figures, self.history), **(self.layout.metrics() if self.layout else {})})
@@ -565,11 +548,7 @@ class AutoMicrobatching(Callback):
 
     def _hooks_message(self, want: bool, reason: HookReason, detail: str) -> str:
         if not want and self.policy is not None and reason is HookReason.STABLE:
-            at = (
-                f"budget {self.policy.found_size} tokens" if self.tokens is not None
-                else f"split {list(self.policy.current_split())}"
-            )
-            return f"sync hooks off after {self.policy_config.stable_batches} clean batches at {at}"
+            return f"sync hooks off after {self.policy_config.stable_batches} clean batches at {self.kind.stable_at(self.policy)}"
         return f"sync hooks {'on' if want else 'off'} ({reason.value}{': ' + detail if detail else ''})"
 
     # ---- checkpoints -------------------------------------------------------------------------
@@ -581,7 +560,7 @@ class AutoMicrobatching(Callback):
             "thrash_events": self.thrash.events,
             "search_time_s": self.search_time_s,
             "history": history_to_state(self.history),
-            "tokens": None if self.tokens is None else self.tokens.state_dict(),
+            "tokens": self.kind.state_dict(),
             "eval": self._eval.state_dict(),
             "layout": None if self.layout is None else self.layout.state_dict(),
         }
@@ -592,36 +571,27 @@ class AutoMicrobatching(Callback):
         self.thrash.events = int(state.get("thrash_events", 0))
         self.search_time_s = float(state.get("search_time_s", 0.0))
         self.history = history_from_state(state.get("history", []))
-        if self.tokens is not None and state.get("tokens") is not None:
-            self.tokens.load_state_dict(state["tokens"])
+        self.kind.load_state_dict(state.get("tokens"))
         self._eval.load_state_dict(state.get("eval", {}))
         self._layout_state = state.get("layout")
 
     def _ensure_policy(self, batch_size: int, state: Optional[State] = None) -> None:
-        if self.tokens is not None and self.tokens.fixed is not None:
-            batch_size = max(batch_size, self.tokens.fixed)  # a hand-set budget: its domain is fixed too
-        if self.tokens is not None and self.policy is not None:
-            # A token budget's domain (the largest batch seen, in tokens) only grows.
-            if batch_size > self.policy.state.batch_size:
-                decision = self.policy.observe(search.DomainGrew(batch_size))
-                self._apply_hooks(decision.hooks, decision.reason, f"largest batch now {batch_size} tokens")
-            return
+        batch_size = self.kind.domain(batch_size)
         if self.policy is None:
             self.policy = search.SearchPolicy(self.policy_config, batch_size)
             if self._pending_state is not None and self._pending_state.get("policy") is not None:
                 self.policy.state = search.SearchState.from_dict(self._pending_state["policy"])
                 self._pending_state = None
                 self.policy.observe(search.Rearm("checkpoint loaded"))
-                if self.tokens is not None:
-                    self.policy.observe(search.DomainGrew(batch_size))
-                elif self.policy.state.batch_size != batch_size:
-                    self.policy.observe(search.BatchSizeChanged(batch_size))
+                self.kind.resumed(self.policy, batch_size)
                 self._step_below_unrecovered_failure(state)
                 self._info(f"resumed with microbatch split {self.policy.current_split()} (hooks on until stable)")
             self._apply_hooks(True, HookReason.SEARCHING)
-        elif self.policy.state.batch_size != batch_size:
-            decision = self.policy.observe(search.BatchSizeChanged(batch_size))
-            self._apply_hooks(decision.hooks, decision.reason, f"to {batch_size}")
+        else:
+            changed = self.kind.changed(self.policy, batch_size)
+            if changed is not None:
+                decision, detail = changed
+                self._apply_hooks(decision.hooks, decision.reason, detail)
 
     # ---- a run that could not recover in-process -------------------------------------------------
 
@@ -682,7 +652,7 @@ class AutoMicrobatching(Callback):
             projected_bytes=self._optimizer_pending if peak else 0,
             capacity_bytes=capacity,
             allocated_bytes=self._memory.allocated_bytes(),
-            microbatch_tokens=0 if self.tokens is None or self.tokens.plan is None else self.tokens.plan.largest,
+            microbatch_tokens=self.kind.microbatch_tokens(),
             outside_bytes=outside,
         )
 
@@ -706,11 +676,7 @@ class AutoMicrobatching(Callback):
             self._layout_state = None
         self.layout.before_batch(
             self.policy.phase == search.Phase.STEADY, self._last_peak, self.policy.usable_bytes(self._last_capacity),
-            *(() if self.tokens is not None else (
-                max(self.policy.current_split()), self.policy.found_size, self._peak_at,
-                self.policy.probe_split() if self.policy_config.probes else None,
-                lambda n: max(self.policy.split_for(n)),
-            )),
+            *self.kind.layout_figures(self.policy, self._peak_at, self.policy_config.probes),
             capacity_read=self._last_capacity or 0, outside_bytes=self._last_outside,
         )
         undone = self.layout.take_undone()
@@ -723,16 +689,8 @@ class AutoMicrobatching(Callback):
             # A pipeline's per-step barriers come off with the sync hooks (a failed stage drains the
             # schedule instead, `automicro.engine.pipeline`); steady_recovery=False keeps them on.
             hooks_on = self.hooks_active or (self._pipeline is not None and not self.steady_recovery)
-            if self.tokens is not None:
-                attempt = step.attempt(None, self._budget(), hooks_on)
-            else:
-                track = self.policy_config.probes and self.policy.phase == search.Phase.SEARCHING
-                downsized = self.layout.trial_size
-                split = self.policy.current_split() if downsized is None else self.policy.split_for(downsized)
-                if self.layout.measure_split_next:
-                    # A layout trade's bytes, measured at the probe's split (`automicro.core.layout`).
-                    split, track = self.policy.probe_split() or split, True
-                attempt = step.attempt(tuple(split), None, hooks_on, track_peaks=track)
+            split, budget, track = self.kind.next_attempt(self.policy, self.layout, self.policy_config.probes)
+            attempt = step.attempt(split, budget, hooks_on, track_peaks=track)
             self._batch_attempts = step.attempts
             result, sizes = attempt.result, attempt.sizes
             verdict, seconds = result.verdict, result.seconds
@@ -840,23 +798,10 @@ class AutoMicrobatching(Callback):
             return 0
         return pending
 
-    def _budget(self) -> int:
-        """The token budget of the next attempt: the settled one, or the one under test."""
-        assert self.policy is not None
-        state = self.policy.state
-        return state.found if state.found is not None else state.size
-
     def _outcome_size(self, sizes: tuple[int, ...], verdict: Verdict, failed: bool = False) -> int:
-        """What the policy is told the attempt ran at: samples, or tokens (`TokenBudget`)."""
-        if self.tokens is None or self.tokens.plan is None:
-            return max(sizes)
+        """What the policy is told the attempt ran at: samples, or tokens (`batch_kinds`)."""
         assert self.policy is not None
-        domain, plan = self.policy.state.batch_size, self.tokens.plan
-        if failed:
-            return self.tokens.failure_size(
-                plan, domain, verdict.failed_microbatch_tokens, self.policy.state, tuple(verdict.failed_ranks)
-            )
-        return self.tokens.success_size(plan, domain, verdict.microbatch_tokens)
+        return self.kind.outcome_size(self.policy, sizes, verdict, failed)
 
     def _all_reduce_sum(self, tensor: torch.Tensor) -> None:
         if self._ledger is not None:
@@ -872,14 +817,8 @@ class AutoMicrobatching(Callback):
                     f"rank {r.rank} at {r.site}: peak {r.peak_bytes / 2**20:.1f} MiB, "
                     f"allocated {r.allocated_bytes / 2**20:.1f} MiB, capacity {r.capacity_bytes / 2**20:.1f} MiB"
                 )
-        if self.tokens is not None and self.tokens.fixed is not None:
-            what = f"out of memory at the hand-set token budget fixed_tokens={self.tokens.fixed}"
-        elif self.tokens is not None:
-            what = "out of memory even with one sample per microbatch (budget='tokens')"
-        else:
-            what = "out of memory even with device_train_microbatch_size=1"
         return (
-            f"automicro: {what}; "
+            f"automicro: {self.kind.cannot_fit()}; "
             + "; ".join(rows)
             + ". Reduce the model or sequence length, shard more (more ranks, reshard_after_forward, "
             "activation_checkpointing, cpu_offload) or raise the memory limit."
@@ -903,8 +842,7 @@ class AutoMicrobatching(Callback):
         self._batch_retries = verdict.any_new_alloc_retries
         # As in Composer's rule, a batch that already ran out of memory is not counted for thrashing.
         retried_clean_batch = verdict.any_new_alloc_retries and self._batch_attempts == 1
-        if self.tokens is not None and self.tokens.plan is not None:
-            self.tokens.trained(self.tokens.plan)
+        self.kind.trained()
         if self.thrash.observe(retried_clean_batch):
             if self._relieved_by_layout(f"thrashing at size {max(sizes)}", max(sizes)) is not None:
                 assert self.layout is not None
@@ -930,11 +868,9 @@ class AutoMicrobatching(Callback):
         )
         if phase_before != search.Phase.STEADY or self._batch_attempts > 1 or decision.phase != search.Phase.STEADY:
             self._record(batch_index, sizes, "ok", verdict, decision.next_size, seconds, decision.event)
-        if self.tokens is not None and phase_before == search.Phase.SEARCHING and self.policy.found_size is not None:
-            self._info(
-                f"microbatch budget found: {self.policy.found_size} tokens ({len(sizes)} microbatches for this batch; "
-                f"padding {100 * self.tokens.padding_waste:.1f}% of the tokens trained so far)"
-            )
+        found_line = self.kind.found_line(self.policy, phase_before, sizes)
+        if found_line is not None:
+            self._info(found_line)
         self._apply_hooks(decision.hooks, decision.reason)
 
     def _record(
@@ -951,13 +887,12 @@ class AutoMicrobatching(Callback):
         record = AttemptRecord(
             batch=batch_index,
             attempt=self._batch_attempts,
-            # budget="tokens": the token budget the attempt was planned under.
-            size=max(sizes) if self.tokens is None or self.tokens.plan is None else self.tokens.plan.budget,
+            size=self.kind.record_size(sizes),
             split=sizes,
             outcome=outcome,
             failed_ranks=verdict.failed_ranks,
             sites=verdict.sites,
-            next_size=next_size if self.tokens is None or self.policy is None or not next_size else self._budget(),
+            next_size=self.kind.record_next(self.policy, next_size),
             hooks=self.hooks_active if hooks is None else hooks,
             seconds=round(seconds, 4),
             note=note,

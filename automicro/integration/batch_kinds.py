@@ -1,0 +1,237 @@
+"""What a batch is counted in, for the training search: samples or tokens.
+
+`AutoMicrobatching(budget="samples")` searches samples per microbatch (`SampleBatches`);
+`budget="tokens"` searches tokens per microbatch and packs each variable-length batch under the
+budget (`TokenBatches`, over `automicro.integration.token_budget.TokenBudget`). The callback asks its
+batch kind whatever differs between the two (the policy's domain, the next attempt, what the policy
+is told an attempt ran at, the console and dashboard figures, the checkpoint's part) and never
+branches on the budget itself.
+
+Owns: the per-kind answers and (tokens) the `TokenBudget`. May not touch: the policy's state (it
+reads it and passes it events it builds), Composer, the attempt fence.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Union
+
+from automicro.core import policy as search
+from automicro.core.consensus import Verdict
+from automicro.integration import _composer_internals as composer_internals
+from automicro.integration.token_budget import TokenBudget
+
+
+class SampleBatches:
+    """budget="samples": a batch's size is its samples; the split is the policy's."""
+
+    tokens: Optional[TokenBudget] = None
+    unit = "samples"
+
+    def policy_config(self, base: search.PolicyConfig) -> search.PolicyConfig:
+        return base
+
+    def check_trainer(self, trainer: Any) -> None:
+        pass
+
+    def check_pipeline(self) -> None:
+        pass
+
+    # ---- the policy's domain -------------------------------------------------------------------
+
+    def domain(self, batch_size: int) -> int:
+        return batch_size
+
+    def resumed(self, policy: search.SearchPolicy, batch_size: int) -> None:
+        """A policy restored from a checkpoint meets this run's first batch."""
+        if policy.state.batch_size != batch_size:
+            policy.observe(search.BatchSizeChanged(batch_size))
+
+    def changed(self, policy: search.SearchPolicy, batch_size: int) -> Optional[tuple[search.Decision, str]]:
+        """A later batch: the decision its size brings (and the console detail), or None."""
+        if policy.state.batch_size == batch_size:
+            return None
+        return policy.observe(search.BatchSizeChanged(batch_size)), f"to {batch_size}"
+
+    # ---- one attempt ---------------------------------------------------------------------------
+
+    def next_attempt(self, policy: search.SearchPolicy, layout: Any, probes: bool) -> tuple[Optional[tuple[int, ...]], Optional[int], bool]:
+        """(split, token budget, track per-microbatch peaks) of the next attempt."""
+        track = probes and policy.phase == search.Phase.SEARCHING
+        downsized = layout.trial_size
+        split = policy.current_split() if downsized is None else policy.split_for(downsized)
+        if layout.measure_split_next:
+            # A layout trade's bytes, measured at the probe's split (`automicro.core.layout`).
+            split, track = policy.probe_split() or split, True
+        return tuple(split), None, track
+
+    def layout_figures(self, policy: search.SearchPolicy, peak_at: Callable[[int], Any], probes: bool) -> tuple[Any, ...]:
+        """What the layout trials size their trades by (`LayoutTrials.before_batch`); nothing for tokens."""
+        return (
+            max(policy.current_split()), policy.found_size, peak_at, policy.probe_split() if probes else None,
+            lambda n: max(policy.split_for(n)),
+        )
+
+    def microbatch_tokens(self) -> int:
+        """This rank's largest microbatch in padded tokens (the consensus report's figure)."""
+        return 0
+
+    def outcome_size(self, policy: search.SearchPolicy, sizes: tuple[int, ...], verdict: Verdict, failed: bool) -> int:
+        """What the policy is told the attempt ran at."""
+        return max(sizes)
+
+    def trained(self) -> None:
+        """An attempt succeeded: its microbatches were trained."""
+
+    # ---- records, console, dashboards ----------------------------------------------------------
+
+    def record_size(self, sizes: tuple[int, ...]) -> int:
+        return max(sizes)
+
+    def record_next(self, policy: Optional[search.SearchPolicy], next_size: int) -> int:
+        return next_size
+
+    def found_line(self, policy: search.SearchPolicy, phase_before: search.Phase, sizes: tuple[int, ...]) -> Optional[str]:
+        return None
+
+    def stable_at(self, policy: search.SearchPolicy) -> str:
+        return f"split {list(policy.current_split())}"
+
+    def cannot_fit(self) -> str:
+        return "out of memory even with device_train_microbatch_size=1"
+
+    def summary(self, policy: search.SearchPolicy, per_rank_batch: Optional[int], layout: str, used: tuple[int, ...], tail: str) -> str:
+        """The end-of-fit line (`AutoMicrobatching.summary_line`)."""
+        batch = "" if per_rank_batch is None else f" (per-rank batch {per_rank_batch})"
+        return f"[automicro] microbatch size found: {policy.found_size}{batch}; split in use {list(policy.current_split())}{layout}; {tail}"
+
+    def metric_figures(self) -> tuple[int, Optional[float]]:
+        """(`automicro/budget_tokens`, `automicro/padding_waste`)."""
+        return 0, None
+
+    def state_dict(self) -> Optional[dict[str, Any]]:
+        return None
+
+    def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
+        pass
+
+
+class TokenBatches(SampleBatches):
+    """budget="tokens": a batch's size is the largest batch of any rank in padded tokens; each
+    attempt packs this rank's samples under the budget under test (`TokenBudget`)."""
+
+    unit = "tokens"
+
+    def __init__(self, fixed: Optional[int] = None) -> None:
+        self.tokens = TokenBudget(fixed)
+
+    def policy_config(self, base: search.PolicyConfig) -> search.PolicyConfig:
+        return self.tokens.policy_config(base)
+
+    def check_trainer(self, trainer: Any) -> None:
+        if trainer.accumulate_train_batch_on_tokens and composer_internals.counts_padded_tokens(trainer):
+            raise ValueError(
+                "AutoMicrobatching(budget='tokens') with accumulate_train_batch_on_tokens=True: Composer's default "
+                "token counter counts padded input_ids, and each microbatch is re-padded to its own longest sample, "
+                "so the loss weights would change with the split. Count real tokens: pass DataSpec(dataloader, "
+                "get_num_tokens_in_batch=automicro.data.count_tokens) (or your own counter of labels != -100), or set "
+                "accumulate_train_batch_on_tokens=False"
+            )
+
+    def check_pipeline(self) -> None:
+        raise ValueError(
+            "AutoMicrobatching(budget='tokens') cannot run pipeline stages (a pipeline runs equal microbatches); "
+            "use budget='samples' with parallelism_config.pipeline"
+        )
+
+    def domain(self, batch_size: int) -> int:
+        # A hand-set budget: its domain is fixed too.
+        return batch_size if self.tokens.fixed is None else max(batch_size, self.tokens.fixed)
+
+    def resumed(self, policy: search.SearchPolicy, batch_size: int) -> None:
+        policy.observe(search.DomainGrew(batch_size))
+
+    def changed(self, policy: search.SearchPolicy, batch_size: int) -> Optional[tuple[search.Decision, str]]:
+        # The domain (the largest batch seen, in tokens) only grows.
+        if batch_size <= policy.state.batch_size:
+            return None
+        return policy.observe(search.DomainGrew(batch_size)), f"largest batch now {batch_size} tokens"
+
+    def budget(self, policy: search.SearchPolicy) -> int:
+        """The token budget of the next attempt: the settled one, or the one under test."""
+        state = policy.state
+        return state.found if state.found is not None else state.size
+
+    def next_attempt(self, policy: search.SearchPolicy, layout: Any, probes: bool) -> tuple[Optional[tuple[int, ...]], Optional[int], bool]:
+        return None, self.budget(policy), False
+
+    def layout_figures(self, policy: search.SearchPolicy, peak_at: Callable[[int], Any], probes: bool) -> tuple[Any, ...]:
+        return ()
+
+    def microbatch_tokens(self) -> int:
+        return 0 if self.tokens.plan is None else self.tokens.plan.largest
+
+    def outcome_size(self, policy: search.SearchPolicy, sizes: tuple[int, ...], verdict: Verdict, failed: bool) -> int:
+        plan = self.tokens.plan
+        if plan is None:
+            return max(sizes)
+        domain = policy.state.batch_size
+        if failed:
+            return self.tokens.failure_size(plan, domain, verdict.failed_microbatch_tokens, policy.state, tuple(verdict.failed_ranks))
+        return self.tokens.success_size(plan, domain, verdict.microbatch_tokens)
+
+    def trained(self) -> None:
+        if self.tokens.plan is not None:
+            self.tokens.trained(self.tokens.plan)
+
+    def record_size(self, sizes: tuple[int, ...]) -> int:
+        # The token budget the attempt was planned under.
+        return max(sizes) if self.tokens.plan is None else self.tokens.plan.budget
+
+    def record_next(self, policy: Optional[search.SearchPolicy], next_size: int) -> int:
+        if policy is None or not next_size:
+            return next_size
+        return self.budget(policy)
+
+    def found_line(self, policy: search.SearchPolicy, phase_before: search.Phase, sizes: tuple[int, ...]) -> Optional[str]:
+        if phase_before != search.Phase.SEARCHING or policy.found_size is None:
+            return None
+        return (
+            f"microbatch budget found: {policy.found_size} tokens ({len(sizes)} microbatches for this batch; "
+            f"padding {100 * self.tokens.padding_waste:.1f}% of the tokens trained so far)"
+        )
+
+    def stable_at(self, policy: search.SearchPolicy) -> str:
+        return f"budget {policy.found_size} tokens"
+
+    def cannot_fit(self) -> str:
+        if self.tokens.fixed is not None:
+            return f"out of memory at the hand-set token budget fixed_tokens={self.tokens.fixed}"
+        return "out of memory even with one sample per microbatch (budget='tokens')"
+
+    def summary(self, policy: search.SearchPolicy, per_rank_batch: Optional[int], layout: str, used: tuple[int, ...], tail: str) -> str:
+        batch = "" if per_rank_batch is None else f" (per-rank batch {per_rank_batch} samples)"
+        return (
+            f"[automicro] microbatch budget found: {policy.found_size} tokens{batch}; last split {list(used)}; "
+            f"padding {100 * self.tokens.padding_waste:.1f}% of the tokens trained; {tail}"
+        )
+
+    def metric_figures(self) -> tuple[int, Optional[float]]:
+        return 0 if self.tokens.plan is None else self.tokens.plan.budget, self.tokens.padding_waste
+
+    def state_dict(self) -> Optional[dict[str, Any]]:
+        return self.tokens.state_dict()
+
+    def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
+        if state is not None:
+            self.tokens.load_state_dict(state)
+
+
+BatchKind = Union[SampleBatches, TokenBatches]
+
+
+def batch_kind(budget: str, fixed_tokens: Optional[int]) -> BatchKind:
+    """The batch kind of `AutoMicrobatching(budget=..., fixed_tokens=...)` (checked there)."""
+    return TokenBatches(fixed_tokens) if budget == "tokens" else SampleBatches()
+
+
+__all__ = ["BatchKind", "SampleBatches", "TokenBatches", "batch_kind"]
