@@ -7,7 +7,7 @@
   engine (config, launcher, consensus transports, console and dashboards, token packing), which
   the torch version does not reach.
 - ``many_ranks``: 4-rank launches (2 CPU cores run them at half speed). The same code paths run on
-  2 ranks in every leg; leg 1 runs the 4-rank ones too.
+  2 ranks in every leg; leg 1 runs a seeded half of the 4-rank launches each run (all with `--full`).
 """
 
 from __future__ import annotations
@@ -60,6 +60,38 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.torch_versions)
         if MANY_RANK_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.many_ranks)
+    _sample_many_rank_launches(config, items)
+
+
+def _sample_many_rank_launches(config, items):
+    """The 4-rank launches are sampled like the fault matrices (`tests/matrix.py`): each run takes a
+    seeded half of them (a launch: a 4-rank module fixture with its tests, or one 4-rank test), the
+    rest deselected; `--full` takes every one. The same paths run on 2 ranks in every run; over runs
+    every 4-rank launch comes up (each is ~1-3 minutes on CI's 2 cores)."""
+    import math
+    import random
+
+    from tests import matrix
+
+    def launch(item):
+        fixture = sorted(MANY_RANK_FIXTURES & set(getattr(item, "fixturenames", ())))
+        return f"{Path(str(item.fspath)).name}::{fixture[0] if fixture else item.name}"
+
+    many = [item for item in items if item.get_closest_marker("many_ranks") is not None]
+    launches = sorted({launch(item) for item in many})
+    if not launches:
+        return
+    if matrix.full():
+        matrix.DRAWN["4-rank launches"] = (len(launches), len(launches))
+        return
+    rng = random.Random(f"{matrix.seed()}:4-rank launches")
+    chosen = set(rng.sample(launches, math.ceil(len(launches) / 2)))
+    matrix.DRAWN["4-rank launches"] = (len(chosen), len(launches))
+    dropped = [item for item in many if launch(item) not in chosen]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        gone = set(map(id, dropped))
+        items[:] = [item for item in items if id(item) not in gone]
 
 
 def pytest_addoption(parser):
