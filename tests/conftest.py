@@ -69,7 +69,6 @@ def _sample_many_rank_launches(config, items):
     rest deselected; `--full` takes every one. The same paths run on 2 ranks in every run; over runs
     every 4-rank launch comes up (each is ~1-3 minutes on CI's 2 cores)."""
     import math
-    import random
 
     from tests import matrix
 
@@ -81,12 +80,8 @@ def _sample_many_rank_launches(config, items):
     launches = sorted({launch(item) for item in many})
     if not launches:
         return
-    if matrix.full():
-        matrix.DRAWN["4-rank launches"] = (len(launches), len(launches))
-        return
-    rng = random.Random(f"{matrix.seed()}:4-rank launches")
-    chosen = set(rng.sample(launches, math.ceil(len(launches) / 2)))
-    matrix.DRAWN["4-rank launches"] = (len(chosen), len(launches))
+    # One row (a constant key): half of the launches drawn, every one under --full.
+    chosen = set(matrix.sample("4-rank launches", launches, key=lambda _: 0, per_key=math.ceil(len(launches) / 2)))
     dropped = [item for item in many if launch(item) not in chosen]
     if dropped:
         config.hook.pytest_deselected(items=dropped)

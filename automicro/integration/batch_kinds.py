@@ -25,7 +25,6 @@ class SampleBatches:
     """budget="samples": a batch's size is its samples; the split is the policy's."""
 
     tokens: Optional[TokenBudget] = None
-    unit = "samples"
 
     def policy_config(self, base: search.PolicyConfig) -> search.PolicyConfig:
         return base
@@ -118,8 +117,6 @@ class SampleBatches:
 class TokenBatches(SampleBatches):
     """budget="tokens": a batch's size is the largest batch of any rank in padded tokens; each
     attempt packs this rank's samples under the budget under test (`TokenBudget`)."""
-
-    unit = "tokens"
 
     def __init__(self, fixed: Optional[int] = None) -> None:
         self.tokens = TokenBudget(fixed)

@@ -525,6 +525,7 @@ class AutoMicrobatching(Callback):
     def batch_end(self, state: State, logger: Logger) -> None:
         if self.policy is None or not self._used_split:
             return
+        budget_tokens, padding_waste = self.kind.metric_figures()
         figures = BatchFigures(
             split=self._used_split,
             attempts=self._batch_attempts,
@@ -535,8 +536,8 @@ class AutoMicrobatching(Callback):
             search_time_s=self.search_time_s,
             alloc_retries=self._batch_retries,
             found_size=self.found_size or 0,
-            budget_tokens=self.kind.metric_figures()[0],
-            padding_waste=self.kind.metric_figures()[1],
+            budget_tokens=budget_tokens,
+            padding_waste=padding_waste,
             capacity_bytes=self._last_capacity,
         )
         logger.log_metrics({**batch_metrics(figures, self.history), **(self.layout.metrics() if self.layout else {})})
