@@ -22,6 +22,9 @@ def run(
     process group and fails the test as a hang."""
     if env is None:
         env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+    # One intra-op thread per rank, as torchrun sets it (the Composer launcher leaves each rank every
+    # core: 2 ranks on CI's 2 cores ran ~3x slower). A caller's own OMP_NUM_THREADS is kept.
+    env = {"OMP_NUM_THREADS": "1", **env}
     proc = subprocess.Popen(
         args, cwd=cwd or REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
