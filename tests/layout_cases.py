@@ -79,7 +79,7 @@ def fit(
 
             def batch_end(state: Any, logger: Any) -> None:
                 layouts.append(auto.layout.last_run if auto.layout else ())
-                splits.append(list(auto._used_split or ()))
+                splits.append(list(auto.used_split or ()))
                 original(state, logger)
 
             auto.batch_end = batch_end  # type: ignore[method-assign]

@@ -778,6 +778,22 @@ def test_core_imports_nothing_above_it():
     assert len(list(core.glob("*.py"))) > 10 and not bad, bad
 
 
+def test_the_callback_only_dispatches():
+    """Issue 40: `integration/callback.py` dispatches Composer's events to the rooms that own the
+    behaviour (settings, runtime, training_search, layout_trials, eval_search, batch_kinds): under 500
+    lines, and no branch on the batch kind, the pipeline or the layout inside it (a room answers)."""
+    path = Path(POLICY_FILE).parent.parent / "integration" / "callback.py"
+    text = path.read_text()
+    assert len(text.splitlines()) < 500, len(text.splitlines())
+    branches = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.If, ast.IfExp)):
+            test = ast.unparse(node.test)
+            if any(word in test for word in ("tokens", "budget", "pipeline is not None", "layout_config.mode")):
+                branches.append(f"line {node.lineno}: if {test}")
+    assert not branches, branches
+
+
 # ---- config validation -----------------------------------------------------------------------
 
 BAD_CONFIGS = [

@@ -1,0 +1,160 @@
+"""What a user can set on `AutoMicrobatching` (the YAML's ``callbacks.auto_microbatching`` keys),
+checked once: every bad value is refused here, with what to set instead.
+
+Owns: the checks and the values they resolve to (the search's config, how it starts, the batch
+kind, the layout config). May not touch: Composer's state, torch, the ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Union
+
+from automicro.core import policy as search
+from automicro.core.layout import LayoutConfig
+from automicro.core.transport import TRANSPORTS
+from automicro.engine.hooks import SYNC_POINTS
+from automicro.integration.batch_kinds import BatchKind, batch_kind
+
+BUDGETS = ("samples", "tokens")
+EVAL_OOM = ("split", "stop")
+START_SIZES = ("probe", "batch")
+
+
+@dataclasses.dataclass
+class Settings:
+    """The checked settings. `policy_config` is the search's config before the device is known
+    (`TrainingSearch.configure` resolves the start and a pipeline's sizes at attach)."""
+
+    start: str
+    policy_config: search.PolicyConfig
+    kind: BatchKind
+    thrash_batches: int
+    layout_config: LayoutConfig
+    eval_oom: str
+    cpu_sync_group: bool
+    memory_fraction: Optional[Union[float, dict[int, float]]]
+    log_attempts: bool
+    unguarded_timeout_s: float
+    sync_points: str
+    consensus_transport: str
+    steady_recovery: bool
+
+    @classmethod
+    def parse(
+        cls,
+        stable_batches: int = 3,
+        thrash_batches: int = 2,
+        search: str = "bisect",
+        use_prediction: bool = True,
+        start_size: Union[int, str, None] = None,
+        cpu_sync_group: bool = True,
+        memory_fraction: Optional[Union[float, dict[int, float]]] = None,
+        log_attempts: bool = True,
+        unguarded_timeout_s: float = 120.0,
+        sync_points: str = "all",
+        consensus_transport: str = "auto",
+        steady_recovery: bool = True,
+        budget: str = "samples",
+        fixed_tokens: Optional[int] = None,
+        eval_oom: str = "split",
+        layout: Union[str, list[str], None] = None,
+        layout_trial_batches: int = 3,
+        layout_min_gain: float = 0.01,
+    ) -> "Settings":
+        # None: the probe on a GPU, the whole batch on CPU (resolved at attach, as the layout).
+        start = _start(start_size, search, use_prediction, budget)
+        config = search_config(
+            search, stable_batches, use_prediction, start_size if isinstance(start_size, int) else None,
+            probe=start == "probe",
+        )
+        if budget not in BUDGETS:
+            raise ValueError(
+                f"budget={budget!r}: must be 'samples' (the search counts samples per microbatch) or 'tokens' (it "
+                "finds tokens per microbatch and packs variable-length batches under them)"
+            )
+        # budget="tokens": the search's sizes are tokens per microbatch (`token_budget`).
+        if fixed_tokens is not None and budget != "tokens":
+            raise ValueError(f"fixed_tokens={fixed_tokens!r} needs budget='tokens'")
+        # What a batch is counted in (`batch_kinds`): the callback asks it, never `if tokens`.
+        kind = batch_kind(budget, fixed_tokens)
+        if eval_oom not in EVAL_OOM:
+            raise ValueError(
+                f"eval_oom={eval_oom!r}: must be 'split' (an evaluator with a pinned device_eval_microbatch_size that "
+                "runs out of memory is split further on every rank) or 'stop' (the run ends, as without automicro)"
+            )
+        if not isinstance(cpu_sync_group, bool):
+            raise ValueError(f"cpu_sync_group={cpu_sync_group!r}: must be true or false")
+        fractions = memory_fraction.values() if isinstance(memory_fraction, dict) else [memory_fraction]
+        for fraction in fractions:
+            if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1.0):
+                raise ValueError(
+                    f"memory_fraction={memory_fraction!r}: must be a number in (0, 1] or a {{rank: fraction}} map"
+                )
+        if sync_points not in SYNC_POINTS:
+            raise ValueError(
+                f"sync_points={sync_points!r}: must be 'all' (module boundaries and collectives) or "
+                "'collectives' (only in front of FSDP2's collectives: fewer consensus rounds while searching)"
+            )
+        if consensus_transport not in TRANSPORTS:
+            raise ValueError(
+                f"consensus_transport={consensus_transport!r}: must be 'auto' (shared memory on one node, "
+                "hierarchical on several), 'shm', 'hierarchical' or 'process_group'"
+            )
+        # False: no collective ledger; a failure with the hooks off then stops the job after
+        # unguarded_timeout_s (the behaviour before in-process recovery; for measuring its cost).
+        # A pipeline then keeps its per-step barriers for the whole run (the cost of not draining).
+        if not isinstance(steady_recovery, bool):
+            raise ValueError(f"steady_recovery={steady_recovery!r}: must be true or false")
+        if not isinstance(unguarded_timeout_s, (int, float)) or unguarded_timeout_s <= 0:
+            raise ValueError(f"unguarded_timeout_s={unguarded_timeout_s!r}: must be a positive number of seconds")
+        return cls(
+            start=start,
+            policy_config=kind.policy_config(config),
+            kind=kind,
+            thrash_batches=thrash_batches,
+            # What the engine may trade for speed once the size settles (`automicro.core.layout`).
+            layout_config=LayoutConfig.parse(layout, layout_trial_batches, layout_min_gain),
+            eval_oom=eval_oom,
+            cpu_sync_group=cpu_sync_group,
+            memory_fraction=memory_fraction,
+            log_attempts=log_attempts,
+            unguarded_timeout_s=float(unguarded_timeout_s),
+            sync_points=sync_points,
+            consensus_transport=consensus_transport,
+            steady_recovery=steady_recovery,
+        )
+
+
+def search_config(
+    search_mode: str, stable_batches: int, use_prediction: bool, start_size: Optional[int], probe: bool = False
+) -> search.PolicyConfig:
+    return search.PolicyConfig(
+        search=search_mode,
+        stable_batches=stable_batches,
+        use_prediction=use_prediction,
+        start_size=start_size,
+        probe=probe,
+    )
+
+
+def _start(start_size: Union[int, str, None], search_mode: str, use_prediction: bool, budget: str) -> str:
+    """How the search starts: "auto" (the probe on a GPU, else the batch), "probe", "batch" or
+    "size" (an int, checked by the policy's config)."""
+    if start_size is None:
+        return "auto"
+    if isinstance(start_size, int) and not isinstance(start_size, bool):
+        return "size"
+    if start_size not in START_SIZES:
+        raise ValueError(
+            f"start_size={start_size!r}: must be left out (the probe on a GPU, the whole batch on CPU), 'probe' "
+            "(two small sizes first, then the size the measured memory predicts), 'batch' (the whole batch first, "
+            "halving down, as Composer) or a microbatch size >= 1"
+        )
+    if start_size == "probe" and (search_mode != "bisect" or not use_prediction or budget != "samples"):
+        raise ValueError(
+            f"start_size='probe' needs search='bisect', use_prediction=true and budget='samples' (got "
+            f"search={search_mode!r}, use_prediction={use_prediction!r}, budget={budget!r}); the probe feeds the "
+            "bisection's memory prediction"
+        )
+    return start_size

@@ -1,0 +1,456 @@
+"""The training batch under `auto`: each attempt's agreed verdict becomes the size policy's next
+decision, until the batch trains (`TrainingSearch.train_batch`, called by `automicro.Trainer` through
+the callback).
+
+`BatchStep` splits, runs (through the attempt fence, with the sync hooks on or off) and wipes each
+attempt; the batch kind (`batch_kinds`) says what sizes are counted in; the layout trials
+(`layout_trials`) get the memory pressure at the settled size first. Here: the loop, the attempt
+history, the OOM and search-time counters, thrash detection, the optimizer state the first step
+will add, the failure note of a run that could not recover, and this room's part of the checkpoint.
+
+Owns: the policy and its checkpointed state, the history. May not touch: Composer's events (the
+callback dispatches them here), FSDP2 internals (the engine's `recover()` does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+from composer.core import Event, State
+
+from automicro.core import failure_note
+from automicro.core import policy as search
+from automicro.core.attempt import is_oom
+from automicro.core.consensus import KIND_ERROR, FailedOnOtherRank, LocalFigures, OOMOnOtherRank, Verdict
+from automicro.core.ledger import FatalRecoveryError
+from automicro.core.memory import capacity_and_outside
+from automicro.core.metrics import AttemptRecord, BatchFigures, history_from_state, history_to_state
+from automicro.core.optimizer_memory import pending_state_bytes
+from automicro.core.policy import HookReason
+from automicro.core.thrash import ThrashDetector
+from automicro.integration import _composer_internals as composer_internals
+from automicro.integration.batch_step import BatchStep
+from automicro.integration.layout_trials import LayoutTrials
+from automicro.integration.memory_truth import MemoryTruth, reached_bytes
+from automicro.integration.runtime import Runtime
+from automicro.integration.settings import Settings
+
+
+class MicrobatchSizeError(RuntimeError):
+    """Even a microbatch of one sample does not fit: raised on every rank."""
+
+
+class TrainingSearch:
+    """One rank's training search (the same decisions on every rank: each verdict is agreed)."""
+
+    def __init__(self, settings: Settings, runtime: Runtime) -> None:
+        self.config = settings.policy_config
+        self.kind = settings.kind
+        self.start = settings.start
+        self.runtime = runtime
+        self.thrash = ThrashDetector(settings.thrash_batches)
+        self.layout: Optional[LayoutTrials] = None  # set at attach
+        self.policy: Optional[search.SearchPolicy] = None
+        self.history: list[AttemptRecord] = []
+        self.ooms_total = 0
+        self.search_time_s = 0.0
+        self.used_split: tuple[int, ...] = ()  # the split of the last batch that trained
+        self.batch_attempts = 0
+        self.batch_retries = False
+        self.last_capacity = 0
+        self.agreed_error: Optional[BaseException] = None  # a failure every rank agreed on
+        self.memory_truth = MemoryTruth(lambda: runtime.memory, lambda: runtime.rank, settings.log_attempts)
+        self._last_peak = self._last_outside = 0
+        self._pending_policy: Optional[dict[str, Any]] = None  # from a checkpoint, applied at the first batch
+        self._layout_state: Optional[dict[str, Any]] = None
+        self._optimizer_pending = 0  # bytes the first optimizer step will allocate on this rank
+        self._optimizer_state_known = False
+        self._step: Optional[BatchStep] = None  # the batch in progress (or the last one)
+
+    def configure(self, device_type: str, pipeline: Any) -> None:
+        """At attach: how the search starts on this device, and a pipeline's sizes."""
+        if pipeline is not None:
+            self.kind.check_pipeline()
+        if self.start == "auto" and device_type == "cuda":
+            self.config = dataclasses.replace(self.config, probe=True)
+        if pipeline is not None and self.start == "probe":
+            raise ValueError(
+                "AutoMicrobatching(start_size='probe') cannot run pipeline stages (a pipeline runs equal microbatches, "
+                "the probe two sizes); leave start_size out or set it to 'batch' or a size"
+            )
+        if pipeline is not None:
+            # Only equal microbatches, enough for the schedule.
+            self.config = dataclasses.replace(self.config, sizes_for=pipeline.microbatch_sizes)
+            self.runtime.info(
+                f"pipeline stage {pipeline.stage_index} of {pipeline.pipeline.layout.num_stages} "
+                f"({pipeline.pipeline.config.schedule}, {pipeline.dp_size} data-parallel rank(s) per stage)"
+            )
+
+    # ---- the sync hooks --------------------------------------------------------------------------
+
+    def apply_hooks(self, want: bool, reason: HookReason, detail: str = "") -> None:
+        now = self.runtime.set_hooks(want, reason)
+        if now is None:
+            return
+        if not now and self.policy is not None and reason is HookReason.STABLE:
+            self.runtime.info(f"sync hooks off after {self.config.stable_batches} clean batches at {self.kind.stable_at(self.policy)}")
+        else:
+            self.runtime.info(f"sync hooks {'on' if now else 'off'} ({reason.value}{': ' + detail if detail else ''})")
+
+    def rearm(self, reason: str) -> None:
+        if self.policy is None:
+            return
+        decision = self.policy.observe(search.Rearm(reason))
+        self.apply_hooks(decision.hooks, decision.reason, reason)
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "policy": None if self.policy is None else self.policy.state.to_dict(),
+            "ooms_total": self.ooms_total,
+            "thrash_events": self.thrash.events,
+            "search_time_s": self.search_time_s,
+            "history": history_to_state(self.history),
+            "tokens": self.kind.state_dict(),
+            "layout": None if self.layout is None else self.layout.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._pending_policy = state.get("policy")
+        self.ooms_total = int(state.get("ooms_total", 0))
+        self.thrash.events = int(state.get("thrash_events", 0))
+        self.search_time_s = float(state.get("search_time_s", 0.0))
+        self.history = history_from_state(state.get("history", []))
+        self.kind.load_state_dict(state.get("tokens"))
+        self._layout_state = state.get("layout")
+
+    # ---- the dashboards' figures -----------------------------------------------------------------
+
+    def batch_figures(self) -> Optional[BatchFigures]:
+        """The figures of the batch that just trained (None before the first)."""
+        if self.policy is None or not self.used_split:
+            return None
+        budget_tokens, padding_waste = self.kind.metric_figures()
+        return BatchFigures(
+            split=self.used_split,
+            attempts=self.batch_attempts,
+            ooms_total=self.ooms_total,
+            searching=self.policy.phase == search.Phase.SEARCHING,
+            hooks_active=self.runtime.hooks_active,
+            thrash_events=self.thrash.events,
+            search_time_s=self.search_time_s,
+            alloc_retries=self.batch_retries,
+            found_size=self.policy.found_size or 0,
+            budget_tokens=budget_tokens,
+            padding_waste=padding_waste,
+            capacity_bytes=self.last_capacity,
+        )
+
+    def figures(self) -> LocalFigures:
+        """This rank's figures for each attempt's agreement (the fence asks)."""
+        memory = self.runtime.memory
+        retries = memory.alloc_retries()
+        new = max(0, retries - (self._step.retries_before if self._step is not None else retries))
+        peak = memory.peak_bytes() if self._step is None else self._step.peak_bytes()
+        capacity, outside = capacity_and_outside(memory)  # read on every attempt: other processes share cards
+        return LocalFigures(
+            new_alloc_retries=new,
+            # Before the first optimizer step: the peak the next batches will see, with the state
+            # that step creates (`automicro.core.optimizer_memory`).
+            peak_bytes=peak + self._optimizer_pending if peak else 0,
+            projected_bytes=self._optimizer_pending if peak else 0,
+            capacity_bytes=capacity,
+            allocated_bytes=memory.allocated_bytes(),
+            microbatch_tokens=self.kind.microbatch_tokens(),
+            outside_bytes=outside,
+        )
+
+    # ---- the batch -------------------------------------------------------------------------------
+
+    def train_batch(self, trainer: Any) -> dict[str, torch.Tensor]:
+        """Run one batch with OOM-safe retries; returns Composer's total loss dict."""
+        rt = self.runtime
+        assert rt.fence is not None and rt.sharded is not None and rt.consensus is not None, "attach() was not called"
+        step = BatchStep(
+            trainer, rt.fence, rt.dispatcher, rt.memory, rt.consensus, rt.sharded, rt.rank,
+            pipeline=rt.pipeline, tokens=self.kind.tokens, all_reduce=rt.all_reduce_sum,
+            layout=None if self.layout is None else self.layout.engine,
+        )
+        self._step = step
+        self._optimizer_pending = self._pending_optimizer_bytes(trainer.state)
+        self._ensure_policy(step.begin(), trainer.state)
+        assert self.policy is not None and self.layout is not None
+        if self._layout_state is not None:
+            self.layout.load_state_dict(self._layout_state)
+            self._layout_state = None
+        self.layout.before_batch(
+            self.policy.phase == search.Phase.STEADY, self._last_peak, self.policy.usable_bytes(self.last_capacity),
+            *self.kind.layout_figures(self.policy, self._peak_at, self.config.probes),
+            capacity_read=self.last_capacity or 0, outside_bytes=self._last_outside,
+        )
+        undone = self.layout.take_undone()
+        if undone is not None:
+            decision = self.policy.observe(search.Adopt(undone, reopen=True, capacity_bytes=self.last_capacity))
+            self.apply_hooks(decision.hooks, decision.reason, "a layout trade undone")
+            rt.info(decision.event)
+        batch_index = step.batch_index
+        while True:
+            # A pipeline's per-step barriers come off with the sync hooks (a failed stage drains the
+            # schedule instead, `automicro.engine.pipeline`); steady_recovery=False keeps them on.
+            hooks_on = rt.hooks_active or (rt.pipeline is not None and not rt.settings.steady_recovery)
+            split, budget, track = self.kind.next_attempt(self.policy, self.layout, self.config.probes)
+            attempt = step.attempt(split, budget, hooks_on, track_peaks=track)
+            self.batch_attempts = step.attempts
+            result, sizes = attempt.result, attempt.sizes
+            verdict, seconds = result.verdict, result.seconds
+            self.memory_truth.after_attempt(verdict)
+            self.memory_truth.after_rerun(verdict.failed, max(sizes))
+            if result.unreported is not None:
+                # This rank raised although no rank reported a failure: never count that as a
+                # success (the batch would be skipped silently, or the error swallowed).
+                if isinstance(result.unreported, (OOMOnOtherRank, FailedOnOtherRank)):
+                    raise RuntimeError(
+                        "automicro: this rank stopped at a sync point for a failure no rank reported "
+                        "(stale sync hooks of an earlier Trainer in this process that was not closed?)"
+                    ) from result.unreported
+                raise result.unreported
+            if not verdict.failed:
+                return self._trained(step, attempt, verdict, batch_index, sizes, seconds)
+            self.ooms_total += 1
+            self.search_time_s += seconds
+            self.memory_truth.after_failure(step.left_behind, f"batch {batch_index}")
+            if result.own_error is not None or verdict.error_ranks:
+                self._record(batch_index, sizes, "error", verdict, sizes[0], seconds, hooks=hooks_on)
+                # Every rank agreed on this failure: `lost` has nobody left to tell.
+                self.agreed_error = result.own_error or FailedOnOtherRank(
+                    f"automicro: rank(s) {verdict.error_ranks} failed with a non-OOM error at "
+                    f"{[r.site for r in verdict.reports if r.kind == KIND_ERROR]} during batch {batch_index}; "
+                    "see that rank's traceback for the cause"
+                )
+                raise self.agreed_error
+            undone = self._relieved_by_layout(f"out of memory at size {max(sizes)}", max(sizes))
+            if undone is not None:
+                self.memory_truth.layout_undone(undone, max(sizes), batch_index)
+                self._record(
+                    batch_index, sizes, "oom", verdict, max(sizes), seconds,
+                    f"layout undone first; rerun at the same size, now {self.layout.describe()}", hooks=hooks_on,
+                )
+                continue
+            try:
+                failed = search.OOM(
+                    self.kind.outcome_size(self.policy, sizes, verdict, True), tuple(verdict.failed_ranks),
+                    reached_bytes=reached_bytes(verdict), capacity_bytes=verdict.capacity_bytes or None,
+                )
+                decision = self.policy.observe(failed)
+            except search.CannotFitError as error:
+                self._record(batch_index, sizes, "oom", verdict, 0, seconds, hooks=hooks_on)
+                self.agreed_error = MicrobatchSizeError(self._cannot_fit_message(verdict))
+                raise self.agreed_error from error
+            note = decision.event
+            if result.replayed:
+                note += f"; {result.replayed} collectives replayed to get the ranks back in step"
+            self._record(batch_index, sizes, "oom", verdict, decision.next_size, seconds, note, hooks=hooks_on)
+            self.apply_hooks(decision.hooks, decision.reason)
+
+    def _trained(self, step: BatchStep, attempt: Any, verdict: Verdict, batch_index: int, sizes: tuple[int, ...], seconds: float) -> dict[str, torch.Tensor]:
+        assert self.policy is not None and self.layout is not None
+        step.step_optimizers()
+        if self._optimizer_pending:
+            # The first step just made the optimizer state among the blocks batch 0's attempts left
+            # cached: batch 1 starts from an emptied cache, as a rerun does, so the size chosen with
+            # that state projected meets the memory it was chosen for (not on a card another process
+            # shares: `CudaMemory.empty_cache`).
+            self.runtime.memory.empty_cache()
+        self.used_split = sizes
+        self._last_peak, self.last_capacity = verdict.peak_bytes, verdict.capacity_bytes
+        self._last_outside = verdict.outside_bytes
+        peaks = self._agreed_peaks(step)
+        trial_batch = self.layout.trial_batch
+        self.layout.after_success(step.attempts, peaks)
+        adopted = self.layout.take_adopted()
+        if adopted is not None:
+            self.runtime.info(self.policy.observe(search.Adopt(adopted)).event)
+        # A layout trial's "with" batch does not feed the memory model (its trade's bytes are in it).
+        self._after_success(verdict, batch_index, sizes, seconds, () if trial_batch else peaks, trial_batch)
+        self._optimizer_pending = 0  # the step created the state: evals and later batches hold it
+        return attempt.total_loss_dict
+
+    def _ensure_policy(self, batch_size: int, state: Optional[State] = None) -> None:
+        batch_size = self.kind.domain(batch_size)
+        if self.policy is None:
+            self.policy = search.SearchPolicy(self.config, batch_size)
+            if self._pending_policy is not None:
+                self.policy.state = search.SearchState.from_dict(self._pending_policy)
+                self._pending_policy = None
+                self.policy.observe(search.Rearm("checkpoint loaded"))
+                self.kind.resumed(self.policy, batch_size)
+                self._step_below_unrecovered_failure(state)
+                self.runtime.info(f"resumed with microbatch split {self.policy.current_split()} (hooks on until stable)")
+            self.apply_hooks(True, HookReason.SEARCHING)
+        else:
+            changed = self.kind.changed(self.policy, batch_size)
+            if changed is not None:
+                decision, detail = changed
+                self.apply_hooks(decision.hooks, decision.reason, detail)
+
+    def _relieved_by_layout(self, why: str, size: int) -> Optional[str]:
+        """Memory pressure at the settled size goes to the layout first: when it undoes a trade (the
+        one returned; None: nothing undone), the size stays and the sync hooks come back on until the
+        size is stable again."""
+        assert self.policy is not None
+        if self.layout is None or self.policy.phase != search.Phase.STEADY:
+            return None
+        undone = self.layout.relieve(why, size)
+        if undone is not None:
+            decision = self.policy.observe(search.Rearm("layout undone"))
+            self.apply_hooks(decision.hooks, decision.reason, "layout undone")
+        return undone
+
+    def _peak_at(self, found: int) -> Optional[tuple[int, int]]:
+        """(The largest microbatch, the memory model's peak at it) were the size found `found`;
+        None below the smallest size allowed or where the model cannot tell."""
+        assert self.policy is not None
+        if found < self.config.min_size:
+            return None
+        largest = max(self.policy.split_for(found))
+        peak = self.policy.projected_peak(largest)
+        return None if peak is None else (largest, peak)
+
+    def _pending_optimizer_bytes(self, state: State) -> int:
+        """The bytes this rank's optimizer state will add at the first step (0 once it exists, or
+        for an optimizer `optimizer_memory` does not know; then nothing is projected)."""
+        if self._optimizer_state_known or not self.config.use_prediction:
+            return 0
+        pending = pending_state_bytes(state.optimizers or [])
+        if not pending:
+            self._optimizer_state_known = True
+            return 0
+        return pending
+
+    def _cannot_fit_message(self, verdict: Verdict) -> str:
+        rows = [
+            f"rank {r.rank} at {r.site}: peak {r.peak_bytes / 2**20:.1f} MiB, "
+            f"allocated {r.allocated_bytes / 2**20:.1f} MiB, capacity {r.capacity_bytes / 2**20:.1f} MiB"
+            for r in verdict.reports if r.failed
+        ]
+        return (
+            f"automicro: {self.kind.cannot_fit()}; "
+            + "; ".join(rows)
+            + ". Reduce the model or sequence length, shard more (more ranks, reshard_after_forward, "
+            "activation_checkpointing, cpu_offload) or raise the memory limit."
+        )
+
+    def _agreed_peaks(self, step: BatchStep) -> tuple[tuple[int, int], ...]:
+        """The attempt's per-size microbatch peaks, the max over ranks (one round, every rank: the
+        attempt was tracked on all or none), with the optimizer state the first step adds."""
+        if step.peaks is None:
+            return ()
+        assert self.runtime.consensus is not None
+        local = step.peaks.by_size()
+        agreed = self.runtime.consensus.agree_max([peak for _, peak in local])
+        return tuple((size, peak + self._optimizer_pending) for (size, _), peak in zip(local, agreed) if peak)
+
+    def _after_success(
+        self, verdict: Verdict, batch_index: int, sizes: tuple[int, ...], seconds: float,
+        peaks_by_size: tuple[tuple[int, int], ...] = (), trial_batch: bool = False,
+    ) -> None:
+        assert self.policy is not None
+        self.batch_retries = verdict.any_new_alloc_retries
+        # As in Composer's rule, a batch that already ran out of memory is not counted for thrashing.
+        retried_clean_batch = verdict.any_new_alloc_retries and self.batch_attempts == 1
+        self.kind.trained()
+        if self.thrash.observe(retried_clean_batch):
+            if self._relieved_by_layout(f"thrashing at size {max(sizes)}", max(sizes)) is not None:
+                assert self.layout is not None
+                self._record(batch_index, sizes, "thrash", verdict, max(sizes), seconds, f"layout now {self.layout.describe()}")
+                return
+            decision = self.policy.observe(search.Thrash(self.kind.outcome_size(self.policy, sizes, verdict, False)))
+            self._record(batch_index, sizes, "thrash", verdict, decision.next_size, seconds, decision.event)
+            self.apply_hooks(decision.hooks, decision.reason)
+            return
+        phase_before = self.policy.phase
+        found = self.policy.found_size
+        if trial_batch and found is not None and max(sizes) > found:
+            # An upsize trial's "with" batch: that size ran with a layout the policy does not model.
+            return
+        decision = self.policy.observe(
+            search.Success(
+                self.kind.outcome_size(self.policy, sizes, verdict, False),
+                peak_bytes=None if trial_batch else verdict.peak_bytes or None,
+                capacity_bytes=verdict.capacity_bytes or None,
+                projected=self._optimizer_pending > 0,
+                peaks_by_size=peaks_by_size,
+            )
+        )
+        if phase_before != search.Phase.STEADY or self.batch_attempts > 1 or decision.phase != search.Phase.STEADY:
+            self._record(batch_index, sizes, "ok", verdict, decision.next_size, seconds, decision.event)
+        found_line = self.kind.found_line(self.policy, phase_before, sizes)
+        if found_line is not None:
+            self.runtime.info(found_line)
+        self.apply_hooks(decision.hooks, decision.reason)
+
+    def _record(
+        self, batch_index: int, sizes: tuple[int, ...], outcome: str, verdict: Verdict, next_size: int,
+        seconds: float, note: str = "", hooks: Optional[bool] = None,
+    ) -> None:
+        record = AttemptRecord(
+            batch=batch_index,
+            attempt=self.batch_attempts,
+            size=self.kind.record_size(sizes),
+            split=sizes,
+            outcome=outcome,
+            failed_ranks=verdict.failed_ranks,
+            sites=verdict.sites,
+            next_size=self.kind.record_next(self.policy, next_size),
+            hooks=self.runtime.hooks_active if hooks is None else hooks,
+            seconds=round(seconds, 4),
+            note=note,
+        )
+        self.history.append(record)
+        self.runtime.info(record.console_line())
+
+    # ---- a run that could not recover in-process -------------------------------------------------
+
+    def lost(self, state: State, error: BaseException, event: Optional[Event]) -> Optional[FatalRecoveryError]:
+        """`fit()` raised `error` on this rank. An out-of-memory error from outside any attempt
+        (the attempts handle their own) leaves the other ranks in the next batch, waiting for this
+        one: declare the job lost where they can hear it (the ledger's board on one node, the
+        job-lost alarm across nodes), leave the failure note, and return the error to raise."""
+        ledger = self.runtime.ledger
+        if isinstance(error, FatalRecoveryError) or error is self.agreed_error or ledger is None:
+            return None
+        where = f"at {event}" if event is not None else "between batches"
+        batch = int(state.timestamp.batch)
+        if not is_oom(error):
+            # Any other error of this rank alone (a callback, a checkpoint save): the other ranks
+            # are in the next batch's collectives; name this rank on theirs too. No failure note:
+            # the size is not the cause.
+            if not isinstance(error, Exception):
+                return None
+            return ledger.lost_outside_attempt(where, batch, f"it raised {type(error).__name__}: {error}")
+        if not self.used_split:
+            return None
+        failure_note.write(composer_internals.checkpoint_folder(state), self.runtime.rank, batch, self.used_split)
+        return ledger.lost_outside_attempt(where, batch)
+
+    def _step_below_unrecovered_failure(self, state: Optional[State]) -> None:
+        """A failure note beside the checkpoint this run resumed from: start below its size."""
+        assert self.policy is not None
+        note = failure_note.read(None if state is None else composer_internals.checkpoint_folder(state))
+        resumed_at = int(state.timestamp.batch) if state is not None else 0
+        if note is None or not note.applies(resumed_at, max(self.policy.current_split())):
+            return
+        try:
+            decision = self.policy.observe(search.OOM(note.size, may_rerun=False))
+        except search.CannotFitError as error:
+            raise MicrobatchSizeError(
+                f"automicro: the run stopped at microbatch size {note.size} in batch {note.batch}, and no smaller "
+                "size is left to try"
+            ) from error
+        self.runtime.info(
+            f"the previous launch could not recover from an OOM at size {note.size} in batch {note.batch} "
+            f"({note.path}); resuming at size {decision.next_size} with the sync hooks on"
+        )
