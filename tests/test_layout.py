@@ -263,6 +263,28 @@ def test_the_faster_trade_is_kept_the_slower_not_and_parameters_equal_a_fixed_ru
 
 
 @pytest.mark.multiproc
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_smaller_microbatch_timed_faster_is_kept_and_parameters_equal_a_fixed_run(world):
+    """Size trials on 1 and 2 ranks (issue 42): the whole batch (4) fits; once the trades are tried,
+    2 (split 2, 2) is timed against 4, faster, kept: the size policy settles on 2. From 2, 1 is timed,
+    slower, not kept. Interleaved with the size found; the same on every rank; parameters equal a
+    fixed run at 2."""
+    results = _suite(world)
+    for rank in range(world):
+        sized = results[rank]["sized"]
+        assert sized["results"] == [
+            [GRAD_SYNC_ONCE, False], [NO_RESHARD, False], ["smaller_microbatch", True], ["smaller_microbatch", False]
+        ], sized["trial_lines"]
+        steady = next(r[0] for r in sized["history"] if "sync hooks off" in r[3])
+        trials = sized["splits"][steady + 5 : steady + 9]
+        assert trials == [[2, 2], [4], [1, 1, 1, 1], [2, 2]], sized["splits"]
+        assert all(s == [2, 2] for s in sized["splits"][steady + 8 :]) and sized["found"] == 2, sized["splits"]
+        assert sized["trial_lines"][2].startswith("size trial: microbatch 2 against 4, the size found: kept"), sized["trial_lines"]
+        assert "OOMs 0" in sized["summary"] and sized["diff"] < 1e-5, (sized["summary"], sized["diff"])
+    assert len({str(results[r]["sized"]["splits"]) for r in range(world)}) == 1
+
+
+@pytest.mark.multiproc
 def test_a_pinned_layout_runs_from_the_first_batch_and_parameters_equal_a_fixed_run():
     world, results = 2, _suite(2)
     for rank in range(world):
@@ -634,8 +656,9 @@ def test_trades_each_faster_by_too_little_are_tried_together_once():
 
 
 def _upsize_search(found: int = 2) -> LayoutSearch:
-    """``grad_sync_once`` tried at `found` (slower); ``recompute`` waits, never tried at that size."""
-    search = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), [GRAD_SYNC_ONCE, RECOMPUTE])
+    """``grad_sync_once`` tried at `found` (slower); ``recompute`` waits, never tried at that size.
+    (No size trials: the upsize trial alone.)"""
+    search = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1, size_trials=False), [GRAD_SYNC_ONCE, RECOMPUTE])
     _run_trial(search, 3.0, 2.0)
     assert search.settled == () and search.trial is None
     return search
@@ -805,3 +828,88 @@ def test_recompute_kept_under_less_memory_is_undone_when_the_memory_comes_back_a
     blind.observe((RECOMPUTE,), 1.0)
     blind.observe(blind.layout_for_batch(True, lambda t: None, 2, 2, None, 1)[0], 2.0)
     assert blind.decide(blind.local_times()).kept and blind.reconsider(10**12) == (None, [])
+
+
+# ---- size trials: the largest microbatch that fits is not always the fastest (issue 42) -------------
+
+
+def _halves(batch: int):
+    """The largest microbatch of a batch of `batch` split evenly at size found n (the policy's split)."""
+    return lambda n: -(-batch // -(-batch // n))
+
+
+def _sized_run(search: LayoutSearch, found: int, largest_at, with_s: float, without_s: float) -> tuple[list[str], TrialResult]:
+    """One size trial from `found` run to its verdict: the "with" batches take `with_s`, the others `without_s`."""
+    layout, lines = search.layout_for_batch(True, lambda t: None, largest_at(found), found, None, None, largest_at)
+    assert search.trial is not None and search.trial.sized, lines
+    while not search.needs_agreement:
+        size = search.trial_size
+        search.observe(layout, with_s if size is not None else without_s)
+        layout, _ = search.layout_for_batch(True, lambda t: None, largest_at(found), found, None, None, largest_at)
+    return lines, search.decide(search.local_times())
+
+
+def test_a_size_trial_runs_half_then_a_quarter_of_the_microbatch_found_once_the_trades_are_done():
+    """No trade left (none is a candidate): a size trial runs the largest size whose split's largest
+    microbatch is at most half the size found's, interleaved with the size found; slower, not kept,
+    then a quarter; each pair of sizes once. A batch of 32, found 26 (split 16, 16)."""
+    search = LayoutSearch(LayoutConfig.parse("auto", trial_batches=2), [])
+    largest_at = _halves(32)
+    lines, half = _sized_run(search, 26, largest_at, with_s=2.2, without_s=2.0)
+    assert lines == [
+        "size trial: microbatch 8 against 26, the size found: 2 batches at 8, as many at 26 (the largest microbatch "
+        "that fits is not always the fastest)"
+    ]
+    assert not half.kept and half.size == 8 and half.trade == "smaller_microbatch", half
+    assert half.line().startswith("size trial: microbatch 8 against 26, the size found: not kept; median batch 2.2000 s")
+    lines, quarter = _sized_run(search, 26, largest_at, with_s=2.5, without_s=2.0)
+    assert quarter.size == 4 and not quarter.kept, quarter
+    assert search.layout_for_batch(True, lambda t: None, 16, 26, None, None, largest_at) == ((), [])
+    assert search.sized == [(26, 8), (26, 4)] and search.settled == ()
+    # A checkpoint keeps what was tried.
+    restored = LayoutSearch(LayoutConfig.parse("auto", trial_batches=2), [])
+    restored.load_state_dict(search.state_dict())
+    assert restored.sized == [(26, 8), (26, 4)]
+    assert restored.layout_for_batch(True, lambda t: None, 16, 26, None, None, largest_at) == ((), [])
+
+
+def test_a_faster_smaller_size_is_kept_and_the_trials_go_on_from_it():
+    search = LayoutSearch(LayoutConfig.parse("auto", trial_batches=3), [])
+    largest_at = _halves(32)
+    # Arms interleave: with, without, with, ... ; with a spread smaller than the gain.
+    _, half = _sized_run(search, 26, largest_at, with_s=1.2, without_s=1.27)
+    assert half.kept and half.size == 8, half  # the caller adopts 8 (LayoutTrials.adopted)
+    # From 8 (the size policy settled there): half of it next, 4; not faster, then 2.
+    _, next_half = _sized_run(search, 8, largest_at, with_s=1.3, without_s=1.2)
+    assert next_half.size == 4 and not next_half.kept
+
+
+def test_no_size_trial_where_no_smaller_split_exists_or_it_is_switched_off():
+    largest_at = _halves(32)
+    one = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), [])
+    assert one.layout_for_batch(True, lambda t: None, 1, 1, None, None, largest_at) == ((), []) and one.trial is None
+    off = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1, size_trials=False), [])
+    assert off.layout_for_batch(True, lambda t: None, 16, 26, None, None, largest_at) == ((), []) and off.trial is None
+    # Without the split (a token budget: `largest_at` None), no size trial either.
+    tokens = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), [])
+    assert tokens.layout_for_batch(True, lambda t: None, 16, 26, None, None, None) == ((), [])
+    # Not while the size is still searched, nor with a trade left to try: trades go first.
+    first = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), [GRAD_SYNC_ONCE])
+    assert first.layout_for_batch(False, lambda t: None, 16, 26, None, None, largest_at)[0] == ()
+    assert first.trial is None
+    layout, _ = first.layout_for_batch(True, lambda t: None, 16, 26, None, None, largest_at)
+    assert layout == (GRAD_SYNC_ONCE,) and not first.trial.sized
+    with pytest.raises(LayoutConfigError, match="layout_size_trials='yes'"):
+        LayoutConfig.parse("auto", size_trials="yes")
+
+
+def test_pressure_in_a_size_trial_ends_it_and_undoes_the_last_kept_trade():
+    search = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), [GRAD_SYNC_ONCE])
+    _run_trial(search, 1.0, 2.0)
+    assert search.settled == (GRAD_SYNC_ONCE,)
+    largest_at = _halves(32)
+    layout, lines = search.layout_for_batch(True, lambda t: None, 16, 26, None, None, largest_at)
+    assert search.trial is not None and search.trial.sized and layout == (GRAD_SYNC_ONCE,), lines
+    assert search.relieve(layout, "out of memory", 16) == GRAD_SYNC_ONCE
+    assert search.trial is None and search.settled == ()
+    assert (26, 8) in search.sized  # not tried again from 26

@@ -112,6 +112,10 @@ DESCRIPTIONS = {
     RECOMPUTE: "activation checkpointing on",
 }
 MODES = ("auto", "fixed")
+# The name of a size trial's result (`TrialResult.trade`): no trade, a smaller microbatch.
+SIZE_TRIAL = "smaller_microbatch"
+# The microbatches a size trial tries, as fractions of the largest microbatch at the size found.
+SIZE_FRACTIONS = (2, 4)
 
 
 class LayoutConfigError(ValueError):
@@ -131,28 +135,38 @@ class LayoutConfig:
     # batch's time says nothing of a GPU's, and CPU runs are tests and demos; ``layout: auto``
     # given explicitly searches on any device.
     gpu_only: bool = False
+    # ``layout: auto`` also times smaller microbatches than the size found (size trials, below).
+    size_trials: bool = True
 
     def resolve(self, device_type: str) -> "LayoutConfig":
         """The config on this device: the default turns into ``fixed`` off CUDA."""
         if self.gpu_only and device_type != "cuda":
-            return LayoutConfig("fixed", (), self.trial_batches, self.min_gain)
+            return LayoutConfig("fixed", (), self.trial_batches, self.min_gain, size_trials=False)
         return self
 
     @classmethod
-    def parse(cls, value: Union[str, Sequence[str], None], trial_batches: int = 3, min_gain: float = 0.01) -> "LayoutConfig":
+    def parse(
+        cls, value: Union[str, Sequence[str], None], trial_batches: int = 3, min_gain: float = 0.01,
+        size_trials: bool = True,
+    ) -> "LayoutConfig":
         if isinstance(trial_batches, bool) or not isinstance(trial_batches, int) or trial_batches < 1:
             raise LayoutConfigError(f"layout_trial_batches={trial_batches!r}: must be a positive int")
         if isinstance(min_gain, bool) or not isinstance(min_gain, (int, float)) or not 0.0 <= min_gain < 1.0:
             raise LayoutConfigError(f"layout_min_gain={min_gain!r}: must be a number in [0, 1)")
+        if not isinstance(size_trials, bool):
+            raise LayoutConfigError(
+                f"layout_size_trials={size_trials!r}: must be true (layout: auto also times smaller microbatches than the "
+                "size found and keeps the fastest) or false (the largest size that fits is kept)"
+            )
         if value is None:
-            return cls("auto", (), trial_batches, float(min_gain), gpu_only=True)
+            return cls("auto", (), trial_batches, float(min_gain), gpu_only=True, size_trials=size_trials)
         if isinstance(value, str):
             if value not in MODES:
                 raise LayoutConfigError(
                     f"layout={value!r}: must be 'auto' (try the trades once the size settles), 'fixed' (the "
                     f"engine's own layout) or a list of trades to pin, from {list(PINNABLE)}"
                 )
-            return cls(value, (), trial_batches, float(min_gain))
+            return cls(value, (), trial_batches, float(min_gain), size_trials=size_trials and value == "auto")
         if not isinstance(value, (list, tuple)):
             raise LayoutConfigError(f"layout={value!r}: must be 'auto', 'fixed' or a list of trades from {list(PINNABLE)}")
         if any(v in UPSIZE for v in value):
@@ -187,7 +201,12 @@ class Trial:
 
     @property
     def trade(self) -> str:
-        return "+".join(self.trades)
+        return "+".join(self.trades) if self.trades else SIZE_TRIAL
+
+    @property
+    def sized(self) -> bool:
+        """A size trial: no trade, a smaller microbatch against the size found."""
+        return not self.trades
 
     @property
     def next_on(self) -> bool:
@@ -197,6 +216,8 @@ class Trial:
         return Trial(self.trades, size=self.size, from_size=self.from_size, measure=self.measure)
 
     def heading(self) -> str:
+        if self.sized:
+            return f"size trial: microbatch {self.size} against {self.from_size}, the size found"
         what = f"{self.trade} ({describe(self.trades)})"
         if self.measure:
             return f"layout trade {what}: measuring its bytes in one batch at microbatches {self.size} and {self.size + 1} (found {self.from_size})"
@@ -274,6 +295,8 @@ class LayoutSearch:
         self.fits_up_to: dict[str, Optional[int]] = {}
         # The sizes found from which an upsize trial ran or was passed over: never again from those.
         self.upsized_from: list[int] = []
+        # (size found, smaller size) pairs a size trial ran (kept or not): never again.
+        self.sized: list[tuple[int, int]] = []
         self.shared_said = False  # the line that an upsize trial waits for a card not shared was printed
         # For a trade in UPSIZE: the capacity its bytes were measured under. Where less is usable now
         # (another process took memory), its trial waits: what fitted then may not fit now.
@@ -432,6 +455,25 @@ class LayoutSearch:
             return trial, lines
         return None, lines
 
+    def _smaller(self, found: Optional[int], largest_at: Optional[Callable[[int], int]]) -> Optional[Trial]:
+        """Nothing else left to try at the size found: a size trial, at the largest size whose
+        split's largest microbatch is at most 1/2 (then 1/4) of the size found's. Each pair of sizes
+        once; a kept one is adopted by the size policy, and the trials go on from there."""
+        if not self.config.size_trials or found is None or largest_at is None:
+            return None
+        largest = largest_at(found)
+        for fraction in SIZE_FRACTIONS:
+            target = next((n for n in range(found - 1, 0, -1) if largest_at(n) <= largest // fraction), None)
+            if target is None or largest_at(target) >= largest:
+                continue
+            # The smallest size with that split (a batch of 32 runs 10 as 8, 8, 8, 8): what the console says.
+            target = min(n for n in range(1, target + 1) if largest_at(n) == largest_at(target))
+            if (found, target) in self.sized:
+                continue
+            self.sized.append((found, target))
+            return Trial((), size=target, from_size=found)
+        return None
+
     def reconsider(self, capacity: int) -> tuple[Optional[int], list[str]]:
         """A trade in UPSIZE was kept under less memory than the capacity read now (`capacity`; another
         process gave memory back): without it a larger microbatch may fit now, and may be faster.
@@ -515,6 +557,13 @@ class LayoutSearch:
             if self.trial is None:
                 self.trial, more = self._upsize(found, measure_at, largest_at, capacity, whole_batch, outside)
                 lines += more
+            if self.trial is None:
+                self.trial = self._smaller(found, largest_at)
+                if self.trial is not None:
+                    lines.append(
+                        f"{self.trial.heading()}: {self.config.trial_batches} batches at {self.trial.size}, as many at "
+                        f"{found} (the largest microbatch that fits is not always the fastest)"
+                    )
         elif self.trial is not None and not steady:
             # The size moved: a trial's times would compare different sizes.
             self.trial = self.trial.restarted()
@@ -525,7 +574,10 @@ class LayoutSearch:
         trial = self.trial
         if trial is None:
             return
-        arm = trial.on if set(trial.trades) <= set(layout) else trial.off
+        if trial.sized:  # the same layout in both arms: the batch ran the arm `next_on` chose
+            arm = trial.on if trial.next_on else trial.off
+        else:
+            arm = trial.on if set(trial.trades) <= set(layout) else trial.off
         arm.append(float(seconds))
 
     @property
@@ -604,7 +656,9 @@ class LayoutSearch:
         `size`): undo the trade on trial if it was on, else the last kept trade but one in UPSIZE (a
         trial whose trade was off ends untried). Returns the trade undone; None when none is left
         (the size policy acts then). A downsize or upsize trial's trades stay where they were."""
-        if self.trial is not None:
+        if self.trial is not None and self.trial.sized:
+            self.trial = None  # no trade to undo: the trial ends (its pair is not tried again)
+        elif self.trial is not None:
             trial, self.trial = self.trial, None
             if trial.measure:
                 # Even the smallest microbatch did not fit with it: never measured again.
@@ -649,6 +703,7 @@ class LayoutSearch:
             **({"per_sample": dict(self.per_sample)} if self.per_sample else {}),
             **({"fits_up_to": dict(self.fits_up_to)} if self.fits_up_to else {}),
             **({"upsized_from": list(self.upsized_from)} if self.upsized_from else {}),
+            **({"sized": [list(pair) for pair in self.sized]} if self.sized else {}),
             **({"fits_capacity": dict(self.fits_capacity)} if self.fits_capacity else {}),
             **({"failed_under": dict(self.failed_under)} if self.failed_under else {}),
             **({"kept_under": {t: list(v) for t, v in self.kept_under.items()}} if self.kept_under else {}),
@@ -677,6 +732,7 @@ class LayoutSearch:
             t: (None if v is None else int(v)) for t, v in state.get("fits_up_to", {}).items() if t in UPSIZE
         }
         self.upsized_from = [int(n) for n in state.get("upsized_from", [])]
+        self.sized = [(int(a), int(b)) for a, b in state.get("sized", [])]
         self.fits_capacity = {t: int(c) for t, c in state.get("fits_capacity", {}).items() if t in UPSIZE}
         self.failed_under = {t: int(c) for t, c in state.get("failed_under", {}).items() if t in UPSIZE}
         self.kept_under = {
@@ -689,7 +745,7 @@ class LayoutSearch:
 
 __all__ = [
     "DESCRIPTIONS", "GRAD_SYNC_ONCE", "LayoutConfig", "LayoutConfigError", "LayoutSearch", "MEASURED", "NO_RECOMPUTE",
-    "NO_RESHARD", "PINNABLE", "RECOMPUTE",
+    "NO_RESHARD", "PINNABLE", "RECOMPUTE", "SIZE_TRIAL",
     "TRADES", "UPSIZE",
     "TrialResult", "describe", "judge",
 ]

@@ -87,11 +87,12 @@ class AutoMicrobatching(Callback):
         layout: Union[str, list[str], None] = None,
         layout_trial_batches: int = 3,
         layout_min_gain: float = 0.01,
+        layout_size_trials: bool = True,
     ) -> None:
         self.settings = Settings.parse(
             stable_batches, thrash_batches, search, use_prediction, start_size, cpu_sync_group, memory_fraction,
             log_attempts, unguarded_timeout_s, sync_points, consensus_transport, steady_recovery, budget,
-            fixed_tokens, eval_oom, layout, layout_trial_batches, layout_min_gain,
+            fixed_tokens, eval_oom, layout, layout_trial_batches, layout_min_gain, layout_size_trials,
         )
         self.runtime = Runtime(self.settings)
         self.search = TrainingSearch(self.settings, self.runtime)

@@ -61,6 +61,7 @@ class Settings:
         layout: Union[str, list[str], None] = None,
         layout_trial_batches: int = 3,
         layout_min_gain: float = 0.01,
+        layout_size_trials: bool = True,
     ) -> "Settings":
         # None: the probe on a GPU, the whole batch on CPU (resolved at attach, as the layout).
         start = _start(start_size, search, use_prediction, budget)
@@ -114,7 +115,7 @@ class Settings:
             kind=kind,
             thrash_batches=thrash_batches,
             # What the engine may trade for speed once the size settles (`automicro.core.layout`).
-            layout_config=LayoutConfig.parse(layout, layout_trial_batches, layout_min_gain),
+            layout_config=LayoutConfig.parse(layout, layout_trial_batches, layout_min_gain, layout_size_trials),
             eval_oom=eval_oom,
             cpu_sync_group=cpu_sync_group,
             memory_fraction=memory_fraction,
