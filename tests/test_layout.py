@@ -540,6 +540,21 @@ def test_pressure_in_the_measuring_batch_or_no_measure_ends_it_for_good():
     assert nowhere.layout_for_batch(True, lambda t: None, 4, 4, lambda trades: None, 1) == ((), [])
 
 
+def test_over_tokens_the_size_policy_adopts_only_a_smaller_budget():
+    """A size trial over a token budget (issue 41 item 1): a smaller budget is adopted, the budget is
+    the size; a larger one is refused (no trade admits a larger budget)."""
+    from automicro.core import policy as search
+
+    p = search.SearchPolicy(search.PolicyConfig(unit="tokens"), 720)
+    for outcome in (search.Success(720), search.Success(720), search.Success(720), search.Success(720)):
+        p.observe(outcome)
+    assert p.phase == search.Phase.STEADY and p.found_size == 720
+    decision = p.observe(search.Adopt(540))
+    assert p.found_size == 540 and p.state.size == 540 and decision.event == "layout: microbatch now 540, budget 540 tokens"
+    with pytest.raises(ValueError, match="over tokens, a smaller one"):
+        p.observe(search.Adopt(600))
+
+
 def test_the_size_policy_adopts_another_size_only_when_steady():
     from automicro.core import policy as search
 

@@ -119,6 +119,24 @@ def test_per_token_loss_over_token_budget_microbatches_equals_the_unsplit_batch(
 
 
 @pytest.mark.multiproc
+def test_a_smaller_budget_timed_faster_is_kept_and_training_equals_the_unsplit_batch(numerics):
+    """Size trials over the token budget (issue 41 item 1): once the budget is found and the trades
+    tried, 3/4 of it is timed against it, faster, kept; from the new budget 3/4 and 1/2 of it are not
+    faster, not kept. The same on both ranks; parameters equal the unsplit batch's."""
+    for per_rank in numerics:
+        result = _ok(per_rank["fastest_budget"])
+        first = result["first_found"]
+        sized = [t for t in result["trials"] if t[0] == "smaller_microbatch"]
+        assert sized[0] == ["smaller_microbatch", True, int(first * 0.75)], result["trial_lines"]
+        assert [t[1] for t in sized[1:]] == [False, False] and result["found"] == int(first * 0.75), result["trial_lines"]
+        assert result["trial_lines"][len(result["trials"]) - len(sized)].startswith(
+            f"size trial: microbatch {int(first * 0.75)} against {first}, the size found: kept"
+        ), result["trial_lines"]
+        assert result["error_vs_unsplit"] <= TOLERANCE, result["error_vs_unsplit"]
+    assert numerics[0]["fastest_budget"]["trials"] == numerics[1]["fastest_budget"]["trials"]
+
+
+@pytest.mark.multiproc
 def test_per_token_accumulation_with_composers_padded_token_counter_is_refused_naming_the_fix(numerics):
     for per_rank in numerics:
         error = _ok(per_rank["padded_counter_refused"])["error"]

@@ -9,7 +9,7 @@ as a GPU would. Every case returns plain data; a case that breaks is returned as
 from __future__ import annotations
 
 import traceback
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -59,9 +59,10 @@ def loader(rank: int, batches: int = BATCHES, median: Optional[int] = None) -> D
 
 
 def fit(microbatch: Any, callbacks: list, batches: int = BATCHES, on_tokens: bool = False, sgd: bool = False,
-        **kwargs: Any) -> dict[str, Any]:
+        before_fit: Optional[Callable[[], None]] = None, **kwargs: Any) -> dict[str, Any]:
     """`sgd`: plain SGD instead of AdamW (Adam's normalised step turns rounding differences in a
-    near-zero gradient into differences of the learning rate's size)."""
+    near-zero gradient into differences of the learning rate's size). `before_fit`: called once the
+    trainer is built."""
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = build_model("tiny", n_layers=2, max_seq_len=MAX_LEN)
@@ -76,6 +77,8 @@ def fit(microbatch: Any, callbacks: list, batches: int = BATCHES, on_tokens: boo
         accumulate_train_batch_on_tokens=on_tokens, **kwargs,
     )
     result: dict[str, Any] = {}
+    if before_fit is not None:
+        before_fit()
     try:
         trainer.fit()
     except Exception as error:  # noqa: BLE001 - returned to the test
@@ -92,6 +95,8 @@ def fit(microbatch: Any, callbacks: list, batches: int = BATCHES, on_tokens: boo
             found=auto.found_size,
             hooks_after=auto.hooks_active,
             padding_waste=auto.tokens.padding_waste if auto.tokens else None,
+            trials=[[r.trade, r.kept, r.size] for r in auto.layout.search.results] if auto.layout else [],
+            trial_lines=[r.line() for r in auto.layout.search.results] if auto.layout else [],
         )
     trainer.close()
     return result
@@ -179,7 +184,32 @@ def run_numerics(rank: int, world: int) -> dict[str, Any]:
 
         _case(out, key, one)
     _case(out, "padded_counter_refused", lambda: _padded_counter(world))
+    _case(out, "fastest_budget", lambda: _fastest_budget(world))
     return out
+
+
+def _fastest_budget(world: int) -> dict[str, Any]:
+    """Size trials over a token budget (issue 41 item 1, issue 42 item 1): `layout: auto`, one batch
+    per trial arm; a budget below the first one found is timed faster (the batch times are replaced,
+    `LayoutTrials.timing`): 3/4 of it is kept, and from there nothing smaller is faster. Per-token
+    normalisation, so the parameters equal the unsplit batch's whatever the budgets."""
+    auto = AutoMicrobatching(log_attempts=False, budget="tokens", layout="auto", layout_trial_batches=1)
+    first: dict[str, int] = {}
+
+    def timing(layout: tuple[str, ...], measured: float) -> float:
+        search = auto.layout.search
+        budget = search.trial_size if search.trial_size is not None else auto.found_size
+        first.setdefault("found", auto.found_size)
+        return 1.0 if budget < first["found"] else 2.0
+
+    def hook() -> None:
+        auto.layout.timing = timing
+
+    batches = 18
+    searched = fit("auto", [auto, TokenLimit(limits(world))], batches=batches, on_tokens=True, sgd=True, before_fit=hook)
+    whole = fit(PER_RANK_BATCH, [], batches=batches, on_tokens=True, sgd=True)
+    return {**{k: v for k, v in searched.items() if k != "params"}, "first_found": first.get("found"),
+            "error_vs_unsplit": max_error(searched["params"], whole["params"])}
 
 
 def _padded_counter(world: int) -> dict[str, Any]:

@@ -114,8 +114,9 @@ DESCRIPTIONS = {
 MODES = ("auto", "fixed")
 # The name of a size trial's result (`TrialResult.trade`): no trade, a smaller microbatch.
 SIZE_TRIAL = "smaller_microbatch"
-# The microbatches a size trial tries, as fractions of the largest microbatch at the size found.
-SIZE_FRACTIONS = (2, 4)
+# The microbatches a size trial tries, as shares of the largest microbatch at the size found, in
+# order (samples; a token budget passes its own, finer: `automicro.integration.batch_kinds`).
+SIZE_FRACTIONS = (0.5, 0.25)
 
 
 class LayoutConfigError(ValueError):
@@ -455,19 +456,24 @@ class LayoutSearch:
             return trial, lines
         return None, lines
 
-    def _smaller(self, found: Optional[int], largest_at: Optional[Callable[[int], int]]) -> Optional[Trial]:
+    def _smaller(
+        self, found: Optional[int], largest_at: Optional[Callable[[int], int]], fractions: Sequence[float] = SIZE_FRACTIONS,
+    ) -> Optional[Trial]:
         """Nothing else left to try at the size found: a size trial, at the largest size whose
-        split's largest microbatch is at most 1/2 (then 1/4) of the size found's. Each pair of sizes
-        once; a kept one is adopted by the size policy, and the trials go on from there."""
+        split's largest microbatch is at most `fractions[0]` (then the next) of the size found's.
+        Each pair of sizes once; a kept one is adopted by the size policy, and the trials go on from
+        there."""
         if not self.config.size_trials or found is None or largest_at is None:
             return None
         largest = largest_at(found)
-        for fraction in SIZE_FRACTIONS:
-            target = next((n for n in range(found - 1, 0, -1) if largest_at(n) <= largest // fraction), None)
+        for fraction in fractions:
+            limit = int(largest * fraction)
+            target = next((n for n in range(found - 1, 0, -1) if largest_at(n) <= limit), None)
             if target is None or largest_at(target) >= largest:
                 continue
             # The smallest size with that split (a batch of 32 runs 10 as 8, 8, 8, 8): what the console says.
-            target = min(n for n in range(1, target + 1) if largest_at(n) == largest_at(target))
+            while target > 1 and largest_at(target - 1) == largest_at(target):
+                target -= 1
             if (found, target) in self.sized:
                 continue
             self.sized.append((found, target))
@@ -505,6 +511,7 @@ class LayoutSearch:
         found: Optional[int] = None, smaller: Optional[Callable[[tuple[str, ...]], Optional[int]]] = None,
         measure_at: Optional[int] = None, largest_at: Optional[Callable[[int], int]] = None,
         capacity: int = 0, whole_batch: Optional[int] = None, outside: int = 0,
+        size_fractions: Sequence[float] = SIZE_FRACTIONS,
     ) -> tuple[tuple[str, ...], list[str]]:
         """The layout of the next batch, and a console line for each trade passed over and for a
         trial that starts. `fits(trade)` returns None when the trade's projected bytes fit (or
@@ -517,7 +524,8 @@ class LayoutSearch:
         microbatch of the split a size found of `n` runs (an upsize trial needs a larger one);
         `capacity`: the usable bytes now (0: unknown), `whole_batch`: this rank's batch in samples
         (None: unknown), `outside`: the most another process holds on any rank's device (0: none),
-        all for the upsize trial (`_upsize`)."""
+        all for the upsize trial (`_upsize`); `size_fractions`: the shares of the largest microbatch
+        the size trials try (`_smaller`)."""
         lines: list[str] = []
         if self.searching and steady and self.trial is None:
             lines += self._readmit(size)
@@ -558,7 +566,7 @@ class LayoutSearch:
                 self.trial, more = self._upsize(found, measure_at, largest_at, capacity, whole_batch, outside)
                 lines += more
             if self.trial is None:
-                self.trial = self._smaller(found, largest_at)
+                self.trial = self._smaller(found, largest_at, size_fractions)
                 if self.trial is not None:
                     lines.append(
                         f"{self.trial.heading()}: {self.config.trial_batches} batches at {self.trial.size}, as many at "
@@ -745,7 +753,7 @@ class LayoutSearch:
 
 __all__ = [
     "DESCRIPTIONS", "GRAD_SYNC_ONCE", "LayoutConfig", "LayoutConfigError", "LayoutSearch", "MEASURED", "NO_RECOMPUTE",
-    "NO_RESHARD", "PINNABLE", "RECOMPUTE", "SIZE_TRIAL",
+    "NO_RESHARD", "PINNABLE", "RECOMPUTE", "SIZE_FRACTIONS", "SIZE_TRIAL",
     "TRADES", "UPSIZE",
     "TrialResult", "describe", "judge",
 ]

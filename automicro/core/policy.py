@@ -205,7 +205,8 @@ class DomainGrew:
 class Adopt:
     """The layout search settles the microbatch at `size`, other than the one found: its trial ran
     `size` with trades that did not fit at the larger one (or, larger, with a trade that saves
-    bytes per sample), clean, and faster (`automicro.core.layout`). Only while STEADY, over samples.
+    bytes per sample), clean, and faster (`automicro.core.layout`); or a size trial ran the smaller
+    `size` (a token budget, over tokens) faster. Only while STEADY; over tokens only a smaller one.
 
     `reopen`: the layout undid a trade that had let a larger size fit, because the memory it was kept
     under came back (`LayoutSearch.reconsider`): `size` is the size found without it. The bounds and
@@ -903,9 +904,12 @@ def _on_adopt(state: SearchState, outcome: Adopt, config: PolicyConfig) -> tuple
         return _on_reopen(state, outcome.size, outcome.capacity_bytes, config)
     if (
         state.phase != Phase.STEADY or state.found is None or not _is_int(outcome.size)
-        or not 1 <= outcome.size <= state.batch_size or outcome.size == state.found or config.unit == "tokens"
+        or not 1 <= outcome.size <= state.batch_size or outcome.size == state.found
+        or (config.unit == "tokens" and outcome.size > state.found)
     ):
-        raise ValueError(f"Adopt({outcome.size}) needs a steady search over samples found at another size (state {state})")
+        raise ValueError(
+            f"Adopt({outcome.size}) needs a steady search found at another size (over tokens, a smaller one) (state {state})"
+        )
     if outcome.size > state.found:
         # A layout that saves bytes per sample made a larger size fit: what failed above the size
         # found, and the memory model, were the other layout's (the model is rebuilt from this one's peaks).
@@ -915,7 +919,8 @@ def _on_adopt(state: SearchState, outcome: Adopt, config: PolicyConfig) -> tuple
             successes=tuple(sorted(set(state.successes) | {outcome.size})),
         )
     state = replace(state, found=outcome.size)
-    state = replace(state, size=max(current_split(state, config)))
+    # Over tokens the size is the budget itself (a size trial's, `automicro.core.layout`).
+    state = replace(state, size=outcome.size if config.unit == "tokens" else max(current_split(state, config)))
     return state, _decide(state, config, False, f"layout: microbatch now {outcome.size}, {_in_use(state, config)}")
 
 
