@@ -220,3 +220,23 @@ def test_ranks_holding_too_few_samples_for_the_agreed_count_are_refused_naming_t
     plan = tokens.plan_attempt(_AgreedBy((3, 4, _SAMPLES_CAP - 4)), [60, 60, 10, 10], 120)
     assert (plan.count, plan.own) == (3, 2), "the agreed count, more than this rank needs"
     assert sorted(plan.sizes) == [1, 1, 2] and plan.largest == 60
+
+
+def test_the_trials_judge_a_variable_length_batch_per_average_batch_of_real_tokens():
+    """Size and layout trials over a token budget time batches of different work: each batch's
+    seconds are divided by its real tokens over the average batch's of this launch (1 before any)."""
+    from types import SimpleNamespace
+
+    from automicro.integration.batch_kinds import SampleBatches, TokenBatches
+
+    kind = TokenBatches()
+    assert kind.batch_weight() == 1.0  # nothing trained yet
+    for real in (1000, 3000):
+        plan = SimpleNamespace(real=real, padded=real + 100)
+        kind.tokens.plan = plan
+        kind.tokens.trained(plan)
+    kind.tokens.plan = SimpleNamespace(real=3000, padded=3100)
+    assert kind.batch_weight() == 1.5  # 3000 real tokens against an average of 2000
+    kind.tokens.load_state_dict({"real_total": 10**9, "padded_total": 10**9})  # a resumed run's totals do not count
+    assert kind.batch_weight() == 1.5
+    assert SampleBatches().batch_weight() == 1.0

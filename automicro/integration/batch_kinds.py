@@ -77,6 +77,11 @@ class SampleBatches:
         """This rank's largest microbatch in padded tokens (the consensus report's figure)."""
         return 0
 
+    def batch_weight(self) -> float:
+        """The batch just trained against an average one, for the layout and size trials' timing (a
+        batch of samples: 1)."""
+        return 1.0
+
     def outcome_size(self, policy: search.SearchPolicy, sizes: tuple[int, ...], verdict: Verdict, failed: bool) -> int:
         """What the policy is told the attempt ran at."""
         return max(sizes)
@@ -177,6 +182,14 @@ class TokenBatches(SampleBatches):
 
     def microbatch_tokens(self) -> int:
         return 0 if self.tokens.plan is None else self.tokens.plan.largest
+
+    def batch_weight(self) -> float:
+        """This rank's real tokens in the batch just trained over its average so far: variable-length
+        batches differ in work, so the trials judge each batch's seconds per average batch."""
+        plan, batches, real = self.tokens.plan, self.tokens.batches_trained, self.tokens.real_this_run
+        if plan is None or not batches or not real or not plan.real:
+            return 1.0
+        return plan.real / (real / batches)
 
     def outcome_size(self, policy: search.SearchPolicy, sizes: tuple[int, ...], verdict: Verdict, failed: bool) -> int:
         plan = self.tokens.plan

@@ -197,9 +197,11 @@ class LayoutTrials:
         trial = None if self.engine is None else self.search.trial
         return trial is not None and trial.measure and not trial.on
 
-    def after_success(self, attempts: int, peaks_by_size: tuple[tuple[int, int], ...] = ()) -> None:
+    def after_success(self, attempts: int, peaks_by_size: tuple[tuple[int, int], ...] = (), weight: float = 1.0) -> None:
         """The batch succeeded (and the optimizer stepped); `peaks_by_size`: its agreed microbatch
-        peaks by size, where they were tracked. A batch that retried is not timed."""
+        peaks by size, where they were tracked; `weight`: its work against an average batch's (a
+        variable-length batch: its real tokens over the average's), its time judged per average
+        batch. A batch that retried is not timed."""
         if self.engine is None:
             return
         self.engine.reset()
@@ -209,7 +211,7 @@ class LayoutTrials:
         seconds = time.perf_counter() - self._started
         self._started = None
         if attempts == 1:
-            self.search.observe(self.layout, self.timing(self.layout, seconds))
+            self.search.observe(self.layout, self.timing(self.layout, seconds / (weight or 1.0)))
         trial = self.search.measuring
         if trial is not None and trial.trades[0] in UPSIZE:
             self._info(self._measured_upsize(sorted(peaks_by_size)))

@@ -86,6 +86,9 @@ class TokenBudget:
         self.plan: Optional[TokenPlan] = None
         self.padded_total = 0  # padded tokens of the microbatches trained (all batches, this rank)
         self.real_total = 0
+        # This launch's batches trained and their real tokens (not checkpointed): the average batch.
+        self.batches_trained = 0
+        self.real_this_run = 0
 
     # ---- the policy's domain and grid ------------------------------------------------------
 
@@ -153,6 +156,8 @@ class TokenBudget:
     def trained(self, plan: TokenPlan) -> None:
         self.padded_total += plan.padded
         self.real_total += plan.real
+        self.batches_trained += 1
+        self.real_this_run += plan.real
 
     # ---- what the policy is told -----------------------------------------------------------
 

@@ -269,7 +269,7 @@ class TrainingSearch:
         self._last_outside = verdict.outside_bytes
         peaks = self._agreed_peaks(step)
         trial_batch = self.layout.trial_batch
-        self.layout.after_success(step.attempts, peaks)
+        self.layout.after_success(step.attempts, peaks, weight=self.kind.batch_weight())
         adopted = self.layout.take_adopted()
         if adopted is not None:
             self.runtime.info(self.policy.observe(search.Adopt(adopted)).event)
