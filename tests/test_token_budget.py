@@ -240,3 +240,16 @@ def test_the_trials_judge_a_variable_length_batch_per_average_batch_of_real_toke
     kind.tokens.load_state_dict({"real_total": 10**9, "padded_total": 10**9})  # a resumed run's totals do not count
     assert kind.batch_weight() == 1.5
     assert SampleBatches().batch_weight() == 1.0
+
+
+def test_a_hand_set_budget_gets_no_size_trials():
+    """`fixed_tokens` is the user's budget: the size trials never time a smaller one (seen on an H200,
+    session 24: a hand-set 16,384 was put on trial against 12,288)."""
+    from automicro.core.layout import LayoutConfig, LayoutSearch
+    from automicro.integration.batch_kinds import TokenBatches
+
+    for fixed, fractions in ((None, (0.75, 0.5)), (16384, ())):
+        kind = TokenBatches(fixed)
+        search = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), [])
+        layout, lines = search.layout_for_batch(True, lambda t: None, 16384, 16384, None, None, lambda n: n, size_fractions=kind.size_fractions)
+        assert kind.size_fractions == fractions and (search.trial is not None) == (fixed is None), lines

@@ -126,11 +126,11 @@ class TokenBatches(SampleBatches):
     """budget="tokens": a batch's size is the largest batch of any rank in padded tokens; each
     attempt packs this rank's samples under the budget under test (`TokenBudget`)."""
 
-    # Finer than samples' (issue 41: the fastest hand-set budget was 0.56x the largest that fits).
-    size_fractions = (0.75, 0.5)
-
     def __init__(self, fixed: Optional[int] = None) -> None:
         self.tokens = TokenBudget(fixed)
+        # Finer than samples' (issue 41: the fastest hand-set budget was 0.56x the largest that fits);
+        # none for a hand-set budget (`fixed_tokens`): the user's budget is not traded.
+        self.size_fractions: tuple[float, ...] = () if fixed is not None else (0.75, 0.5)
 
     def policy_config(self, base: search.PolicyConfig) -> search.PolicyConfig:
         return self.tokens.policy_config(base)
