@@ -872,8 +872,8 @@ def test_a_size_trial_runs_half_then_a_quarter_of_the_microbatch_found_once_the_
     largest_at = _halves(32)
     lines, half = _sized_run(search, 26, largest_at, with_s=2.2, without_s=2.0)
     assert lines == [
-        "size trial: microbatch 8 against 26, the size found: 2 batches at 8, as many at 26 (the largest microbatch "
-        "that fits is not always the fastest)"
+        "size trial: microbatch 8 against 26, the size found: 2 batches at 8, as many at 26 (the largest that fits "
+        "is not always the fastest)"
     ]
     assert not half.kept and half.size == 8 and half.trade == "smaller_microbatch", half
     assert half.line().startswith("size trial: microbatch 8 against 26, the size found: not kept; median batch 2.2000 s")

@@ -130,7 +130,7 @@ def test_a_smaller_budget_timed_faster_is_kept_and_training_equals_the_unsplit_b
         assert sized[0] == ["smaller_microbatch", True, int(first * 0.75)], result["trial_lines"]
         assert [t[1] for t in sized[1:]] == [False, False] and result["found"] == int(first * 0.75), result["trial_lines"]
         assert result["trial_lines"][len(result["trials"]) - len(sized)].startswith(
-            f"size trial: microbatch {int(first * 0.75)} against {first}, the size found: kept"
+            f"size trial: budget {int(first * 0.75)} tokens against {first}, the budget found: kept"
         ), result["trial_lines"]
         assert result["error_vs_unsplit"] <= TOLERANCE, result["error_vs_unsplit"]
     assert numerics[0]["fastest_budget"]["trials"] == numerics[1]["fastest_budget"]["trials"]

@@ -199,6 +199,8 @@ class Trial:
     from_size: Optional[int] = None
     # One batch at `size` with the trade on, to measure its bytes (no timing, no verdict).
     measure: bool = False
+    # What a size trial's sizes count: "samples" (a microbatch) or "tokens" (a budget).
+    unit: str = "samples"
 
     @property
     def trade(self) -> str:
@@ -214,9 +216,11 @@ class Trial:
         return len(self.on) <= len(self.off)
 
     def restarted(self) -> "Trial":
-        return Trial(self.trades, size=self.size, from_size=self.from_size, measure=self.measure)
+        return Trial(self.trades, size=self.size, from_size=self.from_size, measure=self.measure, unit=self.unit)
 
     def heading(self) -> str:
+        if self.sized and self.unit == "tokens":
+            return f"size trial: budget {self.size} tokens against {self.from_size}, the budget found"
         if self.sized:
             return f"size trial: microbatch {self.size} against {self.from_size}, the size found"
         what = f"{self.trade} ({describe(self.trades)})"
@@ -458,6 +462,7 @@ class LayoutSearch:
 
     def _smaller(
         self, found: Optional[int], largest_at: Optional[Callable[[int], int]], fractions: Sequence[float] = SIZE_FRACTIONS,
+        unit: str = "samples",
     ) -> Optional[Trial]:
         """Nothing else left to try at the size found: a size trial, at the largest size whose
         split's largest microbatch is at most `fractions[0]` (then the next) of the size found's.
@@ -477,7 +482,7 @@ class LayoutSearch:
             if (found, target) in self.sized:
                 continue
             self.sized.append((found, target))
-            return Trial((), size=target, from_size=found)
+            return Trial((), size=target, from_size=found, unit=unit)
         return None
 
     def reconsider(self, capacity: int) -> tuple[Optional[int], list[str]]:
@@ -511,7 +516,7 @@ class LayoutSearch:
         found: Optional[int] = None, smaller: Optional[Callable[[tuple[str, ...]], Optional[int]]] = None,
         measure_at: Optional[int] = None, largest_at: Optional[Callable[[int], int]] = None,
         capacity: int = 0, whole_batch: Optional[int] = None, outside: int = 0,
-        size_fractions: Sequence[float] = SIZE_FRACTIONS,
+        size_fractions: Sequence[float] = SIZE_FRACTIONS, size_unit: str = "samples",
     ) -> tuple[tuple[str, ...], list[str]]:
         """The layout of the next batch, and a console line for each trade passed over and for a
         trial that starts. `fits(trade)` returns None when the trade's projected bytes fit (or
@@ -525,7 +530,7 @@ class LayoutSearch:
         `capacity`: the usable bytes now (0: unknown), `whole_batch`: this rank's batch in samples
         (None: unknown), `outside`: the most another process holds on any rank's device (0: none),
         all for the upsize trial (`_upsize`); `size_fractions`: the shares of the largest microbatch
-        the size trials try (`_smaller`)."""
+        the size trials try (`_smaller`), `size_unit` what their sizes count ("samples", "tokens")."""
         lines: list[str] = []
         if self.searching and steady and self.trial is None:
             lines += self._readmit(size)
@@ -566,11 +571,11 @@ class LayoutSearch:
                 self.trial, more = self._upsize(found, measure_at, largest_at, capacity, whole_batch, outside)
                 lines += more
             if self.trial is None:
-                self.trial = self._smaller(found, largest_at, size_fractions)
+                self.trial = self._smaller(found, largest_at, size_fractions, size_unit)
                 if self.trial is not None:
                     lines.append(
                         f"{self.trial.heading()}: {self.config.trial_batches} batches at {self.trial.size}, as many at "
-                        f"{found} (the largest microbatch that fits is not always the fastest)"
+                        f"{found} (the largest that fits is not always the fastest)"
                     )
         elif self.trial is not None and not steady:
             # The size moved: a trial's times would compare different sizes.

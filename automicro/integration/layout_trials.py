@@ -98,6 +98,7 @@ class LayoutTrials:
         found: Optional[int] = None, peak_at: Optional[Callable[[int], Optional[tuple[int, int]]]] = None,
         measure_split: Optional[tuple[int, ...]] = None, largest_at: Optional[Callable[[int], int]] = None,
         capacity_read: int = 0, outside_bytes: int = 0, size_fractions: tuple[float, ...] = SIZE_FRACTIONS,
+        size_unit: str = "samples",
     ) -> None:
         """Choose and apply the next batch's layout; start the clock during a trial. `size`: the
         next batch's largest microbatch (a trade that did not fit at a larger one may be tried
@@ -167,7 +168,7 @@ class LayoutTrials:
         started = self.search.trial
         layout, lines = self.search.layout_for_batch(
             steady, fits, size, found, smaller, measure_at, largest_at, capacity_bytes,
-            sum(measure_split) if measure_split else None, outside_bytes, size_fractions,
+            sum(measure_split) if measure_split else None, outside_bytes, size_fractions, size_unit,
         )
         trial = self.search.trial
         if trial is not None and trial is not started and trial.size is not None and not trial.measure and peak_at:

@@ -190,6 +190,7 @@ class TrainingSearch:
             self.policy.phase == search.Phase.STEADY, self._last_peak, self.policy.usable_bytes(self.last_capacity),
             *self.kind.layout_figures(self.policy, self._peak_at, self.config.probes),
             capacity_read=self.last_capacity or 0, outside_bytes=self._last_outside, size_fractions=self.kind.size_fractions,
+            size_unit=self.config.unit,
         )
         undone = self.layout.take_undone()
         if undone is not None:
