@@ -302,6 +302,9 @@ class LayoutSearch:
         self.upsized_from: list[int] = []
         # (size found, smaller size) pairs a size trial ran (kept or not): never again.
         self.sized: list[tuple[int, int]] = []
+        # (size found, its largest microbatch) where no size trial was left: asked each steady batch
+        # once the trials are done, the scan below runs once per size found, not every batch.
+        self._no_smaller: Optional[tuple[int, int]] = None
         self.shared_said = False  # the line that an upsize trial waits for a card not shared was printed
         # For a trade in UPSIZE: the capacity its bytes were measured under. Where less is usable now
         # (another process took memory), its trial waits: what fitted then may not fit now.
@@ -471,6 +474,8 @@ class LayoutSearch:
         if not self.config.size_trials or found is None or largest_at is None:
             return None
         largest = largest_at(found)
+        if self._no_smaller == (found, largest):
+            return None
         for fraction in fractions:
             limit = int(largest * fraction)
             target = next((n for n in range(found - 1, 0, -1) if largest_at(n) <= limit), None)
@@ -483,6 +488,7 @@ class LayoutSearch:
                 continue
             self.sized.append((found, target))
             return Trial((), size=target, from_size=found, unit=unit)
+        self._no_smaller = (found, largest)
         return None
 
     def reconsider(self, capacity: int) -> tuple[Optional[int], list[str]]:
