@@ -8,6 +8,14 @@
   the torch version does not reach.
 - ``many_ranks``: 4-rank launches (2 CPU cores run them at half speed). The same code paths run on
   2 ranks in every leg; leg 1 runs a seeded half of the 4-rank launches each run (all with `--full`).
+
+``--versions-share K/N`` (CI's legs 2 and 3: 1/2 and 2/2, one seed for the three legs): of the
+``torch_versions`` tests that launch processes, this leg takes its share, dealt per file
+(`tests/matrix.shares`): each leg runs at least one launch of every file, the two legs together run
+every launch on a newer torch each CI run, and over runs each launch comes up on each version. A
+launch: the tests that share one module- or class-scoped fixture (one process group serves them),
+else one test function with its parameters (marked ``multiproc``, or calling ``run_multiprocess``).
+Tests that launch nothing run on every leg.
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ def pytest_collection_modifyitems(config, items):
         if MANY_RANK_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.many_ranks)
     _sample_many_rank_launches(config, items)
+    _share_version_launches(config, items)
 
 
 def _sample_many_rank_launches(config, items):
@@ -89,10 +98,57 @@ def _sample_many_rank_launches(config, items):
         items[:] = [item for item in items if id(item) not in gone]
 
 
+def _launch_group(item):
+    """The launch a torch_versions test belongs to (None: it launches nothing)."""
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    shared = sorted(name for name, chain in defs.items() if chain and chain[-1].scope in ("module", "class"))
+    if shared:
+        return f"fixture {shared[0]}"
+    if item.get_closest_marker("multiproc") is not None or "run_multiprocess(" in _source(item):
+        return f"test {getattr(item, 'originalname', item.name)}"
+    return None
+
+
+def _source(item) -> str:
+    import inspect
+
+    try:
+        return inspect.getsource(item.function)
+    except (AttributeError, OSError, TypeError):
+        return ""
+
+
+def _share_version_launches(config, items):
+    text = config.getoption("--versions-share")
+    if not text:
+        return
+    from tests import matrix
+
+    part, parts = matrix.parse_share(text)
+    grouped = {}
+    for item in items:
+        if item.get_closest_marker("torch_versions") is None or item.get_closest_marker("many_ranks") is not None:
+            continue
+        group = _launch_group(item)
+        if group is not None:
+            grouped[id(item)] = (Path(str(item.fspath)).name, group)
+    taken = matrix.shares("version launches", list(grouped.values()), part, parts)
+    dropped = [item for item in items if id(item) in grouped and grouped[id(item)] not in taken]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        gone = set(map(id, dropped))
+        items[:] = [item for item in items if id(item) not in gone]
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--full", action="store_true", default=False,
         help="run every cell of the fault matrices (tests/matrix.py); without it each run draws a seeded sample",
+    )
+    parser.addoption(
+        "--versions-share", default=None, metavar="K/N",
+        help="CI's torch 2.11 / 2.15 legs: this leg's share (1/2, 2/2) of the torch_versions tests' launches, dealt "
+        "per file with the run's seed (tests/matrix.shares); --full takes every launch",
     )
 
 

@@ -9,13 +9,18 @@ Over CI runs every cell comes up; `make test-full` (pytest `--full`) runs every 
 
 The seed: `AUTOMICRO_TEST_SEED` (an int) where set, else drawn at the start of the pytest run;
 pytest's header and its last lines print it, with how to repeat the draw. Test IDs name the cell,
-so a failing cell is rerun by its ID as well.
+so a failing cell is rerun by its ID as well. A matrix's draw also depends on torch's version
+(major.minor): CI's three legs run one seed (`.ci/run` sets it) and each leg draws its own cells.
+
+`shares`: CI's torch 2.11 and 2.15 legs split the launches of the tests that differ between torch
+versions between them, dealt per test file with the same seed (`tests/conftest.py`).
 """
 
 from __future__ import annotations
 
 import os
 import random
+import re
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Optional, TypeVar
 
@@ -58,7 +63,7 @@ def sample(
     if full():
         DRAWN[name] = (len(cells), len(cells))
         return cells
-    rng = random.Random(f"{seed()}:{name}")
+    rng = random.Random(f"{seed()}:{name}:{_torch_minor()}")
     rows: dict[Hashable, list[int]] = {}
     for index, cell in enumerate(cells):
         rows.setdefault(key(cell), []).append(index)
@@ -69,6 +74,47 @@ def sample(
         chosen.update(rng.sample(rest, min(max(0, per_key - len(kept)), len(rest))))
     DRAWN[name] = (len(chosen), len(cells))
     return [cell for i, cell in enumerate(cells) if i in chosen]
+
+
+def _torch_minor() -> str:
+    import torch
+
+    return ".".join(torch.__version__.split(".")[:2])
+
+
+def parse_share(text: str) -> tuple[int, int]:
+    """`K/N` (pytest's `--versions-share`): the K-th of N shares, 1 <= K <= N."""
+    match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text or "")
+    if match is None or not 1 <= int(match.group(1)) <= int(match.group(2)):
+        raise ValueError(f"--versions-share={text!r}: expected K/N with 1 <= K <= N, e.g. 1/2 (torch 2.11's leg) and 2/2 (2.15's)")
+    return int(match.group(1)), int(match.group(2))
+
+
+def shares(name: str, groups: Sequence[tuple[str, Hashable]], part: int, parts: int) -> set[tuple[str, Hashable]]:
+    """The groups share `part` of `parts` takes. `groups`: (file, group) pairs (a group: the tests that
+    share one launch). Per file, its groups are dealt over the shares in a seeded order (the torch
+    version left out: every leg deals alike, so the shares are complementary); a file with fewer
+    groups than shares gives every share all of them (each share touches every file). Every group
+    under `full()`."""
+    by_file: dict[str, list[Hashable]] = {}
+    for file, group in groups:
+        by_file.setdefault(file, [])
+        if group not in by_file[file]:
+            by_file[file].append(group)
+    total = sum(map(len, by_file.values()))
+    if full():
+        DRAWN[name] = (total, total)
+        return {(file, group) for file, row in by_file.items() for group in row}
+    taken: set[tuple[str, Hashable]] = set()
+    for file in sorted(by_file):
+        row = sorted(by_file[file], key=repr)
+        if len(row) < parts:
+            taken.update((file, group) for group in row)
+            continue
+        random.Random(f"{seed()}:{name}:{file}").shuffle(row)
+        taken.update((file, group) for index, group in enumerate(row) if index % parts == part - 1)
+    DRAWN[f"{name} {part}/{parts}"] = (len(taken), total)
+    return taken
 
 
 def summary() -> str:

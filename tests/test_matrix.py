@@ -43,3 +43,30 @@ def test_full_runs_every_cell_and_bad_input_says_what_to_change(monkeypatch):
     monkeypatch.setenv(matrix.SEED_ENV, "1")
     with pytest.raises(ValueError, match="a cell appears twice"):
         matrix.sample("test", CELLS + CELLS[:1])
+
+
+def test_version_shares_are_complementary_touch_every_file_and_repeat_with_the_seed(monkeypatch):
+    monkeypatch.delenv(matrix.FULL_ENV, raising=False)
+    monkeypatch.setenv(matrix.SEED_ENV, "3")
+    groups = [("a.py", f"fixture {i}") for i in range(5)] + [("b.py", "test one")] + [("c.py", "x"), ("c.py", "y")]
+    first, second = matrix.shares("launches", groups, 1, 2), matrix.shares("launches", groups, 2, 2)
+    assert first | second == set(groups), "the two legs together run every launch"
+    assert first & second == {("b.py", "test one")}, "a file with one launch runs on both legs; no other launch twice"
+    assert {f for f, _ in first} == {f for f, _ in second} == {"a.py", "b.py", "c.py"}, "each leg touches every file"
+    assert sorted(len([g for g in share if g[0] == "a.py"]) for share in (first, second)) == [2, 3], "dealt evenly"
+    assert matrix.shares("launches", groups, 1, 2) == first, "the same seed, the same shares"
+    deals = set()
+    for seed in range(12):
+        monkeypatch.setenv(matrix.SEED_ENV, str(seed))
+        deals.add(frozenset(matrix.shares("launches", groups, 1, 2)))
+    assert len(deals) > 3, "other seeds deal otherwise"
+    assert "launches 1/2" in matrix.summary()
+    monkeypatch.setenv(matrix.FULL_ENV, "1")
+    assert matrix.shares("launches", groups, 2, 2) == set(groups)
+
+
+@pytest.mark.parametrize("text", ["", "2", "0/2", "3/2", "a/b"])
+def test_a_bad_versions_share_says_what_to_write(text):
+    with pytest.raises(ValueError, match="expected K/N with 1 <= K <= N"):
+        matrix.parse_share(text)
+    assert matrix.parse_share(" 2 / 2 ") == (2, 2)
