@@ -137,10 +137,47 @@ def test_a_smaller_budget_timed_faster_is_kept_and_training_equals_the_unsplit_b
 
 
 @pytest.mark.multiproc
-def test_per_token_accumulation_with_composers_padded_token_counter_is_refused_naming_the_fix(numerics):
+def test_budget_tokens_turns_per_token_loss_on_with_a_counter_of_real_loss_tokens_and_says_so(numerics):
+    """Composer's own counter reads padded input_ids (wrong once a microbatch is re-padded): with
+    nothing set, `budget: tokens` accumulates per loss token with automicro's counter in its place
+    (automicro's Llama: labels come shifted, label_shift 0)."""
     for per_rank in numerics:
-        error = _ok(per_rank["padded_counter_refused"])["error"]
-        assert error is not None and error.startswith("ValueError") and "count_tokens" in error, error
+        result = _ok(per_rank["padded_counter"])
+        assert result["on_tokens"] is True and result["counter"] == "TokenCounter(label_shift=0)", result
+        assert result["lines"] == [
+            "loss per loss token over the whole batch (loss_normalization: tokens; labels != -100: the labels come "
+            "shifted, label_shift: auto): training does not depend on the split"
+        ], result["lines"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", ["right", "left", "packed"])
+def test_a_transformers_causal_lm_trains_under_a_token_budget_as_the_unsplit_batch_per_loss_token(numerics, layout):
+    """Issue 41 item 0: a transformers Llama, batches padded by transformers' collator on either side
+    or packed (position_ids restarting per document), budget: tokens with nothing else set: the
+    batches are split, and the parameters equal the unsplit batches' weighted per loss token
+    (labels[:, 1:] != -100: the model shifts its labels) to fp32 rounding."""
+    for per_rank in numerics:
+        result = _ok(per_rank[f"hf/{layout}"])
+        assert result["batches"] == 4 and any(len(split) > 1 for split in result["splits"]), result["splits"]
+        assert result["error_vs_unsplit"] <= 1e-6, result["error_vs_unsplit"]
+        said = [line for line in result["lines"] if line.startswith("loss per ")]
+        assert said == ["loss per loss token over the whole batch (loss_normalization: tokens; labels[:, 1:] != -100: the "
+                        "model shifts its labels, label_shift: auto): training does not depend on the split"], said
+        # Left padding: the first real token of a padded row would be predicted from a padding position.
+        masked = [line for line in result["lines"] if line.startswith("left-padded batches:")]
+        assert len(masked) == (layout == "left"), result["lines"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("setting", ["samples", "unshifted"])
+def test_per_sample_loss_or_an_unshifted_count_make_the_result_depend_on_the_split(numerics, setting):
+    """What the default avoids: `loss_normalization: samples`, or `label_shift: 0` for a model that
+    shifts (one token per sample counted too many), leave the parameters off the unsplit run's."""
+    for per_rank in numerics:
+        result = _ok(per_rank[f"hf/right/{setting}"])
+        assert any(len(split) > 1 for split in result["splits"]), result["splits"]
+        assert result["error_vs_unsplit"] > 1e-5, result["error_vs_unsplit"]
 
 
 @pytest.mark.multiproc
@@ -253,3 +290,53 @@ def test_a_hand_set_budget_gets_no_size_trials():
         search = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), [])
         layout, lines = search.layout_for_batch(True, lambda t: None, 16384, 16384, None, None, lambda n: n, size_fractions=kind.size_fractions)
         assert kind.size_fractions == fractions and (search.trial is not None) == (fixed is None), lines
+
+
+def test_a_left_padded_rows_first_label_is_masked_for_a_model_that_shifts_and_only_then():
+    batch = _padded("left")
+    lengths = token_split.sample_lengths(batch)
+    assert token_split.left_padded_first_labels(batch, lengths)
+    part = token_split.select(batch, [0, 1], lengths, mask_first_label=True)
+    # Re-padded to 3: row 0 ([5, 6, 7]) has no padding left (the shift drops its first label itself),
+    # row 1 ([8, 9]) one pad: its first real label goes.
+    assert part["labels"].tolist() == [[7, 6, 5], [-100, -100, 8]], part["labels"]
+    assert token_split.select(batch, [0, 1], lengths)["labels"].tolist() == [[7, 6, 5], [-100, 9, 8]]
+    right = _padded("right")
+    assert not token_split.left_padded_first_labels(right, token_split.sample_lengths(right))
+    assert token_split.select(right, [0, 1], lengths, mask_first_label=True)["labels"].tolist() == [[5, 6, 7], [8, 9, -100]]
+
+
+def test_the_token_counter_knows_the_label_shift():
+    from automicro.data import TokenCounter, count_tokens
+
+    batch = _padded("right")  # 9 real tokens in 3 rows, every real token labelled
+    assert count_tokens(batch) == {"total": 9, "loss_generating": 9}
+    assert TokenCounter(1)(batch) == {"total": 9, "loss_generating": 6}, "each row's first label never makes a loss"
+    with pytest.raises(ValueError, match="label_shift=2: must be 0"):
+        TokenCounter(2)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"loss_normalization": "mean"}, "loss_normalization='mean': must be 'tokens'"),
+    ({"budget": "tokens", "label_shift": 2}, "label_shift=2: must be 'auto'"),
+    ({"budget": "tokens", "label_shift": True}, "label_shift=True: must be 'auto'"),
+])
+def test_bad_loss_normalization_settings_say_what_to_set(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AutoMicrobatching(**kwargs)
+
+
+def test_loss_normalization_that_disagrees_with_the_trainers_argument_is_refused():
+    from types import SimpleNamespace
+
+    from automicro.integration.loss_normalization import LossNormalization
+
+    trainer = SimpleNamespace(state=SimpleNamespace(model=object()), accumulate_train_batch_on_tokens=False)
+    with pytest.raises(ValueError, match="loss_normalization='tokens'.*accumulate_train_batch_on_tokens=False disagree"):
+        LossNormalization.parse("tokens", "auto", "tokens").apply(trainer, print, accumulate_on_tokens=False)
+    lines = []
+    # Left out, the Trainer's argument decides: per sample, said as split-dependent.
+    assert LossNormalization.parse(None, "auto", "tokens").apply(trainer, lines.append, accumulate_on_tokens=False) == 1
+    assert trainer.accumulate_train_batch_on_tokens is False and "depends on the split" in lines[0]
+    # budget: samples with nothing set: Composer's own choice, no line.
+    assert LossNormalization.parse(None, 0, "samples").apply(trainer, lines.append) == 0 and len(lines) == 1

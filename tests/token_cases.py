@@ -183,7 +183,11 @@ def run_numerics(rank: int, world: int) -> dict[str, Any]:
                     "error_vs_unsplit": max_error(searched["params"], whole["params"])}
 
         _case(out, key, one)
-    _case(out, "padded_counter_refused", lambda: _padded_counter(world))
+    _case(out, "padded_counter", lambda: _padded_counter(world))
+    for layout in ("right", "left", "packed"):
+        _case(out, f"hf/{layout}", lambda layout=layout: _hf_split_invariant(world, layout))
+    _case(out, "hf/right/samples", lambda: _hf_split_invariant(world, "right", loss_normalization="samples"))
+    _case(out, "hf/right/unshifted", lambda: _hf_split_invariant(world, "right", label_shift=0))
     _case(out, "fastest_budget", lambda: _fastest_budget(world))
     return out
 
@@ -213,22 +217,132 @@ def _fastest_budget(world: int) -> dict[str, Any]:
 
 
 def _padded_counter(world: int) -> dict[str, Any]:
-    """accumulate_train_batch_on_tokens=True with Composer's own (padded) token counter: refused."""
+    """budget: tokens with Composer's own (padded) token counter and nothing else set: per-token
+    normalisation comes on, with automicro's counter in place of Composer's, and the line says so."""
+    from automicro.integration import _composer_internals as composer_internals
+
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = build_model("tiny", n_layers=2, max_seq_len=MAX_LEN)
-    try:
-        trainer = automicro.Trainer(
-            model=model, train_dataloader=loader(rank, 2), max_duration="1ba",
-            optimizers=torch.optim.AdamW(model.parameters(), lr=1e-2), device="cpu",
-            parallelism_config={"fsdp2": {}}, device_train_microbatch_size="auto",
-            callbacks=[AutoMicrobatching(log_attempts=False, budget="tokens")], loggers=[], progress_bar=False,
-            accumulate_train_batch_on_tokens=True,
-        )
-    except ValueError as error:
-        return {"error": f"{type(error).__name__}: {error}"}
+    lines: list[str] = []
+    auto = AutoMicrobatching(log_attempts=False, budget="tokens")
+    trainer = automicro.Trainer(
+        model=model, train_dataloader=loader(rank, 2), max_duration="1ba",
+        optimizers=torch.optim.AdamW(model.parameters(), lr=1e-2), device="cpu",
+        parallelism_config={"fsdp2": {}}, device_train_microbatch_size="auto",
+        callbacks=[auto], loggers=[], progress_bar=False,
+    )
+    spec = composer_internals.train_data_spec(trainer)
+    auto.runtime.info = lines.append  # the same line again, caught
+    auto.check_trainer(trainer)
+    result = {"on_tokens": trainer.accumulate_train_batch_on_tokens, "counter": repr(spec._get_num_tokens_in_batch),
+              "lines": lines}
     trainer.close()
-    return {"error": None}
+    return result
+
+
+def _hf_loader(rank: int, layout: str, batches: int, reference: bool = False) -> DataLoader:
+    """This rank's batches for a transformers causal LM (labels = input_ids, the model shifts them):
+    `right` / `left`: padded by transformers' own collator on that side; `packed`: rows of
+    MAX_LEN tokens packing several documents, position_ids restarting per document and label -100
+    at each document's first token (as packing collators do), each batch's last row half full.
+    `reference`: the unsplit run's batches (left-padded: `_masking_first_labels`)."""
+    dataset = VariableLengthTokens(PER_RANK_BATCH * batches * 3, VOCAB, median_len=12 * (rank + 1), sigma=0.7, min_len=4,
+                                   max_len=MAX_LEN, seed=300 + rank)
+    docs = [dataset[i]["input_ids"] for i in range(len(dataset))]
+    if layout in ("right", "left"):
+        collate = _hf_collator()
+        collate.tokenizer.padding_side = layout
+        rows: list[Any] = [{"input_ids": doc.tolist()} for doc in docs[: PER_RANK_BATCH * batches]]
+    else:
+        collate, rows, index = None, [], 0
+        for n_row in range(PER_RANK_BATCH * batches):
+            ids = torch.zeros(MAX_LEN, dtype=torch.long)
+            labels, positions, mask = torch.full_like(ids, -100), torch.zeros_like(ids), torch.zeros_like(ids)
+            at, room = 0, MAX_LEN // 2 if n_row % PER_RANK_BATCH == PER_RANK_BATCH - 1 else MAX_LEN
+            while at < room:
+                doc = docs[index % len(docs)][: room - at]
+                index, n = index + 1, int(doc.shape[0])
+                ids[at:at + n], labels[at + 1:at + n] = doc, doc[1:]
+                positions[at:at + n], mask[at:at + n] = torch.arange(n), 1
+                at += n
+            rows.append({"input_ids": ids, "attention_mask": mask, "labels": labels, "position_ids": positions})
+    if layout == "left" and reference:
+        collate = _masking_first_labels(collate)
+    sampler = composer_dist.get_sampler(rows, shuffle=False, num_replicas=1, rank=0)
+    return DataLoader(rows, batch_size=PER_RANK_BATCH, sampler=sampler, drop_last=True, collate_fn=collate)
+
+
+def _masking_first_labels(collate: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """The unsplit reference of left-padded batches: the label of each padded row's first real token
+    set to -100, as automicro does (a shifting model predicts it from a padding position)."""
+
+    def masked(rows: Any) -> Any:
+        batch = collate(rows)
+        width = batch["labels"].shape[1]
+        for row, n in enumerate(batch["attention_mask"].sum(1).tolist()):
+            if 0 < n < width:
+                batch["labels"][row, width - n] = -100
+        return batch
+
+    return masked
+
+
+def _hf_llama():
+    import warnings
+
+    from composer.models import HuggingFaceModel
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=MAX_LEN, attn_implementation="sdpa")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return HuggingFaceModel(LlamaForCausalLM(config), tokenizer=None, use_logits=True)
+
+
+def _hf_fit(rank: int, world: int, layout: str, microbatch: Any, batches: int, auto: Optional[AutoMicrobatching],
+            **kwargs: Any) -> dict[str, Any]:
+    model = _hf_llama()
+    train = kwargs.pop("train", None) or _hf_loader(rank, layout, batches)
+    trainer = automicro.Trainer(
+        model=model, train_dataloader=train, max_duration=f"{batches}ba", optimizers=torch.optim.SGD(model.parameters(), lr=0.5),
+        device="cpu", parallelism_config={"fsdp2": {}}, device_train_microbatch_size=microbatch,
+        callbacks=[] if auto is None else [auto, TokenLimit(limits(world))], loggers=[], progress_bar=False,
+        log_to_console=False, **kwargs,
+    )
+    trainer.fit()
+    result = {"params": full_state(trainer.state.model), "batches": int(trainer.state.timestamp.batch)}
+    if auto is not None:
+        result["splits"] = [list(r.split) for r in auto.history if r.outcome == "ok"]
+    trainer.close()
+    return result
+
+
+_HF_REFERENCES: dict[str, Any] = {}  # layout -> the unsplit run's parameters (this process)
+
+
+def _hf_split_invariant(world: int, layout: str, **auto_kwargs: Any) -> dict[str, Any]:
+    """A transformers Llama (config only, fp32, SGD) under budget: tokens with nothing set but
+    `auto_kwargs`, against the unsplit batches weighted per loss token by a counter written here
+    (labels[:, 1:] != -100): the parameters after 4 batches, the splits the search ran, its lines."""
+    rank, batches = dist.get_rank(), 4
+
+    def loss_tokens(batch: dict[str, torch.Tensor]) -> dict[str, int]:
+        return {"total": int(batch["attention_mask"].sum()), "loss_generating": int((batch["labels"][:, 1:] != -100).sum())}
+
+    auto = AutoMicrobatching(log_attempts=False, budget="tokens", **auto_kwargs)
+    lines: list[str] = []
+    auto.runtime.info = lines.append
+    searched = _hf_fit(rank, world, layout, "auto", batches, auto)
+    if layout not in _HF_REFERENCES:
+        _HF_REFERENCES[layout] = _hf_fit(
+            rank, world, layout, PER_RANK_BATCH, batches, None, accumulate_train_batch_on_tokens=True,
+            train=DataSpec(_hf_loader(rank, layout, batches, reference=True), get_num_tokens_in_batch=loss_tokens),
+        )["params"]
+    return {"splits": searched["splits"], "batches": searched["batches"], "lines": lines,
+            "error_vs_unsplit": max_error(searched["params"], _HF_REFERENCES[layout])}
 
 
 def run_resume(rank: int, world: int, folder: str) -> dict[str, Any]:

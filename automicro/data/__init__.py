@@ -8,7 +8,7 @@ from automicro.data.datasets import (
     build_dataloader,
     default_text_paths,
 )
-from automicro.data.varlen import VariableLengthTokens, count_tokens, pad_collate
+from automicro.data.varlen import TokenCounter, VariableLengthTokens, count_tokens, pad_collate
 
 __all__ = [
     "SyntheticTokens",
@@ -16,6 +16,7 @@ __all__ = [
     "VariableLengthTokens",
     "build_dataloader",
     "count_tokens",
+    "TokenCounter",
     "default_text_paths",
     "pad_collate",
     "DataError",

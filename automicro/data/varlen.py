@@ -9,8 +9,10 @@
 * :func:`count_tokens`: a Composer `get_num_tokens_in_batch` that counts real tokens ("total")
   and loss-generating ones (labels != -100); Composer's own counts padded positions, which is
   wrong for padded batches, and wrong per microbatch once a batch is re-padded.
+  :class:`TokenCounter` (``label_shift=1``) counts them for models that shift the labels
+  themselves (transformers' causal LMs): ``labels[:, 1:] != -100``.
 
-Owns: these three. May not touch: the trainer, the callback.
+Owns: these four. May not touch: the trainer, the callback.
 """
 
 from __future__ import annotations
@@ -83,15 +85,41 @@ def pad_collate(samples: Sequence[Mapping[str, torch.Tensor]], pad_token_id: int
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def count_tokens(batch: Any) -> dict[str, int]:
-    """Composer's `get_num_tokens_in_batch` for padded batches: real and loss-generating tokens."""
+def _count(batch: Any, label_shift: int) -> dict[str, int]:
     if not isinstance(batch, Mapping) or "input_ids" not in batch:
         raise DataError("count_tokens: expected a batch mapping with 'input_ids'")
     mask = batch.get("attention_mask")
     total = int(mask.sum()) if isinstance(mask, torch.Tensor) else int(batch["input_ids"].numel())
     labels = batch.get("labels")
-    loss = int((labels != IGNORE_INDEX).sum()) if isinstance(labels, torch.Tensor) else total
+    if isinstance(labels, torch.Tensor):
+        loss = int((labels[..., label_shift:] != IGNORE_INDEX).sum())
+    else:
+        loss = max(0, total - label_shift * int(batch["input_ids"].shape[0]))
     return {"total": total, "loss_generating": loss}
 
 
-__all__ = ["IGNORE_INDEX", "VariableLengthTokens", "count_tokens", "pad_collate"]
+def count_tokens(batch: Any) -> dict[str, int]:
+    """Composer's `get_num_tokens_in_batch` for padded batches whose labels are already shifted (this
+    package's data and models): real tokens, and loss-generating ones (labels != -100)."""
+    return _count(batch, 0)
+
+
+class TokenCounter:
+    """A `get_num_tokens_in_batch` that knows where the model shifts its labels: with
+    ``label_shift=1`` (the transformers convention: the model predicts ``labels[:, t + 1]`` from
+    position ``t``), the first label of each row never makes a loss, so the loss tokens are
+    ``labels[:, 1:] != -100``; with 0 (labels already shifted), ``labels != -100``."""
+
+    def __init__(self, label_shift: int) -> None:
+        if label_shift not in (0, 1):
+            raise DataError(f"label_shift={label_shift!r}: must be 0 (labels already shifted) or 1 (the model shifts them)")
+        self.label_shift = label_shift
+
+    def __call__(self, batch: Any) -> dict[str, int]:
+        return _count(batch, self.label_shift)
+
+    def __repr__(self) -> str:
+        return f"TokenCounter(label_shift={self.label_shift})"
+
+
+__all__ = ["IGNORE_INDEX", "TokenCounter", "VariableLengthTokens", "count_tokens", "pad_collate"]

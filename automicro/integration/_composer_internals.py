@@ -121,6 +121,22 @@ def counts_padded_tokens(trainer: Any) -> bool:
     return getattr(counter, "__func__", None) is DataSpec._default_get_num_tokens_in_batch
 
 
+def token_counter(trainer: Any) -> str:
+    """Who counts the train data spec's tokens: "default" (Composer's, the padded shape of
+    ``input_ids``), "automicro" (`automicro.data`'s counters) or "own" (the user's)."""
+    from automicro.data import TokenCounter, count_tokens
+
+    if counts_padded_tokens(trainer):
+        return "default"
+    counter = getattr(train_data_spec(trainer), "_get_num_tokens_in_batch", None)
+    return "automicro" if counter is count_tokens or isinstance(counter, TokenCounter) else "own"
+
+
+def set_token_counter(trainer: Any, counter: Callable[[Any], Any]) -> None:
+    """The train data spec's `get_num_tokens_in_batch` (what `DataSpec(get_num_tokens_in_batch=...)` sets)."""
+    train_data_spec(trainer)._get_num_tokens_in_batch = counter
+
+
 def uses_default_split(trainer: Any) -> bool:
     from composer.core.data_spec import default_split_batch
 

@@ -18,7 +18,6 @@ from typing import Any, Callable, Optional, Union
 from automicro.core import policy as search
 from automicro.core.consensus import Verdict
 from automicro.core.layout import SIZE_FRACTIONS
-from automicro.integration import _composer_internals as composer_internals
 from automicro.integration.token_budget import TokenBudget
 
 
@@ -34,6 +33,9 @@ class SampleBatches:
 
     def check_trainer(self, trainer: Any) -> None:
         pass
+
+    def label_shift(self, shift: int, info: Callable[[str], None]) -> None:
+        """Where the model's loss tokens start (`loss_normalization`): only a token budget cuts rows."""
 
     def check_pipeline(self) -> None:
         pass
@@ -135,15 +137,8 @@ class TokenBatches(SampleBatches):
     def policy_config(self, base: search.PolicyConfig) -> search.PolicyConfig:
         return self.tokens.policy_config(base)
 
-    def check_trainer(self, trainer: Any) -> None:
-        if trainer.accumulate_train_batch_on_tokens and composer_internals.counts_padded_tokens(trainer):
-            raise ValueError(
-                "AutoMicrobatching(budget='tokens') with accumulate_train_batch_on_tokens=True: Composer's default "
-                "token counter counts padded input_ids, and each microbatch is re-padded to its own longest sample, "
-                "so the loss weights would change with the split. Count real tokens: pass DataSpec(dataloader, "
-                "get_num_tokens_in_batch=automicro.data.count_tokens) (or your own counter of labels != -100), or set "
-                "accumulate_train_batch_on_tokens=False"
-            )
+    def label_shift(self, shift: int, info: Callable[[str], None]) -> None:
+        self.tokens.model_shifts_labels, self.tokens.info = shift == 1, info
 
     def check_pipeline(self) -> None:
         raise ValueError(

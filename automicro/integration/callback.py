@@ -88,11 +88,14 @@ class AutoMicrobatching(Callback):
         layout_trial_batches: int = 3,
         layout_min_gain: float = 0.01,
         layout_size_trials: bool = True,
+        loss_normalization: Optional[str] = None,
+        label_shift: Union[str, int] = "auto",
     ) -> None:
         self.settings = Settings.parse(
             stable_batches, thrash_batches, search, use_prediction, start_size, cpu_sync_group, memory_fraction,
             log_attempts, unguarded_timeout_s, sync_points, consensus_transport, steady_recovery, budget,
             fixed_tokens, eval_oom, layout, layout_trial_batches, layout_min_gain, layout_size_trials,
+            loss_normalization, label_shift,
         )
         self.runtime = Runtime(self.settings)
         self.search = TrainingSearch(self.settings, self.runtime)
@@ -126,9 +129,11 @@ class AutoMicrobatching(Callback):
     used_split = property(lambda self: self.search.used_split, doc="The split of the last batch that trained (empty before).")
     batch_attempts = property(lambda self: self.search.batch_attempts, doc="Attempts of the current (or last) batch.")
 
-    def check_trainer(self, trainer: Any) -> None:
-        """Called by `automicro.Trainer` once Composer's Trainer is built: settings that cannot go together."""
+    def check_trainer(self, trainer: Any, accumulate_on_tokens: Optional[bool] = None) -> None:
+        """Called by `automicro.Trainer` once Composer's Trainer is built: settings that cannot go together,
+        and the loss normalisation (`accumulate_on_tokens`: the Trainer's argument, None where not passed)."""
         self.kind.check_trainer(trainer)
+        self.kind.label_shift(self.settings.loss_normalization.apply(trainer, self._info, accumulate_on_tokens), self._info)
 
     def bind_trainer(self) -> None:
         """Called by `automicro.Trainer` for each of its AutoMicrobatching callbacks."""

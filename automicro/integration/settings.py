@@ -15,6 +15,7 @@ from automicro.core.layout import LayoutConfig
 from automicro.core.transport import TRANSPORTS
 from automicro.engine.hooks import SYNC_POINTS
 from automicro.integration.batch_kinds import BatchKind, batch_kind
+from automicro.integration.loss_normalization import LossNormalization
 
 BUDGETS = ("samples", "tokens")
 EVAL_OOM = ("split", "stop")
@@ -39,6 +40,7 @@ class Settings:
     sync_points: str
     consensus_transport: str
     steady_recovery: bool
+    loss_normalization: LossNormalization
 
     @classmethod
     def parse(
@@ -62,6 +64,8 @@ class Settings:
         layout_trial_batches: int = 3,
         layout_min_gain: float = 0.01,
         layout_size_trials: bool = True,
+        loss_normalization: Optional[str] = None,
+        label_shift: Union[str, int] = "auto",
     ) -> "Settings":
         # None: the probe on a GPU, the whole batch on CPU (resolved at attach, as the layout).
         start = _start(start_size, search, use_prediction, budget)
@@ -124,6 +128,8 @@ class Settings:
             sync_points=sync_points,
             consensus_transport=consensus_transport,
             steady_recovery=steady_recovery,
+            # Per loss token over the whole batch by default with budget: tokens (`loss_normalization`).
+            loss_normalization=LossNormalization.parse(loss_normalization, label_shift, budget),
         )
 
 

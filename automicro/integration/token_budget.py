@@ -22,9 +22,9 @@ searches a token budget instead of a sample count, and each batch is planned her
 
 Budgets lie on a grid of `quantum` tokens (a sixty-fourth of the first batch), so the search
 takes about as many attempts as a sample-count search; the memory prediction is not used (a
-microbatch's tokens only approximate its memory). Loss normalisation is Composer's and is kept:
-per sample by default, per loss-generating token with `accumulate_train_batch_on_tokens=True`
-(which needs a data spec that counts real tokens: re-padding changes what a padded count sees).
+microbatch's tokens only approximate its memory). Loss normalisation is `loss_normalization`'s:
+per loss token over the whole batch by default, so that training does not depend on the split; on
+left-padded batches for a model that shifts its labels, `split` masks each padded row's first label.
 
 Owns: the token plan of a batch and the budget's grid and domain. May not touch: the policy's
 transitions (it feeds them), Composer privates, FSDP2.
@@ -33,7 +33,7 @@ transitions (it feeds them), Composer privates, FSDP2.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from automicro.core import policy as search
 from automicro.core.consensus import Consensus
@@ -89,6 +89,11 @@ class TokenBudget:
         # This launch's batches trained and their real tokens (not checkpointed): the average batch.
         self.batches_trained = 0
         self.real_this_run = 0
+        # The model shifts its labels (`loss_normalization`, set at check_trainer): on left-padded
+        # batches the label of a padded row's first real token is masked (`token_split`), said once.
+        self.model_shifts_labels = False
+        self.info: Callable[[str], None] = lambda message: None
+        self._said_left_padding = False
 
     # ---- the policy's domain and grid ------------------------------------------------------
 
@@ -151,7 +156,15 @@ class TokenBudget:
         return plan
 
     def split(self, batch: Any, plan: TokenPlan) -> list[Any]:
-        return token_split.split_by_groups(batch, plan.groups, plan.lengths)
+        mask = self.model_shifts_labels and token_split.left_padded_first_labels(batch, plan.lengths)
+        if mask and not self._said_left_padding:
+            self._said_left_padding = True
+            self.info(
+                "left-padded batches: the model shifts its labels, so it predicts each padded row's first real token "
+                "from a padding position, whose output changes with the padding width (each microbatch is re-padded to "
+                "its own longest); that token's label is masked (-100) so that training does not depend on the split"
+            )
+        return token_split.split_by_groups(batch, plan.groups, plan.lengths, mask_first_label=mask)
 
     def trained(self, plan: TokenPlan) -> None:
         self.padded_total += plan.padded

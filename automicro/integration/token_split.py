@@ -22,6 +22,8 @@ import torch
 
 SEQUENCE_KEY = "input_ids"
 MASK_KEY = "attention_mask"
+LABELS_KEY = "labels"
+IGNORE_INDEX = -100
 
 
 class TokenBatchError(TypeError):
@@ -75,18 +77,45 @@ def _take(value: Any, index: torch.Tensor, keep: slice, width: int, indices: Seq
     return value
 
 
-def select(batch: Mapping[str, Any], indices: Sequence[int], lengths: Sequence[int]) -> dict[str, Any]:
-    """The samples `indices` of `batch`, re-padded to their longest (lengths from `sample_lengths`)."""
+def select(
+    batch: Mapping[str, Any], indices: Sequence[int], lengths: Sequence[int], mask_first_label: bool = False
+) -> dict[str, Any]:
+    """The samples `indices` of `batch`, re-padded to their longest (lengths from `sample_lengths`).
+    `mask_first_label`: on a left-padded batch, the label of each row's first real token becomes
+    -100 (`left_padded_first_labels`)."""
     _, width = _check(batch)
     longest = max((lengths[i] for i in indices), default=0)
     longest = max(longest, 1)
-    keep = slice(width - longest, width) if _left_padded(batch) else slice(0, longest)
+    left = _left_padded(batch)
+    keep = slice(width - longest, width) if left else slice(0, longest)
     index = torch.tensor(list(indices), dtype=torch.long)
-    return {key: _take(value, index, keep, width, indices) for key, value in batch.items()}
+    part = {key: _take(value, index, keep, width, indices) for key, value in batch.items()}
+    labels = part.get(LABELS_KEY)
+    if mask_first_label and left and isinstance(labels, torch.Tensor) and labels.dim() == 2 and labels.shape[1] == longest:
+        labels = labels.clone()
+        for row, i in enumerate(indices):
+            if 0 < lengths[i] < longest:
+                labels[row, longest - lengths[i]] = IGNORE_INDEX
+        part[LABELS_KEY] = labels
+    return part
 
 
-def split_by_groups(batch: Mapping[str, Any], groups: Sequence[Sequence[int]], lengths: Sequence[int]) -> list[dict[str, Any]]:
-    return [select(batch, group, lengths) for group in groups]
+def left_padded_first_labels(batch: Mapping[str, Any], lengths: Sequence[int]) -> bool:
+    """Whether `batch` is left-padded with a loss label on a padded row's first real token. A model
+    that shifts its labels (transformers' causal LMs) predicts that token from a padding position,
+    whose output changes with the padding width, so the loss would change with the split (each
+    microbatch is re-padded to its own longest): `select(mask_first_label=True)` masks it."""
+    labels = batch.get(LABELS_KEY) if isinstance(batch, Mapping) else None
+    if not isinstance(labels, torch.Tensor) or labels.dim() != 2 or not _left_padded(batch):
+        return False
+    width = int(labels.shape[1])
+    return any(0 < n < width and int(labels[row, width - n]) != IGNORE_INDEX for row, n in enumerate(lengths))
 
 
-__all__ = ["TokenBatchError", "sample_lengths", "select", "split_by_groups"]
+def split_by_groups(
+    batch: Mapping[str, Any], groups: Sequence[Sequence[int]], lengths: Sequence[int], mask_first_label: bool = False
+) -> list[dict[str, Any]]:
+    return [select(batch, group, lengths, mask_first_label) for group in groups]
+
+
+__all__ = ["TokenBatchError", "left_padded_first_labels", "sample_lengths", "select", "split_by_groups"]

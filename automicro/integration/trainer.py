@@ -263,6 +263,8 @@ class Trainer(composer.Trainer):
             model.eval_forward = automicro.guard_eval_forward(model.eval_forward)
             model.update_metric = automicro.guard_eval_metric(model)
 
+        # Passed or not: AutoMicrobatching's loss normalisation decides where it is left out.
+        accumulate_on_tokens = kwargs.get("accumulate_train_batch_on_tokens")
         super().__init__(
             model=model,
             parallelism_config=None,
@@ -277,7 +279,7 @@ class Trainer(composer.Trainer):
         for evaluator in auto_evaluators + pinned:
             evaluator.auto_microbatching = True
         if automicro is not None:
-            automicro.check_trainer(self)
+            automicro.check_trainer(self, accumulate_on_tokens)
         if self._automicro_pipeline is not None and self._automicro_pipeline.stage_index > 0:
             composer_internals.count_samples_on_first_stage_only(self)
             if callable(getattr(model, "flops_per_batch", None)):

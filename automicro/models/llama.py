@@ -468,6 +468,9 @@ class ComposerLlama(ComposerModel):
     already shifted (``labels[:, t]`` is the token after ``input_ids[:, t]``); label -100 is ignored.
     """
 
+    # Where the labels' loss tokens start (`automicro.integration.loss_normalization`): 0, already shifted.
+    label_shift = 0
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
