@@ -1,16 +1,19 @@
 """Variable-length data: token budget `auto` vs sample-count `auto` vs hand-set token budgets.
 
     python benchmarks/varlen.py --out $OUT [--variants auto-tokens,auto-samples,fixed-16384] [--batches 14]
+    python benchmarks/varlen.py --out $OUT --ranks 2 --medians 400,1000   # 2 GPUs, a length law per rank
 
-One GPU (or CPU with --cpu --tiny for a dry run). Each variant runs in its own process (one rank,
-the shared harness's launch): a transformers `LlamaForCausalLM` (1B shape: hidden 2048, 16 layers,
+One GPU (or CPU with --cpu --tiny for a dry run), or `--ranks N` under torchrun (NCCL; gloo
+with --cpu), each rank reading its own samples (`--medians`: one median length per rank, in turn).
+Each variant runs in its own launch (the shared harness's): a transformers `LlamaForCausalLM` (1B shape: hidden 2048, 16 layers,
 32 heads, 8 KV heads, MLP 8192, vocab 32000; built from its config) in Composer's
 `HuggingFaceModel`, under `automicro.Trainer` (FSDP2, amp_bf16, AdamW), on batches of 32 samples of
 log-normal lengths (median 660 tokens, sigma 0.8, clipped to 64..4096) padded to each batch's
 longest (`automicro.data.pad_collate`). Real tokens are the attention mask's ones.
 
-Per variant: real tokens/s over the batches after `--skip` (the search's), padding waste of the
-trained microbatches, OOMs, the budget or size found, peak memory. Writes `varlen.json` and a table.
+Per variant: real tokens/s over the batches after `--skip` (the search's; every rank's real tokens
+over rank 0's seconds), padding waste of the trained microbatches, OOMs, the budget or size found,
+peak memory. Writes `varlen.json` and a table.
 """
 
 from __future__ import annotations
@@ -64,12 +67,16 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     from automicro.data import VariableLengthTokens, count_tokens
 
     gpu = not args.cpu
+    rank = int(os.environ.get("RANK", "0"))
+    medians = [int(m) for m in args.medians.split(",")] if args.medians else [args.median]
     torch.manual_seed(0)
     model = _model(args.tiny)
     dataset = VariableLengthTokens(
-        PER_RANK_BATCH * args.batches, VOCAB, median_len=args.median, sigma=0.8, min_len=64, max_len=args.max_len, seed=5,
+        PER_RANK_BATCH * args.batches, VOCAB, median_len=medians[rank % len(medians)], sigma=0.8, min_len=64,
+        max_len=args.max_len, seed=5 + rank,
     )
-    sampler = composer_dist.get_sampler(dataset, shuffle=False)
+    # Each rank reads its own samples (its own length law): a sampler over one replica.
+    sampler = composer_dist.get_sampler(dataset, shuffle=False, num_replicas=1, rank=0)
     loader = DataLoader(dataset, batch_size=PER_RANK_BATCH, sampler=sampler, drop_last=True, collate_fn=_collate)
     if name == "auto-samples":
         auto = automicro.AutoMicrobatching(log_attempts=True)
@@ -132,6 +139,28 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _gather(out: str, name: str, nproc: int, skip: int) -> Optional[dict[str, Any]]:
+    """Rank 0's result, with every rank's real tokens over rank 0's seconds (None: rank 0 wrote none)."""
+    ranks = []
+    for rank in range(nproc):
+        path = os.path.join(out, f"varlen_{name}_rank{rank}.json")
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as handle:
+                ranks.append(json.load(handle))
+            os.remove(path)
+        elif rank == 0:
+            return None
+    result = ranks[0]
+    if nproc > 1:
+        seconds = sum(r["seconds"] for r in result["rows"][skip:])
+        real = sum(row["real"] for r in ranks for row in r["rows"][skip:])
+        result["real_tokens_per_s"] = real / seconds if seconds else None
+        result["per_rank"] = [{key: r.get(key) for key in ("found", "ooms", "padding_waste", "microbatches", "peak_gib", "error")}
+                              for r in ranks]
+        result["ranks_reported"] = len(ranks)
+    return result
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.environ.get("OUT", "runs/bench"))
@@ -144,26 +173,31 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--tiny", action="store_true", help="a tiny Llama (dry run of the suite)")
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--ranks", dest="nproc", type=int, default=1, help="ranks per launch (torchrun); NCCL on GPUs, gloo with --cpu")
+    p.add_argument("--medians", default="", help="median sample length per rank, comma-separated, in turn (default: --median)")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if args.variant:
-        harness.single_rank_env()
+        if args.nproc == 1:
+            harness.single_rank_env()
+        elif args.cpu:
+            os.environ.setdefault("OMP_NUM_THREADS", "1")
         result = run_variant(args.variant, args)
-        with open(os.path.join(args.out, f"varlen_{args.variant}.json"), "w", encoding="utf-8") as handle:
+        rank = int(os.environ.get("RANK", "0"))
+        with open(os.path.join(args.out, f"varlen_{args.variant}_rank{rank}.json"), "w", encoding="utf-8") as handle:
             json.dump(result, handle)
         return 0
     passthrough = [f"--out={args.out}", f"--batches={args.batches}", f"--skip={args.skip}", f"--median={args.median}",
-                   f"--max-len={args.max_len}"] + (["--cpu"] if args.cpu else []) + (["--tiny"] if args.tiny else [])
+                   f"--max-len={args.max_len}", f"--ranks={args.nproc}", f"--medians={args.medians}"]
+    passthrough += (["--cpu"] if args.cpu else []) + (["--tiny"] if args.tiny else [])
     results = []
     for name in args.variants.split(","):
         started = time.perf_counter()
-        done = harness.run_launch([sys.executable, os.path.abspath(__file__), f"--variant={name}", *passthrough], args.timeout)
-        path = os.path.join(args.out, f"varlen_{name}.json")
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as handle:
-                result = json.load(handle)
-            os.remove(path)
-        else:
+        argv = ([sys.executable, os.path.abspath(__file__)] if args.nproc == 1 else
+                harness.torchrun(args.nproc, os.path.basename(__file__)))
+        done = harness.run_launch([*argv, f"--variant={name}", *passthrough], args.timeout)
+        result = _gather(args.out, name, args.nproc, args.skip)
+        if result is None:
             result = {"variant": name, "error": f"no result (rc {done.returncode}): {done.stderr[-600:]}"}
         result["launch_s"] = round(time.perf_counter() - started, 1)
         lines = [line for line in (done.stdout or "").splitlines() if line.startswith("[automicro]")]
