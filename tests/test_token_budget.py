@@ -253,27 +253,29 @@ def test_ranks_holding_too_few_samples_for_the_agreed_count_are_refused_naming_t
     tokens.quantum = 1
     # This rank needs 2 microbatches under 120 tokens; another holds only 1 sample (a short last batch).
     with pytest.raises(TokenBudgetError, match="holds only 1 samples.*drop_last=True"):
-        tokens.plan_attempt(_AgreedBy((2, 4, _SAMPLES_CAP - 1)), [60, 60, 10, 10], 120)
-    plan = tokens.plan_attempt(_AgreedBy((3, 4, _SAMPLES_CAP - 4)), [60, 60, 10, 10], 120)
+        tokens.plan_attempt(_AgreedBy((2, 4, _SAMPLES_CAP - 1, 0)), [60, 60, 10, 10], 120)
+    plan = tokens.plan_attempt(_AgreedBy((3, 4, _SAMPLES_CAP - 4, 400)), [60, 60, 10, 10], 120)
     assert (plan.count, plan.own) == (3, 2), "the agreed count, more than this rank needs"
     assert sorted(plan.sizes) == [1, 1, 2] and plan.largest == 60
+    assert (plan.real, plan.most_real) == (140, 400), "the most real tokens of any rank, agreed"
 
 
 def test_the_trials_judge_a_variable_length_batch_per_average_batch_of_real_tokens():
     """Size and layout trials over a token budget time batches of different work: each batch's
-    seconds are divided by its real tokens over the average batch's of this launch (1 before any)."""
+    seconds are divided by the most real tokens any rank held over the average of that in this
+    launch (1 before any); this rank's own tokens do not count (every rank weighs a batch alike)."""
     from types import SimpleNamespace
 
     from automicro.integration.batch_kinds import SampleBatches, TokenBatches
 
     kind = TokenBatches()
     assert kind.batch_weight() == 1.0  # nothing trained yet
-    for real in (1000, 3000):
-        plan = SimpleNamespace(real=real, padded=real + 100)
+    for most in (1000, 3000):
+        plan = SimpleNamespace(real=500, padded=600, most_real=most)
         kind.tokens.plan = plan
         kind.tokens.trained(plan)
-    kind.tokens.plan = SimpleNamespace(real=3000, padded=3100)
-    assert kind.batch_weight() == 1.5  # 3000 real tokens against an average of 2000
+    kind.tokens.plan = SimpleNamespace(real=100, padded=3100, most_real=3000)
+    assert kind.batch_weight() == 1.5  # 3000 real tokens on the fullest rank against an average of 2000
     kind.tokens.load_state_dict({"real_total": 10**9, "padded_total": 10**9})  # a resumed run's totals do not count
     assert kind.batch_weight() == 1.5
     assert SampleBatches().batch_weight() == 1.0

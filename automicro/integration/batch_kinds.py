@@ -179,12 +179,14 @@ class TokenBatches(SampleBatches):
         return 0 if self.tokens.plan is None else self.tokens.plan.largest
 
     def batch_weight(self) -> float:
-        """This rank's real tokens in the batch just trained over its average so far: variable-length
-        batches differ in work, so the trials judge each batch's seconds per average batch."""
-        plan, batches, real = self.tokens.plan, self.tokens.batches_trained, self.tokens.real_this_run
-        if plan is None or not batches or not real or not plan.real:
+        """The batch just trained's work over this launch's average batch: variable-length batches
+        differ in work, so the trials judge each batch's seconds per average batch. The work: the
+        most real tokens any rank held (the ranks wait for the one with the most; agreed, so every
+        rank weighs the batch alike and the trials' verdicts agree)."""
+        plan, batches, most = self.tokens.plan, self.tokens.batches_trained, self.tokens.most_real_this_run
+        if plan is None or not batches or not most or not plan.most_real:
             return 1.0
-        return plan.real / (real / batches)
+        return plan.most_real / (most / batches)
 
     def outcome_size(self, policy: search.SearchPolicy, sizes: tuple[int, ...], verdict: Verdict, failed: bool) -> int:
         plan = self.tokens.plan

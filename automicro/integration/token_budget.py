@@ -59,6 +59,7 @@ class TokenPlan:
     own: int  # microbatches this rank's batch needed under the budget (<= count)
     largest: int  # this rank's largest microbatch, padded tokens
     one_sample_each: bool  # every microbatch on every rank is one sample
+    most_real: int = 0  # the most real tokens any rank holds in this batch (agreed: the same on every rank)
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -89,6 +90,7 @@ class TokenBudget:
         # This launch's batches trained and their real tokens (not checkpointed): the average batch.
         self.batches_trained = 0
         self.real_this_run = 0
+        self.most_real_this_run = 0  # the sum over those batches of the most real tokens of any rank
         # The model shifts its labels (`loss_normalization`, set at check_trainer): on left-padded
         # batches the label of a padded row's first real token is masked (`token_split`), said once.
         self.model_shifts_labels = False
@@ -134,7 +136,9 @@ class TokenBudget:
     def plan_attempt(self, consensus: Consensus, lengths: list[int], budget: int) -> TokenPlan:
         """Collective (every rank, once per attempt): the split of this rank's batch under `budget`."""
         own = len(pack_under_budget(lengths, budget))
-        count, most_samples, fewest_inverse = consensus.agree_max((own, len(lengths), _SAMPLES_CAP - len(lengths)))
+        count, most_samples, fewest_inverse, most_real = consensus.agree_max(
+            (own, len(lengths), _SAMPLES_CAP - len(lengths), sum(lengths))
+        )
         fewest = _SAMPLES_CAP - fewest_inverse
         if count > fewest:
             raise TokenBudgetError(
@@ -151,6 +155,7 @@ class TokenBudget:
             own=own,
             largest=max(padded_tokens(lengths, g) for g in groups),
             one_sample_each=count == most_samples,
+            most_real=most_real,
         )
         self.plan = plan
         return plan
@@ -171,6 +176,7 @@ class TokenBudget:
         self.real_total += plan.real
         self.batches_trained += 1
         self.real_this_run += plan.real
+        self.most_real_this_run += plan.most_real
 
     # ---- what the policy is told -----------------------------------------------------------
 
