@@ -100,7 +100,9 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
             if gpu:
                 torch.cuda.synchronize()
             rows.append({"seconds": time.perf_counter() - self.t0, "real": self.real, "batch_padded": self.padded,
-                         "split": list(auto.used_split), "attempts": auto.batch_attempts})
+                         "split": list(auto.used_split), "attempts": auto.batch_attempts,
+                         # The caching allocator's cudaMalloc retries so far (a fragmented pool frees and retries).
+                         "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if gpu else None})
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=gpu)
     trainer = automicro.Trainer(
