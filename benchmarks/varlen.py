@@ -157,8 +157,11 @@ def _gather(out: str, name: str, nproc: int, skip: int) -> Optional[dict[str, An
         seconds = sum(r["seconds"] for r in result["rows"][skip:])
         real = sum(row["real"] for r in ranks for row in r["rows"][skip:])
         result["real_tokens_per_s"] = real / seconds if seconds else None
-        result["per_rank"] = [{key: r.get(key) for key in ("found", "ooms", "padding_waste", "microbatches", "peak_gib", "error")}
-                              for r in ranks]
+        result["per_rank"] = [
+            {**{key: r.get(key) for key in ("found", "ooms", "padding_waste", "microbatches", "peak_gib", "error")},
+             "alloc_retries": [row.get("alloc_retries") for row in r["rows"]]}
+            for r in ranks
+        ]
         result["ranks_reported"] = len(ranks)
     return result
 
