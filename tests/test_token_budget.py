@@ -142,12 +142,13 @@ def test_budget_tokens_turns_per_token_loss_on_with_a_counter_of_real_loss_token
     nothing set, `budget: tokens` accumulates per loss token with automicro's counter in its place
     (automicro's Llama: labels come shifted, label_shift 0)."""
     for per_rank in numerics:
-        result = _ok(per_rank["padded_counter"])
-        assert result["on_tokens"] is True and result["counter"] == "TokenCounter(label_shift=0)", result
-        assert result["lines"] == [
-            "loss per loss token over the whole batch (loss_normalization: tokens; labels != -100: the labels come "
-            "shifted, label_shift: auto): training does not depend on the split"
-        ], result["lines"]
+        # The train dataloader given to the Trainer, or to fit() (after the callback's checks): the same.
+        for when, result in _ok(per_rank["padded_counter"]).items():
+            assert result["on_tokens"] is True and result["counter"] == "TokenCounter(label_shift=0)", (when, result)
+            assert result["lines"] == [
+                "loss per loss token over the whole batch (loss_normalization: tokens; labels != -100: the labels come "
+                "shifted, label_shift: auto): training does not depend on the split"
+            ], (when, result["lines"])
 
 
 @pytest.mark.multiproc

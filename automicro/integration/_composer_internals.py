@@ -132,6 +132,13 @@ def token_counter(trainer: Any) -> str:
     return "automicro" if counter is count_tokens or isinstance(counter, TokenCounter) else "own"
 
 
+def current_token_counter(trainer: Any) -> Any:
+    """The train data spec's token counter; None before there is a train data spec (a train
+    dataloader passed to `fit()`)."""
+    spec = trainer._train_data_spec
+    return None if spec is None else getattr(spec, "_get_num_tokens_in_batch", None)
+
+
 def set_token_counter(trainer: Any, counter: Callable[[Any], Any]) -> None:
     """The train data spec's `get_num_tokens_in_batch` (what `DataSpec(get_num_tokens_in_batch=...)` sets)."""
     train_data_spec(trainer)._get_num_tokens_in_batch = counter

@@ -34,14 +34,17 @@ NORMALIZATIONS = ("tokens", "samples")
 LABEL_SHIFTS = ("auto", 0, 1)
 
 
-@dataclass(frozen=True)
+@dataclass
 class LossNormalization:
     """`per`: "tokens", "samples", or None (Composer's own choice is left alone: budget samples
-    with nothing set). `label_shift`: "auto", 0 or 1."""
+    with nothing set). `label_shift`: "auto", 0 or 1. What `apply` resolved: `resolved`, `shift`."""
 
     per: Optional[str]
     label_shift: Union[str, int]
     explicit: bool  # the user set loss_normalization (a Trainer argument that disagrees is refused)
+    resolved: Optional[str] = None
+    shift: int = 1
+    _said: bool = False
 
     @classmethod
     def parse(cls, loss_normalization: Optional[str], label_shift: Union[str, int], budget: str) -> "LossNormalization":
@@ -64,7 +67,7 @@ class LossNormalization:
         ``accumulate_train_batch_on_tokens`` where the user passed it (None: not passed). Returns
         the label shift resolved for the model."""
         per = self.per
-        shift = self.resolve_shift(trainer.state.model)
+        self.shift = self.resolve_shift(trainer.state.model)
         if accumulate_on_tokens is not None:
             asked = "tokens" if accumulate_on_tokens else "samples"
             if self.explicit and asked != per:
@@ -74,27 +77,40 @@ class LossNormalization:
                     "argument is left out)"
                 )
             per = asked
-        if per is None:
-            return shift
+        self.resolved = per
         if per == "samples":
             trainer.accumulate_train_batch_on_tokens = False
             info(
                 "loss per sample (loss_normalization: samples): each microbatch's mean loss is weighted by its samples, "
                 "so the result depends on the split, which follows the memory; loss_normalization: tokens does not"
             )
-            return shift
-        trainer.accumulate_train_batch_on_tokens = True
-        counter = composer_internals.token_counter(trainer)
-        if counter == "own":
+        elif per == "tokens":
+            trainer.accumulate_train_batch_on_tokens = True
+            self.ensure_counter(trainer, info)
+        return self.shift
+
+    def ensure_counter(self, trainer: Any, info: Callable[[str], None]) -> None:
+        """Per loss token: the train data spec counts loss tokens with the shift (Composer's or
+        automicro's own counter replaced, the user's kept), said once. Called at `apply` and before
+        every training batch (a train dataloader passed to `fit()` comes after `apply`); once in
+        place, a check of one attribute."""
+        if self.resolved != "tokens":
+            return
+        from automicro.data import TokenCounter
+
+        counter = composer_internals.current_token_counter(trainer)
+        if counter is None or (isinstance(counter, TokenCounter) and counter.label_shift == self.shift and self._said):
+            return
+        if composer_internals.token_counter(trainer) == "own":
             how = "your data spec's get_num_tokens_in_batch counts the loss tokens"
         else:
-            from automicro.data import TokenCounter
-
-            composer_internals.set_token_counter(trainer, TokenCounter(shift))
-            how = ("labels[:, 1:] != -100: the model shifts its labels" if shift else
-                   "labels != -100: the labels come shifted") + (f", label_shift: {self.label_shift}")
-        info(f"loss per loss token over the whole batch (loss_normalization: tokens; {how}): training does not depend on the split")
-        return shift
+            if not (isinstance(counter, TokenCounter) and counter.label_shift == self.shift):
+                composer_internals.set_token_counter(trainer, TokenCounter(self.shift))
+            how = ("labels[:, 1:] != -100: the model shifts its labels" if self.shift else
+                   "labels != -100: the labels come shifted") + f", label_shift: {self.label_shift}"
+        if not self._said:
+            self._said = True
+            info(f"loss per loss token over the whole batch (loss_normalization: tokens; {how}): training does not depend on the split")
 
     def resolve_shift(self, model: Any) -> int:
         if self.label_shift != "auto":

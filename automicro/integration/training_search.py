@@ -48,6 +48,7 @@ class TrainingSearch:
     def __init__(self, settings: Settings, runtime: Runtime) -> None:
         self.config = settings.policy_config
         self.kind = settings.kind
+        self.loss_normalization = settings.loss_normalization
         self.start = settings.start
         self.runtime = runtime
         self.thrash = ThrashDetector(settings.thrash_batches)
@@ -174,6 +175,7 @@ class TrainingSearch:
         """Run one batch with OOM-safe retries; returns Composer's total loss dict."""
         rt = self.runtime
         assert rt.fence is not None and rt.sharded is not None and rt.consensus is not None, "attach() was not called"
+        self.loss_normalization.ensure_counter(trainer, rt.info)
         step = BatchStep(
             trainer, rt.fence, rt.dispatcher, rt.memory, rt.consensus, rt.sharded, rt.rank,
             pipeline=rt.pipeline, tokens=self.kind.tokens, all_reduce=rt.all_reduce_sum,
