@@ -44,6 +44,7 @@ class LossNormalization:
     explicit: bool  # the user set loss_normalization (a Trainer argument that disagrees is refused)
     resolved: Optional[str] = None
     shift: int = 1
+    _checked: Any = None  # the counter `ensure_counter` last saw in place: nothing to do while it is
     _said: bool = False
 
     @classmethod
@@ -96,18 +97,19 @@ class LossNormalization:
         place, a check of one attribute."""
         if self.resolved != "tokens":
             return
-        from automicro.data import TokenCounter
-
         counter = composer_internals.current_token_counter(trainer)
-        if counter is None or (isinstance(counter, TokenCounter) and counter.label_shift == self.shift and self._said):
+        if counter is None or counter is self._checked:
             return
         if composer_internals.token_counter(trainer) == "own":
             how = "your data spec's get_num_tokens_in_batch counts the loss tokens"
         else:
-            if not (isinstance(counter, TokenCounter) and counter.label_shift == self.shift):
-                composer_internals.set_token_counter(trainer, TokenCounter(self.shift))
+            from automicro.data import TokenCounter
+
+            counter = TokenCounter(self.shift)
+            composer_internals.set_token_counter(trainer, counter)
             how = ("labels[:, 1:] != -100: the model shifts its labels" if self.shift else
                    "labels != -100: the labels come shifted") + f", label_shift: {self.label_shift}"
+        self._checked = counter
         if not self._said:
             self._said = True
             info(f"loss per loss token over the whole batch (loss_normalization: tokens; {how}): training does not depend on the split")

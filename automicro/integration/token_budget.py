@@ -87,10 +87,10 @@ class TokenBudget:
         self.plan: Optional[TokenPlan] = None
         self.padded_total = 0  # padded tokens of the microbatches trained (all batches, this rank)
         self.real_total = 0
-        # This launch's batches trained and their real tokens (not checkpointed): the average batch.
+        # This launch's batches trained and, summed over them, the most real tokens of any rank (not
+        # checkpointed): the average batch the trials weigh a batch against (`batch_weight`).
         self.batches_trained = 0
-        self.real_this_run = 0
-        self.most_real_this_run = 0  # the sum over those batches of the most real tokens of any rank
+        self.most_real_this_run = 0
         # The model shifts its labels (`loss_normalization`, set at check_trainer): on left-padded
         # batches the label of a padded row's first real token is masked (`token_split`), said once.
         self.model_shifts_labels = False
@@ -175,7 +175,6 @@ class TokenBudget:
         self.padded_total += plan.padded
         self.real_total += plan.real
         self.batches_trained += 1
-        self.real_this_run += plan.real
         self.most_real_this_run += plan.most_real
 
     # ---- what the policy is told -----------------------------------------------------------

@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 
+from automicro.data.varlen import IGNORE_INDEX
+
 SEQUENCE_KEY = "input_ids"
 MASK_KEY = "attention_mask"
 LABELS_KEY = "labels"
-IGNORE_INDEX = -100
 
 
 class TokenBatchError(TypeError):
