@@ -94,7 +94,8 @@ def shares(name: str, groups: Sequence[tuple[str, Hashable]], part: int, parts: 
     """The groups share `part` of `parts` takes. `groups`: (file, group) pairs (a group: the tests that
     share one launch). Per file, its groups are dealt over the shares in a seeded order (the torch
     version left out: every leg deals alike, so the shares are complementary); a file with fewer
-    groups than shares gives every share all of them (each share touches every file). Every group
+    groups than shares is dealt whole to one share (seeded), so every launch runs on exactly one
+    share and no launch twice (its tests that launch nothing still run on every leg). Every group
     under `full()`."""
     by_file: dict[str, list[Hashable]] = {}
     for file, group in groups:
@@ -109,10 +110,15 @@ def shares(name: str, groups: Sequence[tuple[str, Hashable]], part: int, parts: 
     for file in sorted(by_file):
         row = sorted(by_file[file], key=repr)
         if len(row) < parts:
-            taken.update((file, group) for group in row)
             continue
         random.Random(f"{seed()}:{name}:{file}").shuffle(row)
         taken.update((file, group) for index, group in enumerate(row) if index % parts == part - 1)
+    # The files with fewer launches than shares, dealt whole over the shares (seeded, balanced).
+    small = sorted(file for file, row in by_file.items() if len(row) < parts)
+    random.Random(f"{seed()}:{name}:small files").shuffle(small)
+    for index, file in enumerate(small):
+        if index % parts == part - 1:
+            taken.update((file, group) for group in by_file[file])
     DRAWN[f"{name} {part}/{parts}"] = (len(taken), total)
     return taken
 
