@@ -115,6 +115,7 @@ def main(argv: list[str]) -> int:
             load_path=cfg.load_path,
             autoresume=cfg.autoresume,
             checkpoint_format=cfg.checkpoint_format,
+            save_failure=cfg.save_failure,
             compile=cfg.compile,
             dist_timeout=cfg.dist_timeout,
             progress_bar=False,

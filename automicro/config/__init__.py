@@ -46,12 +46,13 @@ from automicro.config.schema import (
     load_path_problem,
     sharded_checkpoint_problem,
 )
-from automicro.engine.config import CHECKPOINT_FORMATS, PARALLELISM_KEYS
+from automicro.engine.config import CHECKPOINT_FORMATS, PARALLELISM_KEYS, SAVE_FAILURES
 
 __all__ = [
     "AUTO",
     "CALLBACK_REGISTRY",
     "CHECKPOINT_FORMATS",
+    "SAVE_FAILURES",
     "ConfigError",
     "DATA_KINDS",
     "DEVICES",

@@ -23,6 +23,7 @@ CALLBACK_REGISTRY: Mapping[str, str] = MappingProxyType(
         "auto_microbatching": "automicro.integration.callback:AutoMicrobatching",
         "fault_injector": "automicro.testing.faults:FaultInjector",
         "memory_cap": "automicro.testing.callbacks:MemoryCapCallback",
+        "checkpoint_fault": "automicro.testing.checkpoint_faults:CheckpointFault",
     }
 )
 """Callback name (the YAML key under ``callbacks:``) -> ``"module:attribute"`` of its class."""

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, Union
 from automicro.config.convert import ConfigError, _check_type, _did_you_mean, _is_optional
 from automicro.config.registry import KNOWN_CALLBACKS
 from automicro.engine.compile import CompileConfig, CompileConfigError
-from automicro.engine.config import CHECKPOINT_FORMATS, FSDP2Config, FSDP2ConfigError, PipelineConfig
+from automicro.engine.config import CHECKPOINT_FORMATS, SAVE_FAILURES, FSDP2Config, FSDP2ConfigError, PipelineConfig
 
 AUTO = "auto"
 MODEL_PRESETS = ("tiny", "125m", "1b", "3b", "7b")
@@ -481,6 +481,10 @@ class TrainConfig:
     """``full``: rank 0 writes one ``.pt`` file with the whole state; ``sharded``: every rank writes
     its own FSDP2 shards (torch.distributed.checkpoint; needs ``parallelism_config.fsdp2``).
     Applies to saving and to loading ``load_path``."""
+    save_failure: str = _cfg("continue", choices=SAVE_FAILURES)
+    """A checkpoint save that failed on any rank (disk full, an I/O error): ``continue`` prints one
+    error line naming the rank and the path and trains on (``latest`` and the kept checkpoints stay
+    as they were); ``stop`` stops every rank with that error."""
     dist_timeout: float = _cfg(300.0, check=_positive)
     """Seconds before a collective is declared hung."""
     run_dir: str = "runs/${run_name}"

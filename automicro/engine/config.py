@@ -26,6 +26,8 @@ PIPELINE_KEY = "parallelism_config.pipeline"
 # How a sharded model's checkpoints are written (`automicro.Trainer(checkpoint_format=...)`, YAML
 # top-level `checkpoint_format`); here because Composer's `fsdp2.state_dict_type` is redirected to it.
 CHECKPOINT_FORMATS = ("full", "sharded")
+SAVE_FAILURES = ("continue", "stop")
+"""What a checkpoint save that failed on any rank does: an error line and training goes on, or every rank stops."""
 FSDP2_KEY = "parallelism_config.fsdp2"
 
 

@@ -21,6 +21,14 @@ What is private here and why:
   optimizer stay alive for the whole process; see there).
 - `eval_labels_of_samples` slices `HuggingFaceModel.labels` (set by its `eval_forward`, read by its
   `update_metric` instead of the batch's labels) with the samples of an eval metric update in pieces.
+- Checkpoint commits (`automicro.integration.checkpoint_commit`): `install_atomic_checkpoint_writes`
+  replaces `composer.utils.checkpoint._write_checkpoint_file` (the full-format writer) and
+  `save_checkpoint` (module attributes `CheckpointSaver._save_checkpoint` and `Trainer.save_checkpoint`
+  look up at each call), and gives that module a `dist_cp` whose `FileSystemWriter` fires the save
+  points; `wrap_checkpoint_save` replaces `CheckpointSaver._save_checkpoint` on one saver instance;
+  `forget_failed_checkpoint` / `last_saved_checkpoint` read and edit the saver's
+  `all_saved_checkpoints_to_timestamp` / `saved_checkpoints`; `checkpoint_names` reads its
+  `folder`, `filename`, `latest_filename` and `State.fsdp_config.sharded_ckpt_prefix_dir`.
 - `check_before_composer_trainer` wraps `composer.Trainer.__init__` (the class is public, patching
   its method is not): Composer validates `device_train_microbatch_size` and `parallelism_config`
   before any callback runs, so this is the only point that can speak before its refusals.
@@ -32,6 +40,7 @@ the consensus; it knows no automicro state beyond the arguments it is handed.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
@@ -251,6 +260,107 @@ def checkpoint_folder(state: Any) -> Optional[str]:
         if isinstance(callback, CheckpointSaver):
             return format_name_with_dist(callback.folder, state.run_name)
     return None
+
+
+def checkpoint_saver(state: Any) -> Optional[Any]:
+    """Composer's `CheckpointSaver` of this run (None without one)."""
+    from composer.callbacks import CheckpointSaver
+
+    return next((c for c in state.callbacks if isinstance(c, CheckpointSaver)), None)
+
+
+class _DistCheckpointWithWriter:
+    """`torch.distributed.checkpoint` as Composer's checkpoint module sees it, with another
+    `FileSystemWriter` (every other name is torch's own)."""
+
+    def __init__(self, module: Any, writer_class: type) -> None:
+        self._module = module
+        self.FileSystemWriter = writer_class
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+def install_atomic_checkpoint_writes(
+    write_atomically: Callable[..., None], committing_save: Callable[..., Optional[str]], writer_class: type
+) -> None:
+    """Route Composer 0.32.1's checkpoint writes through automicro's commit protocol, once per
+    process: `_write_checkpoint_file(state_dict, filename)` (rank 0's full checkpoint) becomes
+    `write_atomically(original, state_dict, filename)`, `save_checkpoint(state, filename, **kw)`
+    becomes `committing_save(original, state, filename, **kw)`, and DCP saves use `writer_class`."""
+    from composer.utils import checkpoint as composer_checkpoint
+
+    if getattr(composer_checkpoint, "_automicro_commits", False):
+        return
+    write = composer_checkpoint._write_checkpoint_file
+    save = composer_checkpoint.save_checkpoint
+
+    def _write_checkpoint_file(state_dict: dict[str, Any], filename: str) -> None:
+        write_atomically(write, state_dict, filename)
+
+    def save_checkpoint(state: Any, filename: str = "ep{epoch}-ba{batch}-rank{rank}", **kwargs: Any) -> Optional[str]:
+        return committing_save(save, state, filename, **kwargs)
+
+    save_checkpoint.__doc__ = save.__doc__
+    composer_checkpoint._write_checkpoint_file = _write_checkpoint_file
+    composer_checkpoint.save_checkpoint = save_checkpoint
+    composer_checkpoint.dist_cp = _DistCheckpointWithWriter(composer_checkpoint.dist_cp, writer_class)
+    composer_checkpoint._automicro_commits = True
+
+
+def sharded_save_folder(state: Any, filename: str) -> str:
+    """The DCP folder Composer's sharded save of `filename` (a format string) writes to now."""
+    from composer.utils import checkpoint as composer_checkpoint
+
+    if not state.fsdp_sharded_state_dict_enabled:
+        return ""
+    return str(os.path.dirname(composer_checkpoint.get_save_filename(state, filename)))
+
+
+def wrap_checkpoint_save(saver: Any, handler: Callable[[Callable[[Any, Any], None], Any, Any, Any], None]) -> None:
+    """`saver._save_checkpoint(state, logger)` becomes `handler(original, saver, state, logger)`
+    (once per saver)."""
+    if getattr(saver, "_automicro_wrapped", False):
+        return
+    original = saver._save_checkpoint
+
+    def _save_checkpoint(state: Any, logger: Any) -> None:
+        handler(original, saver, state, logger)
+
+    saver._save_checkpoint = _save_checkpoint
+    saver._automicro_wrapped = True
+
+
+def forget_failed_checkpoint(saver: Any, state: Any) -> None:
+    """A save that did not commit: out of the saver's record of saved checkpoints (Composer adds
+    the name before it saves)."""
+    from composer.utils import checkpoint as composer_checkpoint
+
+    name = composer_checkpoint.get_save_filename(state, saver.filename.format(state, keep_placeholders=True))
+    saver.all_saved_checkpoints_to_timestamp.pop(name, None)
+
+
+def last_saved_checkpoint(saver: Any) -> Optional[str]:
+    saved = getattr(saver, "saved_checkpoints", None) or []
+    return str(saved[-1]) if saved else None
+
+
+def checkpoint_names(state: Any, saver: Any) -> Optional[tuple[str, str, str]]:
+    """(the save folder, the checkpoint name template relative to it, rank 0's `latest` path), or
+    None without a `latest` (autoresume has nothing to read then). The template: the save filename
+    (e.g. `ep{epoch}-ba{batch}-rank{rank}.pt`), or for sharded saves the DCP folder Composer makes of
+    it (`sharded_ckpt_prefix_dir`, e.g. `ep{epoch}-ba{batch}`)."""
+    from composer.utils import format_name_with_dist
+
+    if saver.latest_filename is None:
+        return None
+    folder = format_name_with_dist(saver.folder, state.run_name)
+    template = str(saver.filename.filename)
+    if state.fsdp_sharded_state_dict_enabled:
+        prefix = getattr(state.fsdp_config, "sharded_ckpt_prefix_dir", None) or "ep{epoch}-ba{batch}"
+        template = os.path.join(os.path.dirname(template), prefix)
+    latest = os.path.join(folder, format_name_with_dist(str(saver.latest_filename.filename), state.run_name))
+    return folder, template, latest
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> None:

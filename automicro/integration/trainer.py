@@ -9,12 +9,14 @@ Differences from `composer.Trainer`, all opt-in through arguments Composer alrea
   `AutoMicrobatching` callback (one is added with defaults if none is given); without FSDP it runs
   on one rank (`automicro.engine.unsharded`); evaluators with a pinned size are split after an
   eval OOM (`eval_oom`).
-Two arguments of its own: `checkpoint_format="full" | "sharded"` (default "full", or what a
+Arguments of its own: `checkpoint_format="full" | "sharded"` (default "full", or what a
 Composer `FSDP2Config.state_dict_type` asks for; see
 `automicro.integration.checkpointing`); `"sharded"` saves and loads torch.distributed.checkpoint
 shards, Composer's `state_dict_type: sharded`. `compile=` (`automicro.engine.CompileConfig`, a
 mapping of its keys or True): each sharded block's forward compiled, or Composer's whole-model
-`compile_config` with ``scope: model``.
+`compile_config` with ``scope: model``. `save_failure="continue" | "stop"`: what a checkpoint save
+that failed on any rank does (`automicro.integration.checkpoint_commit`: every save is atomic and
+agreed, and `autoresume` takes the newest complete checkpoint).
 Everything else is passed to Composer unchanged.
 """
 
@@ -39,6 +41,7 @@ from automicro.engine.config import FSDP2ConfigError, fsdp2_from_parallelism_con
 from automicro.engine.pipeline import build_pipeline
 from automicro.integration import _composer_internals as composer_internals
 from automicro.integration.callback import AutoMicrobatching
+from automicro.integration.checkpoint_commit import CommittedCheckpoints, check_save_failure
 from automicro.integration.checkpointing import FullCheckpointLoading, ShardedCheckpointing, check_checkpoint_format
 from automicro.integration.composer_config import from_composer_parallelism
 from automicro.integration.pipeline_batch import PipelineBatch
@@ -135,6 +138,7 @@ class Trainer(composer.Trainer):
         dist_timeout: float = 300.0,
         checkpoint_format: Optional[str] = None,
         compile: Any = None,
+        save_failure: str = "continue",
         **kwargs: Any,
     ) -> None:
         composer_internals.check_supported_composer()
@@ -167,6 +171,7 @@ class Trainer(composer.Trainer):
             load_path=kwargs.get("load_path"),
             save_metrics=bool(kwargs.get("save_metrics", False)),
         )
+        check_save_failure(save_failure)
         callback_list = list(callbacks) if isinstance(callbacks, (list, tuple)) else ([callbacks] if callbacks else [])
         if isinstance(device_train_microbatch_size, str):  # ints, floats and None are Composer's to check
             check_microbatch_size(device_train_microbatch_size, "device_train_microbatch_size")
@@ -263,6 +268,9 @@ class Trainer(composer.Trainer):
             model.eval_forward = automicro.guard_eval_forward(model.eval_forward)
             model.update_metric = automicro.guard_eval_metric(model)
 
+        if kwargs.get("save_folder") is not None or kwargs.get("autoresume"):
+            # After ShardedCheckpointing: the format is known at BEFORE_LOAD when this one runs.
+            callback_list.append(CommittedCheckpoints(autoresume=bool(kwargs.get("autoresume")), save_failure=save_failure))
         # Passed or not: AutoMicrobatching's loss normalisation decides where it is left out.
         accumulate_on_tokens = kwargs.get("accumulate_train_batch_on_tokens")
         super().__init__(

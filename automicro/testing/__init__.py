@@ -3,6 +3,8 @@
 - `FaultInjector`: raise at an exact site / module / rank / microbatch / size (a Composer callback).
 - `MemoryCap`: CPU emulation of a per-rank allocator limit, and `MemoryCapCallback` (with its
   `CapMemory` memory source) to put one on a whole Composer fit.
+- `CheckpointFault`: break one checkpoint save (SIGKILL at a point of the save, a truncated file, a
+  deleted shard, a full disk); YAML `callbacks.checkpoint_fault`.
 - `run_multiprocess`: run a function on N local ranks under a hang watchdog.
 
 The kit may import the product; no product module imports the kit at import time (the YAML
@@ -16,6 +18,7 @@ from typing import Any
 # spawned rank about 6 s of CPU, in tests that never use Composer too.
 _LAZY = {
     "CapMemory": "automicro.testing.callbacks",
+    "CheckpointFault": "automicro.testing.checkpoint_faults",
     "MemoryCapCallback": "automicro.testing.callbacks",
     "FaultInjector": "automicro.testing.faults",
     "InjectedFault": "automicro.testing.faults",
@@ -35,6 +38,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CapMemory",
+    "CheckpointFault",
     "FaultInjector",
     "InjectedFault",
     "MemoryCap",
