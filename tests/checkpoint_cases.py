@@ -1,4 +1,5 @@
-"""Rank functions for tests/test_checkpoint.py: sharded (DCP) checkpoints through `automicro.Trainer`.
+"""Rank functions for tests/test_checkpoint.py: sharded (DCP) checkpoints through `automicro.Trainer`,
+and checkpoints as commits (both formats).
 
 Every case runs on every rank in the same order (collectives stay matched) and returns plain data;
 a case that breaks is caught on every rank and returned as {"crash": ...}.
@@ -20,6 +21,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import automicro
 from automicro.integration.callback import AutoMicrobatching
+from automicro.integration.checkpoint_commit import CommittedCheckpoints
+from automicro.testing.checkpoint_faults import CheckpointFault
 from automicro.testing.faults import FaultInjector
 from tests.automicro_cases import ABOVE, SEED, make_loader
 from tests.toy_models import ComposerStack
@@ -166,6 +169,68 @@ def resume_case(world: int, folder: str, auto: bool) -> dict[str, Any]:
     return result
 
 
+def _commits(trainer: automicro.Trainer) -> CommittedCheckpoints:
+    return next(c for c in trainer.state.callbacks if isinstance(c, CommittedCheckpoints))
+
+
+def commit_case(world: int, folder: str, checkpoint_format: str) -> dict[str, Any]:
+    """Checkpoints as commits (issue 43), `checkpoint_format` full or sharded: a save broken after it
+    committed (full: the .pt cut to half; sharded: rank 1's shard deleted), then autoresume from
+    the newest complete one against a run loaded from it by path; a full disk on one rank with
+    save_failure continue, then stop."""
+    sharded = checkpoint_format == "sharded"
+    result: dict[str, Any] = {}
+    saves = os.path.join(folder, "saves")
+    common = dict(checkpoint_format=checkpoint_format, save_folder=saves, save_interval="2ba", run_name="commit")
+    broken = CheckpointFault("delete_shard" if sharded else "truncate", batch=4, ranks=[1] if sharded else [0])
+    first = _trainer(world, 4, FIXED_MICROBATCH, [broken], **common)
+    first.fit()
+    result["fault_fired"] = broken.fired
+    first.close()
+    composer_dist.barrier()
+
+    resumed = _trainer(world, TOTAL, FIXED_MICROBATCH, [], autoresume=True, **common)
+    commits = _commits(resumed)
+    result["resumed_from"] = os.path.relpath(commits.resumed_from or "", saves)
+    result["skipped"] = sorted(commits.skipped)
+    result["skip_reasons"] = sorted(commits.skipped.values())
+    result["resumed_at_batch"] = int(resumed.state.timestamp.batch)
+    resumed.fit()
+    final = full_snapshot(resumed)
+    resumed.close()
+    composer_dist.barrier()
+    result["folder_after"] = sorted(os.listdir(saves))
+    result["latest_after"] = os.readlink(os.path.join(saves, "latest-rank0.pt"))
+
+    good = os.path.join(saves, "ep0-ba2" if sharded else "ep0-ba2-rank0.pt")
+    reference = _trainer(world, TOTAL, FIXED_MICROBATCH, [], checkpoint_format=checkpoint_format, load_path=good)
+    reference.fit()
+    result["param_error_vs_loaded"] = max_error(final, full_snapshot(reference), "model/")
+    result["optim_error_vs_loaded"] = max_error(final, full_snapshot(reference), "optim/")
+    reference.close()
+
+    for policy in ("continue", "stop"):
+        where = os.path.join(folder, f"full_disk_{policy}")
+        full = CheckpointFault("disk_full", batch=2, ranks=[1] if sharded else [0])
+        trainer = _trainer(
+            world, 3, FIXED_MICROBATCH, [full], checkpoint_format=checkpoint_format, save_folder=where,
+            save_interval="1ba", run_name=f"disk_{policy}", save_failure=policy,
+            save_num_checkpoints_to_keep=1,  # the failed save must not make it delete the last good one
+        )
+        try:
+            trainer.fit()
+            result[f"{policy}_error"] = None
+        except Exception as error:  # noqa: BLE001 - stop: every rank raises
+            result[f"{policy}_error"] = str(error)
+        result[f"{policy}_failed_saves"] = _commits(trainer).failed_saves
+        result[f"{policy}_batches"] = int(trainer.state.timestamp.batch)
+        trainer.close()
+        composer_dist.barrier()
+        result[f"{policy}_folder"] = sorted(os.listdir(where))
+        result[f"{policy}_latest"] = os.readlink(os.path.join(where, "latest-rank0.pt"))
+    return result
+
+
 def run_checkpoint_cases(rank: int, world: int, folder: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
@@ -174,4 +239,9 @@ def run_checkpoint_cases(rank: int, world: int, folder: str) -> dict[str, Any]:
             out[name] = resume_case(world, os.path.join(folder, name), auto)
         except Exception:  # noqa: BLE001 - the test reports which case broke
             out[name] = {"crash": traceback.format_exc()}
+    for checkpoint_format in ("full", "sharded"):
+        try:
+            out[f"commit_{checkpoint_format}"] = commit_case(world, os.path.join(folder, f"commit_{checkpoint_format}"), checkpoint_format)
+        except Exception:  # noqa: BLE001
+            out[f"commit_{checkpoint_format}"] = {"crash": traceback.format_exc()}
     return out

@@ -202,6 +202,52 @@ def test_the_default_planner_cannot_load_it_so_the_rebuild_is_needed(tmp_path):
         dcp.load(_fresh_template(), storage_reader=FileSystemReader(str(tmp_path)), planner=DefaultLoadPlanner())
 
 
+# ---- checkpoints as commits (issue 43), both formats, in the same process group ---------------
+
+FORMATS = ("full", "sharded")
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("checkpoint_format", FORMATS)
+def test_autoresume_skips_a_broken_newest_checkpoint_and_trains_like_a_run_loaded_from_the_good_one(run, checkpoint_format):
+    _, per_rank = run
+    results = [_ok(result[f"commit_{checkpoint_format}"]) for result in per_rank]
+    assert any(r["fault_fired"] for r in results), "the fault kit broke the save at batch 4"
+    broken, good = ("ep0-ba4", "ep0-ba2") if checkpoint_format == "sharded" else ("ep0-ba4-rank0.pt", "ep0-ba2-rank0.pt")
+    why = "shard __1_0.distcp is missing" if checkpoint_format == "sharded" else "not a whole zip archive"
+    for r in results:  # every rank took the same choice
+        assert r["resumed_from"] == good and r["skipped"] == [broken], r
+        assert why in r["skip_reasons"][0], r["skip_reasons"]
+        assert r["resumed_at_batch"] == 2
+        # The broken one set aside (a later save reused its name), `latest` moved on with training.
+        assert f"{broken}.incomplete" in r["folder_after"] and broken in r["folder_after"], r["folder_after"]
+        assert r["latest_after"] == ("ep0-ba6" if checkpoint_format == "sharded" else "ep0-ba6-rank0.pt")
+        assert r["param_error_vs_loaded"] <= 1e-5 and r["optim_error_vs_loaded"] <= 1e-5, r
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("checkpoint_format", FORMATS)
+def test_a_full_disk_on_one_rank_fails_the_save_on_every_rank_and_continue_or_stop_does_what_it_says(run, checkpoint_format):
+    _, per_rank = run
+    results = [_ok(result[f"commit_{checkpoint_format}"]) for result in per_rank]
+    failing = 1 if checkpoint_format == "sharded" else 0  # a full checkpoint is rank 0's alone
+    good = "ep0-ba1" if checkpoint_format == "sharded" else "ep0-ba1-rank0.pt"
+    for r in results:
+        # continue: every rank counts the failed save and trains on; batch 2's save left nothing
+        # behind, `latest` moved past it to batch 3.
+        assert r["continue_error"] is None and r["continue_failed_saves"] == 1 and r["continue_batches"] == 3, r
+        assert r["continue_folder"] == [good.replace("ba1", "ba3"), "latest-rank0.pt"], r["continue_folder"]  # keep 1
+        assert r["continue_latest"] == good.replace("ba1", "ba3")
+        # stop: every rank raises the same error, naming the rank, the path and the last good one.
+        assert r["stop_batches"] == 2 and r["stop_failed_saves"] == 1, r
+        assert f"checkpoint save failed on rank {failing} (" in r["stop_error"], r["stop_error"]
+        assert "No space left on device" in r["stop_error"] and "save_failure: stop" in r["stop_error"]
+        assert r["stop_error"].split(" at batch 2;")[1].startswith(" the last good checkpoint is ") and good in r["stop_error"]
+        # Retention (save_num_checkpoints_to_keep=1) kept the last good one through the failed save.
+        assert r["stop_folder"] == [good, "latest-rank0.pt"] and r["stop_latest"] == good, r
+    assert len({r["stop_error"] for r in results}) == 1, "one message on every rank"
+
+
 # ---- bad settings (raised before any process group exists) -------------------------------------
 
 

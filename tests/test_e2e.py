@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -74,9 +75,19 @@ def test_restart_with_autoresume_finishes_a_run_lost_between_batches_below_the_s
     assert "(at Event.BATCH_END)" in out, out[-5000:]
     note = json.loads((folder / "automicro_failure.json").read_text())
     assert note["batch"] == 7, note
+    # Issue 43's command: the newest checkpoint cut short, as a kill in the middle of writing it
+    # leaves one (from Composer's own writer; automicro's writes are atomic). The next launch
+    # skips it with one line and resumes from the one before.
+    newest = max(folder.glob("ep0-ba*-rank0.pt"), key=lambda p: int(p.name.split("-ba")[1].split("-")[0]))
+    assert newest.name == "ep0-ba6-rank0.pt", sorted(p.name for p in folder.iterdir())
+    os.truncate(newest, newest.stat().st_size // 2)
     second = _run(common, timeout_s=300)
     out = second.stdout
     assert second.returncode == 0, out[-5000:]
+    skipped = [line for line in out.splitlines() if "is incomplete" in line]
+    assert len(skipped) == 1 and skipped[0].startswith(f"[automicro] checkpoint {newest} is incomplete (not a whole zip archive"), out[-5000:]
+    assert skipped[0].endswith("resuming from ep0-ba5-rank0.pt (set aside as *.incomplete)"), skipped
+    assert "[automicro] batch 5 attempt 1:" in out and "[automicro] batch 4 attempt" not in out, out[-5000:]
     assert f"the previous launch could not recover from an OOM at size {note['size']} in batch 7" in out, out[-5000:]
     resumed = [line for line in out.splitlines() if "resuming at size" in line]
     assert resumed and int(resumed[0].split("resuming at size ")[1].split()[0]) < note["size"], resumed

@@ -153,7 +153,9 @@ def committing_save(save: Callable[..., Optional[str]], state: Any, filename: st
     saved: Optional[str] = None
     try:
         saved = save(state, filename, **kwargs)
-    except Exception as error:  # noqa: BLE001
+    except BaseException as error:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        if isinstance(error, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+            raise
         failure = _dcp_failure(error, state, filename) or (filename, _describe(error))
     if _pending_failure:
         failure = _pending_failure[0]
@@ -417,6 +419,8 @@ class CommittedCheckpoints(Callback):
             composer_internals.forget_failed_checkpoint(saver, state)
             # Rank 0 keeps the record of a full checkpoint's saves: every rank names what it names.
             last = next((p for p in dist.all_gather_object(composer_internals.last_saved_checkpoint(saver)) if p), None)
+            if last and state.fsdp_sharded_state_dict_enabled:
+                last = os.path.dirname(last)  # the DCP folder, not this rank's shard
             kept = f"the last good checkpoint is {last}" if last else "no checkpoint of this run is saved yet"
             if self.save_failure == "stop":
                 raise RuntimeError(

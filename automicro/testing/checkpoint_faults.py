@@ -91,7 +91,10 @@ class CheckpointFault(Callback):
 
     @staticmethod
     def _file(path: str) -> str:
-        """The file a point's path stands for on this rank: a DCP folder means this rank's shard."""
+        """The file a point's path stands for on this rank: a DCP folder (or a shard name in it:
+        Composer names every rank's shard after the rank it had at import) means this rank's shard."""
+        if path.endswith(".distcp"):
+            path = os.path.dirname(path)
         if path and os.path.isdir(path):
             shard = os.path.join(path, f"__{dist.get_global_rank()}_0.distcp")
             return shard if os.path.exists(shard) else ""
