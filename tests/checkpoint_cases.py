@@ -173,16 +173,17 @@ def _commits(trainer: automicro.Trainer) -> CommittedCheckpoints:
     return next(c for c in trainer.state.callbacks if isinstance(c, CommittedCheckpoints))
 
 
-def commit_case(world: int, folder: str, checkpoint_format: str) -> dict[str, Any]:
+def commit_case(world: int, folder: str, checkpoint_format: str, policies: tuple[str, ...] = ("continue", "stop")) -> dict[str, Any]:
     """Checkpoints as commits (issue 43), `checkpoint_format` full or sharded: a save broken after it
-    committed (full: the .pt cut to half; sharded: rank 1's shard deleted), then autoresume from
+    committed (full: the .pt cut to half; sharded: the last rank's shard deleted), then autoresume from
     the newest complete one against a run loaded from it by path; a full disk on one rank with
     save_failure continue, then stop."""
     sharded = checkpoint_format == "sharded"
     result: dict[str, Any] = {}
     saves = os.path.join(folder, "saves")
     common = dict(checkpoint_format=checkpoint_format, save_folder=saves, save_interval="2ba", run_name="commit")
-    broken = CheckpointFault("delete_shard" if sharded else "truncate", batch=4, ranks=[1] if sharded else [0])
+    last = world - 1  # sharded: the last rank (on two nodes, a rank of the second node that checks nothing)
+    broken = CheckpointFault("delete_shard" if sharded else "truncate", batch=4, ranks=[last] if sharded else [0])
     first = _trainer(world, 4, FIXED_MICROBATCH, [broken], **common)
     first.fit()
     result["fault_fired"] = broken.fired
@@ -209,9 +210,9 @@ def commit_case(world: int, folder: str, checkpoint_format: str) -> dict[str, An
     result["optim_error_vs_loaded"] = max_error(final, full_snapshot(reference), "optim/")
     reference.close()
 
-    for policy in ("continue", "stop"):
+    for policy in policies:
         where = os.path.join(folder, f"full_disk_{policy}")
-        full = CheckpointFault("disk_full", batch=2, ranks=[1] if sharded else [0])
+        full = CheckpointFault("disk_full", batch=2, ranks=[last] if sharded else [0])
         trainer = _trainer(
             world, 3, FIXED_MICROBATCH, [full], checkpoint_format=checkpoint_format, save_folder=where,
             save_interval="1ba", run_name=f"disk_{policy}", save_failure=policy,
@@ -245,3 +246,13 @@ def run_checkpoint_cases(rank: int, world: int, folder: str) -> dict[str, Any]:
         except Exception:  # noqa: BLE001
             out[f"commit_{checkpoint_format}"] = {"crash": traceback.format_exc()}
     return out
+
+
+def run_commit_on_two_nodes(rank: int, world: int, folder: str) -> dict[str, Any]:
+    """`commit_case` for sharded checkpoints on 2 simulated nodes of 2 ranks (each node's local
+    rank 0 checks the folder; every rank takes the same choice)."""
+    torch.set_num_threads(1)
+    try:
+        return commit_case(world, folder, "sharded", policies=("stop",))  # continue: the same agreement, on 2 ranks
+    except Exception:  # noqa: BLE001
+        return {"crash": traceback.format_exc()}

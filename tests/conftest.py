@@ -48,11 +48,16 @@ TORCH_VERSION_FILES = {
 # In test_pipeline.py, the 1F1B cases whose ZeroBubble twin runs the same sites and more (its fault
 # matrix is 1F1B's plus the weight-gradient steps; the search is the same under either schedule):
 # leg 1 runs both, legs 2 and 3 the ZeroBubble one (2026-11-26: about 70 s a leg).
-LEG1_ONLY_PARAMS = {"fault_results": "1F1B", "schedule": "1F1B"}
+# In test_checkpoint.py, the checkpoint commits on 2 simulated nodes of 2 ranks (a 4-rank launch,
+# ~45 s): the node logic (one checker per node, the agreement) is automicro's own; the DCP save and
+# load it goes through run on every torch in the 2-rank cases of the same tests.
+LEG1_ONLY_PARAMS = {"fault_results": "1F1B", "schedule": "1F1B", "layout": "2x2 sharded"}
 LEG1_ONLY_TESTS = {
     "test_an_oom_on_one_stage_in_forward_di_or_dw_at_the_first_or_last_microbatch_is_retried_without_hang",
     "test_after_a_failed_attempt_on_one_stage_the_parameters_equal_a_fixed_size_run",
     "test_search_on_two_stages_finds_a_size_that_fits_and_trains_like_a_fixed_size_run",
+    "test_autoresume_skips_a_broken_newest_checkpoint_and_trains_like_a_run_loaded_from_the_good_one",
+    "test_a_full_disk_on_one_rank_fails_the_save_on_every_rank_and_continue_or_stop_does_what_it_says",
 }
 # Module fixtures that launch 4 ranks: every test that uses one is a 4-rank test.
 MANY_RANK_FIXTURES = {"matrix_four_ranks", "steady_four_ranks", "data_parallel"}

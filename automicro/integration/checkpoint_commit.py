@@ -350,15 +350,16 @@ def remove_partials(folder: str) -> list[str]:
 
 
 def set_aside(path: str) -> None:
-    """An incomplete checkpoint renamed to `<name>.incomplete` (a later save may reuse its name)."""
-    aside = path + INCOMPLETE_SUFFIX
+    """An incomplete checkpoint renamed to `<name>.incomplete` (`.incomplete.1`, ... where taken; a
+    later save may reuse its name). Nothing is deleted: on a shared filesystem every node's checker
+    may try, and the first one moves it."""
+    aside, n = path + INCOMPLETE_SUFFIX, 0
+    while os.path.lexists(aside):
+        n += 1
+        aside = f"{path}{INCOMPLETE_SUFFIX}.{n}"
     try:
-        if os.path.isdir(aside) and not os.path.islink(aside):
-            import shutil
-
-            shutil.rmtree(aside, ignore_errors=True)
-        os.replace(path, aside)
-    except FileNotFoundError:  # another node on the same filesystem did it
+        os.rename(path, aside)
+    except FileNotFoundError:  # another node on the same filesystem moved it first
         pass
 
 
