@@ -104,6 +104,7 @@ def _trainer_factory(fsdp2: Optional[FSDP2Config], checkpoint_format: Optional[s
         kwargs["parallelism_config"] = None if fsdp2 is None else {"fsdp2": fsdp2}
         if checkpoint_format is not None:
             kwargs["checkpoint_format"] = checkpoint_format
+        internals.stage_hf_exports(kwargs.get("callbacks") or [])  # the hf_checkpointer export, atomic
         return Trainer(**kwargs)
 
     return build
@@ -154,9 +155,11 @@ def byte_tokenizer_class() -> type:
 def register_components() -> None:
     from automicro.integration.callback import AutoMicrobatching
     from automicro.testing.callbacks import MemoryCapCallback
+    from automicro.testing.checkpoint_faults import CheckpointFault
 
     internals.register("callbacks", "auto_microbatching", AutoMicrobatching)
     internals.register("callbacks", "memory_cap", MemoryCapCallback)
+    internals.register("callbacks", "checkpoint_fault", CheckpointFault)
     internals.register("dataloaders", "automicro_synthetic", synthetic_dataloader)
     internals.register("tokenizers", "automicro_bytes", byte_tokenizer_class())
 

@@ -167,6 +167,38 @@ def test_a_sigkill_at_each_point_of_a_save_leaves_a_folder_autoresume_resumes_fr
     assert commit.remove_partials(str(tmp_path)) == [n for n in left if n.startswith(".partial-")]
 
 
+# The same for a sharded save (one process: rank 0 is the coordinator that writes `.metadata`).
+DCP_KILLS = {
+    "before_write": [],
+    "mid_write": ["__0_0.distcp"],  # cut to half
+    "before_rename": ["__0_0.distcp"],  # whole, no .metadata
+}
+
+
+@pytest.mark.parametrize("at", sorted(DCP_KILLS))
+def test_a_sigkill_during_a_sharded_save_leaves_a_folder_without_metadata(tmp_path, at):
+    _dcp(tmp_path / "ep0-ba2")
+    folder = tmp_path / "ep0-ba4"
+    pid = os.fork()
+    if pid == 0:
+        try:
+            fault = CheckpointFault(at, batch=4)
+            fault._state = SimpleNamespace(timestamp=SimpleNamespace(batch=4))
+            state = {"w": torch.arange(4096.0), "b": torch.ones(16)}
+            dcp.save(state, storage_writer=commit.firing_writer_class()(str(folder)))
+        finally:
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
+    left = sorted(os.listdir(folder)) if folder.exists() else []
+    assert left == DCP_KILLS[at], left
+    if left:
+        assert commit.checkpoint_problem(str(folder)) == "no .metadata: the save did not commit"
+    candidates = commit.find_candidates(str(tmp_path), "ep{epoch}-ba{batch}", "run", sharded=True)
+    verdict = {c.name: commit.checkpoint_problem(c.path) for c in candidates}
+    assert commit.choose([verdict], [c.name for c in candidates])[0] == "ep0-ba2"
+
+
 def test_bad_settings_name_the_key_and_the_choices():
     with pytest.raises(ValueError, match=r"save_failure='ignore': must be 'continue' .* or 'stop'"):
         commit.check_save_failure("ignore")
@@ -208,6 +240,12 @@ def test_one_rank_resumes_past_a_latest_left_behind_and_a_cut_newest_and_refuses
     assert int(resumed.state.timestamp.batch) == 6
     assert "resuming from ep0-ba6-rank0.pt" in capsys.readouterr().out
     assert os.readlink(tmp_path / "latest-rank0.pt") == "ep0-ba6-rank0.pt"
+    resumed.close()
+    # `latest` gone (Composer removes it, then makes the new one: a kill in between): still resumed.
+    os.remove(tmp_path / "latest-rank0.pt")
+    resumed = _trainer(tmp_path, 6, autoresume=True)
+    assert int(resumed.state.timestamp.batch) == 6
+    assert "complete but `latest` pointed at nothing" in capsys.readouterr().out
     resumed.close()
     data = (tmp_path / "ep0-ba6-rank0.pt").read_bytes()
     (tmp_path / "ep0-ba6-rank0.pt").write_bytes(data[:1000])

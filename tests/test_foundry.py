@@ -108,6 +108,8 @@ def test_llm_foundrys_pretrain_yaml_trains_evaluates_checkpoints_and_resumes_und
     from safetensors.torch import load_file
 
     hf = load_file(str(tmp_path / "hf" / "huggingface" / "ba4" / "model.safetensors"))
+    # Written under hf/.partial-hf and renamed into place by rank 0 (atomic); nothing staged is left.
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["huggingface"], list((tmp_path / "hf").iterdir())
     model = torch.load(tmp_path / "ckpt" / "ep0-ba4-rank0.pt", weights_only=False)["state"]["model"]
     assert len(hf) == len(model) > 0
     assert all(torch.equal(value, model[f"model.{name}"]) for name, value in hf.items())

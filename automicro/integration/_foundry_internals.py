@@ -4,8 +4,11 @@ llm-foundry 0.22.0 (July 2025, its last release) builds a stock `composer.Traine
 `llmfoundry.command_utils.train.train` from a module-level name `Trainer`; `automicro.foundry`
 swaps that name for automicro's Trainer for the length of one `train()` call. Its registries
 (`llmfoundry.registry.callbacks`, `.dataloaders`) are public and take automicro's callbacks and
-a synthetic-token loader. Owns: the version gate, the swap, registration. May not touch: automicro's
-engine or search (it only hands a Trainer class over).
+a synthetic-token loader. `stage_hf_exports` makes its `hf_checkpointer` export atomic by
+replacing `HuggingFaceCheckpointer._save_checkpoint` on the instance (its `save_dir_format_str` and
+`huggingface_folder_name_fstr` are read and, for one call, the first replaced). Owns: the version
+gate, the swap, registration, the export's staging. May not touch: automicro's engine or search (it
+only hands a Trainer class over).
 """
 
 from __future__ import annotations
@@ -71,3 +74,65 @@ def register(registry_name: str, name: str, obj: Any) -> None:
 
 
 __all__ = ["FoundryUnavailable", "INSTALL_HINT", "check_llmfoundry", "register", "train_function", "trainer_class"]
+
+
+STAGING_FOLDER = ".partial-hf"
+
+
+def stage_hf_exports(callbacks: Any) -> int:
+    """Every llm-foundry `HuggingFaceCheckpointer` among `callbacks` writes its local export under
+    `<save_folder>/.partial-hf/` and rank 0 renames the finished folder into place
+    (`<save_folder>/huggingface/ba4`), fsynced: the export appears whole or not at all. Exports to
+    an object store (llm-foundry uploads from a temporary folder) and those registered to MLflow (a
+    background process reads the folder after the call) go through unchanged. Returns how many."""
+    from llmfoundry.callbacks import HuggingFaceCheckpointer
+
+    staged = 0
+    for callback in callbacks if isinstance(callbacks, (list, tuple)) else [callbacks]:
+        if isinstance(callback, HuggingFaceCheckpointer) and not getattr(callback, "_automicro_staged", False):
+            _stage(callback)
+            staged += 1
+    return staged
+
+
+def _stage(checkpointer: Any) -> None:
+    import os
+    import shutil
+
+    from composer.utils import dist, format_name_with_dist_and_time
+
+    original = checkpointer._save_checkpoint
+
+    def _save_checkpoint(state: Any, logger: Any, upload_to_save_folder: bool, register_to_mlflow: bool) -> None:
+        if checkpointer.remote_ud is not None or register_to_mlflow or not upload_to_save_folder:
+            return original(state, logger, upload_to_save_folder, register_to_mlflow)
+        final_root = checkpointer.save_dir_format_str
+        staging_root = os.path.join(final_root, STAGING_FOLDER)
+        checkpointer.save_dir_format_str = staging_root
+        try:
+            original(state, logger, upload_to_save_folder, register_to_mlflow)
+        finally:
+            checkpointer.save_dir_format_str = final_root
+        if dist.get_global_rank() != 0:
+            return None
+        relative = checkpointer.huggingface_folder_name_fstr
+        staged = format_name_with_dist_and_time(os.path.join(staging_root, relative), state.run_name, state.timestamp)
+        final = format_name_with_dist_and_time(os.path.join(final_root, relative), state.run_name, state.timestamp)
+        if os.path.isdir(staged):
+            for name in os.listdir(staged):
+                with open(os.path.join(staged, name), "rb") as handle:
+                    os.fsync(handle.fileno())
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            if os.path.lexists(final):  # the same batch exported before (a rerun): the new one wins
+                shutil.rmtree(final, ignore_errors=True)
+            os.rename(staged, final)
+            fd = os.open(os.path.dirname(final), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        shutil.rmtree(format_name_with_dist_and_time(staging_root, state.run_name, state.timestamp), ignore_errors=True)
+        return None
+
+    checkpointer._save_checkpoint = _save_checkpoint
+    checkpointer._automicro_staged = True
