@@ -9,6 +9,7 @@ with the YAML overrides the variant names (`-auto` or `-fixed-N` for the microba
   blocks-*       compile: true (each sharded block's forward, the default scope)
   model-*        compile: {scope: model} (Composer's whole-model compile)
   noshard-*      parallelism_config: null (no FSDP; Composer's autocast; `auto` on one rank)
+  noshardmodel-* the same with compile: {scope: model} (Composer's whole-model compile, automicro's `auto`)
   layout-*       FSDP2 with `callbacks.auto_microbatching.layout: auto` (issue 26's layout search)
   pinned-*       FSDP2 with both layout trades pinned (`layout: [grad_sync_once, no_reshard]`)
   gso-*          FSDP2 with `layout: [grad_sync_once]` pinned (no search, no checkpointing)
@@ -73,6 +74,8 @@ def overrides(variant: str, args: argparse.Namespace, run_dir: str) -> list[str]
         common += ["compile.scope=model"] + backend
     elif kind in ("noshard", "composer"):
         common += ["parallelism_config=null"]
+    elif kind == "noshardmodel":  # automicro unsharded, Composer's whole-model compile
+        common += ["parallelism_config=null", "compile.scope=model"] + backend
     elif kind == "composercompile":  # Composer's own compile: the whole model, its `compile_config`
         common += ["parallelism_config=null", "compile.scope=model"] + backend
     elif kind == "layout":
