@@ -138,6 +138,40 @@ def _is_compiled(module: torch.nn.Module) -> bool:
     return forward is not None and hasattr(forward, "_torchdynamo_orig_callable")
 
 
+TOKEN_BATCHES = 32
+
+
+def _token_budget_compiled(world: int) -> dict[str, Any]:
+    """`budget: tokens` under compile (aot_eager, dynamic: null) for TOKEN_BATCHES variable-length
+    batches, under a token limit that forces splits: the graphs compiled by batch 8, 16 and the
+    end, and the microbatch shapes the blocks saw."""
+    from composer.core import Callback
+
+    from automicro.engine.compile import compiled_graphs
+    from tests import token_cases
+
+    class Shapes(Callback):
+        def __init__(self) -> None:
+            self.shapes: set[tuple[int, ...]] = set()
+            self.graphs: dict[int, int] = {}
+            self.start = compiled_graphs()
+
+        def before_forward(self, state: Any, logger: Any) -> None:
+            self.shapes.add(tuple(state.batch["input_ids"].shape))
+
+        def batch_end(self, state: Any, logger: Any) -> None:
+            self.graphs[int(state.timestamp.batch)] = compiled_graphs() - self.start
+
+    shapes = Shapes()
+    auto = AutoMicrobatching(budget="tokens", log_attempts=False)
+    result = token_cases.fit(
+        "auto", [auto, token_cases.TokenLimit(token_cases.limits(world)), shapes], batches=TOKEN_BATCHES, compile=COMPILE,
+    )
+    result.pop("params", None)
+    result.update(shapes=sorted(shapes.shapes), graphs={k: shapes.graphs[k] for k in (8, 16, TOKEN_BATCHES)})
+    return result
+
+
 def run_compile_cases(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
@@ -151,6 +185,7 @@ def run_compile_cases(rank: int, world: int) -> dict[str, Any]:
         # The split it settled on, fixed and eager, without the gates: the compiled search and its
         # failed attempts left nothing behind.
         case("gated/eager_fixed", lambda: _gated(world, max(found), None, gate=False))
+    case("tokens/compiled", lambda: _token_budget_compiled(world))
     reference = reference_params(world, MATRIX_BATCHES)
     for site in FAULT_SITES:
         case(f"fault/{site}", lambda s=site: _fault(world, s, reference))

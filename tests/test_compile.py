@@ -50,6 +50,36 @@ def test_the_search_recompiles_each_block_once_whatever_sizes_it_visits(results)
 
 
 @pytest.mark.multiproc
+def test_a_token_budget_under_compile_keeps_a_few_graphs_over_a_long_run(results):
+    for per_rank in results:
+        result = _ok(per_rank["tokens/compiled"])
+        assert "exception" not in result, result.get("exception")
+        assert result["batches"] == cases.TOKEN_BATCHES
+        # Many microbatch shapes (rows x padded length) ...
+        assert len(result["shapes"]) >= 10, result["shapes"]
+        # ... and a few graphs (static at the first shape, dynamic from the second), none added in the
+        # second half of the run.
+        graphs = result["graphs"]
+        assert graphs[16] == graphs[cases.TOKEN_BATCHES] <= 4, graphs
+
+
+def test_static_compile_under_a_token_budget_is_refused_naming_the_fix():
+    import torch
+
+    import automicro
+    from automicro.integration.callback import AutoMicrobatching
+    from tests.toy_models import ComposerStack
+
+    model = ComposerStack()
+    with pytest.raises(ValueError, match=r"compile dynamic=false with AutoMicrobatching\(budget='tokens'\).*set compile.dynamic: null"):
+        automicro.Trainer(
+            model=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.1), device="cpu", max_duration="1ba",
+            parallelism_config={"fsdp2": {}}, device_train_microbatch_size="auto",
+            callbacks=[AutoMicrobatching(budget="tokens")], compile={"backend": "aot_eager", "dynamic": False},
+        )
+
+
+@pytest.mark.multiproc
 @pytest.mark.parametrize("site", cases.FAULT_SITES)
 def test_fault_sites_around_compiled_blocks_recover_like_eager(results, site):
     for rank, per_rank in enumerate(results):

@@ -116,6 +116,21 @@ class _ReshardRootAfterEval(Callback):
         self.sharded.reshard_root()
 
 
+def _check_compile_under_token_budget(config: Optional[CompileConfig], composer_compile: Any) -> None:
+    """`budget: tokens` gives every microbatch its own shape (rows x padded length). Compiled with
+    torch's automatic dynamic shapes (`dynamic: null`, the default) that stays a few graphs (3 over
+    32 batches in tests/test_compile.py); with `dynamic: false` every new shape recompiles until
+    torch's recompile limit (8), after which the model runs uncompiled: refused, naming the fix."""
+    dynamic = config.dynamic if config is not None else (composer_compile or {}).get("dynamic") if isinstance(composer_compile, dict) else None
+    if dynamic is False:
+        raise ValueError(
+            "automicro.Trainer: compile dynamic=false with AutoMicrobatching(budget='tokens'): each microbatch of a token "
+            "budget has its own shape (rows x padded length), so static graphs recompile for every new one until torch's "
+            "recompile limit, then run uncompiled; set compile.dynamic: null (static at the first shape, dynamic from the "
+            "second: a few graphs) or true"
+        )
+
+
 def _evaluators(eval_dataloader: Any) -> list[Evaluator]:
     items = eval_dataloader if isinstance(eval_dataloader, (list, tuple)) else [eval_dataloader]
     return [item for item in items if isinstance(item, Evaluator)]
@@ -191,6 +206,8 @@ class Trainer(composer.Trainer):
             )
             automicro = None
 
+        if automicro is not None and automicro.tokens is not None:
+            _check_compile_under_token_budget(compile_config, kwargs.get("compile_config"))
         # c10d reads this when a process group is created: set it before Composer creates one.
         ensure_record_stream_free()
         composer_device = _composer_device(device)
