@@ -2,6 +2,7 @@
 
     python benchmarks/varlen.py --out $OUT [--variants auto-tokens,auto-samples,fixed-16384] [--batches 14]
     python benchmarks/varlen.py --out $OUT --ranks 2 --medians 400,1000   # 2 GPUs, a length law per rank
+    python benchmarks/varlen.py --out $OUT --variants auto-tokens,auto-tokens:compile   # `:compile`: compiled (each block)
 
 One GPU (or CPU with --cpu --tiny for a dry run), or `--ranks N` under torchrun (NCCL; gloo
 with --cpu), each rank reading its own samples (`--medians`: one median length per rank, in turn).
@@ -67,6 +68,8 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     from automicro.data import VariableLengthTokens, count_tokens
 
     gpu = not args.cpu
+    name, _, option = name.partition(":")  # `auto-tokens:compile`: this variant compiled
+    compiled = args.compile or option == "compile"
     rank = int(os.environ.get("RANK", "0"))
     medians = [int(m) for m in args.medians.split(",")] if args.medians else [args.median]
     torch.manual_seed(0)
@@ -110,8 +113,11 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
         max_duration=f"{args.batches}ba", optimizers=optimizer, device="gpu" if gpu else "cpu",
         precision="amp_bf16" if gpu else "fp32", parallelism_config={"fsdp2": {}},
         device_train_microbatch_size="auto", callbacks=[auto, Clock()], loggers=[], progress_bar=False,
-        log_to_console=False,
+        log_to_console=False, compile=({"backend": "inductor" if gpu else "aot_eager"} if compiled else None),
     )
+    from automicro.engine.compile import compiled_graphs
+
+    graphs_before = compiled_graphs()
     if gpu:
         torch.cuda.reset_peak_memory_stats()
     error: Optional[str] = None
@@ -122,7 +128,7 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     steady = rows[args.skip:]
     seconds = sum(r["seconds"] for r in steady)
     result = {
-        "variant": name,
+        "variant": name + (":compile" if compiled and not args.compile else ""),
         "error": error,
         "batches": len(rows),
         "real_tokens_per_s": (sum(r["real"] for r in steady) / seconds) if seconds else None,
@@ -131,6 +137,8 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "padding_waste": None if auto.tokens is None else auto.tokens.padding_waste,
         "microbatches": sorted({len(r["split"]) for r in steady}),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
+        "graphs": compiled_graphs() - graphs_before,
+        "compile": compiled,
         "rows": rows,
     }
     if auto.tokens is None and rows:
@@ -176,6 +184,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--median", type=int, default=660)
     p.add_argument("--max-len", type=int, default=4096)
     p.add_argument("--cpu", action="store_true")
+    p.add_argument("--compile", action="store_true", help="compile: each block (inductor; aot_eager with --cpu), dynamic: null")
     p.add_argument("--tiny", action="store_true", help="a tiny Llama (dry run of the suite)")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--ranks", dest="nproc", type=int, default=1, help="ranks per launch (torchrun); NCCL on GPUs, gloo with --cpu")
@@ -194,7 +203,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     passthrough = [f"--out={args.out}", f"--batches={args.batches}", f"--skip={args.skip}", f"--median={args.median}",
                    f"--max-len={args.max_len}", f"--ranks={args.nproc}", f"--medians={args.medians}"]
-    passthrough += (["--cpu"] if args.cpu else []) + (["--tiny"] if args.tiny else [])
+    passthrough += (["--cpu"] if args.cpu else []) + (["--tiny"] if args.tiny else []) + (["--compile"] if args.compile else [])
     results = []
     for name in args.variants.split(","):
         started = time.perf_counter()
@@ -217,9 +226,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             r["variant"], harness.fmt(tps, ",.0f") if tps else "–",
             harness.fmt(tps / base["real_tokens_per_s"], ".2f") if tps and base else "–",
             r.get("found", "–"), r.get("microbatches", "–"), harness.fmt(r.get("padding_waste"), ".2f"),
-            r.get("ooms", "–"), harness.fmt(r.get("peak_gib"), ".1f"), (r.get("error") or "")[:60],
+            r.get("ooms", "–"), harness.fmt(r.get("peak_gib"), ".1f"), r.get("graphs", "–"), (r.get("error") or "")[:60],
         ])
-    header = ["variant", "real tokens/s", "vs auto-samples", "found", "microbatches", "padding", "OOMs", "peak GiB", "error"]
+    header = ["variant", "real tokens/s", "vs auto-samples", "found", "microbatches", "padding", "OOMs", "peak GiB", "graphs", "error"]
     for line in harness.table_lines(header, rows):
         print(f"[varlen] | {line}", flush=True)
     harness.write_json(os.path.join(args.out, "varlen.json"), {"args": vars(args), "results": results})
