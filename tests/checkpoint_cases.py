@@ -256,3 +256,36 @@ def run_commit_on_two_nodes(rank: int, world: int, folder: str) -> dict[str, Any
         return commit_case(world, folder, "sharded", policies=("stop",))  # continue: the same agreement, on 2 ranks
     except Exception:  # noqa: BLE001
         return {"crash": traceback.format_exc()}
+
+
+def run_killed_save(rank: int, world: int, folder: str) -> dict[str, Any]:
+    """2 ranks, full checkpoints every 2 batches; rank 0 is SIGKILLed in the middle of writing the
+    save at batch 4 (`CheckpointFault('mid_write')`): this launch never returns."""
+    torch.set_num_threads(1)
+    fault = CheckpointFault("mid_write", batch=4, ranks=[0])
+    _trainer(world, TOTAL, FIXED_MICROBATCH, [fault], save_folder=folder, save_interval="2ba", run_name="killed").fit()
+    return {"not": "reached"}
+
+
+def run_resume_after_kill(rank: int, world: int, folder: str) -> dict[str, Any]:
+    """The relaunch: autoresume, then a run loaded from the checkpoint it resumed from."""
+    torch.set_num_threads(1)
+    try:
+        left = sorted(os.listdir(folder))
+        resumed = _trainer(world, TOTAL, FIXED_MICROBATCH, [], save_folder=folder, save_interval="2ba", run_name="killed",
+                           autoresume=True)
+        commits = _commits(resumed)
+        out = {"left": left, "resumed_from": os.path.basename(commits.resumed_from or ""), "skipped": commits.skipped,
+               "resumed_at_batch": int(resumed.state.timestamp.batch)}
+        resumed.fit()
+        final = full_snapshot(resumed)
+        resumed.close()
+        composer_dist.barrier()
+        reference = _trainer(world, TOTAL, FIXED_MICROBATCH, [], load_path=os.path.join(folder, "ep0-ba2-rank0.pt"))
+        reference.fit()
+        out["param_error_vs_loaded"] = max_error(final, full_snapshot(reference), "model/")
+        reference.close()
+        out["after"] = sorted(os.listdir(folder))
+        return out
+    except Exception:  # noqa: BLE001
+        return {"crash": traceback.format_exc()}

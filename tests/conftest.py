@@ -59,6 +59,10 @@ LEG1_ONLY_TESTS = {
     "test_autoresume_skips_a_broken_newest_checkpoint_and_trains_like_a_run_loaded_from_the_good_one",
     "test_a_full_disk_on_one_rank_fails_the_save_on_every_rank_and_continue_or_stop_does_what_it_says",
 }
+# Whole tests on leg 1 only: a rank SIGKILLed in the middle of a full save and the relaunch (two
+# 2-rank launches, ~25 s; the commit protocol it goes through runs on every torch in
+# test_checkpoint's process group, the kill points in test_checkpoint_commit's forked children).
+LEG1_ONLY_WHOLE_TESTS = {"test_a_rank_killed_mid_save_leaves_a_folder_the_relaunch_resumes_from_like_a_run_loaded_there"}
 # Module fixtures that launch 4 ranks: every test that uses one is a 4-rank test.
 MANY_RANK_FIXTURES = {"matrix_four_ranks", "steady_four_ranks", "data_parallel"}
 
@@ -68,7 +72,8 @@ def pytest_collection_modifyitems(config, items):
 
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        leg1_only = getattr(item, "originalname", item.name) in LEG1_ONLY_TESTS and any(
+        name = getattr(item, "originalname", item.name)
+        leg1_only = name in LEG1_ONLY_WHOLE_TESTS or name in LEG1_ONLY_TESTS and any(
             params.get(key) == value for key, value in LEG1_ONLY_PARAMS.items()
         )
         if Path(str(item.fspath)).name in TORCH_VERSION_FILES and not leg1_only:

@@ -265,6 +265,24 @@ def test_a_full_disk_on_one_rank_fails_the_save_on_every_rank_and_continue_or_st
     assert len({r["stop_error"] for r in results}) == 1, "one message on every rank"
 
 
+@pytest.mark.multiproc
+def test_a_rank_killed_mid_save_leaves_a_folder_the_relaunch_resumes_from_like_a_run_loaded_there(tmp_path):
+    from automicro.testing.multiprocess import MultiprocessFailure
+
+    folder = str(tmp_path / "saves")
+    with pytest.raises(MultiprocessFailure) as killed:
+        run_multiprocess(cases.run_killed_save, world_size=2, args=(folder,), timeout_s=200, failure_grace_s=5)
+    assert killed.value.exitcodes.get(0) == -9, killed.value.exitcodes  # SIGKILL, in the middle of the write
+    per_rank = run_multiprocess(cases.run_resume_after_kill, world_size=2, args=(folder,), timeout_s=300)
+    for result in per_rank:
+        _ok(result)
+        # What the kill left: the save at 2, `latest` at it, and batch 4's half-written temporary file.
+        assert result["left"] == [".partial-ep0-ba4-rank0.pt", "ep0-ba2-rank0.pt", "latest-rank0.pt"], result["left"]
+        assert result["resumed_from"] == "ep0-ba2-rank0.pt" and result["skipped"] == {} and result["resumed_at_batch"] == 2
+        assert result["param_error_vs_loaded"] <= 1e-5, result["param_error_vs_loaded"]
+        assert ".partial-ep0-ba4-rank0.pt" not in result["after"] and "ep0-ba6-rank0.pt" in result["after"], result["after"]
+
+
 # ---- bad settings (raised before any process group exists) -------------------------------------
 
 

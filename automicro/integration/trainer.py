@@ -118,7 +118,7 @@ class _ReshardRootAfterEval(Callback):
 
 def _check_compile_under_token_budget(config: Optional[CompileConfig], composer_compile: Any) -> None:
     """`budget: tokens` gives every microbatch its own shape (rows x padded length). Compiled with
-    torch's automatic dynamic shapes (`dynamic: null`, the default) that stays a few graphs (3 over
+    torch's automatic dynamic shapes (`dynamic: null`, the default) that stays a few graphs (4 over
     32 batches in tests/test_compile.py); with `dynamic: false` every new shape recompiles until
     torch's recompile limit (8), after which the model runs uncompiled: refused, naming the fix."""
     dynamic = config.dynamic if config is not None else (composer_compile or {}).get("dynamic") if isinstance(composer_compile, dict) else None
