@@ -51,18 +51,18 @@ TORCH_VERSION_FILES = {
 # In test_checkpoint.py, the checkpoint commits on 2 simulated nodes of 2 ranks (a 4-rank launch,
 # ~45 s): the node logic (one checker per node, the agreement) is automicro's own; the DCP save and
 # load it goes through run on every torch in the 2-rank cases of the same tests.
-LEG1_ONLY_PARAMS = {"fault_results": "1F1B", "schedule": "1F1B", "layout": "2x2 sharded"}
-LEG1_ONLY_TESTS = {
-    "test_an_oom_on_one_stage_in_forward_di_or_dw_at_the_first_or_last_microbatch_is_retried_without_hang",
-    "test_after_a_failed_attempt_on_one_stage_the_parameters_equal_a_fixed_size_run",
-    "test_search_on_two_stages_finds_a_size_that_fits_and_trains_like_a_fixed_size_run",
-    "test_autoresume_skips_a_broken_newest_checkpoint_and_trains_like_a_run_loaded_from_the_good_one",
-    "test_a_full_disk_on_one_rank_fails_the_save_on_every_rank_and_continue_or_stop_does_what_it_says",
+# Test name -> the parameter (name, value) whose case runs on leg 1 only, or None: the whole test.
+# The last one: a rank SIGKILLed in the middle of a full save and the relaunch (two 2-rank launches,
+# ~25 s; the commit protocol runs on every torch in test_checkpoint's process group, the kill points
+# in test_checkpoint_commit's forked children).
+LEG1_ONLY = {
+    "test_an_oom_on_one_stage_in_forward_di_or_dw_at_the_first_or_last_microbatch_is_retried_without_hang": ("fault_results", "1F1B"),
+    "test_after_a_failed_attempt_on_one_stage_the_parameters_equal_a_fixed_size_run": ("schedule", "1F1B"),
+    "test_search_on_two_stages_finds_a_size_that_fits_and_trains_like_a_fixed_size_run": ("schedule", "1F1B"),
+    "test_autoresume_skips_a_broken_newest_checkpoint_and_trains_like_a_run_loaded_from_the_good_one": ("layout", "2x2 sharded"),
+    "test_a_full_disk_on_one_rank_fails_the_save_on_every_rank_and_continue_or_stop_does_what_it_says": ("layout", "2x2 sharded"),
+    "test_a_rank_killed_mid_save_leaves_a_folder_the_relaunch_resumes_from_like_a_run_loaded_there": None,
 }
-# Whole tests on leg 1 only: a rank SIGKILLed in the middle of a full save and the relaunch (two
-# 2-rank launches, ~25 s; the commit protocol it goes through runs on every torch in
-# test_checkpoint's process group, the kill points in test_checkpoint_commit's forked children).
-LEG1_ONLY_WHOLE_TESTS = {"test_a_rank_killed_mid_save_leaves_a_folder_the_relaunch_resumes_from_like_a_run_loaded_there"}
 # Module fixtures that launch 4 ranks: every test that uses one is a 4-rank test.
 MANY_RANK_FIXTURES = {"matrix_four_ranks", "steady_four_ranks", "data_parallel"}
 
@@ -73,9 +73,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         name = getattr(item, "originalname", item.name)
-        leg1_only = name in LEG1_ONLY_WHOLE_TESTS or name in LEG1_ONLY_TESTS and any(
-            params.get(key) == value for key, value in LEG1_ONLY_PARAMS.items()
-        )
+        leg1_only = name in LEG1_ONLY and (LEG1_ONLY[name] is None or params.get(LEG1_ONLY[name][0]) == LEG1_ONLY[name][1])
         if Path(str(item.fspath)).name in TORCH_VERSION_FILES and not leg1_only:
             item.add_marker(pytest.mark.torch_versions)
         if MANY_RANK_FIXTURES & set(getattr(item, "fixturenames", ())):
