@@ -57,7 +57,7 @@ TORCH_VERSION_FILES = {
 # in test_checkpoint_commit's forked children).
 LEG1_ONLY = {
     "test_an_oom_on_one_stage_in_forward_di_or_dw_at_the_first_or_last_microbatch_is_retried_without_hang": ("fault_results", "1F1B"),
-    "test_after_a_failed_attempt_on_one_stage_the_parameters_equal_a_fixed_size_run": ("schedule", "1F1B"),
+    "test_after_a_failed_attempt_on_one_stage_the_parameters_equal_a_fixed_size_run": ("fault_results", "1F1B"),
     "test_search_on_two_stages_finds_a_size_that_fits_and_trains_like_a_fixed_size_run": ("schedule", "1F1B"),
     "test_autoresume_skips_a_broken_newest_checkpoint_and_trains_like_a_run_loaded_from_the_good_one": ("layout", "2x2 sharded"),
     "test_a_full_disk_on_one_rank_fails_the_save_on_every_rank_and_continue_or_stop_does_what_it_says": ("layout", "2x2 sharded"),
