@@ -101,6 +101,8 @@ def _stage(checkpointer: Any) -> None:
 
     from composer.utils import dist, format_name_with_dist_and_time
 
+    from automicro.integration.checkpoint_commit import fsync_files, fsync_folder
+
     original = checkpointer._save_checkpoint
 
     def _save_checkpoint(state: Any, logger: Any, upload_to_save_folder: bool, register_to_mlflow: bool) -> None:
@@ -119,18 +121,12 @@ def _stage(checkpointer: Any) -> None:
         staged = format_name_with_dist_and_time(os.path.join(staging_root, relative), state.run_name, state.timestamp)
         final = format_name_with_dist_and_time(os.path.join(final_root, relative), state.run_name, state.timestamp)
         if os.path.isdir(staged):
-            for name in os.listdir(staged):
-                with open(os.path.join(staged, name), "rb") as handle:
-                    os.fsync(handle.fileno())
+            fsync_files(staged)
             os.makedirs(os.path.dirname(final), exist_ok=True)
             if os.path.lexists(final):  # the same batch exported before (a rerun): the new one wins
                 shutil.rmtree(final, ignore_errors=True)
             os.rename(staged, final)
-            fd = os.open(os.path.dirname(final), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_folder(os.path.dirname(final))
         shutil.rmtree(format_name_with_dist_and_time(staging_root, state.run_name, state.timestamp), ignore_errors=True)
         return None
 

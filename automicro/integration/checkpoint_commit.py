@@ -38,6 +38,7 @@ touch: what a checkpoint holds (Composer's state dict; `checkpointing` for DCP t
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import pickle
@@ -109,7 +110,8 @@ def _describe(error: BaseException) -> str:
     return text if isinstance(error, OSError) else f"{type(error).__name__}: {text}"
 
 
-def _fsync_folder(folder: str) -> None:
+def fsync_folder(folder: str) -> None:
+    """Make a rename inside `folder` durable (best effort: some filesystems refuse a folder fsync)."""
     try:
         fd = os.open(folder or ".", os.O_RDONLY)
     except OSError:
@@ -120,6 +122,14 @@ def _fsync_folder(folder: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def fsync_files(folder: str) -> None:
+    """fsync every file under `folder` (before the folder is renamed into place)."""
+    for root, _, names in os.walk(folder):
+        for name in names:
+            with open(os.path.join(root, name), "rb") as handle:
+                os.fsync(handle.fileno())
 
 
 def write_atomically(write: Callable[[Any, str], None], state_dict: Any, filename: str) -> None:
@@ -135,7 +145,7 @@ def write_atomically(write: Callable[[Any, str], None], state_dict: Any, filenam
             os.fsync(handle.fileno())
         _fire("written", partial)
         os.replace(partial, filename)
-        _fsync_folder(folder)
+        fsync_folder(folder)
         _fire("renamed", filename)
     except Exception as error:  # noqa: BLE001 - held and raised on every rank after the agreement
         try:
@@ -195,6 +205,7 @@ def _remove_uncommitted_folder(folder: str) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+@functools.cache
 def firing_writer_class() -> type:
     """torch's DCP `FileSystemWriter`, firing the save points: before_write and written around this
     rank's shards, renamed once the coordinator wrote `.metadata` (the commit)."""
@@ -227,7 +238,7 @@ def checkpoint_problem(path: str) -> Optional[str]:
     size = os.path.getsize(path)
     if size == 0:
         return "empty file"
-    if tarfile.is_tarfile(path) or re.search(r"\.(tar(\.\w+)?|tgz)$", path):
+    if re.search(r"\.(tar(\.\w+)?|tgz)$", path):  # Composer picks the format by the extension too
         try:
             with tarfile.open(path) as archive:
                 members = archive.getmembers()
@@ -445,9 +456,10 @@ class CommittedCheckpoints(Callback):
         sharded = bool(state.fsdp_sharded_state_dict_enabled)
         candidates = find_candidates(folder, template, state.run_name, sharded)
         checker = dist.get_local_rank() == 0
+        base = os.path.join(folder, os.path.dirname(template))
         verdict: Optional[dict[str, Optional[str]]] = None
         if checker:
-            remove_partials(os.path.join(folder, os.path.dirname(template)))
+            remove_partials(base)
             verdict = {}
             for candidate in candidates:
                 problem = checkpoint_problem(candidate.path)
@@ -461,7 +473,6 @@ class CommittedCheckpoints(Callback):
         if not names_newest_first:
             return
         chosen, skipped = choose(verdicts, names_newest_first)
-        base = os.path.join(folder, os.path.dirname(template))
         if chosen is None:
             tried = "; ".join(f"{name}: {why}" for name, why in skipped.items())
             raise RuntimeError(
