@@ -5,7 +5,9 @@
   and the ledger on FSDP2's collectives). Leg 1 (torch 2.7, Composer's pin) runs every test; legs
   2 and 3 (torch 2.11, 2.15) run these. What they leave out is automicro's own logic above the
   engine (config, launcher, consensus transports, console and dashboards, token packing), which
-  the torch version does not reach.
+  the torch version does not reach. test_packing.py is one of them for the transformers version
+  the newer legs carry (5.x, as the GPU machines; leg 1 has llm-foundry's pin 4.51): which
+  transformers keeps packed samples apart differs by version.
 - ``many_ranks``: 4-rank launches (2 CPU cores run them at half speed). The same code paths run on
   2 ranks in every leg; leg 1 runs a seeded quarter of the 4-rank launches each run (all with `--full`).
 
@@ -36,7 +38,7 @@ TORCH_VERSION_FILES = {
     "test_automicro.py", "test_capacity.py", "test_checkpoint.py", "test_checkpoint_commit.py", "test_compile.py",
     "test_engine.py",
     "test_fsdp_config.py", "test_hf_models.py", "test_ledger.py", "test_model.py",
-    "test_optimizer_memory.py", "test_pipeline.py", "test_pipeline_memory.py", "test_steady_state.py",
+    "test_optimizer_memory.py", "test_packing.py", "test_pipeline.py", "test_pipeline_memory.py", "test_steady_state.py",
     "test_testing_tools.py", "test_trainer.py",
 }
 # Not in the set though they run on FSDP2: test_floor_rule.py (the size-1 rule of the policy, over

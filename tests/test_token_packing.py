@@ -6,7 +6,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from automicro.core.token_packing import pack_under_budget, padded_tokens, split_into
+from automicro.core.token_packing import (
+    pack_packed_under_budget,
+    pack_under_budget,
+    packed_tokens,
+    padded_tokens,
+    split_into,
+    split_packed_into,
+)
 
 lengths_st = st.lists(st.integers(0, 4096), min_size=1, max_size=64)
 
@@ -80,3 +87,51 @@ def test_a_capped_split_keeps_long_and_short_samples_apart():
     lengths = [4000, 3000, 2900, 2800, 300, 280, 260, 250, 240, 230]
     runs = split_into(lengths, 3, cap=12000)
     assert [sorted(lengths[i] for i in run) for run in runs] == [[4000], [2800, 2900, 3000], [230, 240, 250, 260, 280, 300]]
+
+
+# ---- packed microbatches (packing: true): a microbatch costs its real tokens -----------------------
+
+
+@settings(max_examples=400, deadline=None)
+@given(lengths=lengths_st, budget=st.integers(1, 40000))
+def test_packed_microbatches_keep_every_sample_once_within_the_budget_and_no_two_would_fit_as_one(lengths, budget):
+    runs = pack_packed_under_budget(lengths, budget)
+    assert _is_partition(runs, len(lengths))
+    for run in runs:
+        assert len(run) == 1 or packed_tokens(lengths, run) <= budget
+    # First fit: no two microbatches could be merged within the budget.
+    for i, a in enumerate(runs):
+        for b in runs[i + 1:]:
+            assert packed_tokens(lengths, a + b) > budget
+    # Never more microbatches than the padded cut needs (padding only adds tokens).
+    assert len(runs) <= len(pack_under_budget(lengths, budget))
+
+
+@settings(max_examples=400, deadline=None)
+@given(lengths=lengths_st, budget=st.integers(1, 40000), extra=st.integers(0, 64))
+def test_a_packed_split_into_exactly_count_stays_within_the_cap_and_is_even(lengths, budget, extra):
+    own = len(pack_packed_under_budget(lengths, budget))
+    count = min(len(lengths), own + extra)
+    runs = split_packed_into(lengths, count, cap=budget)
+    assert len(runs) == count and _is_partition(runs, len(lengths))
+    for run in runs:
+        assert len(run) == 1 or packed_tokens(lengths, run) <= budget
+    # As even as the greedy: the largest microbatch is within one sample of the average, or a
+    # single sample (which nothing can split), or the cap forced the fallback (still within it).
+    loads = sorted((packed_tokens(lengths, run) for run in runs), reverse=True)
+    largest_sample = max(lengths)
+    assert loads[0] <= max(sum(lengths) / count + largest_sample, budget)
+
+
+def test_a_packed_split_balances_what_a_padded_split_would_pad():
+    """Lengths 100, 90, 10 x 9 in 2 microbatches: packed halves hold 140 real tokens each."""
+    lengths = [100, 90] + [10] * 9
+    runs = split_packed_into(lengths, 2, cap=1000)
+    loads = sorted(packed_tokens(lengths, run) for run in runs)
+    assert loads == [140, 140]
+    assert sum(packed_tokens(lengths, run) for run in runs) == sum(lengths)
+
+
+def test_packed_count_out_of_range_is_refused():
+    with pytest.raises(ValueError, match="count=3"):
+        split_packed_into([5, 5], 3, cap=10)

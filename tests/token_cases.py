@@ -9,6 +9,7 @@ as a GPU would. Every case returns plain data; a case that breaks is returned as
 from __future__ import annotations
 
 import traceback
+from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
 import torch
@@ -310,16 +311,19 @@ def _hf_llama():
 
 
 def _hf_fit(rank: int, world: int, layout: str, microbatch: Any, batches: int, auto: Optional[AutoMicrobatching],
+            extra_callbacks: Sequence[Any] = (), after_fit: Optional[Callable[[Any], None]] = None,
             **kwargs: Any) -> dict[str, Any]:
     model = _hf_llama()
     train = kwargs.pop("train", None) or _hf_loader(rank, layout, batches)
     trainer = automicro.Trainer(
         model=model, train_dataloader=train, max_duration=f"{batches}ba", optimizers=torch.optim.SGD(model.parameters(), lr=0.5),
         device="cpu", parallelism_config={"fsdp2": {}}, device_train_microbatch_size=microbatch,
-        callbacks=[] if auto is None else [auto, TokenLimit(limits(world))], loggers=[], progress_bar=False,
-        log_to_console=False, **kwargs,
+        callbacks=([] if auto is None else [auto, TokenLimit(limits(world))]) + list(extra_callbacks), loggers=[],
+        progress_bar=False, log_to_console=False, **kwargs,
     )
     trainer.fit()
+    if after_fit is not None:
+        after_fit(trainer)
     result = {"params": full_state(trainer.state.model), "batches": int(trainer.state.timestamp.batch)}
     if auto is not None:
         result["splits"] = [list(r.split) for r in auto.history if r.outcome == "ok"]

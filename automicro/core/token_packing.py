@@ -13,7 +13,18 @@ order into runs keeps that padding small: each run holds samples of similar leng
   microbatches). Padded tokens are computed whether or not they carry a token: fewer is faster.
 
 Both return lists of sample indices into `lengths`, longest samples first; every index appears
-exactly once. Owns: the packing arithmetic. May not touch: tensors, collectives, the policy.
+exactly once.
+
+Packed microbatches (`packing: true`: a microbatch is one row of its samples end to end, attention
+kept within each sample) cost their real tokens (`packed_tokens`), whatever their lengths:
+
+- `pack_packed_under_budget(lengths, budget)`: the fewest microbatches of at most `budget` real
+  tokens (first fit, longest first; a sample longer than the budget runs alone).
+- `split_packed_into(lengths, count, cap)`: exactly `count` microbatches, none above `cap` real
+  tokens unless it is one sample, as even as the greedy gets them (longest first into the
+  lightest): the largest microbatch sets the memory, and the ranks wait for it.
+
+Owns: the packing arithmetic. May not touch: tensors, collectives, the policy.
 """
 
 from __future__ import annotations
@@ -123,4 +134,66 @@ def _halve_to(lengths: Sequence[int], runs: list[list[int]], count: int) -> list
     return runs
 
 
-__all__ = ["pack_under_budget", "padded_tokens", "split_into"]
+# ---- packed microbatches: the cost is the real tokens -------------------------------------------
+
+
+def packed_tokens(lengths: Sequence[int], group: Sequence[int]) -> int:
+    """Tokens of `group` packed end to end in one row (no padding)."""
+    return sum(lengths[i] for i in group)
+
+
+def _first_fit(lengths: Sequence[int], order: list[int], cap: int) -> list[list[int]]:
+    runs: list[list[int]] = []
+    loads: list[int] = []
+    for index in order:
+        n = lengths[index]
+        at = next((k for k, load in enumerate(loads) if load + n <= cap), None)
+        if at is None:
+            runs.append([index])
+            loads.append(n)
+        else:
+            runs[at].append(index)
+            loads[at] += n
+    return runs
+
+
+def pack_packed_under_budget(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """The fewest packed microbatches of at most `budget` real tokens each (first fit, longest
+    first; a sample longer than the budget runs alone: a sample is never cut)."""
+    _check(lengths)
+    if budget < 1:
+        raise ValueError(f"token packing: budget={budget}: must be >= 1")
+    return _first_fit(lengths, _sorted_indices(lengths), budget)
+
+
+def split_packed_into(lengths: Sequence[int], count: int, cap: int) -> list[list[int]]:
+    """Exactly `count` packed microbatches (1 <= count <= samples), none above `cap` real tokens
+    unless it is one sample, as even as the greedy gets them. `count` must be at least what
+    `pack_packed_under_budget(lengths, cap)` needs."""
+    _check(lengths)
+    if not 1 <= count <= len(lengths):
+        raise ValueError(f"token packing: count={count}: must be in 1..{len(lengths)} (the samples of the batch)")
+    order = _sorted_indices(lengths)
+    # Longest first into the lightest microbatch (ties: the first); an empty one first, so that none
+    # stays empty (samples of length 0 included).
+    runs: list[list[int]] = [[] for _ in range(count)]
+    loads = [0] * count
+    for index in order:
+        at = min(range(count), key=lambda k: (bool(runs[k]), loads[k], k))
+        runs[at].append(index)
+        loads[at] += lengths[index]
+    if all(load <= cap or len(run) == 1 for run, load in zip(runs, loads)):
+        return runs
+    # The even cut overflows where first fit does not: first fit under the cap, then the fullest
+    # microbatch halved (alternate samples: both halves as even) until there are `count`.
+    runs = _first_fit(lengths, order, cap)
+    while len(runs) < count:
+        at = max((k for k in range(len(runs)) if len(runs[k]) > 1), key=lambda k: (packed_tokens(lengths, runs[k]), -k))
+        run = runs[at]
+        runs[at : at + 1] = [run[0::2], run[1::2]]
+    return runs
+
+
+__all__ = [
+    "pack_packed_under_budget", "pack_under_budget", "packed_tokens", "padded_tokens", "split_into", "split_packed_into",
+]

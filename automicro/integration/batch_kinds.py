@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, Union
 from automicro.core import policy as search
 from automicro.core.consensus import Verdict
 from automicro.core.layout import SIZE_FRACTIONS
+from automicro.integration import packed_input
 from automicro.integration.token_budget import TokenBudget
 
 
@@ -36,6 +37,10 @@ class SampleBatches:
 
     def label_shift(self, shift: int, info: Callable[[str], None]) -> None:
         """Where the model's loss tokens start (`loss_normalization`): only a token budget cuts rows."""
+
+    def check_packing(self, model: Any, info: Callable[[str], None], normalization: Optional[str]) -> None:
+        """Whether batches are packed into rows (`packed_input`): only a token budget packs.
+        `normalization`: the loss normalisation resolved (`loss_normalization`)."""
 
     def check_pipeline(self) -> None:
         pass
@@ -128,8 +133,9 @@ class TokenBatches(SampleBatches):
     """budget="tokens": a batch's size is the largest batch of any rank in padded tokens; each
     attempt packs this rank's samples under the budget under test (`TokenBudget`)."""
 
-    def __init__(self, fixed: Optional[int] = None) -> None:
+    def __init__(self, fixed: Optional[int] = None, packing: bool = False) -> None:
         self.tokens = TokenBudget(fixed)
+        self.packing = packing
         # Finer than samples' (issue 41: the fastest hand-set budget was 0.56x the largest that fits);
         # none for a hand-set budget (`fixed_tokens`): the user's budget is not traded.
         self.size_fractions: tuple[float, ...] = () if fixed is not None else (0.75, 0.5)
@@ -139,6 +145,15 @@ class TokenBatches(SampleBatches):
 
     def label_shift(self, shift: int, info: Callable[[str], None]) -> None:
         self.tokens.model_shifts_labels, self.tokens.info = shift == 1, info
+
+    def check_packing(self, model: Any, info: Callable[[str], None], normalization: Optional[str]) -> None:
+        if self.packing and normalization == "samples":
+            raise ValueError(
+                "AutoMicrobatching(packing=True) with accumulate_train_batch_on_tokens=False: a packed microbatch is one "
+                "row whatever its samples, so a per-sample weight means nothing; leave the Trainer argument out (per "
+                "loss token, the default with budget: tokens) or drop packing"
+            )
+        self.tokens.packing = self.packing and packed_input.check(model, info)
 
     def check_pipeline(self) -> None:
         raise ValueError(
@@ -247,9 +262,9 @@ class TokenBatches(SampleBatches):
 BatchKind = Union[SampleBatches, TokenBatches]
 
 
-def batch_kind(budget: str, fixed_tokens: Optional[int]) -> BatchKind:
-    """The batch kind of `AutoMicrobatching(budget=..., fixed_tokens=...)` (checked there)."""
-    return TokenBatches(fixed_tokens) if budget == "tokens" else SampleBatches()
+def batch_kind(budget: str, fixed_tokens: Optional[int], packing: bool = False) -> BatchKind:
+    """The batch kind of `AutoMicrobatching(budget=..., fixed_tokens=..., packing=...)` (checked there)."""
+    return TokenBatches(fixed_tokens, packing) if budget == "tokens" else SampleBatches()
 
 
 __all__ = ["BatchKind", "SampleBatches", "TokenBatches", "batch_kind"]

@@ -90,12 +90,13 @@ class AutoMicrobatching(Callback):
         layout_size_trials: bool = True,
         loss_normalization: Optional[str] = None,
         label_shift: Union[str, int] = "auto",
+        packing: bool = False,
     ) -> None:
         self.settings = Settings.parse(
             stable_batches, thrash_batches, search, use_prediction, start_size, cpu_sync_group, memory_fraction,
             log_attempts, unguarded_timeout_s, sync_points, consensus_transport, steady_recovery, budget,
             fixed_tokens, eval_oom, layout, layout_trial_batches, layout_min_gain, layout_size_trials,
-            loss_normalization, label_shift,
+            loss_normalization, label_shift, packing,
         )
         self.runtime = Runtime(self.settings)
         self.search = TrainingSearch(self.settings, self.runtime)
@@ -134,6 +135,7 @@ class AutoMicrobatching(Callback):
         and the loss normalisation (`accumulate_on_tokens`: the Trainer's argument, None where not passed)."""
         self.kind.check_trainer(trainer)
         self.kind.label_shift(self.settings.loss_normalization.apply(trainer, self._info, accumulate_on_tokens), self._info)
+        self.kind.check_packing(trainer.state.model, self._info, self.settings.loss_normalization.resolved)
 
     def bind_trainer(self) -> None:
         """Called by `automicro.Trainer` for each of its AutoMicrobatching callbacks."""

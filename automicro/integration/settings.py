@@ -66,6 +66,7 @@ class Settings:
         layout_size_trials: bool = True,
         loss_normalization: Optional[str] = None,
         label_shift: Union[str, int] = "auto",
+        packing: bool = False,
     ) -> "Settings":
         # None: the probe on a GPU, the whole batch on CPU (resolved at attach, as the layout).
         start = _start(start_size, search, use_prediction, budget)
@@ -81,8 +82,19 @@ class Settings:
         # budget="tokens": the search's sizes are tokens per microbatch (`token_budget`).
         if fixed_tokens is not None and budget != "tokens":
             raise ValueError(f"fixed_tokens={fixed_tokens!r} needs budget='tokens'")
+        if not isinstance(packing, bool):
+            raise ValueError(f"packing={packing!r}: must be true or false")
+        if packing and budget != "tokens":
+            raise ValueError(
+                f"packing=true needs budget='tokens' (got budget={budget!r}): packed rows are cut by their tokens"
+            )
+        if packing and loss_normalization == "samples":
+            raise ValueError(
+                "packing=true with loss_normalization='samples': a packed microbatch is one row whatever its samples, so "
+                "a per-sample weight means nothing; drop loss_normalization (per loss token, the default) or packing"
+            )
         # What a batch is counted in (`batch_kinds`): the callback asks it, never `if tokens`.
-        kind = batch_kind(budget, fixed_tokens)
+        kind = batch_kind(budget, fixed_tokens, packing)
         if eval_oom not in EVAL_OOM:
             raise ValueError(
                 f"eval_oom={eval_oom!r}: must be 'split' (an evaluator with a pinned device_eval_microbatch_size that "

@@ -20,6 +20,11 @@ searches a token budget instead of a sample count, and each batch is planned her
    nothing: the fewest microbatches under the settled budget are as many as under the one tried,
    and the same split is the cheapest.
 
+With ``packing: true`` and a model that keeps attention within packed samples (`packed_input`),
+a microbatch is one row of its samples end to end: it costs its real tokens, and the cuts are the
+packed ones of `token_packing` (`split` packs, `token_split.select_packed`). A batch with a key that
+cannot be packed (per-sample values) is padded as without packing, said once.
+
 Budgets lie on a grid of `quantum` tokens (a sixty-fourth of the first batch), so the search
 takes about as many attempts as a sample-count search; the memory prediction is not used (a
 microbatch's tokens only approximate its memory). Loss normalisation is `loss_normalization`'s:
@@ -37,7 +42,14 @@ from typing import Any, Callable, Optional
 
 from automicro.core import policy as search
 from automicro.core.consensus import Consensus
-from automicro.core.token_packing import pack_under_budget, padded_tokens, split_into
+from automicro.core.token_packing import (
+    pack_packed_under_budget,
+    pack_under_budget,
+    packed_tokens,
+    padded_tokens,
+    split_into,
+    split_packed_into,
+)
 from automicro.integration import token_split
 
 GRID_STEPS = 64  # the first batch's padded tokens / GRID_STEPS = the budget's quantum
@@ -60,6 +72,7 @@ class TokenPlan:
     largest: int  # this rank's largest microbatch, padded tokens
     one_sample_each: bool  # every microbatch on every rank is one sample
     most_real: int = 0  # the most real tokens any rank holds in this batch (agreed: the same on every rank)
+    packed: bool = False  # each microbatch is one packed row (its cost: its real tokens)
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -67,7 +80,9 @@ class TokenPlan:
 
     @property
     def padded(self) -> int:
-        return sum(padded_tokens(self.lengths, g) for g in self.groups)
+        """Tokens the microbatches hold, padding included (packed: the real ones)."""
+        cost = packed_tokens if self.packed else padded_tokens
+        return sum(cost(self.lengths, g) for g in self.groups)
 
     @property
     def real(self) -> int:
@@ -94,8 +109,12 @@ class TokenBudget:
         # The model shifts its labels (`loss_normalization`, set at check_trainer): on left-padded
         # batches the label of a padded row's first real token is masked (`token_split`), said once.
         self.model_shifts_labels = False
+        # packing: true and the model takes packed rows (`packed_input`, set at check_trainer).
+        self.packing = False
+        self._packs = False  # this batch is packed (`agree_domain`)
         self.info: Callable[[str], None] = lambda message: None
         self._said_left_padding = False
+        self._said_unpackable = False
 
     # ---- the policy's domain and grid ------------------------------------------------------
 
@@ -127,7 +146,9 @@ class TokenBudget:
         """Collective (every rank, once per batch): this rank's lengths, and the largest batch
         of this batch over the ranks in padded tokens."""
         lengths = token_split.sample_lengths(batch)
-        (largest,) = consensus.agree_max((padded_tokens(lengths, range(len(lengths))),))
+        self._packs = self.packing and self._packable(batch)
+        cost = packed_tokens if self._packs else padded_tokens
+        (largest,) = consensus.agree_max((cost(lengths, range(len(lengths))),))
         largest = max(largest, 1)
         if self.quantum is None:
             self.quantum = max(1, largest // GRID_STEPS)
@@ -135,7 +156,8 @@ class TokenBudget:
 
     def plan_attempt(self, consensus: Consensus, lengths: list[int], budget: int) -> TokenPlan:
         """Collective (every rank, once per attempt): the split of this rank's batch under `budget`."""
-        own = len(pack_under_budget(lengths, budget))
+        packed = self._packs
+        own = len((pack_packed_under_budget if packed else pack_under_budget)(lengths, budget))
         count, most_samples, fewest_inverse, most_real = consensus.agree_max(
             (own, len(lengths), _SAMPLES_CAP - len(lengths), sum(lengths))
         )
@@ -146,21 +168,35 @@ class TokenBudget:
                 f"holds only {fewest} samples; every rank must run the same number of microbatches. Give every rank "
                 "the same number of samples per batch (drop_last=True)"
             )
-        groups = split_into(lengths, count, cap=budget)
+        groups = (split_packed_into if packed else split_into)(lengths, count, cap=budget)
+        cost = packed_tokens if packed else padded_tokens
         plan = TokenPlan(
             budget=budget,
             groups=tuple(tuple(g) for g in groups),
             lengths=tuple(lengths),
             count=count,
             own=own,
-            largest=max(padded_tokens(lengths, g) for g in groups),
+            largest=max(cost(lengths, g) for g in groups),
             one_sample_each=count == most_samples,
             most_real=most_real,
+            packed=packed,
         )
         self.plan = plan
         return plan
 
+    def _packable(self, batch: Any) -> bool:
+        key = token_split.unpackable_key(batch)
+        if key is not None and not self._said_unpackable:
+            self._said_unpackable = True
+            self.info(
+                f"packing: batch key {key!r} is not a per-token tensor [samples, sequence] (per-sample values cannot "
+                "be packed into one row): such batches are padded as without packing"
+            )
+        return key is None
+
     def split(self, batch: Any, plan: TokenPlan) -> list[Any]:
+        if plan.packed:
+            return token_split.pack_by_groups(batch, plan.groups, plan.lengths, mask_first_label=self.model_shifts_labels)
         mask = self.model_shifts_labels and token_split.left_padded_first_labels(batch, plan.lengths)
         if mask and not self._said_left_padding:
             self._said_left_padding = True

@@ -9,14 +9,21 @@ width when there is no mask). Padding may be on the right (training collators) o
 where `L` is its longest sample. Keys whose second dimension is not the sequence's are cut by
 sample only; lists are cut by sample.
 
-Owns: lengths, index selection and re-padding of a batch. May not touch: the policy, the
+`select_packed` packs the samples instead (``packing: true``): one row of their real tokens end to
+end, ``position_ids`` restarting at each sample (a sample that comes with ``position_ids`` keeps
+its own: a row that already packs several documents stays as it is), no ``attention_mask`` (the
+model keeps attention within each sample from the position ids), and, for a model that shifts its
+labels, each sample's first label -100 (it would be predicted from the sample before). Every
+per-token key is packed alike; `unpackable_key` names a key that cannot be (per-sample values).
+
+Owns: lengths, index selection and re-padding or packing of a batch. May not touch: the policy, the
 consensus, Composer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -25,6 +32,7 @@ from automicro.data.varlen import IGNORE_INDEX
 SEQUENCE_KEY = "input_ids"
 MASK_KEY = "attention_mask"
 LABELS_KEY = "labels"
+POSITIONS_KEY = "position_ids"
 
 
 class TokenBatchError(TypeError):
@@ -119,4 +127,51 @@ def split_by_groups(
     return [select(batch, group, lengths, mask_first_label) for group in groups]
 
 
-__all__ = ["TokenBatchError", "left_padded_first_labels", "sample_lengths", "select", "split_by_groups"]
+def unpackable_key(batch: Mapping[str, Any]) -> Optional[str]:
+    """The first key whose value cannot be packed into one row (not a per-token tensor
+    [samples, sequence, ...] of the batch's shape), or None."""
+    ids, width = _check(batch)
+    for key, value in batch.items():
+        if not isinstance(value, torch.Tensor) or value.dim() < 2 or tuple(value.shape[:2]) != (ids.shape[0], width):
+            return key
+    return None
+
+
+def select_packed(
+    batch: Mapping[str, Any], indices: Sequence[int], lengths: Sequence[int], mask_first_label: bool
+) -> dict[str, Any]:
+    """The samples `indices` of `batch` packed into one row (see the module docstring).
+    `mask_first_label`: the model shifts its labels (each sample's first label becomes -100)."""
+    _, width = _check(batch)
+    left = _left_padded(batch)
+    spans = [(width - lengths[i], width) if left else (0, lengths[i]) for i in indices]
+    part: dict[str, Any] = {}
+    for key, value in batch.items():
+        if key == MASK_KEY:
+            continue
+        part[key] = torch.cat([value[i, a:b] for i, (a, b) in zip(indices, spans)], dim=0).unsqueeze(0).contiguous()
+    if POSITIONS_KEY not in part:
+        ids = batch[SEQUENCE_KEY]
+        part[POSITIONS_KEY] = torch.cat([torch.arange(b - a, device=ids.device) for a, b in spans]).unsqueeze(0)
+    labels = part.get(LABELS_KEY)
+    if mask_first_label and isinstance(labels, torch.Tensor):
+        labels = labels.clone()
+        at = 0
+        for a, b in spans:
+            if b > a:
+                labels[0, at] = IGNORE_INDEX
+            at += b - a
+        part[LABELS_KEY] = labels
+    return part
+
+
+def pack_by_groups(
+    batch: Mapping[str, Any], groups: Sequence[Sequence[int]], lengths: Sequence[int], mask_first_label: bool
+) -> list[dict[str, Any]]:
+    return [select_packed(batch, sorted(group), lengths, mask_first_label) for group in groups]
+
+
+__all__ = [
+    "TokenBatchError", "left_padded_first_labels", "pack_by_groups", "sample_lengths", "select", "select_packed",
+    "split_by_groups", "unpackable_key",
+]

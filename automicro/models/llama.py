@@ -8,6 +8,12 @@ Block is ``x + Attention(RMSNorm(x))`` followed by ``x + SwiGLU(RMSNorm(x))``. A
 rotary position embeddings (RoPE), grouped-query attention (``n_kv_heads <= n_heads``) and
 ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)``.
 
+Packed rows: ``forward(input_ids, position_ids)`` with ``position_ids`` that restart at each sample
+(a new sample wherever a position is not the one before plus one, as transformers reads them)
+rotates each token by its position within its sample and masks attention to the sample's own
+earlier tokens (a block-diagonal causal mask). ``ComposerLlama.packed_input`` says so to the token
+budget's ``packing: true``.
+
 Initialization and the meta device
 ----------------------------------
 The constructor always builds the modules on the meta device first (no memory, no RNG use) and
@@ -208,6 +214,21 @@ class RotaryEmbedding(nn.Module):
     def forward(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[:seq_len], self.sin[:seq_len]
 
+    def at(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables at `position_ids` [B, S], shaped [B, 1, S, head_dim // 2] (broadcast over heads)."""
+        return self.cos[position_ids].unsqueeze(1), self.sin[position_ids].unsqueeze(1)
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, 1, S, S] bool: query t may attend key s <= t of its own sample (samples start wherever a
+    position is not the previous one plus one)."""
+    first = position_ids[:, :1] - 1
+    sample = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+    same = sample.unsqueeze(-1) == sample.unsqueeze(-2)
+    seq = position_ids.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=position_ids.device).tril()
+    return (same & causal).unsqueeze(1)
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [B, H, S, D] by position: the two halves of the last dim form the (real, imag) pairs."""
@@ -232,7 +253,7 @@ class Attention(nn.Module):
         self.v = nn.Linear(config.d_model, config.n_kv_heads * self.head_dim, bias=False)
         self.o = nn.Linear(config.n_heads * self.head_dim, config.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self.q(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -242,7 +263,10 @@ class Attention(nn.Module):
             repeats = self.n_heads // self.n_kv_heads
             k = k.repeat_interleave(repeats, dim=1)
             v = v.repeat_interleave(repeats, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o(y.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim))
 
 
@@ -272,8 +296,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config.d_model, config.ffn_hidden)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -356,16 +380,29 @@ class Llama(nn.Module):
         """Recompute the non-persistent RoPE tables on the device they live on."""
         self.rope.reset_buffers()
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`position_ids` [B, S]: packed rows (positions restarting at each sample; see the module docstring)."""
         seq = input_ids.shape[1]
-        if seq > self.config.max_seq_len:
-            raise ValueError(
-                f"sequence length {seq} exceeds the model's max_seq_len {self.config.max_seq_len}"
-            )
-        cos, sin = self.rope(seq)
+        mask = None
+        if position_ids is None:
+            if seq > self.config.max_seq_len:
+                raise ValueError(
+                    f"sequence length {seq} exceeds the model's max_seq_len {self.config.max_seq_len}"
+                )
+            cos, sin = self.rope(seq)
+        else:
+            if tuple(position_ids.shape) != tuple(input_ids.shape):
+                raise ValueError(f"position_ids {tuple(position_ids.shape)} must have the shape of input_ids {tuple(input_ids.shape)}")
+            if seq and int(position_ids.max()) >= self.config.max_seq_len:
+                raise ValueError(
+                    f"position {int(position_ids.max())} in position_ids: a sample longer than the model's max_seq_len "
+                    f"{self.config.max_seq_len}"
+                )
+            cos, sin = self.rope.at(position_ids)
+            mask = document_mask(position_ids)
         x = self.tok_embeddings(input_ids)
         for block in self.blocks:
-            x = block(x, cos, sin)
+            x = block(x, cos, sin, mask)
         return self.lm_head(self.norm(x))
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
@@ -470,6 +507,9 @@ class ComposerLlama(ComposerModel):
 
     # Where the labels' loss tokens start (`automicro.integration.loss_normalization`): 0, already shifted.
     label_shift = 0
+    # Packed rows (position_ids restarting at each sample) keep attention within each sample
+    # (`automicro.integration.packed_input`).
+    packed_input = True
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -477,7 +517,8 @@ class ComposerLlama(ComposerModel):
         self.model = Llama(config)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.model(batch["input_ids"])
+        positions = batch.get("position_ids")
+        return self.model(batch["input_ids"]) if positions is None else self.model(batch["input_ids"], positions)
 
     def loss(self, outputs: torch.Tensor, batch: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
         """Mean next-token cross entropy over all tokens (computed in float32)."""

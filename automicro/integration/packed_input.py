@@ -1,0 +1,101 @@
+"""Whether a model takes packed rows (``packing: true``): several samples end to end in one row,
+attention kept within each sample by ``position_ids`` that restart at every sample.
+
+- A model that says so: a ``packed_input`` attribute on the Composer model (or on the module it
+  wraps), True or False. `automicro.models`' Llama says True (a document mask from the position ids).
+- A transformers model (Composer's ``HuggingFaceModel``): from transformers 4.54, the models whose
+  modeling code builds its mask with ``masking_utils.create_causal_mask`` (Llama, Mistral, Qwen2,
+  Gemma, GPT-2, ... in 5.x) find packed rows from ``position_ids`` when no attention mask is given
+  and no KV cache is made, with every attention implementation (eager, sdpa, flex, flash). With
+  the config's default ``use_cache: true`` the forward makes a cache in training too, and the
+  samples of a row then attend to each other without a word (measured: transformers 5.17, Llama,
+  sdpa and eager): ``use_cache`` is turned off for training, said once. Older transformers keep
+  packed rows apart only with ``attn_implementation`` ``flash_attention_2``/``_3``.
+- Anything else cannot: one line says why, and batches are padded as without packing.
+
+Owns: that decision, the model's ``use_cache`` for it, and the line. May not touch: the batch, the
+search, the loss.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Optional
+
+
+def _declared(model: Any) -> Optional[bool]:
+    for candidate in (model, getattr(model, "model", None)):
+        said = getattr(candidate, "packed_input", None)
+        if isinstance(said, bool):
+            return said
+    return None
+
+
+def _transformers_model(model: Any) -> Any:
+    transformers = sys.modules.get("transformers")
+    base = getattr(transformers, "PreTrainedModel", None) if transformers is not None else None
+    if base is None:
+        return None
+    for candidate in (model, getattr(model, "model", None)):
+        if isinstance(candidate, base):
+            return candidate
+    return None
+
+
+def _builds_packed_masks(hf: Any) -> bool:
+    """The model's modeling module builds its mask with ``create_causal_mask`` and this
+    transformers detects packed rows in it (FSDP2 subclasses the model's class: the MRO is read)."""
+    masking = sys.modules.get("transformers.masking_utils")
+    if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
+        return False
+    for cls in type(hf).__mro__:
+        module = sys.modules.get(cls.__module__)
+        if cls.__module__.startswith("transformers.models.") and getattr(module, "create_causal_mask", None) is not None:
+            return True
+    return False
+
+
+def check(model: Any, info: Callable[[str], None]) -> bool:
+    """Whether `model` takes packed rows; a line says what was decided (and what changed)."""
+    declared = _declared(model)
+    if declared is not None:
+        if declared:
+            info("packing: each microbatch is one row of its samples end to end (the model keeps attention within "
+                 "each sample: it says so); the token budget counts real tokens")
+        else:
+            info("packing: the model says it cannot keep attention within packed samples (packed_input = False): "
+                 "batches are padded as without packing")
+        return declared
+    hf = _transformers_model(model)
+    if hf is None:
+        info(
+            f"packing: {type(model).__name__} does not say that it keeps attention within packed samples (set "
+            "packed_input = True on the model if its forward takes position_ids restarting at each sample and masks "
+            "attention by them): batches are padded as without packing"
+        )
+        return False
+    import transformers
+
+    config = getattr(hf, "config", None)
+    impl = str(getattr(config, "_attn_implementation", None) or "")
+    if _builds_packed_masks(hf):
+        how = f"transformers {transformers.__version__} finds the samples from position_ids ({impl or 'default'} attention)"
+    elif "flash" in impl:
+        how = f"{impl} keeps the samples apart by position_ids"
+    else:
+        info(
+            f"packing: transformers {transformers.__version__} keeps packed samples apart in {type(hf).__name__} only "
+            f"with attn_implementation='flash_attention_2' (from transformers 4.54 also eager, sdpa and flex for models "
+            f"built on masking_utils); this model runs {impl or 'its default attention'}: batches are padded as without packing"
+        )
+        return False
+    cache = ""
+    if config is not None and getattr(config, "use_cache", False):
+        config.use_cache = False
+        cache = ("; config.use_cache turned off for training (a KV cache made in the forward turns the packed-row "
+                 "detection off, and the samples of a row would attend to each other)")
+    info(f"packing: each microbatch is one row of its samples end to end ({how}){cache}; the token budget counts real tokens")
+    return True
+
+
+__all__ = ["check"]

@@ -1,0 +1,215 @@
+"""`packing: true` (issue 41 item 2): under a token budget each microbatch is one row of its samples
+end to end, attention kept within each sample, and training equals the padded training of the
+same samples.
+
+One 2-rank launch (tests/packing_cases.py, under `run_multiprocess`'s hang watchdog) trains
+automicro's Llama and a transformers Llama (right- and left-padded batches from transformers' own
+collator) packed under a token limit, against the unsplit padded batches. Which transformers can
+keep packed samples apart differs by version (from 4.54, with sdpa; CI's torch 2.7 leg carries
+llm-foundry's pin 4.51, the newer legs transformers 5): the tests assert what the installed one
+does. The rest runs in this process.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from automicro.integration import packed_input, token_split
+from automicro.integration.callback import AutoMicrobatching
+from automicro.integration.token_budget import TokenBudget
+from automicro.testing.multiprocess import run_multiprocess
+from tests import packing_cases as cases
+
+TOLERANCE = 1e-6
+
+
+def _transformers_packs() -> bool:
+    import transformers.masking_utils  # noqa: F401  (absent before 4.53: the import fails there)
+
+    return hasattr(sys.modules["transformers.masking_utils"], "find_packed_sequence_indices")
+
+
+def transformers_packs() -> bool:
+    try:
+        return _transformers_packs()
+    except ImportError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def packing():
+    return run_multiprocess(cases.run_packing, world_size=2, timeout_s=500)
+
+
+def _ok(result):
+    assert "crash" not in result, result["crash"]
+    assert result.get("exception") is None, result["exception"]
+    return result
+
+
+@pytest.mark.multiproc
+def test_automicro_llama_trains_packed_rows_as_the_unsplit_padded_batch(packing):
+    for per_rank in packing:
+        result = _ok(per_rank["llama"])
+        assert result["batches"] == cases.BATCHES
+        assert result["lines"] == [
+            "packing: each microbatch is one row of its samples end to end (the model keeps attention within each "
+            "sample: it says so); the token budget counts real tokens"
+        ]
+        # Every microbatch was one packed row: position ids, no mask; several microbatches per batch.
+        assert result["shapes"] and all(rows == 1 and positions and not mask for rows, _, positions, mask in result["shapes"])
+        assert any(len(split) > 1 for _, _, _, split, outcome, *_ in result["history"] if outcome == "ok")
+        assert result["padding_waste"] == 0.0
+        assert result["error_vs_unsplit"] <= TOLERANCE, result["error_vs_unsplit"]
+    assert len({per_rank["llama"]["found"] for per_rank in packing}) == 1
+
+
+@pytest.mark.multiproc
+def test_packing_with_the_trainers_per_sample_accumulation_is_refused_naming_both(packing):
+    for per_rank in packing:
+        refused = per_rank["per_sample"]["refused"]
+        assert refused is not None and "accumulate_train_batch_on_tokens=False" in refused and "packing" in refused
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", ["right", "left"])
+def test_a_transformers_llama_trains_packed_rows_as_the_unsplit_padded_batch_where_transformers_can(packing, layout):
+    packs = transformers_packs()
+    import transformers
+
+    for per_rank in packing:
+        result = _ok(per_rank[f"hf/{layout}"])
+        assert result["batches"] == cases.BATCHES and any(len(split) > 1 for split in result["splits"]), result["splits"]
+        assert result["error_vs_unsplit"] <= TOLERANCE, result["error_vs_unsplit"]
+        if packs:
+            assert result["lines"] == [
+                f"packing: each microbatch is one row of its samples end to end (transformers {transformers.__version__} "
+                "finds the samples from position_ids (sdpa attention)); config.use_cache turned off for training (a KV "
+                "cache made in the forward turns the packed-row detection off, and the samples of a row would attend to "
+                "each other); the token budget counts real tokens"
+            ]
+            assert result["use_cache"] is False
+            assert all(rows == 1 and positions and not mask for rows, _, positions, mask in result["shapes"])
+            assert result["padding_waste"] == 0.0
+        else:
+            assert len(result["lines"]) == 1 and "only with attn_implementation='flash_attention_2'" in result["lines"][0]
+            assert result["lines"][0].endswith("batches are padded as without packing")
+            assert all(mask and not positions for _, _, positions, mask in result["shapes"])
+            assert result["padding_waste"] > 0.0
+
+
+# ---- one process ------------------------------------------------------------------------------
+
+
+def _padded(side: str):
+    ids = torch.tensor([[5, 6, 7, 0, 0], [8, 9, 0, 0, 0], [1, 2, 3, 4, 0]])
+    mask = (ids != 0).long()
+    if side == "left":
+        ids, mask = ids.flip(1), mask.flip(1)
+    labels = torch.where(mask.bool(), ids + 100, torch.full_like(ids, -100))
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_a_packed_microbatch_is_one_row_of_real_tokens_with_positions_restarting_per_sample(side):
+    batch = _padded(side)
+    lengths = token_split.sample_lengths(batch)
+    part = token_split.select_packed(batch, [0, 2], lengths, mask_first_label=False)
+    assert sorted(part) == ["input_ids", "labels", "position_ids"]  # no attention mask: the positions say it
+    assert part["input_ids"].tolist() == ([[5, 6, 7, 1, 2, 3, 4]] if side == "right" else [[7, 6, 5, 4, 3, 2, 1]])
+    assert part["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3]]
+    assert part["labels"].tolist() == [[i + 100 for i in part["input_ids"][0].tolist()]]
+    # A model that shifts its labels would predict each sample's first token from the one before.
+    shifted = token_split.select_packed(batch, [0, 2], lengths, mask_first_label=True)
+    assert shifted["labels"][0, 0] == -100 and shifted["labels"][0, 3] == -100
+    assert (shifted["labels"] != -100).sum() == 5
+
+
+def test_a_row_that_already_packs_documents_keeps_its_own_positions():
+    batch = {"input_ids": torch.tensor([[1, 2, 3, 4, 0], [5, 6, 0, 0, 0]]),
+             "attention_mask": torch.tensor([[1, 1, 1, 1, 0], [1, 1, 0, 0, 0]]),
+             "position_ids": torch.tensor([[0, 1, 0, 1, 0], [0, 1, 0, 0, 0]])}
+    part = token_split.select_packed(batch, [0, 1], token_split.sample_lengths(batch), mask_first_label=False)
+    assert part["position_ids"].tolist() == [[0, 1, 0, 1, 0, 1]]
+
+
+def test_a_per_sample_key_is_named_and_such_batches_are_padded_with_one_line():
+    batch = {**_padded("right"), "sample_id": torch.tensor([7, 8, 9])}
+    assert token_split.unpackable_key(batch) == "sample_id"
+    assert token_split.unpackable_key(_padded("right")) is None
+    budget = TokenBudget()
+    budget.packing = True
+    lines: list[str] = []
+    budget.info = lines.append
+
+    class OneRank:
+        def agree_max(self, values):
+            return tuple(values)
+
+    for _ in range(2):
+        lengths, largest = budget.agree_domain(OneRank(), batch)
+        plan = budget.plan_attempt(OneRank(), lengths, 8)
+        assert not plan.packed and largest == 3 * 4  # padded tokens: 3 samples x the longest
+        parts = budget.split(batch, plan)
+        assert all("attention_mask" in part and part["sample_id"].dim() == 1 for part in parts)
+    assert lines == ["packing: batch key 'sample_id' is not a per-token tensor [samples, sequence] (per-sample values "
+                     "cannot be packed into one row): such batches are padded as without packing"]
+    lengths, largest = budget.agree_domain(OneRank(), _padded("right"))
+    plan = budget.plan_attempt(OneRank(), lengths, 5)
+    assert plan.packed and largest == 9 and plan.padded == plan.real == 9 and plan.count == 2
+
+
+def test_packing_needs_a_token_budget_and_per_token_loss():
+    with pytest.raises(ValueError, match="packing=true needs budget='tokens'"):
+        AutoMicrobatching(packing=True)
+    with pytest.raises(ValueError, match="loss_normalization='samples'"):
+        AutoMicrobatching(budget="tokens", packing=True, loss_normalization="samples")
+    with pytest.raises(ValueError, match="packing='yes': must be true or false"):
+        AutoMicrobatching(budget="tokens", packing="yes")
+
+
+def test_a_model_that_does_not_say_it_takes_packed_rows_is_padded_with_a_line_saying_how_to_declare_it():
+    lines: list[str] = []
+    assert packed_input.check(torch.nn.Linear(2, 2), lines.append) is False
+    assert "set packed_input = True on the model" in lines[0] and lines[0].endswith("padded as without packing")
+
+    class Says(torch.nn.Module):
+        packed_input = False
+
+    lines.clear()
+    assert packed_input.check(Says(), lines.append) is False and "packed_input = False" in lines[0]
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_a_transformers_llama_keeps_packed_samples_apart_exactly_where_the_check_says_so(impl):
+    """The check against the model's own forward: a row packing two samples gives the second
+    sample's logits of the sample alone (within rounding) iff `packed_input.check` said True (and
+    turned use_cache off); with the cache on, transformers 5 attends across them (measured)."""
+    import warnings
+
+    from composer.models import HuggingFaceModel
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, attn_implementation=impl)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = HuggingFaceModel(LlamaForCausalLM(config), tokenizer=None, use_logits=True)
+    a, b = torch.randint(0, 64, (1, 5)), torch.randint(0, 64, (1, 7))
+    row = {"input_ids": torch.cat([a, b], 1), "position_ids": torch.cat([torch.arange(5), torch.arange(7)]).unsqueeze(0)}
+    alone = model.model(input_ids=b).logits
+    across = (model.model(**row).logits[:, 5:] - alone).abs().max().item()
+    lines: list[str] = []
+    said = packed_input.check(model, lines.append)
+    assert said is transformers_packs(), lines
+    apart = (model.model(**row).logits[:, 5:] - alone).abs().max().item()
+    if said:
+        assert model.model.config.use_cache is False
+        assert across > 1e-3, "with the cache on, the samples attend to each other"
+        assert apart < 1e-5
+    else:
+        assert apart > 1e-3, "this transformers attends across the packed samples: packing must stay off"
