@@ -3,6 +3,8 @@
     python benchmarks/varlen.py --out $OUT [--variants auto-tokens,auto-samples,fixed-16384] [--batches 14]
     python benchmarks/varlen.py --out $OUT --ranks 2 --medians 400,1000   # 2 GPUs, a length law per rank
     python benchmarks/varlen.py --out $OUT --variants auto-tokens,auto-tokens:compile   # `:compile`: compiled (each block)
+    python benchmarks/varlen.py --out $OUT --variants auto-tokens:packed,fixed-16384:packed:flex   # packing (flex attention)
+    python benchmarks/varlen.py --out $OUT --memory-fraction 0.35 ...   # torch's per-process cap on the GPU
 
 One GPU (or CPU with --cpu --tiny for a dry run), or `--ranks N` under torchrun (NCCL; gloo
 with --cpu), each rank reading its own samples (`--medians`: one median length per rank, in turn).
@@ -10,7 +12,9 @@ Each variant runs in its own launch (the shared harness's): a transformers `Llam
 32 heads, 8 KV heads, MLP 8192, vocab 32000; built from its config) in Composer's
 `HuggingFaceModel`, under `automicro.Trainer` (FSDP2, amp_bf16, AdamW), on batches of 32 samples of
 log-normal lengths (median 660 tokens, sigma 0.8, clipped to 64..4096) padded to each batch's
-longest (`automicro.data.pad_collate`). Real tokens are the attention mask's ones.
+longest (`automicro.data.pad_collate`). Real tokens are the attention mask's ones. Variant options
+after `:`: `compile`; `packed` (`packing: true`: each microbatch one row of its samples, no
+padding); `flex` / `flash` (attn_implementation flex_attention / flash_attention_2; default sdpa).
 
 Per variant: real tokens/s over the batches after `--skip` (the search's; every rank's real tokens
 over rank 0's seconds), padding waste of the trained microbatches, OOMs, the budget or size found,
@@ -34,7 +38,7 @@ PER_RANK_BATCH = 32
 VOCAB = 32000
 
 
-def _model(tiny: bool) -> Any:
+def _model(tiny: bool, attn: str = "sdpa") -> Any:
     import warnings
 
     from composer.models import HuggingFaceModel
@@ -45,7 +49,7 @@ def _model(tiny: bool) -> Any:
         if tiny else
         dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, intermediate_size=8192)
     )
-    config = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=4096, use_cache=False, **shape)
+    config = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=4096, use_cache=False, attn_implementation=attn, **shape)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return HuggingFaceModel(LlamaForCausalLM(config), tokenizer=None, use_logits=True)
@@ -68,12 +72,20 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     from automicro.data import VariableLengthTokens, count_tokens
 
     gpu = not args.cpu
-    name, _, option = name.partition(":")  # `auto-tokens:compile`: this variant compiled
-    compiled = args.compile or option == "compile"
+    full_name = name
+    name, *options = name.split(":")  # `auto-tokens:packed:compile`: this variant packed and compiled
+    unknown = set(options) - {"compile", "packed", "flex", "flash"}
+    if unknown:
+        raise SystemExit(f"varlen: unknown variant option(s) {sorted(unknown)} in {full_name!r}")
+    compiled = args.compile or "compile" in options
+    packed = "packed" in options
+    attn = "flex_attention" if "flex" in options else "flash_attention_2" if "flash" in options else "sdpa"
     rank = int(os.environ.get("RANK", "0"))
     medians = [int(m) for m in args.medians.split(",")] if args.medians else [args.median]
+    if gpu and args.memory_fraction:
+        torch.cuda.set_per_process_memory_fraction(args.memory_fraction)
     torch.manual_seed(0)
-    model = _model(args.tiny)
+    model = _model(args.tiny, attn)
     dataset = VariableLengthTokens(
         PER_RANK_BATCH * args.batches, VOCAB, median_len=medians[rank % len(medians)], sigma=0.8, min_len=64,
         max_len=args.max_len, seed=5 + rank,
@@ -84,9 +96,10 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     if name == "auto-samples":
         auto = automicro.AutoMicrobatching(log_attempts=True)
     elif name == "auto-tokens":
-        auto = automicro.AutoMicrobatching(log_attempts=True, budget="tokens")
+        auto = automicro.AutoMicrobatching(log_attempts=True, budget="tokens", packing=packed)
     else:
-        auto = automicro.AutoMicrobatching(log_attempts=True, budget="tokens", fixed_tokens=int(name.split("-")[1]))
+        auto = automicro.AutoMicrobatching(log_attempts=True, budget="tokens", fixed_tokens=int(name.split("-")[1]),
+                                           packing=packed)
 
     rows: list[dict[str, Any]] = []
 
@@ -128,7 +141,9 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     steady = rows[args.skip:]
     seconds = sum(r["seconds"] for r in steady)
     result = {
-        "variant": name + (":compile" if compiled and not args.compile else ""),
+        "variant": full_name,
+        "packed": bool(auto.tokens is not None and auto.tokens.packing),
+        "attn": attn,
         "error": error,
         "batches": len(rows),
         "real_tokens_per_s": (sum(r["real"] for r in steady) / seconds) if seconds else None,
@@ -186,6 +201,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--compile", action="store_true", help="compile: each block (inductor; aot_eager with --cpu), dynamic: null")
     p.add_argument("--tiny", action="store_true", help="a tiny Llama (dry run of the suite)")
+    p.add_argument("--memory-fraction", type=float, default=0.0, help="torch's per-process memory fraction (0: none)")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--ranks", dest="nproc", type=int, default=1, help="ranks per launch (torchrun); NCCL on GPUs, gloo with --cpu")
     p.add_argument("--medians", default="", help="median sample length per rank, comma-separated, in turn (default: --median)")
@@ -202,7 +218,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             json.dump(result, handle)
         return 0
     passthrough = [f"--out={args.out}", f"--batches={args.batches}", f"--skip={args.skip}", f"--median={args.median}",
-                   f"--max-len={args.max_len}", f"--ranks={args.nproc}", f"--medians={args.medians}"]
+                   f"--max-len={args.max_len}", f"--ranks={args.nproc}", f"--medians={args.medians}",
+                   f"--memory-fraction={args.memory_fraction}"]
     passthrough += (["--cpu"] if args.cpu else []) + (["--tiny"] if args.tiny else []) + (["--compile"] if args.compile else [])
     results = []
     for name in args.variants.split(","):
@@ -219,16 +236,25 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"[varlen:detail] {name}: " + " / ".join(lines[-6:]), flush=True)
         results.append(result)
     base = next((r for r in results if r["variant"] == "auto-samples" and r.get("real_tokens_per_s")), None)
+    # The best hand-set padded budget of this call (same compile setting as the row it is set against).
+    def best_fixed(compiled: bool) -> Optional[float]:
+        rates = [r["real_tokens_per_s"] for r in results if r["variant"].startswith("fixed-") and not r.get("packed")
+                 and r.get("real_tokens_per_s") and bool(r.get("compile")) == compiled]
+        return max(rates, default=None)
+
     rows = []
     for r in results:
         tps = r.get("real_tokens_per_s")
+        best = best_fixed(bool(r.get("compile")))
+        r["vs_best_fixed_padded"] = tps / best if tps and best else None
         rows.append([
             r["variant"], harness.fmt(tps, ",.0f") if tps else "–",
             harness.fmt(tps / base["real_tokens_per_s"], ".2f") if tps and base else "–",
+            harness.fmt(r["vs_best_fixed_padded"], ".2f") if r["vs_best_fixed_padded"] else "–",
             r.get("found", "–"), r.get("microbatches", "–"), harness.fmt(r.get("padding_waste"), ".2f"),
             r.get("ooms", "–"), harness.fmt(r.get("peak_gib"), ".1f"), r.get("graphs", "–"), (r.get("error") or "")[:60],
         ])
-    header = ["variant", "real tokens/s", "vs auto-samples", "found", "microbatches", "padding", "OOMs", "peak GiB", "graphs", "error"]
+    header = ["variant", "real tokens/s", "vs auto-samples", "vs best fixed padded", "found", "microbatches", "padding", "OOMs", "peak GiB", "graphs", "error"]
     for line in harness.table_lines(header, rows):
         print(f"[varlen] | {line}", flush=True)
     harness.write_json(os.path.join(args.out, "varlen.json"), {"args": vars(args), "results": results})
