@@ -15,6 +15,8 @@ log-normal lengths (median 660 tokens, sigma 0.8, clipped to 64..4096) padded to
 longest (`automicro.data.pad_collate`). Real tokens are the attention mask's ones. Variant options
 after `:`: `compile`; `packed` (`packing: true`: each microbatch one row of its samples, no
 padding); `flex` / `flash` (attn_implementation flex_attention / flash_attention_2; default sdpa).
+`--model automicro`: automicro's own Llama in the same 1B shape instead (packed rows by varlen flash
+attention on CUDA with torch >= 2.10).
 
 Per variant: real tokens/s over the batches after `--skip` (the search's; every rank's real tokens
 over rank 0's seconds), padding waste of the trained microbatches, OOMs, the budget or size found,
@@ -36,6 +38,14 @@ import harness  # noqa: E402
 VARIANTS = ("auto-tokens", "auto-samples", "fixed-8192", "fixed-16384", "fixed-32768")
 PER_RANK_BATCH = 32
 VOCAB = 32000
+
+
+def _automicro_model(tiny: bool) -> Any:
+    from automicro.models import build_model
+
+    shape = (dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128) if tiny else
+             dict(d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192))
+    return build_model("tiny", vocab_size=VOCAB, max_seq_len=4096, tie_embeddings=False, **shape)
 
 
 def _model(tiny: bool, attn: str = "sdpa") -> Any:
@@ -62,6 +72,12 @@ def _collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
     return pad_collate([{"input_ids": s["input_ids"], "labels": s["input_ids"]} for s in samples])
 
 
+def _collate_shifted(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    from automicro.data import pad_collate
+
+    return pad_collate(samples)  # automicro's Llama: labels come shifted (the dataset's)
+
+
 def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from composer.core import Callback, DataSpec
@@ -85,14 +101,14 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     if gpu and args.memory_fraction:
         torch.cuda.set_per_process_memory_fraction(args.memory_fraction)
     torch.manual_seed(0)
-    model = _model(args.tiny, attn)
+    model = _automicro_model(args.tiny) if args.model == "automicro" else _model(args.tiny, attn)
     dataset = VariableLengthTokens(
         PER_RANK_BATCH * args.batches, VOCAB, median_len=medians[rank % len(medians)], sigma=0.8, min_len=64,
         max_len=args.max_len, seed=5 + rank,
     )
     # Each rank reads its own samples (its own length law): a sampler over one replica.
     sampler = composer_dist.get_sampler(dataset, shuffle=False, num_replicas=1, rank=0)
-    loader = DataLoader(dataset, batch_size=PER_RANK_BATCH, sampler=sampler, drop_last=True, collate_fn=_collate)
+    loader = DataLoader(dataset, batch_size=PER_RANK_BATCH, sampler=sampler, drop_last=True, collate_fn=_collate_shifted if args.model == "automicro" else _collate)
     if name == "auto-samples":
         auto = automicro.AutoMicrobatching(log_attempts=True)
     elif name == "auto-tokens":
@@ -202,6 +218,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--compile", action="store_true", help="compile: each block (inductor; aot_eager with --cpu), dynamic: null")
     p.add_argument("--tiny", action="store_true", help="a tiny Llama (dry run of the suite)")
     p.add_argument("--memory-fraction", type=float, default=0.0, help="torch's per-process memory fraction (0: none)")
+    p.add_argument("--model", choices=("hf", "automicro"), default="hf", help="transformers' Llama or automicro's (1B shape)")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--ranks", dest="nproc", type=int, default=1, help="ranks per launch (torchrun); NCCL on GPUs, gloo with --cpu")
     p.add_argument("--medians", default="", help="median sample length per rank, comma-separated, in turn (default: --median)")
@@ -219,7 +236,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     passthrough = [f"--out={args.out}", f"--batches={args.batches}", f"--skip={args.skip}", f"--median={args.median}",
                    f"--max-len={args.max_len}", f"--ranks={args.nproc}", f"--medians={args.medians}",
-                   f"--memory-fraction={args.memory_fraction}"]
+                   f"--memory-fraction={args.memory_fraction}", f"--model={args.model}"]
     passthrough += (["--cpu"] if args.cpu else []) + (["--tiny"] if args.tiny else []) + (["--compile"] if args.compile else [])
     results = []
     for name in args.variants.split(","):

@@ -89,7 +89,9 @@ def test_a_transformers_llama_trains_packed_rows_as_the_unsplit_padded_batch_whe
                 f"packing: each microbatch is one row of its samples end to end (transformers {transformers.__version__} "
                 "finds the samples from position_ids (sdpa attention)); config.use_cache turned off for training (a KV "
                 "cache made in the forward turns the packed-row detection off, and the samples of a row would attend to "
-                "each other); the token budget counts real tokens"
+                "each other); the token budget counts real tokens; with sdpa attention transformers masks a dense square "
+                "of each row's tokens (attention costs them squared): attn_implementation='flex_attention' or "
+                "'flash_attention_2' skips the other samples"
             ]
             assert result["use_cache"] is False
             assert all(rows == 1 and positions and not mask for rows, _, positions, mask in result["shapes"])

@@ -94,7 +94,12 @@ def check(model: Any, info: Callable[[str], None]) -> bool:
         config.use_cache = False
         cache = ("; config.use_cache turned off for training (a KV cache made in the forward turns the packed-row "
                  "detection off, and the samples of a row would attend to each other)")
-    info(f"packing: each microbatch is one row of its samples end to end ({how}){cache}; the token budget counts real tokens")
+    dense = ""
+    if impl in ("sdpa", "eager", ""):
+        dense = (f"; with {impl or 'this'} attention transformers masks a dense square of each row's tokens (attention "
+                 "costs them squared): attn_implementation='flex_attention' or 'flash_attention_2' skips the other samples")
+    info(f"packing: each microbatch is one row of its samples end to end ({how}){cache}; the token budget counts real "
+         f"tokens{dense}")
     return True
 
 

@@ -10,9 +10,11 @@ rotary position embeddings (RoPE), grouped-query attention (``n_kv_heads <= n_he
 
 Packed rows: ``forward(input_ids, position_ids)`` with ``position_ids`` that restart at each sample
 (a new sample wherever a position is not the one before plus one, as transformers reads them)
-rotates each token by its position within its sample and masks attention to the sample's own
-earlier tokens (a block-diagonal causal mask). ``ComposerLlama.packed_input`` says so to the token
-budget's ``packing: true``.
+rotates each token by its position within its sample and keeps attention to the sample's own
+earlier tokens: on CUDA in bf16/fp16 with ``torch.nn.attention.varlen`` (torch >= 2.10) by flash
+attention over the samples' boundaries (``cu_seqlens``: no token attends or computes across
+samples), else by a block-diagonal causal mask for SDPA (correct anywhere; attention then costs a
+row's tokens squared). ``ComposerLlama.packed_input`` says so to the token budget's ``packing: true``.
 
 Initialization and the meta device
 ----------------------------------
@@ -219,15 +221,48 @@ class RotaryEmbedding(nn.Module):
         return self.cos[position_ids].unsqueeze(1), self.sin[position_ids].unsqueeze(1)
 
 
-def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """[B, 1, S, S] bool: query t may attend key s <= t of its own sample (samples start wherever a
-    position is not the previous one plus one)."""
+def _sample_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, S] bool: a sample starts here (a row's first token, or a position that is not the
+    previous one plus one)."""
     first = position_ids[:, :1] - 1
-    sample = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+    return torch.diff(position_ids, prepend=first, dim=-1) != 1
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, 1, S, S] bool: query t may attend key s <= t of its own sample."""
+    sample = _sample_starts(position_ids).cumsum(-1)
     same = sample.unsqueeze(-1) == sample.unsqueeze(-2)
     seq = position_ids.shape[1]
     causal = torch.ones(seq, seq, dtype=torch.bool, device=position_ids.device).tril()
     return (same & causal).unsqueeze(1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Samples:
+    """Where the samples of packed rows start, for varlen flash attention over the rows' tokens
+    flattened: ``cu_seqlens`` [N + 1] int32 (N samples), the longest sample."""
+
+    cu_seqlens: torch.Tensor
+    longest: int
+
+
+def packed_samples(position_ids: torch.Tensor) -> Samples:
+    """The samples of `position_ids` [B, S] (rows flattened; a row always starts a sample). Reads
+    the longest sample on the host (one sync per forward, outside the blocks)."""
+    starts = _sample_starts(position_ids).flatten().nonzero().flatten()
+    total = position_ids.numel()
+    cu = torch.cat([starts, starts.new_tensor([total])]).to(torch.int32)
+    return Samples(cu, int((cu[1:] - cu[:-1]).max()) if total else 0)
+
+
+def _varlen_attn() -> Any:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.10
+        return None
+    return varlen_attn
+
+
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -253,7 +288,8 @@ class Attention(nn.Module):
         self.v = nn.Linear(config.d_model, config.n_kv_heads * self.head_dim, bias=False)
         self.o = nn.Linear(config.n_heads * self.head_dim, config.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Union[torch.Tensor, Samples, None] = None) -> torch.Tensor:
+        """`mask`: None (causal), a [B, 1, S, S] bool mask, or `Samples` (varlen flash attention)."""
         batch, seq, _ = x.shape
         q = self.q(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -263,6 +299,11 @@ class Attention(nn.Module):
             repeats = self.n_heads // self.n_kv_heads
             k = k.repeat_interleave(repeats, dim=1)
             v = v.repeat_interleave(repeats, dim=1)
+        if isinstance(mask, Samples):
+            # [B, H, S, D] -> [B * S, H, D]: the rows' tokens flattened, the samples cut by cu_seqlens.
+            flat = [t.transpose(1, 2).reshape(batch * seq, self.n_heads, self.head_dim) for t in (q, k, v)]
+            out = _varlen_attn()(*flat, mask.cu_seqlens, mask.cu_seqlens, mask.longest, mask.longest, window_size=(-1, 0))
+            return self.o(out.reshape(batch, seq, self.n_heads * self.head_dim))
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
@@ -296,7 +337,7 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config.d_model, config.ffn_hidden)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Union[torch.Tensor, Samples, None] = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, mask)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -399,8 +440,12 @@ class Llama(nn.Module):
                     f"{self.config.max_seq_len}"
                 )
             cos, sin = self.rope.at(position_ids)
-            mask = document_mask(position_ids)
         x = self.tok_embeddings(input_ids)
+        if position_ids is not None:
+            # The blocks' compute dtype: autocast's where it is on, else the embedding's.
+            dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+            usable = x.is_cuda and dtype in (torch.bfloat16, torch.float16) and _varlen_attn() is not None
+            mask = packed_samples(position_ids) if usable else document_mask(position_ids)
         for block in self.blocks:
             x = block(x, cos, sin, mask)
         return self.lm_head(self.norm(x))
