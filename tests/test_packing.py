@@ -215,3 +215,39 @@ def test_a_transformers_llama_keeps_packed_samples_apart_exactly_where_the_check
         assert apart < 1e-5
     else:
         assert apart > 1e-3, "this transformers attends across the packed samples: packing must stay off"
+
+
+def test_automicro_llamas_varlen_path_cuts_the_samples_where_the_positions_restart(monkeypatch):
+    """The varlen flash path (CUDA) through a CPU stand-in for `varlen_attn` (causal SDPA over each
+    cu_seqlens slice): rows flattened, every row and every restart a sample, the longest right; the
+    logits equal the dense document mask's and each sample's alone (two rows, the second starting
+    mid-count as a row cut from a longer document would)."""
+    import torch.nn.functional as F
+
+    from automicro.models import build_model
+    from automicro.models import llama
+
+    seen = {}
+
+    def reference(q, k, v, cu_q, cu_k, max_q, max_k, window_size):
+        assert window_size == (-1, 0) and torch.equal(cu_q, cu_k) and max_q == max_k
+        seen.update(cu=cu_q.tolist(), longest=max_q)
+        out = torch.empty_like(q)
+        for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+            piece = [t[a:b].transpose(0, 1) for t in (q, k, v)]  # [H, n, D]
+            out[a:b] = F.scaled_dot_product_attention(*piece, is_causal=True).transpose(0, 1)
+        return out
+
+    torch.manual_seed(0)
+    model = build_model("tiny", n_layers=2, max_seq_len=32).model
+    ids = torch.randint(0, 100, (2, 9))
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3], [5, 6, 0, 1, 2, 3, 0, 0, 1]])
+    dense = model(ids, positions)
+    monkeypatch.setattr(llama, "_uses_varlen", lambda x: True)
+    monkeypatch.setattr(llama, "_varlen_attn", lambda: reference)
+    flat = model(ids, positions)
+    assert seen == {"cu": [0, 3, 5, 9, 11, 15, 16, 18], "longest": 4}
+    assert (flat - dense).abs().max() < 1e-5
+    monkeypatch.undo()
+    alone = model(ids[:1, 5:], positions[:1, 5:])
+    assert (flat[:1, 5:] - alone).abs().max() < 1e-5

@@ -224,8 +224,8 @@ class RotaryEmbedding(nn.Module):
 def _sample_starts(position_ids: torch.Tensor) -> torch.Tensor:
     """[B, S] bool: a sample starts here (a row's first token, or a position that is not the
     previous one plus one)."""
-    first = position_ids[:, :1] - 1
-    return torch.diff(position_ids, prepend=first, dim=-1) != 1
+    starts = torch.diff(position_ids, dim=-1) != 1
+    return torch.cat([torch.ones_like(position_ids[:, :1], dtype=torch.bool), starts], dim=-1)
 
 
 def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
@@ -253,6 +253,13 @@ def packed_samples(position_ids: torch.Tensor) -> Samples:
     total = position_ids.numel()
     cu = torch.cat([starts, starts.new_tensor([total])]).to(torch.int32)
     return Samples(cu, int((cu[1:] - cu[:-1]).max()) if total else 0)
+
+
+def _uses_varlen(x: torch.Tensor) -> bool:
+    """Packed rows of `x` (the embedded tokens) run varlen flash attention: CUDA, a bf16/fp16
+    compute dtype (autocast's where it is on), torch >= 2.10."""
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    return x.is_cuda and dtype in (torch.bfloat16, torch.float16) and _varlen_attn() is not None
 
 
 def _varlen_attn() -> Any:
@@ -443,9 +450,7 @@ class Llama(nn.Module):
         x = self.tok_embeddings(input_ids)
         if position_ids is not None:
             # The blocks' compute dtype: autocast's where it is on, else the embedding's.
-            dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-            usable = x.is_cuda and dtype in (torch.bfloat16, torch.float16) and _varlen_attn() is not None
-            mask = packed_samples(position_ids) if usable else document_mask(position_ids)
+            mask = packed_samples(position_ids) if _uses_varlen(x) else document_mask(position_ids)
         for block in self.blocks:
             x = block(x, cos, sin, mask)
         return self.lm_head(self.norm(x))
