@@ -225,7 +225,6 @@ def test_automicro_llamas_varlen_path_cuts_the_samples_where_the_positions_resta
     import torch.nn.functional as F
 
     from automicro.models import build_model
-    from automicro.models import llama
 
     seen = {}
 
@@ -243,8 +242,11 @@ def test_automicro_llamas_varlen_path_cuts_the_samples_where_the_positions_resta
     ids = torch.randint(0, 100, (2, 9))
     positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3], [5, 6, 0, 1, 2, 3, 0, 0, 1]])
     dense = model(ids, positions)
-    monkeypatch.setattr(llama, "_uses_varlen", lambda x: True)
-    monkeypatch.setattr(llama, "_varlen_attn", lambda: reference)
+    # The namespace the model's forward reads (test_config re-imports automicro.models.llama, so the
+    # package's attribute may name another copy of the module than the one the model was built from).
+    namespace = type(model).forward.__globals__
+    monkeypatch.setitem(namespace, "_uses_varlen", lambda x: True)
+    monkeypatch.setitem(namespace, "_varlen_attn", lambda: reference)
     flat = model(ids, positions)
     assert seen == {"cu": [0, 3, 5, 9, 11, 15, 16, 18], "longest": 4}
     assert (flat - dense).abs().max() < 1e-5
