@@ -225,6 +225,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if args.variant:
+        # A launch that stalls (session 27: a hand-set budget packed with flex attention trained no
+        # batch) prints every thread's stack shortly before the runner's timeout ends it.
+        import faulthandler
+
+        faulthandler.dump_traceback_later(max(5.0, args.timeout - 15.0), exit=False)
         if args.nproc == 1:
             harness.single_rank_env()
         elif args.cpu:
@@ -236,7 +241,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     passthrough = [f"--out={args.out}", f"--batches={args.batches}", f"--skip={args.skip}", f"--median={args.median}",
                    f"--max-len={args.max_len}", f"--ranks={args.nproc}", f"--medians={args.medians}",
-                   f"--memory-fraction={args.memory_fraction}", f"--model={args.model}"]
+                   f"--memory-fraction={args.memory_fraction}", f"--model={args.model}", f"--timeout={args.timeout}"]
     passthrough += (["--cpu"] if args.cpu else []) + (["--tiny"] if args.tiny else []) + (["--compile"] if args.compile else [])
     results = []
     for name in args.variants.split(","):
@@ -246,7 +251,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         done = harness.run_launch([*argv, f"--variant={name}", *passthrough], args.timeout)
         result = _gather(args.out, name, args.nproc, args.skip)
         if result is None:
-            result = {"variant": name, "error": f"no result (rc {done.returncode}): {done.stderr[-600:]}"}
+            result = {"variant": name, "error": f"no result (rc {done.returncode}): {done.stderr[-600:]}",
+                      "stderr_tail": (done.stderr or "")[-12000:]}  # a stalled launch's stack dump
         result["launch_s"] = round(time.perf_counter() - started, 1)
         lines = [line for line in (done.stdout or "").splitlines() if line.startswith("[automicro]")]
         result["console"] = lines[-40:]
