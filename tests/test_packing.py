@@ -87,13 +87,14 @@ def test_a_transformers_llama_trains_packed_rows_as_the_unsplit_padded_batch_whe
         if packs:
             assert result["lines"] == [
                 f"packing: each microbatch is one row of its samples end to end (transformers {transformers.__version__} "
-                "finds the samples from position_ids (sdpa attention)); config.use_cache turned off for training (a KV "
-                "cache made in the forward turns the packed-row detection off, and the samples of a row would attend to "
-                "each other); the token budget counts real tokens; with sdpa attention transformers masks a dense square "
+                "finds the samples from position_ids (sdpa attention)); use_cache=False passed to its training forwards of "
+                "packed rows (a KV cache made in the forward turns the packed-row detection off, and the samples of a row "
+                "would attend to each other; the config is left as it is); the token budget counts real tokens; with sdpa "
+                "attention transformers masks a dense square "
                 "of each row's tokens (attention costs them squared): attn_implementation='flex_attention' or "
                 "'flash_attention_2' skips the other samples"
             ]
-            assert result["use_cache"] is False
+            assert result["use_cache"] is True  # the config (and so an export) is left alone
             assert all(rows == 1 and positions and not mask for rows, _, positions, mask in result["shapes"])
             assert result["padding_waste"] == 0.0
         else:
@@ -210,9 +211,14 @@ def test_a_transformers_llama_keeps_packed_samples_apart_exactly_where_the_check
     assert said is transformers_packs(), lines
     apart = (model.model(**row).logits[:, 5:] - alone).abs().max().item()
     if said:
-        assert model.model.config.use_cache is False
+        assert model.model.config.use_cache is True, "the config (and so an export) is left alone"
         assert across > 1e-3, "with the cache on, the samples attend to each other"
         assert apart < 1e-5
+        # Eval (or a padded batch) keeps the model's own use_cache.
+        model.model.eval()
+        assert (model.model(**row).logits[:, 5:] - alone).abs().max().item() > 1e-3
+        model.model.train()
+        assert packed_input.check(model, lines.append) and len(lines) == 2 and "use_cache" not in lines[1]
     else:
         assert apart > 1e-3, "this transformers attends across the packed samples: packing must stay off"
 

@@ -9,11 +9,12 @@ attention kept within each sample by ``position_ids`` that restart at every samp
   and no KV cache is made, with every attention implementation (eager, sdpa, flex, flash). With
   the config's default ``use_cache: true`` the forward makes a cache in training too, and the
   samples of a row then attend to each other without a word (measured: transformers 5.17, Llama,
-  sdpa and eager): ``use_cache`` is turned off for training, said once. Older transformers keep
+  sdpa and eager): a forward pre-hook passes ``use_cache=False`` to the model's training forwards
+  of packed rows (the config is left alone: exports keep it), said once. Older transformers keep
   packed rows apart only with ``attn_implementation`` ``flash_attention_2``/``_3``.
 - Anything else cannot: one line says why, and batches are padded as without packing.
 
-Owns: that decision, the model's ``use_cache`` for it, and the line. May not touch: the batch, the
+Owns: that decision, the hook that keeps the cache off for packed rows, and the line. May not touch: the batch, the
 search, the loss.
 """
 
@@ -55,6 +56,14 @@ def _builds_packed_masks(hf: Any) -> bool:
     return False
 
 
+def _no_cache_for_packed_rows(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A transformers model's forward pre-hook: a training forward of packed rows (position_ids, no
+    attention mask) makes no KV cache."""
+    if module.training and kwargs.get("position_ids") is not None and kwargs.get("attention_mask") is None:
+        kwargs["use_cache"] = False
+    return args, kwargs
+
+
 def check(model: Any, info: Callable[[str], None]) -> bool:
     """Whether `model` takes packed rows; a line says what was decided (and what changed)."""
     declared = _declared(model)
@@ -90,10 +99,12 @@ def check(model: Any, info: Callable[[str], None]) -> bool:
         )
         return False
     cache = ""
-    if config is not None and getattr(config, "use_cache", False):
-        config.use_cache = False
-        cache = ("; config.use_cache turned off for training (a KV cache made in the forward turns the packed-row "
-                 "detection off, and the samples of a row would attend to each other)")
+    if config is not None and getattr(config, "use_cache", False) and not getattr(hf, "_automicro_packed_no_cache", False):
+        hf.register_forward_pre_hook(_no_cache_for_packed_rows, with_kwargs=True)
+        hf._automicro_packed_no_cache = True
+        cache = ("; use_cache=False passed to its training forwards of packed rows (a KV cache made in the forward turns "
+                 "the packed-row detection off, and the samples of a row would attend to each other; the config is "
+                 "left as it is)")
     dense = ""
     if impl in ("sdpa", "eager", ""):
         dense = (f"; with {impl or 'this'} attention transformers masks a dense square of each row's tokens (attention "
