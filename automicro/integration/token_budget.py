@@ -56,6 +56,14 @@ GRID_STEPS = 64  # the first batch's padded tokens / GRID_STEPS = the budget's q
 _SAMPLES_CAP = 1 << 40  # agree_max carries the smallest batch as _SAMPLES_CAP - samples
 
 
+def _arithmetic(packed: bool) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., int]]:
+    """(the fewest microbatches under a budget, exactly `count` microbatches, a microbatch's cost):
+    padded (samples x their longest) or packed (their real tokens)."""
+    if packed:
+        return pack_packed_under_budget, split_packed_into, packed_tokens
+    return pack_under_budget, split_into, padded_tokens
+
+
 class TokenBudgetError(ValueError):
     """The ranks' batches cannot run under one microbatch count (says what to change)."""
 
@@ -81,7 +89,7 @@ class TokenPlan:
     @property
     def padded(self) -> int:
         """Tokens the microbatches hold, padding included (packed: the real ones)."""
-        cost = packed_tokens if self.packed else padded_tokens
+        _, _, cost = _arithmetic(self.packed)
         return sum(cost(self.lengths, g) for g in self.groups)
 
     @property
@@ -147,7 +155,7 @@ class TokenBudget:
         of this batch over the ranks in padded tokens."""
         lengths = token_split.sample_lengths(batch)
         self._packs = self.packing and self._packable(batch)
-        cost = packed_tokens if self._packs else padded_tokens
+        _, _, cost = _arithmetic(self._packs)
         (largest,) = consensus.agree_max((cost(lengths, range(len(lengths))),))
         largest = max(largest, 1)
         if self.quantum is None:
@@ -157,7 +165,8 @@ class TokenBudget:
     def plan_attempt(self, consensus: Consensus, lengths: list[int], budget: int) -> TokenPlan:
         """Collective (every rank, once per attempt): the split of this rank's batch under `budget`."""
         packed = self._packs
-        own = len((pack_packed_under_budget if packed else pack_under_budget)(lengths, budget))
+        pack, split, cost = _arithmetic(packed)
+        own = len(pack(lengths, budget))
         count, most_samples, fewest_inverse, most_real = consensus.agree_max(
             (own, len(lengths), _SAMPLES_CAP - len(lengths), sum(lengths))
         )
@@ -168,8 +177,7 @@ class TokenBudget:
                 f"holds only {fewest} samples; every rank must run the same number of microbatches. Give every rank "
                 "the same number of samples per batch (drop_last=True)"
             )
-        groups = (split_packed_into if packed else split_into)(lengths, count, cap=budget)
-        cost = packed_tokens if packed else padded_tokens
+        groups = split(lengths, count, cap=budget)
         plan = TokenPlan(
             budget=budget,
             groups=tuple(tuple(g) for g in groups),

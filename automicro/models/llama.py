@@ -34,6 +34,7 @@ automicro's trainer, engine or callback: the model is plain PyTorch plus a Compo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -262,14 +263,14 @@ def _uses_varlen(x: torch.Tensor) -> bool:
     return x.is_cuda and dtype in (torch.bfloat16, torch.float16) and _varlen_attn() is not None
 
 
+@functools.cache
 def _varlen_attn() -> Any:
+    """torch's varlen flash attention, or None (torch < 2.10); looked up once, not per layer."""
     try:
         from torch.nn.attention.varlen import varlen_attn
-    except ImportError:  # torch < 2.10
+    except ImportError:
         return None
     return varlen_attn
-
-
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -449,7 +450,6 @@ class Llama(nn.Module):
             cos, sin = self.rope.at(position_ids)
         x = self.tok_embeddings(input_ids)
         if position_ids is not None:
-            # The blocks' compute dtype: autocast's where it is on, else the embedding's.
             mask = packed_samples(position_ids) if _uses_varlen(x) else document_mask(position_ids)
         for block in self.blocks:
             x = block(x, cos, sin, mask)
