@@ -14,7 +14,10 @@ Each variant runs in its own launch (the shared harness's): a transformers `Llam
 log-normal lengths (median 660 tokens, sigma 0.8, clipped to 64..4096) padded to each batch's
 longest (`automicro.data.pad_collate`). Real tokens are the attention mask's ones. Variant options
 after `:`: `compile`; `packed` (`packing: true`: each microbatch one row of its samples, no
-padding); `flex` / `flash` (attn_implementation flex_attention / flash_attention_2; default sdpa).
+padding); `flex` / `flash` (attn_implementation flex_attention / flash_attention_2; default sdpa);
+`hooks` (the sync hooks on for the whole run, as while searching); `expandable` (the caching
+allocator's `expandable_segments:True`). Every allocator OOM is recorded with the pool at that
+moment (`allocator_ooms`: asked, allocated, reserved, inactive split MiB).
 `--model automicro`: automicro's own Llama in the same 1B shape instead (packed rows by varlen flash
 attention on CUDA with torch >= 2.10).
 
@@ -90,7 +93,7 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     gpu = not args.cpu
     full_name = name
     name, *options = name.split(":")  # `auto-tokens:packed:compile`: this variant packed and compiled
-    unknown = set(options) - {"compile", "packed", "flex", "flash"}
+    unknown = set(options) - {"compile", "packed", "flex", "flash", "hooks", "expandable"}
     if unknown:
         raise SystemExit(f"varlen: unknown variant option(s) {sorted(unknown)} in {full_name!r}")
     compiled = args.compile or "compile" in options
@@ -98,8 +101,22 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     attn = "flex_attention" if "flex" in options else "flash_attention_2" if "flash" in options else "sdpa"
     rank = int(os.environ.get("RANK", "0"))
     medians = [int(m) for m in args.medians.split(",")] if args.medians else [args.median]
+    if gpu and "expandable" in options:
+        # The caching allocator maps pages into segments that grow instead of cutting fixed ones.
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     if gpu and args.memory_fraction:
         torch.cuda.set_per_process_memory_fraction(args.memory_fraction)
+    ooms: list[dict[str, Any]] = []
+    if gpu:
+        # Every OOM the allocator raises (the search's included): what it asked for, and the pool then.
+        def _on_oom(device: int, alloc: int, device_allocated: int, device_free: int) -> None:
+            stats = torch.cuda.memory_stats()
+            ooms.append({"asked_mib": alloc / 2**20, "allocated_mib": stats.get("allocated_bytes.all.current", 0) / 2**20,
+                         "reserved_mib": stats.get("reserved_bytes.all.current", 0) / 2**20,
+                         "inactive_split_mib": stats.get("inactive_split_bytes.all.current", 0) / 2**20,
+                         "segments": stats.get("segment.all.current", 0)})
+
+        torch._C._cuda_attach_out_of_memory_observer(_on_oom)
     torch.manual_seed(0)
     model = _automicro_model(args.tiny) if args.model == "automicro" else _model(args.tiny, attn)
     dataset = VariableLengthTokens(
@@ -109,13 +126,15 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     # Each rank reads its own samples (its own length law): a sampler over one replica.
     sampler = composer_dist.get_sampler(dataset, shuffle=False, num_replicas=1, rank=0)
     loader = DataLoader(dataset, batch_size=PER_RANK_BATCH, sampler=sampler, drop_last=True, collate_fn=_collate_shifted if args.model == "automicro" else _collate)
+    # `:hooks`: the sync hooks stay on for the whole run (as while searching), to compare memory.
+    kwargs: dict[str, Any] = {"stable_batches": 10**6} if "hooks" in options else {}
     if name == "auto-samples":
-        auto = automicro.AutoMicrobatching(log_attempts=True)
+        auto = automicro.AutoMicrobatching(log_attempts=True, **kwargs)
     elif name == "auto-tokens":
-        auto = automicro.AutoMicrobatching(log_attempts=True, budget="tokens", packing=packed)
+        auto = automicro.AutoMicrobatching(log_attempts=True, budget="tokens", packing=packed, **kwargs)
     else:
         auto = automicro.AutoMicrobatching(log_attempts=True, budget="tokens", fixed_tokens=int(name.split("-")[1]),
-                                           packing=packed)
+                                           packing=packed, **kwargs)
 
     rows: list[dict[str, Any]] = []
 
@@ -127,6 +146,8 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
             mask = state.batch.get("attention_mask")
             self.real = int(mask.sum()) if mask is not None else int(state.batch["input_ids"].numel())
             self.padded = int(state.batch["input_ids"].numel())
+            self.held = ((torch.cuda.memory_allocated() / 2**20, torch.cuda.memory_reserved() / 2**20) if gpu
+                         else (None, None))
 
         def batch_end(self, state: Any, logger: Any) -> None:
             if gpu:
@@ -134,7 +155,9 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
             rows.append({"seconds": time.perf_counter() - self.t0, "real": self.real, "batch_padded": self.padded,
                          "split": list(auto.used_split), "attempts": auto.batch_attempts,
                          # The caching allocator's cudaMalloc retries so far (a fragmented pool frees and retries).
-                         "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if gpu else None})
+                         "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if gpu else None,
+                         "start_allocated_mib": self.held[0], "start_reserved_mib": self.held[1],
+                         "ooms_so_far": len(ooms)})
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=gpu)
     trainer = automicro.Trainer(
@@ -171,6 +194,7 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "graphs": compiled_graphs() - graphs_before,
         "compile": compiled,
         "rows": rows,
+        "allocator_ooms": ooms,
     }
     if auto.tokens is None and rows:
         # Sample-count splits keep each microbatch padded to the batch's longest sample.
