@@ -261,6 +261,75 @@ def test_ranks_holding_too_few_samples_for_the_agreed_count_are_refused_naming_t
     assert (plan.real, plan.most_real) == (140, 400), "the most real tokens of any rank, agreed"
 
 
+def _search_under_a_limit(limit, fill, batches=12, quantum=1166, domain=74656):
+    """The policy over a token budget, told what `TokenBudget` tells it (`success_size`,
+    `failure_size`), where a microbatch over `limit` padded tokens runs out of memory and
+    `fill(batch, budget)` is the largest microbatch a batch packs under a budget. Returns (the budget
+    found, OOMs, the policy's lines)."""
+    from automicro.core import policy as search
+    from automicro.integration.token_budget import TokenBudget, TokenPlan
+
+    tokens = TokenBudget()
+    tokens.quantum = quantum
+    policy = search.SearchPolicy(tokens.policy_config(search.PolicyConfig(stable_batches=3)), domain)
+    ooms, lines = 0, []
+    for batch in range(batches):
+        while True:
+            budget = policy.state.size
+            ran = fill(batch, budget)
+            assert ran <= budget
+            plan = TokenPlan(budget=budget, groups=(), lengths=(), count=2, own=2, largest=ran, one_sample_each=False)
+            if ran > limit:
+                ooms += 1
+                lines.append(policy.observe(search.OOM(tokens.failure_size(plan, domain, ran, policy.state))).event)
+                continue
+            lines.append(policy.observe(search.Success(tokens.success_size(plan, domain, ran))).event)
+            break
+    return policy.found_size, ooms, lines
+
+
+def test_budgets_a_few_quanta_large_lie_an_eighth_of_a_quantum_apart():
+    from automicro.integration.token_budget import TokenBudget
+
+    tokens = TokenBudget()
+    tokens.quantum = 1166
+    grid = tokens.sizes_for(74656)
+    assert grid[-1] == 74656 and list(grid) == sorted(set(grid))
+    steps = {b - a for a, b in zip(grid, grid[1:]) if b <= 8 * 1166}
+    assert steps == {145, 146}, "below 8 quanta: an eighth of a quantum"
+    assert {b - a for a, b in zip(grid, grid[1:]) if a >= 8 * 1166 and b < 74656} == {1166}
+    tokens.quantum = 4
+    assert tokens.sizes_for(64) == tuple(range(1, 33)) + tuple(range(36, 65, 4)), "a quantum of 4: every token below 8 quanta"
+    tokens.quantum = 1
+    assert tokens.sizes_for(5) == (1, 2, 3, 4, 5), "a quantum of one token has no finer grid"
+
+
+def test_a_budget_under_a_tight_memory_cap_is_found_within_a_few_percent():
+    """Session 28, one H100 at torch's fraction 0.45: the limit was a few quanta of the first batch
+    (1,166 tokens each), and the search on the quantum grid ended 20-40% under it. On the finer grid
+    it ends within two of its steps (145 tokens), every batch trained, few OOMs."""
+    limit = 5900
+    # Batches of long samples pack to whole quanta only; others fill a budget to within 97 tokens.
+    found, ooms, lines = _search_under_a_limit(limit, lambda b, budget: budget - budget % (1166 if b % 2 == 0 else 97))
+    assert limit - 2 * 145 <= found <= limit, lines
+    assert ooms <= 8, lines
+    assert any(line.startswith("stable for 3 batches") for line in lines), lines
+
+
+def test_a_budget_that_ran_clean_but_was_not_filled_is_kept_and_a_later_batch_that_fills_it_steps_it_down():
+    """The budget kept is the largest that ran clean below a bound that ran out, not the smaller
+    microbatch that ran (which kept 3,498 tokens on the H100 where 4,664 had run: 0.66x the best
+    hand-set budget). A later batch that fills it and runs out steps it down; the run goes on."""
+    # The first batches pack to whole quanta only; from batch 6 a batch fills any budget.
+    found, ooms, lines = _search_under_a_limit(5900, lambda b, budget: budget - budget % 1166 if b < 6 else budget, 6)
+    kept = [line for line in lines if "not filled" in line]
+    assert kept and found > 4664 and "converged on %d" % found in kept[-1], lines
+    assert found <= 6996, "below the budget that ran out"
+    later, more_ooms, later_lines = _search_under_a_limit(5500, lambda b, budget: budget - budget % 1166 if b < 6 else budget, 12)
+    assert later <= 5500 and more_ooms > 0, later_lines
+    assert any(line.startswith("stable for 3 batches at budget %d" % later) for line in later_lines), later_lines
+
+
 def test_the_trials_judge_a_variable_length_batch_per_average_batch_of_real_tokens():
     """Size and layout trials over a token budget time batches of different work: each batch's
     seconds are divided by the most real tokens any rank held over the average of that in this

@@ -210,7 +210,7 @@ def _fastest_budget(world: int) -> dict[str, Any]:
     def hook() -> None:
         auto.layout.timing = timing
 
-    batches = 18
+    batches = 22  # the search (its finer grid at a few quanta: 3 attempts more), settling, 2 trades, 3 size trials
     searched = fit("auto", [auto, TokenLimit(limits(world))], batches=batches, on_tokens=True, sgd=True, before_fit=hook)
     whole = fit(PER_RANK_BATCH, [], batches=batches, on_tokens=True, sgd=True)
     return {**{k: v for k, v in searched.items() if k != "params"}, "first_found": first.get("found"),

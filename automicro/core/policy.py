@@ -583,6 +583,11 @@ def _next_search_size(state: SearchState, config: PolicyConfig, upward: bool) ->
             fitting = [s for s in candidates if predicted is not None and s <= predicted]
             if fitting:
                 return fitting[-1], True
+        if config.unit == "tokens":
+            # Budgets lie on a grid finer at the bottom (`TokenBudget.sizes_for`): bisect the
+            # tokens, not the grid's points (the larger of two as near).
+            mid = (lo + hi) / 2
+            return min(candidates, key=lambda s: (abs(s - mid), -s)), False
         return candidates[len(candidates) // 2], False
     if config.use_prediction:
         predicted = predict_max_size(samples)
@@ -771,8 +776,16 @@ def _on_success(state: SearchState, outcome: Success, config: PolicyConfig) -> t
         state = _settle(state, config, m)
         return state, _decide(state, config, False, f"ok at {m} -> settled on {m}, {_in_use(state, config)}")
     lo, hi = state.best_success, _hi(state)
+    if config.unit == "tokens" and lo == lo_before and lo < state.size < hi:
+        # (tokens) The batch did not fill the budget tried: it ran clean below a bound that ran out,
+        # so keep it (not the smaller microbatch that ran: later batches pack more under it). Should a
+        # later batch fill it and run out, that OOM is the evidence and the budget steps down.
+        budget = state.size
+        state = _settle(state, config, budget)
+        return state, _decide(
+            state, config, False, f"ok at {m} (budget {budget} not filled) -> converged on {budget}, {_in_use(state, config)}"
+        )
     if not _between(config, state, lo, hi) or (config.unit == "tokens" and lo == lo_before):
-        # (tokens) The batch did not fill the budget tried beyond what already ran: settle.
         state = _settle(state, config, lo)
         return state, _decide(
             state, config, False, f"ok at {m} -> converged on {lo}, {_in_use(state, config)}"
