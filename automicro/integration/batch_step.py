@@ -4,8 +4,10 @@
 split (sample counts) or the token budget to `BatchStep.attempt`, and turns the agreed verdict
 into the policy's next decision. Everything one attempt does to Composer's state lives here, in
 order: the split (Composer's or ours, by samples, by token budget, or a pipeline's), the attempt
-context, the layout's per-microbatch switch (`automicro.engine.layout`), the attempt fence around Composer's microbatch loop (or the pipeline schedule), the wipe
-of a failed attempt, the failure note when the job is lost, and the optimizer step.
+context, the layout's per-microbatch switch (`automicro.engine.layout`), the attempt fence around the host's microbatch loop (or the pipeline schedule), the wipe
+of a failed attempt, the failure note when the job is lost, and the optimizer step. What the loop
+that owns the batch does (its split, microbatch loop, optimizer step, reset) is asked of its host
+(`batch_host`: Composer's trainer today); a pipeline's schedule runs on Composer's host only.
 
 Owns: one batch's attempts (split, run, wipe, step). May not touch: the search policy, the sync
 hooks, the attempt records (the callback's); torch or Composer privates outside the two
@@ -28,16 +30,15 @@ from automicro.core.memory import MemorySource, MicrobatchPeaks, left_after_wipe
 from automicro.core.sites import SiteDispatcher
 from automicro.engine.layout import LayoutEngine
 from automicro.engine.sharding import ShardedModel
-from automicro.integration import _composer_internals as composer_internals
+from automicro.integration.batch_host import BatchHost
 from automicro.integration.pipeline_batch import AttemptHooks, PipelineBatch
-from automicro.integration.splitting import UnsplittableBatch, split_by_sizes
 from automicro.integration.token_budget import TokenBudget
 
 
 @dataclass
 class Attempt:
     """One attempt as this rank ran it: its split (samples per microbatch), the fence's result,
-    and Composer's loss dict (meaningful only when the verdict is a success)."""
+    and the host's loss dict (meaningful only when the verdict is a success)."""
 
     sizes: tuple[int, ...]
     result: AttemptResult
@@ -49,25 +50,25 @@ class BatchStep:
 
     def __init__(
         self,
-        trainer: Any,
+        host: BatchHost,
         fence: AttemptFence,
         dispatcher: SiteDispatcher,
         memory: MemorySource,
         consensus: Consensus,
         sharded: ShardedModel,
         rank: int,
+        all_reduce: Callable[[torch.Tensor], None],
         pipeline: Optional[PipelineBatch] = None,
         tokens: Optional[TokenBudget] = None,
-        all_reduce: Optional[Callable[[torch.Tensor], None]] = None,
         layout: Optional[LayoutEngine] = None,
     ) -> None:
-        self.trainer = trainer
+        self.host = host
         self.fence, self.dispatcher, self.memory = fence, dispatcher, memory
         self.consensus, self.sharded, self.rank = consensus, sharded, rank
         self.pipeline, self.tokens, self.layout = pipeline, tokens, layout
-        self.all_reduce = all_reduce or composer_internals.all_reduce_sum
-        self.batch = trainer.state.batch
-        self.batch_index = int(trainer.state.timestamp.batch)
+        self.all_reduce = all_reduce
+        self.batch = host.batch
+        self.batch_index = host.batch_index
         self.attempts = 0
         self.retries_before = 0  # the allocator's retry count when this attempt began
         self._lengths: list[int] = []
@@ -82,7 +83,7 @@ class BatchStep:
         if self.tokens is not None:
             self._lengths, size = self.tokens.agree_domain(self.consensus, self.batch)
         else:
-            size = composer_internals.num_samples(self.trainer, self.batch)
+            size = self.host.num_samples()
         if self.pipeline is not None:
             self.pipeline.check_same_samples(self.batch)
         self._random_state = RandomState.capture(self.sharded.device)
@@ -93,12 +94,7 @@ class BatchStep:
     def _split(self, sizes: tuple[int, ...]) -> list[Any]:
         if self.pipeline is not None:
             return self.pipeline.split(self.batch, sizes)
-        if composer_internals.uses_default_split(self.trainer):
-            try:
-                return split_by_sizes(self.batch, sizes)
-            except UnsplittableBatch:
-                pass
-        return composer_internals.split_batch_default(self.trainer, self.batch, max(sizes))
+        return self.host.split(sizes)
 
     def _microbatches(self, split: Optional[tuple[int, ...]], budget: Optional[int]) -> tuple[tuple[int, ...], list[Any]]:
         if self.tokens is not None:
@@ -121,13 +117,8 @@ class BatchStep:
         self.attempts += 1
         if self.attempts > 1:
             self._random_state.restore()
-        state = self.trainer.state
         sizes, microbatches = self._microbatches(split, budget)
-        state.device_train_microbatch_size = max(sizes)
-        if state.train_metrics is not None:
-            for metric in state.train_metrics.values():
-                metric.reset()
-        total_loss_dict = {"loss/train/total": state.device.tensor_to_device(torch.zeros(size=(1,)))}
+        total_loss_dict = self.host.begin_attempt(max(sizes))
         context = self.dispatcher.context
         context.batch_index, context.attempt = self.batch_index, self.attempts
         context.microbatch_size, context.num_microbatches = max(sizes), len(sizes)
@@ -156,18 +147,17 @@ class BatchStep:
 
             if self.pipeline is not None:
                 hooks = AttemptHooks(self.consensus, self.dispatcher, self.pipeline.stage_index, every_step=hooks_on)
-                self.pipeline.run(self.trainer, microbatches, total_loss_dict, end_of_attempt, hooks)
+                # A pipeline's schedule drives Composer's trainer (`ComposerHost.trainer`): no other host has one.
+                self.pipeline.run(self.host.trainer, microbatches, total_loss_dict, end_of_attempt, hooks)  # type: ignore[attr-defined]
                 return
-            composer_internals.run_microbatches(
-                self.trainer, microbatches, total_loss_dict, before_microbatch, end_of_attempt, self.all_reduce
-            )
+            self.host.run_microbatches(microbatches, total_loss_dict, before_microbatch, end_of_attempt, self.all_reduce)
 
         mark = mark_attempt(self.memory)
         try:
             result = self.fence.run(body, self._wipe, hooks_on)
         except FatalRecoveryError as lost:
             if getattr(lost, "oom", True):
-                failure_note.write(composer_internals.checkpoint_folder(state), self.rank, self.batch_index, sizes)
+                failure_note.write(self.host.checkpoint_folder(), self.rank, self.batch_index, sizes)
             raise
         # What a failed attempt left allocated after its wipe (DESIGN.md, "Memory truth": nothing).
         self.left_behind = left_after_wipe(self.memory, mark) if result.verdict.failed else None
@@ -179,13 +169,13 @@ class BatchStep:
 
     def step_optimizers(self) -> None:
         """After an attempt every rank agreed succeeded."""
-        composer_internals.step_optimizers(self.trainer)
+        self.host.step_optimizers()
 
     # ---- wipe ------------------------------------------------------------------------------------
 
     def _wipe(self) -> None:
         """Nothing of a failed attempt may reach the model, optimizer, metrics or data order."""
-        composer_internals.reset_after_failure(self.trainer, self.batch)
+        self.host.reset_after_failure()
         if self.layout is not None:
             self.layout.reset()
         if self.pipeline is not None:

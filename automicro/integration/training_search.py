@@ -31,6 +31,7 @@ from automicro.core.optimizer_memory import pending_state_bytes
 from automicro.core.policy import HookReason
 from automicro.core.thrash import ThrashDetector
 from automicro.integration import _composer_internals as composer_internals
+from automicro.integration.batch_host import ComposerHost
 from automicro.integration.batch_step import BatchStep
 from automicro.integration.layout_trials import LayoutTrials
 from automicro.integration.memory_truth import MemoryTruth, reached_bytes
@@ -177,7 +178,7 @@ class TrainingSearch:
         assert rt.fence is not None and rt.sharded is not None and rt.consensus is not None, "attach() was not called"
         self.loss_normalization.ensure_counter(trainer, rt.info)
         step = BatchStep(
-            trainer, rt.fence, rt.dispatcher, rt.memory, rt.consensus, rt.sharded, rt.rank,
+            ComposerHost(trainer), rt.fence, rt.dispatcher, rt.memory, rt.consensus, rt.sharded, rt.rank,
             pipeline=rt.pipeline, tokens=self.kind.tokens, all_reduce=rt.all_reduce_sum,
             layout=None if self.layout is None else self.layout.engine,
         )
