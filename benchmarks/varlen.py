@@ -15,9 +15,9 @@ log-normal lengths (median 660 tokens, sigma 0.8, clipped to 64..4096) padded to
 longest (`automicro.data.pad_collate`). Real tokens are the attention mask's ones. Variant options
 after `:`: `compile`; `packed` (`packing: true`: each microbatch one row of its samples, no
 padding); `flex` / `flash` (attn_implementation flex_attention / flash_attention_2; default sdpa);
-`hooks` (the sync hooks on for the whole run, as while searching); `expandable` (the caching
-allocator's `expandable_segments:True`). Every allocator OOM is recorded with the pool at that
-moment (`allocator_ooms`: asked, allocated, reserved, inactive split MiB).
+`hooks` (the sync hooks on for the whole run, as while searching). Every allocator OOM is recorded
+with the pool at that moment (`allocator_ooms`: asked, allocated, reserved, inactive split MiB).
+The engine turns the allocator's expandable segments on for every variant (its default).
 `--model automicro`: automicro's own Llama in the same 1B shape instead (packed rows by varlen flash
 attention on CUDA with torch >= 2.10).
 
@@ -89,11 +89,12 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
     import automicro
     from automicro.data import VariableLengthTokens, count_tokens
+    from automicro.engine import _torch_internals as torch_internals
 
     gpu = not args.cpu
     full_name = name
     name, *options = name.split(":")  # `auto-tokens:packed:compile`: this variant packed and compiled
-    unknown = set(options) - {"compile", "packed", "flex", "flash", "hooks", "expandable"}
+    unknown = set(options) - {"compile", "packed", "flex", "flash", "hooks"}
     if unknown:
         raise SystemExit(f"varlen: unknown variant option(s) {sorted(unknown)} in {full_name!r}")
     compiled = args.compile or "compile" in options
@@ -101,9 +102,6 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     attn = "flex_attention" if "flex" in options else "flash_attention_2" if "flash" in options else "sdpa"
     rank = int(os.environ.get("RANK", "0"))
     medians = [int(m) for m in args.medians.split(",")] if args.medians else [args.median]
-    if gpu and "expandable" in options:
-        # The caching allocator maps pages into segments that grow instead of cutting fixed ones.
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     if gpu and args.memory_fraction:
         torch.cuda.set_per_process_memory_fraction(args.memory_fraction)
     ooms: list[dict[str, Any]] = []
@@ -116,7 +114,7 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
                          "inactive_split_mib": stats.get("inactive_split_bytes.all.current", 0) / 2**20,
                          "segments": stats.get("segment.all.current", 0)})
 
-        torch._C._cuda_attach_out_of_memory_observer(_on_oom)
+        torch_internals.attach_oom_observer(_on_oom)
     torch.manual_seed(0)
     model = _automicro_model(args.tiny) if args.model == "automicro" else _model(args.tiny, attn)
     dataset = VariableLengthTokens(

@@ -313,6 +313,19 @@ def test_expandable_segments_default_respects_an_explicit_allocator_setting(monk
     assert calls == ([1] if expected else [])
 
 
+def test_the_oom_observer_hook_is_on_this_torch_and_needs_a_cuda_device():
+    """`attach_oom_observer` (varlen benchmark's pool at each OOM) calls a torch private that must
+    exist on every supported torch; without a CUDA device it attaches nothing and says so."""
+    import torch
+
+    from automicro.engine import _torch_internals as internals
+
+    assert callable(getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)), torch.__version__
+    if not torch.cuda.is_available():
+        assert internals.attach_oom_observer(lambda *args: None) is False
+        assert not torch.cuda.is_initialized()
+
+
 def test_set_expandable_segments_works_on_this_torch_without_initializing_cuda():
     import subprocess
     import sys

@@ -461,6 +461,16 @@ def set_expandable_segments() -> None:
     setter("expandable_segments:True")
 
 
+def attach_oom_observer(observer: Callable[[int, int, int, int], None]) -> bool:
+    """Call `observer(device, asked_bytes, device_allocated, device_free)` at every OOM the CUDA
+    caching allocator raises (`torch._C._cuda_attach_out_of_memory_observer`, on torch 2.7.0, 2.11.0
+    and 2.15.0; benchmarks read the pool there). False where there is no CUDA device to attach to."""
+    if not torch.cuda.is_available():
+        return False
+    torch._C._cuda_attach_out_of_memory_observer(observer)
+    return True
+
+
 # --------------------------------------------------------------------------------------------
 # Activation checkpointing (checked on torch 2.7.0, 2.11.0 and 2.15.0)
 # --------------------------------------------------------------------------------------------
