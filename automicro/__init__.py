@@ -1,6 +1,7 @@
 """automicro: OOM-safe `device_train_microbatch_size: auto` for MosaicML Composer on FSDP2.
 
-`Trainer`, `AutoMicrobatching` and `MicrobatchSizeError` are imported on first use, so that
+`Trainer`, `AutoMicrobatching`, `MicrobatchSizeError` and `AutoStep` (the same `auto` for a plain
+PyTorch loop, no Composer) are imported on first use, so that
 `import automicro.engine` (or a test worker) does not pay for importing Composer.
 """
 
@@ -9,6 +10,8 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
+    "AutoStep": "automicro.step",
+    "StepResult": "automicro.step",
     "AutoMicrobatching": "automicro.integration.callback",
     "MicrobatchSizeError": "automicro.integration.callback",
     "Trainer": "automicro.integration.trainer",
@@ -23,4 +26,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'automicro' has no attribute {name!r}")
 
 
-__all__ = ["AutoMicrobatching", "MicrobatchSizeError", "Trainer", "__version__"]
+__all__ = ["AutoStep", "AutoMicrobatching", "MicrobatchSizeError", "StepResult", "Trainer", "__version__"]

@@ -11,6 +11,6 @@ sharded.recover()         # back to a clean state after a failed forward/backwar
 
 from automicro.engine.compile import CompileConfig, CompileConfigError
 from automicro.engine.config import FSDP2Config, FSDP2ConfigError
-from automicro.engine.sharding import ShardedModel, ensure_record_stream_free, set_unshard_async, shard, sharded_of
+from automicro.engine.sharding import ShardedModel, adopt, ensure_record_stream_free, set_unshard_async, shard, sharded_of
 
-__all__ = ["CompileConfig", "CompileConfigError", "FSDP2Config", "FSDP2ConfigError", "ShardedModel", "ensure_record_stream_free", "set_unshard_async", "shard", "sharded_of"]
+__all__ = ["adopt", "CompileConfig", "CompileConfigError", "FSDP2Config", "FSDP2ConfigError", "ShardedModel", "ensure_record_stream_free", "set_unshard_async", "shard", "sharded_of"]

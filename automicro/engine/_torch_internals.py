@@ -1026,6 +1026,13 @@ def reshards_after_forward(module: FSDPModule) -> bool:
     return group is not None and group.post_forward_mesh_info is not None
 
 
+def reshards_to_whole_mesh(module: FSDPModule) -> bool:
+    """Whether the module frees its unsharded parameters back to its whole mesh after forward
+    (``reshard_after_forward=True``; False for False, or an int that reshards to a smaller mesh)."""
+    group = param_group(module)
+    return group is not None and group.post_forward_mesh_info is not None and group.post_forward_mesh_info == group.mesh_info
+
+
 def unsharded_param_bytes(modules: list[FSDPModule]) -> tuple[int, int, int]:
     """(parameter bytes, gradient bytes, sharded gradient bytes) of every module's parameters:
     unsharded, parameters in the dtype forward computes in, gradients in the wider of that and the

@@ -509,6 +509,64 @@ def shard(
     return sharded
 
 
+def adopt(model: nn.Module) -> ShardedModel:
+    """The `ShardedModel` of a model the user sharded with torch's `fully_shard` (torchtitan's way:
+    each block, then the root), so that the sync hooks, the ledger and `recover()` guard it as they
+    guard `shard()`'s. Nothing about the model changes: its prefetch, async unshard, resharding,
+    mixed precision and checkpointing stay as the user set them. What the layout search may trade
+    is read from the model: ``no_reshard`` only where every block reshards to its whole mesh after
+    forward, ``no_recompute`` only on blocks with torch's composable ``checkpoint``.
+
+    Refused, with what to change: a root that is not sharded (call ``fully_shard(model)`` last),
+    a model with no sharded parameter, parameters on more than one mesh."""
+    internals.check_supported_torch()
+    if not dist.is_initialized():
+        raise RuntimeError("automicro: adopting a fully_shard model needs torch.distributed to be initialized first")
+    existing = sharded_of(model)
+    if existing is not None:
+        return existing
+    if not isinstance(model, FSDPModule):
+        inner = [name for name, m in model.named_modules() if m is not model and isinstance(m, FSDPModule)]
+        raise FSDP2ConfigError(
+            f"automicro: the model passed ({type(model).__name__}) is not itself sharded"
+            + (f" (its sharded modules: {inner[:3]}{' ...' if len(inner) > 3 else ''})" if inner else "")
+            + ": call fully_shard(model) on the root after its blocks, as torchtitan does, and pass that root"
+        )
+    # `fully_shard` without a mesh builds one per call: equal meshes over the same ranks are one mesh.
+    meshes = {
+        (p.device_mesh.device_type, tuple(p.device_mesh.mesh.shape), tuple(p.device_mesh.mesh.flatten().tolist())): p.device_mesh
+        for p in model.parameters() if hasattr(p, "device_mesh")
+    }
+    if not meshes:
+        raise FSDP2ConfigError("automicro: the model has no sharded parameter (a fully_shard root with no parameters?)")
+    if len(meshes) > 1:
+        raise FSDP2ConfigError(
+            f"automicro: the model's parameters are sharded over {len(meshes)} different device meshes; "
+            "automicro guards a model sharded over one data-parallel mesh (1-D, or 2-D replicate x shard)"
+        )
+    mesh = next(iter(meshes.values()))
+    device = next(p for p in model.parameters() if hasattr(p, "device_mesh")).to_local().device
+    if device.type == "cpu" or dist.get_backend() == "gloo":
+        internals.install_gloo_gradient_average_fix()
+    ensure_record_stream_free()
+    wrapped = [name for name, m in model.named_modules() if m is not model and isinstance(m, FSDPModule)]
+    wrapped.sort(key=lambda n: -n.count("."))
+    named = dict(model.named_modules())
+    blocks = [named[n] for n in wrapped if internals.param_group(named[n]) is not None]
+    full_reshard = bool(blocks) and all(internals.reshards_to_whole_mesh(b) for b in blocks)
+    checkpointed = any(internals.has_activation_checkpointing(named[n]) for n in wrapped)
+    # What the engine reads of the config: the layout's trades. Nothing here is applied to the model.
+    config = FSDP2Config(
+        reshard_after_forward=full_reshard, activation_checkpointing=checkpointed,
+        replicate=mesh.shape[0] if mesh.ndim == 2 else 1, forward_prefetch=0, backward_prefetch=0,
+        unshard_async_op=False, compute_stream_buffers=False, expandable_segments=False,
+    )
+    sharded = ShardedModel(module=model, config=config, mesh=mesh, device=device, wrapped_names=wrapped)
+    object.__setattr__(model, "_automicro_sharded", sharded)
+    log.info("automicro: adopted a fully_shard model: %d blocks + root (mesh %s)", len(wrapped), tuple(mesh.shape))
+    return sharded
+
+
 def sharded_of(model: nn.Module) -> Optional[ShardedModel]:
     """The `ShardedModel` that `shard()` made for `model`, if any."""
     return getattr(model, "_automicro_sharded", None)

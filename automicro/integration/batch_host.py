@@ -48,6 +48,9 @@ class BatchHost(Protocol):
         `before_microbatch(i)` before each, `end_of_attempt()` after the last backward;
         `all_reduce(t)` sums over every rank (the only collective the host may issue itself)."""
 
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers the step steps (the search projects the state their first step adds)."""
+
     def step_optimizers(self) -> None:
         """The optimizer step (every rank agreed the attempt succeeded)."""
 
@@ -94,6 +97,9 @@ class ComposerHost:
         composer_internals.run_microbatches(
             self.trainer, microbatches, total_loss_dict, before_microbatch, end_of_attempt, all_reduce
         )
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return list(self.trainer.state.optimizers or [])
 
     def step_optimizers(self) -> None:
         composer_internals.step_optimizers(self.trainer)

@@ -48,6 +48,7 @@ from automicro.core.policy import HookReason
 from automicro.core.sites import AttemptContext, SiteDispatcher
 from automicro.engine.sharding import ShardedModel
 from automicro.integration import _composer_internals as composer_internals
+from automicro.integration.batch_host import ComposerHost
 from automicro.integration.eval_search import EvalFence, EvalSearch
 from automicro.integration.layout_trials import LayoutTrials
 from automicro.integration.pipeline_batch import PipelineBatch
@@ -190,11 +191,7 @@ class AutoMicrobatching(Callback):
 
     def summary_line(self, per_rank_batch: Optional[int] = None) -> Optional[str]:
         """What the search found, for the console at the end of a fit (None before any batch)."""
-        if self.policy is None:
-            return None
-        tail = f"attempts {len(self.history)}, OOMs {self.ooms_total}; sync hooks {'on' if self.hooks_active else 'off'}"
-        layout = "" if self.layout is None or self.layout.engine is None else f"; layout: {self.layout.describe()}"
-        return self.kind.summary(self.policy, per_rank_batch, layout, self.used_split, tail)
+        return self.search.summary_line(per_rank_batch)
 
     # Read-only figures for dashboards, benchmarks and tests.
 
@@ -368,11 +365,13 @@ class AutoMicrobatching(Callback):
     def train_batch(self, trainer: Any) -> dict[str, torch.Tensor]:
         """Called by `automicro.Trainer` for each batch: one batch with OOM-safe retries
         (`TrainingSearch.train_batch`); returns Composer's total loss dict."""
-        return self.search.train_batch(trainer)
+        self.settings.loss_normalization.ensure_counter(trainer, self._info)
+        return self.search.train_batch(ComposerHost(trainer))
 
     def fit_raised(self, state: State, error: BaseException) -> Optional[FatalRecoveryError]:
         """`fit()` raised `error` on this rank: what to raise instead (`TrainingSearch.lost`), or None."""
-        return self.search.lost(state, error, self._last_event)
+        where = f"at {self._last_event}" if self._last_event is not None else "between batches"
+        return self.search.lost(error, where, int(state.timestamp.batch), composer_internals.checkpoint_folder(state))
 
 
 __all__ = ["AutoMicrobatching", "AttemptRecord", "MicrobatchSizeError", "is_oom"]

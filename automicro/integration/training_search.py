@@ -8,8 +8,9 @@ attempt; the batch kind (`batch_kinds`) says what sizes are counted in; the layo
 history, the OOM and search-time counters, thrash detection, the optimizer state the first step
 will add, the failure note of a run that could not recover, and this room's part of the checkpoint.
 
-Owns: the policy and its checkpointed state, the history. May not touch: Composer's events (the
-callback dispatches them here), FSDP2 internals (the engine's `recover()` does).
+Owns: the policy and its checkpointed state, the history. May not touch: Composer or the loop that
+owns the batch (asked through its `BatchHost`: Composer's events reach here through the callback,
+a plain loop's through `automicro.AutoStep`), FSDP2 internals (the engine's `recover()` does).
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ import dataclasses
 from typing import Any, Optional
 
 import torch
-from composer.core import Event, State
-
 from automicro.core import failure_note
 from automicro.core import policy as search
 from automicro.core.attempt import is_oom
@@ -30,8 +29,7 @@ from automicro.core.metrics import AttemptRecord, BatchFigures, history_from_sta
 from automicro.core.optimizer_memory import pending_state_bytes
 from automicro.core.policy import HookReason
 from automicro.core.thrash import ThrashDetector
-from automicro.integration import _composer_internals as composer_internals
-from automicro.integration.batch_host import ComposerHost
+from automicro.integration.batch_host import BatchHost
 from automicro.integration.batch_step import BatchStep
 from automicro.integration.layout_trials import LayoutTrials
 from automicro.integration.memory_truth import MemoryTruth, reached_bytes
@@ -151,6 +149,14 @@ class TrainingSearch:
             capacity_bytes=self.last_capacity,
         )
 
+    def summary_line(self, per_rank_batch: Optional[int] = None) -> Optional[str]:
+        """What the search found, for the console at the end of a run (None before any batch)."""
+        if self.policy is None:
+            return None
+        tail = f"attempts {len(self.history)}, OOMs {self.ooms_total}; sync hooks {'on' if self.runtime.hooks_active else 'off'}"
+        layout = "" if self.layout is None or self.layout.engine is None else f"; layout: {self.layout.describe()}"
+        return self.kind.summary(self.policy, per_rank_batch, layout, self.used_split, tail)
+
     def figures(self) -> LocalFigures:
         """This rank's figures for each attempt's agreement (the fence asks)."""
         memory = self.runtime.memory
@@ -172,19 +178,19 @@ class TrainingSearch:
 
     # ---- the batch -------------------------------------------------------------------------------
 
-    def train_batch(self, trainer: Any) -> dict[str, torch.Tensor]:
-        """Run one batch with OOM-safe retries; returns Composer's total loss dict."""
+    def train_batch(self, host: BatchHost) -> dict[str, torch.Tensor]:
+        """Run the host's batch with OOM-safe retries; returns the host's total loss dict (Composer's
+        trainer through `ComposerHost`, a plain loop through `automicro.AutoStep`'s host)."""
         rt = self.runtime
         assert rt.fence is not None and rt.sharded is not None and rt.consensus is not None, "attach() was not called"
-        self.loss_normalization.ensure_counter(trainer, rt.info)
         step = BatchStep(
-            ComposerHost(trainer), rt.fence, rt.dispatcher, rt.memory, rt.consensus, rt.sharded, rt.rank,
+            host, rt.fence, rt.dispatcher, rt.memory, rt.consensus, rt.sharded, rt.rank,
             pipeline=rt.pipeline, tokens=self.kind.tokens, all_reduce=rt.all_reduce_sum,
             layout=None if self.layout is None else self.layout.engine,
         )
         self._step = step
-        self._optimizer_pending = self._pending_optimizer_bytes(trainer.state)
-        self._ensure_policy(step.begin(), trainer.state)
+        self._optimizer_pending = self._pending_optimizer_bytes(host.optimizers())
+        self._ensure_policy(step.begin(), host)
         assert self.policy is not None and self.layout is not None
         if self._layout_state is not None:
             self.layout.load_state_dict(self._layout_state)
@@ -282,7 +288,7 @@ class TrainingSearch:
         self._optimizer_pending = 0  # the step created the state: evals and later batches hold it
         return attempt.total_loss_dict
 
-    def _ensure_policy(self, batch_size: int, state: Optional[State] = None) -> None:
+    def _ensure_policy(self, batch_size: int, host: Optional[BatchHost] = None) -> None:
         batch_size = self.kind.domain(batch_size)
         if self.policy is None:
             self.policy = search.SearchPolicy(self.config, batch_size)
@@ -291,7 +297,7 @@ class TrainingSearch:
                 self._pending_policy = None
                 self.policy.observe(search.Rearm("checkpoint loaded"))
                 self.kind.resumed(self.policy, batch_size)
-                self._step_below_unrecovered_failure(state)
+                self._step_below_unrecovered_failure(host)
                 self.runtime.info(f"resumed with microbatch split {self.policy.current_split()} (hooks on until stable)")
             self.apply_hooks(True, HookReason.SEARCHING)
         else:
@@ -323,12 +329,12 @@ class TrainingSearch:
         peak = self.policy.projected_peak(largest)
         return None if peak is None else (largest, peak)
 
-    def _pending_optimizer_bytes(self, state: State) -> int:
+    def _pending_optimizer_bytes(self, optimizers: list[torch.optim.Optimizer]) -> int:
         """The bytes this rank's optimizer state will add at the first step (0 once it exists, or
         for an optimizer `optimizer_memory` does not know; then nothing is projected)."""
         if self._optimizer_state_known or not self.config.use_prediction:
             return 0
-        pending = pending_state_bytes(state.optimizers or [])
+        pending = pending_state_bytes(optimizers)
         if not pending:
             self._optimizer_state_known = True
             return 0
@@ -418,16 +424,15 @@ class TrainingSearch:
 
     # ---- a run that could not recover in-process -------------------------------------------------
 
-    def lost(self, state: State, error: BaseException, event: Optional[Event]) -> Optional[FatalRecoveryError]:
-        """`fit()` raised `error` on this rank. An out-of-memory error from outside any attempt
-        (the attempts handle their own) leaves the other ranks in the next batch, waiting for this
-        one: declare the job lost where they can hear it (the ledger's board on one node, the
-        job-lost alarm across nodes), leave the failure note, and return the error to raise."""
+    def lost(self, error: BaseException, where: str, batch: int, folder: Optional[str]) -> Optional[FatalRecoveryError]:
+        """The loop raised `error` on this rank (`where`: "at <event>" or "between batches", `batch`:
+        the batches trained, `folder`: where the failure note goes). An out-of-memory error from
+        outside any attempt (the attempts handle their own) leaves the other ranks in the next batch,
+        waiting for this one: declare the job lost where they can hear it (the ledger's board on one
+        node, the job-lost alarm across nodes), leave the failure note, and return the error to raise."""
         ledger = self.runtime.ledger
         if isinstance(error, FatalRecoveryError) or error is self.agreed_error or ledger is None:
             return None
-        where = f"at {event}" if event is not None else "between batches"
-        batch = int(state.timestamp.batch)
         if not is_oom(error):
             # Any other error of this rank alone (a callback, a checkpoint save): the other ranks
             # are in the next batch's collectives; name this rank on theirs too. No failure note:
@@ -437,14 +442,14 @@ class TrainingSearch:
             return ledger.lost_outside_attempt(where, batch, f"it raised {type(error).__name__}: {error}")
         if not self.used_split:
             return None
-        failure_note.write(composer_internals.checkpoint_folder(state), self.runtime.rank, batch, self.used_split)
+        failure_note.write(folder, self.runtime.rank, batch, self.used_split)
         return ledger.lost_outside_attempt(where, batch)
 
-    def _step_below_unrecovered_failure(self, state: Optional[State]) -> None:
+    def _step_below_unrecovered_failure(self, host: Optional[BatchHost]) -> None:
         """A failure note beside the checkpoint this run resumed from: start below its size."""
         assert self.policy is not None
-        note = failure_note.read(None if state is None else composer_internals.checkpoint_folder(state))
-        resumed_at = int(state.timestamp.batch) if state is not None else 0
+        note = failure_note.read(None if host is None else host.checkpoint_folder())
+        resumed_at = host.batch_index if host is not None else 0
         if note is None or not note.applies(resumed_at, max(self.policy.current_split())):
             return
         try:

@@ -144,8 +144,8 @@ class FaultInjector(Callback):
     # ---- Composer events ---------------------------------------------------------------------
 
     def fit_start(self, state: State, logger: Logger) -> None:
-        self._rank = dist.get_rank() if dist.is_initialized() else 0
         if self.site == BETWEEN_BATCHES:
+            self._rank = dist.get_rank() if dist.is_initialized() else 0
             self._armed_between_batches = True
             return
         if self._dispatcher is None:
@@ -153,12 +153,21 @@ class FaultInjector(Callback):
                 f"FaultInjector(site={self.site!r}) needs automicro.Trainer, which hands it the attempt context "
                 "(`from automicro import Trainer`); with composer.Trainer it would never fire"
             )
+        self.arm(self._dispatcher, state.model)
+
+    def arm(self, sites: SiteDispatcher, model: Any = None) -> None:
+        """Listen at `sites` (an `AutoStep`'s `sites`, outside Composer); `model`, sharded by automicro's
+        engine or adopted by `AutoStep`, for the module sites. `close_hooks()` takes it off."""
+        self._dispatcher = sites
+        self._rank = dist.get_rank() if dist.is_initialized() else 0
+        if self.site == BETWEEN_BATCHES:
+            raise ValueError("FaultInjector: site='between_batches' is a Composer event; outside Composer raise it yourself")
         if self._remove_listener is None and self.site not in MODULE_SITES:
             self._remove_listener = self._dispatcher.add(self._listener, PRIORITY_FAULT, sites=(self.site,))
         if self.site in MODULE_SITES and self._site_hooks is None:
             from automicro.engine import sharded_of
 
-            sharded = sharded_of(state.model)
+            sharded = sharded_of(model)
             if sharded is None:
                 raise ValueError("FaultInjector: module sites need a model sharded by automicro's engine")
             if self.module is not None and self.module not in dict(sharded.named_fsdp_modules):

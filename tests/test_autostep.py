@@ -1,0 +1,106 @@
+"""`automicro.AutoStep`: `auto` microbatching in a plain PyTorch loop, on a model the user sharded with
+`fully_shard` (no Composer Trainer), 2 and 4 gloo ranks under the hang watchdog.
+
+The cases run in tests/autostep_cases.py; every reference is a plain loop with no automicro.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from automicro.testing.multiprocess import run_multiprocess
+from tests import autostep_cases as cases
+
+TOLERANCE = 1e-5
+
+
+def _max_error(a, b) -> float:
+    assert set(a) == set(b), (sorted(a), sorted(b))
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.fixture(scope="module", params=[(2, 1), (4, 2)], ids=["2-ranks", "4-ranks"])
+def ranks(request):
+    world, one_rank = request.param
+    return world, one_rank, run_multiprocess(cases.run_cases, world_size=world, args=(one_rank,), timeout_s=400)
+
+
+@pytest.mark.multiproc
+def test_a_search_where_one_rank_runs_out_trains_every_batch_like_a_plain_loop(ranks):
+    world, one_rank, per_rank = ranks
+    for rank, out in enumerate(per_rank):
+        run = out["search"]
+        # Only `one_rank` ran out of memory (above 5 samples), and every rank took the same decisions.
+        ooms = [h for h in run["history"] if h["outcome"] == "oom"]
+        assert ooms and all(h["failed_ranks"] == [one_rank] for h in ooms), run["history"]
+        assert [r["split"] for r in run["results"]] == [r["split"] for r in per_rank[0]["search"]["results"]]
+        assert all(max(r["split"]) <= 5 for r in run["results"]), run["results"]
+        assert run["results"][0]["attempts"] > 1 and run["results"][-1]["attempts"] == 1
+        # Settled, the sync hooks come off; one optimizer step per batch, failed attempts left none.
+        assert run["results"][-1]["hooks"] is False
+        assert run["steps"] == [6]
+        # The parameters of a plain loop at the same splits, and of the whole batch at once.
+        assert _max_error(run["params"], run["reference"]) <= TOLERANCE, rank
+        assert _max_error(run["params"], run["whole"]) <= TOLERANCE, rank
+        assert run["metrics"]["automicro/found_size"] == 5 and run["metrics"]["automicro/ooms_total"] == len(ooms)
+        assert run["metrics"]["automicro/last_oom_rank"] == one_rank
+        assert run["patched_after_close"] is False
+
+
+@pytest.mark.multiproc
+def test_an_oom_after_the_hooks_are_off_costs_one_rerun_of_that_batch(ranks):
+    world, one_rank, per_rank = ranks
+    for rank, out in enumerate(per_rank):
+        run = out["steady"]
+        late = [h for h in run["history"] if h["batch"] == 5]
+        assert [h["outcome"] for h in late] == ["oom", "ok"], run["history"]
+        assert late[0]["hooks"] is False and late[0]["failed_ranks"] == [one_rank]
+        # The same split again (the size holds), every batch trained once.
+        assert run["results"][5]["split"] == run["results"][4]["split"] and run["results"][5]["attempts"] == 2
+        assert run["steps"] == [7]
+        assert _max_error(run["params"], run["reference"]) <= TOLERANCE, rank
+
+
+@pytest.mark.multiproc
+def test_a_resumed_autostep_starts_at_the_split_it_saved_and_ends_like_an_unbroken_run(ranks):
+    world, one_rank, per_rank = ranks
+    for rank, out in enumerate(per_rank):
+        run = out["resume"]
+        first, second = run["first"], run["second"]
+        assert second["state"]["batches"] == 6 and first["state"]["batches"] == 3
+        # No search again: the first batch after the resume runs the saved split (hooks on until stable).
+        assert second["results"][0]["split"] == first["results"][-1]["split"]
+        assert all(r["attempts"] == 1 for r in second["results"]), second["results"]
+        assert second["results"][0]["hooks"] is True and second["results"][-1]["hooks"] is False
+        assert not [h for h in second["history"] if h["batch"] >= 3 and h["outcome"] == "oom"]
+        assert _max_error(second["params"], run["reference"]) <= TOLERANCE, rank
+
+
+@pytest.mark.multiproc
+def test_under_a_memory_cap_lower_on_one_rank_the_search_fits_that_rank(ranks):
+    world, one_rank, per_rank = ranks
+    for rank, out in enumerate(per_rank):
+        run = out["cap"]
+        # Every OOM was the low rank's own allocator limit (MemoryCap), never another rank's.
+        assert out["cap"]["cap_ooms"] == (0 if rank != one_rank else len([h for h in run["history"] if h["outcome"] == "oom"]))
+        assert any(h["outcome"] == "oom" for h in run["history"])
+        assert all(h["failed_ranks"] == [one_rank] for h in run["history"] if h["outcome"] == "oom")
+        assert run["steps"] == [4] and max(run["results"][-1]["split"]) < 64
+
+
+@pytest.fixture(scope="module")
+def errors():
+    return run_multiprocess(cases.run_errors, world_size=2, timeout_s=200)
+
+
+@pytest.mark.multiproc
+def test_what_a_plain_loop_gets_wrong_is_refused_with_what_to_change(errors):
+    for out in errors:
+        assert "fully_shard(model) on the root" in out["root_not_sharded"]["message"]
+        assert "eval_oom" in out["unknown_setting"]["message"] and "evaluation is the loop's own" in out["unknown_setting"]["message"]
+        assert "torch.optim.Optimizer" in out["bad_optimizer"]["message"]
+        assert "budget='bytes'" in out["bad_budget"]["message"]
+        assert "pass loss_fn=" in out["default_loss_on_tuple"]["message"]
+        assert "one-element tensor" in out["loss_not_scalar"]["message"]
+        # An error inside a step leaves nothing installed in the process.
+        assert out["patched_after_errors"] is False
