@@ -67,8 +67,8 @@ SETTINGS = (
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one `step` did. `loss`: this rank's share of the batch's mean loss (the sum over ranks is
-    the global batch's mean; detached); `split`: the microbatches it trained with (samples each);
+    """What one `step` did. `loss`: this rank's weighted loss (detached; its mean over the ranks is the
+    global batch's mean loss, as Composer's logged loss is); `split`: the microbatches it trained with (samples each);
     `size`: the size the search has found (None while searching); `attempts`: attempts of this batch
     (1: no OOM); `ooms_total`: OOMs of the run so far; `searching`: still searching."""
 

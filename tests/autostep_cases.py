@@ -150,7 +150,63 @@ def run_cases(rank: int, world_size: int, one_rank: int) -> dict[str, Any]:
         cap.track_existing(model, check=False)
         run = _run(batches, memory=CapMemory(cap), model_state=(model, optimizer), stable_batches=2)
     out["cap"] = {**_plain(run), "cap_ooms": cap.stats()["num_ooms"], "limit": limit}
+
+    # 5. Padded variable-length rows (a padding collator's batches) under the token budget, loss per
+    # loss token: the parameters of one whole-batch step per batch, whatever the budget cut.
+    out["tokens"] = _token_budget_case(rank, one_rank)
     return out
+
+
+def _llama() -> tuple[nn.Module, torch.optim.Optimizer]:
+    from automicro.models.llama import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.from_preset("tiny", max_seq_len=64))
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    # SGD, lr 1: a parameter moves by its gradient. (Adam's first steps move every parameter by about
+    # lr whatever its gradient's size, and tiny gradients' rounding, a few 1e-9 here, by up to 5e-5.)
+    return model, torch.optim.SGD(model.parameters(), lr=1.0)
+
+
+def _cross_entropy_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    logits = model(batch["input_ids"])
+    return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100, reduction="sum")
+
+
+def _token_budget_case(rank: int, one_rank: int, normalization: str = "tokens") -> dict[str, Any]:
+    from automicro.data import VariableLengthTokens, pad_collate
+
+    world = dist.get_world_size()
+    data = VariableLengthTokens(4 * 8 * world, 256, median_len=20, max_len=64, seed=3)
+    batches = [pad_collate([data[(b * world + rank) * 8 + i] for i in range(8)]) for b in range(4)]
+    model, optimizer = _llama()
+
+    def loss_fn(m: nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        return _cross_entropy_sum(m, mb) / (mb["labels"] != -100).sum()
+
+    results = []
+    injector = FaultInjector("forward", ranks=[one_rank], above=3)  # more than 3 rows in a microbatch: OOM
+    with AutoStep(model, optimizer, loss_fn, budget="tokens", label_shift=0, log_attempts=False, stable_batches=2,
+                  loss_normalization=normalization) as auto:
+        injector.arm(auto.sites, model)
+        for batch in batches:
+            result = auto.step(batch)
+            results.append({"split": result.split, "attempts": result.attempts})
+        history = [dataclasses.asdict(r) for r in auto.history]
+    injector.close_hooks()
+    # The reference: each batch whole, its summed loss over the loss tokens of every rank's batch.
+    ref_model, ref_optimizer = _llama()
+    for batch in batches:
+        ref_optimizer.zero_grad(set_to_none=True)
+        tokens = (batch["labels"] != -100).sum().double().reshape(1)
+        dist.all_reduce(tokens)
+        (_cross_entropy_sum(ref_model, batch) / (float(tokens.item()) / world)).backward()
+        ref_optimizer.step()
+    moved = max(float((a - b).abs().max()) for a, b in zip(full_state(model).values(), full_state(_llama()[0]).values()))
+    return {"results": results, "history": history, "params": full_state(model), "reference": full_state(ref_model),
+            "moved": moved}
 
 
 def run_errors(rank: int, world_size: int) -> dict[str, Any]:

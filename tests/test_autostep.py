@@ -6,6 +6,13 @@ The cases run in tests/autostep_cases.py; every reference is a plain loop with n
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from automicro.testing.multiprocess import run_multiprocess
@@ -88,6 +95,18 @@ def test_under_a_memory_cap_lower_on_one_rank_the_search_fits_that_rank(ranks):
         assert run["steps"] == [4] and max(run["results"][-1]["split"]) < 64
 
 
+@pytest.mark.multiproc
+def test_padded_rows_under_the_token_budget_train_like_whole_batches_per_loss_token(ranks):
+    world, one_rank, per_rank = ranks
+    for rank, out in enumerate(per_rank):
+        run = out["tokens"]
+        ooms = [h for h in run["history"] if h["outcome"] == "oom"]
+        assert ooms and all(h["failed_ranks"] == [one_rank] for h in ooms), run["history"]
+        assert all(len(r["split"]) > 1 for r in run["results"]), run["results"]  # the batches were cut
+        assert run["moved"] > 100 * TOLERANCE  # the parameters moved: the comparison can tell
+        assert _max_error(run["params"], run["reference"]) <= TOLERANCE, rank
+
+
 @pytest.fixture(scope="module")
 def errors():
     return run_multiprocess(cases.run_errors, world_size=2, timeout_s=200)
@@ -104,3 +123,26 @@ def test_what_a_plain_loop_gets_wrong_is_refused_with_what_to_change(errors):
         assert "one-element tensor" in out["loss_not_scalar"]["message"]
         # An error inside a step leaves nothing installed in the process.
         assert out["patched_after_errors"] is False
+
+
+@pytest.mark.multiproc
+def test_the_plain_loop_example_runs_on_two_cpu_ranks_under_a_memory_cap():
+    """examples/torch_loop.py as a user runs it (torchrun, 2 gloo ranks), under a watchdog."""
+    root = Path(__file__).resolve().parents[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "examples/torch_loop.py", "--cpu", "--batches", "6"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    proc = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"examples/torch_loop.py hung (killed after 240 s):\n{output[-4000:]}")
+    assert proc.returncode == 0, output[-4000:]
+    lines = [line for line in output.splitlines() if line.startswith("batch ")]
+    assert [line.split(":")[0] for line in lines] == [f"batch {i}" for i in range(6)], output[-4000:]
+    # The emulated limit made the search run out of memory, and the run went on to the last batch.
+    assert int(re.search(r"OOMs so far (\d+)", lines[-1]).group(1)) >= 1, output[-4000:]
+    assert "real (non-padding) tokens/s" in output
