@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -287,13 +288,20 @@ def torchrun(nproc: int, script: str, *args: str, python: str = sys.executable) 
 def run_launch(argv: list[str], timeout: float, env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
     """One launch; past `timeout` it is killed and reported as rc 124 with what it printed (the suite
     goes on to its next variant)."""
+    # Its own process group: past the timeout every process of the launch goes (torchrun's ranks too; a
+    # hung rank left behind holds its GPU's memory and spins NCCL kernels under the next launch).
+    proc = subprocess.Popen(argv, cwd=REPO_ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        return subprocess.run(argv, cwd=REPO_ROOT, env={**os.environ, **(env or {})}, timeout=timeout,
-                              capture_output=True, text=True, check=False)
-    except subprocess.TimeoutExpired as expired:
-        def text(x: Any) -> str:
-            return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
-        return subprocess.CompletedProcess(argv, 124, text(expired.stdout), text(expired.stderr) + f"\ntimed out after {timeout:.0f} s")
+        stdout, stderr = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        stdout, stderr = proc.communicate()
+        return subprocess.CompletedProcess(argv, 124, stdout or "", (stderr or "") + f"\ntimed out after {timeout:.0f} s")
 
 
 def interleave_launches(launches: dict[str, Callable[[int], list[str]]], rounds: int,

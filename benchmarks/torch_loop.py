@@ -4,6 +4,7 @@ against accelerate's `find_executable_batch_size`, one GPU, same model and memor
     python benchmarks/torch_loop.py --out $OUT [--variants auto,accelerate,fixed-8,fixed-16] [--batches 14]
     python benchmarks/torch_loop.py --out $OUT --memory-fraction 0.45 ...   # torch's per-process cap
     python benchmarks/torch_loop.py --out $OUT --cpu --tiny                  # the plumbing on CPU
+    python benchmarks/torch_loop.py --out $OUT --ranks 2 --memory-fractions 0.6,0.3   # 2 GPUs, one tighter
 
 The loop is torchtitan's: automicro's Llama in the 1B shape (hidden 2048, 16 layers, 32 heads, 8 KV
 heads, MLP 8192, vocab 32000), each block and the root through torch's own `fully_shard` (bf16
@@ -18,6 +19,10 @@ per token (cross entropy over the labels that are not -100). Each variant runs i
   function, the microbatch its batch size and the accumulation steps 32 / microbatch (the way its
   docs pair it with gradient accumulation): after an OOM it frees memory, halves, and starts the
   function again from the first batch.
+
+With `--ranks N` each variant runs under torchrun on N GPUs (NCCL), each rank on its own data and
+its own per-process memory fraction (`--memory-fractions`, in turn): accelerate's search then runs
+on each rank alone, as it does for its users (no agreement between ranks).
 
 Per variant: seconds from the start of training to the first full batch trained, OOMs, real
 (non-padding) tokens/s over the batches after `--skip`, the microbatch in use, peak memory. Writes
@@ -60,16 +65,16 @@ def _model(tiny: bool, device: Any) -> Any:
     return model
 
 
-def _batches(args: argparse.Namespace) -> list[dict[str, Any]]:
+def _batches(args: argparse.Namespace, rank: int) -> list[dict[str, Any]]:
     import torch
 
     from automicro.data import VariableLengthTokens, pad_collate
 
     seq = 128 if args.tiny else 2048
     if args.varlen:
-        data = VariableLengthTokens(BATCH * args.batches, VOCAB, median_len=args.median, sigma=0.8, min_len=64, max_len=seq, seed=5)
+        data = VariableLengthTokens(BATCH * args.batches, VOCAB, median_len=args.median, sigma=0.8, min_len=64, max_len=seq, seed=5 + rank)
         return [pad_collate([data[b * BATCH + i] for i in range(BATCH)]) for b in range(args.batches)]
-    generator = torch.Generator().manual_seed(5)
+    generator = torch.Generator().manual_seed(5 + rank)
     out = []
     for _ in range(args.batches):
         tokens = torch.randint(0, VOCAB, (BATCH, seq + 1), generator=generator)
@@ -91,18 +96,21 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     from automicro.engine import _torch_internals as torch_internals
 
     gpu = not args.cpu
-    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    rank = int(os.environ.get("RANK", "0"))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if gpu else torch.device("cpu")
     dist.init_process_group("nccl" if gpu else "gloo")
+    world = dist.get_world_size()
+    fractions = [float(f) for f in args.memory_fractions.split(",")] if args.memory_fractions else [args.memory_fraction]
     if gpu:
         torch.cuda.set_device(device)
-        if args.memory_fraction:
-            torch.cuda.set_per_process_memory_fraction(args.memory_fraction)
+        if fractions[rank % len(fractions)]:
+            torch.cuda.set_per_process_memory_fraction(fractions[rank % len(fractions)])
     ooms: list[float] = []
     if gpu:
         torch_internals.attach_oom_observer(lambda device_, alloc, allocated, free: ooms.append(alloc / 2**20))
     model = _model(args.tiny, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=gpu)
-    batches = _batches(args)
+    batches = _batches(args, rank)
     rows: list[dict[str, Any]] = []
     error: Optional[str] = None
     first_full: Optional[float] = None
@@ -124,7 +132,10 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     def accumulate(batch: dict[str, Any], size: int) -> list[int]:
         """One batch at microbatches of `size` rows, the loss weighted per token as one batch."""
         optimizer.zero_grad(set_to_none=True)
-        tokens = float((batch["labels"] != -100).sum())
+        # This rank's share of the global batch's loss tokens (FSDP2 averages the gradients over ranks).
+        total = torch.tensor([float((batch["labels"] != -100).sum())], device=device)
+        dist.all_reduce(total)
+        tokens = float(total.item()) / world
         split = []
         for lo in range(0, BATCH, size):
             mb = {k: v[lo:lo + size].to(device, non_blocking=True) for k, v in batch.items()}
@@ -193,6 +204,27 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _gather(out: str, name: str, ranks: int, skip: int) -> Optional[dict[str, Any]]:
+    """Rank 0's result, with every rank's real tokens over rank 0's seconds (None: rank 0 wrote none)."""
+    found = []
+    for rank in range(ranks):
+        path = os.path.join(out, f"torch_loop_{name}_rank{rank}.json")
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as handle:
+                found.append(json.load(handle))
+            os.remove(path)
+        elif rank == 0:
+            return None
+    result = found[0]
+    if ranks > 1:
+        seconds = sum(r["seconds"] for r in result["rows"][skip:])
+        real = sum(row["real"] for r in found for row in r["rows"][skip:])
+        result["real_tokens_per_s"] = real / seconds if seconds else None
+        result["per_rank"] = [{k: r.get(k) for k in ("ooms", "allocator_ooms", "microbatch", "peak_gib", "error", "batches")} for r in found]
+        result["ranks_reported"] = len(found)
+    return result
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.environ.get("OUT", "runs/bench"))
@@ -203,6 +235,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--varlen", action="store_true", help="log-normal lengths padded per batch (default: full 2048-token rows)")
     p.add_argument("--median", type=int, default=660)
     p.add_argument("--memory-fraction", type=float, default=0.0, help="torch's per-process memory fraction (0: none)")
+    p.add_argument("--memory-fractions", default="", help="one fraction per rank, comma-separated, in turn (--ranks)")
+    p.add_argument("--ranks", type=int, default=1, help="ranks per launch (torchrun): NCCL on GPUs, gloo with --cpu")
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the same as --cpu (run.py --cpu)")
     p.add_argument("--tiny", action="store_true")
@@ -214,24 +248,27 @@ def main(argv: Optional[list[str]] = None) -> int:
         import faulthandler
 
         faulthandler.dump_traceback_later(max(5.0, args.timeout - 15.0), exit=False)
-        harness.single_rank_env()
+        if args.ranks == 1:
+            harness.single_rank_env()
+        elif args.cpu:
+            os.environ.setdefault("OMP_NUM_THREADS", "1")
         result = run_variant(args.variant, args)
-        with open(os.path.join(args.out, f"torch_loop_{args.variant}.json"), "w", encoding="utf-8") as handle:
+        rank = int(os.environ.get("RANK", "0"))
+        with open(os.path.join(args.out, f"torch_loop_{args.variant}_rank{rank}.json"), "w", encoding="utf-8") as handle:
             json.dump(result, handle)
         return 0
     passthrough = [f"--out={args.out}", f"--batches={args.batches}", f"--skip={args.skip}", f"--median={args.median}",
-                   f"--memory-fraction={args.memory_fraction}", f"--timeout={args.timeout}"]
+                   f"--memory-fraction={args.memory_fraction}", f"--memory-fractions={args.memory_fractions}",
+                   f"--ranks={args.ranks}", f"--timeout={args.timeout}"]
     passthrough += ["--cpu"] * args.cpu + ["--tiny"] * args.tiny + ["--varlen"] * args.varlen
     results = []
     for name in args.variants.split(","):
         started = time.perf_counter()
-        done = harness.run_launch([sys.executable, os.path.abspath(__file__), f"--variant={name}", *passthrough], args.timeout)
-        path = os.path.join(args.out, f"torch_loop_{name}.json")
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as handle:
-                result = json.load(handle)
-            os.remove(path)
-        else:
+        argv = ([sys.executable, os.path.abspath(__file__)] if args.ranks == 1 else
+                harness.torchrun(args.ranks, os.path.basename(__file__)))
+        done = harness.run_launch([*argv, f"--variant={name}", *passthrough], args.timeout)
+        result = _gather(args.out, name, args.ranks, args.skip)
+        if result is None:
             result = {"variant": name, "error": f"no result (rc {done.returncode}): {(done.stderr or '')[-600:]}",
                       "stderr_tail": (done.stderr or "")[-12000:]}
         result["launch_s"] = round(time.perf_counter() - started, 1)
