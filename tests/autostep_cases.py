@@ -240,3 +240,59 @@ def run_errors(rank: int, world_size: int) -> dict[str, Any]:
             out[name] = _error(error)
     out["patched_after_errors"] = internals.collectives_patched()
     return out
+
+
+class TradeRetries:
+    """A `MemorySource` (no capacity figure) whose allocator retries grow in every attempt run with a
+    layout trade on, and in the attempt right after one (a pool a trade fragmented retries once more
+    without it): what two H200s showed under a 0.3 memory fraction (docs/results/session29)."""
+
+    def __init__(self) -> None:
+        self.retries = 0
+        self.auto: Any = None
+        self._after_trade = False
+
+    def attempt_ends(self, site: str, module: str, context: Any) -> None:
+        traded = bool(self.auto.layout.layout)
+        if traded or self._after_trade:
+            self.retries += 1
+        self._after_trade = traded
+
+    def reset_peak(self) -> None:
+        pass
+
+    def peak_bytes(self) -> int:
+        return 0
+
+    def allocated_bytes(self) -> int:
+        return 0
+
+    def capacity_bytes(self) -> int:
+        return 0
+
+    def alloc_retries(self) -> int:
+        return self.retries
+
+    def empty_cache(self) -> None:
+        pass
+
+
+def run_trial_retries(rank: int, world_size: int) -> dict[str, Any]:
+    """Layout trials (layout: auto, forced on CPU) whose batches make the allocator retry: the
+    search size (5, the FaultInjector's bound) must not shrink for a trade's retries."""
+    model, optimizer = build()
+    memory = TradeRetries()
+    results = []
+    with AutoStep(model, optimizer, mse, memory=memory, log_attempts=False, stable_batches=2, layout="auto",
+                  layout_trial_batches=2) as auto:
+        memory.auto = auto
+        auto.sites.add(memory.attempt_ends, 0, sites=("optimizer_step",))
+        injector = FaultInjector("forward", above=5)
+        injector.arm(auto.sites, model)
+        for batch in data(rank, 16):
+            result = auto.step(batch)
+            results.append({"split": result.split, "layout": list(auto.layout.layout), "size": result.size})
+        history = [dataclasses.asdict(r) for r in auto.history]
+        rejected = dict(auto.layout.search.rejected)
+    injector.close_hooks()
+    return {"results": results, "history": history, "rejected": rejected, "retries": memory.retries}

@@ -146,3 +146,15 @@ def test_the_plain_loop_example_runs_on_two_cpu_ranks_under_a_memory_cap():
     # The emulated limit made the search run out of memory, and the run went on to the last batch.
     assert int(re.search(r"OOMs so far (\d+)", lines[-1]).group(1)) >= 1, output[-4000:]
     assert "real (non-padding) tokens/s" in output
+
+
+@pytest.mark.multiproc
+def test_allocator_retries_in_a_layout_trials_batches_end_the_trial_not_the_size():
+    """Two H200s at a 0.3 memory fraction (session 29): a trade's batch left the pool retrying in the
+    next batch too, thrash was blamed on the size, and the size went 7 -> 6 -> 5 over two trials."""
+    for out in run_multiprocess(cases.run_trial_retries, world_size=2, timeout_s=300):
+        assert out["retries"] >= 2  # the trials' batches did retry
+        thrash = [h for h in out["history"] if h["outcome"] == "thrash"]
+        assert thrash and all("the trial ended, the size stays" in h["note"] for h in thrash), out["history"]
+        assert [r["size"] for r in out["results"][1:]] == [5] * 15, out["results"]
+        assert set(out["rejected"]) == {"grad_sync_once", "no_reshard"}

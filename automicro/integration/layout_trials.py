@@ -275,6 +275,11 @@ class LayoutTrials:
         size, self.undone = self.undone, None
         return size
 
+    @property
+    def trial_running(self) -> bool:
+        """A layout trial is under way (its batches alternate a layout or a size)."""
+        return self.engine is not None and self.search.trial is not None
+
     def relieve(self, why: str, size: Optional[int] = None) -> Optional[str]:
         """Memory pressure at the settled size (largest microbatch `size`): undo a trade (the console
         says which) and return it, or None when the layout has nothing left to give."""

@@ -373,9 +373,19 @@ class TrainingSearch:
         retried_clean_batch = verdict.any_new_alloc_retries and self.batch_attempts == 1
         self.kind.trained()
         if self.thrash.observe(retried_clean_batch):
+            # Retries in a layout trial's batches are the trial's (a trade's batch leaves the pool
+            # fragmented for the next one too, with the trade off): the trial ends, its trade is not
+            # tried at this size again, the cache is emptied, and the size stays. Retries again with
+            # no trial running shrink the size, as below.
+            in_trial = self.layout is not None and self.layout.trial_running
             if self._relieved_by_layout(f"thrashing at size {max(sizes)}", max(sizes)) is not None:
                 assert self.layout is not None
                 self._record(batch_index, sizes, "thrash", verdict, max(sizes), seconds, f"layout now {self.layout.describe()}")
+                return
+            if in_trial and self.policy.phase == search.Phase.STEADY:
+                self.runtime.memory.empty_cache()
+                self._record(batch_index, sizes, "thrash", verdict, max(sizes), seconds,
+                             "allocator retries in a layout trial's batches: the trial ended, the size stays")
                 return
             decision = self.policy.observe(search.Thrash(self.kind.outcome_size(self.policy, sizes, verdict, False)))
             self._record(batch_index, sizes, "thrash", verdict, decision.next_size, seconds, decision.event)
