@@ -384,6 +384,29 @@ class Session:
 # ---- output ----------------------------------------------------------------------------------------
 
 
+def gather_ranks(out: str, stem: str, ranks: int, skip: int, keys: Sequence[str]) -> Optional[dict[str, Any]]:
+    """The per-rank JSON files `OUT/<stem>_rank<r>.json` of one launch (read, then removed): rank 0's
+    result, with `real_tokens_per_s` over every rank's real tokens of its `rows` after `skip` in rank
+    0's seconds, and each rank's `keys` in `per_rank` (None: rank 0 wrote none)."""
+    found = []
+    for rank in range(ranks):
+        path = os.path.join(out, f"{stem}_rank{rank}.json")
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as handle:
+                found.append(json.load(handle))
+            os.remove(path)
+        elif rank == 0:
+            return None
+    result = found[0]
+    if ranks > 1:
+        seconds = sum(r["seconds"] for r in result["rows"][skip:])
+        real = sum(row["real"] for r in found for row in r["rows"][skip:])
+        result["real_tokens_per_s"] = real / seconds if seconds else None
+        result["per_rank"] = [{key: r.get(key) for key in keys} for r in found]
+        result["ranks_reported"] = len(found)
+    return result
+
+
 def write_json(path: str, doc: dict[str, Any]) -> None:
     """Atomic rewrite (a crash leaves the previous version, never half a file)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

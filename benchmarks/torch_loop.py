@@ -204,27 +204,6 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _gather(out: str, name: str, ranks: int, skip: int) -> Optional[dict[str, Any]]:
-    """Rank 0's result, with every rank's real tokens over rank 0's seconds (None: rank 0 wrote none)."""
-    found = []
-    for rank in range(ranks):
-        path = os.path.join(out, f"torch_loop_{name}_rank{rank}.json")
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as handle:
-                found.append(json.load(handle))
-            os.remove(path)
-        elif rank == 0:
-            return None
-    result = found[0]
-    if ranks > 1:
-        seconds = sum(r["seconds"] for r in result["rows"][skip:])
-        real = sum(row["real"] for r in found for row in r["rows"][skip:])
-        result["real_tokens_per_s"] = real / seconds if seconds else None
-        result["per_rank"] = [{k: r.get(k) for k in ("ooms", "allocator_ooms", "microbatch", "peak_gib", "error", "batches")} for r in found]
-        result["ranks_reported"] = len(found)
-    return result
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.environ.get("OUT", "runs/bench"))
@@ -267,7 +246,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         argv = ([sys.executable, os.path.abspath(__file__)] if args.ranks == 1 else
                 harness.torchrun(args.ranks, os.path.basename(__file__)))
         done = harness.run_launch([*argv, f"--variant={name}", *passthrough], args.timeout)
-        result = _gather(args.out, name, args.ranks, args.skip)
+        result = harness.gather_ranks(args.out, f"torch_loop_{name}", args.ranks, args.skip,
+                                      ("ooms", "allocator_ooms", "microbatch", "peak_gib", "error", "batches"))
         if result is None:
             result = {"variant": name, "error": f"no result (rc {done.returncode}): {(done.stderr or '')[-600:]}",
                       "stderr_tail": (done.stderr or "")[-12000:]}

@@ -204,26 +204,11 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def _gather(out: str, name: str, nproc: int, skip: int) -> Optional[dict[str, Any]]:
     """Rank 0's result, with every rank's real tokens over rank 0's seconds (None: rank 0 wrote none)."""
-    ranks = []
-    for rank in range(nproc):
-        path = os.path.join(out, f"varlen_{name}_rank{rank}.json")
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as handle:
-                ranks.append(json.load(handle))
-            os.remove(path)
-        elif rank == 0:
-            return None
-    result = ranks[0]
-    if nproc > 1:
-        seconds = sum(r["seconds"] for r in result["rows"][skip:])
-        real = sum(row["real"] for r in ranks for row in r["rows"][skip:])
-        result["real_tokens_per_s"] = real / seconds if seconds else None
-        result["per_rank"] = [
-            {**{key: r.get(key) for key in ("found", "ooms", "padding_waste", "microbatches", "peak_gib", "error")},
-             "alloc_retries": [row.get("alloc_retries") for row in r["rows"]]}
-            for r in ranks
-        ]
-        result["ranks_reported"] = len(ranks)
+    result = harness.gather_ranks(out, f"varlen_{name}", nproc, skip,
+                                  ("found", "ooms", "padding_waste", "microbatches", "peak_gib", "error", "rows"))
+    if result is not None and nproc > 1:
+        for rank in result["per_rank"]:
+            rank["alloc_retries"] = [row.get("alloc_retries") for row in rank.pop("rows") or []]
     return result
 
 

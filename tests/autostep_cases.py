@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
 from automicro import AutoStep
+from automicro.core.memory import NoMemory
 from automicro.engine import _torch_internals as internals
 from automicro.testing.faults import FaultInjector
 from automicro.testing.memory_cap import MemoryCap
@@ -242,10 +243,10 @@ def run_errors(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
-class TradeRetries:
-    """A `MemorySource` (no capacity figure) whose allocator retries grow in every attempt run with a
-    layout trade on, and in the attempt right after one (a pool a trade fragmented retries once more
-    without it): what two H200s showed under a 0.3 memory fraction (docs/results/session29)."""
+class TradeRetries(NoMemory):
+    """No memory figures, but allocator retries that grow in every attempt run with a layout trade on,
+    and in the attempt right after one (a pool a trade fragmented retries once more without it): what
+    two H200s showed under a 0.3 memory fraction (docs/results/session29)."""
 
     def __init__(self) -> None:
         self.retries = 0
@@ -258,23 +259,8 @@ class TradeRetries:
             self.retries += 1
         self._after_trade = traded
 
-    def reset_peak(self) -> None:
-        pass
-
-    def peak_bytes(self) -> int:
-        return 0
-
-    def allocated_bytes(self) -> int:
-        return 0
-
-    def capacity_bytes(self) -> int:
-        return 0
-
     def alloc_retries(self) -> int:
         return self.retries
-
-    def empty_cache(self) -> None:
-        pass
 
 
 def run_trial_retries(rank: int, world_size: int) -> dict[str, Any]:
@@ -296,3 +282,10 @@ def run_trial_retries(rank: int, world_size: int) -> dict[str, Any]:
         rejected = dict(auto.layout.search.rejected)
     injector.close_hooks()
     return {"results": results, "history": history, "rejected": rejected, "retries": memory.retries}
+
+
+def run_one_rank(rank: int, world_size: int) -> dict[str, Any]:
+    """The edge of one rank: a search (OOM above 3 samples), then a batch of a single sample."""
+    batches = data(rank, 4) + [data(rank, 1, batch=1)[0]]
+    run = _run(batches, (FaultInjector("forward", above=3),), stable_batches=2)
+    return {**_plain(run), "reference": reference(batches, [r["split"] for r in run["results"]])}

@@ -158,3 +158,12 @@ def test_allocator_retries_in_a_layout_trials_batches_end_the_trial_not_the_size
         assert thrash and all("the trial ended, the size stays" in h["note"] for h in thrash), out["history"]
         assert [r["size"] for r in out["results"][1:]] == [5] * 15, out["results"]
         assert set(out["rejected"]) == {"grad_sync_once", "no_reshard"}
+
+
+@pytest.mark.multiproc
+def test_one_rank_and_a_batch_of_one_sample():
+    (out,) = run_multiprocess(cases.run_one_rank, world_size=1, timeout_s=200)
+    assert [r["split"] for r in out["results"]][-1] == (1,)
+    assert all(max(r["split"]) <= 3 for r in out["results"]), out["results"]
+    assert out["steps"] == [5]
+    assert _max_error(out["params"], out["reference"]) <= TOLERANCE
