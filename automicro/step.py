@@ -70,7 +70,8 @@ class StepResult:
     """What one `step` did. `loss`: this rank's weighted loss (detached; its mean over the ranks is the
     global batch's mean loss, as Composer's logged loss is); `split`: the microbatches it trained with (samples each);
     `size`: the size the search has found (None while searching); `attempts`: attempts of this batch
-    (1: no OOM); `ooms_total`: OOMs of the run so far; `searching`: still searching."""
+    (1: no OOM); `ooms_total`: OOMs of the run so far; `searching`: still searching; `grad_norm`: the
+    gradients' global norm before clipping (with `max_grad_norm`; else None)."""
 
     loss: torch.Tensor
     split: tuple[int, ...]
@@ -78,6 +79,7 @@ class StepResult:
     attempts: int
     ooms_total: int
     searching: bool
+    grad_norm: Optional[float] = None
 
 
 class AutoStep:
@@ -92,6 +94,9 @@ class AutoStep:
             and its ``.loss`` (Hugging Face models given batch mappings with labels).
         memory: where memory figures come from (default: the CUDA allocator on a GPU, none on CPU;
             `automicro.testing.CapMemory` over a `MemoryCap` to emulate a GPU's limit on CPU).
+        max_grad_norm: clip the gradients' global norm (over every rank's shards) to this before each
+            optimizer step, as `torch.nn.utils.clip_grad_norm_` does (None: no clipping); the norm
+            before clipping is `StepResult.grad_norm`.
         checkpoint_folder: where the failure note of a run that could not recover goes (read back
             on resume to start below the size that failed); None: no note.
         sites: a `SiteDispatcher` shared with fault injectors (tests); a new one if None.
@@ -109,6 +114,7 @@ class AutoStep:
         loss_fn: Optional[LossFn] = None,
         *,
         memory: Optional[MemorySource] = None,
+        max_grad_norm: Optional[float] = None,
         checkpoint_folder: Optional[str] = None,
         sites: Optional[SiteDispatcher] = None,
         **settings: Any,
@@ -120,6 +126,9 @@ class AutoStep:
         optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
         if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
             raise TypeError(f"AutoStep: optimizer={optimizer!r}: must be a torch.optim.Optimizer or a list of them")
+        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
+                                          or not max_grad_norm > 0):
+            raise ValueError(f"AutoStep: max_grad_norm={max_grad_norm!r}: must be a number > 0, or None for no clipping")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"AutoStep: loss_fn={loss_fn!r}: must be a callable (model, microbatch) -> loss")
         self.settings = Settings.parse(**settings)
@@ -131,6 +140,8 @@ class AutoStep:
         self.optimizers = optimizers
         self.loss_fn: LossFn = loss_fn or (lambda m, mb: default_loss(m, mb))
         self.checkpoint_folder = checkpoint_folder
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self._grad_norm: Optional[float] = None
         self.runtime = Runtime(self.settings)
         self.search = TrainingSearch(self.settings, self.runtime)
         rt = self.runtime
@@ -208,9 +219,10 @@ class AutoStep:
             if dispatcher.listens("loss"):
                 dispatcher.fire("loss", "")
 
+        self._grad_norm = None
         host = TorchHost(
             self.model, self.optimizers, self.loss_fn, batch, self.batches, self.sharded.device, self._count,
-            after_loss, self.checkpoint_folder,
+            after_loss, self.checkpoint_folder, before_step=None if self.max_grad_norm is None else self._clip,
         )
         total = self.search.train_batch(host)
         self.batches += 1
@@ -223,7 +235,16 @@ class AutoStep:
             attempts=self.search.batch_attempts,
             ooms_total=self.search.ooms_total,
             searching=policy.phase == Phase.SEARCHING,
+            grad_norm=self._grad_norm,
         )
+
+    def _clip(self) -> None:
+        assert self.max_grad_norm is not None
+        norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in self.model.parameters() if p.grad is not None], self.max_grad_norm, foreach=True
+        )
+        # The norm of FSDP2's DTensor gradients is a DTensor: its value is the global norm.
+        self._grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     # ---- what a logger and a checkpoint take ---------------------------------------------------------
 

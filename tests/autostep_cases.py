@@ -30,6 +30,7 @@ from tests.toy_models import Stack, full_state
 
 BATCH = 8
 LR = 0.01
+CLIP = 0.05  # below every batch's gradient norm: clipping acts in every step
 
 
 def build(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -52,8 +53,9 @@ def mse(model: nn.Module, microbatch: tuple[torch.Tensor, torch.Tensor]) -> torc
     return F.mse_loss(model(x), y)
 
 
-def reference(batches: list[Any], splits: list[tuple[int, ...]], seed: int = 0) -> dict[str, torch.Tensor]:
-    """A plain loop, no automicro: each batch at its split, weighted by samples, one step each."""
+def reference(batches: list[Any], splits: list[tuple[int, ...]], seed: int = 0, clip: Optional[float] = None) -> dict[str, torch.Tensor]:
+    """A plain loop, no automicro: each batch at its split, weighted by samples, one step each
+    (`clip`: torch's own `clip_grad_norm_` before it)."""
     model, optimizer = build(seed)
     world = dist.get_world_size()
     for (x, y), split in zip(batches, splits):
@@ -66,6 +68,8 @@ def reference(batches: list[Any], splits: list[tuple[int, ...]], seed: int = 0) 
             loss = F.mse_loss(model(x[start:start + size]), y[start:start + size]) * (size / per_rank)
             loss.backward()
             start += size
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True)
         optimizer.step()
     return full_state(model)
 
@@ -92,7 +96,7 @@ def _run(
         for batch in batches:
             result = auto.step(batch)
             results.append({"split": result.split, "attempts": result.attempts, "hooks": auto.hooks_active,
-                            "size": result.size, "loss": float(result.loss)})
+                            "size": result.size, "loss": float(result.loss), "grad_norm": result.grad_norm})
         metrics = auto.metrics()
         saved = copy.deepcopy(auto.state_dict())
         history = [dataclasses.asdict(r) for r in auto.history]
@@ -117,11 +121,13 @@ def run_cases(rank: int, world_size: int, one_rank: int) -> dict[str, Any]:
     splits = [r["split"] for r in run["results"]]
     out["search"] = {**_plain(run), "reference": reference(batches, splits), "whole": reference(batches, [(BATCH,)] * 6)}
 
-    # 2. A steady-state OOM with the hooks off (batch 5: batch 0 converges, 1-2 stable, hooks off from 3).
+    # 2. A steady-state OOM with the hooks off (batch 5: batch 0 converges, 1-2 stable, hooks off from 3),
+    # gradients clipped to a norm every batch exceeds.
     batches = data(rank, 7)
     run = _run(batches, (FaultInjector("forward", ranks=[one_rank], above=5),
-                         FaultInjector("backward", ranks=[one_rank], batch=5, times=1)), stable_batches=2)
-    out["steady"] = {**_plain(run), "reference": reference(batches, [r["split"] for r in run["results"]])}
+                         FaultInjector("backward", ranks=[one_rank], batch=5, times=1)), stable_batches=2, max_grad_norm=CLIP)
+    out["steady"] = {**_plain(run), "reference": reference(batches, [r["split"] for r in run["results"]], clip=CLIP),
+                     "unclipped": reference(batches, [r["split"] for r in run["results"]])}
 
     # 3. Resume: 3 batches, the AutoStep state and the model/optimizer kept, 3 more in a new AutoStep.
     batches = data(rank, 6)
@@ -223,6 +229,7 @@ def run_errors(rank: int, world_size: int) -> dict[str, Any]:
         "unknown_setting": lambda: AutoStep(model, optimizer, mse, eval_oom="split"),
         "bad_optimizer": lambda: AutoStep(model, "adam", mse),
         "bad_budget": lambda: AutoStep(model, optimizer, mse, budget="bytes"),
+        "bad_clip": lambda: AutoStep(model, optimizer, mse, max_grad_norm=0),
     }
     for name, make in attempts.items():
         try:

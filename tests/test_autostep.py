@@ -55,7 +55,7 @@ def test_a_search_where_one_rank_runs_out_trains_every_batch_like_a_plain_loop(r
 
 
 @pytest.mark.multiproc
-def test_an_oom_after_the_hooks_are_off_costs_one_rerun_of_that_batch(ranks):
+def test_an_oom_after_the_hooks_are_off_costs_one_rerun_of_that_batch_and_clipping_holds(ranks):
     world, one_rank, per_rank = ranks
     for rank, out in enumerate(per_rank):
         run = out["steady"]
@@ -65,7 +65,10 @@ def test_an_oom_after_the_hooks_are_off_costs_one_rerun_of_that_batch(ranks):
         # The same split again (the size holds), every batch trained once.
         assert run["results"][5]["split"] == run["results"][4]["split"] and run["results"][5]["attempts"] == 2
         assert run["steps"] == [7]
+        # Clipped as torch's own clip_grad_norm_ clips (every norm above the bound: it acted).
+        assert all(r["grad_norm"] > cases.CLIP for r in run["results"]), run["results"]
         assert _max_error(run["params"], run["reference"]) <= TOLERANCE, rank
+        assert _max_error(run["params"], run["unclipped"]) > 100 * TOLERANCE
 
 
 @pytest.mark.multiproc
@@ -119,6 +122,7 @@ def test_what_a_plain_loop_gets_wrong_is_refused_with_what_to_change(errors):
         assert "eval_oom" in out["unknown_setting"]["message"] and "evaluation is the loop's own" in out["unknown_setting"]["message"]
         assert "torch.optim.Optimizer" in out["bad_optimizer"]["message"]
         assert "budget='bytes'" in out["bad_budget"]["message"]
+        assert "max_grad_norm=0: must be a number > 0" in out["bad_clip"]["message"]
         assert "pass loss_fn=" in out["default_loss_on_tuple"]["message"]
         assert "one-element tensor" in out["loss_not_scalar"]["message"]
         # An error inside a step leaves nothing installed in the process.

@@ -96,10 +96,12 @@ class TorchHost:
         count: Callable[[Any], int],
         after_loss: Callable[[], None],
         folder: Optional[str] = None,
+        before_step: Optional[Callable[[], None]] = None,
     ) -> None:
         self.model, self._optimizers, self.loss_fn = model, list(optimizers), loss_fn
         self.batch, self.batch_index = batch, batch_index
         self.device, self.count, self.after_loss, self.folder = device, count, after_loss, folder
+        self.before_step = before_step
 
     def num_samples(self) -> int:
         return count_samples(self.batch)
@@ -146,6 +148,8 @@ class TorchHost:
         return list(self._optimizers)
 
     def step_optimizers(self) -> None:
+        if self.before_step is not None:
+            self.before_step()  # gradient clipping: every rank agreed the batch ran, so every rank comes here
         for optimizer in self._optimizers:
             optimizer.step()
 
