@@ -19,6 +19,7 @@ import dataclasses
 from typing import Any, Optional
 
 import torch
+
 from automicro.core import failure_note
 from automicro.core import policy as search
 from automicro.core.attempt import is_oom
@@ -47,7 +48,6 @@ class TrainingSearch:
     def __init__(self, settings: Settings, runtime: Runtime) -> None:
         self.config = settings.policy_config
         self.kind = settings.kind
-        self.loss_normalization = settings.loss_normalization
         self.start = settings.start
         self.runtime = runtime
         self.thrash = ThrashDetector(settings.thrash_batches)
