@@ -26,7 +26,7 @@ def _max_error(a, b) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-@pytest.fixture(scope="module", params=[(2, 1), (4, 2)], ids=["2-ranks", "4-ranks"])
+@pytest.fixture(scope="module", params=[(2, 1), pytest.param((4, 2), marks=pytest.mark.many_ranks)], ids=["2-ranks", "4-ranks"])
 def ranks(request):
     world, one_rank = request.param
     return world, one_rank, run_multiprocess(cases.run_cases, world_size=world, args=(one_rank,), timeout_s=400)
