@@ -249,9 +249,10 @@ def is_clean(modules: list[FSDPModule]) -> bool:
 # Pre-collective hook (checked on torch 2.7.0, 2.11.0 and 2.15.0)
 # --------------------------------------------------------------------------------------------
 #
-# Both versions issue every FSDP2 collective through the module global `dist` of
+# Every version issues every FSDP2 collective through the module global `dist` of
 # `_fsdp_collectives` (`dist.all_gather_into_tensor`, `dist.reduce_scatter_tensor`,
-# `dist.all_reduce`), after the output/input buffers are allocated. Replacing that global with a
+# `dist.all_reduce`; torch 2.15's default comms `dist.all_gather_single` and
+# `dist.reduce_scatter_single`), after the output/input buffers are allocated. Replacing that global with a
 # proxy gives a hook exactly between allocation and collective. `_fsdp_param_group` calls
 # `foreach_all_gather` / `foreach_reduce` by module global too; wrapping those tells the hook
 # which FSDP module the collective belongs to.
@@ -324,6 +325,24 @@ class _DistProxy(types.ModuleType):
         _run_hooks("reduce_scatter_alloc")
         return _observed(
             "reduce_scatter", dist.reduce_scatter_tensor, _arg(args, kwargs, 0, "output"),
+            _arg(args, kwargs, 3, "group"), _arg(args, kwargs, 2, "op", dist.ReduceOp.SUM), args, kwargs,
+        )
+
+    # torch 2.15's default FSDP2 comms (`DefaultAllGather`, `DefaultReduceScatter` and their
+    # process-group-allocating twins) call these two instead, with the same arguments in the same
+    # places as the two above. Missing them left a model sharded by plain `fully_shard` unguarded on
+    # 2.15 (no pre-collective sync point, no ledger record: a steady-state OOM could not be recovered).
+    def all_gather_single(self, *args: Any, **kwargs: Any) -> Any:
+        _run_hooks("unshard_alloc")
+        return _observed(
+            "all_gather", dist.all_gather_single, _arg(args, kwargs, 1, "input_tensor"),  # type: ignore[attr-defined]
+            _arg(args, kwargs, 2, "group"), None, args, kwargs,
+        )
+
+    def reduce_scatter_single(self, *args: Any, **kwargs: Any) -> Any:
+        _run_hooks("reduce_scatter_alloc")
+        return _observed(
+            "reduce_scatter", dist.reduce_scatter_single, _arg(args, kwargs, 0, "output"),  # type: ignore[attr-defined]
             _arg(args, kwargs, 3, "group"), _arg(args, kwargs, 2, "op", dist.ReduceOp.SUM), args, kwargs,
         )
 
