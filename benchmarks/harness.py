@@ -384,6 +384,25 @@ class Session:
 # ---- output ----------------------------------------------------------------------------------------
 
 
+def run_variant_here(out: str, stem: str, run: Callable[[], dict[str, Any]], timeout: float, ranks: int, cpu: bool) -> int:
+    """One variant of a suite in this process (the launch the suite started): every thread's stack
+    dumped 15 s before the runner's timeout (a stalled launch says where), the rank variables for a
+    single rank, one CPU thread per rank on CPU, and this rank's result in `OUT/<stem>_rank<r>.json`
+    (what `gather_ranks` reads)."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(max(5.0, timeout - 15.0), exit=False)
+    if ranks == 1:
+        single_rank_env()
+    elif cpu:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    result = run()
+    rank = int(os.environ.get("RANK", "0"))
+    with open(os.path.join(out, f"{stem}_rank{rank}.json"), "w", encoding="utf-8") as handle:
+        json.dump(result, handle)
+    return 0
+
+
 def gather_ranks(out: str, stem: str, ranks: int, skip: int, keys: Sequence[str]) -> Optional[dict[str, Any]]:
     """The per-rank JSON files `OUT/<stem>_rank<r>.json` of one launch (read, then removed): rank 0's
     result, with `real_tokens_per_s` over every rank's real tokens of its `rows` after `skip` in rank

@@ -224,18 +224,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.cpu = args.cpu or args.device == "cpu"
     os.makedirs(args.out, exist_ok=True)
     if args.variant:
-        import faulthandler
-
-        faulthandler.dump_traceback_later(max(5.0, args.timeout - 15.0), exit=False)
-        if args.ranks == 1:
-            harness.single_rank_env()
-        elif args.cpu:
-            os.environ.setdefault("OMP_NUM_THREADS", "1")
-        result = run_variant(args.variant, args)
-        rank = int(os.environ.get("RANK", "0"))
-        with open(os.path.join(args.out, f"torch_loop_{args.variant}_rank{rank}.json"), "w", encoding="utf-8") as handle:
-            json.dump(result, handle)
-        return 0
+        return harness.run_variant_here(args.out, f"torch_loop_{args.variant}", lambda: run_variant(args.variant, args), args.timeout,
+                                        args.ranks, args.cpu)
     passthrough = [f"--out={args.out}", f"--batches={args.batches}", f"--skip={args.skip}", f"--median={args.median}",
                    f"--memory-fraction={args.memory_fraction}", f"--memory-fractions={args.memory_fractions}",
                    f"--ranks={args.ranks}", f"--timeout={args.timeout}"]

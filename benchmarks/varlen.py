@@ -234,18 +234,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.variant:
         # A launch that stalls (session 27: a hand-set budget packed with flex attention trained no
         # batch) prints every thread's stack shortly before the runner's timeout ends it.
-        import faulthandler
-
-        faulthandler.dump_traceback_later(max(5.0, args.timeout - 15.0), exit=False)
-        if args.nproc == 1:
-            harness.single_rank_env()
-        elif args.cpu:
-            os.environ.setdefault("OMP_NUM_THREADS", "1")
-        result = run_variant(args.variant, args)
-        rank = int(os.environ.get("RANK", "0"))
-        with open(os.path.join(args.out, f"varlen_{args.variant}_rank{rank}.json"), "w", encoding="utf-8") as handle:
-            json.dump(result, handle)
-        return 0
+        return harness.run_variant_here(args.out, f"varlen_{args.variant}", lambda: run_variant(args.variant, args), args.timeout,
+                                        args.nproc, args.cpu)
     passthrough = [f"--out={args.out}", f"--batches={args.batches}", f"--skip={args.skip}", f"--median={args.median}",
                    f"--max-len={args.max_len}", f"--ranks={args.nproc}", f"--medians={args.medians}",
                    f"--memory-fraction={args.memory_fraction}", f"--model={args.model}", f"--timeout={args.timeout}"]
