@@ -138,7 +138,7 @@ class AutoStep:
             self.sharded = sharded_of(model) or adopt(model)
         self.model = self.sharded.module
         self.optimizers = optimizers
-        self.loss_fn: LossFn = loss_fn or (lambda m, mb: default_loss(m, mb))
+        self.loss_fn: LossFn = loss_fn or default_loss
         self.checkpoint_folder = checkpoint_folder
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self._grad_norm: Optional[float] = None
