@@ -37,7 +37,7 @@ May not touch: Composer; the search and the batch's attempts (`TrainingSearch`, 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -100,6 +100,11 @@ class AutoStep:
         checkpoint_folder: where the failure note of a run that could not recover goes (read back
             on resume to start below the size that failed); None: no note.
         sites: a `SiteDispatcher` shared with fault injectors (tests); a new one if None.
+        step_optimizer: False leaves the gradients of the agreed attempt to the caller, who clips,
+            steps and zeroes them (a loop that owns its optimizer step: the Hugging Face `Trainer`
+            adapter, `automicro.hf`); `max_grad_norm` then must be None.
+        backward: ``backward(loss)`` for each microbatch's weighted loss (default ``loss.backward()``;
+            a loop with a grad scaler passes its own, e.g. accelerate's ``accelerator.backward``).
         **settings: `AutoMicrobatching`'s keywords (`stable_batches`, `search`, `budget`,
             `start_size`, `layout`, `loss_normalization`, ...).
 
@@ -117,6 +122,8 @@ class AutoStep:
         max_grad_norm: Optional[float] = None,
         checkpoint_folder: Optional[str] = None,
         sites: Optional[SiteDispatcher] = None,
+        step_optimizer: bool = True,
+        backward: Optional[Callable[[torch.Tensor], None]] = None,
         **settings: Any,
     ) -> None:
         unknown = sorted(set(settings) - set(SETTINGS))
@@ -129,6 +136,11 @@ class AutoStep:
         if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
                                           or not max_grad_norm > 0):
             raise ValueError(f"AutoStep: max_grad_norm={max_grad_norm!r}: must be a number > 0, or None for no clipping")
+        if not step_optimizer and max_grad_norm is not None:
+            raise ValueError("AutoStep: max_grad_norm clips before AutoStep's optimizer step; with step_optimizer=False "
+                             "the caller steps the optimizer and clips (leave max_grad_norm=None)")
+        if backward is not None and not callable(backward):
+            raise TypeError(f"AutoStep: backward={backward!r}: must be a callable backward(loss), or None for loss.backward()")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"AutoStep: loss_fn={loss_fn!r}: must be a callable (model, microbatch) -> loss")
         self.settings = Settings.parse(**settings)
@@ -142,6 +154,8 @@ class AutoStep:
         self.checkpoint_folder = checkpoint_folder
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self._grad_norm: Optional[float] = None
+        self.step_optimizer = bool(step_optimizer)
+        self.backward = backward
         self.runtime = Runtime(self.settings)
         self.search = TrainingSearch(self.settings, self.runtime)
         rt = self.runtime
@@ -223,6 +237,7 @@ class AutoStep:
         host = TorchHost(
             self.model, self.optimizers, self.loss_fn, batch, self.batches, self.sharded.device, self._count,
             after_loss, self.checkpoint_folder, before_step=None if self.max_grad_norm is None else self._clip,
+            step_optimizer=self.step_optimizer, backward=self.backward,
         )
         total = self.search.train_batch(host)
         self.batches += 1

@@ -83,7 +83,9 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 class TorchHost:
     """One batch of a plain loop. `count`: what a microbatch's loss is a mean over (samples, or loss
-    tokens), the weight it gets; `after_loss`: called after each microbatch's loss (the `loss` site)."""
+    tokens), the weight it gets; `after_loss`: called after each microbatch's loss (the `loss` site);
+    `step_optimizer` False: the optimizer step is the caller's (`step_optimizers` does nothing);
+    `backward`: how a weighted loss goes backward (default ``loss.backward()``)."""
 
     def __init__(
         self,
@@ -97,11 +99,15 @@ class TorchHost:
         after_loss: Callable[[], None],
         folder: Optional[str] = None,
         before_step: Optional[Callable[[], None]] = None,
+        step_optimizer: bool = True,
+        backward: Optional[Callable[[torch.Tensor], None]] = None,
     ) -> None:
         self.model, self._optimizers, self.loss_fn = model, list(optimizers), loss_fn
         self.batch, self.batch_index = batch, batch_index
         self.device, self.count, self.after_loss, self.folder = device, count, after_loss, folder
         self.before_step = before_step
+        self.step_optimizer = step_optimizer
+        self.backward = backward
 
     def num_samples(self) -> int:
         return count_samples(self.batch)
@@ -139,7 +145,10 @@ class TorchHost:
             self.after_loss()
             # This rank's share of the global batch's mean: FSDP2 averages the gradients over ranks.
             scaled = loss * (count / per_rank)
-            scaled.backward()
+            if self.backward is None:
+                scaled.backward()
+            else:
+                self.backward(scaled)
             loss_sum += scaled.detach().float()
             del loss, scaled
         end_of_attempt()
@@ -148,6 +157,8 @@ class TorchHost:
         return list(self._optimizers)
 
     def step_optimizers(self) -> None:
+        if not self.step_optimizer:
+            return  # the caller clips and steps the gradients the agreed attempt left
         if self.before_step is not None:
             self.before_step()  # gradient clipping: every rank agreed the batch ran, so every rank comes here
         for optimizer in self._optimizers:

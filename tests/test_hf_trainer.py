@@ -1,0 +1,100 @@
+"""`automicro.hf.AutoMicrobatchTrainer`: the Hugging Face `Trainer` with `auto` microbatching, on a
+tiny Llama built from a config and sharded with `fully_shard`, 2 and 4 gloo ranks under the hang
+watchdog (tests/hf_trainer_cases.py). Every reference is a plain loop with no automicro and no
+Trainer, over the batches the Trainer handed each rank."""
+
+from __future__ import annotations
+
+import pytest
+
+from automicro.testing.multiprocess import run_multiprocess
+from tests import hf_trainer_cases as cases
+
+pytestmark = pytest.mark.hf
+
+TOLERANCE = 1e-5
+
+
+def _max_error(a, b) -> float:
+    assert set(a) == set(b), (sorted(a), sorted(b))
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.fixture(scope="module", params=[(2, 1), pytest.param((4, 2), marks=pytest.mark.many_ranks)], ids=["2-ranks", "4-ranks"])
+def ranks(request):
+    world, one_rank = request.param
+    return world, one_rank, run_multiprocess(cases.run_cases, world_size=world, args=(one_rank,), timeout_s=400)
+
+
+@pytest.mark.multiproc
+def test_the_trainer_searches_where_one_rank_runs_out_and_trains_like_a_plain_loop(ranks):
+    world, one_rank, per_rank = ranks
+    for rank, out in enumerate(per_rank):
+        run = out["search"]
+        # The Trainer's accumulation is automicro's: it hands the whole step's batch (4 x 2) at once.
+        assert run["args"] == (cases.PER_DEVICE * cases.ACCUMULATION, 1)
+        ooms = [h for h in run["history"] if h["outcome"] == "oom"]
+        assert ooms and all(h["failed_ranks"] == [one_rank] for h in ooms), run["history"]
+        assert [r["split"] for r in run["results"]] == [r["split"] for r in per_rank[0]["search"]["results"]]
+        assert all(max(r["split"]) <= 5 and sum(r["split"]) == 8 for r in run["results"]), run["results"]
+        assert run["results"][0]["attempts"] > 1 and run["results"][-1]["attempts"] == 1
+        assert run["results"][-1]["hooks"] is False
+        assert len(run["results"]) == cases.MAX_STEPS and run["steps"] == [cases.MAX_STEPS]
+        assert _max_error(run["params"], run["reference"]) <= TOLERANCE, rank
+        assert _max_error(run["params"], run["whole"]) <= TOLERANCE, rank
+        # The Trainer's log lines carry the automicro figures (wandb, tensorboard, ... get them as they are).
+        last = [line for line in run["logged"] if "loss" in line][-1]
+        assert last["automicro/found_size"] == 5 and last["automicro/ooms_total"] == len(ooms), last
+        assert last["automicro/last_oom_rank"] == one_rank
+
+
+@pytest.mark.multiproc
+def test_an_oom_after_the_hooks_are_off_costs_the_trainer_one_rerun_of_that_step(ranks):
+    world, one_rank, per_rank = ranks
+    for rank, out in enumerate(per_rank):
+        run = out["steady"]
+        late = [h for h in run["history"] if h["batch"] == 5]
+        assert [h["outcome"] for h in late] == ["oom", "ok"], run["history"]
+        assert late[0]["hooks"] is False and late[0]["failed_ranks"] == [one_rank]
+        assert run["results"][5]["split"] == run["results"][4]["split"] and run["results"][5]["attempts"] == 2
+        assert run["steps"] == [7]
+        assert _max_error(run["params"], run["reference"]) <= TOLERANCE, rank
+
+
+@pytest.mark.multiproc
+def test_a_resumed_trainer_starts_at_the_saved_split_and_ends_like_an_unbroken_loop(ranks):
+    world, one_rank, per_rank = ranks
+    for rank, out in enumerate(per_rank):
+        run = out["resume"]
+        first, second = run["first"], run["second"]
+        assert first["state"]["batches"] == 3 and second["state"]["batches"] == 6
+        # The resumed run trains at the saved split from its first step: no search, no OOM.
+        assert second["results"][0]["split"] == first["results"][-1]["split"]
+        assert all(r["attempts"] == 1 for r in second["results"]), second["results"]
+        assert not [h for h in second["history"] if h["outcome"] == "oom" and h["batch"] >= 3], second["history"]
+        assert _max_error(second["params"], run["reference"]) <= TOLERANCE, rank
+
+
+@pytest.mark.multiproc
+def test_the_trainer_refuses_what_it_cannot_guard_with_what_to_change(ranks):
+    world, one_rank, per_rank = ranks
+    for out in per_rank:
+        errors = out["errors"]
+        assert errors["checkpoints"]["type"] == "ValueError"
+        assert "save_strategy='no'" in errors["checkpoints"]["message"]
+        assert "fsdp_version" in errors["checkpoints"]["message"]
+        assert errors["ddp"]["type"] == "TypeError", errors["ddp"]
+        assert "DistributedDataParallel" in errors["ddp"]["message"] and "fsdp_version" in errors["ddp"]["message"]
+
+
+def test_the_trainers_own_batch_search_and_unknown_settings_are_refused_by_name(tmp_path):
+    from transformers import TrainingArguments
+
+    from automicro.hf import AutoMicrobatchTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), auto_find_batch_size=True, use_cpu=True, report_to=[])
+    with pytest.raises(ValueError, match="auto_find_batch_size=True.*set auto_find_batch_size=False"):
+        AutoMicrobatchTrainer(model=cases.llama(), args=args)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    with pytest.raises(TypeError, match=r"unknown automicro setting\(s\) \['max_grad_norm'\].*TrainingArguments.max_grad_norm"):
+        AutoMicrobatchTrainer(model=cases.llama(), args=args, automicro={"max_grad_norm": 1.0})
