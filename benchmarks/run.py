@@ -298,6 +298,8 @@ SUITES: dict[str, Suite] = {
     "varlen": Suite("variable-length data: the token budget against sample-count auto (one GPU)", _one_process("varlen.py", 590)),
     "torch_loop": Suite("a plain PyTorch loop: AutoStep against fixed sizes and accelerate's find_executable_batch_size (one GPU)",
                         _one_process("torch_loop.py", 590), cpu=True),
+    "hf_trainer": Suite("the Hugging Face Trainer with accelerate's FSDP2: AutoMicrobatchTrainer against fixed sizes and auto_find_batch_size",
+                        _one_process("hf_trainer.py", 590)),
     "ledger_cost": Suite("the collective ledger's watcher thread and bookkeeping, nothing failing", _torchrun_suite("ledger_cost.py", 240)),
     "link_probe": Suite("the engine's link probe (the bandwidth it plans with)", _torchrun_suite("link_probe.py", 90)),
 }
