@@ -154,7 +154,7 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
         training = TrainingArguments(
             output_dir=folder, per_device_train_batch_size=size, gradient_accumulation_steps=BATCH // size,
             max_steps=steps, bf16=True, learning_rate=1e-5, lr_scheduler_type="constant", report_to=[], logging_steps=1,
-            save_strategy="no", disable_tqdm=True, dataloader_num_workers=2, seed=5, optim="adamw_torch_fused",
+            disable_tqdm=True, dataloader_num_workers=2, seed=5, optim="adamw_torch_fused",
             auto_find_batch_size=name == "hf-auto", fsdp="full_shard",
             fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "reshard_after_forward": True},
             **extra,
@@ -186,7 +186,7 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
                        "state_file": os.path.exists(os.path.join(folder, f"checkpoint-{half}", "automicro_state.json"))}
             trainer.rows, trainer.first_full = first_rows + trainer.rows, first_full
         else:
-            trainer = trainer_for(args.steps)
+            trainer = trainer_for(args.steps, save_strategy="no")
             trainer.train()
     except Exception as exc:  # noqa: BLE001 - a variant that cannot run is a row of the table
         error = f"{type(exc).__name__}: {str(exc)[:300]}"
