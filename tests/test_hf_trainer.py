@@ -5,6 +5,13 @@ Trainer, over the batches the Trainer handed each rank."""
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from automicro.testing.multiprocess import run_multiprocess
@@ -98,3 +105,26 @@ def test_the_trainers_own_batch_search_and_unknown_settings_are_refused_by_name(
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     with pytest.raises(TypeError, match=r"unknown automicro setting\(s\) \['max_grad_norm'\].*TrainingArguments.max_grad_norm"):
         AutoMicrobatchTrainer(model=cases.llama(), args=args, automicro={"max_grad_norm": 1.0})
+
+
+@pytest.mark.multiproc
+def test_the_trainer_example_runs_on_two_cpu_ranks_under_a_memory_cap():
+    """examples/hf_trainer.py as a user runs it (torchrun, 2 gloo ranks), under a watchdog."""
+    root = Path(__file__).resolve().parents[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "examples/hf_trainer.py", "--cpu", "--steps", "5"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    proc = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"examples/hf_trainer.py hung (killed after 240 s):\n{output[-4000:]}")
+    assert proc.returncode == 0, output[-4000:]
+    # The emulated limit made the search run out of memory, and training went on to the last step.
+    found = re.search(r"trained (\d+) steps; split in use \[[\d, ]+\], OOMs (\d+)", output)
+    assert found is not None, output[-4000:]
+    assert int(found.group(1)) == 5 and int(found.group(2)) >= 1, found.group(0)
+    assert "automicro/found_size" in output  # the Trainer's log lines carry the figures
