@@ -21,6 +21,9 @@ setup(
             "transformers>=4.51",  # automicro.hf.AutoMicrobatchTrainer (tested on 4.51, 5.17, 5.24)
             "accelerate>=1.6",  # the Trainer's own dependency; FSDP2 through accelerate from 1.6
         ],
+        "lightning": [
+            "pytorch-lightning>=2.6,<2.7",  # automicro.lightning.AutoMicrobatch (manual optimization on AutoStep)
+        ],
         "plot": [
             "matplotlib>=3.7",  # scripts/plot_run.py
         ],
@@ -33,6 +36,7 @@ setup(
             "transformers>=4.51,<4.52",  # tests with Hugging Face models built from a config (llm-foundry 0.22's pin)
             "accelerate>=1.6,<1.9",  # tests/test_hf_trainer.py (llm-foundry 0.22 pins accelerate<1.9)
             "huggingface-hub<0.34",  # llm-foundry 0.22's pin (accelerate would raise it)
+            "pytorch-lightning==2.6.6",  # tests/test_lightning.py
         ],
     },
 )

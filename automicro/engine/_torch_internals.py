@@ -99,6 +99,25 @@ def param_group(module: FSDPModule) -> Any:
     return fsdp_state(module)._fsdp_param_group
 
 
+def fsdp_process_groups(modules: list[FSDPModule]) -> list[Any]:
+    """The process groups the modules' collectives run on (shard, then replicate for HSDP), in module
+    order, each once. Read from the param groups' mesh info, the groups `fully_shard` captured (on
+    2.7, 2.11 and 2.15 `FSDPMeshInfo.shard_process_group` / `replicate_process_group`): a mesh's
+    `get_group` can answer another group over the same ranks once a second mesh was built in the
+    process (torch 2.7: two Lightning fits, the second fit's FSDP collectives on a group the ledger
+    did not know)."""
+    groups: list[Any] = []
+    for module in modules:
+        group = param_group(module)
+        if group is None:
+            continue
+        info = group.mesh_info
+        for pg in (getattr(info, "shard_process_group", None), getattr(info, "replicate_process_group", None)):
+            if pg is not None and not any(pg is g for g in groups):
+                groups.append(pg)
+    return groups
+
+
 def set_unshard_async_op(module: FSDPModule, async_op: bool) -> None:
     # Private on 2.7, 2.11 and 2.15 (`FSDPModule._set_unshard_async_op`).
     module._set_unshard_async_op(async_op)

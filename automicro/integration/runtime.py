@@ -155,9 +155,11 @@ def _build_ledger(sharded: ShardedModel, consensus: Consensus, rank: int) -> Col
             None, [None], sharded.device, rank, poll_s=0, sequence_number=torch_internals.collective_sequence_number
         )
     groups: list[Any] = [dist.group.WORLD]
-    for dim in range(sharded.mesh.ndim):
-        group = sharded.mesh.get_group(dim)
-        if group not in groups:
+    # The mesh's groups, then the ones the FSDP2 modules captured (the same objects, unless another mesh
+    # over the same ranks was built in this process: `fsdp_process_groups`).
+    mesh_groups = [sharded.mesh.get_group(dim) for dim in range(sharded.mesh.ndim)]
+    for group in mesh_groups + torch_internals.fsdp_process_groups(sharded.fsdp_modules):
+        if not any(group is g for g in groups):
             groups.append(group)
     board = Board.create(consensus.group)
     if board is not None:

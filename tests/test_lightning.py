@@ -1,0 +1,86 @@
+"""`automicro.lightning.AutoMicrobatch`: Lightning's Trainer with `ModelParallelStrategy` (FSDP2) and
+manual optimization on `AutoStep`, a tiny Llama built from a config, 2 and 4 gloo ranks under the hang
+watchdog (tests/lightning_cases.py). Every reference is a plain loop with no automicro and no
+Lightning, over the batches each rank trained on."""
+
+from __future__ import annotations
+
+import pytest
+
+from automicro.testing.multiprocess import run_multiprocess
+from tests import lightning_cases as cases
+
+pytestmark = pytest.mark.lightning
+
+TOLERANCE = 1e-5
+
+
+def _max_error(a, b) -> float:
+    assert set(a) == set(b), (sorted(a), sorted(b))
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.fixture(scope="module", params=[(2, 1), pytest.param((4, 2), marks=pytest.mark.many_ranks)], ids=["2-ranks", "4-ranks"])
+def ranks(request, tmp_path_factory):
+    world, one_rank = request.param
+    folder = str(tmp_path_factory.mktemp("lightning"))
+    return world, one_rank, run_multiprocess(cases.run_cases, world_size=world, args=(one_rank, folder), timeout_s=400)
+
+
+@pytest.mark.multiproc
+def test_lightning_searches_where_one_rank_runs_out_and_trains_like_a_plain_loop(ranks):
+    world, one_rank, per_rank = ranks
+    for rank, out in enumerate(per_rank):
+        run = out["search"]
+        ooms = [h for h in run["history"] if h["outcome"] == "oom"]
+        assert ooms and all(h["failed_ranks"] == [one_rank] for h in ooms), run["history"]
+        assert [r["split"] for r in run["results"]] == [r["split"] for r in per_rank[0]["search"]["results"]]
+        assert all(max(r["split"]) <= 5 and sum(r["split"]) == cases.BATCH for r in run["results"]), run["results"]
+        assert run["results"][0]["attempts"] > 1 and run["results"][-1]["hooks"] is False
+        # Lightning counted every optimizer step (max_steps, schedules and checkpoints see them).
+        assert run["global_step"] == cases.STEPS and len(run["results"]) == cases.STEPS
+        assert _max_error(run["params"], run["reference"]) <= TOLERANCE, rank
+        assert "automicro/found_size" in run["logged"] and "automicro/ooms_total" in run["logged"]
+
+
+@pytest.mark.multiproc
+def test_an_oom_after_the_hooks_are_off_costs_lightning_one_rerun_of_that_batch(ranks):
+    world, one_rank, per_rank = ranks
+    for rank, out in enumerate(per_rank):
+        run = out["steady"]
+        late = [h for h in run["history"] if h["batch"] == 5]
+        assert [h["outcome"] for h in late] == ["oom", "ok"], run["history"]
+        assert late[0]["hooks"] is False and late[0]["failed_ranks"] == [one_rank]
+        assert run["results"][5]["split"] == run["results"][4]["split"] and run["results"][5]["attempts"] == 2
+        assert run["global_step"] == 7
+        # The second fit of the process built a second mesh over the same ranks: its FSDP2 groups are tracked.
+        assert run["groups_tracked"] is True
+        assert _max_error(run["params"], run["reference"]) <= TOLERANCE, rank
+
+
+@pytest.mark.multiproc
+def test_lightning_resumes_from_its_own_checkpoint_at_the_saved_split(ranks):
+    world, one_rank, per_rank = ranks
+    for rank, out in enumerate(per_rank):
+        run = out["resume"]
+        first, second = run["first"], run["second"]
+        assert first["global_step"] == 3 and second["global_step"] == 6 and len(second["results"]) == 3
+        assert second["state"]["batches"] == 6
+        assert second["results"][0]["split"] == first["results"][-1]["split"]
+        assert all(r["attempts"] == 1 for r in second["results"]), second["results"]
+        assert not [h for h in second["history"] if h["outcome"] == "oom" and h["batch"] >= 3], second["history"]
+        assert _max_error(second["params"], run["reference"]) <= TOLERANCE, rank
+
+
+@pytest.mark.multiproc
+def test_automatic_optimization_is_refused_with_the_recipe(ranks):
+    for out in ranks[2]:
+        assert out["automatic"]["type"] == "ValueError", out["automatic"]
+        assert "self.automatic_optimization = False" in out["automatic"]["message"]
+
+
+def test_unknown_settings_are_refused_by_name():
+    from automicro.lightning import AutoMicrobatch
+
+    with pytest.raises(TypeError, match=r"unknown setting\(s\) \['eval_oom'\]"):
+        AutoMicrobatch(eval_oom=True)
