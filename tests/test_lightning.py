@@ -5,6 +5,13 @@ Lightning, over the batches each rank trained on."""
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from automicro.testing.multiprocess import run_multiprocess
@@ -84,3 +91,26 @@ def test_unknown_settings_are_refused_by_name():
 
     with pytest.raises(TypeError, match=r"unknown setting\(s\) \['eval_oom'\]"):
         AutoMicrobatch(eval_oom=True)
+
+
+@pytest.mark.multiproc
+def test_the_lightning_example_runs_on_two_cpu_ranks_under_a_memory_cap():
+    """examples/lightning.py as a user runs it (torchrun, 2 gloo ranks), under a watchdog."""
+    root = Path(__file__).resolve().parents[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "examples/lightning.py", "--cpu", "--steps", "5"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    proc = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"examples/lightning.py hung (killed after 240 s):\n{output[-4000:]}")
+    assert proc.returncode == 0, output[-4000:]
+    steps = [line for line in output.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in steps] == [f"step {i}" for i in range(5)], output[-4000:]
+    # The emulated limit made the search run out of memory, and training went on to the last step.
+    assert int(re.search(r"OOMs so far (\d+)", steps[-1]).group(1)) >= 1, output[-4000:]
+    assert "trained 5 steps" in output
