@@ -505,3 +505,42 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def compare_variants(suite: str, variants: list[str], passthrough: list[str], out: str, ranks: int, skip: int,
+                     timeout: float, argv: list[str], settings: dict[str, Any], first: str = "first full batch s") -> int:
+    """Each variant of a suite in its own launch (`argv` + ``--variant=name`` + `passthrough`),
+    its ranks' results gathered (`gather_ranks`), throughput against the best `fixed-*` variant; prints
+    the table (``[suite] | ...`` lines) and writes `OUT/<suite>.json` and `OUT/<suite>_table.txt`."""
+    results = []
+    for name in variants:
+        started = time.perf_counter()
+        done = run_launch([*argv, f"--variant={name}", *passthrough], timeout)
+        result = gather_ranks(out, f"{suite}_{name}", ranks, skip, ("ooms", "allocator_ooms", "microbatch", "peak_gib", "error", "batches"))
+        if result is None:
+            result = {"variant": name, "error": f"no result (rc {done.returncode}): {(done.stderr or '')[-600:]}",
+                      "stderr_tail": (done.stderr or "")[-12000:]}
+        result["launch_s"] = round(time.perf_counter() - started, 1)
+        lines = [line for line in (done.stdout or "").splitlines() if line.startswith("[automicro]")]
+        result["console"] = lines[-40:]
+        if lines:
+            print(f"[{suite}:detail] {name}: " + " / ".join(lines[-5:]), flush=True)
+        results.append(result)
+    best = max((r["real_tokens_per_s"] for r in results if r["variant"].startswith("fixed-") and r.get("real_tokens_per_s")
+                and not r.get("error")), default=None)
+    rows = []
+    for r in results:
+        tps = r.get("real_tokens_per_s") if not r.get("error") else None
+        r["vs_best_fixed"] = tps / best if tps and best else None
+        rows.append([
+            r["variant"], fmt(tps, ",.0f") if tps else "–", fmt(r["vs_best_fixed"], ".3f") if r["vs_best_fixed"] else "–",
+            fmt(r.get("first_full_batch_s"), ".1f"), r.get("ooms", "–"), r.get("microbatch", "–"),
+            r.get("microbatches", "–"), fmt(r.get("peak_gib"), ".1f"), (r.get("error") or "")[:70],
+        ])
+    header = ["variant", "real tokens/s", "vs best fixed", first, "OOMs", "microbatch", "microbatches", "peak GiB", "error"]
+    for line in table_lines(header, rows):
+        print(f"[{suite}] | {line}", flush=True)
+    write_json(os.path.join(out, f"{suite}.json"), {"args": settings, "results": results})
+    with open(os.path.join(out, f"{suite}_table.txt"), "w", encoding="utf-8") as handle:
+        handle.write("\n".join(table_lines(header, rows)) + "\n")
+    return 0

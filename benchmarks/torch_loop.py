@@ -32,7 +32,6 @@ Per variant: seconds from the start of training to the first full batch trained,
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -230,41 +229,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                    f"--memory-fraction={args.memory_fraction}", f"--memory-fractions={args.memory_fractions}",
                    f"--ranks={args.ranks}", f"--timeout={args.timeout}"]
     passthrough += ["--cpu"] * args.cpu + ["--tiny"] * args.tiny + ["--varlen"] * args.varlen
-    results = []
-    for name in args.variants.split(","):
-        started = time.perf_counter()
-        argv = ([sys.executable, os.path.abspath(__file__)] if args.ranks == 1 else
-                harness.torchrun(args.ranks, os.path.basename(__file__)))
-        done = harness.run_launch([*argv, f"--variant={name}", *passthrough], args.timeout)
-        result = harness.gather_ranks(args.out, f"torch_loop_{name}", args.ranks, args.skip,
-                                      ("ooms", "allocator_ooms", "microbatch", "peak_gib", "error", "batches"))
-        if result is None:
-            result = {"variant": name, "error": f"no result (rc {done.returncode}): {(done.stderr or '')[-600:]}",
-                      "stderr_tail": (done.stderr or "")[-12000:]}
-        result["launch_s"] = round(time.perf_counter() - started, 1)
-        lines = [line for line in (done.stdout or "").splitlines() if line.startswith("[automicro]")]
-        result["console"] = lines[-40:]
-        if lines:
-            print(f"[torch_loop:detail] {name}: " + " / ".join(lines[-5:]), flush=True)
-        results.append(result)
-    best = max((r["real_tokens_per_s"] for r in results if r["variant"].startswith("fixed-") and r.get("real_tokens_per_s")
-                and not r.get("error")), default=None)
-    rows = []
-    for r in results:
-        tps = r.get("real_tokens_per_s") if not r.get("error") else None
-        r["vs_best_fixed"] = tps / best if tps and best else None
-        rows.append([
-            r["variant"], harness.fmt(tps, ",.0f") if tps else "–", harness.fmt(r["vs_best_fixed"], ".3f") if r["vs_best_fixed"] else "–",
-            harness.fmt(r.get("first_full_batch_s"), ".1f"), r.get("ooms", "–"), r.get("microbatch", "–"),
-            r.get("microbatches", "–"), harness.fmt(r.get("peak_gib"), ".1f"), (r.get("error") or "")[:70],
-        ])
-    header = ["variant", "real tokens/s", "vs best fixed", "first full batch s", "OOMs", "microbatch", "microbatches", "peak GiB", "error"]
-    for line in harness.table_lines(header, rows):
-        print(f"[torch_loop] | {line}", flush=True)
-    harness.write_json(os.path.join(args.out, "torch_loop.json"), {"args": vars(args), "results": results})
-    with open(os.path.join(args.out, "torch_loop_table.txt"), "w", encoding="utf-8") as handle:
-        handle.write("\n".join(harness.table_lines(header, rows)) + "\n")
-    return 0
+    argv = ([sys.executable, os.path.abspath(__file__)] if args.ranks == 1 else harness.torchrun(args.ranks, os.path.basename(__file__)))
+    return harness.compare_variants("torch_loop", args.variants.split(","), passthrough, args.out, args.ranks, args.skip,
+                                    args.timeout, argv, vars(args))
 
 
 if __name__ == "__main__":

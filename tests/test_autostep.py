@@ -6,24 +6,15 @@ The cases run in tests/autostep_cases.py; every reference is a plain loop with n
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from automicro.testing.multiprocess import run_multiprocess
 from tests import autostep_cases as cases
+from tests.toy_models import max_error, run_example
 
 TOLERANCE = 1e-5
-
-
-def _max_error(a, b) -> float:
-    assert set(a) == set(b), (sorted(a), sorted(b))
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
 @pytest.fixture(scope="module", params=[(2, 1), pytest.param((4, 2), marks=pytest.mark.many_ranks)], ids=["2-ranks", "4-ranks"])
@@ -47,8 +38,8 @@ def test_a_search_where_one_rank_runs_out_trains_every_batch_like_a_plain_loop(r
         assert run["results"][-1]["hooks"] is False
         assert run["steps"] == [6]
         # The parameters of a plain loop at the same splits, and of the whole batch at once.
-        assert _max_error(run["params"], run["reference"]) <= TOLERANCE, rank
-        assert _max_error(run["params"], run["whole"]) <= TOLERANCE, rank
+        assert max_error(run["params"], run["reference"]) <= TOLERANCE, rank
+        assert max_error(run["params"], run["whole"]) <= TOLERANCE, rank
         assert run["metrics"]["automicro/found_size"] == 5 and run["metrics"]["automicro/ooms_total"] == len(ooms)
         assert run["metrics"]["automicro/last_oom_rank"] == one_rank
         assert run["patched_after_close"] is False
@@ -67,8 +58,8 @@ def test_an_oom_after_the_hooks_are_off_costs_one_rerun_of_that_batch_and_clippi
         assert run["steps"] == [7]
         # Clipped as torch's own clip_grad_norm_ clips (every norm above the bound: it acted).
         assert all(r["grad_norm"] > cases.CLIP for r in run["results"]), run["results"]
-        assert _max_error(run["params"], run["reference"]) <= TOLERANCE, rank
-        assert _max_error(run["params"], run["unclipped"]) > 100 * TOLERANCE
+        assert max_error(run["params"], run["reference"]) <= TOLERANCE, rank
+        assert max_error(run["params"], run["unclipped"]) > 100 * TOLERANCE
 
 
 @pytest.mark.multiproc
@@ -83,7 +74,7 @@ def test_a_resumed_autostep_starts_at_the_split_it_saved_and_ends_like_an_unbrok
         assert all(r["attempts"] == 1 for r in second["results"]), second["results"]
         assert second["results"][0]["hooks"] is True and second["results"][-1]["hooks"] is False
         assert not [h for h in second["history"] if h["batch"] >= 3 and h["outcome"] == "oom"]
-        assert _max_error(second["params"], run["reference"]) <= TOLERANCE, rank
+        assert max_error(second["params"], run["reference"]) <= TOLERANCE, rank
 
 
 @pytest.mark.multiproc
@@ -107,7 +98,7 @@ def test_padded_rows_under_the_token_budget_train_like_whole_batches_per_loss_to
         assert ooms and all(h["failed_ranks"] == [one_rank] for h in ooms), run["history"]
         assert all(len(r["split"]) > 1 for r in run["results"]), run["results"]  # the batches were cut
         assert run["moved"] > 100 * TOLERANCE  # the parameters moved: the comparison can tell
-        assert _max_error(run["params"], run["reference"]) <= TOLERANCE, rank
+        assert max_error(run["params"], run["reference"]) <= TOLERANCE, rank
 
 
 @pytest.fixture(scope="module")
@@ -132,19 +123,7 @@ def test_what_a_plain_loop_gets_wrong_is_refused_with_what_to_change(errors):
 @pytest.mark.multiproc
 def test_the_plain_loop_example_runs_on_two_cpu_ranks_under_a_memory_cap():
     """examples/torch_loop.py as a user runs it (torchrun, 2 gloo ranks), under a watchdog."""
-    root = Path(__file__).resolve().parents[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "examples/torch_loop.py", "--cpu", "--batches", "6"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
-    proc = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"examples/torch_loop.py hung (killed after 240 s):\n{output[-4000:]}")
-    assert proc.returncode == 0, output[-4000:]
+    output = run_example("torch_loop.py", "--cpu", "--batches", "6")
     lines = [line for line in output.splitlines() if line.startswith("batch ")]
     assert [line.split(":")[0] for line in lines] == [f"batch {i}" for i in range(6)], output[-4000:]
     # The emulated limit made the search run out of memory, and the run went on to the last batch.
@@ -170,4 +149,4 @@ def test_one_rank_and_a_batch_of_one_sample():
     assert [r["split"] for r in out["results"]][-1] == (1,)
     assert all(max(r["split"]) <= 3 for r in out["results"]), out["results"]
     assert out["steps"] == [5]
-    assert _max_error(out["params"], out["reference"]) <= TOLERANCE
+    assert max_error(out["params"], out["reference"]) <= TOLERANCE

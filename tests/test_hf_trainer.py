@@ -5,26 +5,17 @@ Trainer, over the batches the Trainer handed each rank."""
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from automicro.testing.multiprocess import run_multiprocess
 from tests import hf_trainer_cases as cases
+from tests.toy_models import max_error, run_example
 
 pytestmark = pytest.mark.hf
 
 TOLERANCE = 1e-5
-
-
-def _max_error(a, b) -> float:
-    assert set(a) == set(b), (sorted(a), sorted(b))
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
 @pytest.fixture(scope="module", params=[(2, 1), pytest.param((4, 2), marks=pytest.mark.many_ranks)], ids=["2-ranks", "4-ranks"])
@@ -47,8 +38,8 @@ def test_the_trainer_searches_where_one_rank_runs_out_and_trains_like_a_plain_lo
         assert run["results"][0]["attempts"] > 1 and run["results"][-1]["attempts"] == 1
         assert run["results"][-1]["hooks"] is False
         assert len(run["results"]) == cases.MAX_STEPS and run["steps"] == [cases.MAX_STEPS]
-        assert _max_error(run["params"], run["reference"]) <= TOLERANCE, rank
-        assert _max_error(run["params"], run["whole"]) <= TOLERANCE, rank
+        assert max_error(run["params"], run["reference"]) <= TOLERANCE, rank
+        assert max_error(run["params"], run["whole"]) <= TOLERANCE, rank
         # The Trainer's log lines carry the automicro figures (wandb, tensorboard, ... get them as they are).
         last = [line for line in run["logged"] if "loss" in line][-1]
         assert last["automicro/found_size"] == 5 and last["automicro/ooms_total"] == len(ooms), last
@@ -65,7 +56,7 @@ def test_an_oom_after_the_hooks_are_off_costs_the_trainer_one_rerun_of_that_step
         assert late[0]["hooks"] is False and late[0]["failed_ranks"] == [one_rank]
         assert run["results"][5]["split"] == run["results"][4]["split"] and run["results"][5]["attempts"] == 2
         assert run["steps"] == [7]
-        assert _max_error(run["params"], run["reference"]) <= TOLERANCE, rank
+        assert max_error(run["params"], run["reference"]) <= TOLERANCE, rank
 
 
 @pytest.mark.multiproc
@@ -79,7 +70,7 @@ def test_a_resumed_trainer_starts_at_the_saved_split_and_ends_like_an_unbroken_l
         assert second["results"][0]["split"] == first["results"][-1]["split"]
         assert all(r["attempts"] == 1 for r in second["results"]), second["results"]
         assert not [h for h in second["history"] if h["outcome"] == "oom" and h["batch"] >= 3], second["history"]
-        assert _max_error(second["params"], run["reference"]) <= TOLERANCE, rank
+        assert max_error(second["params"], run["reference"]) <= TOLERANCE, rank
 
 
 @pytest.mark.multiproc
@@ -110,19 +101,7 @@ def test_the_trainers_own_batch_search_and_unknown_settings_are_refused_by_name(
 @pytest.mark.multiproc
 def test_the_trainer_example_runs_on_two_cpu_ranks_under_a_memory_cap():
     """examples/hf_trainer.py as a user runs it (torchrun, 2 gloo ranks), under a watchdog."""
-    root = Path(__file__).resolve().parents[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "examples/hf_trainer.py", "--cpu", "--steps", "5"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
-    proc = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"examples/hf_trainer.py hung (killed after 240 s):\n{output[-4000:]}")
-    assert proc.returncode == 0, output[-4000:]
+    output = run_example("hf_trainer.py", "--cpu", "--steps", "5")
     # The emulated limit made the search run out of memory, and training went on to the last step.
     found = re.search(r"trained (\d+) steps; split in use \[[\d, ]+\], OOMs (\d+)", output)
     assert found is not None, output[-4000:]

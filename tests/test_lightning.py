@@ -5,26 +5,17 @@ Lightning, over the batches each rank trained on."""
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from automicro.testing.multiprocess import run_multiprocess
 from tests import lightning_cases as cases
+from tests.toy_models import max_error, run_example
 
 pytestmark = pytest.mark.lightning
 
 TOLERANCE = 1e-5
-
-
-def _max_error(a, b) -> float:
-    assert set(a) == set(b), (sorted(a), sorted(b))
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
 @pytest.fixture(scope="module", params=[(2, 1), pytest.param((4, 2), marks=pytest.mark.many_ranks)], ids=["2-ranks", "4-ranks"])
@@ -46,7 +37,7 @@ def test_lightning_searches_where_one_rank_runs_out_and_trains_like_a_plain_loop
         assert run["results"][0]["attempts"] > 1 and run["results"][-1]["hooks"] is False
         # Lightning counted every optimizer step (max_steps, schedules and checkpoints see them).
         assert run["global_step"] == cases.STEPS and len(run["results"]) == cases.STEPS
-        assert _max_error(run["params"], run["reference"]) <= TOLERANCE, rank
+        assert max_error(run["params"], run["reference"]) <= TOLERANCE, rank
         assert "automicro/found_size" in run["logged"] and "automicro/ooms_total" in run["logged"]
 
 
@@ -62,7 +53,7 @@ def test_an_oom_after_the_hooks_are_off_costs_lightning_one_rerun_of_that_batch(
         assert run["global_step"] == 7
         # The second fit of the process built a second mesh over the same ranks: its FSDP2 groups are tracked.
         assert run["groups_tracked"] is True
-        assert _max_error(run["params"], run["reference"]) <= TOLERANCE, rank
+        assert max_error(run["params"], run["reference"]) <= TOLERANCE, rank
 
 
 @pytest.mark.multiproc
@@ -76,7 +67,7 @@ def test_lightning_resumes_from_its_own_checkpoint_at_the_saved_split(ranks):
         assert second["results"][0]["split"] == first["results"][-1]["split"]
         assert all(r["attempts"] == 1 for r in second["results"]), second["results"]
         assert not [h for h in second["history"] if h["outcome"] == "oom" and h["batch"] >= 3], second["history"]
-        assert _max_error(second["params"], run["reference"]) <= TOLERANCE, rank
+        assert max_error(second["params"], run["reference"]) <= TOLERANCE, rank
 
 
 @pytest.mark.multiproc
@@ -96,19 +87,7 @@ def test_unknown_settings_are_refused_by_name():
 @pytest.mark.multiproc
 def test_the_lightning_example_runs_on_two_cpu_ranks_under_a_memory_cap():
     """examples/lightning.py as a user runs it (torchrun, 2 gloo ranks), under a watchdog."""
-    root = Path(__file__).resolve().parents[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "examples/lightning.py", "--cpu", "--steps", "5"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
-    proc = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"examples/lightning.py hung (killed after 240 s):\n{output[-4000:]}")
-    assert proc.returncode == 0, output[-4000:]
+    output = run_example("lightning.py", "--cpu", "--steps", "5")
     steps = [line for line in output.splitlines() if line.startswith("step ")]
     assert [line.split(":")[0] for line in steps] == [f"step {i}" for i in range(5)], output[-4000:]
     # The emulated limit made the search run out of memory, and training went on to the last step.
