@@ -35,3 +35,12 @@ def run(
         out, _ = proc.communicate()
         pytest.fail(f"hang: {' '.join(args)} did not finish within {timeout_s} s\n{out[-4000:]}")
     return subprocess.CompletedProcess(args, proc.returncode, out, None)
+
+
+def run_example(script: str, *args: str, timeout_s: int = 240) -> str:
+    """`examples/<script>` as a user runs it (torchrun, 2 ranks, the repo on PYTHONPATH) under the
+    hang timeout; its output. A non-zero exit fails the test."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", f"examples/{script}", *args]
+    done = run(command, timeout_s, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stdout[-4000:]
+    return done.stdout

@@ -12,7 +12,9 @@ import pytest
 
 from automicro.testing.multiprocess import run_multiprocess
 from tests import autostep_cases as cases
-from tests.toy_models import max_error, run_example
+from tests.adapter_checks import check_steady_oom
+from tests.launch import run_example
+from tests.toy_models import max_error
 
 TOLERANCE = 1e-5
 
@@ -50,15 +52,11 @@ def test_an_oom_after_the_hooks_are_off_costs_one_rerun_of_that_batch_and_clippi
     world, one_rank, per_rank = ranks
     for rank, out in enumerate(per_rank):
         run = out["steady"]
-        late = [h for h in run["history"] if h["batch"] == 5]
-        assert [h["outcome"] for h in late] == ["oom", "ok"], run["history"]
-        assert late[0]["hooks"] is False and late[0]["failed_ranks"] == [one_rank]
         # The same split again (the size holds), every batch trained once.
-        assert run["results"][5]["split"] == run["results"][4]["split"] and run["results"][5]["attempts"] == 2
+        check_steady_oom(run, one_rank, rank)
         assert run["steps"] == [7]
         # Clipped as torch's own clip_grad_norm_ clips (every norm above the bound: it acted).
         assert all(r["grad_norm"] > cases.CLIP for r in run["results"]), run["results"]
-        assert max_error(run["params"], run["reference"]) <= TOLERANCE, rank
         assert max_error(run["params"], run["unclipped"]) > 100 * TOLERANCE
 
 

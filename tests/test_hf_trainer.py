@@ -11,7 +11,9 @@ import pytest
 
 from automicro.testing.multiprocess import run_multiprocess
 from tests import hf_trainer_cases as cases
-from tests.toy_models import max_error, run_example
+from tests.adapter_checks import check_steady_oom
+from tests.launch import run_example
+from tests.toy_models import max_error
 
 pytestmark = pytest.mark.hf
 
@@ -51,12 +53,8 @@ def test_an_oom_after_the_hooks_are_off_costs_the_trainer_one_rerun_of_that_step
     world, one_rank, per_rank = ranks
     for rank, out in enumerate(per_rank):
         run = out["steady"]
-        late = [h for h in run["history"] if h["batch"] == 5]
-        assert [h["outcome"] for h in late] == ["oom", "ok"], run["history"]
-        assert late[0]["hooks"] is False and late[0]["failed_ranks"] == [one_rank]
-        assert run["results"][5]["split"] == run["results"][4]["split"] and run["results"][5]["attempts"] == 2
+        check_steady_oom(run, one_rank, rank)
         assert run["steps"] == [7]
-        assert max_error(run["params"], run["reference"]) <= TOLERANCE, rank
 
 
 @pytest.mark.multiproc

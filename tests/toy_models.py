@@ -86,30 +86,3 @@ def max_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert set(a) == set(b), (sorted(a), sorted(b))
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
-
-def run_example(script: str, *args: str, timeout_s: float = 240) -> str:
-    """`examples/<script>` as a user runs it: torchrun, 2 ranks, under a watchdog (killed with all its
-    processes past `timeout_s`: a failing test); its output (stdout and stderr). Fails the test on a
-    non-zero exit."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import pytest
-
-    root = Path(__file__).resolve().parents[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               f"examples/{script}", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
-    proc = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"examples/{script} hung (killed after {timeout_s:.0f} s):\n{output[-4000:]}")
-    assert proc.returncode == 0, output[-4000:]
-    return output
