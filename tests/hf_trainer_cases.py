@@ -126,10 +126,17 @@ def _trainer_class() -> Any:
     return Recording
 
 
+def flatten(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """transformers' own `DataCollatorWithFlattening`: every sample end to end in one row."""
+    from transformers import DataCollatorWithFlattening
+
+    return DataCollatorWithFlattening()([{k: v.tolist() for k, v in s.items()} for s in samples])
+
+
 def _train(
     injectors: tuple[FaultInjector, ...] = (), state: Optional[dict[str, Any]] = None,
     model_state: Optional[tuple[torch.nn.Module, torch.optim.Optimizer]] = None, dataset: Optional[Dataset] = None,
-    **overrides: Any,
+    collator: Any = collate, **overrides: Any,
 ) -> dict[str, Any]:
     model, optimizer = model_state or build()
     adopt(model)
@@ -138,7 +145,7 @@ def _train(
         injector.arm(sites, model)
     with tempfile.TemporaryDirectory() as folder:
         trainer = _trainer_class()(
-            model=model, args=arguments(folder, **overrides), train_dataset=dataset or Texts(), data_collator=collate,
+            model=model, args=arguments(folder, **overrides), train_dataset=dataset or Texts(), data_collator=collator,
             optimizers=(optimizer, None), automicro={"stable_batches": 2, "log_attempts": False, "sites": sites},
         )
         if state is not None:
@@ -171,6 +178,31 @@ def reference(batches: list[dict[str, torch.Tensor]], splits: list[tuple[int, ..
             share = float(tokens[start:start + size].sum()) / per_rank
             (model(**microbatch).loss * share).backward()
             start += size
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=True)
+        optimizer.step()
+    return full_state(model)
+
+
+def reference_flattened(batches: list[dict[str, torch.Tensor]], splits: list[tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """`reference` for flattened rows: each microbatch the row's columns from one sample's start
+    (position_ids 0) to the start of the sample `size` later."""
+    model, optimizer = build()
+    world = dist.get_world_size()
+    for batch, split in zip(batches, splits):
+        optimizer.zero_grad(set_to_none=True)
+        starts = [i for i, p in enumerate(batch["position_ids"][0].tolist()) if p == 0] + [batch["input_ids"].shape[1]]
+        total = (batch["labels"][:, 1:] != -100).sum().double().reshape(1)
+        dist.all_reduce(total)
+        per_rank = float(total.item()) / world
+        first = 0
+        for size in split:
+            lo, hi = starts[first], starts[first + size]
+            microbatch = {k: v[:, lo:hi] for k, v in batch.items()}
+            share = float((microbatch["labels"][:, 1:] != -100).sum()) / per_rank
+            # No KV cache in training, as the Trainer sets it (transformers 5: use_cache=False): the model then
+            # keeps attention within each sample of the row from position_ids (with a cache it does not).
+            (model(**microbatch, use_cache=False).loss * share).backward()
+            first += size
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=True)
         optimizer.step()
     return full_state(model)
@@ -214,7 +246,12 @@ def run_cases(rank: int, world_size: int, one_rank: int) -> dict[str, Any]:
         "reference": reference(first["seen"] + second["seen"], [tuple(r["split"]) for r in first["results"] + second["results"]]),
     }
 
-    # 4. What is refused, with what to change.
+    # 4. Flattened batches (transformers' DataCollatorWithFlattening: one row, no padding), cut at sample starts.
+    run = _train((FaultInjector("forward", ranks=[one_rank], above=5),), collator=flatten, max_steps=4)
+    out["flattened"] = {**_plain(run), "rows": [tuple(b["input_ids"].shape) for b in run["seen"]],
+                        "reference": reference_flattened(run["seen"], [tuple(r["split"]) for r in run["results"]])}
+
+    # 5. What is refused, with what to change.
     from automicro.hf import AutoMicrobatchTrainer
 
     with tempfile.TemporaryDirectory() as folder:

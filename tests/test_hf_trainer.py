@@ -72,6 +72,19 @@ def test_a_resumed_trainer_starts_at_the_saved_split_and_ends_like_an_unbroken_l
 
 
 @pytest.mark.multiproc
+def test_flattened_batches_are_cut_at_sample_starts_and_train_like_a_plain_loop(ranks):
+    world, one_rank, per_rank = ranks
+    for rank, out in enumerate(per_rank):
+        run = out["flattened"]
+        # One row per step (the collator's), 8 samples in it; split into samples at most 5 after the OOMs.
+        assert all(rows[0] == 1 for rows in run["rows"]), run["rows"]
+        ooms = [h for h in run["history"] if h["outcome"] == "oom"]
+        assert ooms and all(h["failed_ranks"] == [one_rank] for h in ooms), run["history"]
+        assert all(max(r["split"]) <= 5 and sum(r["split"]) == 8 for r in run["results"]), run["results"]
+        assert max_error(run["params"], run["reference"]) <= TOLERANCE, rank
+
+
+@pytest.mark.multiproc
 def test_the_trainer_refuses_what_it_cannot_guard_with_what_to_change(ranks):
     world, one_rank, per_rank = ranks
     for out in per_rank:
@@ -105,3 +118,20 @@ def test_the_trainer_example_runs_on_two_cpu_ranks_under_a_memory_cap():
     assert found is not None, output[-4000:]
     assert int(found.group(1)) == 5 and int(found.group(2)) >= 1, found.group(0)
     assert "automicro/found_size" in output  # the Trainer's log lines carry the figures
+
+
+def test_a_flattened_row_is_cut_at_its_sample_starts_and_whole_row_extras_are_refused():
+    import torch
+
+    from automicro.integration import flattened
+    from automicro.integration.torch_host import count_samples
+
+    row = {"input_ids": torch.arange(10)[None], "labels": torch.arange(10)[None],
+           "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 0]])}
+    assert flattened.is_flattened(row) and count_samples(row) == 4
+    first, second = flattened.split(row, (2, 2))
+    assert first["position_ids"].tolist() == [[0, 1, 2, 0, 1]] and second["input_ids"].tolist() == [[5, 6, 7, 8, 9]]
+    assert [count_samples(part) for part in flattened.split(row, (3, 1))] == [3, 1]
+    assert not flattened.is_flattened({"input_ids": torch.zeros(2, 5), "position_ids": torch.zeros(2, 5)})
+    with pytest.raises(flattened.FlattenedBatchError, match="return_flash_attn_kwargs"):
+        flattened.split({**row, "cu_seq_lens_q": torch.tensor([0, 3, 5, 9, 10])}, (2, 2))

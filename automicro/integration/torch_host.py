@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from automicro.integration import flattened
 from automicro.integration.splitting import UnsplittableBatch, split_by_sizes
 
 LossFn = Callable[[torch.nn.Module, Any], Any]
@@ -53,7 +54,10 @@ def loss_tensor(output: Any) -> torch.Tensor:
 
 
 def count_samples(batch: Any) -> int:
-    """The samples of a batch: the first dimension of its first tensor (or length of its first list)."""
+    """The samples of a batch: the first dimension of its first tensor (or length of its first list);
+    of a flattened batch (one row, `position_ids` restarting per sample), its samples in the row."""
+    if flattened.is_flattened(batch):
+        return flattened.count(batch)
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() else 1
     values = list(batch.values()) if isinstance(batch, Mapping) else list(batch) if isinstance(batch, (list, tuple)) else []
@@ -113,6 +117,11 @@ class TorchHost:
         return count_samples(self.batch)
 
     def split(self, sizes: tuple[int, ...]) -> list[Any]:
+        if flattened.is_flattened(self.batch):
+            try:
+                return flattened.split(self.batch, sizes)
+            except flattened.FlattenedBatchError as error:
+                raise StepInputError(str(error)) from error
         try:
             return split_by_sizes(self.batch, sizes)
         except UnsplittableBatch as error:
