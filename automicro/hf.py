@@ -161,17 +161,21 @@ class AutoMicrobatchTrainer(Trainer):
         if saved is not None:
             self._resume_state = saved
         try:
-            return super().train(resume_from_checkpoint, *args, **kwargs)
+            result = super().train(resume_from_checkpoint, *args, **kwargs)
         except BaseException as error:
-            auto, self._auto = self._auto, None
-            if auto is not None:
-                auto.__exit__(type(error), error, error.__traceback__)  # the job-lost alarm, then close
+            self._finish(error)
             raise
-        finally:
-            auto, self._auto = self._auto, None
-            if auto is not None:
-                self._last_state = auto.state_dict()
-                auto.close()
+        self._finish(None)
+        return result
+
+    def _finish(self, error: Optional[BaseException]) -> None:
+        """Keep the search's state and close the AutoStep; after an error, through its job-lost alarm
+        (which raises the error every rank sees)."""
+        auto, self._auto = self._auto, None
+        if auto is None:
+            return
+        self._last_state = auto.state_dict()
+        auto.__exit__(None if error is None else type(error), error, None if error is None else error.__traceback__)
 
     def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None, *args: Any) -> torch.Tensor:
         """The whole per-device batch of one optimizer step: split, run, agree, retry (`AutoStep`);

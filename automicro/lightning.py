@@ -124,25 +124,22 @@ class AutoMicrobatch(pl.Callback):
                 pl_module.log_dict(figures, on_step=True, on_epoch=False)
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._close(pl_module)
+        self._close(None)
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
-        auto = self.auto
+        # An OOM or an error outside any attempt: the job-lost alarm tells every rank (no rank hangs in a
+        # collective waiting for this one); Lightning re-raises the exception itself.
+        self._close(exception)
+
+    def _close(self, error: Optional[BaseException]) -> None:
+        auto, self.auto = self.auto, None
         if auto is None:
             return
-        self.auto = None
+        self._last = auto.state_dict()
         try:
-            # An OOM or an error outside any attempt: the job-lost alarm tells every rank (no rank hangs in a
-            # collective waiting for this one); Lightning re-raises the exception itself.
-            auto.search.lost(exception, "between steps", auto.batches, auto.checkpoint_folder)
+            if error is not None:
+                auto.search.lost(error, "between steps", auto.batches, auto.checkpoint_folder)
         finally:
-            self._last = auto.state_dict()
-            auto.close()
-
-    def _close(self, pl_module: "pl.LightningModule") -> None:
-        auto, self.auto = self.auto, None
-        if auto is not None:
-            self._last = auto.state_dict()
             auto.close()
 
     def state_dict(self) -> dict[str, Any]:

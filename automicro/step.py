@@ -50,7 +50,6 @@ from automicro.core.policy import HookReason, Phase
 from automicro.core.sites import SiteDispatcher
 from automicro.data.varlen import TokenCounter
 from automicro.engine.sharding import ShardedModel, adopt, sharded_of
-from automicro.integration.flattened import is_flattened
 from automicro.integration.layout_trials import LayoutTrials
 from automicro.integration.runtime import Runtime
 from automicro.integration.settings import Settings
@@ -228,12 +227,6 @@ class AutoStep:
         optimizer step once. Retries smaller after an OOM on any rank; raises `MicrobatchSizeError`
         on every rank when even the smallest microbatch does not fit."""
         self.open()
-        if self.settings.kind.tokens is not None and is_flattened(batch):
-            raise StepInputError(
-                "AutoStep: a flattened batch (one row, position_ids restarting per sample) takes budget='samples': "
-                "its microbatches are cut at sample starts and carry no padding; budget='tokens' plans padded rows "
-                "(use a padding collator for it)"
-            )
         dispatcher = self.runtime.dispatcher
 
         def after_loss() -> None:
@@ -246,6 +239,12 @@ class AutoStep:
             after_loss, self.checkpoint_folder, before_step=None if self.max_grad_norm is None else self._clip,
             step_optimizer=self.step_optimizer, backward=self.backward,
         )
+        if host.flattened and self.settings.kind.tokens is not None:
+            raise StepInputError(
+                "AutoStep: a flattened batch (one row, position_ids restarting per sample) takes budget='samples': "
+                "its microbatches are cut at sample starts and carry no padding; budget='tokens' plans padded rows "
+                "(use a padding collator for it)"
+            )
         total = self.search.train_batch(host)
         self.batches += 1
         policy = self.search.policy

@@ -60,9 +60,4 @@ def loss_takes_item_count(trainer: Any) -> bool:
     return bool(getattr(trainer, "model_accepts_loss_kwargs", False)) or getattr(trainer, "compute_loss_func", None) is not None
 
 
-def unwrap(model: Any) -> Any:
-    """The model under DistributedDataParallel / FSDP1 wrappers (what a refusal names)."""
-    return getattr(model, "module", model)
-
-
 __all__ = ["accelerate_shards", "inner_optimizer", "is_fully_shard_root", "keep_sharded_model", "loss_takes_item_count"]

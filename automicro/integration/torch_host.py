@@ -112,12 +112,13 @@ class TorchHost:
         self.before_step = before_step
         self.step_optimizer = step_optimizer
         self.backward = backward
+        self.flattened = flattened.is_flattened(batch)  # once a batch: it reads position_ids (a sync on a GPU)
 
     def num_samples(self) -> int:
-        return count_samples(self.batch)
+        return flattened.count(self.batch) if self.flattened else count_samples(self.batch)
 
     def split(self, sizes: tuple[int, ...]) -> list[Any]:
-        if flattened.is_flattened(self.batch):
+        if self.flattened:
             try:
                 return flattened.split(self.batch, sizes)
             except flattened.FlattenedBatchError as error:
