@@ -144,8 +144,10 @@ def _train(
     for injector in injectors:
         injector.arm(sites, model)
     with tempfile.TemporaryDirectory() as folder:
+        eval_dataset = overrides.pop("eval_dataset", None)
         trainer = _trainer_class()(
             model=model, args=arguments(folder, **overrides), train_dataset=dataset or Texts(), data_collator=collator,
+            eval_dataset=eval_dataset,
             optimizers=(optimizer, None), automicro={"stable_batches": 2, "log_attempts": False, "sites": sites},
         )
         if state is not None:
@@ -224,7 +226,9 @@ def run_cases(rank: int, world_size: int, one_rank: int) -> dict[str, Any]:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     out: dict[str, Any] = {}
     # 1. A search where only `one_rank` runs out of memory: above 5 samples per microbatch.
-    run = _train((FaultInjector("forward", ranks=[one_rank], above=5),))
+    # An evaluation after step 3 (the Trainer's own, at per_device_eval_batch_size): the search re-arms after it.
+    run = _train((FaultInjector("forward", ranks=[one_rank], above=5),), eval_strategy="steps", eval_steps=3,
+                 per_device_eval_batch_size=4, eval_dataset=Texts(16))
     splits = [tuple(r["split"]) for r in run["results"]]
     out["search"] = {**_plain(run), "reference": reference(run["seen"], splits),
                      "whole": reference(run["seen"], [(len(b["input_ids"]),) for b in run["seen"]])}

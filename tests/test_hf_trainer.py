@@ -46,6 +46,12 @@ def test_the_trainer_searches_where_one_rank_runs_out_and_trains_like_a_plain_lo
         last = [line for line in run["logged"] if "loss" in line][-1]
         assert last["automicro/found_size"] == 5 and last["automicro/ooms_total"] == len(ooms), last
         assert last["automicro/last_oom_rank"] == one_rank
+        # The evaluation ran after step 3 (batch 2), and the search guarded the batches after it again: the size
+        # was found at batch 1, so without the re-arm the hooks would be off after batch 3 (2 stable batches);
+        # re-armed after batch 2, they come off after batch 4.
+        assert [line["step"] for line in run["logged"] if "eval_loss" in line] == [3, 6], run["logged"]
+        assert run["results"][1]["size"] == 5 and run["results"][1]["attempts"] > 1, run["results"]
+        assert [r["hooks"] for r in run["results"]] == [True, True, True, True, False, False], run["results"]
 
 
 @pytest.mark.multiproc
