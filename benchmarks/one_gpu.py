@@ -4,7 +4,9 @@
 
 Each variant is one `scripts/train.py configs/tiny-gpu.yaml` run (its own process, one rank) on the
 1B preset of `automicro.models` (seq 2048, per-rank batch 32, amp_bf16, AdamW, synthetic tokens),
-with the YAML overrides the variant names (`-auto` or `-fixed-N` for the microbatch size):
+with the YAML overrides the variant names (`-auto` or `-fixed-N` for the microbatch size; `-fixed-found`
+and `-fixed-half`: the largest microbatch the same kind's `-auto` run (earlier in `--variants`) ran at
+most over its steady batches, and half of it, so the best hand-set sizes are timed in one command):
   eager-*        FSDP2 (the default config), no compile
   blocks-*       compile: true (each sharded block's forward, the default scope)
   model-*        compile: {scope: model} (Composer's whole-model compile)
@@ -53,14 +55,28 @@ import harness  # noqa: E402
 
 VARIANTS = ("eager-auto", "blocks-auto", "model-auto")
 SEQ, PER_RANK_BATCH = 2048, 32  # per-rank batch = global batch on one GPU
+# The automicro variant with the same compile setting as a stock Composer one (the table's ratios).
+COUNTERPART = {"composer": "eager", "composercompile": "blocks"}
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16, SXM
+
+
+def short(variant: str) -> bool:
+    """A variant with nothing to search past its first batch (a fixed size; Composer's own `auto`
+    halves within the first batch): `--fixed-batches` applies."""
+    return "-fixed-" in variant or variant.startswith(("composer-", "composercompile-"))
+
+
+def batches_and_skip(variant: str, args: argparse.Namespace) -> tuple[int, int]:
+    if args.fixed_batches and short(variant):
+        return args.fixed_batches, args.fixed_skip
+    return args.batches, args.skip
 
 
 def overrides(variant: str, args: argparse.Namespace, run_dir: str) -> list[str]:
     kind, _, mode = variant.partition("-")
     common = [
         f"model.preset={args.preset}", "data.kind=synthetic", f"data.seq_len={args.seq}",
-        f"global_train_batch_size={args.batch * args.nproc}", f"max_duration={args.batches}ba", f"run_dir={run_dir}",
+        f"global_train_batch_size={args.batch * args.nproc}", f"max_duration={batches_and_skip(variant, args)[0]}ba", f"run_dir={run_dir}",
         "loggers.console=false", "loggers.jsonl=true", "callbacks.speed_monitor.window_size=5",
     ]
     if args.dry_run:  # CPU: the suite's plumbing only
@@ -94,10 +110,30 @@ def overrides(variant: str, args: argparse.Namespace, run_dir: str) -> list[str]
         raise SystemExit(f"unknown variant {variant!r}")
     common += [o for o in args.extra.split(",") if o]
     if mode.startswith("fixed-"):
-        common.append(f"device_train_microbatch_size={int(mode.split('-')[1])}")
+        size = mode.split("-")[1]
+        if not size.isdigit():
+            raise SystemExit(f"variant {variant!r}: resolve_fixed() turns fixed-found/fixed-half into a size first")
+        common.append(f"device_train_microbatch_size={int(size)}")
     elif mode != "auto":
         raise SystemExit(f"unknown variant {variant!r}")
     return common
+
+
+def resolve_fixed(variant: str, results: list[dict[str, Any]], tag: str = "") -> Optional[str]:
+    """`KIND-fixed-found` / `KIND-fixed-half` as `KIND-fixed-N`: N the largest microbatch `KIND-auto`
+    (run earlier in this command) ran at most over its steady batches, or half of it; None where that
+    run left no steady size (it failed). Other variants come back as they are."""
+    kind, _, mode = variant.partition("-")
+    if mode not in ("fixed-found", "fixed-half"):
+        return variant
+    auto = next((r for r in results if r.get("variant") == f"{kind}-auto{tag}"), None)
+    if auto is None:
+        raise SystemExit(f"variant {variant!r} needs {kind}-auto earlier in --variants")
+    steady = auto.get("steady_sizes") or []
+    if not steady:
+        return None
+    found = statistics.mode(steady)  # the size trials' batches run smaller: the most common one is the size kept
+    return f"{kind}-fixed-{found if mode == 'fixed-found' else max(1, found // 2)}"
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:
@@ -163,6 +199,7 @@ def summarize(variant: str, rows: list[dict[str, Any]], console: list[str], skip
         "allocated_gib_by_batch": [allocated[s] for s in sorted(allocated)],
         "capacity_mib_by_batch": sorted({round(c / 2**20) for c in capacity.values()}),
         "size_by_batch": [sizes[s] for s in sorted(sizes)],
+        "steady_sizes": [sizes[s] for s in sorted(sizes) if s > skip],
         "capacity_mib_each_batch": [round(capacity[s] / 2**20) for s in sorted(capacity)],
     }
 
@@ -173,6 +210,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--batches", type=int, default=30)
     p.add_argument("--skip", type=int, default=10, help="batches left out of the steady figures (search, compile)")
+    p.add_argument("--fixed-batches", type=int, default=0,
+                   help="batches of the variants with nothing to search after the first batch (-fixed-*, composer*); 0: --batches")
+    p.add_argument("--fixed-skip", type=int, default=0, help="their --skip (with --fixed-batches)")
     p.add_argument("--memory-fraction", type=float, default=0.95, help="told to automicro (0: not set)")
     p.add_argument("--torch-fraction", type=float, default=0.0,
                    help="torch.cuda.set_per_process_memory_fraction in each variant's process, automicro not told (0: none)")
@@ -185,6 +225,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--hog-device", type=int, default=0, help="the GPU the other processes take memory on (--nproc 2: 1 shares only rank 1's)")
     p.add_argument("--tag", default="", help="appended to each variant's name in the results (several settings in one file)")
     p.add_argument("--timeout", type=float, default=400.0)
+    p.add_argument("--deadline", type=float, default=0.0,
+                   help="seconds for the whole command: no variant starts after it, each one's timeout ends there (0: none)")
     p.add_argument("--preset", default="1b")
     p.add_argument("--extra", default="", help="more YAML overrides for every variant, comma-separated")
     p.add_argument("--seq", type=int, default=SEQ)
@@ -218,9 +260,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     gpu = "H200" if "H200" in _gpu_name() else "H100" if "H100" in _gpu_name() else "other"
-    results = []
-    for variant in args.variants.split(","):
-        run_dir = os.path.join("/tmp", f"compile-bench-{variant}")
+    results: list[dict[str, Any]] = []
+    began = time.perf_counter()
+    for asked in args.variants.split(","):
+        left = args.deadline - (time.perf_counter() - began) if args.deadline else args.timeout
+        resolved = resolve_fixed(asked, results, args.tag)
+        if resolved is None or left < 30:
+            why = "its auto run left no steady size" if resolved is None else f"not started: the {args.deadline:.0f} s deadline"
+            results.append({"variant": asked + args.tag, "error": why})
+            print(f"[one_gpu:detail] {asked}: {why}", flush=True)
+            continue
+        variant = resolved
+        run_dir = os.path.join("/tmp", f"compile-bench-{variant}{args.tag}")
         shutil.rmtree(run_dir, ignore_errors=True)
         stock = variant.startswith(("composer-", "composercompile-"))
         script = os.path.abspath(__file__) if stock else os.path.join(harness.REPO_ROOT, "scripts", "train.py")
@@ -244,7 +295,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             for item in filter(None, args.hog_later.split(",")):
                 after, gib, hold = (item.split(":") + ["0"])[:3]
                 holders.append(start_hog(float(gib), after, hold, device=args.hog_device, metrics=os.path.join(run_dir, "metrics.jsonl")))
-            done = harness.run_launch(argv_, args.timeout, env=env)
+            done = harness.run_launch(argv_, min(args.timeout, left), env=env)
         finally:
             for holder in holders:
                 holder.kill()
@@ -256,7 +307,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if os.path.exists(metrics):
             shutil.copy(metrics, os.path.join(args.out, f"{variant}{args.tag}.metrics.jsonl"))
         if done.returncode == 0 and os.path.exists(metrics):
-            result = summarize(variant, read_metrics(metrics), console, args.skip, gpu, args.seq, args.nproc, args.batch)
+            result = summarize(variant, read_metrics(metrics), console, batches_and_skip(variant, args)[1], gpu, args.seq, args.nproc, args.batch)
             result["layout_lines"] = [line for line in console if "layout" in line][:40]
         else:
             result = {"variant": variant, "error": f"rc {done.returncode}: {(done.stderr or done.stdout or '')[-800:]}"}
@@ -272,14 +323,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     base = {r["variant"]: r for r in results if r.get("tokens_per_s")}
     rows = []
     for r in results:
-        eager = base.get("eager-" + r["variant"].split("-", 1)[1]) or base.get("eager-auto" + args.tag)
+        # automicro's `auto` in the same compile setting over this row: auto ÷ a fixed size, ÷ Composer's own.
+        kind = r["variant"].split("-", 1)[0]
+        auto = base.get(f"{COUNTERPART.get(kind, kind)}-auto{args.tag}")
         rows.append([
             r["variant"], harness.fmt(r.get("tokens_per_s"), ",.0f"), harness.fmt(r.get("mfu"), ".3f"),
-            harness.fmt(r["tokens_per_s"] / eager["tokens_per_s"], ".2f") if r.get("tokens_per_s") and eager else "–",
+            harness.fmt(auto["tokens_per_s"] / r["tokens_per_s"], ".3f") if r.get("tokens_per_s") and auto else "–",
             r.get("found", "–"), r.get("ooms", "–"), r.get("found_at_batch", "–"), harness.fmt(r.get("first_batch_s"), ".1f"), r.get("graphs", "–"),
             harness.fmt(r.get("peak_reserved_gib"), ".1f"), (r.get("error") or "")[:80],
         ])
-    header = ["variant", "tokens/s", "MFU", "vs eager", "size", "OOMs", "found at batch", "first batch s", "graphs", "peak GiB", "error"]
+    header = ["variant", "tokens/s", "MFU", "auto ÷ this", "size", "OOMs", "found at batch", "first batch s", "graphs", "peak GiB", "error"]
     for line in harness.table_lines(header, rows):
         print(f"[one_gpu] | {line}", flush=True)
     harness.write_json(os.path.join(args.out, f"one_gpu{args.tag}.json"), {"args": vars(args), "gpu": gpu, "results": results})

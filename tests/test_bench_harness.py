@@ -217,3 +217,25 @@ def test_runner_passes_args_after_the_separator_and_keeps_only_summary_lines():
     assert launch.argv[-2:] == ["--variants", "eager-auto"]
     text = "[one_gpu] | a table\n[one_gpu:detail] noise\n[automicro] a trainer line\n[rank0]: traceback\nplain\n[steady_oom] ok"
     assert runner._summary_lines(text) == ["[one_gpu] | a table", "[steady_oom] ok"]
+
+
+def test_one_gpu_fixed_sizes_come_from_the_same_kinds_auto_run():
+    import argparse
+
+    import one_gpu
+
+    auto = {"variant": "eager-auto_x", "steady_sizes": [16, 16, 8, 16, 4, 16]}  # size trials ran 8 and 4
+    assert one_gpu.resolve_fixed("eager-fixed-found", [auto], "_x") == "eager-fixed-16"
+    assert one_gpu.resolve_fixed("eager-fixed-half", [auto], "_x") == "eager-fixed-8"
+    assert one_gpu.resolve_fixed("eager-fixed-half", [{"variant": "eager-auto_x", "steady_sizes": [1]}], "_x") == "eager-fixed-1"
+    assert one_gpu.resolve_fixed("eager-fixed-12", [], "_x") == "eager-fixed-12"
+    assert one_gpu.resolve_fixed("eager-fixed-found", [{"variant": "eager-auto_x", "error": "rc 1"}], "_x") is None
+    with pytest.raises(SystemExit, match="blocks-auto earlier"):
+        one_gpu.resolve_fixed("blocks-fixed-found", [auto], "_x")
+    args = argparse.Namespace(batches=24, skip=14, fixed_batches=10, fixed_skip=4)
+    assert one_gpu.batches_and_skip("eager-auto", args) == (24, 14)
+    assert one_gpu.batches_and_skip("eager-fixed-8", args) == (10, 4)
+    assert one_gpu.batches_and_skip("composercompile-auto", args) == (10, 4)
+    with pytest.raises(SystemExit, match="resolve_fixed"):
+        one_gpu.overrides("eager-fixed-found", argparse.Namespace(**vars(args), preset="1b", seq=8, batch=2, nproc=1,
+                                                                  dry_run=True, memory_fraction=0, extra=""), "/tmp/x")
