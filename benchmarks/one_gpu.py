@@ -12,6 +12,8 @@ most over its steady batches, and half of it, so the best hand-set sizes are tim
   model-*        compile: {scope: model} (Composer's whole-model compile)
   noshard-*      parallelism_config: null (no FSDP; Composer's autocast; `auto` on one rank)
   noshardmodel-* the same with compile: {scope: model} (Composer's whole-model compile, automicro's `auto`)
+  unshardpin-*   the default config (FSDP2) with `parallelism_config.fsdp2.on_one_rank: unshard` and
+                 compile: true: on one rank what noshardmodel-* runs, from the YAML a multi-GPU job uses
   layout-*       FSDP2 with `callbacks.auto_microbatching.layout: auto` (issue 26's layout search)
   pinned-*       FSDP2 with both layout trades pinned (`layout: [grad_sync_once, no_reshard]`)
   gso-*          FSDP2 with `layout: [grad_sync_once]` pinned (no search, no checkpointing)
@@ -56,7 +58,7 @@ import harness  # noqa: E402
 VARIANTS = ("eager-auto", "blocks-auto", "model-auto")
 SEQ, PER_RANK_BATCH = 2048, 32  # per-rank batch = global batch on one GPU
 # The automicro variant with the same compile setting as a stock Composer one (the table's ratios).
-COUNTERPART = {"composer": "eager", "composercompile": "blocks"}
+COUNTERPART = {"composer": "eager", "composercompile": "blocks", "unshardpin": "blocks"}
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16, SXM
 
 
@@ -92,6 +94,8 @@ def overrides(variant: str, args: argparse.Namespace, run_dir: str) -> list[str]
         common += ["parallelism_config=null"]
     elif kind == "noshardmodel":  # automicro unsharded, Composer's whole-model compile
         common += ["parallelism_config=null", "compile.scope=model"] + backend
+    elif kind == "unshardpin":  # FSDP2 in the config, pinned unsharded on one rank; each-block compile asked
+        common += ["parallelism_config.fsdp2.on_one_rank=unshard", "compile=true"] + backend
     elif kind == "composercompile":  # Composer's own compile: the whole model, its `compile_config`
         common += ["parallelism_config=null", "compile.scope=model"] + backend
     elif kind == "layout":

@@ -49,6 +49,24 @@ def test_one_rank_with_fsdp2_in_the_config_keeps_it(one_rank):
 
 
 @pytest.mark.multiproc
+def test_on_one_rank_unshard_trains_one_rank_unsharded_with_the_whole_model_compiled(one_rank):
+    assert not _ok(one_rank["auto"])["compiled"]
+    pinned = _ok(one_rank["pinned_unshard"])
+    assert not pinned["sharded"] and not pinned["fsdp_params"], pinned  # the config asked for FSDP2
+    assert pinned["compiled"], pinned  # compile: each block asked, the whole model compiled
+    assert pinned["split"] == _ok(one_rank["auto"])["split"]
+    assert pinned["error"] < 1e-5, pinned["error"]  # equal to the fixed run at the kept size
+
+
+@pytest.mark.multiproc
+def test_on_one_rank_unshard_keeps_fsdp2_on_two_ranks():
+    for result in run_multiprocess(cases.run_two_ranks_pinned, world_size=2, timeout_s=180):
+        result = _ok(result)
+        assert result["sharded"] and result["fsdp_params"], result
+        assert result["split"] == [4, 4], result  # the search as always (5 fits, 8 samples a rank)
+
+
+@pytest.mark.multiproc
 def test_auto_without_fsdp_on_two_ranks_is_refused_naming_the_fix():
     for result in run_multiprocess(cases.run_two_ranks, world_size=2, timeout_s=120):
         assert result["type"] == "FSDP2ConfigError", result

@@ -16,6 +16,7 @@ from tests.toy_models import ComposerStack
 BATCHES = 8
 LIMIT = 5  # a microbatch above 5 samples runs out of memory in its forward (the search finds 5)
 OOM_BATCH = 6  # the hooks are off by then: a one-off OOM there is rerun at the same size
+UNSHARD_PIN = {"fsdp2": {"on_one_rank": "unshard"}}
 
 
 class OOMAbove(Callback):
@@ -31,7 +32,7 @@ class OOMAbove(Callback):
             raise torch.OutOfMemoryError("CUDA out of memory. (test: a microbatch above the limit)")
 
 
-def _run(microbatch: Any, limit: Optional[int], fault: Any = None, parallelism: Any = None) -> dict[str, Any]:
+def _run(microbatch: Any, limit: Optional[int], fault: Any = None, parallelism: Any = None, compile: Any = None) -> dict[str, Any]:
     torch.manual_seed(0)
     model = ComposerStack(width=32)
     auto = AutoMicrobatching(log_attempts=False) if microbatch == "auto" else None
@@ -44,6 +45,7 @@ def _run(microbatch: Any, limit: Optional[int], fault: Any = None, parallelism: 
         device="cpu",
         parallelism_config=parallelism,
         device_train_microbatch_size=microbatch,
+        compile=compile,
         callbacks=callbacks,
         loggers=[],
         progress_bar=False,
@@ -60,6 +62,8 @@ def _run(microbatch: Any, limit: Optional[int], fault: Any = None, parallelism: 
             "adam_steps": adam_steps(trainer),
             "fired": None if fault is None else fault.fired,
             "summary": None if auto is None else auto.summary_line(),
+            # Composer's whole-model compile sets the compiled forward on the model itself.
+            "compiled": "forward" in vars(trainer.state.model),
             "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
         }
     finally:
@@ -80,12 +84,24 @@ def run_one_rank(rank: int, world: int) -> dict[str, Any]:
         case("auto_one_off", lambda: _run("auto", LIMIT, OOMAtBatch(OOM_BATCH)))
         # One rank with FSDP2 in the config keeps it (the layout's trades make it cheap on a GPU).
         case("fsdp2_kept", lambda: _run("auto", LIMIT, parallelism={"fsdp2": {}}))
-    for name in ("auto", "auto_one_off"):
+        # `on_one_rank: unshard`: the same config trains unsharded on one rank; `compile: true`
+        # (each block) becomes the whole model's compile.
+        case("pinned_unshard", lambda: _run("auto", LIMIT, parallelism=UNSHARD_PIN, compile={"backend": "aot_eager"}))
+    for name in ("auto", "auto_one_off", "pinned_unshard"):
         if name in out and "params" in out[name] and "fixed" in out:
             out[name]["error"] = max_error(out[name]["params"], out["fixed"]["params"])
     for result in out.values():
         result.pop("params", None)
     return out
+
+
+def run_two_ranks_pinned(rank: int, world: int) -> dict[str, Any]:
+    """`on_one_rank: unshard` on two ranks: FSDP2 as configured, the search as always."""
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    record_case(out, "pinned", lambda: _run("auto", LIMIT, parallelism=UNSHARD_PIN))
+    out["pinned"].pop("params", None)
+    return out["pinned"]
 
 
 def run_two_ranks(rank: int, world: int) -> dict[str, Any]:

@@ -26,6 +26,8 @@ PIPELINE_KEY = "parallelism_config.pipeline"
 # How a sharded model's checkpoints are written (`automicro.Trainer(checkpoint_format=...)`, YAML
 # top-level `checkpoint_format`); here because Composer's `fsdp2.state_dict_type` is redirected to it.
 CHECKPOINT_FORMATS = ("full", "sharded")
+# `parallelism_config.fsdp2.on_one_rank`: what a job of one rank does with FSDP2 (`automicro.integration.one_rank`).
+ON_ONE_RANK = ("keep", "unshard")
 SAVE_FAILURES = ("continue", "stop")
 """What a checkpoint save that failed on any rank does: an error line and training goes on, or every rank stops."""
 FSDP2_KEY = "parallelism_config.fsdp2"
@@ -73,6 +75,10 @@ class FSDP2Config:
             it on when the job runs on CUDA and neither ``PYTORCH_CUDA_ALLOC_CONF`` nor
             ``PYTORCH_ALLOC_CONF`` mentions ``expandable_segments`` (an explicit choice there
             wins); ``True`` turns it on regardless; ``False`` leaves the allocator alone.
+        on_one_rank: ``keep`` (default) shards with FSDP2 on one rank too; ``unshard`` trains the
+            model unsharded when the job has one rank (Composer's placement and autocast, the
+            whole model compiled), and with FSDP2 on several: one YAML for both. Read by the
+            trainer (`automicro.integration.one_rank`), not by the engine.
     """
 
     reshard_after_forward: Union[bool, int] = True
@@ -86,6 +92,7 @@ class FSDP2Config:
     unshard_async_op: bool = True
     compute_stream_buffers: Optional[bool] = None
     expandable_segments: Optional[bool] = None
+    on_one_rank: str = "keep"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -120,6 +127,11 @@ class FSDP2Config:
                     f"parallelism_config.fsdp2.{name}={value!r}: must be true, false or null "
                     "(null: on where supported)"
                 )
+        if self.on_one_rank not in ON_ONE_RANK:
+            raise FSDP2ConfigError(
+                f"parallelism_config.fsdp2.on_one_rank={self.on_one_rank!r}: must be one of {', '.join(ON_ONE_RANK)} "
+                "(keep: FSDP2 on one rank too; unshard: the model unsharded when the job has one rank)"
+            )
         if isinstance(self.replicate, bool) or not isinstance(self.replicate, int) or self.replicate < 1:
             raise FSDP2ConfigError(
                 f"parallelism_config.fsdp2.replicate={self.replicate!r}: must be an int >= 1 (HSDP replicate degree)"

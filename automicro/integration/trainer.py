@@ -44,6 +44,7 @@ from automicro.integration.callback import AutoMicrobatching
 from automicro.integration.checkpoint_commit import CommittedCheckpoints, check_save_failure
 from automicro.integration.checkpointing import FullCheckpointLoading, ShardedCheckpointing, check_checkpoint_format
 from automicro.integration.composer_config import from_composer_parallelism
+from automicro.integration import one_rank
 from automicro.integration.pipeline_batch import PipelineBatch
 
 log = logging.getLogger(__name__)
@@ -165,6 +166,17 @@ class Trainer(composer.Trainer):
         checkpoint_format = "full" if checkpoint_format is None else checkpoint_format
         fsdp2 = fsdp2_from_parallelism_config(parallelism_config)
         pipeline = pipeline_from_parallelism_config(parallelism_config)
+        # `fsdp2.on_one_rank: unshard`: one rank trains unsharded (`one_rank`); several keep FSDP2.
+        choice = one_rank.choose(
+            fsdp2, world_size=composer_dist.get_world_size(), pipeline=pipeline is not None, compile=compile,
+            checkpoint_format=checkpoint_format, model_on_meta=fsdp2 is not None and _on_meta(model),
+            precision=kwargs.get("precision"),
+            auto_eval=any(e.auto_microbatching for e in _evaluators(kwargs.get("eval_dataloader"))),
+        )
+        fsdp2, compile = choice.fsdp2, choice.compile
+        if choice.line:
+            print(f"[automicro] {choice.line}", flush=True)
+            log.info("automicro: %s", choice.line)
         if pipeline is not None:
             problem = pipeline_problem(
                 eval_interval=kwargs.get("eval_dataloader"), save_folder=kwargs.get("save_folder"),

@@ -1,0 +1,99 @@
+"""One rank with ``parallelism_config.fsdp2``: keep FSDP2, or train the model unsharded.
+
+On one rank FSDP2 shards nothing: the parameters, gradients and optimizer state take the same
+bytes sharded over a world of one as unsharded, so the choice is speed alone, and which is faster
+depends on the model and on compile (measured on one H200, `benchmarks/RESULTS.md`, session 31):
+eager, FSDP2 with the layout trades is level with or ahead of unsharded (1.00-1.03x); compiled,
+transformers' Llama runs 1.13x faster with FSDP2 and each block compiled than with the whole
+model compiled unsharded, while `automicro.models`' Llama runs 1.06-1.08x faster unsharded with
+the whole model compiled. So the default keeps FSDP2, and ``on_one_rank: unshard`` is the pin that
+lets one YAML shard over many GPUs and run unsharded on one:
+
+    parallelism_config:
+      fsdp2:
+        on_one_rank: unshard   # keep (default) | unshard
+
+With ``unshard`` on one rank the job runs as with ``parallelism_config: null`` (Composer's model
+placement and autocast; with ``auto``, the same search and recovery on the unsharded handle), and
+``compile`` compiles the whole model (Composer's ``compile_config``; each-block compile needs
+FSDP2's blocks). On several ranks ``on_one_rank`` changes nothing.
+
+Owns: that decision and the line that says it. May not touch: the model, Composer's state, torch
+(the world size comes in as a number).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Optional
+
+from automicro.engine.compile import CompileConfig, CompileConfigError
+from automicro.engine.config import FSDP2_KEY, FSDP2Config, FSDP2ConfigError
+
+log = logging.getLogger(__name__)
+
+# What FSDP2 does on one rank that the unsharded model cannot: an `unshard` pin with either is refused.
+_SHARDED_ONLY = {
+    "cpu_offload": "keeps parameters, gradients and optimizer state on the host, which only FSDP2 does",
+    "activation_checkpointing": "checkpoints each block FSDP2 wraps; the unsharded model has no blocks to checkpoint",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class OneRankChoice:
+    """What the trainer builds: `fsdp2` None means unsharded; `compile` is the compile to apply."""
+
+    fsdp2: Optional[FSDP2Config]
+    compile: Any
+    line: Optional[str] = None  # said once at start where the choice changed something
+
+
+def choose(fsdp2: Optional[FSDP2Config], *, world_size: int, pipeline: bool, compile: Any,
+           checkpoint_format: Optional[str], model_on_meta: bool, precision: Any, auto_eval: bool = False) -> OneRankChoice:
+    """Resolve ``fsdp2.on_one_rank`` for a job of `world_size` ranks. `compile` is the trainer's
+    ``compile`` argument as given (None, True, a mapping or a `CompileConfig`); `precision` is
+    Composer's (a name or its `Precision`), which sets the unsharded model's compute dtype;
+    `auto_eval`: an evaluator asks for ``device_eval_microbatch_size: auto``."""
+    if fsdp2 is None or fsdp2.on_one_rank == "keep" or world_size != 1:
+        return OneRankChoice(fsdp2, compile)
+    key = f"{FSDP2_KEY}.on_one_rank=unshard"
+    if pipeline:
+        raise FSDP2ConfigError(f"{key} with parallelism_config.pipeline: a pipeline needs one rank per stage; remove one of them")
+    for name, why in _SHARDED_ONLY.items():
+        if getattr(fsdp2, name):
+            raise FSDP2ConfigError(
+                f"{key} with {FSDP2_KEY}.{name}=true: {name} {why}; set on_one_rank: keep, or {name}: false"
+            )
+    if checkpoint_format == "sharded":
+        raise FSDP2ConfigError(
+            f"{key} with checkpoint_format='sharded': sharded (DCP) checkpoints are FSDP2's; on one rank unsharded the "
+            "checkpoint is one file: set checkpoint_format: full (or leave it out), or on_one_rank: keep"
+        )
+    if auto_eval:
+        raise FSDP2ConfigError(
+            f"{key} with device_eval_microbatch_size='auto': the eval search runs on the FSDP2 engine; set a positive "
+            "int device_eval_microbatch_size, or on_one_rank: keep"
+        )
+    if model_on_meta:
+        raise FSDP2ConfigError(
+            f"{key}: the model's parameters are on the meta device, which FSDP2 materializes shard by shard and the "
+            "unsharded model cannot; build the model on a real device (YAML: model.init_device: cpu), or set on_one_rank: keep"
+        )
+    precision_name = str(getattr(precision, "value", precision) or "default").lower()
+    if fsdp2.mixed_precision != "FULL" and precision_name != "amp_bf16":
+        raise FSDP2ConfigError(
+            f"{key} with {FSDP2_KEY}.mixed_precision={fsdp2.mixed_precision} and precision={precision_name}: FSDP2 would "
+            "compute in bf16, the unsharded model in Composer's precision; set precision: amp_bf16 (the same bf16 "
+            "compute), or mixed_precision: FULL for fp32 on both"
+        )
+    try:
+        config = CompileConfig.from_value(compile)
+    except CompileConfigError:
+        config = compile  # the trainer's own compile check names the bad key
+    compiled = ""
+    if isinstance(config, CompileConfig) and config.scope == "blocks":
+        config = dataclasses.replace(config, scope="model")
+        compiled = "; compile: the whole model (each-block compile needs FSDP2's blocks)"
+    line = f"one rank: training unsharded ({key}): Composer's placement and autocast{compiled}"
+    return OneRankChoice(None, config, line)
