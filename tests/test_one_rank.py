@@ -22,7 +22,7 @@ def _choose(fsdp2=PIN, *, world_size=1, pipeline=False, compile=None, checkpoint
 def test_keep_is_the_default_and_several_ranks_keep_fsdp2_whatever_the_pin():
     assert FSDP2Config().on_one_rank == "keep"
     kept = _choose(FSDP2Config(), compile=True)
-    assert kept.fsdp2 == FSDP2Config() and kept.compile is True and kept.line is None
+    assert kept.fsdp2 == FSDP2Config() and kept.compile is True and kept.line is None and kept.unsharded_from is None
     for world in (2, 8):
         assert _choose(world_size=world, compile=True).fsdp2 is PIN
     assert _choose(None).fsdp2 is None  # no FSDP2 asked: nothing to decide
@@ -30,7 +30,7 @@ def test_keep_is_the_default_and_several_ranks_keep_fsdp2_whatever_the_pin():
 
 def test_unshard_on_one_rank_drops_fsdp2_and_compiles_the_whole_model():
     eager = _choose()
-    assert eager.fsdp2 is None and eager.compile is None
+    assert eager.fsdp2 is None and eager.compile is None and eager.unsharded_from is PIN
     assert "training unsharded" in eager.line and "compile" not in eager.line
     blocks = _choose(compile={"mode": "max-autotune", "backend": "aot_eager"})
     assert blocks.compile == CompileConfig(scope="model", mode="max-autotune", backend="aot_eager")

@@ -5,7 +5,7 @@ bytes sharded over a world of one as unsharded, so the choice is speed alone, an
 depends on the model and on compile (measured on one H200, `benchmarks/RESULTS.md`, session 31):
 eager, FSDP2 with the layout trades is level with or ahead of unsharded (1.00-1.03x); compiled,
 transformers' Llama runs 1.13x faster with FSDP2 and each block compiled than with the whole
-model compiled unsharded, while `automicro.models`' Llama runs 1.06-1.08x faster unsharded with
+model compiled unsharded, while `automicro.models`' Llama runs 1.05-1.06x faster unsharded with
 the whole model compiled. So the default keeps FSDP2, and ``on_one_rank: unshard`` is the pin that
 lets one YAML shard over many GPUs and run unsharded on one:
 
@@ -16,7 +16,8 @@ lets one YAML shard over many GPUs and run unsharded on one:
 With ``unshard`` on one rank the job runs as with ``parallelism_config: null`` (Composer's model
 placement and autocast; with ``auto``, the same search and recovery on the unsharded handle), and
 ``compile`` compiles the whole model (Composer's ``compile_config``; each-block compile needs
-FSDP2's blocks). On several ranks ``on_one_rank`` changes nothing.
+FSDP2's blocks); the allocator setting ``expandable_segments`` still applies (it is the
+process's, not FSDP2's). On several ranks ``on_one_rank`` changes nothing.
 
 Owns: that decision and the line that says it. May not touch: the model, Composer's state, torch
 (the world size comes in as a number).
@@ -47,6 +48,9 @@ class OneRankChoice:
     fsdp2: Optional[FSDP2Config]
     compile: Any
     line: Optional[str] = None  # said once at start where the choice changed something
+    # The FSDP2 settings a pinned one-rank job left: its process-wide allocator choice
+    # (`expandable_segments`) still holds unsharded.
+    unsharded_from: Optional[FSDP2Config] = None
 
 
 def choose(fsdp2: Optional[FSDP2Config], *, world_size: int, pipeline: bool, compile: Any,
@@ -96,4 +100,4 @@ def choose(fsdp2: Optional[FSDP2Config], *, world_size: int, pipeline: bool, com
         config = dataclasses.replace(config, scope="model")
         compiled = "; compile: the whole model (each-block compile needs FSDP2's blocks)"
     line = f"one rank: training unsharded ({key}): Composer's placement and autocast{compiled}"
-    return OneRankChoice(None, config, line)
+    return OneRankChoice(None, config, line, unsharded_from=fsdp2)

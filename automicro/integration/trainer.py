@@ -39,6 +39,7 @@ from automicro.engine.compile import CompileConfig, CompileConfigError
 from automicro.engine.unsharded import UnshardedModel, unsharded
 from automicro.engine.config import FSDP2ConfigError, fsdp2_from_parallelism_config, pipeline_from_parallelism_config
 from automicro.engine.pipeline import build_pipeline
+from automicro.engine.sharding import apply_expandable_segments
 from automicro.integration import _composer_internals as composer_internals
 from automicro.integration.callback import AutoMicrobatching
 from automicro.integration.checkpoint_commit import CommittedCheckpoints, check_save_failure
@@ -223,6 +224,10 @@ class Trainer(composer.Trainer):
         # c10d reads this when a process group is created: set it before Composer creates one.
         ensure_record_stream_free()
         composer_device = _composer_device(device)
+        if choice.unsharded_from is not None:
+            apply_expandable_segments(
+                choice.unsharded_from.expandable_segments, composer_device.tensor_to_device(torch.empty(0)).device
+            )
         self._automicro_sharded: Optional[ShardedModel] = None
         self._automicro_unsharded: Optional[UnshardedModel] = None
         self._automicro_pipeline: Optional[PipelineBatch] = None
