@@ -26,13 +26,10 @@ Owns: that decision and the line that says it. May not touch: the model, Compose
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any, Optional
 
 from automicro.engine.compile import CompileConfig, CompileConfigError
 from automicro.engine.config import FSDP2_KEY, FSDP2Config, FSDP2ConfigError
-
-log = logging.getLogger(__name__)
 
 # What FSDP2 does on one rank that the unsharded model cannot: an `unshard` pin with either is refused.
 _SHARDED_ONLY = {
