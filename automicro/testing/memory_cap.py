@@ -364,6 +364,13 @@ class MemoryCap:
         with self._lock:
             self._peak_bytes = self._live_bytes
 
+    def settle(self) -> None:
+        """Let frees pending in other threads land (`settle_attempts` GIL releases of `settle_s`):
+        before a peak window starts, a buffer gloo's worker has not dropped yet would otherwise
+        count in the next window's peak, where on a GPU it is gone."""
+        for _ in range(self._settle_attempts):
+            self._settle()
+
     def mark(self) -> dict[int, tuple["_Entry", int]]:
         """A mark to count what is allocated from now on (`held_since`): each counted storage and
         its size now. O(number of counted storages)."""
