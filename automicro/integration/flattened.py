@@ -16,7 +16,7 @@ May not touch: the search, the loss.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -27,34 +27,40 @@ class FlattenedBatchError(ValueError):
     """A flattened batch automicro cannot cut (the message says what to change)."""
 
 
-def is_flattened(batch: Any) -> bool:
-    """A mapping whose ``position_ids`` is one row that restarts at 0 more than once, with
-    ``input_ids`` of the same shape."""
+def restarts(batch: Any) -> Optional[list[int]]:
+    """Where ``position_ids`` restarts at 0, for a mapping whose ``position_ids`` is one row that
+    restarts more than once with ``input_ids`` of the same shape; else None. One read of the row
+    (a sync on a GPU): callers keep it for the batch (`sample_starts(batch, restarts)`)."""
     if not isinstance(batch, Mapping):
-        return False
+        return None
     positions, ids = batch.get("position_ids"), batch.get("input_ids")
     if not isinstance(positions, torch.Tensor) or not isinstance(ids, torch.Tensor):
-        return False
+        return None
     if positions.dim() != 2 or positions.shape[0] != 1 or tuple(ids.shape) != tuple(positions.shape):
-        return False
-    return int((positions[0] == 0).sum()) > 1
+        return None
+    found = torch.nonzero(positions[0] == 0).flatten().tolist()
+    return found if len(found) > 1 else None
 
 
-def sample_starts(batch: Mapping[str, Any]) -> list[int]:
-    """The column where each sample starts, and the row's length last."""
-    positions = batch["position_ids"][0]
-    starts = torch.nonzero(positions == 0).flatten().tolist()
+def is_flattened(batch: Any) -> bool:
+    return restarts(batch) is not None
+
+
+def sample_starts(batch: Mapping[str, Any], found: Optional[list[int]] = None) -> list[int]:
+    """The column where each sample starts, and the row's length last (`found`: the batch's
+    `restarts`, when the caller has them)."""
+    starts = restarts(batch) if found is None else found
     if not starts or starts[0] != 0:
         raise FlattenedBatchError("automicro: a flattened batch's position_ids must start at 0 (the first sample's start)")
-    return starts + [int(positions.shape[0])]
+    return starts + [int(batch["position_ids"].shape[1])]
 
 
-def count(batch: Mapping[str, Any]) -> int:
-    return len(sample_starts(batch)) - 1
+def count(batch: Mapping[str, Any], found: Optional[list[int]] = None) -> int:
+    return len(sample_starts(batch, found)) - 1
 
 
-def split(batch: Mapping[str, Any], sizes: tuple[int, ...]) -> list[dict[str, Any]]:
-    """`batch` cut into flattened rows of `sizes` samples each, in order."""
+def split(batch: Mapping[str, Any], sizes: tuple[int, ...], found: Optional[list[int]] = None) -> list[dict[str, Any]]:
+    """`batch` cut into flattened rows of `sizes` samples each, in order (`found`: its `restarts`)."""
     extras = [k for k in WHOLE_ROW_KEYS if k in batch]
     if extras:
         raise FlattenedBatchError(
@@ -62,7 +68,7 @@ def split(batch: Mapping[str, Any], sizes: tuple[int, ...]) -> list[dict[str, An
             "build DataCollatorWithFlattening without return_flash_attn_kwargs / return_seq_idx (the model finds "
             "the samples from position_ids)"
         )
-    starts = sample_starts(batch)
+    starts = sample_starts(batch, found)
     if sum(sizes) != len(starts) - 1:
         raise FlattenedBatchError(f"automicro: a split of {sum(sizes)} samples for a flattened batch of {len(starts) - 1}")
     width = int(batch["position_ids"].shape[1])
@@ -75,4 +81,4 @@ def split(batch: Mapping[str, Any], sizes: tuple[int, ...]) -> list[dict[str, An
     return out
 
 
-__all__ = ["FlattenedBatchError", "count", "is_flattened", "split"]
+__all__ = ["FlattenedBatchError", "count", "is_flattened", "restarts", "split"]

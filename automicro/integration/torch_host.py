@@ -56,8 +56,9 @@ def loss_tensor(output: Any) -> torch.Tensor:
 def count_samples(batch: Any) -> int:
     """The samples of a batch: the first dimension of its first tensor (or length of its first list);
     of a flattened batch (one row, `position_ids` restarting per sample), its samples in the row."""
-    if flattened.is_flattened(batch):
-        return flattened.count(batch)
+    found = flattened.restarts(batch)
+    if found is not None:
+        return flattened.count(batch, found)
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() else 1
     values = list(batch.values()) if isinstance(batch, Mapping) else list(batch) if isinstance(batch, (list, tuple)) else []
@@ -112,15 +113,17 @@ class TorchHost:
         self.before_step = before_step
         self.step_optimizer = step_optimizer
         self.backward = backward
-        self.flattened = flattened.is_flattened(batch)  # once a batch: it reads position_ids (a sync on a GPU)
+        # Once a batch: it reads position_ids (a sync on a GPU); None where the batch is not flattened.
+        self._restarts = flattened.restarts(batch)
+        self.flattened = self._restarts is not None
 
     def num_samples(self) -> int:
-        return flattened.count(self.batch) if self.flattened else count_samples(self.batch)
+        return flattened.count(self.batch, self._restarts) if self.flattened else count_samples(self.batch)
 
     def split(self, sizes: tuple[int, ...]) -> list[Any]:
         if self.flattened:
             try:
-                return flattened.split(self.batch, sizes)
+                return flattened.split(self.batch, sizes, self._restarts)
             except flattened.FlattenedBatchError as error:
                 raise StepInputError(str(error)) from error
         try:
