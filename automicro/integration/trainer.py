@@ -167,12 +167,13 @@ class Trainer(composer.Trainer):
         checkpoint_format = "full" if checkpoint_format is None else checkpoint_format
         fsdp2 = fsdp2_from_parallelism_config(parallelism_config)
         pipeline = pipeline_from_parallelism_config(parallelism_config)
+        evaluators = _evaluators(kwargs.get("eval_dataloader"))
         # `fsdp2.on_one_rank: unshard`: one rank trains unsharded (`one_rank`); several keep FSDP2.
         choice = one_rank.choose(
             fsdp2, world_size=composer_dist.get_world_size(), pipeline=pipeline is not None, compile=compile,
             checkpoint_format=checkpoint_format, model_on_meta=fsdp2 is not None and _on_meta(model),
             precision=kwargs.get("precision"),
-            auto_eval=any(e.auto_microbatching for e in _evaluators(kwargs.get("eval_dataloader"))),
+            auto_eval=any(e.auto_microbatching for e in evaluators),
         )
         fsdp2, compile = choice.fsdp2, choice.compile
         if choice.line:
@@ -281,7 +282,6 @@ class Trainer(composer.Trainer):
             assert handle is not None
             automicro.attach(handle, sites=self._automicro_sites, pipeline=self._automicro_pipeline)
 
-        evaluators = _evaluators(kwargs.get("eval_dataloader"))
         auto_evaluators = [e for e in evaluators if e.auto_microbatching]
         if auto_evaluators:
             problem = auto_eval_problem(train_auto=automicro is not None, sharded=fsdp2 is not None)
