@@ -237,10 +237,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--batch", type=int, default=PER_RANK_BATCH, help="per-rank batch (samples)")
     p.add_argument("--nproc", type=int, default=1, help="GPUs (ranks) of this host per variant; per-rank batch stays 32")
     p.add_argument("--dry-run", action="store_true", help="CPU, aot_eager: check the suite, measure nothing")
+    p.add_argument("--profile", default="",
+                   help="START:COUNT: torch.profiler over batches START..START+COUNT-1 of every variant; "
+                        "its top kernels and ops as VARIANT.profile.txt (GPU time, wall time, the gap between)")
     p.add_argument("--model", choices=("automicro", "hf"), default="automicro",
                    help="automicro.models' Llama (the preset), or a transformers LlamaForCausalLM of the 1B shape")
     if argv is None and sys.argv[1:2] == ["--hog"]:
         return hog(*sys.argv[2:6])
+    if argv is None and sys.argv[1].startswith("--profile="):
+        _profile_batches(*sys.argv[1].split("=", 1)[1].split(":", 2))
+        sys.argv = sys.argv[:1] + sys.argv[2:]
     if argv is None and sys.argv[1].startswith("--torch-fraction="):
         import torch
 
@@ -286,6 +292,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             if script != os.path.abspath(__file__):  # scripts/train.py, run from this file's process
                 script, rest = os.path.abspath(__file__), ["--train", *rest]
             rest = [f"--torch-fraction={args.torch_fraction}", *rest]
+        if args.profile:
+            if script != os.path.abspath(__file__):
+                script, rest = os.path.abspath(__file__), ["--train", *rest]
+            rest = [f"--profile={args.profile}:{os.path.join(args.out, variant + args.tag + '.profile.txt')}", *rest]
         if args.nproc == 1:
             argv_, env = [sys.executable, script, *rest], {**os.environ, **_single_rank()}
         else:  # one process per GPU of this host (torchrun's standalone rendezvous)
@@ -486,6 +496,57 @@ def _use_hf_llama(tiny: bool) -> None:
             return HuggingFaceModel(LlamaForCausalLM(config), tokenizer=None, use_logits=True)
 
     builders.build_model_from = build
+
+
+def _profile_batches(start_: str, count_: str, path: str) -> None:
+    """`--profile START:COUNT`: every Trainer built in this process (automicro's or Composer's own)
+    gets a callback that runs `torch.profiler` over batches START..START+COUNT-1 and writes, to
+    `path`, the wall seconds, the GPU's busy seconds (kernels and copies summed) and the top ops by
+    GPU time and by CPU time."""
+    import composer
+    import torch
+    from composer.core import Callback
+
+    start, count = int(start_), int(count_)
+    gpu = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if gpu else [])
+
+    class Profile(Callback):
+        def __init__(self) -> None:
+            self.profiler: Any = None
+            self.began = 0.0
+
+        def batch_start(self, state: Any, logger: Any) -> None:
+            if int(state.timestamp.batch) == start and self.profiler is None:
+                sync()
+                self.profiler = torch.profiler.profile(activities=activities)
+                self.profiler.__enter__()
+                self.began = time.perf_counter()
+
+        def batch_end(self, state: Any, logger: Any) -> None:
+            if self.profiler is None or int(state.timestamp.batch) != start + count:  # batch counts after the batch
+                return
+            sync()
+            wall = time.perf_counter() - self.began
+            self.profiler.__exit__(None, None, None)
+            averages = self.profiler.key_averages()
+            device = "self_device_time_total" if hasattr(averages[0], "self_device_time_total") else "self_cuda_time_total"
+            busy = sum(getattr(e, device) for e in averages) / 1e6
+            with open(path, "w", encoding="utf-8") as out:
+                out.write(f"batches {start}..{start + count - 1}: wall {wall:.3f} s, GPU busy {busy:.3f} s (summed over ops)\n\n")
+                out.write(averages.table(sort_by=device, row_limit=45, max_name_column_width=70) + "\n\n")
+                out.write(averages.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=70) + "\n")
+            print(f"[automicro] profile: wall {wall:.3f} s, GPU busy {busy:.3f} s over {count} batches", flush=True)
+            self.profiler = None
+
+    original = composer.Trainer.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), Profile()]
+        original(self, *args, **kwargs)
+
+    composer.Trainer.__init__ = init
 
 
 def _single_rank() -> dict[str, str]:

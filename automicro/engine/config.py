@@ -79,6 +79,11 @@ class FSDP2Config:
             model unsharded when the job has one rank (Composer's placement and autocast, the
             whole model compiled), and with FSDP2 on several: one YAML for both. Read by the
             trainer (`automicro.integration.one_rank`), not by the engine.
+        local_optimizer_step: run the optimizer step on each parameter's local shard instead of
+            through DTensor (`automicro.engine.local_step`): ``None`` (default) where that gives
+            the same numbers (a mesh of one rank: any optimizer; several ranks: the element-wise
+            optimizers it lists); ``True``: required (an error says why it cannot be);
+            ``False``: the DTensor step.
     """
 
     reshard_after_forward: Union[bool, int] = True
@@ -93,6 +98,7 @@ class FSDP2Config:
     compute_stream_buffers: Optional[bool] = None
     expandable_segments: Optional[bool] = None
     on_one_rank: str = "keep"
+    local_optimizer_step: Optional[bool] = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -120,7 +126,7 @@ class FSDP2Config:
                     f"parallelism_config.fsdp2.{name}={value!r}: must be an int >= 0 "
                     "(0 leaves FSDP2's implicit prefetch)"
                 )
-        for name in ("compute_stream_buffers", "expandable_segments"):
+        for name in ("compute_stream_buffers", "expandable_segments", "local_optimizer_step"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise FSDP2ConfigError(

@@ -39,6 +39,7 @@ from automicro.engine.compile import CompileConfig, CompileConfigError
 from automicro.engine.unsharded import UnshardedModel, unsharded
 from automicro.engine.config import FSDP2ConfigError, fsdp2_from_parallelism_config, pipeline_from_parallelism_config
 from automicro.engine.pipeline import build_pipeline
+from automicro.engine import local_step
 from automicro.engine.sharding import apply_expandable_segments
 from automicro.integration import _composer_internals as composer_internals
 from automicro.integration.callback import AutoMicrobatching
@@ -317,6 +318,12 @@ class Trainer(composer.Trainer):
             dist_timeout=dist_timeout,
             **kwargs,
         )
+        if fsdp2 is not None:
+            # After Composer built its optimizers (or took the caller's) and loaded any checkpoint.
+            for optimizer in self.state.optimizers:
+                why = local_step.install(optimizer, fsdp2.local_optimizer_step)
+                log.info("automicro: the optimizer step of %s %s", local_step.class_name(optimizer),
+                         "runs on the local shards" if why is None else f"stays on DTensors: {why}")
         # The flag is what makes Composer's eval loop rerun an eval batch after an OOM.
         for evaluator in auto_evaluators + pinned:
             evaluator.auto_microbatching = True
