@@ -49,6 +49,7 @@ from automicro.core.metrics import batch_metrics
 from automicro.core.policy import HookReason, Phase
 from automicro.core.sites import SiteDispatcher
 from automicro.data.varlen import TokenCounter
+from automicro.engine import local_step
 from automicro.engine.sharding import ShardedModel, adopt, sharded_of
 from automicro.integration.layout_trials import LayoutTrials
 from automicro.integration.runtime import Runtime
@@ -102,7 +103,9 @@ class AutoStep:
         sites: a `SiteDispatcher` shared with fault injectors (tests); a new one if None.
         step_optimizer: False leaves the gradients of the agreed attempt to the caller, who clips,
             steps and zeroes them (a loop that owns its optimizer step: the Hugging Face `Trainer`
-            adapter, `automicro.hf`); `max_grad_norm` then must be None.
+            adapter, `automicro.hf`); `max_grad_norm` then must be None. True: each optimizer's
+            step runs on the local shards where that gives the same numbers
+            (`automicro.engine.local_step`; the model's ``local_optimizer_step`` setting).
         backward: ``backward(loss)`` for each microbatch's weighted loss (default ``loss.backward()``;
             a loop with a grad scaler passes its own, e.g. accelerate's ``accelerator.backward``).
         **settings: `AutoMicrobatching`'s keywords (`stable_batches`, `search`, `budget`,
@@ -155,6 +158,9 @@ class AutoStep:
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self._grad_norm: Optional[float] = None
         self.step_optimizer = bool(step_optimizer)
+        if self.step_optimizer:  # AutoStep steps them: on local shards where the numbers are the same
+            for one in optimizers:
+                local_step.install(one, self.sharded.config.local_optimizer_step)
         self.backward = backward
         self.runtime = Runtime(self.settings)
         self.search = TrainingSearch(self.settings, self.runtime)
