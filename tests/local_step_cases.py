@@ -173,6 +173,15 @@ def required(rank: int, world_size: int) -> str:
     return "installed"
 
 
+def everything(rank: int, world_size: int) -> dict[str, Any]:
+    """One launch for the whole file (each launch costs ~10 s of start-up on CI's cores): the
+    comparison, the failing step, the required setting and the trainer with the local step on and off."""
+    return {
+        "compare": compare(rank, world_size), "failing": failing_step(rank, world_size), "required": required(rank, world_size),
+        "trainer_on": trainer(rank, world_size, "default"), "trainer_off": trainer(rank, world_size, False),
+    }
+
+
 def trainer(rank: int, world_size: int, setting: Any) -> dict[str, Any]:
     """automicro.Trainer with FSDP2 and `local_optimizer_step: setting`, `auto`: whether its
     optimizer got the local step, and its parameters after 3 batches."""

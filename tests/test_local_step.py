@@ -13,15 +13,15 @@ from tests import local_step_cases as cases
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["one_rank", "two_ranks"])
-def compared(request):
+def launched(request):
     world = request.param
-    return world, run_multiprocess(cases.compare, world_size=world, timeout_s=300)
+    return world, run_multiprocess(cases.everything, world_size=world, timeout_s=600)
 
 
-def test_installed_where_the_numbers_are_the_same_and_they_are(compared):
-    world, ranks = compared
+def test_installed_where_the_numbers_are_the_same_and_they_are(launched):
+    world, ranks = launched
     for out in ranks:
-        for name, row in out.items():
+        for name, row in out["compare"].items():
             elementwise = name != "adagrad"
             assert row["installed"] == (world == 1 or elementwise), (world, name, row["why"])
             if not row["installed"]:
@@ -34,24 +34,29 @@ def test_installed_where_the_numbers_are_the_same_and_they_are(compared):
                 assert local_type == dtensor_type, (name, key, local_type, dtensor_type)
 
 
-def test_a_step_that_raises_leaves_the_dtensors_in_place_and_the_next_step_runs():
-    for out in run_multiprocess(cases.failing_step, world_size=2, timeout_s=300):
-        assert out == {"raised": True, "restored": True, "states_dtensor": True, "grads_dropped": True}
+def test_a_step_that_raises_leaves_the_dtensors_in_place_and_the_next_step_runs(launched):
+    for out in launched[1]:
+        assert out["failing"] == {"raised": True, "restored": True, "states_dtensor": True, "grads_dropped": True}
 
 
-def test_required_where_it_would_change_the_numbers_is_refused_naming_the_fix():
-    (one,) = run_multiprocess(cases.required, world_size=1, timeout_s=300)
-    assert one == "installed"  # one rank: any optimizer
-    for message in run_multiprocess(cases.required, world_size=2, timeout_s=300):
-        assert "local_optimizer_step=true" in message and "Adagrad" in message and "null" in message and "false" in message
+def test_required_where_it_would_change_the_numbers_is_refused_naming_the_fix(launched):
+    world, ranks = launched
+    for out in ranks:
+        message = out["required"]
+        if world == 1:
+            assert message == "installed"  # one rank: any optimizer
+        else:
+            assert "local_optimizer_step=true" in message and "Adagrad" in message and "null" in message and "false" in message
 
 
-def test_the_trainer_installs_it_by_default_and_the_pin_turns_it_off_with_the_same_parameters():
-    on = run_multiprocess(cases.trainer, world_size=2, args=("default",), timeout_s=600)
-    off = run_multiprocess(cases.trainer, world_size=2, args=(False,), timeout_s=600)
-    assert [r["installed"] for r in on] == [True, True] and [r["installed"] for r in off] == [False, False]
-    for name, value in on[0]["params"].items():
-        assert torch.equal(value, off[0]["params"][name]), name
+def test_the_trainer_installs_it_by_default_and_the_pin_turns_it_off_with_the_same_parameters(launched):
+    world, ranks = launched
+    assert [r["trainer_on"]["installed"] for r in ranks] == [True] * world
+    assert [r["trainer_off"]["installed"] for r in ranks] == [False] * world
+    on, off = ranks[0]["trainer_on"]["params"], ranks[0]["trainer_off"]["params"]
+    assert on.keys() == off.keys() and on
+    for name, value in on.items():
+        assert torch.equal(value, off[name]), name
 
 
 def test_the_setting_takes_null_true_or_false():

@@ -109,7 +109,8 @@ def uninstall(optimizer: torch.optim.Optimizer) -> None:
         delattr(optimizer, _BEFORE)
 
 
-def _local_step(self: torch.optim.Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
+def _local_step(self: torch.optim.Optimizer, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
+    """`kwargs`: what a caller passes on (torch's GradScaler hands a fused optimizer its scale)."""
     loss = None
     if closure is not None:
         with torch.enable_grad():
@@ -117,7 +118,7 @@ def _local_step(self: torch.optim.Optimizer, closure: Optional[Callable[[], Any]
     swapped: list[_Swap] = []
     try:
         _swap_in(self, swapped)
-        getattr(self, _BEFORE)()
+        getattr(self, _BEFORE)(**kwargs)
     finally:
         _swap_out(self, swapped)
     return loss
