@@ -37,7 +37,9 @@ process (`--hf` ahead of its arguments).
 Per variant, from the run's metrics.jsonl and console: steady tokens/s and MFU (the batches after
 `--skip`, from the wall clock Composer logs per batch; MFU from the model's flops per batch over the
 H100's dense bf16 peak), the first batch's seconds (search and compile), graphs compiled, OOMs,
-the size found, peak reserved memory. Writes `compile.json` and a table.
+the size found, peak reserved memory. Writes `compile.json` and a table. `--profile START:COUNT`
+runs torch.profiler over those batches of every variant (automicro's trainer or Composer's own) and
+writes `VARIANT.profile.txt`: wall and GPU seconds, the top ops by GPU time and by CPU time.
 """
 
 from __future__ import annotations
