@@ -290,13 +290,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         rest = [*(["--stock"] if stock else []), "configs/tiny-gpu.yaml", *overrides(variant, args, run_dir)]
         if args.model == "hf":
             script, rest = os.path.abspath(__file__), ["--hf", *rest, *(["--tiny-hf"] if args.dry_run else [])]
+        if (args.torch_fraction or args.profile) and script != os.path.abspath(__file__):
+            script, rest = os.path.abspath(__file__), ["--train", *rest]  # scripts/train.py, run from this file's process
         if args.torch_fraction:
-            if script != os.path.abspath(__file__):  # scripts/train.py, run from this file's process
-                script, rest = os.path.abspath(__file__), ["--train", *rest]
             rest = [f"--torch-fraction={args.torch_fraction}", *rest]
         if args.profile:
-            if script != os.path.abspath(__file__):
-                script, rest = os.path.abspath(__file__), ["--train", *rest]
             rest = [f"--profile={args.profile}:{os.path.join(args.out, variant + args.tag + '.profile.txt')}", *rest]
         if args.nproc == 1:
             argv_, env = [sys.executable, script, *rest], {**os.environ, **_single_rank()}

@@ -103,12 +103,6 @@ def install(optimizer: torch.optim.Optimizer, setting: Optional[bool] = None) ->
     return None
 
 
-def uninstall(optimizer: torch.optim.Optimizer) -> None:
-    if installed(optimizer):
-        optimizer.step = getattr(optimizer, _BEFORE)  # type: ignore[method-assign]
-        delattr(optimizer, _BEFORE)
-
-
 def _local_step(self: torch.optim.Optimizer, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
     """`kwargs`: what a caller passes on (torch's GradScaler hands a fused optimizer its scale)."""
     loss = None
@@ -127,9 +121,11 @@ def _local_step(self: torch.optim.Optimizer, closure: Optional[Callable[[], Any]
 class _Swap:
     __slots__ = ("param", "local", "requires_grad", "state_before", "locals_before")
 
-    def __init__(self, param: DTensor, local: torch.Tensor, state_before: Optional[dict], locals_before: dict) -> None:
-        self.param, self.local, self.state_before, self.locals_before = param, local, state_before, locals_before
+    def __init__(self, param: DTensor, local: torch.Tensor, state_before: Optional[dict]) -> None:
+        self.param, self.local, self.state_before = param, local, state_before
         self.requires_grad = local.requires_grad
+        # The state's DTensors' local tensors, as the step sees them (to tell in place from replaced).
+        self.locals_before = {k: v.to_local() for k, v in (state_before or {}).items() if isinstance(v, DTensor)}
 
 
 def _swap_in(optimizer: torch.optim.Optimizer, swapped: list[_Swap]) -> None:
@@ -140,17 +136,15 @@ def _swap_in(optimizer: torch.optim.Optimizer, swapped: list[_Swap]) -> None:
                 if not isinstance(param, DTensor):
                     continue
                 local = param.to_local()
-                swap = _Swap(param, local, optimizer.state.get(param), {})
+                swap = _Swap(param, local, optimizer.state.get(param))
                 swapped.append(swap)
                 # Optimizers skip a parameter that does not require grad (Composer's do): the local
                 # tensor says what its parameter says, for the step only.
                 local.requires_grad_(param.requires_grad)
                 grad = param.grad
                 local.grad = grad.to_local() if isinstance(grad, DTensor) else grad
-                before = swap.state_before
-                swap.locals_before = {k: v.to_local() for k, v in (before or {}).items() if isinstance(v, DTensor)}
-                if before is not None:
-                    optimizer.state[local] = {k: swap.locals_before.get(k, v) for k, v in before.items()}
+                if swap.state_before is not None:
+                    optimizer.state[local] = {k: swap.locals_before.get(k, v) for k, v in swap.state_before.items()}
                 params[index] = local
             group["params"] = params
 
@@ -179,4 +173,4 @@ def _swap_out(optimizer: torch.optim.Optimizer, swapped: list[_Swap]) -> None:
         optimizer.state[s.param] = restored
 
 
-__all__ = ["ELEMENTWISE", "LocalStepError", "install", "installed", "uninstall", "why_not"]
+__all__ = ["ELEMENTWISE", "LocalStepError", "install", "installed", "why_not"]
