@@ -15,7 +15,15 @@ def _optimizers() -> dict[str, tuple[Callable[[Any], torch.optim.Optimizer], boo
     default picks foreach by parameter type; the comparison is of the same kernels on the same numbers."""
     from composer.optim import DecoupledAdamW, DecoupledSGDW
 
+    lion = {}
+    try:  # llm-foundry's, where the venv has it (leg 1's has the foundry extra)
+        from llmfoundry.optim import DecoupledLionW
+
+        lion = {"decoupled_lionw": (lambda p: DecoupledLionW(p, lr=1e-3, weight_decay=1e-2), True)}
+    except ImportError:
+        pass
     return {
+        **lion,
         "decoupled_adamw": (lambda p: DecoupledAdamW(p, lr=1e-2, weight_decay=1e-2), True),
         "decoupled_sgdw": (lambda p: DecoupledSGDW(p, lr=1e-2, momentum=0.9, weight_decay=1e-2), True),
         "adamw": (lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, foreach=False), True),
