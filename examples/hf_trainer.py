@@ -10,7 +10,7 @@ what the arguments say.
     torchrun --standalone --nproc-per-node 8 examples/hf_trainer.py         # 8 GPUs, accelerate's FSDP2
     accelerate launch --num-processes 8 examples/hf_trainer.py              # the same
 
-On GPUs accelerate shards the model with FSDP2 (``fsdp_config={"fsdp_version": 2}``). On CPU (`--cpu`)
+On a machine without a GPU the example runs as `--cpu` does and says so in one line. On GPUs accelerate shards the model with FSDP2 (``fsdp_config={"fsdp_version": 2}``). On CPU (`--cpu`)
 accelerate's FSDP is not available: the script shards the model itself with torch's `fully_shard` and
 puts an emulated per-rank memory limit on every rank (`automicro.testing.MemoryCap`, lower on rank 0),
 so that the search runs out of memory on CPU as it would on a full GPU.
@@ -51,6 +51,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--budget", choices=("tokens", "samples"), default="tokens")
     parser.add_argument("--output-dir", default=None)
     args = parser.parse_args(argv)
+    if not args.cpu and not torch.cuda.is_available():  # no GPU here: what --cpu runs, said once
+        args.cpu = True
+        if os.environ.get("RANK", "0") == "0":
+            print("no GPU on this machine: running on CPU ranks (gloo) under an emulated memory limit, as --cpu does", flush=True)
 
     if args.cpu:
         dist.init_process_group("gloo")

@@ -8,13 +8,14 @@ After an out-of-memory error on any rank every rank retries smaller (never a han
     torchrun --standalone --nproc-per-node 2 examples/lightning.py --cpu   # 2 gloo ranks, emulated memory
     python examples/lightning.py --devices 8                               # 8 GPUs (Lightning launches them)
 
-`--cpu` puts an emulated per-rank memory limit on every rank (`automicro.testing.MemoryCap`, lower on
+On a machine without a GPU the example runs as `--cpu` does and says so in one line. `--cpu` puts an emulated per-rank memory limit on every rank (`automicro.testing.MemoryCap`, lower on
 rank 0), so that the search runs out of memory on CPU as it would on a full GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 import pytorch_lightning as pl
@@ -74,6 +75,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args(argv)
+    if not args.cpu and not torch.cuda.is_available():  # no GPU here: what --cpu runs, said once
+        args.cpu = True
+        if os.environ.get("RANK", "0") == "0":
+            print("no GPU on this machine: running on CPU ranks (gloo) under an emulated memory limit, as --cpu does", flush=True)
 
     shape = (dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
                   max_position_embeddings=256) if args.cpu else

@@ -9,7 +9,7 @@ makes them; the token budget (`budget="tokens"`) packs them under the tokens tha
     torchrun --standalone --nproc-per-node 2 examples/torch_loop.py --cpu   # 2 gloo ranks, emulated memory
     torchrun --standalone --nproc-per-node 8 examples/torch_loop.py         # 8 GPUs, as it is
 
-`--cpu` puts an emulated per-rank memory limit on every rank (`automicro.testing.MemoryCap`, lower on
+On a machine without a GPU the example runs as `--cpu` does and says so in one line. `--cpu` puts an emulated per-rank memory limit on every rank (`automicro.testing.MemoryCap`, lower on
 rank 0), so that the search runs out of memory on CPU as it would on a full GPU.
 """
 
@@ -47,6 +47,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--cap-mib", type=float, default=None,
                         help="--cpu: the emulated limit of rank 0 in MiB (default: what a third of a batch needs)")
     args = parser.parse_args(argv)
+    if not args.cpu and not torch.cuda.is_available():  # no GPU here: what --cpu runs, said once
+        args.cpu = True
+        if os.environ.get("RANK", "0") == "0":
+            print("no GPU on this machine: running on CPU ranks (gloo) under an emulated memory limit, as --cpu does", flush=True)
 
     dist.init_process_group("gloo" if args.cpu else "nccl")
     rank = dist.get_rank()

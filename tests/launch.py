@@ -37,10 +37,15 @@ def run(
     return subprocess.CompletedProcess(args, proc.returncode, out, None)
 
 
+NO_GPU_LINE = "no GPU on this machine: running on CPU ranks (gloo) under an emulated memory limit, as --cpu does"
+
+
 def run_example(script: str, *args: str, timeout_s: int = 240) -> str:
-    """`examples/<script>` as a user runs it (torchrun, 2 ranks, the repo on PYTHONPATH) under the
-    hang timeout; its output. A non-zero exit fails the test."""
+    """`examples/<script>` as a user runs it (torchrun, 2 ranks, the repo on PYTHONPATH) on a machine
+    without a GPU (none visible, no `--cpu`: the example says once that it runs as `--cpu` does) under
+    the hang timeout; its output. A non-zero exit fails the test."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", f"examples/{script}", *args]
-    done = run(command, timeout_s, env={**os.environ, "PYTHONPATH": str(REPO)})
+    done = run(command, timeout_s, env={**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 0, done.stdout[-4000:]
+    assert done.stdout.count(NO_GPU_LINE) == 1, done.stdout[-4000:]
     return done.stdout

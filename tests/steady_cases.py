@@ -165,7 +165,24 @@ def run_steady_matrix(rank: int, world: int, cases: list[tuple[str, str, str]], 
     return out
 
 
-def run_steady_misc(rank: int, world: int) -> dict[str, Any]:
+ERROR_SITES = tuple(site for site in SITES if site != "grad_hook")  # the injector's sites
+
+
+def error_case(world: int, site: str, hooks: str, who: str) -> dict[str, Any]:
+    """A non-OOM error (`FaultInjector(exception="error")`) at `site`, in batch 0 while searching
+    (`hooks` "on") or in batch FAULT_BATCH after the hooks came off ("off"), on rank 1 or every rank
+    (`who`): what each rank raised, and how long after the fault."""
+    ranks = [world - 1] if who == "one" else None
+    index = -1 if site == "optimizer_step" else 0
+    fault = FaultInjector(site, ranks=ranks, microbatch_index=index, batch=0 if hooks == "on" else FAULT_BATCH, times=1,
+                          exception="error")
+    result = _run(world, fault)
+    result.pop("params", None)
+    return result
+
+
+def run_steady_misc(rank: int, world: int, errors: tuple = ()) -> dict[str, Any]:
+    """`errors`: (site, hooks, who) cells of `error_case`, run after the fixed cases."""
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
 
@@ -191,6 +208,8 @@ def run_steady_misc(rank: int, world: int) -> dict[str, Any]:
     case("error_one_rank", lambda: strip(_run(world, _fault("backward", [1], -1, exception="error"))))
     # An OOM in an eval forward after the training hooks came off (eval auto turns them on).
     case("eval_oom_after_hooks_off", lambda: _eval_after_hooks_off(world))
+    for site, hooks, who in errors:
+        case(f"error/{site}/{hooks}/{who}", lambda: error_case(world, site, hooks, who))
     return out
 
 

@@ -121,7 +121,7 @@ def test_what_a_plain_loop_gets_wrong_is_refused_with_what_to_change(errors):
 @pytest.mark.multiproc
 def test_the_plain_loop_example_runs_on_two_cpu_ranks_under_a_memory_cap():
     """examples/torch_loop.py as a user runs it (torchrun, 2 gloo ranks), under a watchdog."""
-    output = run_example("torch_loop.py", "--cpu", "--batches", "6")
+    output = run_example("torch_loop.py", "--batches", "6")
     lines = [line for line in output.splitlines() if line.startswith("batch ")]
     assert [line.split(":")[0] for line in lines] == [f"batch {i}" for i in range(6)], output[-4000:]
     # The emulated limit made the search run out of memory, and the run went on to the last batch.

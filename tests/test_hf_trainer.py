@@ -118,7 +118,7 @@ def test_the_trainers_own_batch_search_and_unknown_settings_are_refused_by_name(
 @pytest.mark.multiproc
 def test_the_trainer_example_runs_on_two_cpu_ranks_under_a_memory_cap():
     """examples/hf_trainer.py as a user runs it (torchrun, 2 gloo ranks), under a watchdog."""
-    output = run_example("hf_trainer.py", "--cpu", "--steps", "5")
+    output = run_example("hf_trainer.py", "--steps", "5")
     # The emulated limit made the search run out of memory, and training went on to the last step.
     found = re.search(r"trained (\d+) steps; split in use \[[\d, ]+\], OOMs (\d+)", output)
     assert found is not None, output[-4000:]

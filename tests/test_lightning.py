@@ -85,7 +85,7 @@ def test_unknown_settings_are_refused_by_name():
 @pytest.mark.multiproc
 def test_the_lightning_example_runs_on_two_cpu_ranks_under_a_memory_cap():
     """examples/lightning.py as a user runs it (torchrun, 2 gloo ranks), under a watchdog."""
-    output = run_example("lightning.py", "--cpu", "--steps", "5")
+    output = run_example("lightning.py", "--steps", "5")
     steps = [line for line in output.splitlines() if line.startswith("step ")]
     assert [line.split(":")[0] for line in steps] == [f"step {i}" for i in range(5)], output[-4000:]
     # The emulated limit made the search run out of memory, and training went on to the last step.

@@ -57,9 +57,16 @@ def steady_four_ranks():
     )
 
 
+# A non-OOM error at every site ends the run on every rank (issue 58): sampled, every site in every
+# run, the hooks (on while searching, off after) and who fails (rank 1, every rank) drawn; `--full`: 32.
+ERROR_CASES = matrix.sample(
+    "errors 2 ranks", [(site, hooks, who) for site in cases.ERROR_SITES for hooks in ("on", "off") for who in ("one", "every")]
+)
+
+
 @pytest.fixture(scope="module")
 def steady_misc():
-    return run_multiprocess(cases.run_steady_misc, world_size=2, timeout_s=300)
+    return run_multiprocess(cases.run_steady_misc, world_size=2, args=(tuple(ERROR_CASES),), timeout_s=400)
 
 
 def _check_recovered(results, key: str, one_rank: int, world: int) -> None:
@@ -142,6 +149,33 @@ def test_a_non_oom_error_with_hooks_off_stops_every_rank_naming_the_rank(steady_
     assert failing["exception"]["type"] == "InjectedFault", failing
     assert other["exception"]["type"] == "FailedOnOtherRank", other
     assert "rank(s) [1]" in other["exception"]["message"] and f"batch {cases.FAULT_BATCH}" in other["exception"]["message"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("cell", ERROR_CASES, ids=lambda cell: "/".join(cell))
+def test_a_non_oom_error_at_any_site_ends_the_run_on_every_rank_with_that_error(steady_misc, cell):
+    """The rank that raised it ends with its own error and traceback; every other rank ends naming that
+    rank and the site; no rank trains on, none waits for the watchdog."""
+    site, hooks, who = cell
+    failing = {1} if who == "one" else {0, 1}
+    batch = 0 if hooks == "on" else cases.FAULT_BATCH
+    for rank, per_rank in enumerate(steady_misc):
+        result = per_rank[f"error/{site}/{hooks}/{who}"]
+        assert "crash" not in result, result["crash"]
+        error = result.get("exception")
+        assert error is not None, (rank, "trained on", result["history"])
+        if rank in failing:
+            assert error["type"] == "InjectedFault", (rank, error)
+            assert f"injected error at {site} on rank {rank}" in error["message"], (rank, error["message"])
+            assert "InjectedFault" in error["traceback"] and "faults.py" in error["traceback"], error["traceback"]
+        else:
+            assert error["type"] in ("FailedOnOtherRank", "FatalRecoveryError"), (rank, error)
+            assert "rank(s) [1]" in error["message"] or "rank 1" in error["message"], (rank, error["message"])
+        assert result["batches"] == batch, (rank, result["batches"])  # the batch that failed was not trained
+        assert result["adam_steps"] in ([batch], []) or max(result["adam_steps"]) == batch, result["adam_steps"]
+        assert result["seconds"] < 60, (rank, result["seconds"])
+        last = result["history"][-1]
+        assert last["batch"] == batch and last["outcome"] == "error" and last["hooks"] == (hooks == "on"), last
 
 
 @pytest.mark.multiproc

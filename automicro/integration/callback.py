@@ -92,12 +92,13 @@ class AutoMicrobatching(Callback):
         loss_normalization: Optional[str] = None,
         label_shift: Union[str, int] = "auto",
         packing: bool = False,
+        exit_timeout_s: float = 30.0,
     ) -> None:
         self.settings = Settings.parse(
             stable_batches, thrash_batches, search, use_prediction, start_size, cpu_sync_group, memory_fraction,
             log_attempts, unguarded_timeout_s, sync_points, consensus_transport, steady_recovery, budget,
             fixed_tokens, eval_oom, layout, layout_trial_batches, layout_min_gain, layout_size_trials,
-            loss_normalization, label_shift, packing,
+            loss_normalization, label_shift, packing, exit_timeout_s,
         )
         self.runtime = Runtime(self.settings)
         self.search = TrainingSearch(self.settings, self.runtime)

@@ -41,6 +41,8 @@ class Settings:
     consensus_transport: str
     steady_recovery: bool
     loss_normalization: LossNormalization
+    # After the run ended with an error: how long the process may take to exit (`core.exit_watch`).
+    exit_timeout_s: float = 30.0
 
     @classmethod
     def parse(
@@ -67,6 +69,7 @@ class Settings:
         loss_normalization: Optional[str] = None,
         label_shift: Union[str, int] = "auto",
         packing: bool = False,
+        exit_timeout_s: float = 30.0,
     ) -> "Settings":
         # None: the probe on a GPU, the whole batch on CPU (resolved at attach, as the layout).
         start = _start(start_size, search, use_prediction, budget)
@@ -125,6 +128,11 @@ class Settings:
             raise ValueError(f"steady_recovery={steady_recovery!r}: must be true or false")
         if not isinstance(unguarded_timeout_s, (int, float)) or unguarded_timeout_s <= 0:
             raise ValueError(f"unguarded_timeout_s={unguarded_timeout_s!r}: must be a positive number of seconds")
+        if isinstance(exit_timeout_s, bool) or not isinstance(exit_timeout_s, (int, float)) or exit_timeout_s <= 0:
+            raise ValueError(
+                f"exit_timeout_s={exit_timeout_s!r}: must be a positive number of seconds (how long the process may take "
+                "to exit after the run ended with an error, before automicro prints what holds it and ends it)"
+            )
         return cls(
             start=start,
             policy_config=kind.policy_config(config),
@@ -142,6 +150,7 @@ class Settings:
             steady_recovery=steady_recovery,
             # Per loss token over the whole batch by default with budget: tokens (`loss_normalization`).
             loss_normalization=LossNormalization.parse(loss_normalization, label_shift, budget),
+            exit_timeout_s=float(exit_timeout_s),
         )
 
 

@@ -16,11 +16,11 @@ a plain loop's through `automicro.AutoStep`), FSDP2 internals (the engine's `rec
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 import torch
 
-from automicro.core import failure_note
+from automicro.core import exit_watch, failure_note
 from automicro.core import policy as search
 from automicro.core.attempt import is_oom
 from automicro.core.consensus import KIND_ERROR, FailedOnOtherRank, LocalFigures, OOMOnOtherRank, Verdict
@@ -36,6 +36,8 @@ from automicro.integration.layout_trials import LayoutTrials
 from automicro.integration.memory_truth import MemoryTruth, reached_bytes
 from automicro.integration.runtime import Runtime
 from automicro.integration.settings import Settings
+
+E = TypeVar("E", bound=BaseException)
 
 
 class MicrobatchSizeError(RuntimeError):
@@ -212,7 +214,11 @@ class TrainingSearch:
             # schedule instead, `automicro.engine.pipeline`); steady_recovery=False keeps them on.
             hooks_on = rt.hooks_active or (rt.pipeline is not None and not rt.settings.steady_recovery)
             split, budget, track = self.kind.next_attempt(self.policy, self.layout, self.config.probes)
-            attempt = step.attempt(split, budget, hooks_on, track_peaks=track)
+            try:
+                attempt = step.attempt(split, budget, hooks_on, track_peaks=track)
+            except FatalRecoveryError as lost:
+                self._ends_run(lost)
+                raise
             self.batch_attempts = step.attempts
             result, sizes = attempt.result, attempt.sizes
             verdict, seconds = result.verdict, result.seconds
@@ -240,7 +246,7 @@ class TrainingSearch:
                     f"{[r.site for r in verdict.reports if r.kind == KIND_ERROR]} during batch {batch_index}; "
                     "see that rank's traceback for the cause"
                 )
-                raise self.agreed_error
+                raise self._ends_run(self.agreed_error)
             undone = self._relieved_by_layout(f"out of memory at size {max(sizes)}", max(sizes))
             if undone is not None:
                 self.memory_truth.layout_undone(undone, max(sizes), batch_index)
@@ -258,7 +264,7 @@ class TrainingSearch:
             except search.CannotFitError as error:
                 self._record(batch_index, sizes, "oom", verdict, 0, seconds, hooks=hooks_on)
                 self.agreed_error = MicrobatchSizeError(self._cannot_fit_message(verdict))
-                raise self.agreed_error from error
+                raise self._ends_run(self.agreed_error) from error
             note = decision.event
             if result.replayed:
                 note += f"; {result.replayed} collectives replayed to get the ranks back in step"
@@ -440,6 +446,8 @@ class TrainingSearch:
         outside any attempt (the attempts handle their own) leaves the other ranks in the next batch,
         waiting for this one: declare the job lost where they can hear it (the ledger's board on one
         node, the job-lost alarm across nodes), leave the failure note, and return the error to raise."""
+        if isinstance(error, Exception):
+            self._ends_run(error)  # the run is over: its process exits within exit_timeout_s
         ledger = self.runtime.ledger
         if isinstance(error, FatalRecoveryError) or error is self.agreed_error or ledger is None:
             return None
@@ -449,11 +457,16 @@ class TrainingSearch:
             # the size is not the cause.
             if not isinstance(error, Exception):
                 return None
-            return ledger.lost_outside_attempt(where, batch, f"it raised {type(error).__name__}: {error}")
+            return self._ends_run(ledger.lost_outside_attempt(where, batch, f"it raised {type(error).__name__}: {error}"))
         if not self.used_split:
             return None
         failure_note.write(folder, self.runtime.rank, batch, self.used_split)
-        return ledger.lost_outside_attempt(where, batch)
+        return self._ends_run(ledger.lost_outside_attempt(where, batch))
+
+    def _ends_run(self, error: E) -> E:
+        """`error` ends the run: where nothing catches it, the process exits within `exit_timeout_s`
+        or says what holds it and ends (`automicro.core.exit_watch`)."""
+        return exit_watch.arm(error, self.runtime.settings.exit_timeout_s, self.runtime.rank)
 
     def _step_below_unrecovered_failure(self, host: Optional[BatchHost]) -> None:
         """A failure note beside the checkpoint this run resumed from: start below its size."""

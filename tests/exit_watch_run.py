@@ -1,0 +1,39 @@
+"""A run that ends with a non-OOM error on rank 1 in a process whose exit then hangs (an atexit handler
+that waits for ever, as torch inductor's compile-worker shutdown can): tests/test_exit_watch.py runs
+it under torchrun and checks every rank's process is ended within `exit_timeout_s`.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/exit_watch_run.py SITE
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from automicro.integration.callback import AutoMicrobatching
+from automicro.testing.faults import FaultInjector
+from tests.automicro_cases import build_trainer
+
+EXIT_TIMEOUT_S = 3.0
+
+
+def main() -> None:
+    site = sys.argv[1]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    auto = AutoMicrobatching(exit_timeout_s=EXIT_TIMEOUT_S)
+    fault = FaultInjector(site, ranks=[world - 1], batch=1, times=1, exception="error")
+    trainer = build_trainer(world, 3, callbacks=(auto, fault))
+    atexit.register(time.sleep, 3600)  # an exit that never ends
+    print(f"[test] rank {dist.get_rank()} starts", flush=True)
+    trainer.fit()  # raises on every rank; nothing catches it
+    print(f"[test] rank {dist.get_rank()} trained on", flush=True)
+
+
+if __name__ == "__main__":
+    main()
