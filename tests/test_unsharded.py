@@ -59,6 +59,18 @@ def test_on_one_rank_unshard_trains_one_rank_unsharded_with_the_whole_model_comp
 
 
 @pytest.mark.multiproc
+def test_on_one_rank_unshard_with_compile_trains_a_transformers_model_at_its_config_defaults(one_rank):
+    """Issue 58: the pin with compile printed one failed attempt on a GPU and trained nothing."""
+    pinned = _ok(one_rank["hf_pinned_compiled"])
+    assert pinned["use_cache"] and pinned["compiled"] and not pinned["sharded"], pinned
+    outcomes = [(r["size"], r["outcome"]) for r in pinned["history"]]
+    assert outcomes[:4] == [(8, "oom"), (4, "ok"), (6, "oom"), (5, "ok")], outcomes  # the search as without compile
+    assert pinned["batches"] == cases.HF_BATCHES and pinned["split"] == [4, 4], pinned
+    # Compiled (aot_eager) with the search's failed attempts, equal to an eager run at the kept split.
+    assert pinned["error"] < 1e-5, pinned["error"]
+
+
+@pytest.mark.multiproc
 def test_on_one_rank_unshard_keeps_fsdp2_on_two_ranks():
     for result in run_multiprocess(cases.run_two_ranks_pinned, world_size=2, timeout_s=180):
         result = _ok(result)

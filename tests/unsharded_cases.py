@@ -70,6 +70,59 @@ def _run(microbatch: Any, limit: Optional[int], fault: Any = None, parallelism: 
         trainer.close()
 
 
+class OOMAboveTokens(OOMAbove):
+    """`OOMAbove` for dict batches (`input_ids` [samples, sequence])."""
+
+    def after_forward(self, state: State, logger: Logger) -> None:
+        if state.batch["input_ids"].shape[0] > self.limit:
+            raise torch.OutOfMemoryError("CUDA out of memory. (test: a microbatch above the limit)")
+
+
+def _hf_llama_run(microbatch: Any, limit: Optional[int], compile: Any) -> dict[str, Any]:
+    """A transformers `LlamaForCausalLM` whose config keeps every default but its size (`use_cache`
+    included) in Composer's `HuggingFaceModel`, with `on_one_rank: unshard` (issue 58: the pin with
+    compile trained no batch on a GPU)."""
+    import warnings
+
+    from composer.models import HuggingFaceModel
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "the tokenizer was not provided"
+        model = HuggingFaceModel(LlamaForCausalLM(config), tokenizer=None, use_logits=True)
+    generator = torch.Generator().manual_seed(3)
+    rows = [{"input_ids": t, "labels": t.clone()} for t in torch.randint(0, 128, (8 * HF_BATCHES, 16), generator=generator)]
+    loader = torch.utils.data.DataLoader(rows, batch_size=8, collate_fn=lambda b: {k: torch.stack([r[k] for r in b]) for k in b[0]})
+    auto = AutoMicrobatching(log_attempts=False) if microbatch == "auto" else None
+    trainer = automicro.Trainer(
+        model=model, train_dataloader=loader, max_duration=f"{HF_BATCHES}ba",
+        optimizers=torch.optim.AdamW(model.parameters(), lr=1e-3), device="cpu",
+        parallelism_config={"fsdp2": {"on_one_rank": "unshard", "mixed_precision": "FULL"}},
+        device_train_microbatch_size=microbatch, compile=compile,
+        callbacks=[c for c in (auto, OOMAboveTokens(limit) if limit else None) if c is not None],
+        loggers=[], progress_bar=False, log_to_console=False, seed=SEED,
+    )
+    try:
+        trainer.fit()
+        return {
+            "history": history(auto) if auto else [],
+            "split": list(auto.policy.current_split()) if auto else None,
+            "batches": int(trainer.state.timestamp.batch),
+            "sharded": trainer.sharded_model is not None,
+            "compiled": "forward" in vars(trainer.state.model),
+            "use_cache": config.use_cache,
+            "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        }
+    finally:
+        trainer.close()
+
+
+HF_BATCHES = 5
+
+
 def run_one_rank(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
@@ -87,6 +140,13 @@ def run_one_rank(rank: int, world: int) -> dict[str, Any]:
         # `on_one_rank: unshard`: the same config trains unsharded on one rank; `compile: true`
         # (each block) becomes the whole model's compile.
         case("pinned_unshard", lambda: _run("auto", LIMIT, parallelism=UNSHARD_PIN, compile={"backend": "aot_eager"}))
+        # The same pin on a transformers Llama at its config defaults, compiled (aot_eager on CPU).
+        case("hf_pinned_compiled", lambda: _hf_llama_run("auto", LIMIT, {"backend": "aot_eager"}))
+        hf_split = out["hf_pinned_compiled"].get("split")
+        if hf_split:
+            case("hf_fixed_eager", lambda: _hf_llama_run(max(hf_split), None, None))
+            if "params" in out.get("hf_fixed_eager", {}):
+                out["hf_pinned_compiled"]["error"] = max_error(out["hf_pinned_compiled"]["params"], out["hf_fixed_eager"]["params"])
     for name in ("auto", "auto_one_off", "pinned_unshard"):
         if name in out and "params" in out[name] and "fixed" in out:
             out[name]["error"] = max_error(out[name]["params"], out["fixed"]["params"])
