@@ -111,15 +111,38 @@ def _names() -> list[str]:
     return [f.name for f in fields(CompileConfig)]
 
 
-def compile_blocks(blocks: Iterable[Any], config: CompileConfig) -> int:
-    """Compile each block's ``forward`` in place (before `fully_shard`); returns how many."""
-    import torch
+class CompiledBlocks:
+    """The blocks whose ``forward`` `compile_blocks` compiled, and how to compile them again.
 
-    count = 0
-    for block in blocks:
-        block.forward = torch.compile(block.forward, **config.torch_kwargs())
-        count += 1
-    return count
+    `recompile(dynamic)` drops every graph dynamo compiled in the process (`torch.compiler.reset`:
+    the blocks share one code object, so a graph compiled dynamic would otherwise still serve the
+    new wrappers) and compiles each block's eager ``forward`` again with ``dynamic`` (False: a
+    static graph per shape; True: one dynamic graph; None: torch's automatic dynamic). Other
+    compiled code of the process (a model's own, transformers' flex attention) compiles again at
+    its next call. `dynamic` is what the blocks are compiled with now."""
+
+    def __init__(self, blocks: list[Any], config: CompileConfig) -> None:
+        import torch
+
+        self.blocks, self.config = blocks, config
+        self._eager = [block.forward for block in blocks]
+        self.dynamic = config.dynamic
+        for block, eager in zip(blocks, self._eager):
+            block.forward = torch.compile(eager, **config.torch_kwargs())
+
+    def recompile(self, dynamic: Optional[bool]) -> None:
+        import torch
+
+        torch.compiler.reset()
+        kwargs = {**self.config.torch_kwargs(), "dynamic": dynamic}
+        for block, eager in zip(self.blocks, self._eager):
+            block.forward = torch.compile(eager, **kwargs)
+        self.dynamic = dynamic
+
+
+def compile_blocks(blocks: Iterable[Any], config: CompileConfig) -> CompiledBlocks:
+    """Compile each block's ``forward`` in place (before `fully_shard`)."""
+    return CompiledBlocks(list(blocks), config)
 
 
 def compiled_graphs() -> int:
@@ -129,4 +152,4 @@ def compiled_graphs() -> int:
     return internals.compiled_graph_count()
 
 
-__all__ = ["CompileConfig", "CompileConfigError", "SCOPES", "MODES", "compile_blocks", "compiled_graphs"]
+__all__ = ["CompileConfig", "CompileConfigError", "CompiledBlocks", "SCOPES", "MODES", "compile_blocks", "compiled_graphs"]

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from automicro.engine import _torch_internals as internals
-from automicro.engine.compile import CompileConfig, compile_blocks
+from automicro.engine.compile import CompileConfig, CompiledBlocks, compile_blocks
 from automicro.engine.config import FSDP2Config, FSDP2ConfigError
 
 log = logging.getLogger(__name__)
@@ -253,6 +253,9 @@ class ShardedModel:
     _reduce_scatter_comm: Any = None
     _comm_hook: Any = None
     expandable_segments_set_by_engine: bool = False
+    # The blocks compiled in place (`compile: {scope: blocks}`), None without: `automicro.
+    # integration.compile_shapes` compiles them again with static shapes once the size settles.
+    compiled: Optional[CompiledBlocks] = None
 
     @property
     def compute_stream_buffers(self) -> bool:
@@ -466,8 +469,9 @@ def shard(
     }
     if config.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
+    compiled = None
     if compile is not None and compile.scope == "blocks":
-        compile_blocks([named[name] for name in wrapped] or [model], compile)
+        compiled = compile_blocks([named[name] for name in wrapped] or [model], compile)
     for name in wrapped:
         if config.activation_checkpointing or checkpoint_switch:
             internals.apply_activation_checkpointing(named[name])
@@ -483,6 +487,7 @@ def shard(
         module=model, config=config, mesh=mesh, device=device, wrapped_names=wrapped, tie_notes=notes
     )
     sharded.expandable_segments_set_by_engine = expandable_set
+    sharded.compiled = compiled
     if config.unshard_async_op:
         for module in sharded.fsdp_modules:
             internals.set_unshard_async_op(module, True)

@@ -192,6 +192,11 @@ class LayoutTrials:
             self._started = time.perf_counter()
 
     @property
+    def trial_running(self) -> bool:
+        """A layout or size trial runs (or starts with the next batch)."""
+        return self.engine is not None and self.search.trial is not None
+
+    @property
     def measure_split_next(self) -> bool:
         """The next batch measures a trade's bytes: it runs at the probe's split, its microbatch
         peaks tracked (`after_success` takes them)."""

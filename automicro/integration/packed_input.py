@@ -14,7 +14,8 @@ attention kept within each sample by ``position_ids`` that restart at every samp
   packed rows apart only with ``attn_implementation`` ``flash_attention_2``/``_3``.
 - Anything else cannot: one line says why, and batches are padded as without packing.
 
-Owns: that decision, the hook that keeps the cache off for packed rows, and the line. May not touch: the batch, the
+Owns: that decision, the hooks that keep the cache off in training forwards (of packed rows; of
+every training forward where the blocks are compiled, `no_cache_in_training`), and the lines. May not touch: the batch, the
 search, the loss.
 """
 
@@ -64,6 +65,34 @@ def _no_cache_for_packed_rows(module: Any, args: tuple, kwargs: dict) -> tuple[t
     return args, kwargs
 
 
+def _no_cache_in_training(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A transformers model's forward pre-hook: a training forward makes no KV cache."""
+    if module.training:
+        kwargs["use_cache"] = False
+    return args, kwargs
+
+
+def no_cache_in_training(model: Any) -> Optional[str]:
+    """Where `model` is a transformers model whose config makes a KV cache (``use_cache: true``, the
+    default): its training forwards get ``use_cache=False`` (a forward pre-hook; the config, and so
+    an export or generation, is left alone). A cache made in a training forward holds nothing the
+    loss needs, and with each block compiled it costs the compile: every layer's slot of the cache
+    is a guard of its own, so dynamo compiles the block once per layer until torch's recompile limit
+    (8) and runs the other layers uncompiled (measured: transformers 5.17 Llama, 12 layers, 8 graphs
+    then ``recompile_limit``). Returns the line to say, or None where nothing changed."""
+    hf = _transformers_model(model)
+    config = getattr(hf, "config", None)
+    if hf is None or not getattr(config, "use_cache", False) or getattr(hf, "_automicro_training_no_cache", False):
+        return None
+    hf.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
+    hf._automicro_training_no_cache = True
+    return (
+        f"compile: use_cache=False passed to {type(hf).__name__}'s training forwards (with its config's use_cache: true "
+        "each compiled block would compile once per layer, past torch's recompile limit, and run the rest uncompiled; "
+        "a training forward's KV cache holds nothing the loss needs; the config is left as it is)"
+    )
+
+
 def check(model: Any, info: Callable[[str], None]) -> bool:
     """Whether `model` takes packed rows; a line says what was decided (and what changed)."""
     declared = _declared(model)
@@ -99,7 +128,8 @@ def check(model: Any, info: Callable[[str], None]) -> bool:
         )
         return False
     cache = ""
-    if config is not None and getattr(config, "use_cache", False) and not getattr(hf, "_automicro_packed_no_cache", False):
+    if (config is not None and getattr(config, "use_cache", False) and not getattr(hf, "_automicro_packed_no_cache", False)
+            and not getattr(hf, "_automicro_training_no_cache", False)):
         hf.register_forward_pre_hook(_no_cache_for_packed_rows, with_kwargs=True)
         hf._automicro_packed_no_cache = True
         cache = ("; use_cache=False passed to its training forwards of packed rows (a KV cache made in the forward turns "
@@ -114,4 +144,4 @@ def check(model: Any, info: Callable[[str], None]) -> bool:
     return True
 
 
-__all__ = ["check"]
+__all__ = ["check", "no_cache_in_training"]

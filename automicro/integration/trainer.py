@@ -46,7 +46,7 @@ from automicro.integration.callback import AutoMicrobatching
 from automicro.integration.checkpoint_commit import CommittedCheckpoints, check_save_failure
 from automicro.integration.checkpointing import FullCheckpointLoading, ShardedCheckpointing, check_checkpoint_format
 from automicro.integration.composer_config import from_composer_parallelism
-from automicro.integration import one_rank
+from automicro.integration import one_rank, packed_input
 from automicro.integration.pipeline_batch import PipelineBatch
 
 log = logging.getLogger(__name__)
@@ -263,6 +263,10 @@ class Trainer(composer.Trainer):
                     automicro is not None and automicro.searches_layout(shard_device.type)
                     and compile_config is None and kwargs.get("compile_config") is None
                 )
+                if compile_config is not None and compile_config.scope == "blocks":
+                    line = packed_input.no_cache_in_training(model)
+                    if line is not None and composer_dist.get_global_rank() == 0:
+                        print(f"[automicro] {line}", flush=True)
                 self._automicro_sharded = shard(
                     model, fsdp2, device=shard_device, compile=compile_config, checkpoint_switch=switch,
                 )

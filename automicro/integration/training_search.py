@@ -32,6 +32,7 @@ from automicro.core.policy import HookReason
 from automicro.core.thrash import ThrashDetector
 from automicro.integration.batch_host import BatchHost
 from automicro.integration.batch_step import BatchStep
+from automicro.integration.compile_shapes import StaticShapes
 from automicro.integration.layout_trials import LayoutTrials
 from automicro.integration.memory_truth import MemoryTruth, reached_bytes
 from automicro.integration.runtime import Runtime
@@ -70,6 +71,7 @@ class TrainingSearch:
         self._optimizer_pending = 0  # bytes the first optimizer step will allocate on this rank
         self._optimizer_state_known = False
         self._step: Optional[BatchStep] = None  # the batch in progress (or the last one)
+        self.static_shapes: Optional[StaticShapes] = None  # made at the first batch (`_static_shapes`)
 
     def configure(self, device_type: str, pipeline: Any) -> None:
         """At attach: how the search starts on this device, and a pipeline's sizes."""
@@ -208,6 +210,11 @@ class TrainingSearch:
             decision = self.policy.observe(search.Adopt(undone, reopen=True, capacity_bytes=self.last_capacity))
             self.apply_hooks(decision.hooks, decision.reason, "a layout trade undone")
             rt.info(decision.event)
+        static = self._static_shapes()
+        static.before_batch(
+            self.policy.phase == search.Phase.STEADY and not rt.hooks_active, self.layout.trial_running,
+            tuple(self.policy.current_split()),
+        )
         batch_index = step.batch_index
         while True:
             # A pipeline's per-step barriers come off with the sync hooks (a failed stage drains the
@@ -292,7 +299,22 @@ class TrainingSearch:
         # A layout trial's "with" batch does not feed the memory model (its trade's bytes are in it).
         self._after_success(verdict, batch_index, sizes, seconds, () if trial_batch else peaks, trial_batch)
         self._optimizer_pending = 0  # the step created the state: evals and later batches hold it
+        self._static_shapes().after_batch(step.attempts, sizes)
         return attempt.total_loss_dict
+
+    def _static_shapes(self) -> StaticShapes:
+        """The compiled blocks' static recompile once the size settles (`compile_shapes`)."""
+        if self.static_shapes is None:
+            rt = self.runtime
+            compiled = getattr(rt.sharded, "compiled", None)
+            why_not = None
+            if compiled is not None and compiled.config.dynamic is not None:
+                why_not = f"compile.dynamic={str(compiled.config.dynamic).lower()} is set"
+            elif compiled is not None and self.kind.tokens is not None:
+                why_not = "a token budget gives every microbatch its own shape"
+            assert rt.sharded is not None and rt.consensus is not None
+            self.static_shapes = StaticShapes(compiled, rt.consensus, rt.info, rt.sharded.device, why_not)
+        return self.static_shapes
 
     def _ensure_policy(self, batch_size: int, host: Optional[BatchHost] = None) -> None:
         batch_size = self.kind.domain(batch_size)
