@@ -172,6 +172,99 @@ def _token_budget_compiled(world: int) -> dict[str, Any]:
     return result
 
 
+STATIC_BATCHES = 12  # settled at batch 0, hooks off after 3, 3 timed, 1 compiling, 3 timed: decided at batch 10
+
+
+class SlowArm:
+    """A Composer callback that makes one arm of the static recompile look slower (`StaticShapes.timing`)."""
+
+    def __init__(self, auto: AutoMicrobatching, arm: str) -> None:
+        self.auto, self.arm = auto, arm
+
+    def run_event(self, event: Any, state: Any, logger: Any) -> None:
+        static = self.auto.search.static_shapes
+        if static is not None:
+            static.timing = lambda arm, seconds: seconds * (3.0 if arm == self.arm else 1.0) + (0.05 if arm == self.arm else 0.0)
+
+
+def _static(world: int, slow: str, compile: Any = COMPILE) -> dict[str, Any]:
+    """`auto` under compile (aot_eager) for STATIC_BATCHES batches; `slow`: the arm made to look slower
+    ("dynamic": the blocks as the search compiled them; "static": compiled again at the settled size)."""
+    from composer.core import Callback
+
+    lines: list[str] = []
+    auto = AutoMicrobatching(log_attempts=False)
+    slow_arm = type("SlowArmCallback", (SlowArm, Callback), {})(auto, slow)
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = ComposerStack()
+    trainer = automicro.Trainer(
+        model=model, train_dataloader=make_loader(world, STATIC_BATCHES), max_duration=f"{STATIC_BATCHES}ba",
+        optimizers=torch.optim.AdamW(model.parameters(), lr=1e-2), device="cpu", parallelism_config={"fsdp2": {}},
+        device_train_microbatch_size="auto", callbacks=[auto, slow_arm], loggers=[], progress_bar=False,
+        log_to_console=False, seed=SEED, compile=compile,
+    )
+    auto.runtime.info = lambda message: lines.append(message)  # type: ignore[method-assign]
+    try:
+        trainer.fit()
+        static = auto.search.static_shapes
+        return {
+            "state": None if static is None else static.state,
+            "dynamic": None if trainer.sharded_model.compiled is None else trainer.sharded_model.compiled.dynamic,
+            "compiled": [name for name, m in trainer.state.model.named_modules() if _is_compiled(m)],
+            "lines": [line for line in lines if line.startswith("compile:")],
+            "split": list(auto.policy.current_split()),
+            "params": full_state(trainer.state.model),
+        }
+    finally:
+        trainer.close()
+
+
+def _hf_llama_blocks(world: int) -> dict[str, Any]:
+    """A transformers Llama at its config defaults (use_cache: true), each block compiled under FSDP2:
+    the graphs compiled (dynamo's recompile limit is 8: one graph per layer stops there)."""
+    import warnings
+
+    from composer.models import HuggingFaceModel
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=10, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = HuggingFaceModel(LlamaForCausalLM(config), tokenizer=None, use_logits=True)
+    rank_seed = 5
+    generator = torch.Generator().manual_seed(rank_seed)
+    rows = [{"input_ids": t, "labels": t.clone()} for t in torch.randint(0, 128, (8 * 4 * world, 16), generator=generator)]
+    from composer.utils import dist as composer_dist
+
+    loader = torch.utils.data.DataLoader(rows, batch_size=8, sampler=composer_dist.get_sampler(rows, shuffle=False),
+                                         collate_fn=lambda b: {k: torch.stack([r[k] for r in b]) for k in b[0]})
+    before = compiled_graphs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = automicro.Trainer(
+            model=model, train_dataloader=loader, max_duration="4ba", optimizers=torch.optim.AdamW(model.parameters(), lr=1e-3),
+            device="cpu", parallelism_config={"fsdp2": {}}, device_train_microbatch_size="auto",
+            callbacks=[AutoMicrobatching(log_attempts=False, start_size=4)], loggers=[], progress_bar=False,
+            log_to_console=False, seed=SEED + rank_seed, compile=COMPILE,
+        )
+        try:
+            trainer.fit()
+            layers = [f"model.model.layers.{i}" for i in range(config.num_hidden_layers)]
+            compiled = {name for name, m in trainer.state.model.named_modules() if _is_compiled(m)}
+            return {
+                "graphs": compiled_graphs() - before,
+                "all_layers_compiled": all(layer in compiled for layer in layers),
+                "no_cache_hook": bool(getattr(model.model, "_automicro_training_no_cache", False)),
+                "config_use_cache": config.use_cache,
+            }
+        finally:
+            trainer.close()
+
+
 def run_compile_cases(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
@@ -186,6 +279,15 @@ def run_compile_cases(rank: int, world: int) -> dict[str, Any]:
         # failed attempts left nothing behind.
         case("gated/eager_fixed", lambda: _gated(world, max(found), None, gate=False))
     case("tokens/compiled", lambda: _token_budget_compiled(world))
+    # The static recompile once the size settles: kept where the search's graphs measure slower,
+    # undone where the new ones do; a pinned `dynamic` leaves the blocks alone (the reference).
+    case("static/kept", lambda: _static(world, slow="dynamic"))
+    case("static/undone", lambda: _static(world, slow="static"))
+    case("static/pinned", lambda: _static(world, slow="dynamic", compile={**COMPILE, "dynamic": True}))
+    for name in ("static/kept", "static/undone"):
+        if "params" in out[name] and "params" in out["static/pinned"]:
+            out[name]["params_vs_pinned"] = max_error(out[name]["params"], out["static/pinned"]["params"])
+    case("hf/blocks", lambda: _hf_llama_blocks(world))
     reference = reference_params(world, MATRIX_BATCHES)
     for site in FAULT_SITES:
         case(f"fault/{site}", lambda s=site: _fault(world, s, reference))

@@ -63,6 +63,53 @@ def test_a_token_budget_under_compile_keeps_a_few_graphs_over_a_long_run(results
         assert graphs[16] == graphs[cases.TOKEN_BATCHES] <= 4, graphs
 
 
+@pytest.mark.multiproc
+def test_the_blocks_are_compiled_again_at_the_settled_size_and_kept_where_faster(results):
+    for rank, per_rank in enumerate(results):
+        kept = _ok(per_rank["static/kept"])
+        assert kept["state"] == "static" and kept["dynamic"] is None, kept  # torch's automatic dynamic, from scratch
+        assert kept["compiled"] == ["model.blocks.0", "model.blocks.1", "model.blocks.2"], kept
+        if rank == 0:
+            assert len(kept["lines"]) == 1 and "compiled again at the settled microbatch 8 (split [8])" in kept["lines"][0], kept
+            assert ": kept;" in kept["lines"][0] and "as the search compiled them" in kept["lines"][0], kept["lines"]
+        # Nothing changes the numbers: equal to the run whose blocks stayed as compiled.
+        assert kept["params_vs_pinned"] < 1e-6, kept["params_vs_pinned"]
+
+
+@pytest.mark.multiproc
+def test_the_static_recompile_is_undone_where_it_measures_slower(results):
+    for rank, per_rank in enumerate(results):
+        undone = _ok(per_rank["static/undone"])
+        assert undone["state"] == "dynamic" and undone["dynamic"] is True, undone
+        if rank == 0:
+            assert len(undone["lines"]) == 1 and ": not kept," in undone["lines"][0], undone["lines"]
+            assert "compiled with dynamic shapes" in undone["lines"][0], undone["lines"]
+        assert undone["params_vs_pinned"] < 1e-6, undone["params_vs_pinned"]
+
+
+@pytest.mark.multiproc
+def test_a_pinned_dynamic_leaves_the_compiled_blocks_alone(results):
+    for rank, per_rank in enumerate(results):
+        pinned = _ok(per_rank["static/pinned"])
+        assert pinned["state"] == "off" and pinned["dynamic"] is True, pinned
+        if rank == 0:
+            assert pinned["lines"] == [
+                "compile: the blocks stay as compiled (compile.dynamic=true is set); no static recompile at the settled size"
+            ], pinned["lines"]
+
+
+@pytest.mark.multiproc
+def test_a_transformers_model_at_its_config_defaults_compiles_every_block(results):
+    """With use_cache: true (the default) a training forward made a KV cache whose per-layer slot gave
+    each compiled block a guard of its own: one graph per layer up to the recompile limit (8), the
+    other layers uncompiled. automicro passes use_cache=False to its training forwards."""
+    for per_rank in results:
+        result = _ok(per_rank["hf/blocks"])
+        # 10 layers: without the hook 8 graphs (one per layer to the limit) and 2 layers uncompiled.
+        assert result["all_layers_compiled"] and result["graphs"] <= 3, result  # first size, second size, the recompile
+        assert result["config_use_cache"] and result["no_cache_hook"], result  # the config left as it is
+
+
 def test_static_compile_under_a_token_budget_is_refused_naming_the_fix():
     import torch
 
