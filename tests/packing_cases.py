@@ -37,7 +37,7 @@ class MicrobatchShapes(Callback):
 
 
 def _said(lines: list[str]) -> list[str]:
-    return [line for line in lines if line.startswith("packing:")]
+    return [line for line in lines if line.startswith(("packing:", "packing trial:"))]
 
 
 def _llama(world: int) -> dict[str, Any]:
@@ -78,10 +78,83 @@ def _hf(world: int, layout: str) -> dict[str, Any]:
             "error_vs_unsplit": max_error(packed["params"], reference["params"])}
 
 
+MEASURED_BATCHES = 22  # the budget settles by batch ~10 (a later, longer batch steps it down), 6 trial batches, a few after
+
+
+class MicrobatchesPerBatch(Callback):
+    """Per batch: whether its microbatches were packed rows (position ids, one row each)."""
+
+    def __init__(self) -> None:
+        self.packed: dict[int, set[bool]] = {}
+
+    def before_forward(self, state: State, logger: Logger) -> None:
+        batch = state.batch
+        packed = "position_ids" in batch and int(batch["input_ids"].shape[0]) == 1
+        self.packed.setdefault(int(state.timestamp.batch), set()).add(packed)
+
+
+class SlowArm(Callback):
+    """Makes one arm of the packing trial look slower (`PackingChoice.timing`)."""
+
+    def __init__(self, auto: AutoMicrobatching, arm: str) -> None:
+        self.auto, self.arm = auto, arm
+
+    def batch_start(self, state: State, logger: Logger) -> None:
+        choice = self.auto.search.packing_choice
+        if choice is not None:
+            choice.timing = lambda arm, seconds: seconds * 3.0 + 0.05 if arm == self.arm else seconds
+
+
+class OOMWhenPacked(Callback):
+    """An OOM in the forward of a packed microbatch (one row with position ids) of batch `batch`, on rank 1."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch, self.fired = batch, 0
+
+    def before_forward(self, state: State, logger: Logger) -> None:
+        batch = state.batch
+        if (int(state.timestamp.batch) == self.batch and dist.get_rank() == 1 and "position_ids" in batch
+                and int(batch["input_ids"].shape[0]) == 1):
+            self.fired += 1
+            raise torch.OutOfMemoryError("CUDA out of memory (test: a packed microbatch)")
+
+
+def _measured(world: int, packing: Any, slow: Any = None, oom_at: Any = None) -> dict[str, Any]:
+    """automicro's Llama (it says it takes packed rows) under a token limit, `packing` as given
+    ("auto": measured on CPU too); `slow`: the trial arm made to look slower; `oom_at`: a batch whose
+    packed microbatches run out of memory on rank 1."""
+    auto = AutoMicrobatching(log_attempts=False, budget="tokens", packing=packing)
+    lines: list[str] = []
+    auto.runtime.info = lines.append
+    per_batch = MicrobatchesPerBatch()
+    extra = [SlowArm(auto, slow)] if slow else []
+    oom = OOMWhenPacked(oom_at) if oom_at is not None else None
+    result = cases.fit("auto", [auto, cases.TokenLimit(cases.limits(world)), per_batch, *extra, *([oom] if oom else [])],
+                       batches=MEASURED_BATCHES, on_tokens=True, sgd=True)
+    choice = auto.search.packing_choice
+    return {**result, "lines": _said(lines), "state": None if choice is None else choice.state,
+            "packed_by_batch": {b: sorted(v) for b, v in per_batch.packed.items()}, "oom_fired": None if oom is None else oom.fired}
+
+
 def run_packing(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
     cases._case(out, "llama", lambda: _llama(world))
+    # `packing` left to the measurement ("auto": on CPU too): kept packed where padding measures
+    # slower, padded where packing does; each against a run pinned that way from the start.
+    cases._case(out, "measured/packed", lambda: _measured(world, "auto", slow="padded"))
+    cases._case(out, "measured/padded", lambda: _measured(world, "auto", slow="packed"))
+    cases._case(out, "pinned/packed", lambda: _measured(world, True))
+    cases._case(out, "pinned/padded", lambda: _measured(world, False))
+    cases._case(out, "measured/oom", lambda: _measured(world, "auto", slow="padded", oom_at=MEASURED_BATCHES - 1))
+    cases._case(out, "default_on_cpu", lambda: _measured(world, None))
+    for arm in ("packed", "padded"):
+        measured, pinned = out[f"measured/{arm}"], out[f"pinned/{arm}"]
+        if measured.get("params") is not None and pinned.get("params") is not None:
+            measured["error_vs_pinned"] = max_error(measured["params"], pinned["params"])
+    for name in list(out):
+        if name.startswith(("measured/", "pinned/", "default_on_cpu")):
+            out[name].pop("params", None)
     cases._case(out, "per_sample", lambda: _per_sample(world))
     for layout in ("right", "left"):
         cases._case(out, f"hf/{layout}", lambda layout=layout: _hf(world, layout))

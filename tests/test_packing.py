@@ -67,6 +67,60 @@ def test_automicro_llama_trains_packed_rows_as_the_unsplit_padded_batch(packing)
     assert len({per_rank["llama"]["found"] for per_rank in packing}) == 1
 
 
+def _trial(result):
+    """Per batch of the run: "packed", "padded" or "mixed" (a rerun)."""
+    return {int(b): ("packed" if v == [True] else "padded" if v == [False] else "mixed") for b, v in result["packed_by_batch"].items()}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("arm", ["packed", "padded"])
+def test_packing_left_out_is_measured_and_the_faster_kept(packing, arm):
+    """The trial alternates packed and padded batches once the budget settles and keeps the faster
+    (one arm made to look slower); the run then equals one started pinned that way (fp32, SGD)."""
+    for rank, per_rank in enumerate(packing):
+        result = _ok(per_rank[f"measured/{arm}"])
+        assert result["batches"] == cases.MEASURED_BATCHES and result["state"] == arm, result["state"]
+        by_batch = _trial(result)
+        first = min(b for b, a in by_batch.items() if a == "packed")  # the trial's first batch
+        assert [by_batch[b] for b in range(first, first + 6)] == ["packed", "padded"] * 3, by_batch
+        assert all(by_batch[b] == "padded" for b in range(first)), by_batch  # padded while the budget was searched
+        assert all(by_batch[b] == arm for b in range(first + 6, cases.MEASURED_BATCHES)), by_batch
+        assert first + 6 < cases.MEASURED_BATCHES, by_batch
+        if rank == 0:
+            said = result["lines"]
+            assert said[0].startswith("packing: measured once the token budget settles, packed rows against padded batches"), said
+            assert said[1].startswith("packing trial: 3 batches packed, as many padded"), said
+            assert said[2].startswith(f"packing: {'packed rows kept' if arm == 'packed' else 'padded batches kept'}; median"), said
+            assert "real tokens/s of the busiest rank" in said[2], said
+        assert result["error_vs_pinned"] <= TOLERANCE, result["error_vs_pinned"]
+
+
+@pytest.mark.multiproc
+def test_an_oom_with_packed_rows_reruns_the_batch_padded_and_pads_from_then_on(packing):
+    for rank, per_rank in enumerate(packing):
+        result = _ok(per_rank["measured/oom"])
+        assert result["batches"] == cases.MEASURED_BATCHES and result["state"] == "padded", result["state"]
+        last = cases.MEASURED_BATCHES - 1
+        notes = [h for h in result["history"] if h[0] == last]
+        assert [h[4] for h in notes] == ["oom", "ok"] and notes[0][2] == notes[1][2], notes  # the same budget
+        assert "packed rows undone first; rerun padded" in notes[0][7], notes
+        assert _trial(result)[last] == "mixed", _trial(result)  # its packed attempt, then its padded rerun
+        if rank == 0:
+            assert any(line.startswith("packing: out of memory with packed rows at the settled budget (kept)") for line in result["lines"])
+    assert packing[1]["measured/oom"]["oom_fired"] == 1
+
+
+@pytest.mark.multiproc
+def test_packing_left_out_pads_on_cpu_and_says_how_to_measure_or_pin(packing):
+    for rank, per_rank in enumerate(packing):
+        result = _ok(per_rank["default_on_cpu"])
+        assert result["state"] is None and set(_trial(result).values()) == {"padded"}, result
+        if rank == 0:
+            assert result["lines"] == [
+                "packing: batches are padded on CPU (measured against packed rows on a GPU; packing: true pins packing)"
+            ], result["lines"]
+
+
 @pytest.mark.multiproc
 def test_packing_with_the_trainers_per_sample_accumulation_is_refused_naming_both(packing):
     for per_rank in packing:
@@ -170,7 +224,7 @@ def test_packing_needs_a_token_budget_and_per_token_loss():
         AutoMicrobatching(packing=True)
     with pytest.raises(ValueError, match="loss_normalization='samples'"):
         AutoMicrobatching(budget="tokens", packing=True, loss_normalization="samples")
-    with pytest.raises(ValueError, match="packing='yes': must be true or false"):
+    with pytest.raises(ValueError, match=r"packing='yes': must be null .*'auto' \(measured on any device\), true or false"):
         AutoMicrobatching(budget="tokens", packing="yes")
 
 

@@ -38,7 +38,10 @@ class SampleBatches:
     def label_shift(self, shift: int, info: Callable[[str], None]) -> None:
         """Where the model's loss tokens start (`loss_normalization`): only a token budget cuts rows."""
 
-    def check_packing(self, model: Any, info: Callable[[str], None], normalization: Optional[str]) -> None:
+    # Packed rows measured against padded batches once the budget settles (`packing_choice`).
+    measures_packing = False
+
+    def check_packing(self, model: Any, info: Callable[[str], None], normalization: Optional[str], device_type: str = "cpu") -> None:
         """Whether batches are packed into rows (`packed_input`): only a token budget packs.
         `normalization`: the loss normalisation resolved (`loss_normalization`)."""
 
@@ -133,9 +136,10 @@ class TokenBatches(SampleBatches):
     """budget="tokens": a batch's size is the largest batch of any rank in padded tokens; each
     attempt packs this rank's samples under the budget under test (`TokenBudget`)."""
 
-    def __init__(self, fixed: Optional[int] = None, packing: bool = False) -> None:
+    def __init__(self, fixed: Optional[int] = None, packing: Union[bool, str, None] = None) -> None:
         self.tokens = TokenBudget(fixed)
-        self.packing = packing
+        self.packing = packing  # True / False: pinned; None: measured on a GPU; "auto": measured anywhere
+        self.measures_packing = False
         # Finer than samples' (issue 41: the fastest hand-set budget was 0.56x the largest that fits);
         # none for a hand-set budget (`fixed_tokens`): the user's budget is not traded.
         self.size_fractions: tuple[float, ...] = () if fixed is not None else (0.75, 0.5)
@@ -146,14 +150,24 @@ class TokenBatches(SampleBatches):
     def label_shift(self, shift: int, info: Callable[[str], None]) -> None:
         self.tokens.model_shifts_labels, self.tokens.info = shift == 1, info
 
-    def check_packing(self, model: Any, info: Callable[[str], None], normalization: Optional[str]) -> None:
-        if self.packing and normalization == "samples":
+    def check_packing(self, model: Any, info: Callable[[str], None], normalization: Optional[str], device_type: str = "cpu") -> None:
+        if self.packing is True and normalization == "samples":
             raise ValueError(
                 "AutoMicrobatching(packing=True) with accumulate_train_batch_on_tokens=False: a packed microbatch is one "
                 "row whatever its samples, so a per-sample weight means nothing; leave the Trainer argument out (per "
                 "loss token, the default with budget: tokens) or drop packing"
             )
-        self.tokens.packing = self.packing and packed_input.check(model, info)
+        if isinstance(self.packing, bool):
+            self.tokens.packing = self.packing and packed_input.check(model, info)
+            return
+        self.tokens.packing = False
+        if normalization == "samples":
+            info("packing: batches are padded (the loss is normalised per sample, which a packed row cannot keep)")
+        elif self.packing is None and device_type != "cuda":
+            # As the layout: a CPU batch's time says nothing of a GPU's (packing: auto measures it all the same).
+            info("packing: batches are padded on CPU (measured against packed rows on a GPU; packing: true pins packing)")
+        else:
+            self.measures_packing = packed_input.measurable(model, info)
 
     def check_pipeline(self) -> None:
         raise ValueError(
@@ -262,7 +276,7 @@ class TokenBatches(SampleBatches):
 BatchKind = Union[SampleBatches, TokenBatches]
 
 
-def batch_kind(budget: str, fixed_tokens: Optional[int], packing: bool = False) -> BatchKind:
+def batch_kind(budget: str, fixed_tokens: Optional[int], packing: Union[bool, str, None] = None) -> BatchKind:
     """The batch kind of `AutoMicrobatching(budget=..., fixed_tokens=..., packing=...)` (checked there)."""
     return TokenBatches(fixed_tokens, packing) if budget == "tokens" else SampleBatches()
 

@@ -91,7 +91,7 @@ class AutoMicrobatching(Callback):
         layout_size_trials: bool = True,
         loss_normalization: Optional[str] = None,
         label_shift: Union[str, int] = "auto",
-        packing: bool = False,
+        packing: Union[bool, str, None] = None,
         exit_timeout_s: float = 30.0,
     ) -> None:
         self.settings = Settings.parse(
@@ -137,7 +137,10 @@ class AutoMicrobatching(Callback):
         and the loss normalisation (`accumulate_on_tokens`: the Trainer's argument, None where not passed)."""
         self.kind.check_trainer(trainer)
         self.kind.label_shift(self.settings.loss_normalization.apply(trainer, self._info, accumulate_on_tokens), self._info)
-        self.kind.check_packing(trainer.state.model, self._info, self.settings.loss_normalization.resolved)
+        self.kind.check_packing(
+            trainer.state.model, self._info, self.settings.loss_normalization.resolved,
+            "cuda" if getattr(trainer.state.device, "name", "cpu") == "gpu" else "cpu",
+        )
 
     def bind_trainer(self) -> None:
         """Called by `automicro.Trainer` for each of its AutoMicrobatching callbacks."""

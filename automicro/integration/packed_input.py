@@ -22,6 +22,7 @@ search, the loss.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 
@@ -93,25 +94,35 @@ def no_cache_in_training(model: Any) -> Optional[str]:
     )
 
 
-def check(model: Any, info: Callable[[str], None]) -> bool:
-    """Whether `model` takes packed rows; a line says what was decided (and what changed)."""
+@dataclass(frozen=True)
+class Assessment:
+    """What a model does with packed rows. `can`: it keeps attention within each packed sample;
+    `skips`: it also skips the other samples' tokens (a model that says it takes packed rows, flash
+    or flex attention), so packing can be faster; `line`: the console line for a pinned `packing:
+    true` (what was decided and how); `why`: why packing is not measured (`can` or `skips` False)."""
+
+    can: bool
+    skips: bool
+    line: str
+    why: str = ""
+    hf: Any = None  # the transformers model, where the cache hook goes
+
+
+def assess(model: Any) -> Assessment:
+    """Whether `model` takes packed rows and whether its attention skips the other samples; installs nothing."""
     declared = _declared(model)
     if declared is not None:
         if declared:
-            info("packing: each microbatch is one row of its samples end to end (the model keeps attention within "
-                 "each sample: it says so); the token budget counts real tokens")
-        else:
-            info("packing: the model says it cannot keep attention within packed samples (packed_input = False): "
-                 "batches are padded as without packing")
-        return declared
+            return Assessment(True, True, "packing: each microbatch is one row of its samples end to end (the model keeps "
+                              "attention within each sample: it says so); the token budget counts real tokens")
+        return Assessment(False, False, "packing: the model says it cannot keep attention within packed samples "
+                          "(packed_input = False): batches are padded as without packing",
+                          "the model says it cannot keep attention within packed samples (packed_input = False)")
     hf = _transformers_model(model)
     if hf is None:
-        info(
-            f"packing: {type(model).__name__} does not say that it keeps attention within packed samples (set "
-            "packed_input = True on the model if its forward takes position_ids restarting at each sample and masks "
-            "attention by them): batches are padded as without packing"
-        )
-        return False
+        why = (f"{type(model).__name__} does not say that it keeps attention within packed samples (set packed_input = "
+               "True on the model if its forward takes position_ids restarting at each sample and masks attention by them)")
+        return Assessment(False, False, f"packing: {why}: batches are padded as without packing", why)
     import transformers
 
     config = getattr(hf, "config", None)
@@ -121,27 +132,60 @@ def check(model: Any, info: Callable[[str], None]) -> bool:
     elif "flash" in impl:
         how = f"{impl} keeps the samples apart by position_ids"
     else:
-        info(
-            f"packing: transformers {transformers.__version__} keeps packed samples apart in {type(hf).__name__} only "
-            f"with attn_implementation='flash_attention_2' (from transformers 4.54 also eager, sdpa and flex for models "
-            f"built on masking_utils); this model runs {impl or 'its default attention'}: batches are padded as without packing"
-        )
-        return False
+        why = (f"transformers {transformers.__version__} keeps packed samples apart in {type(hf).__name__} only with "
+               f"attn_implementation='flash_attention_2' (from transformers 4.54 also eager, sdpa and flex for models built "
+               f"on masking_utils); this model runs {impl or 'its default attention'}")
+        return Assessment(False, False, f"packing: {why}: batches are padded as without packing", why)
     cache = ""
-    if (config is not None and getattr(config, "use_cache", False) and not getattr(hf, "_automicro_packed_no_cache", False)
-            and not getattr(hf, "_automicro_training_no_cache", False)):
-        hf.register_forward_pre_hook(_no_cache_for_packed_rows, with_kwargs=True)
-        hf._automicro_packed_no_cache = True
+    if config is not None and getattr(config, "use_cache", False) and not getattr(hf, "_automicro_training_no_cache", False):
         cache = ("; use_cache=False passed to its training forwards of packed rows (a KV cache made in the forward turns "
                  "the packed-row detection off, and the samples of a row would attend to each other; the config is "
                  "left as it is)")
-    dense = ""
+    dense, why = "", ""
+    skips = "flash" in impl or impl == "flex_attention"
     if impl in ("sdpa", "eager", ""):
         dense = (f"; with {impl or 'this'} attention transformers masks a dense square of each row's tokens (attention "
                  "costs them squared): attn_implementation='flex_attention' or 'flash_attention_2' skips the other samples")
-    info(f"packing: each microbatch is one row of its samples end to end ({how}){cache}; the token budget counts real "
-         f"tokens{dense}")
-    return True
+        why = (f"with {impl or 'its default'} attention transformers masks a dense square of each packed row's tokens "
+               "(attention costs them squared); attn_implementation='flex_attention' or 'flash_attention_2' skips the "
+               "other samples")
+    line = (f"packing: each microbatch is one row of its samples end to end ({how}){cache}; the token budget counts real "
+            f"tokens{dense}")
+    return Assessment(True, skips, line, why, hf)
 
 
-__all__ = ["check", "no_cache_in_training"]
+def _keep_cache_off_for_packed_rows(assessment: Assessment) -> None:
+    hf = assessment.hf
+    config = getattr(hf, "config", None)
+    if hf is None or not getattr(config, "use_cache", False) or getattr(hf, "_automicro_packed_no_cache", False):
+        return
+    if not getattr(hf, "_automicro_training_no_cache", False):
+        hf.register_forward_pre_hook(_no_cache_for_packed_rows, with_kwargs=True)
+    hf._automicro_packed_no_cache = True
+
+
+def check(model: Any, info: Callable[[str], None]) -> bool:
+    """`packing: true`: whether `model` takes packed rows; a line says what was decided (and what changed)."""
+    assessment = assess(model)
+    if assessment.can:
+        _keep_cache_off_for_packed_rows(assessment)
+    info(assessment.line)
+    return assessment.can
+
+
+def measurable(model: Any, info: Callable[[str], None]) -> bool:
+    """`packing` left out with a token budget: whether packing is measured against padding once the
+    budget settles (the model keeps packed samples apart and its attention skips the other samples'
+    tokens); one line says which and why."""
+    assessment = assess(model)
+    if assessment.can and assessment.skips:
+        _keep_cache_off_for_packed_rows(assessment)
+        info(assessment.line.replace("packing: each microbatch is one row", "packing: measured once the token budget "
+                                     "settles, packed rows against padded batches (packed: each microbatch is one row", 1)
+             .replace("; the token budget counts real tokens", "); packing: true or false pins it", 1))
+        return True
+    info(f"packing: batches are padded ({assessment.why}); packing: true pins packing")
+    return False
+
+
+__all__ = ["Assessment", "assess", "check", "measurable", "no_cache_in_training"]

@@ -68,7 +68,7 @@ class Settings:
         layout_size_trials: bool = True,
         loss_normalization: Optional[str] = None,
         label_shift: Union[str, int] = "auto",
-        packing: bool = False,
+        packing: Union[bool, str, None] = None,
         exit_timeout_s: float = 30.0,
     ) -> "Settings":
         # None: the probe on a GPU, the whole batch on CPU (resolved at attach, as the layout).
@@ -85,13 +85,16 @@ class Settings:
         # budget="tokens": the search's sizes are tokens per microbatch (`token_budget`).
         if fixed_tokens is not None and budget != "tokens":
             raise ValueError(f"fixed_tokens={fixed_tokens!r} needs budget='tokens'")
-        if not isinstance(packing, bool):
-            raise ValueError(f"packing={packing!r}: must be true or false")
-        if packing and budget != "tokens":
+        if packing is not None and not isinstance(packing, bool) and packing != "auto":
+            raise ValueError(
+                f"packing={packing!r}: must be null (with budget: tokens, packed rows measured against padded batches on "
+                "a GPU where the model's attention skips the other samples), 'auto' (measured on any device), true or false"
+            )
+        if packing is True and budget != "tokens":
             raise ValueError(
                 f"packing=true needs budget='tokens' (got budget={budget!r}): packed rows are cut by their tokens"
             )
-        if packing and loss_normalization == "samples":
+        if packing is True and loss_normalization == "samples":
             raise ValueError(
                 "packing=true with loss_normalization='samples': a packed microbatch is one row whatever its samples, so "
                 "a per-sample weight means nothing; drop loss_normalization (per loss token, the default) or packing"

@@ -33,6 +33,7 @@ from automicro.core.thrash import ThrashDetector
 from automicro.integration.batch_host import BatchHost
 from automicro.integration.batch_step import BatchStep
 from automicro.integration.compile_shapes import StaticShapes
+from automicro.integration.packing_choice import PackingChoice
 from automicro.integration.layout_trials import LayoutTrials
 from automicro.integration.memory_truth import MemoryTruth, reached_bytes
 from automicro.integration.runtime import Runtime
@@ -72,6 +73,7 @@ class TrainingSearch:
         self._optimizer_state_known = False
         self._step: Optional[BatchStep] = None  # the batch in progress (or the last one)
         self.static_shapes: Optional[StaticShapes] = None  # made at the first batch (`_static_shapes`)
+        self.packing_choice: Optional[PackingChoice] = None  # packed or padded, measured (`packing_choice`)
 
     def configure(self, device_type: str, pipeline: Any) -> None:
         """At attach: how the search starts on this device, and a pipeline's sizes."""
@@ -193,6 +195,10 @@ class TrainingSearch:
             layout=None if self.layout is None else self.layout.engine,
         )
         self._step = step
+        packing = self._packing_choice()
+        if packing is not None:  # before the batch's domain is agreed (`step.begin`)
+            steady = self.policy is not None and self.policy.phase == search.Phase.STEADY and not rt.hooks_active
+            packing.before_batch(steady, self.layout is not None and self.layout.trial_running)
         self._optimizer_pending = self._pending_optimizer_bytes(host.optimizers())
         self._ensure_policy(step.begin(), host)
         assert self.policy is not None and self.layout is not None
@@ -200,7 +206,8 @@ class TrainingSearch:
             self.layout.load_state_dict(self._layout_state)
             self._layout_state = None
         self.layout.before_batch(
-            self.policy.phase == search.Phase.STEADY, self._last_peak, self.policy.usable_bytes(self.last_capacity),
+            # No layout trial starts while packing is measured (their times would mix the two).
+            self.policy.phase == search.Phase.STEADY and not (packing is not None and packing.trialing), self._last_peak, self.policy.usable_bytes(self.last_capacity),
             *self.kind.layout_figures(self.policy, self._peak_at, self.config.probes),
             capacity_read=self.last_capacity or 0, outside_bytes=self._last_outside, size_fractions=self.kind.size_fractions,
             size_unit=self.config.unit,
@@ -254,6 +261,10 @@ class TrainingSearch:
                     "see that rank's traceback for the cause"
                 )
                 raise self._ends_run(self.agreed_error)
+            if packing is not None and packing.relieve():
+                self._record(batch_index, sizes, "oom", verdict, max(sizes), seconds,
+                             "packed rows undone first; rerun padded at the same budget", hooks=hooks_on)
+                continue
             undone = self._relieved_by_layout(f"out of memory at size {max(sizes)}", max(sizes))
             if undone is not None:
                 self.memory_truth.layout_undone(undone, max(sizes), batch_index)
@@ -300,7 +311,18 @@ class TrainingSearch:
         self._after_success(verdict, batch_index, sizes, seconds, () if trial_batch else peaks, trial_batch)
         self._optimizer_pending = 0  # the step created the state: evals and later batches hold it
         self._static_shapes().after_batch(step.attempts, sizes)
+        packing = self._packing_choice()
+        if packing is not None and self.kind.tokens is not None and self.kind.tokens.plan is not None:
+            packing.after_batch(step.attempts, self.kind.batch_weight(), self.kind.tokens.plan.most_real)
         return attempt.total_loss_dict
+
+    def _packing_choice(self) -> Optional[PackingChoice]:
+        """Packed rows against padded batches, where the batch kind measures it (`packing_choice`)."""
+        if self.packing_choice is None and self.kind.measures_packing and self.kind.tokens is not None:
+            rt = self.runtime
+            assert rt.sharded is not None and rt.consensus is not None
+            self.packing_choice = PackingChoice(self.kind.tokens, rt.consensus, rt.info, rt.sharded.device)
+        return self.packing_choice
 
     def _static_shapes(self) -> StaticShapes:
         """The compiled blocks' static recompile once the size settles (`compile_shapes`)."""
