@@ -348,9 +348,10 @@ def test_one_and_four_ranks_probe_first_and_train_like_the_fixed_size(world):
     for out in run_multiprocess(optimizer_cases.probe, world_size=world, args=(False,), timeout_s=900):
         # On one rank the split alone moves AdamW's parameters by 3.7e-5 to 7.2e-5 after 6 batches
         # (fixed runs at sizes 2, 4 and 6 against each other, measured 2026-11-26): the bound is
-        # that floor, not 1e-5.
-        _check_probe(out, tolerance=1e-5 if world > 1 else 1e-4)
-        _check_shared_card(out, tolerance=1e-5 if world > 1 else 1e-4)
+        # that floor, not 1e-5. On 4 ranks 1.21e-5 on one machine (deterministic, before session 33
+        # too; under 1e-5 on CI's): the same rounding, so 5e-5 (a leaked attempt moves them by ~lr).
+        _check_probe(out, tolerance=5e-5 if world > 1 else 1e-4)
+        _check_shared_card(out, tolerance=5e-5 if world > 1 else 1e-4)
 
 
 def _check_shared_card(out, tolerance=1e-5):
