@@ -32,13 +32,13 @@ search policy, the layout trials (it only asks whether one runs), Composer.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
 
 from automicro.core.layout import judge
+from automicro.integration.trial_timing import BatchClock, agreed_times
 from automicro.engine.compile import CompiledBlocks, compiled_graphs
 
 BATCHES = 3  # timed batches each side (the layout trials' default)
@@ -63,7 +63,8 @@ class StaticShapes:
         self.times: dict[str, list[float]] = {"dynamic": [], "static": []}
         self.result: Optional[Any] = None  # the `TrialResult` once decided
         self.graphs_at_switch: Optional[int] = None  # graphs compiled in the process when the blocks were compiled again
-        self._started: Optional[float] = None
+        self.clock = BatchClock(device)
+        self._timing = False  # the clock runs for the batch in progress
         # Tests replace it to make one arm look faster or slower without depending on the machine.
         self.timing: Callable[[str, float], float] = lambda arm, seconds: seconds
 
@@ -79,16 +80,15 @@ class StaticShapes:
         elif self.state == "timing_dynamic" and (not steady or trial_running or split != self.split):
             self.state, self.times["dynamic"] = "waiting", []  # the size moved: start again once settled
         if self._arm is not None or self.state == "compiling":
-            self._sync()
-            self._started = time.perf_counter()
+            self.clock.start()
+            self._timing = True
 
     def after_batch(self, attempts: int, split: tuple[int, ...]) -> None:
         """The batch succeeded after `attempts` attempts at `split`."""
         if self.state in ("static", "dynamic", "off", "waiting"):
             return
-        self._sync()
-        seconds = 0.0 if self._started is None else time.perf_counter() - self._started
-        self._started = None
+        seconds = self.clock.stop() if self._timing else 0.0
+        self._timing = False
         arm = self._arm
         if self.state == "compiling":
             self.state = "timing_static"  # that batch compiled the static graphs: not timed
@@ -116,7 +116,7 @@ class StaticShapes:
             self.state = "static"
             self.info(f"compile: the blocks compiled again at the settled {where}; kept, not compared (the size moved)")
             return
-        dynamic, static = (self._agreed(self.times[arm]) for arm in ("dynamic", "static"))
+        dynamic, static = (agreed_times(self.consensus, self.times[arm]) for arm in ("dynamic", "static"))
         self.result = judge("dynamic", dynamic, static, self.min_gain)
         medians = (
             f"median batch {statistics.median(static):.4f} s compiled again, {statistics.median(dynamic):.4f} s as the search "
@@ -131,15 +131,6 @@ class StaticShapes:
         else:
             self.state = "static"
             self.info(f"compile: the blocks compiled again at the settled {where} (static in the batch): kept; {medians}")
-
-    def _agreed(self, times: list[float]) -> list[float]:
-        """The slowest rank's time of each batch (one round on every rank at the same batch)."""
-        local = [int(round(s * 1e6)) for s in times]
-        return [us / 1e6 for us in self.consensus.agree_max(local)]
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     def state_line(self) -> str:
         """For the summary line: what the compiled blocks run now."""

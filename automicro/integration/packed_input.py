@@ -137,7 +137,8 @@ def assess(model: Any) -> Assessment:
                f"on masking_utils); this model runs {impl or 'its default attention'}")
         return Assessment(False, False, f"packing: {why}: batches are padded as without packing", why)
     cache = ""
-    if config is not None and getattr(config, "use_cache", False) and not getattr(hf, "_automicro_training_no_cache", False):
+    if (config is not None and getattr(config, "use_cache", False) and not getattr(hf, "_automicro_training_no_cache", False)
+            and not getattr(hf, "_automicro_packed_no_cache", False)):
         cache = ("; use_cache=False passed to its training forwards of packed rows (a KV cache made in the forward turns "
                  "the packed-row detection off, and the samples of a row would attend to each other; the config is "
                  "left as it is)")

@@ -29,13 +29,13 @@ touch: the search policy, the layout trials (it only asks whether one runs), the
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from automicro.core.layout import judge
+from automicro.integration.trial_timing import BatchClock, agreed_times
 from automicro.integration.token_budget import TokenBudget
 
 BATCHES = 3  # batches each way (the layout trials' default)
@@ -56,7 +56,7 @@ class PackingChoice:
         self.times: dict[str, list[float]] = {"packed": [], "padded": []}
         self.real: dict[str, list[int]] = {"packed": [], "padded": []}  # the busiest rank's real tokens per batch
         self.result: Any = None
-        self._started: float = 0.0
+        self.clock = BatchClock(device)
         # Tests replace it to make one arm look faster or slower without depending on the machine.
         self.timing: Callable[[str, float], float] = lambda arm, seconds: seconds
 
@@ -76,16 +76,14 @@ class PackingChoice:
             self.real = {"packed": [], "padded": []}
         self.tokens.packing = self.state == "packed" or (self.state == "trial" and self.arm == "packed")
         if self.state == "trial":
-            self._sync()
-            self._started = time.perf_counter()
+            self.clock.start()
 
     def after_batch(self, attempts: int, weight: float, most_real: int) -> None:
         """The batch succeeded after `attempts` attempts; `weight`: its work against the average
         batch (`TokenBatches.batch_weight`); `most_real`: the most real tokens any rank held."""
         if self.state != "trial":
             return
-        self._sync()
-        seconds = time.perf_counter() - self._started
+        seconds = self.clock.stop()
         arm = self.arm
         if attempts == 1:  # agreed: every rank appends alike, so every rank decides at the same batch
             self.times[arm].append(self.timing(arm, seconds / (weight or 1.0)))
@@ -110,7 +108,7 @@ class PackingChoice:
         return True
 
     def _decide(self) -> None:
-        packed, padded = (self._agreed(self.times[arm]) for arm in ("packed", "padded"))
+        packed, padded = (agreed_times(self.consensus, self.times[arm]) for arm in ("packed", "padded"))
         self.result = judge("packing", packed, padded, self.min_gain)
         rate = {
             arm: statistics.mean(self.real[arm]) / statistics.median(times) if times and self.real[arm] else 0.0
@@ -124,15 +122,6 @@ class PackingChoice:
         self.state = "packed" if self.result.kept else "padded"
         self.tokens.packing = self.result.kept
         self.info(f"packing: {'packed rows kept' if self.result.kept else 'padded batches kept'}; {medians}")
-
-    def _agreed(self, times: list[float]) -> list[float]:
-        """The slowest rank's time of each batch (one round on every rank at the same batch)."""
-        local = [int(round(s * 1e6)) for s in times]
-        return [us / 1e6 for us in self.consensus.agree_max(local)]
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
 
 __all__ = ["PackingChoice"]

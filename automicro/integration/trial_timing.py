@@ -1,0 +1,47 @@
+"""The timing the trials share: a batch's wall time with the device synchronized at both ends, and
+the slowest rank's time of each batch (one consensus round on every rank at the same batch).
+
+Owns: the clock and the agreement of batch times. May not touch: what a trial decides.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from automicro.core.consensus import SLOTS
+
+
+class BatchClock:
+    """`start()` before a batch, `stop()` after it: its seconds, the device's queued work included."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._started = 0.0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def start(self) -> None:
+        self._sync()
+        self._started = time.perf_counter()
+
+    def stop(self) -> float:
+        self._sync()
+        return time.perf_counter() - self._started
+
+
+def agreed_times(consensus: Any, times: Sequence[float]) -> list[float]:
+    """The slowest rank's time of each batch: every rank calls it at the same batch with as many times."""
+    local = [int(round(s * 1e6)) for s in times]
+    agreed: list[int] = []
+    for start in range(0, len(local), SLOTS):  # a round carries at most SLOTS ints per rank
+        agreed.extend(consensus.agree_max(local[start : start + SLOTS]))
+    return [us / 1e6 for us in agreed]
+
+
+__all__ = ["BatchClock", "agreed_times"]
