@@ -39,7 +39,7 @@ import torch
 
 from automicro.core.layout import judge
 from automicro.integration.trial_timing import BatchClock, agreed_times
-from automicro.engine.compile import CompiledBlocks, compiled_graphs
+from automicro.engine.compile import CompiledBlocks
 
 BATCHES = 3  # timed batches each side (the layout trials' default)
 MIN_GAIN = 0.01
@@ -54,7 +54,7 @@ class StaticShapes:
         self, compiled: Optional[CompiledBlocks], consensus: Any, info: Callable[[str], None], device: torch.device,
         why_not: Optional[str] = None, batches: int = BATCHES, min_gain: float = MIN_GAIN,
     ) -> None:
-        self.compiled, self.consensus, self.info, self.device = compiled, consensus, info, device
+        self.compiled, self.consensus, self.info = compiled, consensus, info
         self.batches, self.min_gain = batches, min_gain
         self.state = "off" if compiled is None or why_not is not None else "waiting"
         if compiled is not None and why_not is not None:
@@ -62,7 +62,6 @@ class StaticShapes:
         self.split: Optional[tuple[int, ...]] = None
         self.times: dict[str, list[float]] = {"dynamic": [], "static": []}
         self.result: Optional[Any] = None  # the `TrialResult` once decided
-        self.graphs_at_switch: Optional[int] = None  # graphs compiled in the process when the blocks were compiled again
         self.clock = BatchClock(device)
         self._timing = False  # the clock runs for the batch in progress
         # Tests replace it to make one arm look faster or slower without depending on the machine.
@@ -104,7 +103,6 @@ class StaticShapes:
         if arm == "dynamic":
             assert self.compiled is not None
             self.compiled.recompile(None)
-            self.graphs_at_switch = compiled_graphs()
             self.state = "compiling"
         else:
             self._decide(compared=True)
@@ -131,10 +129,6 @@ class StaticShapes:
         else:
             self.state = "static"
             self.info(f"compile: the blocks compiled again at the settled {where} (static in the batch): kept; {medians}")
-
-    def state_line(self) -> str:
-        """For the summary line: what the compiled blocks run now."""
-        return {"static": "static shapes", "dynamic": "dynamic shapes"}.get(self.state, "")
 
 
 __all__ = ["StaticShapes"]

@@ -11,17 +11,15 @@ May not touch: the size policy, the attempt fence, Composer; torch privates (the
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any, Optional
 
-import torch
-
-from automicro.core.consensus import SLOTS, Consensus
+from automicro.core.consensus import Consensus
 from automicro.core.layout import SIZE_FRACTIONS, TRADES, UPSIZE, LayoutConfig, LayoutSearch, describe
 from automicro.core.policy import SAFETY_MARGIN, predict_max_size
 from automicro.engine.layout import LayoutEngine
 from automicro.engine.sharding import ShardedModel
+from automicro.integration.trial_timing import BatchClock, agreed_times
 
 
 class LayoutTrials:
@@ -60,8 +58,8 @@ class LayoutTrials:
             info("layout search off: steady_recovery=false cannot recover an OOM in a trial (layout stays fixed)")
             candidates = []
         self.search = LayoutSearch(config, candidates)
-        self._device = sharded.device
-        self._started: Optional[float] = None
+        self._clock = BatchClock(sharded.device)
+        self._timing = False  # the clock runs for the batch in progress (a trial's)
         self.layout: tuple[str, ...] = ()
         self._applied = False  # the engine's switches were set once (then only on a change)
         self.adopted: Optional[int] = None  # a kept downsize trial's size, for the size policy (once)
@@ -186,15 +184,10 @@ class LayoutTrials:
         self.last_run = layout
         # A trial's "with" batch: its peak is the trade's, not the layout's the size policy models.
         self.trial_batch = self.search.trial is not None and self.search.trial.next_on
-        self._started = None
+        self._timing = False
         if self.search.trial is not None:
-            self._sync()
-            self._started = time.perf_counter()
-
-    @property
-    def trial_running(self) -> bool:
-        """A layout or size trial runs (or starts with the next batch)."""
-        return self.engine is not None and self.search.trial is not None
+            self._clock.start()
+            self._timing = True
 
     @property
     def measure_split_next(self) -> bool:
@@ -211,11 +204,10 @@ class LayoutTrials:
         if self.engine is None:
             return
         self.engine.reset()
-        if self._started is None or self.search.trial is None:
+        if not self._timing or self.search.trial is None:
             return
-        self._sync()
-        seconds = time.perf_counter() - self._started
-        self._started = None
+        seconds = self._clock.stop()
+        self._timing = False
         if attempts == 1:
             self.search.observe(self.layout, self.timing(self.layout, seconds / (weight or 1.0)))
         trial = self.search.measuring
@@ -240,11 +232,7 @@ class LayoutTrials:
             self._apply(self.search.settled)
             return
         if self.search.needs_agreement:
-            local = [int(round(s * 1e6)) for s in self.search.local_times()]
-            agreed: list[int] = []
-            for start in range(0, len(local), SLOTS):  # a round carries at most SLOTS ints per rank
-                agreed.extend(self._consensus.agree_max(local[start : start + SLOTS]))
-            result = self.search.decide([us / 1e6 for us in agreed], self._capacity_read)
+            result = self.search.decide(agreed_times(self._consensus, self.search.local_times()), self._capacity_read)
             self._info(result.line())
             if result.kept and result.size is not None:
                 self.adopted = result.size
@@ -291,7 +279,7 @@ class LayoutTrials:
         if self.engine is None:
             return None
         undone = self.search.relieve(self.layout, why, size, self._capacity)
-        self._started = None
+        self._timing = False
         if undone is not None:
             self._apply(self.search.settled)
             self._info(f"layout: undid {undone} ({why}); layout now: {describe(self.layout)}")
@@ -325,10 +313,6 @@ class LayoutTrials:
             self.engine.apply(layout)
             self._applied = True
         self.layout = layout
-
-    def _sync(self) -> None:
-        if self._device.type == "cuda":
-            torch.cuda.synchronize(self._device)
 
 
 __all__ = ["LayoutTrials"]

@@ -106,6 +106,7 @@ class Assessment:
     line: str
     why: str = ""
     hf: Any = None  # the transformers model, where the cache hook goes
+    how: str = ""  # what keeps the samples apart (`can`)
 
 
 def assess(model: Any) -> Assessment:
@@ -113,8 +114,9 @@ def assess(model: Any) -> Assessment:
     declared = _declared(model)
     if declared is not None:
         if declared:
-            return Assessment(True, True, "packing: each microbatch is one row of its samples end to end (the model keeps "
-                              "attention within each sample: it says so); the token budget counts real tokens")
+            how = "the model keeps attention within each sample: it says so"
+            return Assessment(True, True, f"packing: each microbatch is one row of its samples end to end ({how}); the token "
+                              "budget counts real tokens", how=how)
         return Assessment(False, False, "packing: the model says it cannot keep attention within packed samples "
                           "(packed_input = False): batches are padded as without packing",
                           "the model says it cannot keep attention within packed samples (packed_input = False)")
@@ -152,7 +154,7 @@ def assess(model: Any) -> Assessment:
                "other samples")
     line = (f"packing: each microbatch is one row of its samples end to end ({how}){cache}; the token budget counts real "
             f"tokens{dense}")
-    return Assessment(True, skips, line, why, hf)
+    return Assessment(True, skips, line, why, hf, how + cache)
 
 
 def _keep_cache_off_for_packed_rows(assessment: Assessment) -> None:
@@ -181,9 +183,8 @@ def measurable(model: Any, info: Callable[[str], None]) -> bool:
     assessment = assess(model)
     if assessment.can and assessment.skips:
         _keep_cache_off_for_packed_rows(assessment)
-        info(assessment.line.replace("packing: each microbatch is one row", "packing: measured once the token budget "
-                                     "settles, packed rows against padded batches (packed: each microbatch is one row", 1)
-             .replace("; the token budget counts real tokens", "); packing: true or false pins it", 1))
+        info(f"packing: measured once the token budget settles, packed rows against padded batches (packed: each "
+             f"microbatch is one row of its samples end to end, {assessment.how}); packing: true or false pins it")
         return True
     info(f"packing: batches are padded ({assessment.why}); packing: true pins packing")
     return False

@@ -49,7 +49,7 @@ class PackingChoice:
         self, tokens: TokenBudget, consensus: Any, info: Callable[[str], None], device: torch.device,
         batches: int = BATCHES, min_gain: float = MIN_GAIN,
     ) -> None:
-        self.tokens, self.consensus, self.info, self.device = tokens, consensus, info, device
+        self.tokens, self.consensus, self.info = tokens, consensus, info
         self.batches, self.min_gain = batches, min_gain
         self.state = "waiting"
         self.arm = "packed"  # the arm of the batch in progress (trial)

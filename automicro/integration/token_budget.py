@@ -201,11 +201,6 @@ class TokenBudget:
         self.plan = plan
         return plan
 
-    @property
-    def packs(self) -> bool:
-        """This batch is packed."""
-        return self._packs
-
     def stop_packing(self) -> None:
         """Memory pressure: the rest of this batch's attempts and the later batches are padded."""
         self.packing = self._packs = False

@@ -205,9 +205,10 @@ class TrainingSearch:
         if self._layout_state is not None:
             self.layout.load_state_dict(self._layout_state)
             self._layout_state = None
+        # No layout trial starts while packing is measured (their times would mix the two).
+        layout_steady = self.policy.phase == search.Phase.STEADY and not (packing is not None and packing.trialing)
         self.layout.before_batch(
-            # No layout trial starts while packing is measured (their times would mix the two).
-            self.policy.phase == search.Phase.STEADY and not (packing is not None and packing.trialing), self._last_peak, self.policy.usable_bytes(self.last_capacity),
+            layout_steady, self._last_peak, self.policy.usable_bytes(self.last_capacity),
             *self.kind.layout_figures(self.policy, self._peak_at, self.config.probes),
             capacity_read=self.last_capacity or 0, outside_bytes=self._last_outside, size_fractions=self.kind.size_fractions,
             size_unit=self.config.unit,
@@ -491,7 +492,9 @@ class TrainingSearch:
         waiting for this one: declare the job lost where they can hear it (the ledger's board on one
         node, the job-lost alarm across nodes), leave the failure note, and return the error to raise."""
         if isinstance(error, Exception):
-            self._ends_run(error)  # the run is over: its process exits within exit_timeout_s
+            # The run is over: its process exits within exit_timeout_s (an error raised from this one
+            # below carries the mark through its cause).
+            self._ends_run(error)
         ledger = self.runtime.ledger
         if isinstance(error, FatalRecoveryError) or error is self.agreed_error or ledger is None:
             return None
@@ -501,11 +504,11 @@ class TrainingSearch:
             # the size is not the cause.
             if not isinstance(error, Exception):
                 return None
-            return self._ends_run(ledger.lost_outside_attempt(where, batch, f"it raised {type(error).__name__}: {error}"))
+            return ledger.lost_outside_attempt(where, batch, f"it raised {type(error).__name__}: {error}")
         if not self.used_split:
             return None
         failure_note.write(folder, self.runtime.rank, batch, self.used_split)
-        return self._ends_run(ledger.lost_outside_attempt(where, batch))
+        return ledger.lost_outside_attempt(where, batch)
 
     def _ends_run(self, error: E) -> E:
         """`error` ends the run: where nothing catches it, the process exits within `exit_timeout_s`
