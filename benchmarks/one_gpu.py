@@ -29,11 +29,12 @@ most over its steady batches, and half of it, so the best hand-set sizes are tim
 (`AutoMicrobatching(memory_fraction=...)`; 0: not set). A card that is not all ours (issue 39):
 `--torch-fraction F` sets `torch.cuda.set_per_process_memory_fraction(F)` first thing in each
 variant's process, as a user's own script would, telling automicro nothing; `--hog-gib G` starts
-another process that holds G GiB of the same GPU for the whole variant (a notebook, a server). `--model hf` swaps the model for a
-transformers `LlamaForCausalLM` of the same 1B shape (hidden 2048, 16 layers, 32 heads, 8 KV heads,
-MLP 8192, vocab 32000, built from its config, no weights downloaded) in Composer's
-`HuggingFaceModel`: the same YAML, data and variants, the model builder replaced in the variant's
-process (`--hf` ahead of its arguments).
+another process that holds G GiB of the same GPU for the whole variant (a notebook, a server). `--model NAME` swaps the model for a
+transformers model built from its config, no weights downloaded (`FAMILIES`): `hf` the same 1B Llama
+shape (`use_cache=False`); `tinyllama`, `llama32` (Llama 3.2 1B), `qwen25` (Qwen2.5 0.5B) and `gpt2l`
+(GPT-2 large: `--seq 1024 --batch 64`) public shapes with every other config value at its default, in
+Composer's `HuggingFaceModel`: the same YAML, data and variants, the model builder replaced in the
+variant's process (`--hf=NAME` ahead of its arguments).
 Per variant, from the run's metrics.jsonl and console: steady tokens/s and MFU (the batches after
 `--skip`, from the wall clock Composer logs per batch; MFU from the model's flops per batch over the
 H100's dense bf16 peak), the first batch's seconds (search and compile), graphs compiled, OOMs,
@@ -127,14 +128,15 @@ def overrides(variant: str, args: argparse.Namespace, run_dir: str) -> list[str]
 
 def resolve_fixed(variant: str, results: list[dict[str, Any]], tag: str = "") -> Optional[str]:
     """`KIND-fixed-found` / `KIND-fixed-half` as `KIND-fixed-N`: N the largest microbatch `KIND-auto`
-    (run earlier in this command) ran at most over its steady batches, or half of it; None where that
+    (run earlier in this command; `...@OTHER`: `OTHER-auto`) ran most over its steady batches, or half of it; None where that
     run left no steady size (it failed). Other variants come back as they are."""
     kind, _, mode = variant.partition("-")
+    mode, _, source = mode.partition("@")  # `KIND-fixed-found@OTHER`: the size OTHER-auto ran at
     if mode not in ("fixed-found", "fixed-half"):
         return variant
-    auto = next((r for r in results if r.get("variant") == f"{kind}-auto{tag}"), None)
+    auto = next((r for r in results if r.get("variant") == f"{source or kind}-auto{tag}"), None)
     if auto is None:
-        raise SystemExit(f"variant {variant!r} needs {kind}-auto earlier in --variants")
+        raise SystemExit(f"variant {variant!r} needs {source or kind}-auto earlier in --variants")
     steady = auto.get("steady_sizes") or []
     if not steady:
         return None
@@ -242,8 +244,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--profile", default="",
                    help="START:COUNT: torch.profiler over batches START..START+COUNT-1 of every variant; "
                         "its top kernels and ops as VARIANT.profile.txt (GPU time, wall time, the gap between)")
-    p.add_argument("--model", choices=("automicro", "hf"), default="automicro",
-                   help="automicro.models' Llama (the preset), or a transformers LlamaForCausalLM of the 1B shape")
+    p.add_argument("--model", choices=("automicro", *FAMILIES), default="automicro",
+                   help="automicro.models' Llama (the preset), or a transformers model built from its config (FAMILIES)")
     if argv is None and sys.argv[1:2] == ["--hog"]:
         return hog(*sys.argv[2:6])
     if argv is None and sys.argv[1].startswith("--profile="):
@@ -259,9 +261,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         import train  # noqa: E402 - scripts/train.py
 
         return train.main(sys.argv[2:])
-    if argv is None and sys.argv[1:2] == ["--hf"]:
-        _use_hf_llama("--tiny-hf" in sys.argv)
-        sys.argv = [a for a in sys.argv if a not in ("--hf", "--tiny-hf")]
+    if argv is None and sys.argv[1].startswith("--hf="):
+        _use_hf(sys.argv[1].split("=", 1)[1], "--tiny-hf" in sys.argv)
+        sys.argv = [a for a in sys.argv if not a.startswith("--hf=") and a != "--tiny-hf"]
         if sys.argv[1:2] != ["--stock"]:
             sys.path.insert(0, os.path.join(harness.REPO_ROOT, "scripts"))
             import train  # noqa: E402 - scripts/train.py, with the model builder replaced
@@ -288,8 +290,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         stock = variant.startswith(("composer-", "composercompile-"))
         script = os.path.abspath(__file__) if stock else os.path.join(harness.REPO_ROOT, "scripts", "train.py")
         rest = [*(["--stock"] if stock else []), "configs/tiny-gpu.yaml", *overrides(variant, args, run_dir)]
-        if args.model == "hf":
-            script, rest = os.path.abspath(__file__), ["--hf", *rest, *(["--tiny-hf"] if args.dry_run else [])]
+        if args.model != "automicro":
+            script, rest = os.path.abspath(__file__), [f"--hf={args.model}", *rest, *(["--tiny-hf"] if args.dry_run else [])]
         if (args.torch_fraction or args.profile) and script != os.path.abspath(__file__):
             script, rest = os.path.abspath(__file__), ["--train", *rest]  # scripts/train.py, run from this file's process
         if args.torch_fraction:
@@ -474,26 +476,49 @@ def stock_composer(argv: list[str]) -> int:
     return 0
 
 
-def _use_hf_llama(tiny: bool) -> None:
-    """Replace the YAML's model builder, in this process, with a transformers Llama of the 1B shape
-    (`--model hf`; `tiny`: a 2-layer one for the CPU dry run)."""
+# `--model NAME`: transformers models built from their configs (no weights downloaded). `hf` is the
+# 1B Llama shape of `automicro.models` with `use_cache=False` (sessions 12-32); the others are public
+# models' shapes with every other config value at transformers' default (`use_cache` included), as a
+# user who builds one from its config gets it (issue 58, item 5).
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "hf": ("LlamaConfig", dict(vocab_size=32000, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                               num_key_value_heads=8, intermediate_size=8192, use_cache=False)),
+    "tinyllama": ("LlamaConfig", dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                                      num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048)),
+    "llama32": ("LlamaConfig", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                                    rope_theta=500000.0, tie_word_embeddings=True)),
+    "qwen25": ("Qwen2Config", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                   num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                                   rope_theta=1000000.0, tie_word_embeddings=True)),
+    # GPT-2 large: 1024 positions (run it with --seq 1024 --batch 64: the same tokens a batch).
+    "gpt2l": ("GPT2Config", dict(n_embd=1280, n_layer=36, n_head=20)),
+}
+_TINY = {"LlamaConfig": dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128),
+         "Qwen2Config": dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128),
+         "GPT2Config": dict(vocab_size=1000, n_embd=64, n_layer=2, n_head=4)}
+
+
+def _use_hf(name: str, tiny: bool) -> None:
+    """Replace the YAML's model builder, in this process, with the transformers model `name` of
+    `FAMILIES` (`tiny`: 2 layers, for the CPU dry run)."""
     from automicro.integration import builders
 
     def build(cfg: Any) -> Any:
         import warnings
 
+        import transformers
         from composer.models import HuggingFaceModel
-        from transformers import LlamaConfig, LlamaForCausalLM
 
-        shape = (
-            dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
-            if tiny else
-            dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, intermediate_size=8192)
-        )
-        config = LlamaConfig(vocab_size=32000, max_position_embeddings=max(cfg.data.seq_len, 128), use_cache=False, **shape)
+        config_name, shape = FAMILIES[name]
+        shape = {**shape, **(_TINY[config_name] if tiny else {})}
+        if name == "hf":
+            shape["max_position_embeddings"] = max(cfg.data.seq_len, 128)
+        config = getattr(transformers, config_name)(**shape)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return HuggingFaceModel(LlamaForCausalLM(config), tokenizer=None, use_logits=True)
+            model = transformers.AutoModelForCausalLM.from_config(config)
+            return HuggingFaceModel(model, tokenizer=None, use_logits=True)
 
     builders.build_model_from = build
 
