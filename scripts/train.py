@@ -145,7 +145,9 @@ def main(argv: list[str]) -> int:
         if cfg.compile is not None:
             from automicro.engine.compile import compiled_graphs
 
-            print(f"[automicro] {cfg.compile.describe()}: {compiled_graphs()} graph(s) compiled on rank 0")
+            compiled = getattr(trainer.sharded_model, "compiled", None) if hasattr(trainer, "sharded_model") else None
+            scope = None if compiled is None else compiled.scope
+            print(f"[automicro] {cfg.compile.describe(scope)}: {compiled_graphs()} graph(s) compiled on rank 0")
         found = None if auto is None else auto.summary_line(per_rank_batch)
         if found is not None:
             print(found)

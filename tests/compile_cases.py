@@ -172,24 +172,31 @@ def _token_budget_compiled(world: int) -> dict[str, Any]:
     return result
 
 
-STATIC_BATCHES = 12  # settled at batch 0, hooks off after 3, 3 timed, 1 compiling, 3 timed: decided at batch 10
+# Settled at batch 0, hooks off after 3; 3 timed as the search compiled them, 1 compiling, 3 static:
+# decided at batch 10; where the search's graphs won, 1 compiling and 3 dynamic in the batch: decided
+# at batch 14; one more batch compiles the kept graphs.
+STATIC_BATCHES = 16
 
 
 class SlowArm:
-    """A Composer callback that makes one arm of the static recompile look slower (`StaticShapes.timing`)."""
+    """A Composer callback that makes arms of the static recompile and of the scope trial look slower
+    (`StaticShapes.timing`, `ScopeChoice.timing`): `slow` maps an arm ("search", "static", "batch";
+    "blocks", "model") to a factor on its batch times."""
 
-    def __init__(self, auto: AutoMicrobatching, arm: str) -> None:
-        self.auto, self.arm = auto, arm
+    def __init__(self, auto: AutoMicrobatching, slow: dict[str, float]) -> None:
+        self.auto, self.slow = auto, slow
 
     def run_event(self, event: Any, state: Any, logger: Any) -> None:
-        static = self.auto.search.static_shapes
-        if static is not None:
-            static.timing = lambda arm, seconds: seconds * (3.0 if arm == self.arm else 1.0) + (0.05 if arm == self.arm else 0.0)
+        timing = lambda arm, seconds: seconds * self.slow.get(arm, 1.0) + 0.05 * (self.slow.get(arm, 1.0) - 1.0)  # noqa: E731
+        for trial in (self.auto.search.static_shapes, self.auto.search.compile_scope):
+            if trial is not None:
+                trial.timing = timing
 
 
-def _static(world: int, slow: str, compile: Any = COMPILE) -> dict[str, Any]:
-    """`auto` under compile (aot_eager) for STATIC_BATCHES batches; `slow`: the arm made to look slower
-    ("dynamic": the blocks as the search compiled them; "static": compiled again at the settled size)."""
+def _static(world: int, slow: dict[str, float], compile: Any = COMPILE) -> dict[str, Any]:
+    """`auto` under compile (aot_eager) for STATIC_BATCHES batches; `slow`: the arms made to look slower
+    and by what factor ("search": the blocks as the search compiled them; "static": compiled again at
+    the settled size; "batch": compiled again dynamic in the batch only)."""
     from composer.core import Callback
 
     lines: list[str] = []
@@ -208,9 +215,15 @@ def _static(world: int, slow: str, compile: Any = COMPILE) -> dict[str, Any]:
     try:
         trainer.fit()
         static = auto.search.static_shapes
+        scope = auto.search.compile_scope
+        root_forward = trainer.state.model.__dict__.get("forward")
         return {
             "state": None if static is None else static.state,
+            "scope_state": None if scope is None else scope.state,
+            "scope": None if trainer.sharded_model.compiled is None else trainer.sharded_model.compiled.scope,
+            "root_compiled": root_forward is not None and hasattr(root_forward, "_torchdynamo_orig_callable"),
             "dynamic": None if trainer.sharded_model.compiled is None else trainer.sharded_model.compiled.dynamic,
+            "batch_dynamic": None if trainer.sharded_model.compiled is None else trainer.sharded_model.compiled.batch_dynamic,
             "compiled": [name for name, m in trainer.state.model.named_modules() if _is_compiled(m)],
             "lines": [line for line in lines if line.startswith("compile:")],
             "split": list(auto.policy.current_split()),
@@ -265,6 +278,55 @@ def _hf_llama_blocks(world: int) -> dict[str, Any]:
             trainer.close()
 
 
+HF_SCOPE_BATCHES = 14  # hooks off after 3; 1 untimed, 3 with the blocks, 1 compiling, 3 whole: decided at 11
+
+
+def _hf_llama_scope(world: int) -> dict[str, Any]:
+    """The scope trial on a transformers Llama at its config defaults under FSDP2 (aot_eager,
+    `dynamic` pinned so the static recompile stays off), the blocks made to look slower: the whole
+    model compiled mid-run, with FSDP2's hooks and the `use_cache=False` pre-hook inside it, trains."""
+    import warnings
+
+    from composer.core import Callback
+    from composer.models import HuggingFaceModel
+    from composer.utils import dist as composer_dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = HuggingFaceModel(LlamaForCausalLM(config), tokenizer=None, use_logits=True)
+    generator = torch.Generator().manual_seed(7)
+    rows = [{"input_ids": t, "labels": t.clone()} for t in torch.randint(0, 128, (8 * HF_SCOPE_BATCHES * world, 16), generator=generator)]
+    loader = torch.utils.data.DataLoader(rows, batch_size=8, sampler=composer_dist.get_sampler(rows, shuffle=False),
+                                         collate_fn=lambda b: {k: torch.stack([r[k] for r in b]) for k in b[0]})
+    auto = AutoMicrobatching(log_attempts=False, start_size=4)
+    slow = type("SlowArmCallback", (SlowArm, Callback), {})(auto, {"blocks": 3.0})
+    lines: list[str] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = automicro.Trainer(
+            model=model, train_dataloader=loader, max_duration=f"{HF_SCOPE_BATCHES}ba",
+            optimizers=torch.optim.AdamW(model.parameters(), lr=1e-3), device="cpu", parallelism_config={"fsdp2": {}},
+            device_train_microbatch_size="auto", callbacks=[auto, slow], loggers=[], progress_bar=False,
+            log_to_console=False, seed=SEED, compile={**COMPILE, "dynamic": True},
+        )
+        auto.runtime.info = lambda message: lines.append(message)  # type: ignore[method-assign]
+        try:
+            trainer.fit()
+            return {
+                "scope": trainer.sharded_model.compiled.scope,
+                "batches": int(trainer.state.timestamp.batch),
+                "loss": float(trainer.state.loss),
+                "lines": [line for line in lines if "whole model" in line],
+            }
+        finally:
+            trainer.close()
+
+
 def run_compile_cases(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
@@ -281,13 +343,20 @@ def run_compile_cases(rank: int, world: int) -> dict[str, Any]:
     case("tokens/compiled", lambda: _token_budget_compiled(world))
     # The static recompile once the size settles: kept where the search's graphs measure slower,
     # undone where the new ones do; a pinned `dynamic` leaves the blocks alone (the reference).
-    case("static/kept", lambda: _static(world, slow="dynamic"))
-    case("static/undone", lambda: _static(world, slow="static"))
-    case("static/pinned", lambda: _static(world, slow="dynamic", compile={**COMPILE, "dynamic": True}))
-    for name in ("static/kept", "static/undone"):
+    # The scope pinned to blocks there; the scope trial on its own with `dynamic` pinned (the static
+    # recompile off): the whole model kept where the blocks measure slower, undone where it does.
+    blocks = {**COMPILE, "scope": "blocks"}
+    case("static/kept", lambda: _static(world, slow={"search": 3.0}, compile=blocks))
+    case("static/undone", lambda: _static(world, slow={"static": 3.0}, compile=blocks))
+    case("static/back", lambda: _static(world, slow={"static": 3.0, "batch": 9.0}, compile=blocks))
+    case("static/pinned", lambda: _static(world, slow={"search": 3.0}, compile={**blocks, "dynamic": True}))
+    case("scope/model", lambda: _static(world, slow={"blocks": 3.0}, compile={**COMPILE, "dynamic": True}))
+    case("scope/blocks", lambda: _static(world, slow={"model": 3.0}, compile={**COMPILE, "dynamic": True}))
+    for name in ("static/kept", "static/undone", "static/back", "scope/model", "scope/blocks"):
         if "params" in out[name] and "params" in out["static/pinned"]:
             out[name]["params_vs_pinned"] = max_error(out[name]["params"], out["static/pinned"]["params"])
     case("hf/blocks", lambda: _hf_llama_blocks(world))
+    case("hf/scope", lambda: _hf_llama_scope(world))
     reference = reference_params(world, MATRIX_BATCHES)
     for site in FAULT_SITES:
         case(f"fault/{site}", lambda s=site: _fault(world, s, reference))

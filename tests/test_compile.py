@@ -67,7 +67,8 @@ def test_a_token_budget_under_compile_keeps_a_few_graphs_over_a_long_run(results
 def test_the_blocks_are_compiled_again_at_the_settled_size_and_kept_where_faster(results):
     for rank, per_rank in enumerate(results):
         kept = _ok(per_rank["static/kept"])
-        assert kept["state"] == "static" and kept["dynamic"] is None, kept  # torch's automatic dynamic, from scratch
+        # torch's automatic dynamic, from scratch: static at the settled size
+        assert kept["state"] == "static" and kept["dynamic"] is None and not kept["batch_dynamic"], kept
         assert kept["compiled"] == ["model.blocks.0", "model.blocks.1", "model.blocks.2"], kept
         if rank == 0:
             assert len(kept["lines"]) == 1 and "compiled again at the settled microbatch 8 (split [8])" in kept["lines"][0], kept
@@ -77,14 +78,76 @@ def test_the_blocks_are_compiled_again_at_the_settled_size_and_kept_where_faster
 
 
 @pytest.mark.multiproc
-def test_the_static_recompile_is_undone_where_it_measures_slower(results):
+def test_where_the_search_graphs_beat_static_the_blocks_compile_dynamic_in_the_batch_and_are_timed(results):
     for rank, per_rank in enumerate(results):
         undone = _ok(per_rank["static/undone"])
-        assert undone["state"] == "dynamic" and undone["dynamic"] is True, undone
+        # Dynamic in the batch only (the search's kind of graph), not `dynamic: true` (every dimension).
+        assert undone["state"] == "batch" and undone["dynamic"] is None and undone["batch_dynamic"], undone
+        assert undone["compiled"] == ["model.blocks.0", "model.blocks.1", "model.blocks.2"], undone
         if rank == 0:
-            assert len(undone["lines"]) == 1 and ": not kept," in undone["lines"][0], undone["lines"]
-            assert "compiled with dynamic shapes" in undone["lines"][0], undone["lines"]
+            assert len(undone["lines"]) == 2 and ": not kept," in undone["lines"][0], undone["lines"]
+            assert "compiling them dynamic in the batch" in undone["lines"][0], undone["lines"]
+            assert undone["lines"][1].startswith("compile: the blocks dynamic in the batch: kept; median batch"), undone["lines"]
         assert undone["params_vs_pinned"] < 1e-6, undone["params_vs_pinned"]
+
+
+@pytest.mark.multiproc
+def test_the_blocks_go_back_to_static_where_dynamic_in_the_batch_measures_slower_still(results):
+    for rank, per_rank in enumerate(results):
+        back = _ok(per_rank["static/back"])
+        assert back["state"] == "static" and back["dynamic"] is None and not back["batch_dynamic"], back
+        if rank == 0:
+            assert len(back["lines"]) == 2, back["lines"]
+            assert back["lines"][1].startswith("compile: the blocks dynamic in the batch: not kept, median batch"), back["lines"]
+            assert back["lines"][1].endswith("compiled static again"), back["lines"]
+        assert back["params_vs_pinned"] < 1e-6, back["params_vs_pinned"]
+
+
+@pytest.mark.multiproc
+def test_the_whole_model_is_timed_against_the_blocks_and_kept_where_faster(results):
+    for rank, per_rank in enumerate(results):
+        model = _ok(per_rank["scope/model"])
+        assert model["scope_state"] == "model" and model["scope"] == "model", model
+        assert model["root_compiled"] and model["compiled"] == [""], model  # the root's forward, no block's
+        if rank == 0:
+            lines = [line for line in model["lines"] if "whole model" in line]
+            assert len(lines) == 2 and lines[0].startswith("compile: the whole model timed against each block"), lines
+            assert lines[1].startswith("compile: the whole model: kept; median batch") and "compile batch" in lines[1], lines
+        # Nothing changes the numbers: equal to the run whose blocks stayed compiled.
+        assert model["params_vs_pinned"] < 1e-6, model["params_vs_pinned"]
+
+
+@pytest.mark.multiproc
+def test_the_whole_model_is_undone_where_it_measures_slower_and_the_blocks_compile_again(results):
+    for rank, per_rank in enumerate(results):
+        blocks = _ok(per_rank["scope/blocks"])
+        assert blocks["scope_state"] == "blocks" and blocks["scope"] == "blocks" and not blocks["root_compiled"], blocks
+        assert blocks["compiled"] == ["model.blocks.0", "model.blocks.1", "model.blocks.2"], blocks
+        assert blocks["dynamic"] is True, blocks  # as they were: the pinned `dynamic`
+        if rank == 0:
+            lines = [line for line in blocks["lines"] if "whole model" in line]
+            assert len(lines) == 2 and lines[1].startswith("compile: the whole model: not kept, median batch"), lines
+            assert lines[1].endswith("each block compiled again (dynamic)"), lines
+        assert blocks["params_vs_pinned"] < 1e-6, blocks["params_vs_pinned"]
+
+
+@pytest.mark.multiproc
+def test_a_transformers_model_trains_with_the_whole_model_compiled_mid_run(results):
+    import math
+
+    for rank, per_rank in enumerate(results):
+        result = _ok(per_rank["hf/scope"])
+        assert result["scope"] == "model" and result["batches"] == cases.HF_SCOPE_BATCHES, result
+        assert math.isfinite(result["loss"]), result
+        if rank == 0:
+            assert len(result["lines"]) == 2 and "the whole model: kept" in result["lines"][1], result["lines"]
+
+
+@pytest.mark.multiproc
+def test_a_pinned_scope_is_not_timed(results):
+    for per_rank in results:
+        pinned = _ok(per_rank["static/pinned"])
+        assert pinned["scope_state"] == "off" and not any("whole model" in line for line in pinned["lines"]), pinned
 
 
 @pytest.mark.multiproc
@@ -157,10 +220,10 @@ def test_the_yaml_compile_section(override, expected):
     [
         (["compile.mode=fast"], "compile.mode='fast': must be null or one of default, reduce-overhead"),
         (["compile.dynamic=maybe"], "compile.dynamic='maybe': must be null, true or false"),
-        (["compile.scope=layers"], "compile.scope='layers': must be one of blocks, model"),
+        (["compile.scope=layers"], "compile.scope='layers': must be null (measured) or one of blocks, model"),
         (["compile=3"], "compile=3: must be true, false, null or a mapping"),
         (["compile={scop: model}"], "unknown key (did you mean 'scope'?)"),
-        (["compile=true", "parallelism_config=null", "device_train_microbatch_size=4"], "compile.scope='blocks': compiles each block"),
+        (["compile.scope=blocks", "parallelism_config=null", "device_train_microbatch_size=4"], "compile.scope='blocks': compiles each block"),
     ],
 )
 def test_a_bad_compile_section_is_one_config_error(overrides, message):
@@ -181,6 +244,41 @@ def test_the_trainer_refuses_compile_it_cannot_honour():
     with pytest.raises(ValueError, match="compile and compile_config are both set"):
         automicro.Trainer(**common, compile=True, compile_config={}, parallelism_config={"fsdp2": {}})
     with pytest.raises(ValueError, match="needs parallelism_config=\\{'fsdp2'"):
-        automicro.Trainer(**common, compile=True)
+        automicro.Trainer(**common, compile={"scope": "blocks"})
     with pytest.raises(ValueError, match="compile.mode='fast'"):
         automicro.Trainer(**common, compile={"mode": "fast"})
+
+
+def test_blocks_compiled_dynamic_in_the_batch_take_any_batch_size_and_stay_static_elsewhere():
+    """`CompiledBlocks.recompile(None, batch_dynamic=True)` (`_torch_internals.mark_batch_dynamic`):
+    one graph for every batch size, a new one where another dimension changes; `recompile(None)`
+    drops the marking (static at the next size, a second graph once a second size comes)."""
+    import torch
+
+    from automicro.engine.compile import CompiledBlocks, compiled_graphs
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.relu(self.linear(x))
+
+    blocks = [Block() for _ in range(2)]
+    compiled = CompiledBlocks(blocks, CompileConfig(backend="aot_eager"))
+
+    def run(batch: int, seq: int = 5) -> int:
+        before = compiled_graphs()
+        x = torch.randn(batch, seq, 8, requires_grad=True)  # as a model's embeddings feed its blocks
+        for block in blocks:
+            x = block(x)
+        return compiled_graphs() - before
+
+    compiled.recompile(None, batch_dynamic=True)
+    assert compiled.batch_dynamic and compiled.dynamic is None
+    assert [run(4), run(6), run(9), run(4)] == [1, 0, 0, 0]  # one graph, shared by both blocks
+    assert run(6, seq=7) == 1  # the sequence dimension stays static
+    compiled.recompile(None)
+    assert not compiled.batch_dynamic
+    assert [run(4), run(4), run(6), run(9)] == [1, 0, 1, 0]  # static at 4, automatic dynamic from 6

@@ -96,7 +96,7 @@ from tests.launch import run as _launch  # noqa: E402
 SWEEP = [
     # (overrides, fragments of the one `config error:` line)
     pytest.param(["load_path=/definitely/not/here.pt"], ["load_path='/definitely/not/here.pt'", "no such file", "load_path to null"], id="load-path-missing"),
-    pytest.param(["parallelism_config=null", "compile=true"], ["compile.scope='blocks'", "parallelism_config.fsdp2", "scope: model"], id="compile-blocks-without-fsdp2"),
+    pytest.param(["parallelism_config=null", "compile.scope=blocks"], ["compile.scope='blocks'", "parallelism_config.fsdp2", "scope: model"], id="compile-blocks-without-fsdp2"),
     pytest.param(["parallelism_config=null", "model.init_device=meta"], ["model.init_device='meta'", "only FSDP2 materializes", "model.init_device: cpu"], id="meta-without-fsdp2"),
     pytest.param(["seed=99999999999"], ["seed=99999999999", "4294967295"], id="seed-range"),
     pytest.param(["device=gpu"], ["device='gpu'", "no CUDA device", "device: cpu"], id="gpu-without-cuda"),

@@ -462,8 +462,9 @@ class TrainConfig:
     """``{fsdp2: {...}}`` (default: ``{fsdp2: {}}``, what the default ``auto`` needs) shards the
     model with FSDP2; null trains without FSDP (with a positive int microbatch size)."""
     compile: Optional[CompileConfig] = _cfg(None, parse=_compile_parse)
-    """``torch.compile``: null / false (eager), true (the defaults) or a mapping of ``scope`` (``blocks``:
-    each sharded block, the default; ``model``: Composer's whole-model compile), ``mode``, ``dynamic``,
+    """``torch.compile``: null / false (eager), true (the defaults) or a mapping of ``scope`` (null, the
+    default: each sharded block, with the whole model timed against them under ``auto``; ``blocks``:
+    each sharded block; ``model``: Composer's whole-model compile), ``mode``, ``dynamic``,
     ``fullgraph``, ``backend`` (`automicro.engine.CompileConfig`)."""
     callbacks: dict[str, dict] = _cfg(factory=dict, parse=_callbacks_parse)
     """Callback name -> keyword arguments; names from `automicro.config.registry.CALLBACK_REGISTRY`."""
@@ -526,7 +527,7 @@ class TrainConfig:
         problem = load_path_problem(self.load_path, self.checkpoint_format)
         if problem:
             raise ConfigError(f"{prefix}load_path={self.load_path!r}: {problem}")
-        if self.compile is not None and self.compile.scope == "blocks" and self.fsdp2 is None:
+        if self.compile is not None and self.compile.scope == "blocks" and self.fsdp2 is None:  # unset: model
             raise ConfigError(
                 f"{prefix}compile.scope='blocks': compiles each block the FSDP2 engine shards and needs "
                 "parallelism_config.fsdp2; set scope: model to compile without FSDP2"

@@ -21,7 +21,8 @@ What is private here and why:
   `ComputeStreamAllGather` and `ComputeStreamReduceScatter` allocate FSDP2's side-stream buffers
   from the compute stream's memory.
 - dynamo's compile counters (`torch._dynamo.utils.counters`): how many graphs the search made
-  `torch.compile` compile (`compiled_graph_count`).
+  `torch.compile` compile (`compiled_graph_count`); `torch._dynamo.maybe_mark_dynamic`: the
+  compiled blocks dynamic in the batch dimension only (`mark_batch_dynamic`).
 
 Owns: every private torch access, each behind a version gate. May not touch: Composer,
 automicro's protocol (callers pass what they need as arguments).
@@ -1036,6 +1037,23 @@ def compiled_graph_count() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def mark_batch_dynamic(args: tuple, kwargs: dict) -> None:
+    """Mark dimension 0 of a compiled block's batch-sized tensor inputs dynamic, as dynamo's automatic
+    dynamic does once it has seen two batch sizes: the first tensor argument's dimension 0 is the
+    batch; every tensor argument (or one inside a tuple or list argument) of that leading size gets
+    ``torch._dynamo.maybe_mark_dynamic(t, 0)`` (no error where the code specializes it; sizes 0 and
+    1 stay static). The other dimensions stay static. Checked on torch 2.7.0, 2.11.0, 2.15.0."""
+    mark = torch._dynamo.maybe_mark_dynamic
+    values = [*args, *kwargs.values()]
+    flat = [t for v in values for t in (v if isinstance(v, (tuple, list)) else (v,)) if isinstance(t, torch.Tensor)]
+    if not flat or flat[0].dim() == 0:
+        return
+    batch = flat[0].shape[0]
+    for tensor in flat:
+        if tensor.dim() > 0 and tensor.shape[0] == batch:
+            mark(tensor, 0)
 
 
 

@@ -3,8 +3,11 @@
 YAML: a top-level ``compile:`` section (``true`` for the defaults, ``null`` / ``false`` for eager,
 or a mapping of the keys below); Python: ``automicro.Trainer(compile=...)`` with the same values.
 
-Two scopes:
-- ``blocks`` (default): each block the engine shards (each `fully_shard` unit) gets its
+Two scopes, and the default that measures them:
+- unset (``scope: null``, the default): the blocks are compiled, and under ``auto`` the whole model
+  is timed against them once their graphs settle; the faster stays (`automicro.integration.compile_scope`).
+  Without FSDP2 (nothing sharded into blocks) it is ``model``.
+- ``blocks``: each block the engine shards (each `fully_shard` unit) gets its
   ``forward`` compiled in place, before sharding, as torchtitan does. FSDP2's hooks and automicro's
   sync hooks stay eager around the compiled code (they sit on the module's call, not in its
   forward), so every fault site and consensus point is where it is without compile, parameter
@@ -44,8 +47,9 @@ class CompileConfig:
     """How the model is compiled.
 
     Attributes:
-        scope: ``blocks`` (each sharded block's forward, the default) or ``model`` (Composer's
-            whole-model compile).
+        scope: None (the default: the blocks, with the whole model timed against them under
+            ``auto``), ``blocks`` (each sharded block's forward) or ``model`` (the whole model's
+            forward, Composer's ``compile_config``).
         mode: `torch.compile`'s mode: None (its default), ``default``, ``reduce-overhead``,
             ``max-autotune`` or ``max-autotune-no-cudagraphs``.
         dynamic: `torch.compile`'s ``dynamic``: None (static first, dynamic after a second size),
@@ -55,7 +59,7 @@ class CompileConfig:
             generated kernels: what CPU tests use).
     """
 
-    scope: str = "blocks"
+    scope: Optional[str] = None
     mode: Optional[str] = None
     dynamic: Optional[bool] = None
     fullgraph: bool = False
@@ -63,8 +67,8 @@ class CompileConfig:
 
     def __post_init__(self) -> None:
         key = COMPILE_KEY
-        if self.scope not in SCOPES:
-            raise CompileConfigError(f"{key}.scope={self.scope!r}: must be one of {', '.join(SCOPES)}")
+        if self.scope is not None and self.scope not in SCOPES:
+            raise CompileConfigError(f"{key}.scope={self.scope!r}: must be null (measured) or one of {', '.join(SCOPES)}")
         if self.mode is not None and self.mode not in MODES:
             raise CompileConfigError(f"{key}.mode={self.mode!r}: must be null or one of {', '.join(MODES)}")
         if self.dynamic is not None and not isinstance(self.dynamic, bool):
@@ -103,8 +107,18 @@ class CompileConfig:
             kwargs["mode"] = self.mode
         return kwargs
 
-    def describe(self) -> str:
-        return f"compile: {self.scope}, backend {self.backend}, mode {self.mode or 'default'}, dynamic {self.dynamic}"
+    @property
+    def compiles_blocks(self) -> bool:
+        """The engine compiles each sharded block (``blocks``, and unset before a trial says otherwise)."""
+        return self.scope != "model"
+
+    @property
+    def measures_scope(self) -> bool:
+        return self.scope is None
+
+    def describe(self, scope: Optional[str] = None) -> str:
+        """`scope`: the one in use where it was measured."""
+        return f"compile: {scope or self.scope or 'blocks'}, backend {self.backend}, mode {self.mode or 'default'}, dynamic {self.dynamic}"
 
 
 def _names() -> list[str]:
@@ -114,35 +128,88 @@ def _names() -> list[str]:
 class CompiledBlocks:
     """The blocks whose ``forward`` `compile_blocks` compiled, and how to compile them again.
 
-    `recompile(dynamic)` drops every graph dynamo compiled in the process (`torch.compiler.reset`:
-    the blocks share one code object, so a graph compiled dynamic would otherwise still serve the
-    new wrappers) and compiles each block's eager ``forward`` again with ``dynamic`` (False: a
-    static graph per shape; True: one dynamic graph; None: torch's automatic dynamic). Other
-    compiled code of the process (a model's own, transformers' flex attention) compiles again at
-    its next call. `dynamic` is what the blocks are compiled with now."""
+    `recompile(dynamic, batch_dynamic)` drops every graph dynamo compiled in the process
+    (`torch.compiler.reset`: the blocks share one code object, so a graph compiled before would
+    otherwise still serve the new wrappers) and compiles each block's eager ``forward`` again with
+    ``dynamic`` (False: a static graph per shape; True: one graph dynamic in every dimension; None:
+    torch's automatic dynamic). ``batch_dynamic`` marks the batch dimension of each call's
+    batch-sized inputs dynamic before the compiled forward (with ``dynamic`` None: the graph the
+    search leaves, dynamic in the batch and static elsewhere, compiled at the size of its next
+    call). `compile_model()` compiles the root's ``forward`` instead (every block eager again: the
+    ``model`` scope, as Composer's ``compile_config`` does it; dynamic as the config says);
+    `recompile` goes back to the blocks. Other compiled code of the process (a model's own,
+    transformers' flex attention) compiles again at its next call. `scope`, `dynamic` and
+    `batch_dynamic` say how the model is compiled now."""
 
-    def __init__(self, blocks: list[Any], config: CompileConfig) -> None:
-        import torch
-
-        self.blocks, self.config = blocks, config
+    def __init__(self, blocks: list[Any], config: CompileConfig, root: Any = None) -> None:
+        self.blocks, self.config, self.root = blocks, config, root
         self._eager = [block.forward for block in blocks]
-        self.dynamic = config.dynamic
-        for block, eager in zip(blocks, self._eager):
-            block.forward = torch.compile(eager, **config.torch_kwargs())
+        self._root_forward: Any = None  # the root's own `forward` entry, if it had one, under `model`
+        self.dynamic, self.batch_dynamic, self.scope = config.dynamic, False, "blocks"
+        self._compile(config.dynamic, False)
 
-    def recompile(self, dynamic: Optional[bool]) -> None:
+    @property
+    def has_other_scope(self) -> bool:
+        """A root other than the blocks (a model whose only unit is its root has one scope)."""
+        return self.root is not None and all(block is not self.root for block in self.blocks)
+
+    def recompile(self, dynamic: Optional[bool], batch_dynamic: bool = False) -> None:
         import torch
 
         torch.compiler.reset()
+        self._eager_root()
+        self._compile(dynamic, batch_dynamic)
+
+    def compile_model(self) -> None:
+        import torch
+
+        assert self.has_other_scope
+        torch.compiler.reset()
+        for block, eager in zip(self.blocks, self._eager):
+            block.forward = eager
+        self._root_forward = self.root.__dict__.get("forward", _NONE)
+        self.root.forward = torch.compile(self.root.forward, **self.config.torch_kwargs())
+        self.scope, self.dynamic, self.batch_dynamic = "model", self.config.dynamic, False
+
+    def _eager_root(self) -> None:
+        if self._root_forward is None:
+            return
+        if self._root_forward is _NONE:
+            del self.root.forward
+        else:
+            self.root.forward = self._root_forward
+        self._root_forward = None
+
+    def _compile(self, dynamic: Optional[bool], batch_dynamic: bool) -> None:
+        import torch
+
         kwargs = {**self.config.torch_kwargs(), "dynamic": dynamic}
         for block, eager in zip(self.blocks, self._eager):
-            block.forward = torch.compile(eager, **kwargs)
-        self.dynamic = dynamic
+            compiled = torch.compile(eager, **kwargs)
+            block.forward = _batch_dynamic(compiled) if batch_dynamic else compiled
+        self.dynamic, self.batch_dynamic, self.scope = dynamic, batch_dynamic, "blocks"
 
 
-def compile_blocks(blocks: Iterable[Any], config: CompileConfig) -> CompiledBlocks:
-    """Compile each block's ``forward`` in place (before `fully_shard`)."""
-    return CompiledBlocks(list(blocks), config)
+_NONE = object()  # the root had no `forward` of its own (its class's)
+
+
+def _batch_dynamic(compiled: Any) -> Any:
+    import functools
+
+    from automicro.engine import _torch_internals as internals
+
+    @functools.wraps(compiled)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        internals.mark_batch_dynamic(args, kwargs)
+        return compiled(*args, **kwargs)
+
+    return forward
+
+
+def compile_blocks(blocks: Iterable[Any], config: CompileConfig, root: Any = None) -> CompiledBlocks:
+    """Compile each block's ``forward`` in place (before `fully_shard`); `root`: the model whose
+    ``forward`` the ``model`` scope compiles instead."""
+    return CompiledBlocks(list(blocks), config, root)
 
 
 def compiled_graphs() -> int:

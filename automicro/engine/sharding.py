@@ -470,8 +470,8 @@ def shard(
     if config.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     compiled = None
-    if compile is not None and compile.scope == "blocks":
-        compiled = compile_blocks([named[name] for name in wrapped] or [model], compile)
+    if compile is not None and compile.compiles_blocks:
+        compiled = compile_blocks([named[name] for name in wrapped] or [model], compile, root=model)
     for name in wrapped:
         if config.activation_checkpointing or checkpoint_switch:
             internals.apply_activation_checkpointing(named[name])

@@ -15,10 +15,14 @@ Once the search has settled (the sync hooks are off) and the layout trials have 
 (`CompiledBlocks.recompile(None)`: every graph dropped, torch's automatic dynamic from scratch, so
 the settled microbatch size is compiled static and only what still varies, such as a layer index,
 becomes dynamic), lets one batch compile, times as many batches again, and keeps the new graphs
-unless the old ones were faster by more than `min_gain` and the spread; then the blocks are
-compiled dynamic (one graph for every size) instead. The batch times are the slowest rank's (one
-consensus round). One line says what was kept, with both medians. Nothing changes the numbers:
-the same blocks, the same parameters, the same optimizer state.
+unless the old ones were faster by more than `min_gain` and the spread. Then the blocks are
+compiled once more dynamic in the batch dimension only (the kind of graph the search left, now
+compiled at the settled size; not ``dynamic: true``, which makes every dimension dynamic: on one
+H200, Qwen2.5-0.5B's shape, 0.654 s a batch against 0.593 s as the search compiled them, session
+34), timed the same way, and kept unless the static graphs beat them beyond the noise (then static
+again). The batch times are the slowest rank's (one consensus round). One line says each decision,
+with both medians. Nothing changes the numbers: the same blocks, the same parameters, the same
+optimizer state.
 
 A size that changes later (an OOM, a last short batch) makes torch's automatic dynamic compile
 one dynamic graph beside the static one, as at the start. Not tried, said once: compile's
@@ -45,10 +49,16 @@ BATCHES = 3  # timed batches each side (the layout trials' default)
 MIN_GAIN = 0.01
 
 
+# The arms, in the order they run: the graphs as the search compiled them; compiled again from
+# scratch (static at the settled size); compiled again dynamic in the batch only (the search's kind
+# of graph at the settled size), timed only where the search's graphs beat the static ones.
+ARMS = ("search", "static", "batch")
+
+
 class StaticShapes:
     """Asked before and after each batch that the training search runs (`before_batch`,
-    `after_batch`); states: waiting -> timing the dynamic graphs -> compiling -> timing the static
-    ones -> static | dynamic; `off` where it does not apply."""
+    `after_batch`); states: waiting -> timing_search -> compiling -> timing_static -> static, or
+    -> compiling -> timing_batch -> batch | static; `off` where it does not apply."""
 
     def __init__(
         self, compiled: Optional[CompiledBlocks], consensus: Any, info: Callable[[str], None], device: torch.device,
@@ -60,75 +70,106 @@ class StaticShapes:
         if compiled is not None and why_not is not None:
             info(f"compile: the blocks stay as compiled ({why_not}); no static recompile at the settled size")
         self.split: Optional[tuple[int, ...]] = None
-        self.times: dict[str, list[float]] = {"dynamic": [], "static": []}
-        self.result: Optional[Any] = None  # the `TrialResult` once decided
+        self.times: dict[str, list[float]] = {arm: [] for arm in ARMS}
+        self.result: Optional[Any] = None  # the last `TrialResult` once decided
         self.clock = BatchClock(device)
         self._timing = False  # the clock runs for the batch in progress
+        self._next = ""  # the arm the batch in progress compiles ("compiling")
         # Tests replace it to make one arm look faster or slower without depending on the machine.
         self.timing: Callable[[str, float], float] = lambda arm, seconds: seconds
 
     @property
     def _arm(self) -> Optional[str]:
-        return {"timing_dynamic": "dynamic", "timing_static": "static"}.get(self.state)
+        return self.state[len("timing_"):] if self.state.startswith("timing_") else None
+
+    @property
+    def done(self) -> bool:
+        """Decided, or not tried: the blocks' graphs stay as they are."""
+        return self.state in ("static", "batch", "off")
 
     def before_batch(self, steady: bool, trial_running: bool, split: tuple[int, ...]) -> None:
         """`steady`: the search has settled (hooks off); `trial_running`: a layout trial runs or
         starts with this batch; `split`: this batch's split."""
         if self.state == "waiting" and steady and not trial_running:
-            self.state, self.split = "timing_dynamic", split
-        elif self.state == "timing_dynamic" and (not steady or trial_running or split != self.split):
-            self.state, self.times["dynamic"] = "waiting", []  # the size moved: start again once settled
+            self.state, self.split = "timing_search", split
+        elif self.state == "timing_search" and (not steady or trial_running or split != self.split):
+            self.state, self.times["search"] = "waiting", []  # the size moved: start again once settled
         if self._arm is not None or self.state == "compiling":
             self.clock.start()
             self._timing = True
 
     def after_batch(self, attempts: int, split: tuple[int, ...]) -> None:
         """The batch succeeded after `attempts` attempts at `split`."""
-        if self.state in ("static", "dynamic", "off", "waiting"):
+        if self.state in ("static", "batch", "off", "waiting"):
             return
         seconds = self.clock.stop() if self._timing else 0.0
         self._timing = False
-        arm = self._arm
         if self.state == "compiling":
-            self.state = "timing_static"  # that batch compiled the static graphs: not timed
+            self.state = f"timing_{self._next}"  # that batch compiled the new graphs: not timed
             return
-        assert arm is not None
+        arm = self._arm
+        assert arm is not None and self.compiled is not None
         if attempts == 1 and split == self.split:
             self.times[arm].append(self.timing(arm, seconds))
-        elif arm == "static":  # an OOM or another size: nothing to compare against; keep static
-            self._decide(compared=False)
+        elif arm != "search":  # an OOM or another size: nothing to compare against; keep these graphs
+            self._settle(arm, None)
             return
         if len(self.times[arm]) < self.batches:
             return
-        if arm == "dynamic":
+        if arm == "search":
+            self._compile("static")
+        elif arm == "static":
+            self._decide_static()
+        else:
+            self._decide_batch()
+
+    def _compile(self, arm: str) -> None:
+        assert self.compiled is not None
+        self.compiled.recompile(None, batch_dynamic=arm == "batch")
+        self.state, self._next = "compiling", arm
+
+    def _where(self) -> str:
+        assert self.split is not None
+        return f"microbatch {max(self.split)} (split {list(self.split)})"
+
+    def _medians(self, first: str, second: str) -> str:
+        a, b = (statistics.median(self.times[arm]) for arm in (first, second))
+        assert self.result is not None
+        return (f"median batch {a:.4f} s {_NAMES[first]}, {b:.4f} s {_NAMES[second]} ({100.0 * (1.0 - a / b):+.1f}%; "
+                f"spread {self.result.spread:.4f} s)")
+
+    def _agree(self, arm: str) -> list[float]:
+        self.times[arm] = agreed_times(self.consensus, self.times[arm])
+        return self.times[arm]
+
+    def _decide_static(self) -> None:
+        self.result = judge("search", self._agree("search"), self._agree("static"), self.min_gain)
+        if not self.result.kept:
+            self._settle("static", f"compile: the blocks compiled again at the settled {self._where()} (static in the batch): "
+                                   f"kept; {self._medians('static', 'search')}")
+            return
+        self.info(f"compile: the blocks compiled again at the settled {self._where()} (static in the batch): not kept, "
+                  f"{self._medians('static', 'search')}; compiling them dynamic in the batch at that size (as the search "
+                  "compiled them), timed against static")
+        self._compile("batch")
+
+    def _decide_batch(self) -> None:
+        self.result = judge("static", self.times["static"], self._agree("batch"), self.min_gain)
+        if self.result.kept:  # static beats the batch-dynamic graphs beyond the noise: back to static
             assert self.compiled is not None
             self.compiled.recompile(None)
-            self.state = "compiling"
+            self._settle("static", f"compile: the blocks dynamic in the batch: not kept, {self._medians('batch', 'static')}; "
+                                   "compiled static again")
         else:
-            self._decide(compared=True)
+            self._settle("batch", f"compile: the blocks dynamic in the batch: kept; {self._medians('batch', 'static')}")
 
-    def _decide(self, compared: bool) -> None:
-        assert self.compiled is not None and self.split is not None
-        where = f"microbatch {max(self.split)} (split {list(self.split)})"
-        if not compared or not self.times["dynamic"] or not self.times["static"]:
-            self.state = "static"
-            self.info(f"compile: the blocks compiled again at the settled {where}; kept, not compared (the size moved)")
-            return
-        dynamic, static = (agreed_times(self.consensus, self.times[arm]) for arm in ("dynamic", "static"))
-        self.result = judge("dynamic", dynamic, static, self.min_gain)
-        medians = (
-            f"median batch {statistics.median(static):.4f} s compiled again, {statistics.median(dynamic):.4f} s as the search "
-            f"compiled them ({100.0 * (1.0 - statistics.median(static) / statistics.median(dynamic)):+.1f}%; "
-            f"spread {self.result.spread:.4f} s)"
-        )
-        if self.result.kept:  # the dynamic graphs were faster beyond the noise
-            self.compiled.recompile(True)
-            self.state = "dynamic"
-            self.info(f"compile: the blocks compiled again at the settled {where}: not kept, {medians}; the blocks "
-                      "compiled with dynamic shapes")
-        else:
-            self.state = "static"
-            self.info(f"compile: the blocks compiled again at the settled {where} (static in the batch): kept; {medians}")
+    def _settle(self, arm: str, line: Optional[str]) -> None:
+        self.state = arm
+        self.info(line or f"compile: the blocks compiled again at the settled {self._where()} "
+                          f"({_NAMES[arm]}); kept, not compared (the size moved)")
+
+
+_NAMES = {"search": "as the search compiled them", "static": "compiled again", "batch": "dynamic in the batch"}
 
 
 __all__ = ["StaticShapes"]

@@ -93,7 +93,7 @@ def choose(fsdp2: Optional[FSDP2Config], *, world_size: int, pipeline: bool, com
     except CompileConfigError:
         config = compile  # the trainer's own compile check names the bad key
     compiled = ""
-    if isinstance(config, CompileConfig) and config.scope == "blocks":
+    if isinstance(config, CompileConfig) and config.compiles_blocks:
         config = dataclasses.replace(config, scope="model")
         compiled = "; compile: the whole model (each-block compile needs FSDP2's blocks)"
     line = f"one rank: training unsharded ({key}): Composer's placement and autocast{compiled}"

@@ -22,6 +22,8 @@ Everything else is passed to Composer unchanged.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from typing import Any, Optional, Union
 
@@ -263,7 +265,7 @@ class Trainer(composer.Trainer):
                     automicro is not None and automicro.searches_layout(shard_device.type)
                     and compile_config is None and kwargs.get("compile_config") is None
                 )
-                if compile_config is not None and compile_config.scope == "blocks":
+                if compile_config is not None and compile_config.compiles_blocks:
                     line = packed_input.no_cache_in_training(model)
                     if line is not None and composer_dist.get_global_rank() == 0:
                         print(f"[automicro] {line}", flush=True)
@@ -362,6 +364,8 @@ class Trainer(composer.Trainer):
                 "automicro.Trainer: compile scope 'blocks' compiles each block the FSDP2 engine shards and needs "
                 "parallelism_config={'fsdp2': {...}}; without FSDP2 use scope 'model'"
             )
+        if config.scope is None and not sharded:  # nothing sharded into blocks: the whole model
+            config = dataclasses.replace(config, scope="model")
         if config.scope == "model":
             kwargs["compile_config"] = config.torch_kwargs()
         return config

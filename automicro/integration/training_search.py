@@ -32,6 +32,7 @@ from automicro.core.policy import HookReason
 from automicro.core.thrash import ThrashDetector
 from automicro.integration.batch_host import BatchHost
 from automicro.integration.batch_step import BatchStep
+from automicro.integration.compile_scope import ScopeChoice
 from automicro.integration.compile_shapes import StaticShapes
 from automicro.integration.packing_choice import PackingChoice
 from automicro.integration.layout_trials import LayoutTrials
@@ -73,6 +74,7 @@ class TrainingSearch:
         self._optimizer_state_known = False
         self._step: Optional[BatchStep] = None  # the batch in progress (or the last one)
         self.static_shapes: Optional[StaticShapes] = None  # made at the first batch (`_static_shapes`)
+        self.compile_scope: Optional[ScopeChoice] = None  # the same (`_compile_scope`)
         self.packing_choice: Optional[PackingChoice] = None  # packed or padded, measured (`packing_choice`)
 
     def configure(self, device_type: str, pipeline: Any) -> None:
@@ -218,11 +220,11 @@ class TrainingSearch:
             decision = self.policy.observe(search.Adopt(undone, reopen=True, capacity_bytes=self.last_capacity))
             self.apply_hooks(decision.hooks, decision.reason, "a layout trade undone")
             rt.info(decision.event)
-        static = self._static_shapes()
-        static.before_batch(
-            self.policy.phase == search.Phase.STEADY and not rt.hooks_active, self.layout.trial_running,
-            tuple(self.policy.current_split()),
-        )
+        static, scope = self._static_shapes(), self._compile_scope()
+        steady = self.policy.phase == search.Phase.STEADY and not rt.hooks_active
+        settled_split = tuple(self.policy.current_split())
+        static.before_batch(steady, self.layout.trial_running, settled_split)
+        scope.before_batch(steady and static.done, self.layout.trial_running, settled_split)
         batch_index = step.batch_index
         while True:
             # A pipeline's per-step barriers come off with the sync hooks (a failed stage drains the
@@ -312,6 +314,7 @@ class TrainingSearch:
         self._after_success(verdict, batch_index, sizes, seconds, () if trial_batch else peaks, trial_batch)
         self._optimizer_pending = 0  # the step created the state: evals and later batches hold it
         self._static_shapes().after_batch(step.attempts, sizes)
+        self._compile_scope().after_batch(step.attempts, sizes)
         packing = self._packing_choice()
         if packing is not None and self.kind.tokens is not None and self.kind.tokens.plan is not None:
             packing.after_batch(step.attempts, self.kind.batch_weight(), self.kind.tokens.plan.most_real)
@@ -338,6 +341,15 @@ class TrainingSearch:
             assert rt.sharded is not None and rt.consensus is not None
             self.static_shapes = StaticShapes(compiled, rt.consensus, rt.info, rt.sharded.device, why_not)
         return self.static_shapes
+
+    def _compile_scope(self) -> ScopeChoice:
+        """The whole model timed against the compiled blocks, once they settle (`compile_scope`)."""
+        if self.compile_scope is None:
+            rt = self.runtime
+            why_not = "a token budget gives every microbatch its own shape" if self.kind.tokens is not None else None
+            assert rt.sharded is not None and rt.consensus is not None
+            self.compile_scope = ScopeChoice(getattr(rt.sharded, "compiled", None), rt.consensus, rt.info, rt.sharded.device, why_not)
+        return self.compile_scope
 
     def _ensure_policy(self, batch_size: int, host: Optional[BatchHost] = None) -> None:
         batch_size = self.kind.domain(batch_size)
