@@ -146,7 +146,7 @@ def main(argv: list[str]) -> int:
             from automicro.engine.compile import compiled_graphs
 
             compiled = getattr(trainer.sharded_model, "compiled", None) if hasattr(trainer, "sharded_model") else None
-            scope = None if compiled is None else compiled.scope
+            scope = compiled.scope if compiled is not None else cfg.compile.scope or "model"  # unset, no blocks: model
             print(f"[automicro] {cfg.compile.describe(scope)}: {compiled_graphs()} graph(s) compiled on rank 0")
         found = None if auto is None else auto.summary_line(per_rank_batch)
         if found is not None:

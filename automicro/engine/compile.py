@@ -154,9 +154,7 @@ class CompiledBlocks:
         return self.root is not None and all(block is not self.root for block in self.blocks)
 
     def recompile(self, dynamic: Optional[bool], batch_dynamic: bool = False) -> None:
-        import torch
-
-        torch.compiler.reset()
+        _reset()
         self._eager_root()
         self._compile(dynamic, batch_dynamic)
 
@@ -164,7 +162,7 @@ class CompiledBlocks:
         import torch
 
         assert self.has_other_scope
-        torch.compiler.reset()
+        _reset()
         for block, eager in zip(self.blocks, self._eager):
             block.forward = eager
         self._root_forward = self.root.__dict__.get("forward", _NONE)
@@ -210,6 +208,13 @@ def compile_blocks(blocks: Iterable[Any], config: CompileConfig, root: Any = Non
     """Compile each block's ``forward`` in place (before `fully_shard`); `root`: the model whose
     ``forward`` the ``model`` scope compiles instead."""
     return CompiledBlocks(list(blocks), config, root)
+
+
+def _reset() -> None:
+    """`torch.compiler.reset`: every graph dropped (dynamo's counters, `compiled_graphs`, go on)."""
+    import torch
+
+    torch.compiler.reset()
 
 
 def compiled_graphs() -> int:
