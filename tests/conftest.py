@@ -177,9 +177,17 @@ def pytest_report_header(config):
     return f"automicro: fault matrices {'in full' if matrix.full() else f'sampled, seed {matrix.seed()}'}"
 
 
+def pytest_runtest_logreport(report):
+    from tests import costs
+
+    costs.record(report)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    from tests import matrix
+    from tests import costs, matrix
 
     line = matrix.summary()
     if line:
+        terminalreporter.write_line(line)
+    for line in costs.summary_lines():
         terminalreporter.write_line(line)

@@ -1,0 +1,57 @@
+"""The suite's costs as data (issue 59): what each run measures per test file (`tests/costs.py`) and
+the report `.ci/run` prints against the budget (`.ci/costs.py`). No launches."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from types import SimpleNamespace
+
+from tests import costs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _ci_costs():
+    spec = importlib.util.spec_from_file_location("ci_costs", os.path.join(ROOT, ".ci", "costs.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_each_phase_of_a_test_is_charged_to_its_file_and_the_costliest_come_first(monkeypatch, tmp_path):
+    monkeypatch.setattr(costs, "_seconds", costs.defaultdict(float))
+    for nodeid, duration in [("tests/a.py::t1", 2.0), ("tests/a.py::t1", 0.5), ("tests/b.py::C::t2[x]", 4.0),
+                             ("tests/c.py::t3", 0.25), ("tests/a.py::t4", 1.0)]:
+        costs.record(SimpleNamespace(nodeid=nodeid, duration=duration))
+    assert costs.costliest(costs._seconds, 2) == [("tests/b.py", 4.0), ("tests/a.py", 3.5)]
+    out = tmp_path / "legs" / "leg1.json"
+    monkeypatch.setenv("AUTOMICRO_COSTS_OUT", str(out))
+    lines = costs.summary_lines()
+    assert lines[0].startswith("test costs: 8 s over 3 files (written to ") and "3.5 s  tests/a.py" in lines[2], lines
+    assert json.loads(out.read_text()) == {"tests/a.py": 3.5, "tests/b.py": 4.0, "tests/c.py": 0.2}
+
+
+def test_the_report_gives_the_total_against_the_budget_each_legs_change_and_the_costliest_files(tmp_path):
+    ci = _ci_costs()
+    (tmp_path / "leg1.json").write_text(json.dumps({"tests/a.py": 100.0, "tests/b.py": 300.0}))
+    (tmp_path / "leg2.json").write_text(json.dumps({"tests/a.py": 50.0}))
+    before = {"legs": {"leg1": {"tests/a.py": 90.0, "tests/b.py": 250.0}}}
+    lines = ci.report(ci.read_legs(str(tmp_path)), 2500, 2400, before)
+    assert lines[0] == "costs: .ci/run 2500 s against a budget of 2400 s: OVER by 100 s", lines
+    assert lines[1] == "costs: leg1: 400 s of tests over 2 files (recorded 340 s: +60 s)", lines
+    assert lines[2] == "costs: leg2: 50 s of tests over 1 files", lines
+    assert [line.split()[-2:] for line in lines[4:]] == [["leg1", "tests/b.py"], ["leg1", "tests/a.py"], ["leg2", "tests/a.py"]]
+    assert ci.report({"leg1": {"x": 1.0}}, 2300, 2400, {})[0].endswith(": within")
+
+
+def test_update_records_the_legs_in_the_repo_file(tmp_path, monkeypatch):
+    ci = _ci_costs()
+    monkeypatch.setattr(ci, "RECORDED", str(tmp_path / "costs.json"))
+    assert ci.main(["update", str(tmp_path / "nothing")]) == 1  # no leg files: nothing written
+    assert not (tmp_path / "costs.json").exists()
+    (tmp_path / "legs").mkdir()
+    (tmp_path / "legs" / "leg3.json").write_text(json.dumps({"tests/a.py": 12.5}))
+    assert ci.main(["update", str(tmp_path / "legs")]) == 0
+    assert json.loads((tmp_path / "costs.json").read_text())["legs"] == {"leg3": {"tests/a.py": 12.5}}
