@@ -55,3 +55,13 @@ def test_update_records_the_legs_in_the_repo_file(tmp_path, monkeypatch):
     (tmp_path / "legs" / "leg3.json").write_text(json.dumps({"tests/a.py": 12.5}))
     assert ci.main(["update", str(tmp_path / "legs")]) == 0
     assert json.loads((tmp_path / "costs.json").read_text())["legs"] == {"leg3": {"tests/a.py": 12.5}}
+
+
+def test_every_test_file_has_its_recorded_cost_and_no_recorded_file_is_gone():
+    """`tests/costs.json` is the cost a change adds to: a new test file records its cost with it
+    (`python3 .ci/costs.py update .ci-costs` after a `.ci/run`), a deleted one leaves."""
+    recorded = _ci_costs().recorded()["legs"]["leg1"]  # leg 1 runs every file
+    files = {f"tests/{name}" for name in os.listdir(os.path.join(ROOT, "tests")) if name.startswith("test_") and name.endswith(".py")}
+    assert sorted(files - set(recorded)) == [], "test files with no recorded cost: run .ci/run, then .ci/costs.py update .ci-costs"
+    assert sorted(set(recorded) - files) == [], "recorded costs of test files that are gone: update tests/costs.json"
+    assert all(seconds >= 0 for seconds in recorded.values())
