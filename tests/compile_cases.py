@@ -352,6 +352,11 @@ def run_compile_cases(rank: int, world: int) -> dict[str, Any]:
     case("static/pinned", lambda: _static(world, slow={"search": 3.0}, compile={**blocks, "dynamic": True}))
     case("scope/model", lambda: _static(world, slow={"blocks": 3.0}, compile={**COMPILE, "dynamic": True}))
     case("scope/blocks", lambda: _static(world, slow={"model": 3.0}, compile={**COMPILE, "dynamic": True}))
+    # A run that started with the whole model compiled (Composer's compile_config): the reference of
+    # the run that switched to it mid-run.
+    case("scope/pinned_model", lambda: _static(world, slow={}, compile={**COMPILE, "dynamic": True, "scope": "model"}))
+    if "params" in out["scope/model"] and "params" in out["scope/pinned_model"]:
+        out["scope/model"]["params_vs_started_whole"] = max_error(out["scope/model"]["params"], out["scope/pinned_model"]["params"])
     for name in ("static/kept", "static/undone", "static/back", "scope/model", "scope/blocks"):
         if "params" in out[name] and "params" in out["static/pinned"]:
             out[name]["params_vs_pinned"] = max_error(out[name]["params"], out["static/pinned"]["params"])
