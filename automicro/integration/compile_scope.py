@@ -34,7 +34,7 @@ import torch
 
 from automicro.core.layout import judge
 from automicro.engine.compile import CompiledBlocks
-from automicro.integration.trial_timing import BatchClock, agreed_times
+from automicro.integration.trial_timing import BatchClock, agreed_times, timed_arm
 
 BATCHES = 3  # timed batches each side (the layout trials' default)
 MIN_GAIN = 0.01
@@ -60,14 +60,13 @@ class ScopeChoice:
         self.compile_s = 0.0  # the whole model's compile batch
         self.result: Optional[Any] = None
         self.clock = BatchClock(device)
-        self._timing = False
         self._blocks_form: tuple[Optional[bool], bool] = (None, False)  # (dynamic, batch_dynamic) to go back to
         # Tests replace it to make one scope look faster or slower without depending on the machine.
         self.timing: Callable[[str, float], float] = lambda arm, seconds: seconds
 
     @property
     def _arm(self) -> Optional[str]:
-        return self.state[len("timing_"):] if self.state.startswith("timing_") else None
+        return timed_arm(self.state)
 
     def before_batch(self, ready: bool, trial_running: bool, split: tuple[int, ...]) -> None:
         """`ready`: the search has settled and the blocks' graphs with it (the static recompile is
@@ -78,7 +77,6 @@ class ScopeChoice:
             self.state, self.times["blocks"] = "waiting", []  # the size moved: start again once settled
         if self._arm is not None or self.state == "compiling":
             self.clock.start()
-            self._timing = True
 
     def after_batch(self, attempts: int, split: tuple[int, ...]) -> None:
         """The batch succeeded after `attempts` attempts at `split`."""
@@ -87,8 +85,7 @@ class ScopeChoice:
             return
         if self.state not in ("timing_blocks", "compiling", "timing_model"):
             return
-        seconds = self.clock.stop() if self._timing else 0.0
-        self._timing = False
+        seconds = self.clock.stop()
         if self.state == "compiling":
             self.compile_s, self.state = seconds, "timing_model"
             if attempts != 1 or split != self.split:

@@ -42,7 +42,7 @@ from typing import Any, Optional
 import torch
 
 from automicro.core.layout import judge
-from automicro.integration.trial_timing import BatchClock, agreed_times
+from automicro.integration.trial_timing import BatchClock, agreed_times, timed_arm
 from automicro.engine.compile import CompiledBlocks
 
 BATCHES = 3  # timed batches each side (the layout trials' default)
@@ -73,14 +73,13 @@ class StaticShapes:
         self.times: dict[str, list[float]] = {arm: [] for arm in ARMS}
         self.result: Optional[Any] = None  # the last `TrialResult` once decided
         self.clock = BatchClock(device)
-        self._timing = False  # the clock runs for the batch in progress
         self._next = ""  # the arm the batch in progress compiles ("compiling")
         # Tests replace it to make one arm look faster or slower without depending on the machine.
         self.timing: Callable[[str, float], float] = lambda arm, seconds: seconds
 
     @property
     def _arm(self) -> Optional[str]:
-        return self.state[len("timing_"):] if self.state.startswith("timing_") else None
+        return timed_arm(self.state)
 
     @property
     def done(self) -> bool:
@@ -96,14 +95,12 @@ class StaticShapes:
             self.state, self.times["search"] = "waiting", []  # the size moved: start again once settled
         if self._arm is not None or self.state == "compiling":
             self.clock.start()
-            self._timing = True
 
     def after_batch(self, attempts: int, split: tuple[int, ...]) -> None:
         """The batch succeeded after `attempts` attempts at `split`."""
         if self.state in ("static", "batch", "off", "waiting"):
             return
-        seconds = self.clock.stop() if self._timing else 0.0
-        self._timing = False
+        seconds = self.clock.stop()
         if self.state == "compiling":
             self.state = f"timing_{self._next}"  # that batch compiled the new graphs: not timed
             return

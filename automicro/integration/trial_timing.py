@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -16,11 +16,12 @@ from automicro.core.consensus import SLOTS
 
 
 class BatchClock:
-    """`start()` before a batch, `stop()` after it: its seconds, the device's queued work included."""
+    """`start()` before a batch, `stop()` after it: its seconds, the device's queued work included
+    (0.0 where the batch was not started on the clock)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._started = 0.0
+        self._started: Optional[float] = None
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -31,8 +32,16 @@ class BatchClock:
         self._started = time.perf_counter()
 
     def stop(self) -> float:
+        if self._started is None:
+            return 0.0
         self._sync()
-        return time.perf_counter() - self._started
+        seconds, self._started = time.perf_counter() - self._started, None
+        return seconds
+
+
+def timed_arm(state: str) -> Optional[str]:
+    """The arm a trial's state ``timing_ARM`` times, or None."""
+    return state[len("timing_"):] if state.startswith("timing_") else None
 
 
 def agreed_times(consensus: Any, times: Sequence[float]) -> list[float]:
@@ -44,4 +53,4 @@ def agreed_times(consensus: Any, times: Sequence[float]) -> list[float]:
     return [us / 1e6 for us in agreed]
 
 
-__all__ = ["BatchClock", "agreed_times"]
+__all__ = ["BatchClock", "agreed_times", "timed_arm"]
