@@ -28,7 +28,8 @@ most over its steady batches, and half of it, so the best hand-set sizes are tim
 `--memory-fraction` caps the process's GPU memory in every variant, told to automicro
 (`AutoMicrobatching(memory_fraction=...)`; 0: not set). A card that is not all ours (issue 39):
 `--torch-fraction F` sets `torch.cuda.set_per_process_memory_fraction(F)` first thing in each
-variant's process, as a user's own script would, telling automicro nothing; `--hog-gib G` starts
+variant's process, as a user's own script would, telling automicro nothing (`--memory-fraction` is
+then not passed, so Composer's stock run does not raise the cap to it either); `--hog-gib G` starts
 another process that holds G GiB of the same GPU for the whole variant (a notebook, a server). `--model NAME` swaps the model for a
 transformers model built from its config, no weights downloaded (`FAMILIES`): `hf` the same 1B Llama
 shape (`use_cache=False`); `tinyllama`, `llama32` (Llama 3.2 1B), `qwen25` (Qwen2.5 0.5B) and `gpt2l`
@@ -86,7 +87,7 @@ def overrides(variant: str, args: argparse.Namespace, run_dir: str) -> list[str]
     ]
     if args.dry_run:  # CPU: the suite's plumbing only
         common += ["device=cpu", "precision=fp32", "parallelism_config.fsdp2.mixed_precision=FULL", "callbacks.memory_monitor=null"]
-    elif args.memory_fraction:
+    elif args.memory_fraction and not args.torch_fraction:  # --torch-fraction: automicro is told nothing
         common.append(f"callbacks.auto_microbatching.memory_fraction={args.memory_fraction}")
     backend = ["compile.backend=aot_eager"] if args.dry_run else []
     if kind == "blocks":
