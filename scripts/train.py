@@ -147,7 +147,16 @@ def main(argv: list[str]) -> int:
 
             compiled = getattr(trainer.sharded_model, "compiled", None) if hasattr(trainer, "sharded_model") else None
             scope = compiled.scope if compiled is not None else cfg.compile.scope or "model"  # unset, no blocks: model
-            print(f"[automicro] {cfg.compile.describe(scope)}: {compiled_graphs()} graph(s) compiled on rank 0")
+            graphs = compiled_graphs()
+            why = ""
+            if not graphs and "memory_cap" in (cfg.callbacks or {}):
+                from automicro.engine._torch_internals import COMPILES_UNDER_DISPATCH_MODES
+
+                if not COMPILES_UNDER_DISPATCH_MODES:  # torch 2.7: dynamo skips under the cap's dispatch mode
+                    import torch
+
+                    why = f" (torch {torch.__version__} does not compile under callbacks.memory_cap: the model ran eager; torch 2.11+ does)"
+            print(f"[automicro] {cfg.compile.describe(scope)}: {graphs} graph(s) compiled on rank 0{why}")
         found = None if auto is None else auto.summary_line(per_rank_batch)
         if found is not None:
             print(found)

@@ -252,6 +252,36 @@ def test_oom_raised_at_crossing_allocation_with_message_fields():
     del a, b, c, d
 
 
+def test_compile_under_the_cap_compiles_where_torch_can_and_the_cap_still_counts_and_ooms_in_compiled_code():
+    """Dynamo skipped every frame under the cap's dispatch mode, silently: each CPU `compile` under
+    `memory_cap` trained eager. torch 2.11+ compiles (the mode off while compiling, on while the
+    graph runs); torch 2.7 cannot without recompiling each call, and stays eager (said by the main job)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from automicro.engine._torch_internals import COMPILES_UNDER_DISPATCH_MODES, _torch_version
+
+    assert COMPILES_UNDER_DISPATCH_MODES == (_torch_version() >= (2, 11))
+    torch._dynamo.reset()
+
+    def f(x):
+        return (x @ x.T).relu() * 2
+
+    compiled = torch.compile(f, backend="aot_eager")
+    x = torch.randn(256, 256)  # each 256 x 256 fp32 output: 256 KiB
+    graphs = counters["stats"]["unique_graphs"]
+    cap = MemoryCap(None)
+    with cap:
+        for _ in range(3):  # one graph for all three calls, where torch compiles
+            out = compiled(x)
+        assert cap.stats()["peak_bytes"] >= 2 * 256 * 256 * 4  # the compiled ops' outputs are counted
+    assert torch.equal(out, f(x))
+    assert counters["stats"]["unique_graphs"] - graphs == (1 if COMPILES_UNDER_DISPATCH_MODES else 0)
+    with MemoryCap(256 * 256 * 4 + 1000), pytest.raises(torch.OutOfMemoryError):
+        compiled(x)  # the second output crosses the limit inside the graph
+    torch._dynamo.reset()
+
+
 def test_live_bytes_drop_when_freed_and_peak_kept():
     cap = MemoryCap(None)
     with cap:

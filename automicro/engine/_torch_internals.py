@@ -43,6 +43,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param_group
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def _torch_version() -> tuple[int, int]:
@@ -836,6 +837,25 @@ def add_storage_resize_observer(observer: StorageResizeObserver) -> _ResizeHandl
             torch.UntypedStorage.resize_ = _observed_resize_
         _resize_observers.append(observer)
     return _ResizeHandle(observer)
+
+
+# torch 2.11 and 2.15 ask a dispatch mode whether `torch.compile` may compile under it
+# (`ignore_compile_internals`: off while compiling, on while the compiled code runs). torch 2.7 has
+# no such question: dynamo skips every frame under a mode that is not one of its own, and marking the
+# mode "infra" (`is_infra_mode`) compiles but recompiles on every call (a guard that fails while any
+# mode is active; checked on torch 2.7.0), so there it stays eager.
+COMPILES_UNDER_DISPATCH_MODES = hasattr(TorchDispatchMode, "ignore_compile_internals")
+
+
+def compiles_under(mode_cls: type) -> type:
+    """Class decorator: let `torch.compile` compile while a `TorchDispatchMode` of `mode_cls` is
+    active, the mode seeing the compiled code's ops as they run (not dynamo's tracing). Without it
+    dynamo skips every frame under the mode, silently: no graph, the function runs eager (the CPU
+    memory cap, `automicro.testing.MemoryCap`, turned every `compile` under it into eager). Where
+    torch cannot (`COMPILES_UNDER_DISPATCH_MODES` False: torch 2.7) the class is left as it is."""
+    if COMPILES_UNDER_DISPATCH_MODES:
+        mode_cls.ignore_compile_internals = classmethod(lambda cls: True)
+    return mode_cls
 
 
 # --------------------------------------------------------------------------------------------

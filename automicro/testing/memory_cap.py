@@ -67,7 +67,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-from automicro.engine._torch_internals import add_storage_resize_observer, storage_key
+from automicro.engine._torch_internals import add_storage_resize_observer, compiles_under, storage_key
 
 __all__ = ["MemoryCap", "current_rank"]
 
@@ -147,6 +147,7 @@ class _Entry:
         self.ref = ref
 
 
+@compiles_under  # `torch.compile` compiles under the cap, which counts the compiled code's ops
 class _CapMode(TorchDispatchMode):
     """The dispatch mode of one activation of a MemoryCap (on one thread)."""
 
