@@ -219,7 +219,7 @@ def test_runner_passes_args_after_the_separator_and_keeps_only_summary_lines():
     assert runner._summary_lines(text) == ["[one_gpu] | a table", "[steady_oom] ok"]
 
 
-def test_one_gpu_fixed_sizes_come_from_the_same_kinds_auto_run():
+def test_one_gpu_fixed_sizes_come_from_the_same_kinds_auto_run_and_a_torch_cap_is_told_to_nobody():
     import argparse
 
     import one_gpu
@@ -240,3 +240,11 @@ def test_one_gpu_fixed_sizes_come_from_the_same_kinds_auto_run():
     with pytest.raises(SystemExit, match="resolve_fixed"):
         one_gpu.overrides("eager-fixed-found", argparse.Namespace(**vars(args), preset="1b", seq=8, batch=2, nproc=1,
                                                                   dry_run=True, memory_fraction=0, extra=""), "/tmp/x")
+    # A card not all ours (--torch-fraction): nobody is told a fraction, so Composer's stock run cannot
+    # raise the user's cap to --memory-fraction (session 35's first capped Composer row trained uncapped).
+    gpu = dict(vars(args), preset="1b", seq=8, batch=2, nproc=1, dry_run=False, extra="")
+    told = "callbacks.auto_microbatching.memory_fraction=0.95"
+    assert told in one_gpu.overrides("composer-auto", argparse.Namespace(**gpu, memory_fraction=0.95, torch_fraction=0.0), "/tmp/x")
+    for variant in ("composer-auto", "composercompile-auto", "blocks-auto"):
+        capped = one_gpu.overrides(variant, argparse.Namespace(**gpu, memory_fraction=0.95, torch_fraction=0.3), "/tmp/x")
+        assert not any("memory_fraction" in o for o in capped), capped
