@@ -66,7 +66,7 @@ LEG1_ONLY = {
     "test_a_rank_killed_mid_save_leaves_a_folder_the_relaunch_resumes_from_like_a_run_loaded_there": None,
 }
 # Module fixtures that launch 4 ranks: every test that uses one is a 4-rank test.
-MANY_RANK_FIXTURES = {"matrix_four_ranks", "steady_four_ranks", "data_parallel"}
+MANY_RANK_FIXTURES = {"matrix_four_ranks", "steady_four_ranks", "data_parallel", "four_ranks"}  # four_ranks: test_token_budget
 
 
 def pytest_collection_modifyitems(config, items):
@@ -80,8 +80,33 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.torch_versions)
         if MANY_RANK_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.many_ranks)
+    _leave_the_full_tier(config, items)
     _sample_many_rank_launches(config, items)
     _share_version_launches(config, items)
+
+
+def _in_full_tier(item) -> bool:
+    from tests import gate
+
+    name = getattr(item, "originalname", item.name)
+    if name not in gate.FULL_TIER:
+        return False
+    case = gate.FULL_TIER[name]
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return case is None or str(params.get(case[0])) == case[1]
+
+
+def _leave_the_full_tier(config, items):
+    """`tests/gate.py`'s FULL_TIER: marked ``full_tier``; left out of the run unless `--full`."""
+    import pytest
+
+    full = [item for item in items if _in_full_tier(item)]
+    for item in full:
+        item.add_marker(pytest.mark.full_tier)
+    if full and not config.getoption("--full"):
+        config.hook.pytest_deselected(items=full)
+        gone = set(map(id, full))
+        items[:] = [item for item in items if id(item) not in gone]
 
 
 def _sample_many_rank_launches(config, items):
