@@ -70,8 +70,9 @@ foundry-demo: $(VENV)/.foundry
 test: $(VENV)/.installed $(VENV)/.foundry
 	$(VENV)/bin/python $(PYTEST) $(PYTEST_ARGS)
 
-# Every cell of the fault matrices (`make test` draws a seeded sample that covers every site:
-# tests/matrix.py; AUTOMICRO_TEST_SEED=N repeats the draw a run printed).
+# The full tier: the gate (`make test`) and the tests tests/gate.py leaves out of it, every cell of the
+# fault matrices (`make test` draws a seeded sample that covers every site: tests/matrix.py;
+# AUTOMICRO_TEST_SEED=N repeats the draw a run printed) and every 4-rank launch.
 test-full: $(VENV)/.installed $(VENV)/.foundry
 	$(VENV)/bin/python $(PYTEST) --full $(PYTEST_ARGS)
 

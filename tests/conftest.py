@@ -11,6 +11,9 @@
 - ``many_ranks``: 4-rank launches (2 CPU cores run them at half speed). The same code paths run on
   2 ranks in every leg; leg 1 runs a seeded quarter of the 4-rank launches each run (all with `--full`).
 
+- ``full_tier``: `tests/gate.py`'s FULL_TIER, left out of every leg unless ``--full`` (`make test-full`):
+  the gate (`make test`, CI) keeps a test for each guarantee within its budget.
+
 ``--versions-share K/N`` (CI's legs 2 and 3: 1/2 and 2/2, one seed for the three legs): of the
 ``torch_versions`` tests that launch processes, this leg takes its share, dealt per file
 (`tests/matrix.shares`): the two legs together run every launch on a newer torch each CI run, each
