@@ -77,9 +77,7 @@ def pytest_collection_modifyitems(config, items):
     import pytest
 
     for item in items:
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        name = getattr(item, "originalname", item.name)
-        leg1_only = name in LEG1_ONLY and (LEG1_ONLY[name] is None or params.get(LEG1_ONLY[name][0]) == LEG1_ONLY[name][1])
+        leg1_only = _named_case(LEG1_ONLY, item)
         if Path(str(item.fspath)).name in TORCH_VERSION_FILES and not leg1_only:
             item.add_marker(pytest.mark.torch_versions)
         if MANY_RANK_FIXTURES & set(getattr(item, "fixturenames", ())):
@@ -89,28 +87,34 @@ def pytest_collection_modifyitems(config, items):
     _share_version_launches(config, items)
 
 
-def _in_full_tier(item) -> bool:
-    from tests import gate
-
+def _named_case(table, item) -> bool:
+    """`item` is in `table` (test name -> None: every case, or (parameter, value): that case)."""
     name = getattr(item, "originalname", item.name)
-    if name not in gate.FULL_TIER:
+    if name not in table:
         return False
-    case = gate.FULL_TIER[name]
+    case = table[name]
     params = getattr(getattr(item, "callspec", None), "params", {})
-    return case is None or str(params.get(case[0])) == case[1]
+    return case is None or str(params.get(case[0])) == str(case[1])
+
+
+def _deselect(config, items, dropped):
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        gone = set(map(id, dropped))
+        items[:] = [item for item in items if id(item) not in gone]
 
 
 def _leave_the_full_tier(config, items):
     """`tests/gate.py`'s FULL_TIER: marked ``full_tier``; left out of the run unless `--full`."""
     import pytest
 
-    full = [item for item in items if _in_full_tier(item)]
+    from tests import gate
+
+    full = [item for item in items if _named_case(gate.FULL_TIER, item)]
     for item in full:
         item.add_marker(pytest.mark.full_tier)
-    if full and not config.getoption("--full"):
-        config.hook.pytest_deselected(items=full)
-        gone = set(map(id, full))
-        items[:] = [item for item in items if id(item) not in gone]
+    if not config.getoption("--full"):
+        _deselect(config, items, full)
 
 
 def _sample_many_rank_launches(config, items):
@@ -135,10 +139,7 @@ def _sample_many_rank_launches(config, items):
     # six of 23 cost 120-330 s a run, by the draw), every one under --full.
     chosen = set(matrix.sample("4-rank launches", launches, key=lambda _: 0, per_key=min(4, math.ceil(len(launches) / 4))))
     dropped = [item for item in many if launch(item) not in chosen]
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-        gone = set(map(id, dropped))
-        items[:] = [item for item in items if id(item) not in gone]
+    _deselect(config, items, dropped)
 
 
 def _launch_group(item):
@@ -177,10 +178,7 @@ def _share_version_launches(config, items):
             grouped[id(item)] = (Path(str(item.fspath)).name, group)
     taken = matrix.shares("version launches", list(grouped.values()), part, parts)
     dropped = [item for item in items if id(item) in grouped and grouped[id(item)] not in taken]
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-        gone = set(map(id, dropped))
-        items[:] = [item for item in items if id(item) not in gone]
+    _deselect(config, items, dropped)
 
 
 def pytest_addoption(parser):
