@@ -226,6 +226,24 @@ def test_model_overestimates_the_usable_memory():
     assert run.ooms <= 2, run
 
 
+def test_an_oom_the_line_cannot_explain_is_bisected_and_the_search_spends_no_second_oom():
+    """The probe's outcomes on a CPU rank under torch 2.11 (`optimizer_cases.fit`, the limit halfway
+    between sizes 4 and 8, 2026-11-29), replayed. Something fixed holds the small sizes' peak up there
+    (0.35 MB a sample from 1 to 2, 1.33 from 6 to 8; torch 2.7: 0.62, then 1.0): the line through the
+    probe's sizes predicts 10, which runs out below where the line puts its peak. Predicting again
+    under what that OOM reached gave 9, which ran out too, then 5. The failure the line cannot explain
+    is bisected instead: 6 fits, its two sizes give a line that says 7 does not, and the search ends at
+    6, the largest size that fits, after one OOM."""
+    capacity = 20_283_706
+    policy = SearchPolicy(PolicyConfig(probe=True), 16)
+    d = policy.observe(Success(2, 16_608_817, capacity, projected=True, peaks_by_size=((1, 16_280_241), (2, 16_608_817))))
+    assert d.next_size == 10 and "predicted" in d.event, d
+    d = policy.observe(OOM(10, ranks=(0,), reached_bytes=19_992_898, capacity_bytes=capacity))
+    assert d.next_size == 6 and d.event == "OOM at 10 -> try 6 (bounds 2..10)", d
+    d = policy.observe(Success(6, 20_054_334, capacity, peaks_by_size=((4, 17_855_550), (6, 20_054_334))))
+    assert policy.phase == Phase.SETTLING and policy.state.found == 6 and PREDICTED_EDGE in d.event, d
+
+
 def test_without_per_size_peaks_the_search_still_converges():
     """Where the microbatches' peaks are not measured (a memory source without them), the attempt's
     peak is the one sample: the probe's size, and the search goes on as before from there."""

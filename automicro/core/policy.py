@@ -47,7 +47,9 @@ OOM on the sizes between.
 The capacity is read, not known (another process, a per-process fraction): an OOM that moves a bound
 carries the bytes its attempt had reached (`OOM.reached_bytes`), and the most any OOM reached is the
 `ceiling` the model plans under wherever the capacity read says more (no "whole capacity" try under
-it; a failure the model cannot explain even under it is bisected). An OOM under a capacity read more
+it; a failure the model cannot explain even under it is bisected: where the line puts the peak of the size
+that ran out under what the OOMs showed usable, the peak grows faster than linearly past the samples,
+and a size predicted just below the failure would run out too). An OOM under a capacity read more
 than `CAPACITY_CHANGE` below the last success's shrinks at once (no one-off rerun: the memory went to
 another process); a success under one that grew by as much past the one a bound was set under (an
 OOM's or a thrash's) drops that bound and the ceiling, and searches above again.
@@ -591,6 +593,13 @@ def _next_search_size(state: SearchState, config: PolicyConfig, upward: bool) ->
         return candidates[len(candidates) // 2], False
     if config.use_prediction:
         predicted = predict_max_size(samples)
+        if not upward and state.ceiling is not None and len(samples) >= 2 and _model_peak(samples, hi) < state.ceiling:
+            # The size that ran out fits under what the OOMs showed usable, by the model: the model
+            # cannot explain the failure (the peak grows faster than linearly past its samples, as
+            # where a fixed workspace holds the peak of small sizes: torch 2.11 on CPU). Its next
+            # prediction would sit just below the failure and likely run out too. Bisect: the
+            # next success is a sample nearer the edge.
+            return (max(lo, floor - 1) + hi) // 2, False
         if predicted is not None and lo < predicted < hi and predicted >= floor:
             return predicted, True
         if config.probes and predicted is not None and lo >= floor:
