@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,7 +13,18 @@ from typing import Optional
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+# The composer launcher of this interpreter's environment; else the one on PATH (packages installed with
+# `pip --target` and PYTHONPATH, as scripts/full_suite.sh does on a GPU machine, keep it in <target>/bin).
 COMPOSER = Path(sys.executable).parent / "composer"
+if not COMPOSER.exists() and shutil.which("composer"):
+    COMPOSER = Path(shutil.which("composer"))
+
+
+def python_path(*first: str) -> str:
+    """PYTHONPATH for a child process: `first` (the repo, by default), then the caller's own entries
+    (packages the environment puts there stay importable)."""
+    entries = list(first or (str(REPO),)) + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return os.pathsep.join(dict.fromkeys(entries))
 
 
 def run(
@@ -45,7 +57,7 @@ def run_example(script: str, *args: str, timeout_s: int = 240) -> str:
     without a GPU (none visible, no `--cpu`: the example says once that it runs as `--cpu` does) under
     the hang timeout; its output. A non-zero exit fails the test."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", f"examples/{script}", *args]
-    done = run(command, timeout_s, env={**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""})
+    done = run(command, timeout_s, env={**os.environ, "PYTHONPATH": python_path(), "CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 0, done.stdout[-4000:]
     assert done.stdout.count(NO_GPU_LINE) == 1, done.stdout[-4000:]
     return done.stdout

@@ -14,6 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import harness  # noqa: E402
+from tests.launch import python_path  # noqa: E402
 
 
 def test_schedule_is_a_b_a_b():
@@ -150,7 +151,7 @@ def test_vs_plain_suite_runs_interleaved_on_cpu(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "vs_plain.py"), "--out", str(out), "--device", "cpu",
            "--tiny", "--sizes", "2", "--per-rank-batch", "4", "--window", "2", "--rounds", "3", "--quiet"]
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")}
-    env["PYTHONPATH"] = ROOT
+    env["PYTHONPATH"] = python_path(ROOT)
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     doc = json.loads((out / "vs_plain.json").read_text())

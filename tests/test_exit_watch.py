@@ -12,7 +12,7 @@ import time
 import pytest
 
 from automicro.integration.settings import Settings
-from tests.launch import REPO, run
+from tests.launch import REPO, python_path, run
 
 SCRIPT = textwrap.dedent("""
     import atexit, sys, threading, time
@@ -84,7 +84,7 @@ def test_every_rank_of_a_run_ended_by_a_non_oom_error_exits_though_its_exit_hang
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "tests/exit_watch_run.py", "backward"]
     started = time.perf_counter()
-    done = run(command, timeout_s=180, env={"PYTHONPATH": str(REPO), "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1",
+    done = run(command, timeout_s=180, env={"PYTHONPATH": python_path(), "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1",
                                              **{k: v for k, v in __import__("os").environ.items() if k == "PATH"}})
     seconds = time.perf_counter() - started
     out = done.stdout

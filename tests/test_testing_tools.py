@@ -107,9 +107,31 @@ def _fsdp_mlp_under_cap(rank, world_size, limits, steps):
 # ------------------------------------------------------------------------------------------------
 
 
-def test_free_port():
-    port = free_port()
-    assert 0 < port < 65536
+def test_free_port_draws_from_a_slice_of_its_own_below_the_ephemeral_range_and_skips_a_busy_port(monkeypatch):
+    """Concurrent pytest-xdist workers never draw the same rendezvous port (a race between two test
+    files' launches failed one with EADDRINUSE on 16 workers): each worker's slice is its own, the
+    OS's ephemeral ports (port 0, outgoing connections) lie above, and a port in use is passed over."""
+    import socket
+
+    from automicro.testing import multiprocess as mp
+
+    monkeypatch.setattr(mp, "_next_port", None)
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw3")
+    width = (mp._ephemeral_start() - mp._PORT_BASE) // mp._PORT_SLICES
+    assert width >= 16
+    ours = mp._port_slice(width)
+    first, second = free_port(), free_port()
+    assert first in ours and second in ours and first != second
+    assert ours.stop <= mp._ephemeral_start()
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw4")
+    assert not set(ours) & set(mp._port_slice(width))
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw3")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0 if not mp._bindable("127.0.0.1", mp._next_port) else mp._next_port))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        port = free_port()
+        assert port != taken and port in ours
 
 
 def test_unpicklable_fn_fails_fast():

@@ -119,8 +119,57 @@ class MultiprocessFailure(RuntimeError):
         self.results: dict[int, Any] = dict(results or {})
 
 
+# Rendezvous ports come from below the kernel's ephemeral range (which the OS hands to every socket bound
+# to port 0 and every outgoing connection), in a slice of their own per process: concurrent callers (the
+# test files pytest-xdist runs side by side, 16 at once on a GPU machine's cores) never draw the same
+# port in the moment between the check and rank 0's listen. One such race on 2026-11-29 failed a launch
+# with EADDRINUSE; worse, the other ranks of a launch whose rank 0 lost it would have joined the
+# winner's store. (The composer launcher and torchrun pick their ports in the ephemeral range.)
+_PORT_BASE = 12000
+_PORT_SLICES = 64
+_next_port: Optional[int] = None
+
+
+def _ephemeral_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as handle:
+            return int(handle.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _port_slice(width: int) -> range:
+    """This process's ports: slice N for pytest-xdist's worker gwN, else one drawn by the pid."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else os.getpid()
+    start = _PORT_BASE + (index % _PORT_SLICES) * width
+    return range(start, start + width)
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (bound to port 0, then released)."""
+    """A TCP port that is free now and that no other caller of this function draws while this process
+    uses it: the next free one of this process's slice below the ephemeral range, in turn (a port
+    is reused only after the whole slice). Where the ephemeral range leaves too little room below it,
+    a port the OS picks (bound to port 0, then released)."""
+    global _next_port
+    width = (_ephemeral_start() - _PORT_BASE) // _PORT_SLICES
+    if width >= 16:
+        ports = _port_slice(width)
+        first = ports.start + os.getpid() % width if _next_port not in ports else _next_port
+        for step in range(width):
+            port = ports.start + (first - ports.start + step) % width
+            if _bindable(host, port):
+                _next_port = ports.start + (port - ports.start + 1) % width
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
