@@ -32,7 +32,7 @@ if ! "$PY" -c "import composer" 2>/dev/null; then
         exit 2
     fi
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 2
-    export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+    export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH  # bin: the composer launcher
 fi
 WORKERS=${WORKERS:-$CORES}
 mapfile -t FILES < <(python3 .ci/costs.py files ${PART:+"$PART"})
