@@ -65,3 +65,30 @@ def test_every_test_file_has_its_recorded_cost_and_no_recorded_file_is_gone():
     assert sorted(files - set(recorded)) == [], "test files with no recorded cost: run .ci/run, then .ci/costs.py update .ci-costs"
     assert sorted(set(recorded) - files) == [], "recorded costs of test files that are gone: update tests/costs.json"
     assert all(seconds >= 0 for seconds in recorded.values())
+
+
+def test_the_full_suite_deals_the_files_costliest_first_into_parts_of_about_equal_cost(tmp_path, monkeypatch, capsys):
+    """scripts/full_suite.sh's order and parts (`.ci/costs.py files [K/N]`): every file in exactly one
+    part, each part costliest first (pytest-xdist starts the longest first), the parts within one
+    file's cost of each other; a file's cost from the last full run, else the gate's leg 1, else
+    UNKNOWN_S; a bad K/N says what to write."""
+    ci = _ci_costs()
+    costs = ci.file_costs(["a", "b", "c", "d", "e"], {"files": {"a": 300.0, "b": 10.0}}, {"legs": {"leg1": {"b": 99.0, "c": 50.0}}})
+    assert costs == {"a": 300.0, "b": 10.0, "c": 50.0, "d": ci.UNKNOWN_S, "e": ci.UNKNOWN_S}
+    many = {f"t{i}": float(s) for i, s in enumerate([400, 250, 200, 120, 90, 60, 30, 30, 10, 5, 1])}
+    parts = [ci.deal(many, k, 3) for k in (1, 2, 3)]
+    assert sorted(name for part in parts for name in part) == sorted(many)
+    for part in parts:
+        assert [many[name] for name in part] == sorted((many[name] for name in part), reverse=True)
+    loads = [sum(many[name] for name in part) for part in parts]
+    assert max(loads) - min(loads) <= max(many.values()), loads
+    assert ci.deal(many, 1, 1)[0] == "t0" and len(ci.deal(many, 1, 1)) == len(many)
+    assert ci.main(["files", "3/2"]) == 2 and "K must be between 1 and N" in capsys.readouterr().err
+    assert ci.main(["files", "half"]) == 2 and "write K/N" in capsys.readouterr().err
+    assert ci.main(["files"]) == 0
+    listed = capsys.readouterr().out.split()
+    assert sorted(listed) == ci.test_files() and "tests/test_costs.py" in listed
+    monkeypatch.setattr(ci, "RECORDED_FULL", str(tmp_path / "costs_full.json"))
+    (tmp_path / "run.json").write_text(json.dumps({"tests/a.py": 12.5}))
+    assert ci.main(["update-full", str(tmp_path / "run.json")]) == 0
+    assert json.loads((tmp_path / "costs_full.json").read_text())["files"] == {"tests/a.py": 12.5}
