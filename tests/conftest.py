@@ -37,6 +37,14 @@ from pathlib import Path
 # the workers' output through capfd passes start_method="spawn" (a forkserver's workers write to
 # the server's stderr). AUTOMICRO_MP_START_METHOD=spawn in the environment restores spawn for all.
 os.environ.setdefault("AUTOMICRO_MP_START_METHOD", "forkserver")
+# The server also imports what the ranks of most launches import (Composer, automicro's integration and
+# the tiny models' transformers modules): else every rank of every launch imports them after the fork,
+# ~5 s of CPU a rank on 2 cores (scripts/launch_costs.py; `automicro.testing.multiprocess`, "Start method").
+os.environ.setdefault(
+    "AUTOMICRO_MP_PRELOAD",
+    "composer,composer.trainer,composer.algorithms,automicro.integration.callback,automicro.integration.trainer,"
+    "automicro.step,automicro.models",
+)
 
 TORCH_VERSION_FILES = {
     "test_automicro.py", "test_autostep.py", "test_capacity.py", "test_checkpoint.py", "test_checkpoint_commit.py", "test_compile.py",

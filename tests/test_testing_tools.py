@@ -7,6 +7,7 @@ default spawn start method; one test also covers the opt-in forkserver one.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 
@@ -31,6 +32,12 @@ def _allreduce_and_env(rank, world_size, scale, *, tag):
     env = {k: os.environ.get(k) for k in ("MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK",
                                           "LOCAL_WORLD_SIZE", "NODE_RANK", "AUTOMICRO_TEST_VAR")}
     return dict(rank=rank, world_size=world_size, dist_rank=dist.get_rank(), total=t.item(), tag=tag, env=env)
+
+
+def _imported_at_entry(rank, world_size):
+    """What the rank had imported before `fn` ran: the forkserver's preload (this module imports
+    torch only at its top; unpickling `fn` imports it)."""
+    return {m: m in sys.modules for m in ("composer", "automicro.integration.trainer", "automicro.models")}
 
 
 def _wait_in_barrier():
@@ -132,6 +139,30 @@ def test_free_port_draws_from_a_slice_of_its_own_below_the_ephemeral_range_and_s
         taken = busy.getsockname()[1]
         port = free_port()
         assert port != taken and port in ours
+
+
+def test_the_forkserver_preloads_what_the_tests_launches_import_and_spawn_does_not(monkeypatch):
+    """A 2-rank launch's fixed cost: the forkserver's workers find Composer, automicro's Composer
+    integration and the tiny models imported (tests/conftest.py's AUTOMICRO_MP_PRELOAD; before, each
+    rank of each launch imported Composer after the fork: ~4.5 s on 2 cores); a spawned worker starts
+    without them. `_preload` adds what the caller imported of `_PRELOAD_IF_IMPORTED` and `fn`'s module."""
+    from automicro.testing import multiprocess as mp
+
+    assert os.environ.get("AUTOMICRO_MP_PRELOAD"), "tests/conftest.py sets it"
+    forked = run_multiprocess(_imported_at_entry, world_size=2, start_method="forkserver", timeout_s=120)
+    assert forked == [{"composer": True, "automicro.integration.trainer": True, "automicro.models": True}] * 2
+    spawned = run_multiprocess(_imported_at_entry, world_size=1, start_method="spawn", timeout_s=120)
+    assert spawned == [{"composer": False, "automicro.integration.trainer": False, "automicro.models": False}]
+    monkeypatch.setenv("AUTOMICRO_MP_PRELOAD", " a.b , c ")
+    monkeypatch.setitem(sys.modules, "tests.some_cases", sys.modules[__name__])
+    wanted = mp._preload(["x"], "tests.some_cases")
+    assert wanted[:3] == ["torch", "torch.distributed", "automicro.testing.multiprocess"]
+    assert wanted[3:6] == ["x", "a.b", "c"] and wanted[-1] == "tests.some_cases"
+    assert "composer" not in wanted or "composer" in sys.modules
+    monkeypatch.setitem(sys.modules, "composer", sys.modules.get("composer") or sys.modules[__name__])
+    assert "composer" in mp._preload([], None)  # the caller imported it: the ranks will
+    assert "tests.not_imported_cases" not in mp._preload([], "tests.not_imported_cases")
+    assert "__main__" not in mp._preload([], "__main__")
 
 
 def test_unpicklable_fn_fails_fast():

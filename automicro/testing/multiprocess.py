@@ -68,7 +68,10 @@ the traceback in the failure shows them.
 Start method. "spawn" (default) starts every worker from a fresh interpreter: it imports torch,
 the package and the module of `fn` each time (3-5 s per process, CPU bound). "forkserver"
 forks workers from a server process that imported torch, torch.distributed and automicro once
-(plus `forkserver_preload`), typically 10x faster after the server's own start; the caller's
+(plus `forkserver_preload`, and those of Composer, transformers, automicro's Composer integration and
+`fn`'s own module that the caller has imported by then: `_PRELOAD_IF_IMPORTED`, and the modules the
+env variable AUTOMICRO_MP_PRELOAD lists, comma-separated), typically 10x faster
+after the server's own start; the caller's
 os.environ at call time is given to each worker, but settings torch reads at import (thread
 counts) are the server's. The workers' stdout/stderr are those the server inherited when it
 started (under pytest: the capture of the test that started it). The env variable
@@ -97,9 +100,29 @@ from typing import Any, Optional
 
 __all__ = ["MultiprocessFailure", "run_multiprocess", "free_port"]
 
-# Imported once by the forkserver (this module imports the automicro package, hence Composer).
+# Imported once by the forkserver.
 _FORKSERVER_PRELOAD = ["torch", "torch.distributed", __name__]
+# Also imported by the forkserver where the caller has imported them when it starts (the automicro
+# package imports Composer lazily, so the list above does not): else each rank of every launch imports
+# them after the fork. Composer alone took 4.8 s a rank on 2 cores (scripts/launch_costs.py, torch 2.7,
+# 2026-11-29): a 2-rank test's fixed cost went from ~0.2 s to ~5 s.
+_PRELOAD_IF_IMPORTED = (
+    "composer", "composer.trainer", "transformers", "automicro.integration.callback", "automicro.integration.trainer",
+    "automicro.step",
+)
+
+
+def _preload(extra: Sequence[str], fn_module: Optional[str]) -> list[str]:
+    """What the forkserver imports when it starts: the base list, what the caller asked for (the argument,
+    AUTOMICRO_MP_PRELOAD), and of
+    `_PRELOAD_IF_IMPORTED` and `fn`'s module what the caller has imported (a module it has not, the
+    workers may not need)."""
+    listed = [m.strip() for m in os.environ.get(_PRELOAD_ENV, "").split(",") if m.strip()]
+    wanted = list(_FORKSERVER_PRELOAD) + list(extra) + listed
+    wanted += [m for m in (*_PRELOAD_IF_IMPORTED, fn_module) if m and m != "__main__" and m in sys.modules]
+    return list(dict.fromkeys(wanted))
 _START_METHOD_ENV = "AUTOMICRO_MP_START_METHOD"
+_PRELOAD_ENV = "AUTOMICRO_MP_PRELOAD"  # more modules for the forkserver, comma-separated
 
 
 class MultiprocessFailure(RuntimeError):
@@ -446,7 +469,7 @@ def run_multiprocess(
     base_env = None
     parent_pid: Optional[int] = os.getpid()
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(_FORKSERVER_PRELOAD + [m for m in forkserver_preload if m not in _FORKSERVER_PRELOAD])
+        ctx.set_forkserver_preload(_preload(forkserver_preload, getattr(fn, "__module__", None)))
         base_env = dict(os.environ)
         parent_pid = None  # the workers' parent is the server, which exits with us
     fn_name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
