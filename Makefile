@@ -53,19 +53,19 @@ venv-211: $(VENV211)/.installed
 venv-215: $(VENV215)/.installed
 
 demo: $(VENV)/.installed
-	WANDB_MODE=$${WANDB_MODE:-offline} OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/composer -n 2 scripts/train.py configs/tiny-cpu.yaml $(DEMO_ARGS)
+	WANDB_MODE=$${WANDB_MODE:-offline} OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/composer -n 2 -m automicro.train tiny-cpu $(DEMO_ARGS)
 
 # Pipeline parallelism: 2 CPU ranks = 2 stages (ZeroBubble), auto microbatching under a memory cap.
 demo-pp: $(VENV)/.installed
-	WANDB_MODE=$${WANDB_MODE:-offline} OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/composer -n 2 scripts/train.py configs/tiny-cpu-pp.yaml $(DEMO_ARGS)
+	WANDB_MODE=$${WANDB_MODE:-offline} OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/composer -n 2 -m automicro.train tiny-cpu-pp $(DEMO_ARGS)
 
 # Variable-length data under a token budget: 2 CPU ranks, batches padded to their longest sample.
 demo-varlen: $(VENV)/.installed
-	WANDB_MODE=$${WANDB_MODE:-offline} OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/composer -n 2 scripts/train.py configs/tiny-cpu-varlen.yaml $(DEMO_ARGS)
+	WANDB_MODE=$${WANDB_MODE:-offline} OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/composer -n 2 -m automicro.train tiny-cpu-varlen $(DEMO_ARGS)
 
 # llm-foundry's own train path with automicro: a tiny MPT on 2 CPU ranks under an emulated memory cap.
 foundry-demo: $(VENV)/.foundry
-	WANDB_MODE=$${WANDB_MODE:-offline} OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/composer -n 2 -m automicro.foundry configs/foundry-tiny-cpu.yaml $(DEMO_ARGS)
+	WANDB_MODE=$${WANDB_MODE:-offline} OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/composer -n 2 -m automicro.foundry automicro/configs/foundry-tiny-cpu.yaml $(DEMO_ARGS)
 
 test: $(VENV)/.installed $(VENV)/.foundry
 	$(VENV)/bin/python $(PYTEST) $(PYTEST_ARGS)

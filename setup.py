@@ -1,12 +1,45 @@
 """automicro: OOM-safe auto microbatching for MosaicML Composer on FSDP2."""
 
+import os
+import re
+
 from setuptools import find_packages, setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _read(name: str) -> str:
+    with open(os.path.join(HERE, name), encoding="utf-8") as handle:
+        return handle.read()
+
+
+# The version is kept in one place: automicro/__init__.py.
+VERSION = re.search(r'^__version__ = "([^"]+)"', _read(os.path.join("automicro", "__init__.py")), re.M).group(1)
 
 setup(
     name="automicro",
-    version="0.1.0",
+    version=VERSION,
     description="OOM-safe `device_train_microbatch_size: auto` for Composer on FSDP2",
+    long_description=_read("README.md"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    license_files=["LICENSE"],
+    classifiers=[
+        "Development Status :: 4 - Beta",
+        "Intended Audience :: Developers",
+        "Intended Audience :: Science/Research",
+        "Operating System :: POSIX :: Linux",
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3.10",
+        "Programming Language :: Python :: 3.11",
+        "Programming Language :: Python :: 3.12",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+    keywords=["pytorch", "composer", "fsdp2", "microbatching", "llm", "distributed training"],
     packages=find_packages(include=["automicro", "automicro.*"]),
+    # The main job's YAMLs (`python -m automicro.train tiny-cpu`) and llm-foundry's, with their data.
+    package_data={"automicro": ["configs/*.yaml", "configs/data/*/*.jsonl"]},
+    entry_points={"console_scripts": ["automicro-train = automicro.train:cli"]},
     python_requires=">=3.10",
     install_requires=[
         "mosaicml==0.32.1",
@@ -37,6 +70,8 @@ setup(
             "accelerate>=1.6,<1.9",  # tests/test_hf_trainer.py (llm-foundry 0.22 pins accelerate<1.9)
             "huggingface-hub<0.34",  # llm-foundry 0.22's pin (accelerate would raise it)
             "pytorch-lightning==2.6.6",  # tests/test_lightning.py
+            "build>=1.2",  # tests/test_package.py builds the wheel and the sdist
+            "twine>=6.1",  # tests/test_package.py checks them
         ],
     },
 )

@@ -4,6 +4,7 @@ naming the dotted key and the value, raised before any process group exists."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import types
 from pathlib import Path
@@ -22,8 +23,8 @@ from automicro.config import (
 from automicro.engine.config import FSDP2Config
 
 REPO = Path(__file__).resolve().parents[1]
-CPU_YAML = str(REPO / "configs" / "tiny-cpu.yaml")
-GPU_YAML = str(REPO / "configs" / "tiny-gpu.yaml")
+CPU_YAML = str(REPO / "automicro" / "configs" / "tiny-cpu.yaml")
+GPU_YAML = str(REPO / "automicro" / "configs" / "tiny-gpu.yaml")
 THIS_FILE = str(Path(__file__).resolve())
 
 
@@ -326,8 +327,8 @@ def test_per_rank_batch_size_errors(gbs, mb, world, fragments):
 
 
 def test_parse_cli_ok():
-    assert parse_cli(["configs/tiny-cpu.yaml", "max_duration=10ba", "model.n_layers=3"]) == (
-        "configs/tiny-cpu.yaml",
+    assert parse_cli(["automicro/configs/tiny-cpu.yaml", "max_duration=10ba", "model.n_layers=3"]) == (
+        "automicro/configs/tiny-cpu.yaml",
         ["max_duration=10ba", "model.n_layers=3"],
     )
     assert parse_cli(["c.yml"]) == ("c.yml", [])
@@ -345,8 +346,24 @@ def test_parse_cli_ok():
     ],
 )
 def test_parse_cli_errors(argv):
-    with pytest.raises(ConfigError, match=r"python scripts/train.py \[--check\] CONFIG.yaml \[key=value \.\.\.\]"):
+    with pytest.raises(ConfigError, match=r"python -m automicro.train \[--check\] CONFIG \[key=value \.\.\.\]"):
         parse_cli(argv)
+
+
+def test_a_shipped_configs_name_stands_for_its_file_and_a_near_miss_is_named():
+    """Issue 63: `python -m automicro.train tiny-cpu` from anywhere: the names are the YAMLs shipped in
+    automicro/configs/; a path is taken as given; a wrong name lists the names and the nearest."""
+    from automicro.config import resolve_config, shipped_configs
+
+    names = shipped_configs()
+    assert {"tiny-cpu", "tiny-cpu-varlen", "tiny-cpu-pp", "tiny-gpu"} <= set(names), names
+    path, overrides = parse_cli(["tiny-cpu", "max_duration=2ba"])
+    assert os.path.isfile(path) and os.path.basename(path) == "tiny-cpu.yaml" and overrides == ["max_duration=2ba"]
+    assert load_config(path, overrides).max_duration == "2ba"
+    assert resolve_config("elsewhere/my.yml") == "elsewhere/my.yml"
+    with pytest.raises(ConfigError, match=r"'tiny-cpux' is neither .* \(did you mean 'tiny-cpu'\?\)") as caught:
+        parse_cli(["tiny-cpux"])
+    assert "tiny-gpu" in str(caught.value)
 
 
 # ------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ This package imports neither Composer nor the trainer at import time.
 
 from automicro.config.convert import ConfigError
 from automicro.config.environment import check_environment
-from automicro.config.load import USAGE, from_dict, load_config, parse_cli
+from automicro.config.load import USAGE, from_dict, load_config, parse_cli, resolve_config, shipped_configs
 from automicro.config.registry import CALLBACK_REGISTRY, KNOWN_CALLBACKS
 from automicro.config.schema import (
     AUTO,
@@ -78,5 +78,7 @@ __all__ = [
     "load_path_problem",
     "sharded_checkpoint_problem",
     "load_config",
+    "resolve_config",
+    "shipped_configs",
     "parse_cli",
 ]

@@ -28,7 +28,33 @@ from automicro.config.convert import ConfigError, _build, _did_you_mean, _hints,
 from automicro.config.schema import TrainConfig
 from automicro.engine.config import FSDP2Config
 
-USAGE = "usage: python scripts/train.py [--check] CONFIG.yaml [key=value ...]"
+USAGE = (
+    "usage: python -m automicro.train [--check] CONFIG [key=value ...] "
+    "(CONFIG: a .yaml / .yml path, or the name of a config shipped with automicro)"
+)
+# The configs shipped with the package (`python -m automicro.train tiny-cpu`): automicro/configs/NAME.yaml.
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+def shipped_configs() -> list[str]:
+    """The names `python -m automicro.train NAME` takes: the YAMLs in `automicro/configs/`."""
+    if not os.path.isdir(CONFIGS_DIR):
+        return []
+    return sorted(name[: -len(".yaml")] for name in os.listdir(CONFIGS_DIR) if name.endswith(".yaml"))
+
+
+def resolve_config(name_or_path: str) -> str:
+    """A .yaml / .yml path as given; a name of a shipped config (`tiny-cpu`) as its file's path."""
+    if name_or_path.endswith((".yaml", ".yml")):
+        return name_or_path
+    names = shipped_configs()
+    if name_or_path in names:
+        return os.path.join(CONFIGS_DIR, f"{name_or_path}.yaml")
+    hint = _did_you_mean(name_or_path, names)
+    raise ConfigError(
+        f"first argument {name_or_path!r} is neither a .yaml / .yml config file nor a config shipped with automicro "
+        f"({', '.join(names) or 'none found'}){hint}; {USAGE}"
+    )
 
 _OVERRIDE_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
 
@@ -171,15 +197,15 @@ def from_dict(values: Mapping[str, Any]) -> TrainConfig:
 
 
 def parse_cli(argv: Sequence[str]) -> tuple[str, list[str]]:
-    """``sys.argv[1:]`` -> (yaml_path, overrides); ``CONFIG.yaml [key=value ...]``."""
+    """``sys.argv[1:]`` -> (yaml_path, overrides); ``CONFIG [key=value ...]`` (CONFIG: a YAML path or a
+    shipped config's name, `resolve_config`)."""
     argv = list(argv)
     if not argv:
         raise ConfigError(f"missing the config file; {USAGE}")
     path, rest = argv[0], argv[1:]
     if path in ("-h", "--help") or path.startswith("-") or "=" in path:
         raise ConfigError(f"first argument {path!r} must be the config YAML path; {USAGE}")
-    if not path.endswith((".yaml", ".yml")):
-        raise ConfigError(f"first argument {path!r} must be a .yaml / .yml config file; {USAGE}")
+    path = resolve_config(path)
     for item in rest:
         if item.startswith("-"):
             raise ConfigError(f"argument {item!r}: options are not supported, only key=value overrides; {USAGE}")
