@@ -40,10 +40,11 @@ os.environ.setdefault("AUTOMICRO_MP_START_METHOD", "forkserver")
 # The server also imports what the ranks of most launches import (Composer, automicro's integration and
 # the tiny models' transformers modules): else every rank of every launch imports them after the fork,
 # ~5 s of CPU a rank on 2 cores (scripts/launch_costs.py; `automicro.testing.multiprocess`, "Start method").
+# tests/forkserver_warmup.py does once what each rank's first Trainer would (1.4 s a rank).
 os.environ.setdefault(
     "AUTOMICRO_MP_PRELOAD",
     "composer,composer.trainer,composer.algorithms,automicro.integration.callback,automicro.integration.trainer,"
-    "automicro.step,automicro.models",
+    "automicro.step,automicro.models,tests.forkserver_warmup",
 )
 
 TORCH_VERSION_FILES = {
