@@ -29,17 +29,13 @@ def _working_tree(dest: Path) -> None:
 
 
 def _dependencies_path() -> list[str]:
-    """This interpreter's package folders (torch, Composer, ...), without the repository: the fresh
-    environment gets its dependencies from them and automicro only from the wheel."""
+    """This interpreter's package folders (torch, Composer, ...), less any that holds an `automicro`
+    package (the repository, a `pip --target` copy): the fresh environment gets its dependencies from
+    them and automicro only from the wheel. (A path file does not run the `.pth` files of the folders
+    it adds, so an editable install's finder stays behind.)"""
     folders = [*site.getsitepackages(), site.getusersitepackages(), sysconfig.get_paths()["purelib"]]
     folders += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    repo = str(REPO.resolve())
-    keep = []
-    for folder in dict.fromkeys(folders):
-        resolved = str(Path(folder).resolve()) if folder else ""
-        if folder and os.path.isdir(folder) and not (resolved == repo or resolved.startswith(repo + os.sep)):
-            keep.append(folder)
-    return keep
+    return [f for f in dict.fromkeys(folders) if f and os.path.isdir(f) and not os.path.isdir(os.path.join(f, "automicro"))]
 
 
 @pytest.mark.multiproc
