@@ -55,6 +55,9 @@ GUARANTEES: dict[str, list[str]] = {
     "llm-foundry's YAMLs": [
         "test_foundry.py::test_llm_foundrys_pretrain_yaml_trains_evaluates_checkpoints_and_resumes_under_auto",
     ],
+    "the installed package runs the main job from any folder (`composer -n N -m automicro.train NAME`)": [
+        "test_package.py::test_the_wheel_installed_outside_the_repository_trains_the_shipped_config_by_name",
+    ],
     "token budgets: the loss does not depend on the split": [
         "test_token_budget.py::test_per_token_loss_over_token_budget_microbatches_equals_the_unsplit_batch",
         "test_token_budget.py::test_two_ranks_with_different_lengths_agree_on_a_budget_and_on_every_microbatch_count",
