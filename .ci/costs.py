@@ -38,11 +38,15 @@ def read_legs(folder: str) -> dict[str, dict[str, float]]:
     return legs
 
 
-def recorded() -> dict[str, Any]:
-    if not os.path.exists(RECORDED):
-        return {"legs": {}}
-    with open(RECORDED, encoding="utf-8") as handle:
+def _read(path: str) -> dict[str, Any]:
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as handle:
         return json.load(handle)
+
+
+def recorded() -> dict[str, Any]:
+    return _read(RECORDED) or {"legs": {}}
 
 
 def report(legs: dict[str, dict[str, float]], total_s: float, budget_s: float, before: dict[str, Any]) -> list[str]:
@@ -58,11 +62,11 @@ def report(legs: dict[str, dict[str, float]], total_s: float, budget_s: float, b
     return lines
 
 
-def _read(path: str) -> dict[str, Any]:
-    if not os.path.exists(path):
-        return {}
-    with open(path, encoding="utf-8") as handle:
-        return json.load(handle)
+def _record(path: str, doc: dict[str, Any], default_note: str) -> None:
+    """`doc` with its ``measured`` note (AUTOMICRO_COSTS_NOTE, else `default_note`) into `path`."""
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump({"measured": os.environ.get("AUTOMICRO_COSTS_NOTE", default_note), **doc}, handle, indent=1, sort_keys=True)
+        handle.write("\n")
 
 
 def test_files() -> list[str]:
@@ -119,10 +123,7 @@ def main(argv: list[str]) -> int:
         if not files:
             print(f"costs: no costs in {' '.join(argv[1:])}: nothing recorded", file=sys.stderr)
             return 1
-        doc = {"measured": os.environ.get("AUTOMICRO_COSTS_NOTE", "scripts/full_suite.sh"), "files": files}
-        with open(RECORDED_FULL, "w", encoding="utf-8") as handle:
-            json.dump(doc, handle, indent=1, sort_keys=True)
-            handle.write("\n")
+        _record(RECORDED_FULL, {"files": files}, "scripts/full_suite.sh")
         print(f"costs: {RECORDED_FULL} now holds {len(files)} files, {sum(files.values()):.0f} s")
         return 0
     if len(argv) == 4 and argv[0] == "report":
@@ -137,10 +138,7 @@ def main(argv: list[str]) -> int:
         if not legs:
             print(f"costs: no leg files in {argv[1]}: nothing recorded", file=sys.stderr)
             return 1
-        doc = {"measured": os.environ.get("AUTOMICRO_COSTS_NOTE", "a .ci/run on a 2-core development machine"), "legs": legs}
-        with open(RECORDED, "w", encoding="utf-8") as handle:
-            json.dump(doc, handle, indent=1, sort_keys=True)
-            handle.write("\n")
+        _record(RECORDED, {"legs": legs}, "a .ci/run on a 2-core development machine")
         print(f"costs: {RECORDED} now holds {', '.join(f'{leg} {sum(f.values()):.0f} s' for leg, f in legs.items())}")
         return 0
     print(__doc__, file=sys.stderr)
