@@ -593,12 +593,12 @@ def _next_search_size(state: SearchState, config: PolicyConfig, upward: bool) ->
         return candidates[len(candidates) // 2], False
     if config.use_prediction:
         predicted = predict_max_size(samples)
-        if not upward and state.ceiling is not None and len(samples) >= 2 and _model_peak(samples, hi) < state.ceiling:
-            # The size that ran out fits under what the OOMs showed usable, by the model: the model
-            # cannot explain the failure (the peak grows faster than linearly past its samples, as
-            # where a fixed workspace holds the peak of small sizes: torch 2.11 on CPU). Its next
-            # prediction would sit just below the failure and likely run out too. Bisect: the
-            # next success is a sample nearer the edge.
+        if not upward and predicted is not None and state.ceiling is not None and _model_peak(samples, hi) < state.ceiling:
+            # The size that ran out fits under what the OOMs showed usable, by the model (also where
+            # it is predicted to fit even under that): the model cannot explain the failure (the peak
+            # grows faster than linearly past its samples, as where a fixed workspace holds the peak
+            # of small sizes: torch 2.11 on CPU). Its next prediction would sit just below the
+            # failure and likely run out too. Bisect: the next success is a sample nearer the edge.
             return (max(lo, floor - 1) + hi) // 2, False
         if predicted is not None and lo < predicted < hi and predicted >= floor:
             return predicted, True
@@ -606,12 +606,9 @@ def _next_search_size(state: SearchState, config: PolicyConfig, upward: bool) ->
             if upward and predicted >= hi:
                 return hi - 1, True  # everything below the bound is predicted to fit
             if not upward and predicted >= hi:
-                if state.ceiling is not None:
-                    # Predicted to fit even under what the OOM showed usable: the model cannot
-                    # explain the failure (it is not linear there). Bisect.
-                    return (max(lo, floor - 1) + hi) // 2, False
-                # The size that ran out was predicted to fit: less memory is usable than the model
-                # says (fragmentation, a workspace). Predict again under the model's peak at it.
+                # The size that ran out was predicted to fit, and no OOM has shown what is usable
+                # (with a ceiling, the failure is bisected above): less memory is usable than the
+                # model says (fragmentation, a workspace). Predict again under the model's peak at it.
                 below = predict_max_size(_under(samples, _model_peak(samples, hi)))
                 if below is not None and lo < below < hi:
                     return below, True
