@@ -68,10 +68,10 @@ the traceback in the failure shows them.
 Start method. "spawn" (default) starts every worker from a fresh interpreter: it imports torch,
 the package and the module of `fn` each time (3-5 s per process, CPU bound). "forkserver"
 forks workers from a server process that imported torch, torch.distributed and automicro once
-(plus `forkserver_preload`, and those of Composer, transformers, automicro's Composer integration and
-`fn`'s own module that the caller has imported by then: `_PRELOAD_IF_IMPORTED`, and the modules the
-env variable AUTOMICRO_MP_PRELOAD lists, comma-separated), typically 10x faster
-after the server's own start; the caller's
+(plus `forkserver_preload`, the modules the env variable AUTOMICRO_MP_PRELOAD lists, comma-separated,
+and those of Composer, transformers, automicro's Composer integration and `fn`'s own module that the
+caller has imported by then: `_PRELOAD_IF_IMPORTED`), typically 10x faster after the server's own
+start; the caller's
 os.environ at call time is given to each worker, but settings torch reads at import (thread
 counts) are the server's. The workers' stdout/stderr are those the server inherited when it
 started (under pytest: the capture of the test that started it). The env variable
@@ -100,6 +100,8 @@ from typing import Any, Optional
 
 __all__ = ["MultiprocessFailure", "run_multiprocess", "free_port"]
 
+_START_METHOD_ENV = "AUTOMICRO_MP_START_METHOD"
+_PRELOAD_ENV = "AUTOMICRO_MP_PRELOAD"  # more modules for the forkserver, comma-separated
 # Imported once by the forkserver.
 _FORKSERVER_PRELOAD = ["torch", "torch.distributed", __name__]
 # Also imported by the forkserver where the caller has imported them when it starts (the automicro
@@ -114,15 +116,12 @@ _PRELOAD_IF_IMPORTED = (
 
 def _preload(extra: Sequence[str], fn_module: Optional[str]) -> list[str]:
     """What the forkserver imports when it starts: the base list, what the caller asked for (the argument,
-    AUTOMICRO_MP_PRELOAD), and of
-    `_PRELOAD_IF_IMPORTED` and `fn`'s module what the caller has imported (a module it has not, the
-    workers may not need)."""
+    AUTOMICRO_MP_PRELOAD), and of `_PRELOAD_IF_IMPORTED` and `fn`'s module what the caller has imported
+    (a module it has not, the workers may not need)."""
     listed = [m.strip() for m in os.environ.get(_PRELOAD_ENV, "").split(",") if m.strip()]
     wanted = list(_FORKSERVER_PRELOAD) + list(extra) + listed
     wanted += [m for m in (*_PRELOAD_IF_IMPORTED, fn_module) if m and m != "__main__" and m in sys.modules]
     return list(dict.fromkeys(wanted))
-_START_METHOD_ENV = "AUTOMICRO_MP_START_METHOD"
-_PRELOAD_ENV = "AUTOMICRO_MP_PRELOAD"  # more modules for the forkserver, comma-separated
 
 
 class MultiprocessFailure(RuntimeError):
