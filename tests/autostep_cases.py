@@ -272,12 +272,14 @@ class TradeRetries(NoMemory):
 
 def run_trial_retries(rank: int, world_size: int) -> dict[str, Any]:
     """Layout trials (layout: auto, forced on CPU) whose batches make the allocator retry: the
-    search size (5, the FaultInjector's bound) must not shrink for a trade's retries."""
+    search size (5, the FaultInjector's bound) must not shrink for a trade's retries. The size trials
+    are off: they time a microbatch of 2 against 5 and keep the faster, which on a loaded CPU can be
+    2 (CI, stop 67) -- a measured choice, not what this case is about."""
     model, optimizer = build()
     memory = TradeRetries()
     results = []
     with AutoStep(model, optimizer, mse, memory=memory, log_attempts=False, stable_batches=2, layout="auto",
-                  layout_trial_batches=2) as auto:
+                  layout_trial_batches=2, layout_size_trials=False) as auto:
         memory.auto = auto
         auto.sites.add(memory.attempt_ends, 0, sites=("optimizer_step",))
         injector = FaultInjector("forward", above=5)
