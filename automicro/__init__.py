@@ -12,9 +12,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "AutoStep": "automicro.step",
     "StepResult": "automicro.step",
-    "AutoMicrobatching": "automicro.integration.callback",
-    "MicrobatchSizeError": "automicro.integration.callback",
-    "Trainer": "automicro.integration.trainer",
+    "AutoMicrobatching": "automicro.composer.callback",
+    "MicrobatchSizeError": "automicro.batch.training_search",
+    "Trainer": "automicro.composer.trainer",
 }
 
 

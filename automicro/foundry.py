@@ -5,7 +5,7 @@
 An llm-foundry user keeps their YAML (model, tokenizer, data loaders, optimizer, scheduler,
 callbacks, loggers: llm-foundry builds them all through its registries) and changes one line:
 ``device_train_microbatch_size: auto``. Their ``fsdp_config`` (FSDP1, Composer's) is mapped onto
-automicro's FSDP2 engine (`integration.composer_config.fsdp2_from_fsdp1`: one line on rank 0 for
+automicro's FSDP2 engine (`composer.composer_config.fsdp2_from_fsdp1`: one line on rank 0 for
 each key without an FSDP2 meaning); ``parallelism_config: {fsdp2: {...}}`` (automicro's
 `FSDP2Config`) sets the engine directly instead. Overrides are dotted keys with YAML values, as
 for llm-foundry's `train.py`.
@@ -26,8 +26,8 @@ import sys
 from typing import Any, Optional
 
 from automicro.engine.config import FSDP2Config, FSDP2ConfigError, fsdp2_from_parallelism_config
-from automicro.integration import _foundry_internals as internals
-from automicro.integration._foundry_internals import FoundryUnavailable
+from automicro.composer import _foundry_internals as internals
+from automicro.composer._foundry_internals import FoundryUnavailable
 
 USAGE = "usage: composer -n N -m automicro.foundry TRAIN.yaml [key=value ...]  (llm-foundry YAML; see README 'llm-foundry')"
 
@@ -58,7 +58,7 @@ def take_fsdp2(cfg: Any) -> tuple[Optional[FSDP2Config], Optional[str]]:
     ``parallelism_config: {fsdp2: {...}}``; both at once, or tensor parallelism, is refused."""
     from omegaconf import OmegaConf
 
-    from automicro.integration.composer_config import fsdp2_from_fsdp1
+    from automicro.composer.composer_config import fsdp2_from_fsdp1
 
     if cfg.get("tp_config") is not None:
         raise FoundryConfigError(
@@ -96,7 +96,7 @@ def take_fsdp2(cfg: Any) -> tuple[Optional[FSDP2Config], Optional[str]]:
 
 def _trainer_factory(fsdp2: Optional[FSDP2Config], checkpoint_format: Optional[str] = None) -> Any:
     def build(**kwargs: Any) -> Any:
-        from automicro.integration.trainer import Trainer
+        from automicro.composer.trainer import Trainer
 
         stock = kwargs.pop("parallelism_config", None) or {}
         if stock.get("tp") is not None:
@@ -153,7 +153,7 @@ def byte_tokenizer_class() -> type:
 
 
 def register_components() -> None:
-    from automicro.integration.callback import AutoMicrobatching
+    from automicro.composer.callback import AutoMicrobatching
     from automicro.testing.callbacks import MemoryCapCallback
     from automicro.testing.checkpoint_faults import CheckpointFault
 
@@ -193,7 +193,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def summary_lines(trainer: Any) -> list[str]:
     """What the search found, for the console (the same words as scripts/train.py)."""
-    from automicro.integration.callback import AutoMicrobatching
+    from automicro.composer.callback import AutoMicrobatching
 
     auto = next((c for c in trainer.state.callbacks if isinstance(c, AutoMicrobatching)), None)
     found = None if auto is None else auto.summary_line()

@@ -51,11 +51,11 @@ from automicro.core.sites import SiteDispatcher
 from automicro.data.varlen import TokenCounter
 from automicro.engine import local_step
 from automicro.engine.sharding import ShardedModel, adopt, sharded_of
-from automicro.integration.layout_trials import LayoutTrials
-from automicro.integration.runtime import Runtime
-from automicro.integration.settings import Settings
-from automicro.integration.torch_host import LossFn, StepInputError, TorchHost, count_samples, default_loss
-from automicro.integration.training_search import MicrobatchSizeError, TrainingSearch
+from automicro.batch.layout_trials import LayoutTrials
+from automicro.batch.runtime import Runtime
+from automicro.batch.settings import Settings
+from automicro.batch.torch_host import LossFn, StepInputError, TorchHost, count_samples, default_loss
+from automicro.batch.training_search import MicrobatchSizeError, TrainingSearch
 
 # AutoMicrobatching's keywords that mean something to a plain loop (eval_oom: the loop's evaluation is its own).
 SETTINGS = (

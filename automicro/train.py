@@ -68,8 +68,8 @@ def main(argv: list[str]) -> int:
 
     from automicro import AutoMicrobatching, Trainer
     from automicro.engine.config import FSDP2ConfigError
-    from automicro.integration import builders
-    from automicro.integration.loggers import build_loggers, output_lines
+    from automicro.composer import builders
+    from automicro.composer.loggers import build_loggers, output_lines
 
     try:
         callbacks = builders.build_callbacks(cfg)

@@ -171,7 +171,7 @@ def build_trainer(ctx: Ctx, *, fractions: Optional[tuple[float, ...]], micro: An
     import automicro
     from automicro.data import ByteTextCorpus, SyntheticTokens, build_dataloader
     from automicro.testing import MemoryCapCallback
-    from automicro.integration.callback import AutoMicrobatching
+    from automicro.composer.callback import AutoMicrobatching
     from automicro.models import build_model
     from recorders import Mem
 
@@ -258,7 +258,7 @@ def run_case(
     import torch
     from composer.callbacks import SpeedMonitor
 
-    from automicro.integration.callback import MicrobatchSizeError
+    from automicro.composer.callback import MicrobatchSizeError
     from recorders import MetricsLog, Recorder
 
     args = ctx.args

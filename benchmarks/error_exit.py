@@ -13,7 +13,7 @@ def say(*a):
     print(f"[t={time.time()-T0:6.1f}s]", *a, flush=True)
 import torch
 import automicro
-from automicro.integration.callback import AutoMicrobatching
+from automicro.composer.callback import AutoMicrobatching
 from composer.core import Callback
 from composer.models import HuggingFaceModel
 from composer.optim import DecoupledAdamW

@@ -446,8 +446,8 @@ def stock_composer(argv: list[str]) -> int:
     from composer.utils import reproducibility
 
     from automicro.config import load_config, parse_cli
-    from automicro.integration import builders
-    from automicro.integration.loggers import build_loggers
+    from automicro.composer import builders
+    from automicro.composer.loggers import build_loggers
 
     path, overrides_ = parse_cli(argv)
     # automicro's schema refuses `auto` without FSDP2 on several ranks (DDP); Composer's own takes it.
@@ -503,8 +503,7 @@ _TINY = {"LlamaConfig": dict(vocab_size=1000, hidden_size=64, num_hidden_layers=
 def _use_hf(name: str, tiny: bool) -> None:
     """Replace the YAML's model builder, in this process, with the transformers model `name` of
     `FAMILIES` (`tiny`: 2 layers, for the CPU dry run)."""
-    from automicro.integration import builders
-
+    from automicro.composer import builders
     def build(cfg: Any) -> Any:
         import warnings
 

@@ -18,7 +18,7 @@ import torch
 from composer.core import Callback
 from composer.loggers import LoggerDestination
 
-from automicro.integration.callback import AutoMicrobatching
+from automicro.composer.callback import AutoMicrobatching
 from harness import WindowTimer
 
 

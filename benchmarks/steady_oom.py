@@ -187,7 +187,7 @@ def build_trainer(args: argparse.Namespace, callbacks: list[Any], steady_recover
 
     import automicro
     from automicro.data import SyntheticTokens, build_dataloader
-    from automicro.integration.callback import AutoMicrobatching
+    from automicro.composer.callback import AutoMicrobatching
     from automicro.models import build_model
 
     gpu = args.device == "gpu"

@@ -16,7 +16,7 @@ import os, sys, time, json
 sys.path.insert(0, os.getcwd())
 import torch
 import automicro
-from automicro.integration.callback import AutoMicrobatching
+from automicro.composer.callback import AutoMicrobatching
 from composer.core import Callback
 from composer.models import HuggingFaceModel
 from composer.optim import DecoupledAdamW

@@ -46,8 +46,8 @@ def _seconds(argv: list[str], env: dict[str, str] | None = None) -> float:
 
 def imports(reps: int) -> dict[str, float]:
     steps = {"python": "pass", "+ torch": "import torch", "+ composer": "import torch, composer",
-             "+ automicro": "import torch, composer, automicro, automicro.integration.callback",
-             "+ transformers": "import torch, composer, automicro, automicro.integration.callback, transformers"}
+             "+ automicro": "import torch, composer, automicro, automicro.composer.callback",
+             "+ transformers": "import torch, composer, automicro, automicro.composer.callback, transformers"}
     env = {**os.environ, "PYTHONPATH": REPO}
     out = {}
     for name, code in steps.items():

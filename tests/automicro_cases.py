@@ -24,7 +24,7 @@ from automicro.engine.hooks import count_module_hooks
 from automicro.core.sites import SITES
 from automicro.engine import _torch_internals as internals
 from automicro.engine import sharded_of
-from automicro.integration.callback import AutoMicrobatching
+from automicro.composer.callback import AutoMicrobatching
 from automicro.testing.faults import FaultInjector
 from tests.toy_models import ComposerStack, full_state
 

@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.nn.parallel import DistributedDataParallel
 
 import automicro
-from automicro.integration.callback import AutoMicrobatching
-from automicro.integration.checkpoint_commit import CommittedCheckpoints
+from automicro.composer.callback import AutoMicrobatching
+from automicro.composer.checkpoint_commit import CommittedCheckpoints
 from automicro.testing.checkpoint_faults import CheckpointFault
 from automicro.testing.faults import FaultInjector
 from tests.automicro_cases import ABOVE, SEED, make_loader

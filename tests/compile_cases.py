@@ -17,7 +17,7 @@ import torch
 
 import automicro
 from automicro.engine.compile import compiled_graphs
-from automicro.integration.callback import AutoMicrobatching
+from automicro.composer.callback import AutoMicrobatching
 from tests.automicro_cases import (
     MATRIX_BATCHES,
     SEED,

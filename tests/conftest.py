@@ -43,7 +43,7 @@ os.environ.setdefault("AUTOMICRO_MP_START_METHOD", "forkserver")
 # tests/forkserver_warmup.py does once what each rank's first Trainer would (1.4 s a rank).
 os.environ.setdefault(
     "AUTOMICRO_MP_PRELOAD",
-    "composer,composer.trainer,composer.algorithms,automicro.integration.callback,automicro.integration.trainer,"
+    "composer,composer.trainer,composer.algorithms,automicro.composer.callback,automicro.composer.trainer,"
     "automicro.step,automicro.models,tests.forkserver_warmup",
 )
 

@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from automicro.integration.callback import AutoMicrobatching
+from automicro.composer.callback import AutoMicrobatching
 from automicro.testing.faults import FaultInjector
 from tests.automicro_cases import build_trainer
 

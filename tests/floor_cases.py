@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 from composer.core import Evaluator
 
-from automicro.integration.callback import AutoMicrobatching
+from automicro.composer.callback import AutoMicrobatching
 from automicro.testing.faults import FaultInjector
 from tests import pipeline_cases
 from tests import steady_cases as steady

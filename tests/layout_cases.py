@@ -1,4 +1,4 @@
-"""Multi-rank cases for the layout search (`automicro.core.layout`, `automicro.integration.layout_trials`):
+"""Multi-rank cases for the layout search (`automicro.core.layout`, `automicro.batch.layout_trials`):
 the tiny Llama sharded with FSDP2 on CPU ranks, under an emulated memory cap that makes the size
 found split every batch into several microbatches.
 
@@ -235,7 +235,7 @@ def upsize_cases(without2: int, without3: int) -> dict[str, Any]:
         def emit(self, record: logging.LogRecord) -> None:
             self.lines.append(record.getMessage())
 
-    errors, truth = Errors(), logging.getLogger("automicro.integration.memory_truth")
+    errors, truth = Errors(), logging.getLogger("automicro.batch.memory_truth")
     truth.addHandler(errors)
     try:
         twice = FaultInjector(site="backward_pre", ranks=[0], batch=batches - 1, times=2)

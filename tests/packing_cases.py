@@ -16,7 +16,7 @@ from composer.core import Callback, DataSpec, State
 from composer.loggers import Logger
 
 from automicro.data import TokenCounter
-from automicro.integration.callback import AutoMicrobatching
+from automicro.composer.callback import AutoMicrobatching
 from tests import token_cases as cases
 from tests.automicro_cases import max_error
 

@@ -20,7 +20,7 @@ from composer.core import Callback, State
 from composer.loggers import Logger
 
 from automicro.core.ledger import FatalRecoveryError
-from automicro.integration.callback import AutoMicrobatching
+from automicro.composer.callback import AutoMicrobatching
 from automicro.testing.faults import FaultInjector
 from tests.automicro_cases import adam_steps, build_trainer, history, max_error
 from tests.toy_models import full_state

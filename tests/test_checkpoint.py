@@ -20,7 +20,7 @@ import automicro
 from automicro.config import CHECKPOINT_FORMATS as YAML_CHECKPOINT_FORMATS
 from automicro.config import ConfigError, load_config
 from automicro.engine.config import FSDP2ConfigError
-from automicro.integration.checkpointing import CHECKPOINT_FORMATS, CallbackStateLoadPlanner
+from automicro.composer.checkpointing import CHECKPOINT_FORMATS, CallbackStateLoadPlanner
 from automicro.testing.multiprocess import run_multiprocess
 from tests import checkpoint_cases as cases
 from tests.toy_models import ComposerStack

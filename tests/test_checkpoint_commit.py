@@ -1,4 +1,4 @@
-"""Checkpoints as commits (`automicro.integration.checkpoint_commit`), in this process: what counts
+"""Checkpoints as commits (`automicro.composer.checkpoint_commit`), in this process: what counts
 as a complete checkpoint (full `.pt`, tar, DCP folder), which one autoresume takes, the atomic
 writer under a full disk, and a real SIGKILL at each point of a save (a forked child). The 2-rank
 runs (autoresume, a full disk with continue / stop, both formats) are in test_checkpoint.py's
@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from automicro.config import ConfigError, load_config
-from automicro.integration import checkpoint_commit as commit
+from automicro.composer import checkpoint_commit as commit
 from automicro.testing.checkpoint_faults import CheckpointFault
 
 

@@ -179,7 +179,7 @@ def test_static_compile_under_a_token_budget_is_refused_naming_the_fix():
     import torch
 
     import automicro
-    from automicro.integration.callback import AutoMicrobatching
+    from automicro.composer.callback import AutoMicrobatching
     from tests.toy_models import ComposerStack
 
     model = ComposerStack()

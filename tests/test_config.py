@@ -392,7 +392,7 @@ def test_the_config_accepts_exactly_the_registry_and_each_name_builds_a_composer
     from composer.core import Callback
 
     from automicro.config import CALLBACK_REGISTRY
-    from automicro.integration.builders import callback_class
+    from automicro.composer.builders import callback_class
 
     assert KNOWN_CALLBACKS == tuple(CALLBACK_REGISTRY)  # derived, not a second list
     for name in CALLBACK_REGISTRY:
@@ -413,7 +413,7 @@ def test_the_config_imports_no_composer_and_reading_one_no_trainer_or_fault_kit(
         "import sys; import automicro.config; "
         f"print({loaded(('composer', 'automicro.models', 'omegaconf'))}); "
         f"automicro.config.load_config({CPU_YAML!r}); "
-        f"print({loaded(('automicro.integration', 'automicro.testing'))})"
+        f"print({loaded(('automicro.composer', 'automicro.batch', 'automicro.testing'))})"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.splitlines() == ["[]", "[]"], out.stdout

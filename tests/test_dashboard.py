@@ -287,7 +287,7 @@ def test_build_loggers_chooses_offline_wandb_only_when_nothing_says_otherwise(tm
     from composer.loggers import WandBLogger
 
     from automicro.config import load_config
-    from automicro.integration.loggers import build_loggers
+    from automicro.composer.loggers import build_loggers
 
     for key in ("WANDB_MODE", "WANDB_PROJECT"):
         monkeypatch.setenv(key, "")  # records the original value, so what build_loggers sets is undone
@@ -312,8 +312,7 @@ def test_gpu_config_has_the_memory_monitor():
     from composer.callbacks import MemoryMonitor, SpeedMonitor
 
     from automicro.config import load_config
-    from automicro.integration import builders
-
+    from automicro.composer import builders
     cfg = load_config(REPO / "automicro" / "configs" / "tiny-gpu.yaml")
     kinds = {type(c) for c in builders.build_callbacks(cfg)}
     assert {MemoryMonitor, SpeedMonitor} <= kinds

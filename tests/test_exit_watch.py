@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from automicro.integration.settings import Settings
+from automicro.batch.settings import Settings
 from tests.launch import REPO, python_path, run
 
 SCRIPT = textwrap.dedent("""

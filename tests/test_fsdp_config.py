@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from automicro.engine.config import FSDP2ConfigError
-from automicro.integration.composer_config import FSDP1_DEFAULTS, fsdp2_from_fsdp1
+from automicro.composer.composer_config import FSDP1_DEFAULTS, fsdp2_from_fsdp1
 
 
 def _map(precision: str = "amp_bf16", world: int = 8, local: int = 8, **fsdp_config):

@@ -129,8 +129,8 @@ def test_the_trainer_example_runs_on_two_cpu_ranks_under_a_memory_cap():
 def test_a_flattened_row_is_cut_at_its_sample_starts_and_whole_row_extras_are_refused():
     import torch
 
-    from automicro.integration import flattened
-    from automicro.integration.torch_host import count_samples
+    from automicro.batch import flattened
+    from automicro.batch.torch_host import count_samples
 
     row = {"input_ids": torch.arange(10)[None], "labels": torch.arange(10)[None],
            "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 0]])}

@@ -202,7 +202,7 @@ def test_a_pinned_trade_a_model_cannot_take_is_refused_at_set_up_naming_the_fix(
     import torch
 
     from automicro.engine.unsharded import UnshardedModel
-    from automicro.integration.layout_trials import LayoutTrials
+    from automicro.batch.layout_trials import LayoutTrials
 
     unsharded = UnshardedModel(module=torch.nn.Linear(2, 2), device=torch.device("cpu"))
     with pytest.raises(ValueError) as error:
@@ -215,7 +215,7 @@ def test_a_pinned_trade_a_model_cannot_take_is_refused_at_set_up_naming_the_fix(
 
 def test_the_yaml_key_reaches_the_callback_and_a_bad_value_is_a_config_error(tmp_path):
     from automicro.config import ConfigError, load_config
-    from automicro.integration.builders import build_callbacks
+    from automicro.composer.builders import build_callbacks
 
     good = tmp_path / "good.yaml"
     good.write_text("callbacks:\n  auto_microbatching:\n    layout: [grad_sync_once]\n")

@@ -1,4 +1,4 @@
-"""`parallelism_config.fsdp2.on_one_rank` (`automicro.integration.one_rank`): what one rank builds,
+"""`parallelism_config.fsdp2.on_one_rank` (`automicro.batch.one_rank`): what one rank builds,
 and every setting an `unshard` pin cannot honour refused with the fix. The runs are in
 tests/test_unsharded.py (one rank unsharded, two ranks sharded)."""
 
@@ -8,7 +8,7 @@ import pytest
 
 from automicro.engine.compile import CompileConfig
 from automicro.engine.config import FSDP2Config, FSDP2ConfigError
-from automicro.integration.one_rank import choose
+from automicro.batch.one_rank import choose
 
 PIN = FSDP2Config(on_one_rank="unshard")
 

@@ -17,9 +17,9 @@ import sys
 import pytest
 import torch
 
-from automicro.integration import packed_input, token_split
-from automicro.integration.callback import AutoMicrobatching
-from automicro.integration.token_budget import TokenBudget
+from automicro.batch import packed_input, token_split
+from automicro.composer.callback import AutoMicrobatching
+from automicro.batch.token_budget import TokenBudget
 from automicro.testing.multiprocess import run_multiprocess
 from tests import packing_cases as cases
 

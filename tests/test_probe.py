@@ -312,8 +312,8 @@ def test_the_yaml_key_reaches_the_callback_and_bad_values_say_what_to_change(tmp
 
     from automicro.config import ConfigError, load_config
     from automicro.engine.unsharded import UnshardedModel
-    from automicro.integration.builders import build_callbacks
-    from automicro.integration.callback import AutoMicrobatching
+    from automicro.composer.builders import build_callbacks
+    from automicro.composer.callback import AutoMicrobatching
 
     def callback(body: str):
         path = tmp_path / "c.yaml"

@@ -37,7 +37,7 @@ def _allreduce_and_env(rank, world_size, scale, *, tag):
 def _imported_at_entry(rank, world_size):
     """What the rank had imported before `fn` ran: the forkserver's preload (this module imports
     torch only at its top; unpickling `fn` imports it)."""
-    return {m: m in sys.modules for m in ("composer", "automicro.integration.trainer", "automicro.models")}
+    return {m: m in sys.modules for m in ("composer", "automicro.composer.trainer", "automicro.models")}
 
 
 def _wait_in_barrier():
@@ -150,9 +150,9 @@ def test_the_forkserver_preloads_what_the_tests_launches_import_and_spawn_does_n
 
     assert os.environ.get("AUTOMICRO_MP_PRELOAD"), "tests/conftest.py sets it"
     forked = run_multiprocess(_imported_at_entry, world_size=2, start_method="forkserver", timeout_s=120)
-    assert forked == [{"composer": True, "automicro.integration.trainer": True, "automicro.models": True}] * 2
+    assert forked == [{"composer": True, "automicro.composer.trainer": True, "automicro.models": True}] * 2
     spawned = run_multiprocess(_imported_at_entry, world_size=1, start_method="spawn", timeout_s=120)
-    assert spawned == [{"composer": False, "automicro.integration.trainer": False, "automicro.models": False}]
+    assert spawned == [{"composer": False, "automicro.composer.trainer": False, "automicro.models": False}]
     monkeypatch.setenv("AUTOMICRO_MP_PRELOAD", " a.b , c ")
     monkeypatch.setitem(sys.modules, "tests.some_cases", sys.modules[__name__])
     wanted = mp._preload(["x"], "tests.some_cases")

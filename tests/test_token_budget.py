@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from automicro.integration import token_split
-from automicro.integration.callback import AutoMicrobatching
+from automicro.batch import token_split
+from automicro.composer.callback import AutoMicrobatching
 from automicro.testing.multiprocess import run_multiprocess
 from tests import matrix
 from tests import token_cases as cases
@@ -248,7 +248,7 @@ class _AgreedBy:
 
 
 def test_ranks_holding_too_few_samples_for_the_agreed_count_are_refused_naming_the_fix():
-    from automicro.integration.token_budget import _SAMPLES_CAP, TokenBudget, TokenBudgetError
+    from automicro.batch.token_budget import _SAMPLES_CAP, TokenBudget, TokenBudgetError
 
     tokens = TokenBudget()
     tokens.quantum = 1
@@ -267,7 +267,7 @@ def _search_under_a_limit(limit, fill, batches=12, quantum=1166, domain=74656):
     `fill(batch, budget)` is the largest microbatch a batch packs under a budget. Returns (the budget
     found, OOMs, the policy's lines)."""
     from automicro.core import policy as search
-    from automicro.integration.token_budget import TokenBudget, TokenPlan
+    from automicro.batch.token_budget import TokenBudget, TokenPlan
 
     tokens = TokenBudget()
     tokens.quantum = quantum
@@ -289,7 +289,7 @@ def _search_under_a_limit(limit, fill, batches=12, quantum=1166, domain=74656):
 
 
 def test_budgets_a_few_quanta_large_lie_an_eighth_of_a_quantum_apart():
-    from automicro.integration.token_budget import TokenBudget
+    from automicro.batch.token_budget import TokenBudget
 
     tokens = TokenBudget()
     tokens.quantum = 1166
@@ -336,7 +336,7 @@ def test_the_trials_judge_a_variable_length_batch_per_average_batch_of_real_toke
     launch (1 before any); this rank's own tokens do not count (every rank weighs a batch alike)."""
     from types import SimpleNamespace
 
-    from automicro.integration.batch_kinds import SampleBatches, TokenBatches
+    from automicro.batch.batch_kinds import SampleBatches, TokenBatches
 
     kind = TokenBatches()
     assert kind.batch_weight() == 1.0  # nothing trained yet
@@ -355,7 +355,7 @@ def test_a_hand_set_budget_gets_no_size_trials():
     """`fixed_tokens` is the user's budget: the size trials never time a smaller one (seen on an H200,
     session 24: a hand-set 16,384 was put on trial against 12,288)."""
     from automicro.core.layout import LayoutConfig, LayoutSearch
-    from automicro.integration.batch_kinds import TokenBatches
+    from automicro.batch.batch_kinds import TokenBatches
 
     for fixed, fractions in ((None, (0.75, 0.5)), (16384, ())):
         kind = TokenBatches(fixed)
@@ -401,14 +401,15 @@ def test_bad_loss_normalization_settings_say_what_to_set(kwargs, match):
 def test_loss_normalization_that_disagrees_with_the_trainers_argument_is_refused():
     from types import SimpleNamespace
 
-    from automicro.integration.loss_normalization import LossNormalization
+    from automicro.batch.loss_normalization import LossNormalization
+    from automicro.composer.loss_counting import apply
 
     trainer = SimpleNamespace(state=SimpleNamespace(model=object()), accumulate_train_batch_on_tokens=False)
     with pytest.raises(ValueError, match="loss_normalization='tokens'.*accumulate_train_batch_on_tokens=False disagree"):
-        LossNormalization.parse("tokens", "auto", "tokens").apply(trainer, print, accumulate_on_tokens=False)
+        apply(LossNormalization.parse("tokens", "auto", "tokens"), trainer, print, accumulate_on_tokens=False)
     lines = []
     # Left out, the Trainer's argument decides: per sample, said as split-dependent.
-    assert LossNormalization.parse(None, "auto", "tokens").apply(trainer, lines.append, accumulate_on_tokens=False) == 1
+    assert apply(LossNormalization.parse(None, "auto", "tokens"), trainer, lines.append, accumulate_on_tokens=False) == 1
     assert trainer.accumulate_train_batch_on_tokens is False and "depends on the split" in lines[0]
     # budget: samples with nothing set: Composer's own choice, no line.
-    assert LossNormalization.parse(None, 0, "samples").apply(trainer, lines.append) == 0 and len(lines) == 1
+    assert apply(LossNormalization.parse(None, 0, "samples"), trainer, lines.append) == 0 and len(lines) == 1

@@ -15,8 +15,8 @@ import torch
 
 import automicro
 from automicro import AutoMicrobatching
-from automicro.integration import _composer_internals
-from automicro.integration.stock_trainer import StockTrainerError
+from automicro.composer import _composer_internals
+from automicro.composer.stock_trainer import StockTrainerError
 from tests.toy_models import ComposerStack, make_data
 
 FIX = "replace `from composer import Trainer` with `from automicro import Trainer`"
@@ -247,7 +247,7 @@ def _composer_fsdp2(**kwargs):
 
 
 def test_composer_fsdp2_fields_that_mean_the_same_are_carried_over():
-    from automicro.integration.composer_config import from_composer_parallelism
+    from automicro.composer.composer_config import from_composer_parallelism
 
     parallelism, fmt = from_composer_parallelism(
         {"fsdp2": _composer_fsdp2(reshard_after_forward=False, activation_checkpointing=True, mixed_precision="PURE")},
@@ -274,7 +274,7 @@ def test_composer_fsdp2_fields_that_mean_the_same_are_carried_over():
 )
 def test_composer_fsdp2_fields_without_a_meaning_here_are_refused_naming_the_field(make, kwargs, fragments):
     from automicro.engine.config import FSDP2ConfigError
-    from automicro.integration.composer_config import from_composer_parallelism
+    from automicro.composer.composer_config import from_composer_parallelism
 
     checkpoint_format = kwargs.pop("checkpoint_format", None)
     with pytest.raises(FSDP2ConfigError) as info:

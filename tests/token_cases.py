@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 import automicro
 from automicro.data import VariableLengthTokens, count_tokens, pad_collate
-from automicro.integration.callback import AutoMicrobatching
+from automicro.composer.callback import AutoMicrobatching
 from automicro.models import build_model
 from automicro.testing.faults import FaultInjector
 from tests.automicro_cases import adam_steps, max_error
@@ -221,8 +221,7 @@ def _padded_counter(world: int) -> dict[str, Any]:
     """budget: tokens with Composer's own (padded) token counter and nothing else set: per-token
     normalisation comes on, with automicro's counter in place of Composer's, and the line says so;
     the same where the train dataloader comes with `fit()` (after the callback's checks)."""
-    from automicro.integration import _composer_internals as composer_internals
-
+    from automicro.composer import _composer_internals as composer_internals
     rank = dist.get_rank()
     result: dict[str, Any] = {}
     for when in ("trainer", "fit"):

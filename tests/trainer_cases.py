@@ -11,7 +11,7 @@ from composer.core import Evaluator
 
 import automicro
 from automicro.data import SyntheticTokens, build_dataloader
-from automicro.integration.callback import AutoMicrobatching
+from automicro.composer.callback import AutoMicrobatching
 from automicro.models import build_model
 from automicro.testing.faults import FaultInjector
 

@@ -7,7 +7,7 @@ from typing import Any, Optional
 import torch
 
 import automicro
-from automicro.integration.callback import AutoMicrobatching
+from automicro.composer.callback import AutoMicrobatching
 from composer.core import Callback, State
 from composer.loggers import Logger
 from tests.automicro_cases import SEED, OOMAtBatch, adam_steps, history, make_loader, max_error, record_case

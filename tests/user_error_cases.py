@@ -10,7 +10,7 @@ import torch
 from composer.utils import dist as composer_dist
 
 import automicro
-from automicro.integration.callback import AutoMicrobatching
+from automicro.composer.callback import AutoMicrobatching
 from tests.automicro_cases import SEED, make_loader
 from tests.checkpoint_cases import differences, full_snapshot
 from tests.toy_models import ComposerStack

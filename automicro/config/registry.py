@@ -4,7 +4,7 @@
 
 Owns: the list of callback names (the config accepts exactly these keys under ``callbacks:``)
 and where each class lives. Strings only: nothing is imported here, so reading a config imports
-neither Composer nor the fault kit; `automicro.integration.builders` imports a class when a
+neither Composer nor the fault kit; `automicro.composer.builders` imports a class when a
 config asks for it (the fault kit's callbacks come from `automicro.testing`, only then).
 May not touch: any import of what it names.
 """
@@ -20,7 +20,7 @@ CALLBACK_REGISTRY: Mapping[str, str] = MappingProxyType(
         "memory_monitor": "composer.callbacks:MemoryMonitor",
         "lr_monitor": "composer.callbacks:LRMonitor",
         "runtime_estimator": "composer.callbacks:RuntimeEstimator",
-        "auto_microbatching": "automicro.integration.callback:AutoMicrobatching",
+        "auto_microbatching": "automicro.composer.callback:AutoMicrobatching",
         "fault_injector": "automicro.testing.faults:FaultInjector",
         "memory_cap": "automicro.testing.callbacks:MemoryCapCallback",
         "checkpoint_fault": "automicro.testing.checkpoint_faults:CheckpointFault",

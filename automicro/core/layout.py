@@ -115,7 +115,7 @@ MODES = ("auto", "fixed")
 # The name of a size trial's result (`TrialResult.trade`): no trade, a smaller microbatch.
 SIZE_TRIAL = "smaller_microbatch"
 # The microbatches a size trial tries, as shares of the largest microbatch at the size found, in
-# order (samples; a token budget passes its own, finer: `automicro.integration.batch_kinds`).
+# order (samples; a token budget passes its own, finer: `automicro.batch.batch_kinds`).
 SIZE_FRACTIONS = (0.5, 0.25)
 
 

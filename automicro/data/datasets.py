@@ -23,8 +23,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 import numpy as np
 import torch
-from composer.utils import dist
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 log = logging.getLogger(__name__)
 
@@ -231,8 +230,9 @@ def build_dataloader(
 ) -> DataLoader:
     """A DataLoader giving this rank its own shard of `dataset`, `batch_size` samples per batch.
 
-    Sharding uses ``composer.utils.dist.get_sampler`` (a ``DistributedSampler`` over the world size
-    and global rank; world size 1 when torch.distributed is not initialized). Composer's trainer
+    Sharding is a ``DistributedSampler`` over the world size and global rank (as Composer's
+    ``dist.get_sampler``: torch.distributed's where it is initialized, else WORLD_SIZE and RANK from
+    the environment, else one rank). Composer's trainer
     calls ``set_epoch`` on it each epoch, so shuffling (seeded by `seed`) changes per epoch.
     `drop_last` applies to both the sampler (equal shards on every rank) and the loader (full
     batches only). `pin_memory` defaults to whether CUDA is available. `replicas`: ``(count,
@@ -244,7 +244,11 @@ def build_dataloader(
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
         raise DataError(f"num_workers must be a non-negative integer, got {num_workers!r}")
     num_replicas, replica = replicas if replicas is not None else (None, None)
-    sampler = dist.get_sampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last, num_replicas=num_replicas, rank=replica)
+    world, rank = _world_and_rank()
+    sampler = DistributedSampler(
+        dataset, shuffle=shuffle, seed=seed, drop_last=drop_last,
+        num_replicas=world if num_replicas is None else num_replicas, rank=rank if replica is None else replica,
+    )
     loader = DataLoader(
         dataset,
         batch_size=batch_size,
@@ -257,7 +261,17 @@ def build_dataloader(
     )
     if len(loader) == 0:
         raise DataError(
-            f"the dataloader has no batches: {len(dataset)} samples over {dist.get_world_size()} rank(s) "  # type: ignore[arg-type]
+            f"the dataloader has no batches: {len(dataset)} samples over {world if num_replicas is None else num_replicas} rank(s) "  # type: ignore[arg-type]
             f"with batch_size={batch_size} per rank; use more data or a smaller batch size"
         )
     return loader
+
+
+def _world_and_rank() -> tuple[int, int]:
+    """The world size and global rank: torch.distributed's once initialized, else WORLD_SIZE and RANK
+    (a launcher's), else one rank."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))

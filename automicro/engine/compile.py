@@ -5,7 +5,7 @@ or a mapping of the keys below); Python: ``automicro.Trainer(compile=...)`` with
 
 Two scopes, and the default that measures them:
 - unset (``scope: null``, the default): the blocks are compiled, and under ``auto`` the whole model
-  is timed against them once their graphs settle; the faster stays (`automicro.integration.compile_scope`).
+  is timed against them once their graphs settle; the faster stays (`automicro.batch.compile_scope`).
   Without FSDP2 (nothing sharded into blocks) it is ``model``.
 - ``blocks``: each block the engine shards (each `fully_shard` unit) gets its
   ``forward`` compiled in place, before sharding, as torchtitan does. FSDP2's hooks and automicro's

@@ -26,7 +26,7 @@ PIPELINE_KEY = "parallelism_config.pipeline"
 # How a sharded model's checkpoints are written (`automicro.Trainer(checkpoint_format=...)`, YAML
 # top-level `checkpoint_format`); here because Composer's `fsdp2.state_dict_type` is redirected to it.
 CHECKPOINT_FORMATS = ("full", "sharded")
-# `parallelism_config.fsdp2.on_one_rank`: what a job of one rank does with FSDP2 (`automicro.integration.one_rank`).
+# `parallelism_config.fsdp2.on_one_rank`: what a job of one rank does with FSDP2 (`automicro.batch.one_rank`).
 ON_ONE_RANK = ("keep", "unshard")
 SAVE_FAILURES = ("continue", "stop")
 """What a checkpoint save that failed on any rank does: an error line and training goes on, or every rank stops."""
@@ -78,7 +78,7 @@ class FSDP2Config:
         on_one_rank: ``keep`` (default) shards with FSDP2 on one rank too; ``unshard`` trains the
             model unsharded when the job has one rank (Composer's placement and autocast, the
             whole model compiled), and with FSDP2 on several: one YAML for both. Read by the
-            trainer (`automicro.integration.one_rank`), not by the engine.
+            trainer (`automicro.batch.one_rank`), not by the engine.
         local_optimizer_step: run the optimizer step on each parameter's local shard instead of
             through DTensor (`automicro.engine.local_step`): ``None`` (default) where that gives
             the same numbers (a mesh of one rank: any optimizer; several ranks: the element-wise

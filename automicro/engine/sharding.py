@@ -254,7 +254,7 @@ class ShardedModel:
     _comm_hook: Any = None
     expandable_segments_set_by_engine: bool = False
     # The blocks compiled in place (`compile: {scope: blocks}`), None without: `automicro.
-    # integration.compile_shapes` compiles them again with static shapes once the size settles.
+    # batch.compile_shapes` compiles them again with static shapes once the size settles.
     compiled: Optional[CompiledBlocks] = None
 
     @property

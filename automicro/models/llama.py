@@ -555,10 +555,10 @@ class ComposerLlama(ComposerModel):
     already shifted (``labels[:, t]`` is the token after ``input_ids[:, t]``); label -100 is ignored.
     """
 
-    # Where the labels' loss tokens start (`automicro.integration.loss_normalization`): 0, already shifted.
+    # Where the labels' loss tokens start (`automicro.batch.loss_normalization`): 0, already shifted.
     label_shift = 0
     # Packed rows (position_ids restarting at each sample) keep attention within each sample
-    # (`automicro.integration.packed_input`).
+    # (`automicro.batch.packed_input`).
     packed_input = True
 
     def __init__(self, config: LlamaConfig) -> None:

@@ -7,7 +7,7 @@ this module only when a config names ``memory_cap``.
 
 Owns: wiring `MemoryCap` into a Composer fit. May not touch: the product's internals; it finds
 the auto-microbatching callback by its public `set_memory_source` (no import of
-`automicro.integration`, which must never need this kit).
+`automicro.composer`, which must never need this kit).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ write points (`before_write` to `before_rename`, `truncate`, `disk_full`) fire t
 process.
 
 Owns: the faults' conditions. May not touch: the commit protocol; it listens at its save points
-(`automicro.integration.checkpoint_commit.listen`).
+(`automicro.composer.checkpoint_commit.listen`).
 """
 
 from __future__ import annotations
@@ -35,8 +35,7 @@ from composer.core import Callback, State
 from composer.loggers import Logger
 from composer.utils import dist
 
-from automicro.integration import checkpoint_commit
-
+from automicro.composer import checkpoint_commit
 # fault -> (the save point it acts at, what it does there)
 FAULTS = {
     "before_write": ("before_write", "kill"),

@@ -109,7 +109,7 @@ _FORKSERVER_PRELOAD = ["torch", "torch.distributed", __name__]
 # them after the fork. Composer alone took 4.8 s a rank on 2 cores (scripts/launch_costs.py, torch 2.7,
 # 2026-11-29): a 2-rank test's fixed cost went from ~0.2 s to ~5 s.
 _PRELOAD_IF_IMPORTED = (
-    "composer", "composer.trainer", "transformers", "automicro.integration.callback", "automicro.integration.trainer",
+    "composer", "composer.trainer", "transformers", "automicro.composer.callback", "automicro.composer.trainer",
     "automicro.step",
 )
 
@@ -120,7 +120,8 @@ def _preload(extra: Sequence[str], fn_module: Optional[str]) -> list[str]:
     (a module it has not, the workers may not need)."""
     listed = [m.strip() for m in os.environ.get(_PRELOAD_ENV, "").split(",") if m.strip()]
     wanted = list(_FORKSERVER_PRELOAD) + list(extra) + listed
-    wanted += [m for m in (*_PRELOAD_IF_IMPORTED, fn_module) if m and m != "__main__" and m in sys.modules]
+    # A module the caller hid (sys.modules[name] = None: importing it raises) counts as not imported.
+    wanted += [m for m in (*_PRELOAD_IF_IMPORTED, fn_module) if m and m != "__main__" and sys.modules.get(m) is not None]
     return list(dict.fromkeys(wanted))
 
 

@@ -14,8 +14,8 @@ from automicro.core import policy as search
 from automicro.core.layout import LayoutConfig
 from automicro.core.transport import TRANSPORTS
 from automicro.engine.hooks import SYNC_POINTS
-from automicro.integration.batch_kinds import BatchKind, batch_kind
-from automicro.integration.loss_normalization import LossNormalization
+from automicro.batch.batch_kinds import BatchKind, batch_kind
+from automicro.batch.loss_normalization import LossNormalization
 
 BUDGETS = ("samples", "tokens")
 EVAL_OOM = ("split", "stop")

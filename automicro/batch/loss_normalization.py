@@ -19,16 +19,16 @@ A data spec with its own ``get_num_tokens_in_batch`` keeps it (the user's counte
 Composer's default counter (padded ``input_ids``: wrong once a microbatch is re-padded) and
 automicro's own `count_tokens` are replaced by `automicro.data.TokenCounter` with the shift.
 
-Owns: the choice of normalisation, the train data spec's token counter, the line that says both.
-May not touch: the search, FSDP2, the loss itself.
+Owns: the choice of normalisation and the label shift (Composer's side, the train data spec's
+token counter and the line that says both: `automicro.composer.loss_counting`; a plain loop's:
+`automicro.batch.torch_host`). May not touch: the search, FSDP2, the loss itself, any training
+framework.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
-
-from automicro.integration import _composer_internals as composer_internals
+from typing import Any, Optional, Union
 
 NORMALIZATIONS = ("tokens", "samples")
 LABEL_SHIFTS = ("auto", 0, 1)
@@ -62,57 +62,6 @@ class LossNormalization:
             )
         per = loss_normalization if loss_normalization is not None else ("tokens" if budget == "tokens" else None)
         return cls(per=per, label_shift=label_shift, explicit=loss_normalization is not None)
-
-    def apply(self, trainer: Any, info: Callable[[str], None], accumulate_on_tokens: Optional[bool] = None) -> int:
-        """On every rank once Composer's Trainer is built. `accumulate_on_tokens`: the Trainer's
-        ``accumulate_train_batch_on_tokens`` where the user passed it (None: not passed). Returns
-        the label shift resolved for the model."""
-        per = self.per
-        self.shift = self.resolve_shift(trainer.state.model)
-        if accumulate_on_tokens is not None:
-            asked = "tokens" if accumulate_on_tokens else "samples"
-            if self.explicit and asked != per:
-                raise ValueError(
-                    f"AutoMicrobatching(loss_normalization={per!r}) and accumulate_train_batch_on_tokens="
-                    f"{accumulate_on_tokens} disagree: drop one of them (loss_normalization decides when the Trainer "
-                    "argument is left out)"
-                )
-            per = asked
-        self.resolved = per
-        if per == "samples":
-            trainer.accumulate_train_batch_on_tokens = False
-            info(
-                "loss per sample (loss_normalization: samples): each microbatch's mean loss is weighted by its samples, "
-                "so the result depends on the split, which follows the memory; loss_normalization: tokens does not"
-            )
-        elif per == "tokens":
-            trainer.accumulate_train_batch_on_tokens = True
-            self.ensure_counter(trainer, info)
-        return self.shift
-
-    def ensure_counter(self, trainer: Any, info: Callable[[str], None]) -> None:
-        """Per loss token: the train data spec counts loss tokens with the shift (Composer's or
-        automicro's own counter replaced, the user's kept), said once. Called at `apply` and before
-        every training batch (a train dataloader passed to `fit()` comes after `apply`); once in
-        place, a check of one attribute."""
-        if self.resolved != "tokens":
-            return
-        counter = composer_internals.current_token_counter(trainer)
-        if counter is None or counter is self._checked:
-            return
-        if composer_internals.token_counter(trainer) == "own":
-            how = "your data spec's get_num_tokens_in_batch counts the loss tokens"
-        else:
-            from automicro.data import TokenCounter
-
-            counter = TokenCounter(self.shift)
-            composer_internals.set_token_counter(trainer, counter)
-            how = ("labels[:, 1:] != -100: the model shifts its labels" if self.shift else
-                   "labels != -100: the labels come shifted") + f", label_shift: {self.label_shift}"
-        self._checked = counter
-        if not self._said:
-            self._said = True
-            info(f"loss per loss token over the whole batch (loss_normalization: tokens; {how}): training does not depend on the split")
 
     def resolve_shift(self, model: Any) -> int:
         if self.label_shift != "auto":

@@ -47,15 +47,16 @@ from automicro.core.metrics import AttemptRecord, batch_metrics, event_traces
 from automicro.core.policy import HookReason
 from automicro.core.sites import AttemptContext, SiteDispatcher
 from automicro.engine.sharding import ShardedModel
-from automicro.integration import _composer_internals as composer_internals
-from automicro.integration.batch_host import ComposerHost
-from automicro.integration.eval_search import EvalFence, EvalSearch
-from automicro.integration.layout_trials import LayoutTrials
-from automicro.integration.pipeline_batch import PipelineBatch
-from automicro.integration.runtime import Runtime
-from automicro.integration.settings import Settings, search_config
-from automicro.integration.stock_trainer import StockTrainerError, refuse_stock_trainer, stock_trainer_message
-from automicro.integration.training_search import MicrobatchSizeError, TrainingSearch
+from automicro.composer import _composer_internals as composer_internals
+from automicro.composer import loss_counting
+from automicro.composer.composer_host import ComposerHost
+from automicro.composer.eval_search import EvalFence, EvalSearch
+from automicro.batch.layout_trials import LayoutTrials
+from automicro.composer.pipeline_batch import PipelineBatch
+from automicro.batch.runtime import Runtime
+from automicro.batch.settings import Settings, search_config
+from automicro.composer.stock_trainer import StockTrainerError, refuse_stock_trainer, stock_trainer_message
+from automicro.batch.training_search import MicrobatchSizeError, TrainingSearch
 
 
 class AutoMicrobatching(Callback):
@@ -136,7 +137,7 @@ class AutoMicrobatching(Callback):
         """Called by `automicro.Trainer` once Composer's Trainer is built: settings that cannot go together,
         and the loss normalisation (`accumulate_on_tokens`: the Trainer's argument, None where not passed)."""
         self.kind.check_trainer(trainer)
-        self.kind.label_shift(self.settings.loss_normalization.apply(trainer, self._info, accumulate_on_tokens), self._info)
+        self.kind.label_shift(loss_counting.apply(self.settings.loss_normalization, trainer, self._info, accumulate_on_tokens), self._info)
         self.kind.check_packing(
             trainer.state.model, self._info, self.settings.loss_normalization.resolved,
             "cuda" if getattr(trainer.state.device, "name", "cpu") == "gpu" else "cpu",
@@ -212,7 +213,7 @@ class AutoMicrobatching(Callback):
     @property
     def left_behind_bytes(self) -> int:
         """The most a failed attempt left allocated after its wipe on this rank (0: nothing beyond
-        the tolerance, `automicro.integration.memory_truth`)."""
+        the tolerance, `automicro.batch.memory_truth`)."""
         return self.search.memory_truth.left_behind_bytes
 
     @property
@@ -338,7 +339,7 @@ class AutoMicrobatching(Callback):
 
     def guard_eval_forward(self, eval_forward: Callable[..., Any]) -> Callable[..., Any]:
         """Called by `automicro.Trainer`: eval forwards fenced like training attempts
-        (`automicro.integration.eval_search.EvalFence`)."""
+        (`automicro.composer.eval_search.EvalFence`)."""
         return self._eval.guard(eval_forward)
 
     def _count_oom(self) -> None:
@@ -369,7 +370,7 @@ class AutoMicrobatching(Callback):
     def train_batch(self, trainer: Any) -> dict[str, torch.Tensor]:
         """Called by `automicro.Trainer` for each batch: one batch with OOM-safe retries
         (`TrainingSearch.train_batch`); returns Composer's total loss dict."""
-        self.settings.loss_normalization.ensure_counter(trainer, self._info)
+        loss_counting.ensure_counter(self.settings.loss_normalization, trainer, self._info)
         return self.search.train_batch(ComposerHost(trainer))
 
     def fit_raised(self, state: State, error: BaseException) -> Optional[FatalRecoveryError]:

@@ -21,7 +21,7 @@ What is private here and why:
   optimizer stay alive for the whole process; see there).
 - `eval_labels_of_samples` slices `HuggingFaceModel.labels` (set by its `eval_forward`, read by its
   `update_metric` instead of the batch's labels) with the samples of an eval metric update in pieces.
-- Checkpoint commits (`automicro.integration.checkpoint_commit`): `install_atomic_checkpoint_writes`
+- Checkpoint commits (`automicro.composer.checkpoint_commit`): `install_atomic_checkpoint_writes`
   replaces `composer.utils.checkpoint._write_checkpoint_file` (the full-format writer) and
   `save_checkpoint` (module attributes `CheckpointSaver._save_checkpoint` and `Trainer.save_checkpoint`
   look up at each call), and gives that module a `dist_cp` whose `FileSystemWriter` fires the save
@@ -226,7 +226,7 @@ def run_pipeline_batch(
     run: Callable[[], None],
     end_of_attempt: Callable[[], None],
 ) -> None:
-    """A batch run by a pipeline schedule (`automicro.integration.pipeline_batch`): Composer's
+    """A batch run by a pipeline schedule (`automicro.composer.pipeline_batch`): Composer's
     batch events and gradient reset around `run()`, with `end_of_attempt()` before
     AFTER_TRAIN_BATCH as in `run_microbatches`. The schedule interleaves the microbatches'
     forwards and backwards across stages, so Composer's per-microbatch events (BEFORE_FORWARD ...

@@ -4,18 +4,18 @@ Differences from `composer.Trainer`, all opt-in through arguments Composer alrea
 - `parallelism_config={"fsdp2": {...}}` shards the model with `automicro.engine.shard` (the keys
   are `automicro.engine.FSDP2Config` fields) instead of Composer's own FSDP2 path; Composer's own
   `ParallelismConfig` / `FSDP2Config` are carried over where they mean the same thing, or refused
-  naming the field (`automicro.integration.composer_config`);
+  naming the field (`automicro.composer.composer_config`);
 - `device_train_microbatch_size="auto"` works with FSDP2 (Composer refuses it), driven by the
   `AutoMicrobatching` callback (one is added with defaults if none is given); without FSDP it runs
   on one rank (`automicro.engine.unsharded`); evaluators with a pinned size are split after an
   eval OOM (`eval_oom`).
 Arguments of its own: `checkpoint_format="full" | "sharded"` (default "full", or what a
 Composer `FSDP2Config.state_dict_type` asks for; see
-`automicro.integration.checkpointing`); `"sharded"` saves and loads torch.distributed.checkpoint
+`automicro.composer.checkpointing`); `"sharded"` saves and loads torch.distributed.checkpoint
 shards, Composer's `state_dict_type: sharded`. `compile=` (`automicro.engine.CompileConfig`, a
 mapping of its keys or True): each sharded block's forward compiled, or Composer's whole-model
 `compile_config` with ``scope: model``. `save_failure="continue" | "stop"`: what a checkpoint save
-that failed on any rank does (`automicro.integration.checkpoint_commit`: every save is atomic and
+that failed on any rank does (`automicro.composer.checkpoint_commit`: every save is atomic and
 agreed, and `autoresume` takes the newest complete checkpoint).
 Everything else is passed to Composer unchanged.
 """
@@ -43,13 +43,13 @@ from automicro.engine.config import FSDP2ConfigError, fsdp2_from_parallelism_con
 from automicro.engine.pipeline import build_pipeline
 from automicro.engine import local_step
 from automicro.engine.sharding import apply_expandable_segments
-from automicro.integration import _composer_internals as composer_internals
-from automicro.integration.callback import AutoMicrobatching
-from automicro.integration.checkpoint_commit import CommittedCheckpoints, check_save_failure
-from automicro.integration.checkpointing import FullCheckpointLoading, ShardedCheckpointing, check_checkpoint_format
-from automicro.integration.composer_config import from_composer_parallelism
-from automicro.integration import one_rank, packed_input
-from automicro.integration.pipeline_batch import PipelineBatch
+from automicro.composer import _composer_internals as composer_internals
+from automicro.composer.callback import AutoMicrobatching
+from automicro.composer.checkpoint_commit import CommittedCheckpoints, check_save_failure
+from automicro.composer.checkpointing import FullCheckpointLoading, ShardedCheckpointing, check_checkpoint_format
+from automicro.composer.composer_config import from_composer_parallelism
+from automicro.batch import one_rank, packed_input
+from automicro.composer.pipeline_batch import PipelineBatch
 
 log = logging.getLogger(__name__)
 

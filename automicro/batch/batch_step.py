@@ -30,9 +30,9 @@ from automicro.core.memory import MemorySource, MicrobatchPeaks, left_after_wipe
 from automicro.core.sites import SiteDispatcher
 from automicro.engine.layout import LayoutEngine
 from automicro.engine.sharding import ShardedModel
-from automicro.integration.batch_host import BatchHost
-from automicro.integration.pipeline_batch import AttemptHooks, PipelineBatch
-from automicro.integration.token_budget import TokenBudget
+from automicro.batch.batch_host import BatchHost
+from automicro.batch.pipeline_hooks import AttemptHooks, StagedBatch
+from automicro.batch.token_budget import TokenBudget
 
 
 @dataclass
@@ -58,7 +58,7 @@ class BatchStep:
         sharded: ShardedModel,
         rank: int,
         all_reduce: Callable[[torch.Tensor], None],
-        pipeline: Optional[PipelineBatch] = None,
+        pipeline: Optional[StagedBatch] = None,
         tokens: Optional[TokenBudget] = None,
         layout: Optional[LayoutEngine] = None,
     ) -> None:

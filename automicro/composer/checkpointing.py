@@ -43,8 +43,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from automicro.config import CHECKPOINT_FORMATS, load_path_problem, sharded_checkpoint_problem
 from automicro.config.schema import DCP_METADATA_FILENAME  # noqa: F401 - its old home
-from automicro.integration import _composer_internals as composer_internals
-
+from automicro.composer import _composer_internals as composer_internals
 _CALLBACKS_PATH = ("state", "callbacks")
 
 

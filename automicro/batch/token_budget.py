@@ -52,8 +52,7 @@ from automicro.core.token_packing import (
     split_into,
     split_packed_into,
 )
-from automicro.integration import token_split
-
+from automicro.batch import token_split
 GRID_STEPS = 64  # the first batch's padded tokens / GRID_STEPS = the budget's quantum
 FINE_QUANTA, FINE_STEPS = 8, 8  # below 8 quanta, budgets are an eighth of a quantum apart
 _SAMPLES_CAP = 1 << 40  # agree_max carries the smallest batch as _SAMPLES_CAP - samples

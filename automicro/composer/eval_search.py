@@ -37,9 +37,7 @@ from automicro.core.consensus import FailedOnOtherRank, OOMOnOtherRank, Verdict
 from automicro.core.memory import MemorySource, NoMemory, left_after_wipe, mark_attempt
 from automicro.core.metrics import AttemptRecord
 from automicro.core.sites import SiteDispatcher
-from automicro.integration import _composer_internals as composer_internals
-
-
+from automicro.composer import _composer_internals as composer_internals
 def _chunk_for(batch_size: int, size: int, found: bool) -> int:
     """Composer splits an eval batch into chunks of one size. While searching, chunks of `size`
     itself (its first microbatch is the size under test, as in training); once found, the

@@ -19,8 +19,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from automicro.integration import flattened
-from automicro.integration.splitting import UnsplittableBatch, split_by_sizes
+from automicro.batch import flattened
+from automicro.batch.splitting import UnsplittableBatch, split_by_sizes
 
 LossFn = Callable[[torch.nn.Module, Any], Any]
 

@@ -55,8 +55,7 @@ from composer.loggers import Logger
 from composer.utils import dist
 
 from automicro.config import SAVE_FAILURES
-from automicro.integration import _composer_internals as composer_internals
-
+from automicro.composer import _composer_internals as composer_internals
 log = logging.getLogger(__name__)
 
 PARTIAL_PREFIX = ".partial-"

@@ -19,7 +19,7 @@ from automicro.core.layout import SIZE_FRACTIONS, TRADES, UPSIZE, LayoutConfig, 
 from automicro.core.policy import SAFETY_MARGIN, predict_max_size
 from automicro.engine.layout import LayoutEngine
 from automicro.engine.sharding import ShardedModel
-from automicro.integration.trial_timing import BatchClock, agreed_times
+from automicro.batch.trial_timing import BatchClock, agreed_times
 
 
 class LayoutTrials:

@@ -7,7 +7,7 @@ runs them across the stages, and the loss every rank logs is the last stage's, a
 pipelines.
 
 Under auto microbatching (`AutoMicrobatching`) each batch is one attempt of the attempt fence and
-`AttemptHooks` connects the executor to the protocol: a consensus barrier at every time step
+`automicro.batch.pipeline_hooks.AttemptHooks` connects the executor to the protocol: a consensus barrier at every time step
 before the step's sends and receives while the sync hooks are on (after the size settled, with one
 data-parallel rank per stage, only around the batch's set-up: a failed stage drains, see
 `automicro.engine.pipeline`), the `backward_input` / `backward_weight` sites before each dI / dW,
@@ -35,43 +35,13 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from automicro.core.consensus import Consensus
-from automicro.core.sites import SiteDispatcher
-from automicro.engine.pipeline import Action, NoHooks, Pipeline, PipelineHooks
-from automicro.integration import _composer_internals as composer_internals
-from automicro.integration.splitting import split_by_sizes
+from automicro.batch.splitting import split_by_sizes
+from automicro.composer import _composer_internals as composer_internals
+from automicro.engine.pipeline import NoHooks, Pipeline, PipelineHooks
 
 
 class SamplesDifferError(RuntimeError):
     """The ranks of one pipeline got different batches."""
-
-
-class AttemptHooks:
-    """The executor's hooks inside an attempt of the attempt fence. `every_step`: a consensus
-    barrier before every time step's exchange (while searching, and always where a stage has
-    several data-parallel ranks); otherwise only around the set-up, and a failed rank drains."""
-
-    def __init__(self, consensus: Consensus, dispatcher: SiteDispatcher, stage_index: int, every_step: bool = True) -> None:
-        self.consensus = consensus
-        self.dispatcher = dispatcher
-        self.stage_name = f"stage{stage_index}"
-        self.every_step = every_step
-        self.drains = not every_step
-
-    def before_action(self, action: Action) -> None:
-        context = self.dispatcher.context
-        context.microbatch_index = action.microbatch
-        if action.kind in ("B", "I"):
-            self.dispatcher.fire("backward_input", self.stage_name)
-        elif action.kind == "W":
-            self.dispatcher.fire("backward_weight", self.stage_name)
-
-    def after_loss(self, microbatch: int) -> None:
-        if self.dispatcher.listens("loss"):
-            self.dispatcher.fire("loss", self.stage_name)
-
-    def barrier(self) -> None:
-        self.consensus.barrier()
 
 
 class PipelineMetricError(ValueError):
@@ -226,4 +196,4 @@ class PipelineBatch:
         self.pipeline.runner.release()
 
 
-__all__ = ["AttemptHooks", "PipelineBatch", "PipelineMetricError", "SamplesDifferError", "StageMetrics"]
+__all__ = ["PipelineBatch", "PipelineMetricError", "SamplesDifferError", "StageMetrics"]

@@ -9,6 +9,7 @@ state (`training_search`), Composer's events (`callback`).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -25,9 +26,8 @@ from automicro.core.store_board import StoreBoard
 from automicro.engine import _torch_internals as torch_internals
 from automicro.engine.hooks import SyncHooks
 from automicro.engine.sharding import ShardedModel
-from automicro.integration import _composer_internals as composer_internals
-from automicro.integration.pipeline_batch import PipelineBatch
-from automicro.integration.settings import Settings
+from automicro.batch.pipeline_hooks import StagedBatch
+from automicro.batch.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class Runtime:
         self.settings = settings
         self.rank = 0
         self.sharded: Optional[ShardedModel] = None
-        self.pipeline: Optional[PipelineBatch] = None
+        self.pipeline: Optional[StagedBatch] = None
         self.consensus: Optional[Consensus] = None
         self.ledger: Optional[CollectiveLedger] = None
         self.alarm: Any = None
@@ -60,7 +60,7 @@ class Runtime:
         figures: Callable[[], LocalFigures],
         memory: Optional[MemorySource],
         sites: Optional[SiteDispatcher],
-        pipeline: Optional[PipelineBatch],
+        pipeline: Optional[StagedBatch],
     ) -> None:
         import torch.distributed as dist
 
@@ -134,7 +134,7 @@ class Runtime:
         if self.ledger is not None:
             self.ledger.all_reduce(tensor)
         else:
-            composer_internals.all_reduce_sum(tensor)
+            all_reduce_sum(tensor)
 
     def release_memory(self) -> None:
         release_after_failure(self.memory)
@@ -143,6 +143,20 @@ class Runtime:
         assert self.sharded is not None
         self.sharded.recover()
         release_after_failure(self.memory)
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> None:
+    """Sums `tensor` over every rank of the default group in place; one process without a group:
+    nothing to sum (as Composer's `dist.all_reduce`, without importing Composer)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise RuntimeError(
+            f"automicro: WORLD_SIZE={os.environ['WORLD_SIZE']} but torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group() before the first step"
+        )
 
 
 def _build_ledger(sharded: ShardedModel, consensus: Consensus, rank: int) -> CollectiveLedger:

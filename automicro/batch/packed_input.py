@@ -125,7 +125,7 @@ def assess(model: Any) -> Assessment:
         why = (f"{type(model).__name__} does not say that it keeps attention within packed samples (set packed_input = "
                "True on the model if its forward takes position_ids restarting at each sample and masks attention by them)")
         return Assessment(False, False, f"packing: {why}: batches are padded as without packing", why)
-    import transformers
+    transformers = sys.modules["transformers"]  # the model is one of its classes: imported by the user
 
     config = getattr(hf, "config", None)
     impl = str(getattr(config, "_attn_implementation", None) or "")

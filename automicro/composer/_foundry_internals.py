@@ -101,7 +101,7 @@ def _stage(checkpointer: Any) -> None:
 
     from composer.utils import dist, format_name_with_dist_and_time
 
-    from automicro.integration.checkpoint_commit import fsync_files, fsync_folder
+    from automicro.composer.checkpoint_commit import fsync_files, fsync_folder
 
     original = checkpointer._save_checkpoint
 

@@ -30,15 +30,15 @@ from automicro.core.metrics import AttemptRecord, BatchFigures, history_from_sta
 from automicro.core.optimizer_memory import pending_state_bytes
 from automicro.core.policy import HookReason
 from automicro.core.thrash import ThrashDetector
-from automicro.integration.batch_host import BatchHost
-from automicro.integration.batch_step import BatchStep
-from automicro.integration.compile_scope import ScopeChoice
-from automicro.integration.compile_shapes import StaticShapes
-from automicro.integration.packing_choice import PackingChoice
-from automicro.integration.layout_trials import LayoutTrials
-from automicro.integration.memory_truth import MemoryTruth, reached_bytes
-from automicro.integration.runtime import Runtime
-from automicro.integration.settings import Settings
+from automicro.batch.batch_host import BatchHost
+from automicro.batch.batch_step import BatchStep
+from automicro.batch.compile_scope import ScopeChoice
+from automicro.batch.compile_shapes import StaticShapes
+from automicro.batch.packing_choice import PackingChoice
+from automicro.batch.layout_trials import LayoutTrials
+from automicro.batch.memory_truth import MemoryTruth, reached_bytes
+from automicro.batch.runtime import Runtime
+from automicro.batch.settings import Settings
 
 E = TypeVar("E", bound=BaseException)
 

@@ -42,7 +42,7 @@ from typing import Any, Optional
 import torch
 
 from automicro.core.layout import judge
-from automicro.integration.trial_timing import BatchClock, agreed_times, timed_arm
+from automicro.batch.trial_timing import BatchClock, agreed_times, timed_arm
 from automicro.engine.compile import CompiledBlocks
 
 BATCHES = 3  # timed batches each side (the layout trials' default)

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from automicro.core.layout import judge
-from automicro.integration.trial_timing import BatchClock, agreed_times
-from automicro.integration.token_budget import TokenBudget
+from automicro.batch.trial_timing import BatchClock, agreed_times
+from automicro.batch.token_budget import TokenBudget
 
 BATCHES = 3  # batches each way (the layout trials' default)
 MIN_GAIN = 0.01

@@ -2,7 +2,7 @@
 
 `AutoMicrobatching(budget="samples")` searches samples per microbatch (`SampleBatches`);
 `budget="tokens"` searches tokens per microbatch and packs each variable-length batch under the
-budget (`TokenBatches`, over `automicro.integration.token_budget.TokenBudget`). The callback asks its
+budget (`TokenBatches`, over `automicro.batch.token_budget.TokenBudget`). The callback asks its
 batch kind whatever differs between the two (the policy's domain, the next attempt, what the policy
 is told an attempt ran at, the console and dashboard figures, the checkpoint's part) and never
 branches on the budget itself.
@@ -18,8 +18,8 @@ from typing import Any, Callable, Optional, Union
 from automicro.core import policy as search
 from automicro.core.consensus import Verdict
 from automicro.core.layout import SIZE_FRACTIONS
-from automicro.integration import packed_input
-from automicro.integration.token_budget import TokenBudget
+from automicro.batch import packed_input
+from automicro.batch.token_budget import TokenBudget
 
 
 class SampleBatches:

@@ -34,7 +34,7 @@ import torch
 
 from automicro.core.layout import judge
 from automicro.engine.compile import CompiledBlocks
-from automicro.integration.trial_timing import BatchClock, agreed_times, timed_arm
+from automicro.batch.trial_timing import BatchClock, agreed_times, timed_arm
 
 BATCHES = 3  # timed batches each side (the layout trials' default)
 MIN_GAIN = 0.01

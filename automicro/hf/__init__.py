@@ -39,7 +39,7 @@ restarts training and changes the global batch), DeepSpeed, a model that is not 
 
 Owns: the Trainer's side of the seam (arguments, the lazy start, checkpoint state, the log line).
 May not touch: the search and the step (`automicro.step.AutoStep`); transformers/accelerate
-privates outside `integration/_hf_internals`.
+privates outside `hf/_hf_internals`.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ try:
 except ImportError as error:  # pragma: no cover - the extra is not installed
     raise ImportError("automicro.hf needs transformers and accelerate: pip install 'automicro[hf]'") from error
 
-from automicro.integration import _hf_internals as internals
+from automicro.hf import _hf_internals as internals
 from automicro.step import SETTINGS, AutoStep, StepResult
 
 log = logging.getLogger(__name__)

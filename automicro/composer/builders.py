@@ -1,6 +1,6 @@
 """Build the pieces of a run (model, data, optimizer, scheduler, callbacks) from a `TrainConfig`.
 Everything here runs before any process group exists, so a bad callback argument fails at once
-with a message naming it. Loggers: `automicro.integration.loggers`.
+with a message naming it. Loggers: `automicro.composer.loggers`.
 
 Owns: turning config sections into objects. May not touch: the fault kit (`automicro.testing`)
 at import time -- a kit callback's module is imported by `callback_class` only when a config
@@ -158,16 +158,16 @@ def build_scheduler(cfg: TrainConfig) -> Any:
 _MOVED = {
     "MemoryCapCallback": "automicro.testing.callbacks",
     "CapMemory": "automicro.testing.callbacks",
-    "JSONLLogger": "automicro.integration.loggers",
-    "AutomicroWandBLogger": "automicro.integration.loggers",
-    "build_loggers": "automicro.integration.loggers",
+    "JSONLLogger": "automicro.composer.loggers",
+    "AutomicroWandBLogger": "automicro.composer.loggers",
+    "build_loggers": "automicro.composer.loggers",
 }
 
 
 def __getattr__(name: str) -> Any:
     if name in _MOVED:
         warnings.warn(
-            f"automicro.integration.builders.{name} moved to {_MOVED[name]}.{name}; the old path goes "
+            f"automicro.composer.builders.{name} moved to {_MOVED[name]}.{name}; the old path goes "
             "in the next release",
             DeprecationWarning,
             stacklevel=2,
@@ -175,9 +175,9 @@ def __getattr__(name: str) -> Any:
         return getattr(importlib.import_module(_MOVED[name]), name)
     if name == "CALLBACKS":
         warnings.warn(
-            "automicro.integration.builders.CALLBACKS (name -> class) is replaced by "
+            "automicro.composer.builders.CALLBACKS (name -> class) is replaced by "
             "automicro.config.CALLBACK_REGISTRY (name -> 'module:attribute') and "
-            "automicro.integration.builders.callback_class(name); the old name goes in the next release",
+            "automicro.composer.builders.callback_class(name); the old name goes in the next release",
             DeprecationWarning,
             stacklevel=2,
         )
