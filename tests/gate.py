@@ -46,6 +46,10 @@ GUARANTEES: dict[str, list[str]] = {
         "test_autostep.py::test_a_search_where_one_rank_runs_out_trains_every_batch_like_a_plain_loop",
         "test_autostep.py::test_the_plain_loop_example_runs_on_two_cpu_ranks_under_a_memory_cap",
     ],
+    "AutoStep and the batch step every loop shares import no training framework (Composer not needed)": [
+        "test_layers.py::test_autostep_trains_on_two_ranks_with_composer_hidden_from_the_import_system",
+        "test_layers.py::test_the_loop_neutral_floors_import_no_framework_nor_anything_above_them",
+    ],
     "the Hugging Face Trainer": [
         "test_hf_trainer.py::test_the_trainer_searches_where_one_rank_runs_out_and_trains_like_a_plain_loop",
     ],
