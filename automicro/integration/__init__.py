@@ -1,5 +1,5 @@
-"""Deprecated: the modules that lived here moved in 0.2 (issue 60) and keep working from here for one
-release, each with a `DeprecationWarning` that names its new path.
+"""Deprecated: the modules that lived here moved (issue 60). Their old paths keep working through
+0.1 (removed in 0.2), each with a `DeprecationWarning` that names its new path.
 
 - the batch step every loop shares: `automicro.batch` (`batch_step`, `training_search`, `settings`, ...);
 - the Composer integration: `automicro.composer` (`callback`, `trainer`, `checkpoint_commit`, ...);
@@ -51,7 +51,7 @@ class _MovedLoader(importlib.abc.Loader):
     def exec_module(self, module: types.ModuleType) -> None:
         old = module.__name__
         warnings.warn(
-            f"{old} moved to {self.new} (automicro 0.2); import it from there: the old path goes in the next release",
+            f"{old} moved to {self.new}; import it from there (the old path works in automicro 0.1, not in 0.2)",
             DeprecationWarning, stacklevel=2,  # warnings skips importlib's own frames: the importing line
         )
         sys.modules[old] = importlib.import_module(self.new)
