@@ -29,23 +29,21 @@ $(VENV)/.foundry: $(VENV)/.installed requirements/foundry.txt
 	$(VENV)/bin/python -m pip install -q --no-deps llm-foundry==0.22.0
 	touch $@
 
-# torch 2.11 (the GPU machines' torch): Composer installed without its torch pin.
-$(VENV211)/.installed: setup.py requirements/torch-2.11.txt
+# torch 2.11 (the GPU machines' torch) and 2.15 (the newest the registry serves), each in one command:
+# uv's --override puts the file's torch in place of Composer's pin (README "Supported versions"), the
+# requirements file adds the leg's test tools. uv reads no pip configuration (a machine-wide pip cap at
+# the torch releases kept on disk does not apply) and downloads torch from the index.
+UV := uv==0.13.9
+$(VENV211)/.installed: setup.py requirements/torch-2.11.txt requirements/override-torch-2.11.txt
 	$(PYTHON) -m venv $(VENV211)
-	$(VENV211)/bin/python -m pip install -q --upgrade pip
-	$(VENV211)/bin/python -m pip install -q -r requirements/torch-2.11.txt
-	$(VENV211)/bin/python -m pip install -q --no-deps mosaicml==0.32.1
-	$(VENV211)/bin/python -m pip install -q --no-deps -e .
+	$(VENV211)/bin/python -m pip install -q $(UV)
+	VIRTUAL_ENV=$(abspath $(VENV211)) $(VENV211)/bin/uv pip install -q --override requirements/override-torch-2.11.txt -e . -r requirements/torch-2.11.txt
 	touch $@
 
-# torch 2.15 (the newest torch the registry serves): same recipe as 2.11. PIP_CONSTRAINT=/dev/null
-# lifts a machine-wide pip cap at the torch releases kept on disk (2.14.1), where there is one.
-$(VENV215)/.installed: setup.py requirements/torch-2.15.txt
+$(VENV215)/.installed: setup.py requirements/torch-2.15.txt requirements/override-torch-2.15.txt
 	$(PYTHON) -m venv $(VENV215)
-	$(VENV215)/bin/python -m pip install -q --upgrade pip
-	PIP_CONSTRAINT=/dev/null $(VENV215)/bin/python -m pip install -q -r requirements/torch-2.15.txt
-	PIP_CONSTRAINT=/dev/null $(VENV215)/bin/python -m pip install -q --no-deps mosaicml==0.32.1
-	PIP_CONSTRAINT=/dev/null $(VENV215)/bin/python -m pip install -q --no-deps -e .
+	$(VENV215)/bin/python -m pip install -q $(UV)
+	VIRTUAL_ENV=$(abspath $(VENV215)) $(VENV215)/bin/uv pip install -q --override requirements/override-torch-2.15.txt -e . -r requirements/torch-2.15.txt
 	touch $@
 
 venv: $(VENV)/.installed
