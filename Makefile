@@ -13,7 +13,7 @@ PYTEST := -m pytest tests $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKER
 # Overrides for the demo, e.g. `make demo DEMO_ARGS=loggers.wandb=true` (an offline wandb run).
 DEMO_ARGS ?=
 
-.PHONY: demo demo-pp demo-varlen foundry-demo test test-full test-quick test-211 test-215 venv venv-211 venv-215 wheelhouse clean-venv
+.PHONY: demo demo-pp demo-varlen foundry-demo docs test test-full test-quick test-211 test-215 venv venv-211 venv-215 wheelhouse clean-venv
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +30,7 @@ $(VENV)/.foundry: $(VENV)/.installed requirements/foundry.txt
 	touch $@
 
 # torch 2.11 (the GPU machines' torch) and 2.15 (the newest the registry serves), each in one command:
-# uv's --override puts the file's torch in place of Composer's pin (README "Supported versions"), the
+# uv's --override puts the file's torch in place of Composer's pin (docs/supported-versions.md), the
 # requirements file adds the leg's test tools. uv reads no pip configuration (a machine-wide pip cap at
 # the torch releases kept on disk does not apply) and downloads torch from the index.
 UV := uv==0.13.9
@@ -65,6 +65,19 @@ demo-varlen: $(VENV)/.installed
 foundry-demo: $(VENV)/.foundry
 	WANDB_MODE=$${WANDB_MODE:-offline} OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/composer -n 2 -m automicro.foundry automicro/configs/foundry-tiny-cpu.yaml $(DEMO_ARGS)
 
+# The documentation site (MkDocs, mkdocs.yml) into site/, strict: a broken link, a page left out of
+# the nav or a config key without a meaning fails. The configuration reference is generated from the
+# code at every build (scripts/docs_hooks.py).
+# Its own small environment: the API reference is read from the source, nothing is imported.
+VENVDOCS := .venv-docs
+$(VENVDOCS)/.installed: requirements/docs.txt
+	$(PYTHON) -m venv $(VENVDOCS)
+	$(VENVDOCS)/bin/python -m pip install -q -r requirements/docs.txt
+	touch $@
+
+docs: $(VENVDOCS)/.installed
+	NO_MKDOCS_2_WARNING=1 $(VENVDOCS)/bin/mkdocs build --strict --site-dir site
+
 test: $(VENV)/.installed $(VENV)/.foundry
 	$(VENV)/bin/python $(PYTEST) $(PYTEST_ARGS)
 
@@ -93,4 +106,4 @@ wheelhouse:
 	bash scripts/gpu_wheelhouse.sh
 
 clean-venv:
-	rm -rf $(VENV) $(VENV211) $(VENV215)
+	rm -rf $(VENV) $(VENV211) $(VENV215) $(VENVDOCS)

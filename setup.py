@@ -13,6 +13,10 @@ def _read(name: str) -> str:
         return handle.read()
 
 
+def _requirements(name: str) -> list[str]:
+    return [line.split("#")[0].strip() for line in _read(name).splitlines() if line.split("#")[0].strip()]
+
+
 # The version is kept in one place: automicro/__init__.py.
 VERSION = re.search(r'^__version__ = "([^"]+)"', _read(os.path.join("automicro", "__init__.py")), re.M).group(1)
 
@@ -57,6 +61,8 @@ setup(
         "lightning": [
             "pytorch-lightning>=2.6,<2.7",  # automicro.lightning.AutoMicrobatch (manual optimization on AutoStep)
         ],
+        # make docs: the site from docs/ (mkdocs.yml), the API reference read from the source.
+        "docs": _requirements(os.path.join("requirements", "docs.txt")),
         "plot": [
             "matplotlib>=3.7",  # scripts/plot_run.py
         ],

@@ -29,7 +29,7 @@ from automicro.engine.config import FSDP2Config, FSDP2ConfigError, fsdp2_from_pa
 from automicro.composer import _foundry_internals as internals
 from automicro.composer._foundry_internals import FoundryUnavailable
 
-USAGE = "usage: composer -n N -m automicro.foundry TRAIN.yaml [key=value ...]  (llm-foundry YAML; see README 'llm-foundry')"
+USAGE = "usage: composer -n N -m automicro.foundry TRAIN.yaml [key=value ...]  (llm-foundry YAML; see docs/guides/composer.md, llm-foundry)"
 
 
 class FoundryConfigError(ValueError):

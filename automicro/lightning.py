@@ -71,8 +71,8 @@ class AutoMicrobatch(pl.Callback):
     Args:
         model_attr: the module's attribute holding the model sharded with `fully_shard` (root
             included), e.g. in `configure_model`.
-        loss_fn: ``(model, microbatch) -> loss`` (default: ``model(**microbatch)``'s ``.loss``).
-        **settings: `AutoStep`'s keywords: `AutoMicrobatching`'s settings (``budget``,
+        **settings: ``loss_fn`` (``(model, microbatch) -> loss``; default: ``model(**microbatch)``'s
+            ``.loss``) and `AutoStep`'s keywords: `AutoMicrobatching`'s settings (``budget``,
             ``stable_batches``, ...), ``max_grad_norm``, ``memory``, ``sites``.
     """
 

@@ -28,7 +28,7 @@ microbatch's loss is weighted by its share of the global batch (its samples; its
 fixed split's. Once the size holds for `stable_batches` batches the hooks come off; an OOM after
 that costs one rerun of the batch (the collective ledger), never the run.
 
-The keywords are `AutoMicrobatching`'s (README, "Settings"), less the eval ones. The loop stays the
+The keywords are `AutoMicrobatching`'s (docs/reference/configuration.md), less the eval ones. The loop stays the
 user's: the data, the learning-rate schedule, evaluation, logging and checkpoints.
 
 Owns: the lifecycle a plain loop gives the search (open, step, close, checkpoint state, metrics).
@@ -276,7 +276,7 @@ class AutoStep:
     # ---- what a logger and a checkpoint take ---------------------------------------------------------
 
     def metrics(self) -> dict[str, Any]:
-        """The `automicro/*` figures of the last batch (README's dashboard table), for any logger;
+        """The `automicro/*` figures of the last batch (docs/guides/dashboards.md), for any logger;
         empty before the first step."""
         figures = self.search.batch_figures()
         if figures is None:

@@ -236,7 +236,7 @@ def run_oom(args: argparse.Namespace, ranks_text: str, phase: str) -> dict[str, 
     except Exception as e:  # noqa: BLE001 - recorded, and the launch goes on only if every rank got here
         error = f"{type(e).__name__}: {e}"[:500]
         if type(e).__name__ == "FatalRecoveryError":
-            # The job is lost by design (README: 'When a run cannot recover in-process'): the
+            # The job is lost by design (docs/guides/checkpoints.md: 'When a run cannot recover in-process'): the
             # ranks' collective sequences are out of step, so this process may issue no other
             # collective (a `gather` here would pair with the other rank's queued all-gathers).
             print(f"[steady_oom] rank {dist.get_rank()}: job lost after {time.perf_counter() - started:.1f} s: {error}", flush=True)

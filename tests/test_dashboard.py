@@ -1,6 +1,6 @@
 """Throughput dashboards: the demo under the Composer launcher with `loggers.wandb: true` (offline),
 read back with wandb's own record reader; the plot script on that run's metrics.jsonl; the
-`automicro/event` traces; the README's metrics table; the console lines.
+`automicro/event` traces; the metrics table of docs/guides/dashboards.md; the console lines.
 
 One launcher run (module-scoped fixture) serves every test that needs a real run.
 """
@@ -113,10 +113,10 @@ def _read_wandb_records(run_dir: Path) -> dict[str, Any]:
     return {"history": history, "summary": summary, "config": config, "kinds": kinds, "file": files[0]}
 
 
-def _readme_metric_keys() -> set[str]:
-    text = (REPO / "README.md").read_text()
-    match = re.search(r"^## Metrics\n(.*?)(?=^## )", text, flags=re.S | re.M)
-    assert match, "README.md has no '## Metrics' section"
+def _documented_metric_keys() -> set[str]:
+    text = (REPO / "docs" / "guides" / "dashboards.md").read_text()
+    match = re.search(r"^## Metrics\n(.*?)(?=^## |\Z)", text, flags=re.S | re.M)
+    assert match, "docs/guides/dashboards.md has no '## Metrics' section"
     return set(re.findall(r"^\| `(automicro/[a-z_]+)` \|", match.group(1), flags=re.M))
 
 
@@ -254,15 +254,15 @@ def test_metrics_jsonl_has_one_event_trace_per_oom(demo):
     assert starts == [{"step": 0, "trace": True, "run_start": {"run_name": "tiny-cpu"}}]
 
 
-# ---- (d) README metrics table -------------------------------------------------------------------
+# ---- (d) the docs' metrics table -------------------------------------------------------------------
 
 
 @pytest.mark.multiproc
-def test_readme_metrics_table_lists_every_logged_automicro_key(demo, varlen_demo):
+def test_the_dashboards_page_lists_every_logged_automicro_key(demo, varlen_demo):
     logged = _logged_automicro_keys(demo["rows"]) | _logged_automicro_keys(varlen_demo["rows"])
-    documented = _readme_metric_keys()
-    assert logged - documented == set(), f"logged but not in README ## Metrics: {sorted(logged - documented)}"
-    assert documented - logged == set(), f"in README ## Metrics but never logged: {sorted(documented - logged)}"
+    documented = _documented_metric_keys()
+    assert logged - documented == set(), f"logged but not in the docs' ## Metrics: {sorted(logged - documented)}"
+    assert documented - logged == set(), f"in the docs' ## Metrics but never logged: {sorted(documented - logged)}"
 
 
 # ---- console ------------------------------------------------------------------------------------

@@ -58,7 +58,7 @@ def test_under_the_launcher_a_bad_config_is_said_once_and_fails_the_launch():
 
 @pytest.mark.multiproc
 def test_restart_with_autoresume_finishes_a_run_lost_between_batches_below_the_size_in_use(tmp_path):
-    """README 'When a run cannot recover in-process', end to end with the composer launcher (what
+    """docs/guides/checkpoints.md, 'When a run cannot recover in-process', end to end with the composer launcher (what
     the restart loop there runs): rank 1 runs out of memory in a callback between batches (nothing
     to retry) and every rank stops naming it; the next launch, same YAML and folder without the
     fault, autoresumes from the last checkpoint and finishes below the size that was in use, with

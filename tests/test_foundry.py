@@ -2,7 +2,7 @@
 
 Runs where llm-foundry 0.22 is installed: the default environment (`make test` installs it,
 requirements/foundry.txt). llm-foundry 0.22 pins torch < 2.7.1, so on the torch 2.11 / 2.15 legs
-these tests are skipped (not counted there; README 'llm-foundry')."""
+these tests are skipped (not counted there; docs/guides/composer.md, llm-foundry)."""
 
 from __future__ import annotations
 

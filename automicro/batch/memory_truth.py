@@ -1,4 +1,4 @@
-"""What the allocator says against what `auto` planned (README "Memory", DESIGN.md "Memory truth"):
+"""What the allocator says against what `auto` planned (docs/guides/one-gpu.md, Memory, DESIGN.md "Memory truth"):
 the capacity line on the console, the bytes an OOM reached, what a failed attempt left behind.
 
 `AutoMicrobatching` hands each attempt's agreed verdict here; the policy gets the reached bytes as

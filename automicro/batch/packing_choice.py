@@ -2,7 +2,7 @@
 
 With ``budget: tokens`` and ``packing`` left out, which is faster depends on the model's attention:
 packed rows carry no padding, but a model that masks a dense square of each row (transformers'
-sdpa and eager) pays each row's tokens squared (README: packed 2.14x the padded budget with flex
+sdpa and eager) pays each row's tokens squared (benchmarks/RESULTS.md: packed 2.14x the padded budget with flex
 attention, 0.92x with sdpa). So where the model keeps packed samples apart and its attention skips
 the other samples' tokens (`packed_input.measurable`: a model that says it takes packed rows, flash
 or flex attention), `PackingChoice` measures it: once the token budget has settled (the sync hooks

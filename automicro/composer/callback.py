@@ -62,6 +62,53 @@ from automicro.batch.training_search import MicrobatchSizeError, TrainingSearch
 class AutoMicrobatching(Callback):
     """Finds the largest microbatch that fits on every rank under FSDP2, without deadlocks.
 
+    The keyword arguments are the YAML keys of ``callbacks.auto_microbatching`` (the configuration
+    reference is generated from this list); `automicro.AutoStep` and the HF and Lightning adapters take
+    the same, less the eval ones.
+
+    Args:
+        stable_batches: Clean batches at one split before the sync hooks come off.
+        thrash_batches: Batches with allocator retries in a row that count as an OOM.
+        search: ``bisect`` (the largest size that fits, between the bounds the attempts found) or
+            ``halve`` (Composer's own policy, as a baseline).
+        use_prediction: Predict the next size from the measured memory of the sizes tried.
+        start_size: Left out: the probe on a GPU, the whole batch on CPU; ``probe`` (two small sizes,
+            then the size the measured memory predicts); ``batch`` (the whole batch first, halving down,
+            as Composer); or a microbatch size to try first.
+        cpu_sync_group: Consensus rounds over a gloo group of their own (false: over the default group).
+        memory_fraction: A number in (0, 1] or ``{rank: fraction}``: caps each rank's device memory at
+            that share, to make memory tight (and uneven) on purpose.
+        log_attempts: Print one line per attempt of the search.
+        unguarded_timeout_s: Where a failure cannot be recovered in-process, every rank stops within
+            this many seconds.
+        sync_points: ``all`` (consensus at module boundaries and before collectives while searching) or
+            ``collectives`` (only before FSDP2's collectives: fewer rounds).
+        consensus_transport: How a consensus round travels: ``auto`` (shared memory on one host,
+            hierarchical on several), ``shm``, ``hierarchical`` or ``process_group``.
+        steady_recovery: An OOM after the hooks are off reruns the batch (the collective ledger); false:
+            the job stops after such an OOM.
+        budget: ``samples`` (the size is samples per microbatch) or ``tokens`` (tokens per microbatch:
+            variable-length batches packed under the budget).
+        fixed_tokens: With ``budget: tokens``: a token budget set by hand (null: searched).
+        eval_oom: ``split`` (an evaluator with a pinned eval microbatch size that runs out of memory is
+            split further on every rank) or ``stop`` (the run ends, as without automicro).
+        layout: ``auto`` (the default on a GPU: trades of memory for speed tried once the size is found,
+            the faster kept), ``fixed`` (the engine's own layout; the default on CPU) or a list of trades
+            to pin (``grad_sync_once``, ``no_reshard``, ``no_recompute``).
+        layout_trial_batches: Batches each trade is timed over.
+        layout_min_gain: A trade is kept only when faster by more than this share (0.01: 1%).
+        layout_size_trials: Under ``layout: auto``, also time microbatches smaller than the size found
+            and keep the faster.
+        loss_normalization: ``tokens`` (the loss per loss token over the whole batch: training does not
+            depend on the split; the default with ``budget: tokens``) or ``samples`` (each microbatch's
+            mean loss weighted by its samples, Composer's default).
+        label_shift: ``auto`` (0 for models whose labels come shifted, 1 otherwise), 1 (the model shifts
+            its labels, as transformers' causal LMs do) or 0.
+        packing: With ``budget: tokens``: null (packed rows measured against padded batches on a GPU where
+            the model's attention keeps samples apart), ``auto`` (measured on any device), true or false.
+        exit_timeout_s: After the run ended with an error, the process gets this many seconds to exit
+            before automicro prints what holds it and ends it.
+
     The rooms that own the behaviour: `settings` (the checked keys), `runtime` (what attach builds:
     consensus, ledger, fence, sync hooks, memory source), `search` (the training batch under `auto`
     and its checkpoint part), `layout` (the layout trials), `_eval` (the eval fence and searches)."""
@@ -171,7 +218,7 @@ class AutoMicrobatching(Callback):
         if one_rank and self.layout_config.resolve(sharded.device.type).mode != "auto" and not self.layout_config.pinned:
             self._info(
                 "one rank: FSDP2 with the fixed layout gathers parameters and reduces gradients every microbatch; "
-                "layout: auto (the default on a GPU) trades that away once the size is found (README 'One GPU')"
+                "layout: auto (the default on a GPU) trades that away once the size is found (docs/guides/one-gpu.md)"
             )
         self.search.configure(sharded.device.type, pipeline)
         self.layout = self.search.layout = LayoutTrials(

@@ -103,7 +103,7 @@ class FatalRecord:
         return (
             f"automicro: rank {rank} stops: failure on {first} in batch {self.batch}{during} "
             f"cannot be recovered in-process ({why}; declared by rank {self.declared_by}). Restart from the "
-            "last checkpoint (README: 'When a run cannot recover in-process')."
+            "last checkpoint (docs/guides/checkpoints.md: 'When a run cannot recover in-process')."
         )
 
 
@@ -470,7 +470,7 @@ class CollectiveLedger:
             raise FatalRecoveryError(
                 f"automicro: rank {self.rank} stops: the failure at {site} in batch {batch} happened with the sync "
                 f"hooks off and cannot be recovered in-process: rank {found[0][0]} cannot replay: {found[0][1]}. "
-                "Restart from the last checkpoint (README: 'When a run cannot recover in-process')."
+                "Restart from the last checkpoint (docs/guides/checkpoints.md: 'When a run cannot recover in-process')."
             )
         for entry in entries:
             self._replay(entry)
@@ -508,7 +508,7 @@ class CollectiveLedger:
         error = FatalRecoveryError(
             f"automicro: rank {self.rank} cannot recover in-process from the failure at {site} in batch {batch}"
             f"{first}{during}: {why}. Stopping the job; restart it from the last checkpoint "
-            "(README: 'When a run cannot recover in-process')."
+            "(docs/guides/checkpoints.md: 'When a run cannot recover in-process')."
         )
         if self.alarm is not None:
             self.alarm.ring(str(error))

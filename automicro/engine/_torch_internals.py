@@ -82,7 +82,7 @@ def check_supported_torch() -> None:
             f"{', '.join(checked)}); found torch {torch.__version__}, which is "
             f"{'older' if TORCH_VERSION < low else 'newer'} than that. Install torch {installs[0]} "
             f"(Composer 0.32.1's pin), {', '.join(installs[1:-1])} or {installs[-1]} (with Composer "
-            "installed --no-deps; see the README's Supported versions)."
+            "installed --no-deps; see docs/supported-versions.md)."
         )
 
 

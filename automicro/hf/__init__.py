@@ -35,7 +35,7 @@ Refused, with what to change: ``auto_find_batch_size=True`` (the Trainer's own h
 restarts training and changes the global batch), DeepSpeed, a model that is not FSDP2-sharded
 (DistributedDataParallel, FSDP1), a run that is not distributed (launch with ``torchrun`` or
 ``accelerate launch``; one GPU: one process). Evaluation is the Trainer's own, at
-``per_device_eval_batch_size`` (the search's eval mode is Composer's: README, "Evaluation").
+``per_device_eval_batch_size`` (the search's eval mode is Composer's: docs/guides/composer.md, Eval).
 
 Owns: the Trainer's side of the seam (arguments, the lazy start, checkpoint state, the log line).
 May not touch: the search and the step (`automicro.step.AutoStep`); transformers/accelerate
@@ -74,9 +74,10 @@ STEP_KEYWORDS = ("memory", "sites")
 class AutoMicrobatchTrainer(Trainer):
     """A `transformers.Trainer` whose microbatch is found, and kept safe, by automicro.
 
+    The positional and other keyword arguments are the `Trainer`'s own.
+
     Args:
-        *args, **kwargs: the `Trainer`'s own.
-        automicro: `AutoMicrobatching`'s settings (README, "Settings"; the eval ones excepted), e.g.
+        automicro: `AutoMicrobatching`'s settings (docs/reference/configuration.md; the eval ones excepted), e.g.
             ``{"budget": "tokens", "stable_batches": 4}``; and `memory` (a `MemorySource`: on CPU,
             `automicro.testing.CapMemory` emulates a GPU's limit). ``loss_normalization`` defaults
             to the Trainer's own choice: ``tokens`` where it normalizes by ``num_items_in_batch``.

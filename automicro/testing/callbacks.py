@@ -32,6 +32,14 @@ class MemoryCapCallback(Callback):
     starts (another process takes memory, or gives it back); the reading follows the limit unless
     ``capacity_reads`` pins it. ``held_outside`` (bytes, or a {rank: bytes} map) is what the reading
     says another process holds on the rank's device (`automicro.core.memory.held_outside_bytes`).
+
+    Args:
+        limit_bytes: The emulated limit: bytes, or ``{rank: bytes}`` (a different limit on each rank).
+        retry_band: Allocations within this share of the limit count as allocator retries (0.10: 10%).
+        capacity_reads: What the capacity reading says instead of the limit (bytes or ``{rank: bytes}``;
+            null: the limit).
+        limit_at_batch: ``{batch index: bytes or {rank: bytes}}``: the limit changes as that batch starts.
+        held_outside: What the reading says another process holds (bytes or ``{rank: bytes}``).
     """
 
     def __init__(

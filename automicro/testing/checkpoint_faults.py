@@ -49,6 +49,16 @@ FAULTS = {
 
 
 class CheckpointFault(Callback):
+    """Breaks one checkpoint save (a full checkpoint is written by rank 0 alone: its write faults fire there).
+
+    Args:
+        at: ``before_write``, ``mid_write``, ``before_rename`` or ``before_latest`` (a SIGKILL of the rank
+            there), ``truncate`` or ``delete_shard`` (the committed checkpoint cut, or a shard deleted;
+            training goes on) or ``disk_full`` (``OSError(ENOSPC)`` in the write).
+        batch: Only the save at this batch count (null: the first save).
+        ranks: Only on these ranks (null: every rank).
+    """
+
     def __init__(self, at: str, batch: Optional[int] = None, ranks: Optional[list[int]] = None) -> None:
         if at not in FAULTS:
             raise ValueError(f"checkpoint_fault: at={at!r}: must be one of {', '.join(FAULTS)}")

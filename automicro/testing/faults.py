@@ -53,7 +53,20 @@ def _default_oom(site: str, module: str, rank: int, size: int) -> BaseException:
 
 
 class FaultInjector(Callback):
-    """Raise at a fault site (see `automicro.core.sites.SITES`) under exact conditions."""
+    """Raise at a fault site (see `automicro.core.sites.SITES`) under exact conditions.
+
+    Args:
+        site: Where: ``forward_pre``, ``forward``, ``backward_pre``, ``backward``, ``unshard_alloc``,
+            ``reduce_scatter_alloc``, ``loss``, ``optimizer_step``, or ``between_batches`` (with ``batch``).
+        module: At the module sites, only in modules of this name (null: any).
+        ranks: Only on these ranks (null: every rank).
+        above: Only in microbatches of more than this many samples (null: any size).
+        microbatch_index: Only in this microbatch of an attempt (-1: the last; null: any).
+        times: Raise this many times in all (null: every time the conditions hold).
+        exception: ``oom`` (default: a CUDA-style out-of-memory error), ``error`` (another error) or a
+            callable that returns the exception to raise.
+        batch: Only in this batch (the trainer's batch count; null: any).
+    """
 
     def __init__(
         self,
