@@ -186,6 +186,11 @@ def reference_keys() -> set[str]:
     return keys
 
 
+def _plain(text: str) -> str:
+    """Text shown as written: Markdown's link, emphasis, code and HTML characters escaped."""
+    return re.sub(r"([\\`*_\[\]<>])", r"\\\1", text)
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -263,7 +268,7 @@ def errors_markdown() -> str:
         if module != current:
             current = module
             parts.append(f"\n### `{module}`\n\n| line | raises | message |\n| --- | --- | --- |")
-        parts.append(f"| {raised.where.split(':')[1]} | `{_cell(raised.kind)}` | {_cell(raised.message)} |")
+        parts.append(f"| {raised.where.split(':')[1]} | `{_cell(raised.kind)}` | {_cell(_plain(raised.message))} |")
     return "\n".join(parts).lstrip("\n") + "\n"
 
 
