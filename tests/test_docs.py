@@ -158,3 +158,16 @@ def test_the_python_examples_run_as_written_on_two_cpu_ranks():
     for rank, out in enumerate(run_multiprocess(doc_snippets.run_examples, world_size=2, args=(runs,), timeout_s=400)):
         failed = {where: result for where, result in out.items() if result != "ok"}
         assert failed == {}, f"rank {rank}: " + "\n".join(f"{w}:\n{r}" for w, r in failed.items())
+
+
+def _github_slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_the_readmes_links_to_benchmark_rows_land_on_a_heading_of_results():
+    readme = (REPO / "README.md").read_text()
+    anchors = re.findall(r"\(benchmarks/RESULTS\.md#([^)]+)\)", readme)
+    headings = {_github_slug(line.lstrip("#")) for line in (REPO / "benchmarks" / "RESULTS.md").read_text().splitlines()
+                if line.startswith("#")}
+    assert len(anchors) >= 4 and set(anchors) - headings == set(), sorted(set(anchors) - headings)
