@@ -113,3 +113,61 @@ def test_every_yaml_example_in_the_docs_loads_through_the_config_over_a_shipped_
 
 def test_the_yaml_examples_are_found():
     assert len(_yaml_examples()) >= 10
+
+
+def _python_examples() -> list[tuple[str, str, str]]:
+    """(where, marker, code) of every ```python block of the README and the guides."""
+    pages = [REPO / "README.md"] + sorted(p for p in (REPO / "docs").rglob("*.md") if "results" not in p.parts)
+    found = []
+    for page in pages:
+        text = page.read_text()
+        for match in re.finditer(r"(?:<!-- runs: (.*?) -->\n)?```python\n(.*?)```", text, re.S):
+            where = f"{page.relative_to(REPO)}:{text[:match.start(2)].count(chr(10))}"
+            found.append((where, match.group(1) or "", match.group(2)))
+    return found
+
+
+def test_every_python_example_compiles_and_says_how_it_runs():
+    """A block runs under a harness of tests/doc_snippets.py, or is a fragment of an example script
+    the tests run (``as examples/x.py``): then each call it makes is one that script makes."""
+    from tests import doc_snippets
+
+    examples = _python_examples()
+    assert len(examples) >= 8
+    tested = "".join(p.read_text() for p in (REPO / "tests").glob("test_*.py"))
+    for where, marker, code in examples:
+        compile(code, where, "exec")
+        assert marker, f"{where}: a Python example without <!-- runs: HARNESS --> (tests/doc_snippets.py) or <!-- runs: as examples/x.py -->"
+        if marker.startswith("as "):
+            scripts = [s.strip() for s in marker[3:].split(",")]
+            source = "".join((REPO / s).read_text() for s in scripts)
+            assert all(f'"{Path(s).name}"' in tested or f"'{Path(s).name}'" in tested for s in scripts), (where, scripts)
+            calls = set(re.findall(r"\b([A-Z]\w+)\(", code))
+            assert calls and {c for c in calls if c not in source} == set(), (where, calls)
+        else:
+            assert marker in doc_snippets.HARNESSES, (where, marker)
+
+
+@pytest.mark.multiproc
+def test_the_python_examples_run_as_written_on_two_cpu_ranks():
+    from automicro.testing.multiprocess import run_multiprocess
+    from tests import doc_snippets
+
+    runs = [(where, marker, code) for where, marker, code in _python_examples() if marker in doc_snippets.HARNESSES]
+    assert len(runs) >= 5
+    for rank, out in enumerate(run_multiprocess(doc_snippets.run_examples, world_size=2, args=(runs,), timeout_s=400)):
+        failed = {where: result for where, result in out.items() if result != "ok"}
+        assert failed == {}, f"rank {rank}: " + "\n".join(f"{w}:\n{r}" for w, r in failed.items())
+
+
+def _github_slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_the_readmes_links_to_benchmark_rows_land_on_a_heading_of_results():
+    readme = (REPO / "README.md").read_text()
+    anchors = re.findall(r"\(benchmarks/RESULTS\.md#([^)]+)\)", readme)
+    headings = {_github_slug(line.lstrip("#")) for line in (REPO / "benchmarks" / "RESULTS.md").read_text().splitlines()
+                if line.startswith("#")}
+    assert len(anchors) >= 4 and set(anchors) - headings == set(), sorted(set(anchors) - headings)
