@@ -5,7 +5,8 @@ YAML section: every key with its type, default and meaning, read from the source
 configuration's dataclasses in `automicro/config/schema.py`, the engine's `FSDP2Config`,
 `PipelineConfig` and `CompileConfig`, and each automicro callback's keyword arguments from
 `automicro/config/registry.py`). The source is parsed, never imported: the docs build needs neither
-torch nor Composer. `reference_keys()` lists the dotted keys (tests/test_docs.py checks the shipped
+torch nor Composer. The plots (``<!-- plot: NAME -->``) are drawn with matplotlib at every build from
+the runs' JSON under ``docs/results/``, never pasted. `reference_keys()` lists the dotted keys (tests/test_docs.py checks the shipped
 configs against it).
 
 Meanings come from the field docstrings (a string under the field) or from an ``Attributes:`` /
@@ -272,9 +273,115 @@ def errors_markdown() -> str:
     return "\n".join(parts).lstrip("\n") + "\n"
 
 
+# ---- plots drawn from the runs' JSON under docs/results (`<!-- plot: NAME -->`) --------------------
+
+PLOT_MARKER = re.compile(r"<!-- plot: ([\w-]+) -->")
+
+
+def _run(path: str, variant: str) -> dict:
+    """One variant's result in a `benchmarks/one_gpu.py` JSON under docs/results."""
+    import json
+
+    results = json.loads((REPO / "docs" / "results" / path).read_text())["results"]
+    return next(r for r in results if r.get("variant") == variant)
+
+
+# (label, file, variant) of the runs each plot draws.
+SEARCH_RUNS = (
+    ("automicro Llama 1B, torch fraction 0.7", "session24/one_gpu_f07.json", "blocks-auto.f07"),
+    ("transformers Llama 1B shape, eager, FSDP2", "session26/one_gpu_hf_eager_h200.json", "eager-auto"),
+    ("the same, unsharded on one rank", "session26/one_gpu_hf_eager_h200.json", "noshard-auto"),
+)
+MEMORY_BACK_RUN = ("session23/one_gpu_back12c_h200.json", "blocks-auto_back12c")
+# (setting, (file, automicro's variant), (file, Composer's variant)): tokens/s side by side.
+VS_COMPOSER = (
+    ("whole card, eager", ("session26/one_gpu_hf_eager_h200.json", "eager-auto"), ("session26/one_gpu_hf_eager_h200.json", "composer-auto")),
+    ("whole card, compiled", ("session26/one_gpu_hf_compile_h200.json", "blocks-auto"), ("session26/one_gpu_hf_compile_h200.json", "composercompile-auto")),
+    ("another process takes 20 GiB at batch 15", ("session23/one_gpu_take20c_blocks_h200.json", "blocks-auto_take20c"),
+     ("session23/one_gpu_take20c_composer_h200.json", "composercompile-auto_take20c")),
+    ("another process gives 12 GiB back at batch 14", ("session23/one_gpu_back12c_h200.json", "blocks-auto_back12c"),
+     ("session23/one_gpu_back12c_h200.json", "composercompile-auto_back12c")),
+    ("2 GPUs, another process on rank 1's", ("session23/one_gpu_rank1shared_automicro_h200x2.json", "eager-auto_rank1shared"),
+     ("session23/one_gpu_rank1shared_composer_h200x2.json", "composer-auto_rank1shared")),
+)
+
+
+def _svg(figure) -> str:  # noqa: ANN001 (a matplotlib figure)
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buffer = io.StringIO()
+    figure.savefig(buffer, format="svg", bbox_inches="tight")
+    plt.close(figure)
+    text = buffer.getvalue()
+    return text[text.index("<svg"):]  # the element alone: inline HTML in the page
+
+
+def _plot_search():
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 3.2))
+    for label, path, variant in SEARCH_RUNS:
+        run = _run(path, variant)
+        sizes = run["size_by_batch"]
+        axes.plot(range(len(sizes)), sizes, marker="o", markersize=3, label=f"{label} ({run['ooms']} OOM)")
+    axes.set_xlabel("batch")
+    axes.set_ylabel("microbatch size")
+    axes.set_title("The size per batch: the probe (2), the prediction, the size kept, then the trials (one H200)", fontsize=9)
+    axes.legend(fontsize=8)
+    return figure
+
+
+def _plot_memory_back():
+    import matplotlib.pyplot as plt
+
+    run = _run(*MEMORY_BACK_RUN)
+    figure, axes = plt.subplots(figsize=(7, 3.2))
+    axes.step(range(len(run["size_by_batch"])), run["size_by_batch"], where="mid", color="C0", label="microbatch size")
+    axes.set_xlabel("batch")
+    axes.set_ylabel("microbatch size", color="C0")
+    capacity = axes.twinx()
+    capacity.plot(range(len(run["capacity_mib_each_batch"])), [c / 1024 for c in run["capacity_mib_each_batch"]],
+                  color="C1", label="capacity (GiB)")
+    capacity.set_ylabel("capacity the device gives (GiB)", color="C1")
+    axes.set_title("Another process gives 12 GiB back at batch 14: the size follows (one H200)")
+    return figure
+
+
+def _plot_vs_composer():
+    import matplotlib.pyplot as plt
+
+    labels = [setting for setting, _, _ in VS_COMPOSER]
+    ours = [_run(*mine)["tokens_per_s"] / 1000 for _, mine, _ in VS_COMPOSER]
+    theirs = [_run(*composer)["tokens_per_s"] / 1000 for _, _, composer in VS_COMPOSER]
+    figure, axes = plt.subplots(figsize=(7, 3.6))
+    rows = range(len(labels))
+    axes.barh([r + 0.2 for r in rows], ours, height=0.4, label="automicro auto")
+    axes.barh([r - 0.2 for r in rows], theirs, height=0.4, label="Composer's own auto")
+    axes.set_yticks(list(rows), labels, fontsize=8)
+    axes.invert_yaxis()
+    axes.set_xlabel("real tokens/s (thousands), median of the last batches")
+    axes.set_title("Throughput against Composer's auto, transformers Llama 1B shape, H200")
+    axes.legend(fontsize=8)
+    return figure
+
+
+PLOTS = {"search": _plot_search, "memory-back": _plot_memory_back, "vs-composer": _plot_vs_composer}
+
+
+def plot_svg(name: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    matplotlib.rcParams["svg.fonttype"] = "none"  # text stays text (searchable, small)
+    return _svg(PLOTS[name]())
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:  # noqa: ANN001 (MkDocs' hook signature)
     if MARKER in markdown:
         markdown = markdown.replace(MARKER, reference_markdown())
+    markdown = PLOT_MARKER.sub(lambda match: f'<div class="automicro-plot">\n{plot_svg(match.group(1))}\n</div>', markdown)
     if ERRORS_MARKER in markdown:
         markdown = markdown.replace(ERRORS_MARKER, errors_markdown())
     return markdown

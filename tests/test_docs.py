@@ -171,3 +171,17 @@ def test_the_readmes_links_to_benchmark_rows_land_on_a_heading_of_results():
     headings = {_github_slug(line.lstrip("#")) for line in (REPO / "benchmarks" / "RESULTS.md").read_text().splitlines()
                 if line.startswith("#")}
     assert len(anchors) >= 4 and set(anchors) - headings == set(), sorted(set(anchors) - headings)
+
+
+def test_every_plot_the_docs_name_is_drawn_from_the_results_json():
+    """``<!-- plot: NAME -->`` in a page is a plot of scripts/docs_hooks.py, drawn (SVG, its text kept)
+    from the runs under docs/results/ with the numbers they hold."""
+    hooks = _hooks()
+    named = set()
+    for page in (REPO / "docs").rglob("*.md"):
+        named |= set(hooks.PLOT_MARKER.findall(page.read_text()))
+    assert named == set(hooks.PLOTS)
+    bars = hooks.plot_svg("vs-composer")
+    assert bars.startswith("<svg") and "Composer's own auto" in bars and "2 GPUs, another process on rank 1's" in bars
+    run = hooks._run(*hooks.MEMORY_BACK_RUN)
+    assert run["size_by_batch"][0] < max(run["size_by_batch"]) and "the size follows" in hooks.plot_svg("memory-back")
