@@ -241,8 +241,9 @@ class Raised:
 
 
 def errors() -> list[Raised]:
-    """Every error automicro's product modules raise with a message, and every warning they issue, in
-    source order (``raise X(...)`` and ``warnings.warn(...)``)."""
+    """Every error automicro's product modules raise with a message, every warning they issue or log, and
+    every line they print to stderr, in source order (``raise X(...)``, ``warnings.warn(...)``,
+    ``log.warning(...)``, ``print(..., file=sys.stderr)``)."""
     found = []
     for path in sorted((REPO / "automicro").rglob("*.py")):
         rel = str(path.relative_to(REPO))
@@ -256,6 +257,11 @@ def errors() -> list[Raised]:
                 call = node
                 category = node.args[1] if len(node.args) > 1 else next((k.value for k in node.keywords if k.arg == "category"), None)
                 kind = f"warning ({ast.unparse(category)})" if category is not None else "warning"
+            elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith("log.warning") and node.args:
+                call, kind = node, "logged warning"
+            elif (isinstance(node, ast.Call) and ast.unparse(node.func) == "print" and node.args
+                  and any(k.arg == "file" and ast.unparse(k.value) == "sys.stderr" for k in node.keywords)):
+                call, kind = node, "printed to stderr"
             if call is not None:
                 found.append(Raised(f"{rel}:{node.lineno}", kind, " ".join(_message(call.args[0]).split())))
     return sorted(found, key=lambda r: (r.where.split(":")[0], int(r.where.split(":")[1])))

@@ -67,7 +67,7 @@ def test_every_page_under_docs_is_in_the_nav_and_every_nav_page_exists():
     assert listed == pages, (sorted(listed - pages), sorted(pages - listed))
 
 
-def test_the_troubleshooting_page_lists_every_raise_and_warning_in_the_product():
+def test_the_troubleshooting_page_lists_every_raise_warning_and_stderr_line_in_the_product():
     """Counted a second way (a regex over the source, not the AST the page is generated from)."""
     hooks = _hooks()
     listed = hooks.errors()
@@ -78,6 +78,8 @@ def test_the_troubleshooting_page_lists_every_raise_and_warning_in_the_product()
         text = path.read_text()
         expected += len(re.findall(r"^\s*raise \w[\w.]*\(\s*[^)\s]", text, re.M))
         expected += len(re.findall(r"\bwarnings\.warn\(", text))
+        expected += len(re.findall(r"\blog\.warning\(", text))
+        expected += len(re.findall(r"\bprint\([^\n]*file=sys\.stderr", text))
     assert len(listed) == expected
     assert any(r.message == "fixed_tokens={fixed_tokens} needs budget='tokens'" for r in listed)
     assert r"fixed\_tokens={fixed\_tokens} needs budget='tokens'" in hooks.errors_markdown()  # shown as written
