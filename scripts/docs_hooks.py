@@ -94,7 +94,7 @@ def _default_source(value: Optional[ast.expr]) -> str:
                 factory = kw.value
                 if isinstance(factory, ast.Lambda):
                     return ast.unparse(factory.body)
-                return f"{ast.unparse(factory)}()" if ast.unparse(factory) not in ("dict", "list") else ("{}" if ast.unparse(factory) == "dict" else "[]")
+                return {"dict": "{}", "list": "[]"}.get(ast.unparse(factory), f"{ast.unparse(factory)}()")
             if kw.arg == "default":
                 return ast.unparse(kw.value)
         return ast.unparse(value.args[0]) if value.args else "required"
@@ -376,6 +376,7 @@ def _plot_vs_composer():
 PLOTS = {"search": _plot_search, "memory-back": _plot_memory_back, "vs-composer": _plot_vs_composer}
 
 
+@functools.lru_cache(maxsize=None)  # a plot on two pages is drawn once a build
 def plot_svg(name: str) -> str:
     import matplotlib
 

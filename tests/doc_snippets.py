@@ -143,19 +143,19 @@ HARNESSES: dict[str, Callable[[], tuple[dict, Callable[[dict], None]]]] = {
 def run_examples(rank: int, world_size: int, examples: list[tuple[str, str, str]]) -> dict[str, str]:
     """Each (where, harness, code) on this rank, in order: ``{where: "ok" | the traceback}``."""
     out = {}
-    if True:
-        for where, harness, code in examples:
-            try:
-                namespace, check = HARNESSES[harness]()
-                namespace.setdefault("__name__", "__doc_example__")
-                exec(compile(code, where, "exec"), namespace)  # noqa: S102 (the docs' own example)
-                check(namespace)
-                out[where] = "ok"
-            except BaseException:  # noqa: BLE001 (reported per example)
-                out[where] = traceback.format_exc()
-            finally:
-                trainer = namespace.get("trainer") if "namespace" in locals() else None
-                if trainer is not None and hasattr(trainer, "close"):
-                    trainer.close()
-            dist.barrier()
+    for where, harness, code in examples:
+        namespace: dict = {}
+        try:
+            namespace, check = HARNESSES[harness]()
+            namespace.setdefault("__name__", "__doc_example__")
+            exec(compile(code, where, "exec"), namespace)  # noqa: S102 (the docs' own example)
+            check(namespace)
+            out[where] = "ok"
+        except BaseException:  # noqa: BLE001 (reported per example)
+            out[where] = traceback.format_exc()
+        finally:
+            trainer = namespace.get("trainer")
+            if trainer is not None and hasattr(trainer, "close"):
+                trainer.close()
+        dist.barrier()
     return out

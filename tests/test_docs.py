@@ -4,6 +4,7 @@ the code and lists every key the shipped configs use, and every guide is in the 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 import sys
@@ -15,12 +16,13 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 
 
+@functools.lru_cache(maxsize=None)
 def _hooks():
+    """scripts/docs_hooks.py, loaded once (it is not a package module)."""
     spec = importlib.util.spec_from_file_location("docs_hooks", REPO / "scripts" / "docs_hooks.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("docs_hooks", module)  # dataclasses look their module up
-    spec.loader.exec_module(sys.modules["docs_hooks"])
-    module = sys.modules["docs_hooks"]
+    sys.modules["docs_hooks"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
     return module
 
 
