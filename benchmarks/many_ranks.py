@@ -247,7 +247,7 @@ def worker(args: argparse.Namespace) -> int:
         mine[transport] = {"create_s": create_s, "median_us": statistics.median(times) * 1e6,
                            "p99_us": _pct(times, 0.99) * 1e6}
         transports[transport] = consensus
-    for transport in args.transports.split(","):
+    for transport in args.transports.split(",")[: args.searched]:
         driver = Driver(args, transports[transport], rank, world)
         mine[transport]["search"] = driver.search_until_steady()
         mine[transport]["steady_rerun"] = driver.steady_reruns(args.reruns)
@@ -285,10 +285,10 @@ def summarize(every: list[dict[str, Any]], args: argparse.Namespace, world: int)
             "create_s_max": max(r["create_s"] for r in rows),
             "round_median_us": rows[0]["median_us"], "round_p99_us": rows[0]["p99_us"],
             "round_median_us_worst_rank": max(r["median_us"] for r in rows),
-            "search": rows[0]["search"],
-            "search_seconds_max": max(r["search"]["seconds"] for r in rows),
-            "steady_rerun": rows[0]["steady_rerun"],
         }
+        if "search" in rows[0]:
+            doc[transport] |= {"search": rows[0]["search"], "search_seconds_max": max(r["search"]["seconds"] for r in rows),
+                               "steady_rerun": rows[0]["steady_rerun"]}
     if "fuzz" in every[0]:
         doc["fuzz"] = every[0]["fuzz"] | {"every_rank_agreed": all(r["fuzz"]["agreed"] for r in every)}
     return doc
@@ -349,6 +349,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--worlds", default="16,32,64,128")
     p.add_argument("--per-node", type=int, default=8, help="ranks per simulated host")
     p.add_argument("--transports", default="hierarchical,process_group")
+    p.add_argument("--searched", type=int, default=2, help="the search and the reruns run on the first N transports")
     p.add_argument("--rounds", type=int, default=500, help="consensus rounds timed per transport")
     p.add_argument("--hooks", type=int, default=12, help="sync points per microbatch while the hooks are on")
     p.add_argument("--batch", type=int, default=32, help="per-rank batch (samples)")
@@ -365,7 +366,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not args.fuzz_attempts:
         args.fuzz_attempts = 200
     passthrough = [f"--{k}={getattr(args, k.replace('-', '_'))}" for k in
-                   ("per-node", "transports", "rounds", "hooks", "batch", "jitter", "oom-rate", "reruns", "seed")]
+                   ("per-node", "transports", "searched", "rounds", "hooks", "batch", "jitter", "oom-rate", "reruns", "seed")]
     return drive(args, passthrough + rest)
 
 

@@ -283,6 +283,24 @@ class _LegFailure(Exception):
         self.leader_gone = leader_gone
 
 
+# (the default group, the group) per ranks: a group made once per process and default group, reused by
+# every consensus made later (torch names a locally synchronized group by its ranks: one name, one group).
+_OWN_GROUPS: dict[tuple[int, ...], tuple[Any, Any]] = {}
+
+
+def own_group(ranks: list[int]) -> Any:
+    """A gloo group over `ranks`, created by those ranks only (`use_local_synchronization`: the others
+    neither call nor wait), so a job's start costs each rank its own groups, not one per node. Every
+    member must call it, in the same order as the other groups it belongs to."""
+    key = tuple(ranks)
+    cached = _OWN_GROUPS.get(key)
+    if cached is not None and cached[0] is dist.group.WORLD:
+        return cached[1]
+    group = dist.new_group(ranks=list(ranks), backend="gloo", use_local_synchronization=True)
+    _OWN_GROUPS[key] = (dist.group.WORLD, group)
+    return group
+
+
 class HierarchicalTransport:
     """MAX-reduce over several nodes: a local leg per node, one gloo all-reduce among leaders."""
 
@@ -318,10 +336,12 @@ class HierarchicalTransport:
         box = [f"automicro/consensus/{uuid.uuid4().hex}"]
         dist.broadcast_object_list(box, src=0, group=group)
         mine = next(ranks for ranks in nodes if rank in ranks)
-        # Every rank creates every node's group and the leaders' group, in the same order.
-        local_groups = [dist.new_group(ranks=ranks, backend="gloo") for ranks in nodes]
-        leaders_group = dist.new_group(ranks=[ranks[0] for ranks in nodes], backend="gloo")
-        local_group = local_groups[nodes.index(mine)]
+        # Each rank creates only the groups it belongs to: its node's, and the leaders' where it leads
+        # (`own_group`). Creating every node's group on every rank cost nodes x world at start (128 CPU
+        # ranks in 16 hosts: 0.82 s, `benchmarks/RESULTS.md` session 38), hours at 16,384 ranks.
+        leader_ranks = [ranks[0] for ranks in nodes]
+        local_group = own_group(mine)
+        leaders_group = own_group(leader_ranks) if mine[0] == rank else None
         local_rank = mine.index(rank)
         leg: Any
         if len(mine) == 1:
@@ -340,7 +360,6 @@ class HierarchicalTransport:
                         raise ValueError(f"hierarchical consensus, local leg 'shm': {error}") from None
             if leg is None:
                 leg = _GroupLeg(local_group, local_rank, mine)
-        leader_ranks = [ranks[0] for ranks in nodes]
         leaders = _RecursiveDoubling(leaders_group, leader_ranks, leader_ranks.index(rank)) if mine[0] == rank else None
         return cls(rank, nodes, leg, leaders, box[0])
 
