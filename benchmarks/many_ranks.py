@@ -44,9 +44,6 @@ from typing import Any, Optional
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-GIB = 1 << 30
-
-
 def _pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -63,76 +60,30 @@ def _rss_mib() -> float:
     return 0.0
 
 
-class MemoryModel:
-    """Each rank's peak at a microbatch: fixed bytes plus per-sample bytes drawn per rank."""
-
-    def __init__(self, seed: int, rank: int, jitter: float, capacity: int = 80 * GIB,
-                 fixed: int = 20 * GIB, per_sample: int = 2 * GIB) -> None:
-        draw = random.Random(f"{seed}/{rank}").random()
-        self.capacity, self.fixed = capacity, fixed
-        self.per_sample = int(per_sample * (1.0 + jitter * draw))
-
-    def peak(self, size: int) -> int:
-        return self.fixed + self.per_sample * size
-
-    def fits(self, size: int) -> bool:
-        return self.peak(size) <= self.capacity
-
-
 class Driver:
     """One rank's loop: attempts under the real fence, decisions from the real policy."""
 
     def __init__(self, args: argparse.Namespace, consensus: Any, rank: int, world: int) -> None:
         from automicro.core import policy as search
         from automicro.core.attempt import AttemptFence
+        from automicro.core.control_sim import MemoryModel
         from automicro.core.sites import AttemptContext
 
         self.search, self.args, self.rank, self.world = search, args, rank, world
         self.consensus = consensus
         self.context = AttemptContext()
         self.memory = MemoryModel(args.seed, rank, args.jitter)
-        self.figures: Any = None
-        self.fence = AttemptFence(consensus, self.context, lambda: self.figures)
+        self.fence = AttemptFence(consensus, self.context, lambda: None)
         self.policy = search.SearchPolicy(search.PolicyConfig(probe=True), args.batch)
         self.attempt = 0
 
-    def _plan(self, sizes: tuple[int, ...], inject: Optional[tuple[int, int, int, str]]) -> Optional[tuple[int, int, str]]:
-        """Where this rank fails in the attempt: (microbatch, sync point, kind) or None."""
-        for index, size in enumerate(sizes):
-            if not self.memory.fits(size):
-                return index, self.args.hooks // 2, "oom"
-        if inject is not None and inject[0] == self.rank:
-            return inject[1] % len(sizes), inject[2], inject[3]
-        return None
-
     def run_attempt(self, sizes: tuple[int, ...], hooks: bool, inject: Optional[tuple[int, int, int, str]] = None) -> Any:
-        import torch
-        from automicro.core.consensus import LocalFigures
+        from automicro.core.control_sim import failure_plan, reported_peak, run_attempt
 
         self.attempt += 1
-        self.context.attempt = self.attempt
-        plan = self._plan(sizes, inject)
-        reached = 0
-
-        def body(finish: Any) -> None:
-            nonlocal reached
-            for index, size in enumerate(sizes):
-                self.context.microbatch_index = index
-                for point in range(self.args.hooks):
-                    self.context.last_site = "forward" if point < self.args.hooks // 2 else "backward"
-                    if plan is not None and plan[:2] == (index, point):
-                        reached = self.memory.peak(size) - self.memory.per_sample
-                        if plan[2] == "oom":
-                            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-                        raise RuntimeError("injected error")
-                    if hooks:
-                        self.consensus.sync()
-                reached = max(reached, self.memory.peak(size))
-            finish()
-
-        self.figures = LocalFigures(peak_bytes=self.memory.peak(max(sizes)), capacity_bytes=self.memory.capacity)
-        result = self.fence.run(body, lambda: None, hooks_active=hooks)
-        return result.verdict
+        plan = failure_plan(self.memory, sizes, self.args.hooks, self.rank, inject)
+        return run_attempt(self.fence, self.consensus, self.context, sizes, hooks, self.args.hooks, plan,
+                           reported_peak(self.memory, sizes, plan), self.memory.capacity)
 
     def observe(self, sizes: tuple[int, ...], verdict: Any) -> Any:
         search = self.search
@@ -160,7 +111,7 @@ class Driver:
             draw = self.shared_draw(f"search/{self.attempt}")
             inject = None
             if draw.random() < self.args.oom_rate:
-                inject = (draw.randrange(self.world), draw.randrange(4), draw.randrange(self.args.hooks), "oom")
+                inject = (draw.randrange(self.world), draw.randrange(4), draw.randrange(self.args.hooks), "oneoff")
             sizes = self.policy.current_split()
             verdict = self.run_attempt(tuple(sizes), self.policy.hooks, inject)
             attempts += 1
@@ -181,7 +132,7 @@ class Driver:
             victim = draw.randrange(self.world)
             sizes = tuple(self.policy.current_split())
             started, rounds0 = time.perf_counter(), self.consensus.sync_count
-            verdict = self.run_attempt(sizes, False, (victim, len(sizes) - 1, self.args.hooks - 1, "oom"))
+            verdict = self.run_attempt(sizes, False, (victim, len(sizes) - 1, self.args.hooks - 1, "oneoff"))
             assert verdict.failed, "the injected steady-state OOM was not agreed"
             self.observe(sizes, verdict)
             while self.policy.phase != search.Phase.STEADY:
@@ -202,7 +153,9 @@ class Driver:
             mine = None
             if self.rank in victims:
                 mine = (self.rank, draw.randrange(micro), draw.randrange(self.args.hooks),
-                        "oom" if draw.random() < 0.8 else "error")
+                        "oneoff" if draw.random() < 0.8 else "error")
+            from automicro.core.control_sim import MemoryModel
+
             self.memory = MemoryModel(self.args.seed, self.rank, 0.0, capacity=1 << 62)
             verdict = self.run_attempt((1,) * micro, hooks, mine)
             failed += int(verdict.failed)
@@ -354,7 +307,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--hooks", type=int, default=12, help="sync points per microbatch while the hooks are on")
     p.add_argument("--batch", type=int, default=32, help="per-rank batch (samples)")
     p.add_argument("--jitter", type=float, default=0.2, help="per-sample bytes vary by up to this fraction across ranks")
-    p.add_argument("--oom-rate", type=float, default=0.25, help="chance per search attempt of a one-off OOM on a random rank")
+    p.add_argument("--oom-rate", type=float, default=0.1, help="chance per search attempt of a one-off OOM on a random rank")
     p.add_argument("--reruns", type=int, default=5, help="steady-state OOM reruns timed")
     p.add_argument("--seed", type=int, default=62)
     p.add_argument("--fuzz-world", type=int, default=64)
