@@ -11,6 +11,7 @@ import dataclasses
 from typing import Optional, Union
 
 from automicro.core import policy as search
+from automicro.core.headroom import DEFAULT_RERUN_TARGET
 from automicro.core.layout import LayoutConfig
 from automicro.core.transport import TRANSPORTS
 from automicro.engine.hooks import SYNC_POINTS
@@ -43,6 +44,9 @@ class Settings:
     loss_normalization: LossNormalization
     # After the run ended with an error: how long the process may take to exit (`core.exit_watch`).
     exit_timeout_s: float = 30.0
+    # The job-level share of batches a steady-state OOM may rerun; the settled size keeps the headroom it
+    # takes at the run's world size (`core.headroom`). 0: the size found stays.
+    rerun_target: float = DEFAULT_RERUN_TARGET
 
     @classmethod
     def parse(
@@ -70,6 +74,7 @@ class Settings:
         label_shift: Union[str, int] = "auto",
         packing: Union[bool, str, None] = None,
         exit_timeout_s: float = 30.0,
+        rerun_target: float = DEFAULT_RERUN_TARGET,
     ) -> "Settings":
         # None: the probe on a GPU, the whole batch on CPU (resolved at attach, as the layout).
         start = _start(start_size, search, use_prediction, budget)
@@ -136,6 +141,11 @@ class Settings:
                 f"exit_timeout_s={exit_timeout_s!r}: must be a positive number of seconds (how long the process may take "
                 "to exit after the run ended with an error, before automicro prints what holds it and ends it)"
             )
+        if isinstance(rerun_target, bool) or not isinstance(rerun_target, (int, float)) or not 0.0 <= rerun_target < 1.0:
+            raise ValueError(
+                f"rerun_target={rerun_target!r}: must be a number in [0, 1): the share of the batches a steady-state OOM "
+                "may rerun over the whole job (0.01: 1%), which sets the headroom below the size found; 0 keeps the size found"
+            )
         return cls(
             start=start,
             policy_config=kind.policy_config(config),
@@ -154,6 +164,7 @@ class Settings:
             # Per loss token over the whole batch by default with budget: tokens (`loss_normalization`).
             loss_normalization=LossNormalization.parse(loss_normalization, label_shift, budget),
             exit_timeout_s=float(exit_timeout_s),
+            rerun_target=float(rerun_target),
         )
 
 

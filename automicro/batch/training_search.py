@@ -20,7 +20,7 @@ from typing import Any, Optional, TypeVar
 
 import torch
 
-from automicro.core import exit_watch, failure_note
+from automicro.core import exit_watch, failure_note, headroom
 from automicro.core import policy as search
 from automicro.core.attempt import is_oom
 from automicro.core.consensus import KIND_ERROR, FailedOnOtherRank, LocalFigures, OOMOnOtherRank, Verdict
@@ -68,6 +68,9 @@ class TrainingSearch:
         self.agreed_error: Optional[BaseException] = None  # a failure every rank agreed on
         self.memory_truth = MemoryTruth(lambda: runtime.memory, lambda: runtime.rank, settings.log_attempts)
         self._last_peak = self._last_outside = 0
+        # Every rank's peak in each settling batch, and the sizes found whose headroom was decided (`_headroom`).
+        self._settling_peaks: list[list[int]] = []
+        self._headroom_checked: set[int] = set()
         self._pending_policy: Optional[dict[str, Any]] = None  # from a checkpoint, applied at the first batch
         self._layout_state: Optional[dict[str, Any]] = None
         self._optimizer_pending = 0  # bytes the first optimizer step will allocate on this rank
@@ -474,6 +477,36 @@ class TrainingSearch:
         if found_line is not None:
             self.runtime.info(found_line)
         self.apply_hooks(decision.hooks, decision.reason)
+        self._headroom(phase_before, decision, verdict, found, trial_batch)
+
+    def _headroom(self, phase_before: search.Phase, decision: Any, verdict: Verdict, found: Optional[int], trial_batch: bool) -> None:
+        """Collect every rank's peak over the settling batches; once the size is steady, keep the
+        headroom the rerun target takes at this world size (`automicro.core.headroom`), once per size found."""
+        assert self.policy is not None
+        config = self.policy.config
+        target = self.runtime.settings.rerun_target
+        if not target or config.unit != "samples" or config.sizes_for is not None:
+            return
+        if phase_before != search.Phase.SETTLING or found is None or self.policy.found_size != found:
+            self._settling_peaks = []
+            return
+        if not trial_batch and self.batch_attempts == 1:
+            self._settling_peaks.append([r.peak_bytes for r in verdict.reports])
+        if decision.phase != search.Phase.STEADY or found in self._headroom_checked:
+            return
+        peaks, self._settling_peaks = self._settling_peaks, []
+        self._headroom_checked.add(found)
+        # The peaks are the largest microbatch's of the split run (an even split of the batch under the size
+        # found): that microbatch is the one to step down.
+        largest = max(self.policy.current_split())
+        above, at = self.policy.projected_peak(largest), self.policy.projected_peak(largest - 1) if largest > 1 else None
+        per_sample = above - at if above is not None and at is not None else None
+        usable = self.policy.usable_bytes(verdict.capacity_bytes) if verdict.capacity_bytes else 0
+        chosen = headroom.decide(largest, peaks, usable, per_sample, len(verdict.reports), target, config.min_size)
+        self.runtime.info(chosen.line)
+        if chosen.size != largest:
+            self._headroom_checked.add(chosen.size)
+            self.runtime.info(self.policy.observe(search.Adopt(chosen.size)).event)
 
     def _record(
         self, batch_index: int, sizes: tuple[int, ...], outcome: str, verdict: Verdict, next_size: int,

@@ -108,6 +108,9 @@ class AutoMicrobatching(Callback):
             the model's attention keeps samples apart), ``auto`` (measured on any device), true or false.
         exit_timeout_s: After the run ended with an error, the process gets this many seconds to exit
             before automicro prints what holds it and ends it.
+        rerun_target: The share of the batches a steady-state OOM may rerun over the whole job (0.01:
+            1%); the size settled on keeps the headroom below the size found that this takes at the
+            run's world size, from the spread of the settling batches' peaks; 0 keeps the size found.
 
     The rooms that own the behaviour: `settings` (the checked keys), `runtime` (what attach builds:
     consensus, ledger, fence, sync hooks, memory source), `search` (the training batch under `auto`
@@ -141,12 +144,13 @@ class AutoMicrobatching(Callback):
         label_shift: Union[str, int] = "auto",
         packing: Union[bool, str, None] = None,
         exit_timeout_s: float = 30.0,
+        rerun_target: float = 0.01,
     ) -> None:
         self.settings = Settings.parse(
             stable_batches, thrash_batches, search, use_prediction, start_size, cpu_sync_group, memory_fraction,
             log_attempts, unguarded_timeout_s, sync_points, consensus_transport, steady_recovery, budget,
             fixed_tokens, eval_oom, layout, layout_trial_batches, layout_min_gain, layout_size_trials,
-            loss_normalization, label_shift, packing, exit_timeout_s,
+            loss_normalization, label_shift, packing, exit_timeout_s, rerun_target,
         )
         self.runtime = Runtime(self.settings)
         self.search = TrainingSearch(self.settings, self.runtime)
