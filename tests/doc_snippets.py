@@ -132,11 +132,21 @@ def _engine() -> tuple[dict, Callable[[dict], None]]:
     return namespace, check
 
 
+def _projection() -> tuple[dict, Callable[[dict], None]]:
+    """Many hosts: the control plane projected (`automicro.core.control_sim`), nothing given."""
+
+    def check(ns: dict) -> None:
+        assert ns["row"]["world"] == 16384 and ns["row"]["round_ms"] > 0
+
+    return {}, check
+
+
 HARNESSES: dict[str, Callable[[], tuple[dict, Callable[[dict], None]]]] = {
     "autostep": _autostep,
     "plain-loop": _plain_loop,
     "composer-trainer": _composer_trainer,
     "engine": _engine,
+    "projection": _projection,
 }
 
 

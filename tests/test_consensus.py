@@ -162,7 +162,25 @@ def test_bad_transport_names_are_refused_with_the_choices():
 # ---- many nodes: the hierarchical transport ------------------------------------------------------
 
 
-def _hierarchical_and_gloo(rank: int, world: int, seed: int, local_leg: str) -> dict:
+def _sparse_vector(seed: int, rank: int, round_: int, length: int) -> np.ndarray:
+    """Every other round on average a sync round's shape (a few non-zero words, fewer than the header's
+    pairs), else `_vector`'s (dense: the whole vector follows the header)."""
+    vec = _vector(seed, rank, round_, length)
+    rng = random.Random(seed * 7 + round_ * 13 + rank)
+    if rng.random() < 0.5:
+        keep = np.zeros_like(vec)
+        for index in rng.sample(range(length), 2):
+            keep[index] = vec[index]
+        return keep
+    return vec
+
+
+def _hierarchical_and_gloo(rank: int, world: int, seed: int, local_leg: str, sparse_pairs: int = 0) -> dict:
+    from automicro.core.hierarchical import _RecursiveDoubling
+
+    if sparse_pairs:  # the leaders' sparse exchange at a vector this short (it applies past 1 + 2 x pairs words)
+        _RecursiveDoubling.SPARSE_PAIRS = sparse_pairs
+    make = _sparse_vector if sparse_pairs else _vector
     consensus = Consensus.create(transport="auto", local_leg=local_leg)
     pg = ProcessGroupTransport(consensus.group, world)
     length = 1 + SLOTS * world
@@ -171,8 +189,8 @@ def _hierarchical_and_gloo(rank: int, world: int, seed: int, local_leg: str) -> 
     for r in range(ROUNDS):
         if delays.random() < 0.1:
             time.sleep(delays.choice([1e-4, 1e-3, 5e-3]))
-        hier_results.append(consensus.transport.max_reduce(_vector(seed, rank, r, length)).tolist())
-        pg_results.append(pg.max_reduce(_vector(seed, rank, r, length)).tolist())
+        hier_results.append(consensus.transport.max_reduce(make(seed, rank, r, length)).tolist())
+        pg_results.append(pg.max_reduce(make(seed, rank, r, length)).tolist())
     described = consensus.describe()
     consensus.close()
     return {"hier": hier_results, "pg": pg_results, "name": consensus.transport_name, "described": described}
@@ -180,22 +198,27 @@ def _hierarchical_and_gloo(rank: int, world: int, seed: int, local_leg: str) -> 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize(
-    "world,nodes,local_leg,within",
+    "world,nodes,local_leg,within,sparse_pairs",
     [
-        (4, 2, "auto", "shared memory"),
-        (4, 4, "auto", "one rank per node"),
-        (3, 3, "auto", "one rank per node"),  # leaders not a power of two: one folds into another
-        (4, 2, "process_group", "gloo"),
+        (4, 2, "auto", "shared memory", 0),
+        (4, 4, "auto", "one rank per node", 0),
+        (3, 3, "auto", "one rank per node", 0),  # leaders not a power of two: one folds into another
+        (4, 2, "process_group", "gloo", 0),
+        # The leaders' sparse exchange (a header of 3 pairs, the whole vector where more words are set),
+        # with a fold (5 leaders) and without (4).
+        (5, 5, "auto", "one rank per node", 3),
+        (8, 4, "auto", "shared memory", 3),
     ],
 )
-def test_hierarchical_and_gloo_agree_on_every_round_with_late_arrivals(world, nodes, local_leg, within):
+def test_hierarchical_and_gloo_agree_on_every_round_with_late_arrivals(world, nodes, local_leg, within, sparse_pairs):
     seed = 31 + nodes
     per_rank = run_multiprocess(
-        _hierarchical_and_gloo, world_size=world, nodes=nodes, args=(seed, local_leg), timeout_s=180
+        _hierarchical_and_gloo, world_size=world, nodes=nodes, args=(seed, local_leg, sparse_pairs), timeout_s=180
     )
     length = 1 + SLOTS * world
+    make = _sparse_vector if sparse_pairs else _vector
     expected = [
-        np.max([_vector(seed, rank, r, length) for rank in range(world)], axis=0).tolist() for r in range(ROUNDS)
+        np.max([make(seed, rank, r, length) for rank in range(world)], axis=0).tolist() for r in range(ROUNDS)
     ]
     for rank, result in enumerate(per_rank):
         assert result["name"] == "hierarchical", result["described"]

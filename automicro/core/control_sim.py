@@ -140,6 +140,10 @@ class _ThreadTransport:
         self._barrier = threading.Barrier(world)
         self._lock = threading.Lock()
         self._result = np.zeros(length, dtype=np.int64)
+        # Rounds in which a rank that did not fail sent its figures (a finish round, `agree_max`): over a
+        # whole world every rank's words are set, so the leaders send the whole vector (`hierarchical`).
+        self.dense_rounds = 0
+        self._dense = False
 
     def describe(self) -> str:
         return "threads"
@@ -147,10 +151,14 @@ class _ThreadTransport:
     def max_reduce(self, vec: np.ndarray, timeout_s: Optional[float] = None) -> np.ndarray:
         if self._barrier.wait(timeout=60) == 0:
             self._result.fill(np.iinfo(np.int64).min)
+            self._dense = False
         self._barrier.wait(timeout=60)
+        slots = vec[1:].reshape(-1, SLOTS)
         with self._lock:
             np.maximum(self._result, vec, out=self._result)
-        self._barrier.wait(timeout=60)
+            self._dense = self._dense or bool(((slots[:, 0] == 0) & slots[:, 1:].any(axis=1)).any())
+        if self._barrier.wait(timeout=60) == 0 and self._dense:
+            self.dense_rounds += 1
         out = self._result.copy()
         self._barrier.wait(timeout=60)
         return out
@@ -168,6 +176,7 @@ class _Witness:
         from automicro.core.sites import AttemptContext
 
         transport = _ThreadTransport(world, 1 + SLOTS * world)
+        self.transport = transport
         self.ranks = []
         for rank in range(world):
             consensus = Consensus(group=None, world_size=world, rank=rank, transport=transport)
@@ -175,9 +184,9 @@ class _Witness:
             self.ranks.append((consensus, context, AttemptFence(consensus, context, lambda: None)))
 
     def attempt(self, sizes: tuple[int, ...], hooks_on: bool, hooks: int,
-                plans: list[Optional[tuple[int, int, str]]], peak: int, capacity: int) -> tuple[int, bool]:
-        """Rounds the attempt took and whether it was agreed failed."""
-        before = self.ranks[0][0].sync_count
+                plans: list[Optional[tuple[int, int, str]]], peak: int, capacity: int) -> tuple[int, int, bool]:
+        """Rounds the attempt took, how many of them dense, and whether it was agreed failed."""
+        before, dense_before = self.ranks[0][0].sync_count, self.transport.dense_rounds
         results: list[Any] = [None] * len(self.ranks)
         errors: list[BaseException] = []
 
@@ -199,11 +208,7 @@ class _Witness:
             raise RuntimeError("the witness ranks did not end their attempt: the protocol hung")
         failed = {bool(v.failed) for v in results}
         assert len(failed) == 1, "the witness ranks disagree on the verdict"
-        return self.ranks[0][0].sync_count - before, failed.pop()
-
-    def agree(self) -> int:
-        """One `agree_max` round on every witness rank (the probe's peaks by size)."""
-        return 1
+        return self.ranks[0][0].sync_count - before, self.transport.dense_rounds - dense_before, failed.pop()
 
 
 # ---- the cost of a round ---------------------------------------------------------------------
@@ -222,6 +227,9 @@ def vector_bytes(world: int) -> int:
     return 8 * (1 + SLOTS * world)
 
 
+HEADER_BYTES = 8 * (1 + 2 * 64)  # the leaders' sparse header (`hierarchical._RecursiveDoubling.SPARSE_PAIRS` = 64)
+
+
 @dataclass(frozen=True)
 class Links:
     """What one consensus round costs, in parts (seconds; bytes per second)."""
@@ -234,11 +242,15 @@ class Links:
     cores: int = 0  # 0: a core for every rank (real hosts)
     store_op_s: float = 50e-6  # one request served by the launcher's TCPStore (libuv server)
 
-    def round_s(self, world: int, per_node: int = 8) -> float:
+    def round_s(self, world: int, per_node: int = 8, dense: bool = True) -> float:
+        """One round over `world` ranks in hosts of `per_node`; `dense`: every rank's words are set (a
+        finish round), so the leaders send the whole vector; else a sync round, whose leaders send the
+        header alone where it is the shorter (`hierarchical._RecursiveDoubling.SPARSE_PAIRS`)."""
         nodes = max(1, math.ceil(world / per_node))
         vec = vector_bytes(world)
         node = self.node_s + per_node * vec / self.memory_bytes_per_s if per_node > 1 else 0.0
-        leaders = leader_exchanges(nodes) * (self.hop_s + vec / self.link_bytes_per_s)
+        sent = vec if dense else min(vec, HEADER_BYTES)
+        leaders = leader_exchanges(nodes) * (self.hop_s + sent / self.link_bytes_per_s)
         crowd = self.per_extra_rank_s * max(0.0, world / self.cores - 1.0) * self.cores if self.cores else 0.0
         return node + leaders + crowd
 
@@ -290,6 +302,11 @@ class SimResult:
     ooms: int
     found: Optional[int]
     seconds: float
+    dense_rounds: int = 0  # of `rounds`, those that carry every rank's figures (finish rounds, `agree_max`)
+
+
+def _seconds(links: Links, world: int, per_node: int, rounds: int, dense: int) -> float:
+    return (rounds - dense) * links.round_s(world, per_node, dense=False) + dense * links.round_s(world, per_node)
 
 
 class Simulation:
@@ -308,6 +325,7 @@ class Simulation:
         self.capacity = self.worst.capacity
         self.policy = search.SearchPolicy(search.PolicyConfig(probe=True), batch)
         self.witness = _Witness()
+        self.dense_rounds = 0  # rounds so far that carried every rank's figures
         self.attempt_count = 0  # the measured driver's attempt counter: the shared draws' key
 
     def _draw(self, key: str) -> random.Random:
@@ -329,7 +347,8 @@ class Simulation:
             chosen.append(fine if fine is not None else failing[-1])
         witness_plans = [plans.get(r) for r in chosen[:3]]
         peak = max(m.peak(max(sizes)) for m in self.memory)
-        rounds, failed = self.witness.attempt(sizes, hooks_on, self.hooks, witness_plans, peak, self.capacity)
+        rounds, dense, failed = self.witness.attempt(sizes, hooks_on, self.hooks, witness_plans, peak, self.capacity)
+        self.dense_rounds += dense
         if not hooks_on:
             # Hooks off: every rank runs to its own failure, so every planned failure is reported.
             reported = failing
@@ -353,11 +372,14 @@ class Simulation:
             max(sizes), peak_bytes=max(m.peak(max(sizes)) for m in self.memory), capacity_bytes=self.capacity,
             peaks_by_size=tuple(zip(distinct, peaks)),
         ))
-        return 1 if len(distinct) > 1 else 0
+        agreed = 1 if len(distinct) > 1 else 0  # one `agree_max` round, every rank's peaks: dense
+        self.dense_rounds += agreed
+        return agreed
 
     def search_until_steady(self, links: Links) -> SimResult:
         search = self.search
         attempts = rounds = ooms = 0
+        dense0 = self.dense_rounds
         while self.policy.phase != search.Phase.STEADY:
             draw = self._draw(f"search/{self.attempt_count}")
             inject = None
@@ -370,13 +392,16 @@ class Simulation:
             ooms += int(bool(outcome[0]))
             if attempts > 200:
                 raise RuntimeError("the simulated search did not settle in 200 attempts")
-        return SimResult(attempts, rounds, ooms, self.policy.found_size, rounds * links.round_s(self.world, self.per_node))
+        dense = self.dense_rounds - dense0
+        return SimResult(attempts, rounds, ooms, self.policy.found_size,
+                         _seconds(links, self.world, self.per_node, rounds, dense), dense)
 
     def steady_rerun(self, links: Links, n: int = 0) -> SimResult:
         """One steady-state OOM on a random rank at the batch's end, agreed, rerun until STEADY again."""
         search = self.search
         assert self.policy.phase == search.Phase.STEADY
         victim = self._draw(f"steady/{n}").randrange(self.world)
+        dense0 = self.dense_rounds
         sizes = tuple(self.policy.current_split())
         used, outcome = self._attempt(sizes, False, (victim, len(sizes) - 1, self.hooks - 1, "oneoff"))
         rounds, attempts = used + self._observe(sizes, outcome), 1
@@ -385,7 +410,9 @@ class Simulation:
             used, outcome = self._attempt(sizes, self.policy.hooks, None)
             rounds += used + self._observe(sizes, outcome)
             attempts += 1
-        return SimResult(attempts, rounds, 1, self.policy.found_size, rounds * links.round_s(self.world, self.per_node))
+        dense = self.dense_rounds - dense0
+        return SimResult(attempts, rounds, 1, self.policy.found_size,
+                         _seconds(links, self.world, self.per_node, rounds, dense), dense)
 
 
 def project(worlds: tuple[int, ...] = (512, 4096, 16384), per_node: int = 8, hop: str = "pessimistic",
@@ -403,9 +430,11 @@ def project(worlds: tuple[int, ...] = (512, 4096, 16384), per_node: int = 8, hop
         rerun = sorted(again, key=lambda r: r.rounds)[len(again) // 2]
         rows.append({
             "world": world, "hosts": math.ceil(world / per_node), "hop": hop,
-            "round_ms": 1e3 * links.round_s(world, per_node),
+            "round_ms": 1e3 * links.round_s(world, per_node, dense=False),
+            "finish_round_ms": 1e3 * links.round_s(world, per_node),
             "vector_kib": vector_bytes(world) / 1024,
             "search_attempts": found.attempts, "search_ooms": found.ooms, "search_rounds": found.rounds,
+            "search_dense_rounds": found.dense_rounds,
             "search_control_s": found.seconds,
             "search_share_of_1000_batches": (found.seconds + found.ooms * batch_s) / (1000 * batch_s),
             "rerun_rounds": rerun.rounds, "rerun_control_s": rerun.seconds, "rerun_s": rerun.seconds + batch_s,

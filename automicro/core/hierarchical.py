@@ -244,10 +244,79 @@ class _RecursiveDoubling:
         self.n = len(leaders)
         self.p = 1 << (self.n.bit_length() - 1)
 
+    # A round's vector holds 8 words a rank, but a sync round (thousands a searching batch) carries little
+    # but "still running": where the vector is longer than the header, a leader sends the header first
+    # (the count of non-zero words, their indices and values: every word is >= 0, so MAX over the non-zero
+    # ones is the MAX), and the whole vector only where more than `SPARSE_PAIRS` words are non-zero (a
+    # finish round's figures). The bytes a sync round moves between hosts then stay the same at any size.
+    SPARSE_PAIRS = 64
+    _HEADER_TAG, _DENSE_TAG = 1, 2
+
     def max_reduce(self, vec: np.ndarray, timeout_s: Optional[float] = None) -> np.ndarray:
         if self.n == 1:
             return vec
         timeout = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
+        if len(vec) <= 1 + 2 * self.SPARSE_PAIRS:
+            return self._dense(vec, timeout)
+        i, p = self.index, self.p
+        if i >= p:
+            self._send(vec, self.leaders[i - p], timeout)
+            self._receive_max(vec, self.leaders[i - p], timeout)
+            return vec
+        if i < self.n - p:
+            self._receive_max(vec, self.leaders[i + p], timeout)
+        mask = 1
+        while mask < p:
+            partner = self.leaders[i ^ mask]
+            header, dense = self._pack(vec)
+            sends = [dist.isend(header, partner, group=self.group, tag=self._HEADER_TAG)]
+            if dense is not None:
+                sends.append(dist.isend(dense, partner, group=self.group, tag=self._DENSE_TAG))
+            self._receive_max(vec, partner, timeout)
+            for work in sends:
+                self._wait(work, timeout)
+            mask <<= 1
+        if i < self.n - p:
+            self._send(vec, self.leaders[i + p], timeout)
+        return vec
+
+    def _pack(self, vec: np.ndarray) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(header, the whole vector or None): header = [count, indices..., values...], count -1 where
+        the whole vector follows."""
+        k = self.SPARSE_PAIRS
+        header = np.zeros(1 + 2 * k, dtype=np.int64)
+        nonzero = np.flatnonzero(vec)
+        if len(nonzero) > k:
+            header[0] = -1
+            return torch.from_numpy(header), torch.from_numpy(vec.copy())
+        header[0] = len(nonzero)
+        header[1 : 1 + len(nonzero)] = nonzero
+        header[1 + k : 1 + k + len(nonzero)] = vec[nonzero]
+        return torch.from_numpy(header), None
+
+    def _send(self, vec: np.ndarray, peer: int, timeout: datetime.timedelta) -> None:
+        header, dense = self._pack(vec)
+        self._wait(dist.isend(header, peer, group=self.group, tag=self._HEADER_TAG), timeout)
+        if dense is not None:
+            self._wait(dist.isend(dense, peer, group=self.group, tag=self._DENSE_TAG), timeout)
+
+    def _receive_max(self, vec: np.ndarray, peer: int, timeout: datetime.timedelta) -> None:
+        """`vec` = MAX(`vec`, what `peer` sends), header first, the whole vector where it says so."""
+        k = self.SPARSE_PAIRS
+        header = torch.empty(1 + 2 * k, dtype=torch.int64)
+        self._wait(dist.irecv(header, peer, group=self.group, tag=self._HEADER_TAG), timeout)
+        words = header.numpy()
+        count = int(words[0])
+        if count < 0:
+            theirs = torch.empty(len(vec), dtype=torch.int64)
+            self._wait(dist.irecv(theirs, peer, group=self.group, tag=self._DENSE_TAG), timeout)
+            np.maximum(vec, theirs.numpy(), out=vec)
+            return
+        index = words[1 : 1 + count]
+        vec[index] = np.maximum(vec[index], words[1 + k : 1 + k + count])
+
+    def _dense(self, vec: np.ndarray, timeout: datetime.timedelta) -> np.ndarray:
+        """The whole vector at every exchange (a vector no longer than the header)."""
         mine = torch.from_numpy(vec)  # shares memory: the result lands in `vec`
         theirs = torch.empty_like(mine)
         i, p = self.index, self.p
