@@ -410,7 +410,14 @@ class HierarchicalTransport:
         # ranks in 16 hosts: 0.82 s, `benchmarks/RESULTS.md` session 38), hours at 16,384 ranks.
         leader_ranks = [ranks[0] for ranks in nodes]
         local_group = own_group(mine)
-        leaders_group = own_group(leader_ranks) if mine[0] == rank else None
+        if mine[0] == rank:
+            leaders_group = own_group(leader_ranks)
+        else:
+            leaders_group = None
+            # As many groups of its own as a leader makes: torch 2.15 counts a locally synchronized group in the
+            # names of the groups made after it (`_world.group_count`, members only), and those names must agree
+            # on every rank (a later `new_group` over every rank hung on torch 2.15 without this one).
+            own_group([rank])
         local_rank = mine.index(rank)
         leg: Any
         if len(mine) == 1:
