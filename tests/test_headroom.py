@@ -48,7 +48,9 @@ def test_the_per_rank_rate_and_the_spreads_it_takes_grow_with_the_world():
 def test_the_size_settled_on_keeps_the_job_under_one_percent_at_its_world_size(world, kept):
     """Found 29 (its mean peak 78 GiB, 4 spreads below the usable 80): safe on one rank, but over 4,096
     ranks 12% of the batches would rerun; the headroom steps to 28 there, and the injected OOMs agree."""
-    chosen = headroom.decide(29, _settling_peaks(29, world).tolist(), USABLE, PER_SAMPLE, world)
+    # Over as many settling batches as MIN_PEAKS peaks take where the world is too small for 3 to give them.
+    batches = max(3, -(-headroom.MIN_PEAKS // world))
+    chosen = headroom.decide(29, _settling_peaks(29, world, batches).tolist(), USABLE, PER_SAMPLE, world)
     assert chosen.size == kept
     assert chosen.line.startswith("headroom: ") and f"{world} rank(s)" in chosen.line
     assert _job_rerun_rate(chosen.size, world) <= 0.01
@@ -113,10 +115,13 @@ def test_the_training_search_adopts_the_headroom_at_a_large_world_and_says_why()
     assert sum(line.startswith("headroom: ") for line in lines) == 1  # decided once per size found
 
 
-def test_one_rank_without_a_spread_keeps_the_size_found_and_a_zero_target_turns_it_off():
-    trainer, lines = _search_at(1, 0.01, lambda size, world: np.full(world, FIXED + PER_SAMPLE * size))
+def test_no_spread_or_too_few_peaks_keep_the_size_found_and_a_zero_target_turns_it_off():
+    trainer, lines = _search_at(64, 0.01, lambda size, world: np.full(world, FIXED + PER_SAMPLE * size))
     found = trainer.policy.found_size
     assert found == 30 and any(line.startswith(f"headroom: size {found} keeps") for line in lines)
+    # One rank settles over 3 peaks: too few for a spread (a small job keeps the one-off rule), whatever they are.
+    few, lines = _search_at(1, 0.01, _spread)
+    assert few.policy.found_size == 30 and any(line.startswith("headroom: not measured (3 peak(s)") for line in lines)
     off, quiet = _search_at(4096, 0.0, _spread)
     assert not any(line.startswith("headroom: ") for line in quiet)
     assert off.policy.found_size == 30

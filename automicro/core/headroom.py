@@ -18,7 +18,8 @@ samples as the shortfall takes (the memory model's bytes per sample); the steps 
 Assumed, named: the spread at the size found is the spread at the size below (a shorter microbatch
 spreads less with variable lengths: the step is conservative there); the peaks are independent across
 ranks and batches; a normal tail (a heavier one needs more headroom than this gives). With no spread
-measured (fixed-length data on a quiet card: every rank's peak the same each batch) the size stays.
+measured (fixed-length data on a quiet card: every rank's peak the same each batch), or fewer than
+`MIN_PEAKS` peaks to measure it from (a job of 5 ranks or fewer settles over 3 batches), the size stays.
 
 Owns: the target, the per-rank rate it allows, the steps down and the line that says them. May not
 touch: the policy (it is told a size to adopt), torch, Composer.
@@ -32,6 +33,10 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 DEFAULT_RERUN_TARGET = 0.01  # at most 1% of the batches rerun for a steady-state OOM, over the whole job
+# The fewest peaks (ranks x settling batches) whose spread may move the size: a standard deviation from fewer is
+# too uncertain (from 16 it is within ~18%), and a small job has the one-off rule for a rare OOM (an OOM at a size
+# that ran clean reruns the batch; only a repeat shrinks it: `automicro.core.policy`).
+MIN_PEAKS = 16
 _MIB = 1 << 20
 
 
@@ -73,8 +78,11 @@ def decide(found: int, peaks: Sequence[Sequence[int]], usable: int, per_sample: 
     values = [int(p) for row in peaks for p in row if p and p > 0]
     z = z_for(target, world)
     where = f"over {world} rank(s), a rerun rate of at most {100 * target:g}% of the batches"
-    if len(values) < 2 or usable <= 0:
-        return Headroom(found, 0, 0.0, 0.0, z, f"headroom: not measured ({len(values)} peak(s) reported); size {found} stays")
+    if len(values) < MIN_PEAKS or usable <= 0:
+        return Headroom(found, 0, 0.0, 0.0, z, (
+            f"headroom: not measured ({len(values)} peak(s) over the settling batches, fewer than {MIN_PEAKS}); "
+            f"size {found} stays"
+        ))
     mean, sigma = statistics.fmean(values), statistics.pstdev(values)
     need = mean + z * sigma
     spread = f"peak {mean / _MIB:.0f} MiB mean, {sigma / _MIB:.1f} MiB spread over {len(peaks)} batch(es) x ranks"
@@ -94,4 +102,4 @@ def decide(found: int, peaks: Sequence[Sequence[int]], usable: int, per_sample: 
     ))
 
 
-__all__ = ["DEFAULT_RERUN_TARGET", "Headroom", "decide", "job_rerun_rate", "per_rank_rate", "z_for"]
+__all__ = ["DEFAULT_RERUN_TARGET", "MIN_PEAKS", "Headroom", "decide", "job_rerun_rate", "per_rank_rate", "z_for"]
