@@ -245,22 +245,22 @@ class _RecursiveDoubling:
         self.p = 1 << (self.n.bit_length() - 1)
 
     # A round's vector holds 8 words a rank, but a sync round (thousands a searching batch) carries little
-    # but "still running": where the vector is longer than the header, a leader sends the header first
-    # (the count of non-zero words, their indices and values: every word is >= 0, so MAX over the non-zero
-    # ones is the MAX), and the whole vector only where more than `SPARSE_PAIRS` words are non-zero (a
-    # finish round's figures). The bytes a sync round moves between hosts then stay the same at any size.
+    # but "still running": where the vector is longer than the header, a leader sends the header (the count
+    # of non-zero words, their indices and values: every word is >= 0, so MAX over the non-zero ones is the
+    # MAX), and the whole vector after it only where more than `SPARSE_PAIRS` words are non-zero (a finish
+    # round's figures). A vector no longer than the header goes whole, alone. Both ends know which from the
+    # vector's length, the same on every rank. The bytes a sync round moves between hosts stay the same at any size.
     SPARSE_PAIRS = 64
-    _HEADER_TAG, _DENSE_TAG = 1, 2
+    _HEADER_TAG, _WHOLE_TAG = 1, 2
 
     def max_reduce(self, vec: np.ndarray, timeout_s: Optional[float] = None) -> np.ndarray:
+        """MAX of `vec` over the leaders, in place (`vec` is the result)."""
         if self.n == 1:
             return vec
         timeout = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
-        if len(vec) <= 1 + 2 * self.SPARSE_PAIRS:
-            return self._dense(vec, timeout)
         i, p = self.index, self.p
         if i >= p:
-            self._send(vec, self.leaders[i - p], timeout)
+            self._wait_all(self._post(vec, self.leaders[i - p]), timeout)
             self._receive_max(vec, self.leaders[i - p], timeout)
             return vec
         if i < self.n - p:
@@ -268,76 +268,55 @@ class _RecursiveDoubling:
         mask = 1
         while mask < p:
             partner = self.leaders[i ^ mask]
-            header, dense = self._pack(vec)
-            sends = [dist.isend(header, partner, group=self.group, tag=self._HEADER_TAG)]
-            if dense is not None:
-                sends.append(dist.isend(dense, partner, group=self.group, tag=self._DENSE_TAG))
+            sends = self._post(vec, partner)
             self._receive_max(vec, partner, timeout)
-            for work in sends:
-                self._wait(work, timeout)
+            self._wait_all(sends, timeout)
             mask <<= 1
         if i < self.n - p:
-            self._send(vec, self.leaders[i + p], timeout)
+            self._wait_all(self._post(vec, self.leaders[i + p]), timeout)
         return vec
 
-    def _pack(self, vec: np.ndarray) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(header, the whole vector or None): header = [count, indices..., values...], count -1 where
-        the whole vector follows."""
+    def _headed(self, vec: np.ndarray) -> bool:
+        return len(vec) > 1 + 2 * self.SPARSE_PAIRS
+
+    def _post(self, vec: np.ndarray, peer: int) -> list[Any]:
+        """Send `vec` to `peer` (a copy: `vec` may change before the send completes); the pending sends."""
+        whole = torch.from_numpy(vec.copy())
+        if not self._headed(vec):
+            return [dist.isend(whole, peer, group=self.group, tag=self._WHOLE_TAG)]
         k = self.SPARSE_PAIRS
         header = np.zeros(1 + 2 * k, dtype=np.int64)
         nonzero = np.flatnonzero(vec)
         if len(nonzero) > k:
-            header[0] = -1
-            return torch.from_numpy(header), torch.from_numpy(vec.copy())
-        header[0] = len(nonzero)
-        header[1 : 1 + len(nonzero)] = nonzero
-        header[1 + k : 1 + k + len(nonzero)] = vec[nonzero]
-        return torch.from_numpy(header), None
-
-    def _send(self, vec: np.ndarray, peer: int, timeout: datetime.timedelta) -> None:
-        header, dense = self._pack(vec)
-        self._wait(dist.isend(header, peer, group=self.group, tag=self._HEADER_TAG), timeout)
-        if dense is not None:
-            self._wait(dist.isend(dense, peer, group=self.group, tag=self._DENSE_TAG), timeout)
+            header[0] = -1  # the whole vector follows
+        else:
+            header[0] = len(nonzero)
+            header[1 : 1 + len(nonzero)] = nonzero
+            header[1 + k : 1 + k + len(nonzero)] = vec[nonzero]
+        sends = [dist.isend(torch.from_numpy(header), peer, group=self.group, tag=self._HEADER_TAG)]
+        if header[0] < 0:
+            sends.append(dist.isend(whole, peer, group=self.group, tag=self._WHOLE_TAG))
+        return sends
 
     def _receive_max(self, vec: np.ndarray, peer: int, timeout: datetime.timedelta) -> None:
-        """`vec` = MAX(`vec`, what `peer` sends), header first, the whole vector where it says so."""
-        k = self.SPARSE_PAIRS
-        header = torch.empty(1 + 2 * k, dtype=torch.int64)
-        self._wait(dist.irecv(header, peer, group=self.group, tag=self._HEADER_TAG), timeout)
-        words = header.numpy()
-        count = int(words[0])
-        if count < 0:
-            theirs = torch.empty(len(vec), dtype=torch.int64)
-            self._wait(dist.irecv(theirs, peer, group=self.group, tag=self._DENSE_TAG), timeout)
-            np.maximum(vec, theirs.numpy(), out=vec)
-            return
-        index = words[1 : 1 + count]
-        vec[index] = np.maximum(vec[index], words[1 + k : 1 + k + count])
+        """`vec` = MAX(`vec`, what `peer` sends)."""
+        if self._headed(vec):
+            k = self.SPARSE_PAIRS
+            header = torch.empty(1 + 2 * k, dtype=torch.int64)
+            self._wait(dist.irecv(header, peer, group=self.group, tag=self._HEADER_TAG), timeout)
+            words = header.numpy()
+            count = int(words[0])
+            if count >= 0:
+                index = words[1 : 1 + count]
+                vec[index] = np.maximum(vec[index], words[1 + k : 1 + k + count])
+                return
+        theirs = torch.empty(len(vec), dtype=torch.int64)
+        self._wait(dist.irecv(theirs, peer, group=self.group, tag=self._WHOLE_TAG), timeout)
+        np.maximum(vec, theirs.numpy(), out=vec)
 
-    def _dense(self, vec: np.ndarray, timeout: datetime.timedelta) -> np.ndarray:
-        """The whole vector at every exchange (a vector no longer than the header)."""
-        mine = torch.from_numpy(vec)  # shares memory: the result lands in `vec`
-        theirs = torch.empty_like(mine)
-        i, p = self.index, self.p
-        if i >= p:
-            self._wait(dist.isend(mine, self.leaders[i - p], group=self.group), timeout)
-            self._wait(dist.irecv(mine, self.leaders[i - p], group=self.group), timeout)
-            return vec
-        if i < self.n - p:
-            self._wait(dist.irecv(theirs, self.leaders[i + p], group=self.group), timeout)
-            torch.maximum(mine, theirs, out=mine)
-        mask = 1
-        while mask < p:
-            partner = self.leaders[i ^ mask]
-            send = dist.isend(mine.clone(), partner, group=self.group)
-            self._wait(dist.irecv(theirs, partner, group=self.group), timeout)
-            self._wait(send, timeout)
-            torch.maximum(mine, theirs, out=mine)
-            mask <<= 1
-        if i < self.n - p:
-            self._wait(dist.isend(mine, self.leaders[i + p], group=self.group), timeout)
-        return vec
+    def _wait_all(self, works: list[Any], timeout: datetime.timedelta) -> None:
+        for work in works:
+            self._wait(work, timeout)
 
     @staticmethod
     def _wait(work: Any, timeout: datetime.timedelta) -> None:
