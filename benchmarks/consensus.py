@@ -22,6 +22,18 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def round_times(consensus, rounds: int, warmup: int = 200) -> list[float]:
+    """Seconds of each of `rounds` consensus rounds (`Consensus.sync()`), after `warmup` untimed ones."""
+    for _ in range(warmup):
+        consensus.sync()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        consensus.sync()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=5000)
@@ -45,14 +57,7 @@ def main() -> int:
     transports = ("hierarchical", "process_group") if len(nodes) > 1 else ("shm", "process_group")
     for transport in transports:
         consensus = Consensus.create(transport=transport)
-        for _ in range(200):
-            consensus.sync()
-        times = []
-        for _ in range(args.rounds):
-            t0 = time.perf_counter()
-            consensus.sync()
-            times.append(time.perf_counter() - t0)
-        times.sort()
+        times = sorted(round_times(consensus, args.rounds))
         report[transport] = {
             "median_us": round(statistics.median(times) * 1e6, 2),
             "p90_us": round(times[int(0.9 * len(times))] * 1e6, 2),

@@ -172,6 +172,7 @@ def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from automicro.core.consensus import Consensus
+    from consensus import round_times  # benchmarks/consensus.py (this folder is on sys.path)
 
     if args.dump_after:
         import faulthandler
@@ -190,13 +191,7 @@ def worker(args: argparse.Namespace) -> int:
         t = time.perf_counter()
         consensus = Consensus.create(transport=transport)
         create_s = time.perf_counter() - t
-        for _ in range(20):
-            consensus.sync()
-        times = []
-        for _ in range(args.rounds):
-            t = time.perf_counter()
-            consensus.sync()
-            times.append(time.perf_counter() - t)
+        times = round_times(consensus, args.rounds, warmup=20)
         mine[transport] = {"create_s": create_s, "median_us": statistics.median(times) * 1e6,
                            "p99_us": _pct(times, 0.99) * 1e6}
         transports[transport] = consensus
