@@ -125,3 +125,37 @@ def test_no_spread_or_too_few_peaks_keep_the_size_found_and_a_zero_target_turns_
     off, quiet = _search_at(4096, 0.0, _spread)
     assert not any(line.startswith("headroom: ") for line in quiet)
     assert off.policy.found_size == 30
+
+
+def test_only_the_clean_batches_in_a_row_that_settled_the_size_are_measured():
+    """A one-off OOM while settling restarts the count of clean batches: the peaks before it are not the
+    settling batches' (CI, 2026-11-29: 4 ranks, memory held in reference cycles growing each batch; 2 batches
+    before the OOM and 2 after made 16 peaks, and the growth read as a spread stepped the size down)."""
+    lines: list[str] = []
+    runtime = SimpleNamespace(settings=Settings.parse(rerun_target=0.01), info=lines.append, memory=None, rank=0)
+    trainer = TrainingSearch(runtime.settings, runtime)
+    trainer.policy = policy = search.SearchPolicy(search.PolicyConfig(), 30)
+    world, held = 4, 0
+
+    def clean(attempts: int = 1) -> None:
+        nonlocal held
+        trainer.batch_attempts = attempts
+        phase_before, found = policy.phase, policy.found_size
+        size = max(policy.current_split())
+        rows = FIXED + PER_SAMPLE * size + held + np.arange(world)
+        verdict = SimpleNamespace(reports=[SimpleNamespace(peak_bytes=int(p)) for p in rows], capacity_bytes=USABLE)
+        decision = policy.observe(search.Success(size, peak_bytes=int(max(rows)), capacity_bytes=USABLE))
+        trainer._headroom(phase_before, decision, verdict, found, False)
+        held += 4 * GIB  # what each batch leaves in reference cycles
+
+    clean()  # the whole batch (30) fits: found, settling
+    assert policy.phase == search.Phase.SETTLING
+    clean(), clean()  # clean batches 1 and 2 of 3
+    decision = policy.observe(search.OOM(30, (2,), capacity_bytes=USABLE))  # the held memory ran out
+    assert decision.rerun and policy.phase == search.Phase.SETTLING
+    held = 0  # the wipe collected the cycles
+    clean(attempts=2)  # the rerun: clean batch 1 of 3
+    clean(), clean()  # 2 and 3: steady
+    assert policy.phase == search.Phase.STEADY and policy.found_size == 30
+    line = next(line for line in lines if line.startswith("headroom: "))
+    assert line.startswith("headroom: not measured (8 peak(s)"), line

@@ -490,6 +490,10 @@ class TrainingSearch:
         if phase_before != search.Phase.SETTLING or found is None or self.policy.found_size != found:
             self._settling_peaks = []
             return
+        if self.policy.state.stable_count == 1:
+            # The first clean batch of a run of them: a one-off OOM or a rearm while settling restarted the count,
+            # and the peaks before it are not the settling batches' (memory held until the wipe read as spread).
+            self._settling_peaks = []
         if not trial_batch and self.batch_attempts == 1:
             self._settling_peaks.append([r.peak_bytes for r in verdict.reports])
         if decision.phase != search.Phase.STEADY or found in self._headroom_checked:
