@@ -30,6 +30,7 @@ from automicro.core.memory import MemorySource, MicrobatchPeaks, left_after_wipe
 from automicro.core.sites import SiteDispatcher
 from automicro.engine.layout import LayoutEngine
 from automicro.engine.sharding import ShardedModel
+from automicro.engine.twin import UnshardedTwin
 from automicro.batch.batch_host import BatchHost
 from automicro.batch.pipeline_hooks import AttemptHooks, StagedBatch
 from automicro.batch.token_budget import TokenBudget
@@ -76,6 +77,8 @@ class BatchStep:
         self.peaks: Optional[MicrobatchPeaks] = None  # per-microbatch peaks of the attempt, if asked
         # (allocated before the last attempt, allocated after its wipe) where it failed, else None.
         self.left_behind: Optional[tuple[int, int]] = None
+        # The model's unsharded twin where the next attempt runs through it (`sharding_choice`), else None.
+        self.twin: Optional[UnshardedTwin] = None
 
     def begin(self) -> int:
         """What the policy sizes this batch by: its samples, or (budget="tokens") the largest batch
@@ -150,7 +153,10 @@ class BatchStep:
                 # A pipeline's schedule drives Composer's trainer (`ComposerHost.trainer`): no other host has one.
                 self.pipeline.run(self.host.trainer, microbatches, total_loss_dict, end_of_attempt, hooks)  # type: ignore[attr-defined]
                 return
-            self.host.run_microbatches(microbatches, total_loss_dict, before_microbatch, end_of_attempt, self.all_reduce)
+            if self.twin is None:
+                self.host.run_microbatches(microbatches, total_loss_dict, before_microbatch, end_of_attempt, self.all_reduce)
+                return
+            self._through_twin(self.twin, microbatches, total_loss_dict, before_microbatch, end_of_attempt)
 
         mark = mark_attempt(self.memory)
         try:
@@ -162,6 +168,33 @@ class BatchStep:
         # What a failed attempt left allocated after its wipe (DESIGN.md, "Memory truth": nothing).
         self.left_behind = left_after_wipe(self.memory, mark) if result.verdict.failed else None
         return Attempt(sizes, result, total_loss_dict)
+
+    def _through_twin(
+        self, twin: UnshardedTwin, microbatches: list[Any], total_loss_dict: dict[str, torch.Tensor],
+        before_microbatch: Callable[[int], None], end_of_attempt: Callable[[], None],
+    ) -> None:
+        """The attempt's microbatches through the model's unsharded twin: the host calls it in the
+        model's place until the last backward, then its gradients become the model's, before the batch's
+        end events see them."""
+        swap = getattr(self.host, "swap_model", None)
+        if swap is None:
+            raise TypeError(f"automicro: {type(self.host).__name__} cannot run a batch through the unsharded twin")
+        twin.rebind(self.sharded.module)
+        previous = swap(twin.module)
+        restored = False
+
+        def end() -> None:
+            nonlocal restored
+            twin.move_grads()
+            swap(previous)
+            restored = True
+            end_of_attempt()
+
+        try:
+            self.host.run_microbatches(microbatches, total_loss_dict, before_microbatch, end, self.all_reduce)
+        finally:
+            if not restored:
+                swap(previous)
 
     def peak_bytes(self) -> int:
         """The peak of the attempt so far (the memory source's, across the per-microbatch resets)."""
@@ -181,6 +214,9 @@ class BatchStep:
         if self.pipeline is not None:
             self.pipeline.release()
         self.sharded.recover()
+        twin = getattr(self.sharded, "twin", None)
+        if twin is not None:
+            twin.drop_grads()
         # Reference cycles first; the cache not on a card another process shares (`CudaMemory.empty_cache`).
         release_after_failure(self.memory)
 

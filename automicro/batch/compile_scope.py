@@ -65,6 +65,11 @@ class ScopeChoice:
         self.timing: Callable[[str, float], float] = lambda arm, seconds: seconds
 
     @property
+    def settled(self) -> bool:
+        """The scope is decided (or not measured): nothing here changes the graphs any more."""
+        return self.state in ("off", "model", "blocks")
+
+    @property
     def _arm(self) -> Optional[str]:
         return timed_arm(self.state)
 

@@ -1,4 +1,4 @@
-"""One rank with ``parallelism_config.fsdp2``: keep FSDP2, or train the model unsharded.
+"""One rank with ``parallelism_config.fsdp2``: keep FSDP2, train the model unsharded, or measure.
 
 On one rank FSDP2 shards nothing: the parameters, gradients and optimizer state take the same
 bytes sharded over a world of one as unsharded, so the choice is speed alone, and which is faster
@@ -6,12 +6,15 @@ depends on the model and on compile (measured on one H200, `benchmarks/RESULTS.m
 eager, FSDP2 with the layout trades is level with or ahead of unsharded (1.00-1.03x); compiled,
 transformers' Llama runs 1.13x faster with FSDP2 and each block compiled than with the whole
 model compiled unsharded, while `automicro.models`' Llama runs 1.05-1.06x faster unsharded with
-the whole model compiled. So the default keeps FSDP2, and ``on_one_rank: unshard`` is the pin that
-lets one YAML shard over many GPUs and run unsharded on one:
+the whole model compiled, and under a memory cap at small microbatches Qwen2.5-0.5B 1.9x (session 38).
+So by default (``on_one_rank`` left out) a one-GPU job with ``auto`` times both once the size settles
+(`automicro.batch.sharding_choice`, on the model's unsharded twin: `twin_problem` says where it cannot),
+and ``keep`` and ``unshard`` are the pins; ``unshard`` also lets one YAML shard over many GPUs and run
+unsharded on one:
 
     parallelism_config:
       fsdp2:
-        on_one_rank: unshard   # keep (default) | unshard
+        on_one_rank: unshard   # null (default): measured on one GPU | auto: on CPU too | keep | unshard
 
 With ``unshard`` on one rank the job runs as with ``parallelism_config: null`` (Composer's model
 placement and autocast; with ``auto``, the same search and recovery on the unsharded handle), and
@@ -56,7 +59,7 @@ def choose(fsdp2: Optional[FSDP2Config], *, world_size: int, pipeline: bool, com
     ``compile`` argument as given (None, True, a mapping or a `CompileConfig`); `precision` is
     Composer's (a name or its `Precision`), which sets the unsharded model's compute dtype;
     `auto_eval`: an evaluator asks for ``device_eval_microbatch_size: auto``."""
-    if fsdp2 is None or fsdp2.on_one_rank == "keep" or world_size != 1:
+    if fsdp2 is None or fsdp2.on_one_rank != "unshard" or world_size != 1:
         return OneRankChoice(fsdp2, compile)
     key = f"{FSDP2_KEY}.on_one_rank=unshard"
     if pipeline:
@@ -82,7 +85,7 @@ def choose(fsdp2: Optional[FSDP2Config], *, world_size: int, pipeline: bool, com
             "unsharded model cannot; build the model on a real device (YAML: model.init_device: cpu), or set on_one_rank: keep"
         )
     precision_name = str(getattr(precision, "value", precision) or "default").lower()
-    if fsdp2.mixed_precision != "FULL" and precision_name != "amp_bf16":
+    if not _same_compute(fsdp2, precision):
         raise FSDP2ConfigError(
             f"{key} with {FSDP2_KEY}.mixed_precision={fsdp2.mixed_precision} and precision={precision_name}: FSDP2 would "
             "compute in bf16, the unsharded model in Composer's precision; set precision: amp_bf16 (the same bf16 "
@@ -98,3 +101,27 @@ def choose(fsdp2: Optional[FSDP2Config], *, world_size: int, pipeline: bool, com
         compiled = "; compile: the whole model (each-block compile needs FSDP2's blocks)"
     line = f"one rank: training unsharded ({key}): Composer's placement and autocast{compiled}"
     return OneRankChoice(None, config, line, unsharded_from=fsdp2)
+
+
+def _same_compute(fsdp2: FSDP2Config, precision: Any) -> bool:
+    """FSDP2's compute dtype is what Composer's precision gives the unsharded model: fp32 both, or bf16 both."""
+    return fsdp2.mixed_precision == "FULL" or str(getattr(precision, "value", precision) or "default").lower() == "amp_bf16"
+
+
+def twin_problem(fsdp2: Optional[FSDP2Config], *, world_size: int, pipeline: bool, auto: bool, device_type: str,
+                 precision: Any) -> Optional[str]:
+    """Why this job does not time the model unsharded against FSDP2 (`automicro.batch.sharding_choice`):
+    "" where it is not asked for at all (a pin, several ranks, no ``auto``, the default on CPU), a reason
+    for the console where it is asked for and cannot be, None where the trainer builds the twin."""
+    if fsdp2 is None or world_size != 1 or pipeline or not auto or fsdp2.on_one_rank in ("keep", "unshard"):
+        return ""
+    if fsdp2.on_one_rank is None and device_type != "cuda":
+        return ""  # as the layout trials: a CPU's time says nothing of a GPU's (on_one_rank: auto asks anyway)
+    for name, why in _SHARDED_ONLY.items():
+        if getattr(fsdp2, name):
+            return f"{FSDP2_KEY}.{name}=true: {name} {why}"
+    if not _same_compute(fsdp2, precision):
+        name = str(getattr(precision, "value", precision) or "default").lower()
+        return (f"{FSDP2_KEY}.mixed_precision={fsdp2.mixed_precision} computes in bf16, precision={name} would not: "
+                "precision: amp_bf16 lets the model unsharded be timed")
+    return None

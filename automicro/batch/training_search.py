@@ -35,6 +35,7 @@ from automicro.batch.batch_step import BatchStep
 from automicro.batch.compile_scope import ScopeChoice
 from automicro.batch.compile_shapes import StaticShapes
 from automicro.batch.packing_choice import PackingChoice
+from automicro.batch.sharding_choice import ShardingChoice
 from automicro.batch.layout_trials import LayoutTrials
 from automicro.batch.memory_truth import MemoryTruth, reached_bytes
 from automicro.batch.runtime import Runtime
@@ -79,6 +80,7 @@ class TrainingSearch:
         self.static_shapes: Optional[StaticShapes] = None  # made at the first batch (`_static_shapes`)
         self.compile_scope: Optional[ScopeChoice] = None  # the same (`_compile_scope`)
         self.packing_choice: Optional[PackingChoice] = None  # packed or padded, measured (`packing_choice`)
+        self.sharding_choice: Optional[ShardingChoice] = None  # one rank: FSDP2 or unsharded (`sharding_choice`)
 
     def configure(self, device_type: str, pipeline: Any) -> None:
         """At attach: how the search starts on this device, and a pipeline's sizes."""
@@ -210,8 +212,13 @@ class TrainingSearch:
         if self._layout_state is not None:
             self.layout.load_state_dict(self._layout_state)
             self._layout_state = None
-        # No layout trial starts while packing is measured (their times would mix the two).
-        layout_steady = self.policy.phase == search.Phase.STEADY and not (packing is not None and packing.trialing)
+        # No layout trial starts while packing is measured (their times would mix the two), nor while the
+        # unsharded twin is timed or kept (FSDP2's trades change nothing through it).
+        sharding = self._sharding_choice()
+        layout_steady = (
+            self.policy.phase == search.Phase.STEADY and not (packing is not None and packing.trialing)
+            and not sharding.blocks_layout
+        )
         self.layout.before_batch(
             layout_steady, self._last_peak, self.policy.usable_bytes(self.last_capacity),
             *self.kind.layout_figures(self.policy, self._peak_at, self.config.probes),
@@ -228,6 +235,8 @@ class TrainingSearch:
         settled_split = tuple(self.policy.current_split())
         static.before_batch(steady, self.layout.trial_running, settled_split)
         scope.before_batch(steady and static.done, self.layout.trial_running, settled_split)
+        settled = steady and static.done and scope.settled and not self.layout.trial_running
+        step.twin = sharding.before_batch(settled and not (packing is not None and packing.trialing), settled_split)
         batch_index = step.batch_index
         while True:
             # A pipeline's per-step barriers come off with the sync hooks (a failed stage drains the
@@ -267,6 +276,11 @@ class TrainingSearch:
                     "see that rank's traceback for the cause"
                 )
                 raise self._ends_run(self.agreed_error)
+            if step.twin is not None and sharding.relieve():
+                step.twin = None
+                self._record(batch_index, sizes, "oom", verdict, max(sizes), seconds,
+                             "the unsharded model undone first; rerun through FSDP2 at the same size", hooks=hooks_on)
+                continue
             if packing is not None and packing.relieve():
                 self._record(batch_index, sizes, "oom", verdict, max(sizes), seconds,
                              "packed rows undone first; rerun padded at the same budget", hooks=hooks_on)
@@ -318,6 +332,7 @@ class TrainingSearch:
         self._optimizer_pending = 0  # the step created the state: evals and later batches hold it
         self._static_shapes().after_batch(step.attempts, sizes)
         self._compile_scope().after_batch(step.attempts, sizes)
+        self._sharding_choice().after_batch(step.attempts, sizes, self.kind.batch_weight())
         packing = self._packing_choice()
         if packing is not None and self.kind.tokens is not None and self.kind.tokens.plan is not None:
             packing.after_batch(step.attempts, self.kind.batch_weight(), self.kind.tokens.plan.most_real)
@@ -330,6 +345,14 @@ class TrainingSearch:
             assert rt.sharded is not None and rt.consensus is not None
             self.packing_choice = PackingChoice(self.kind.tokens, rt.consensus, rt.info, rt.sharded.device)
         return self.packing_choice
+
+    def _sharding_choice(self) -> ShardingChoice:
+        """One rank: the model unsharded timed against FSDP2 once everything else settled (`sharding_choice`)."""
+        if self.sharding_choice is None:
+            rt = self.runtime
+            assert rt.sharded is not None and rt.consensus is not None
+            self.sharding_choice = ShardingChoice(getattr(rt.sharded, "twin", None), rt.consensus, rt.info, rt.sharded.device)
+        return self.sharding_choice
 
     def _static_shapes(self) -> StaticShapes:
         """The compiled blocks' static recompile once the size settles (`compile_shapes`)."""

@@ -221,6 +221,17 @@ def run_microbatches(
     trainer.engine.run_event(Event.AFTER_TRAIN_BATCH)
 
 
+def swap_model(trainer: Any, module: Any) -> Any:
+    """Make `module` the model Composer 0.32.1's `_train_microbatch` calls: `state.model` for the
+    forward and `_original_model` for the loss. Returns what it replaced (both), which swaps them back."""
+    if isinstance(module, tuple):
+        trainer.state.model, trainer._original_model = module
+        return None
+    previous = (trainer.state.model, trainer._original_model)
+    trainer.state.model = trainer._original_model = module
+    return previous
+
+
 def run_pipeline_batch(
     trainer: Any,
     run: Callable[[], None],

@@ -52,6 +52,11 @@ class ComposerHost:
             self.trainer, microbatches, total_loss_dict, before_microbatch, end_of_attempt, all_reduce
         )
 
+    def swap_model(self, module: Any) -> Any:
+        """Run the next microbatches through `module` in the model's place (the unsharded twin,
+        `automicro.engine.twin`); returns what it replaced, to swap back."""
+        return composer_internals.swap_model(self.trainer, module)
+
     def optimizers(self) -> list[torch.optim.Optimizer]:
         return list(self.trainer.state.optimizers or [])
 

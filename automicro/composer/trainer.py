@@ -39,10 +39,11 @@ from automicro.core.sites import SiteDispatcher
 from automicro.engine import ShardedModel, ensure_record_stream_free, shard
 from automicro.engine.compile import CompileConfig, CompileConfigError
 from automicro.engine.unsharded import UnshardedModel, unsharded
-from automicro.engine.config import FSDP2ConfigError, fsdp2_from_parallelism_config, pipeline_from_parallelism_config
+from automicro.engine.config import FSDP2Config, FSDP2ConfigError, fsdp2_from_parallelism_config, pipeline_from_parallelism_config
 from automicro.engine.pipeline import build_pipeline
 from automicro.engine import local_step
 from automicro.engine.sharding import apply_expandable_segments
+from automicro.engine.twin import TwinError, UnshardedTwin
 from automicro.composer import _composer_internals as composer_internals
 from automicro.composer.callback import AutoMicrobatching
 from automicro.composer.checkpoint_commit import CommittedCheckpoints, check_save_failure
@@ -269,10 +270,14 @@ class Trainer(composer.Trainer):
                     line = packed_input.no_cache_in_training(model)
                     if line is not None and composer_dist.get_global_rank() == 0:
                         print(f"[automicro] {line}", flush=True)
+                twin = self._unsharded_twin(model, fsdp2, automicro, shard_device, compile_config, kwargs)
                 self._automicro_sharded = shard(
                     model, fsdp2, device=shard_device, compile=compile_config, checkpoint_switch=switch,
                 )
                 _rebind_optimizers(kwargs.get("optimizers"), names_before, model)
+                if twin is not None:
+                    twin.bind(model)
+                    self._automicro_sharded.twin = twin
                 _route_eval_forward_through_fsdp(model)
                 callback_list.append(_ReshardRootAfterEval(self._automicro_sharded))
                 callback_list.append(ShardedCheckpointing() if checkpoint_format == "sharded" else FullCheckpointLoading())
@@ -341,6 +346,27 @@ class Trainer(composer.Trainer):
                 # SpeedMonitor sums every rank's flops_per_batch; each stage would count the whole
                 # model's flops for the same samples: count them once, on the first stage.
                 model.flops_per_batch = lambda batch: 0
+
+    @staticmethod
+    def _unsharded_twin(model: Any, fsdp2: FSDP2Config, automicro: Optional[AutoMicrobatching], device: torch.device,
+                        compile_config: Optional[CompileConfig], kwargs: dict[str, Any]) -> Optional[UnshardedTwin]:
+        """Before sharding, on one rank under ``auto``: the model's unsharded twin for `sharding_choice`
+        to time against FSDP2 (`one_rank.twin_problem` says where not; the console says why where asked)."""
+        why = one_rank.twin_problem(
+            fsdp2, world_size=composer_dist.get_world_size(), pipeline=False, auto=automicro is not None,
+            device_type=device.type, precision=kwargs.get("precision"),
+        )
+        if why is None:
+            compile_kwargs = compile_config.torch_kwargs() if compile_config is not None else kwargs.get("compile_config")
+            try:
+                return UnshardedTwin.before_sharding(model, compile_kwargs)
+            except TwinError as error:
+                why = str(error)
+        if why:
+            line = f"one rank: FSDP2 kept ({why}); the model unsharded is not timed against it"
+            print(f"[automicro] {line}", flush=True)
+            log.info("automicro: %s", line)
+        return None
 
     @staticmethod
     def _compile_config(value: Any, sharded: bool, pipeline: bool, kwargs: dict[str, Any]) -> Optional[CompileConfig]:

@@ -27,7 +27,7 @@ PIPELINE_KEY = "parallelism_config.pipeline"
 # top-level `checkpoint_format`); here because Composer's `fsdp2.state_dict_type` is redirected to it.
 CHECKPOINT_FORMATS = ("full", "sharded")
 # `parallelism_config.fsdp2.on_one_rank`: what a job of one rank does with FSDP2 (`automicro.batch.one_rank`).
-ON_ONE_RANK = ("keep", "unshard")
+ON_ONE_RANK = ("auto", "keep", "unshard")
 SAVE_FAILURES = ("continue", "stop")
 """What a checkpoint save that failed on any rank does: an error line and training goes on, or every rank stops."""
 FSDP2_KEY = "parallelism_config.fsdp2"
@@ -75,10 +75,13 @@ class FSDP2Config:
             it on when the job runs on CUDA and neither ``PYTORCH_CUDA_ALLOC_CONF`` nor
             ``PYTORCH_ALLOC_CONF`` mentions ``expandable_segments`` (an explicit choice there
             wins); ``True`` turns it on regardless; ``False`` leaves the allocator alone.
-        on_one_rank: ``keep`` (default) shards with FSDP2 on one rank too; ``unshard`` trains the
-            model unsharded when the job has one rank (Composer's placement and autocast, the
-            whole model compiled), and with FSDP2 on several: one YAML for both. Read by the
-            trainer (`automicro.batch.one_rank`), not by the engine.
+        on_one_rank: ``None`` (default): with ``auto`` on one GPU, the model unsharded is timed
+            against FSDP2 once the size settles and the faster kept (`automicro.batch.
+            sharding_choice`), FSDP2 elsewhere; ``auto``: that on CPU too; ``keep`` shards with
+            FSDP2 on one rank too; ``unshard`` trains the model unsharded from the start when the
+            job has one rank (Composer's placement and autocast, the whole model compiled), and
+            with FSDP2 on several: one YAML for both. Read by the trainer (`automicro.batch.
+            one_rank`), not by the engine.
         local_optimizer_step: run the optimizer step on each parameter's local shard instead of
             through DTensor (`automicro.engine.local_step`): ``None`` (default) where that gives
             the same numbers (a mesh of one rank: any optimizer; several ranks: the element-wise
@@ -97,7 +100,7 @@ class FSDP2Config:
     unshard_async_op: bool = True
     compute_stream_buffers: Optional[bool] = None
     expandable_segments: Optional[bool] = None
-    on_one_rank: str = "keep"
+    on_one_rank: Optional[str] = None
     local_optimizer_step: Optional[bool] = None
 
     def __post_init__(self) -> None:
@@ -133,10 +136,11 @@ class FSDP2Config:
                     f"parallelism_config.fsdp2.{name}={value!r}: must be true, false or null "
                     "(null: on where supported)"
                 )
-        if self.on_one_rank not in ON_ONE_RANK:
+        if self.on_one_rank is not None and self.on_one_rank not in ON_ONE_RANK:
             raise FSDP2ConfigError(
-                f"parallelism_config.fsdp2.on_one_rank={self.on_one_rank!r}: must be one of {', '.join(ON_ONE_RANK)} "
-                "(keep: FSDP2 on one rank too; unshard: the model unsharded when the job has one rank)"
+                f"parallelism_config.fsdp2.on_one_rank={self.on_one_rank!r}: must be null or one of {', '.join(ON_ONE_RANK)} "
+                "(null: measured on one GPU; auto: measured on CPU too; keep: FSDP2 on one rank too; unshard: the model "
+                "unsharded when the job has one rank)"
             )
         if isinstance(self.replicate, bool) or not isinstance(self.replicate, int) or self.replicate < 1:
             raise FSDP2ConfigError(

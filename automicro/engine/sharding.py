@@ -256,6 +256,9 @@ class ShardedModel:
     # The blocks compiled in place (`compile: {scope: blocks}`), None without: `automicro.
     # batch.compile_shapes` compiles them again with static shapes once the size settles.
     compiled: Optional[CompiledBlocks] = None
+    # On a mesh of one: the model unsharded over the same storage (`automicro.engine.twin`), where the
+    # trainer built one for `automicro.batch.sharding_choice` to time; None otherwise.
+    twin: Optional[Any] = None
 
     @property
     def compute_stream_buffers(self) -> bool:

@@ -1,0 +1,147 @@
+"""One rank: FSDP2 or the model unsharded, measured (``parallelism_config.fsdp2.on_one_rank``).
+
+On one rank FSDP2 shards nothing, and what it costs depends on the model, the compile and the
+microbatch: with each block compiled, transformers' Llama ran 1.13x faster under FSDP2 than with the
+whole model compiled unsharded (one H200, session 31), while Qwen2.5-0.5B under a torch cap of 0.3, at
+8 microbatches of 4, ran 1.9x faster unsharded (95.0k tokens/s against 50.3k: FSDP2's per-parameter
+casts and copies at every unshard and its hooks each microbatch left the GPU idle 57% of a batch;
+session 38). So where the job has one rank, `auto` times both on the user's model at the settled size.
+
+How: the trainer builds the model's unsharded twin beside its FSDP2 form (`automicro.engine.twin`: the
+same parameter storage, no copy). Once the size is steady, the compiled blocks' graphs and the compile
+scope are settled and the layout trials have had `IDLE_BATCHES` batches with nothing to try (FSDP2 at
+its best layout), `ShardingChoice` lets the twin run one batch untimed (it compiles the whole model
+where compile is on), then alternates `batches` batches through the twin and as many through FSDP2, at
+the same split, each batch's seconds weighed against the average batch (a token budget's batches vary),
+the device synchronized at both ends. The twin is kept where its median beats FSDP2's by more than
+`min_gain` and the spread (`automicro.core.layout.judge`); one line says what was kept with both
+medians and what the twin's first batch took. Kept, every later batch runs through the twin and the
+layout trials stay off (FSDP2's trades change nothing there). Nothing else moves: the optimizer, its
+state, checkpoints and evaluation stay on the FSDP2 model, whose parameters the twin's are.
+
+Under memory pressure (an OOM in a batch through the twin, trial or kept) the batch reruns through
+FSDP2 and FSDP2 stays for the rest of the run, said once, before the layout trades or the size give
+way. Not measured (FSDP2 stays, one line says why): several ranks; a pipeline; ``cpu_offload`` or
+``activation_checkpointing`` (FSDP2-only); a model the twin cannot copy; a ``mixed_precision`` whose
+compute autocast does not give (the twin computes under Composer's precision); on CPU unless
+``on_one_rank: auto`` (as the layout trials: a CPU's time says nothing of a GPU's). The choice is not
+checkpointed: a resumed run measures again once it settles. The size found under FSDP2 is the size
+the twin runs at (not searched again unsharded).
+
+Owns: when the twin is timed, the decision, its line, and whether the next batch runs through the twin.
+May not touch: the search policy, the layout trials and the compile scope (it only asks whether they
+run), the twin's binding (the engine's), Composer.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+
+from automicro.batch.trial_timing import BatchClock, agreed_times
+from automicro.core.layout import judge
+from automicro.engine.twin import UnshardedTwin
+
+BATCHES = 3  # timed batches each way (the layout trials' default)
+MIN_GAIN = 0.01
+IDLE_BATCHES = 2  # steady batches with no layout trial started before the twin is timed
+
+
+class ShardingChoice:
+    """States: off | waiting -> compiling (the twin's first batch) -> trial (alternating) -> unsharded | sharded."""
+
+    def __init__(
+        self, twin: Optional[UnshardedTwin], consensus: Any, info: Callable[[str], None], device: torch.device,
+        why_not: Optional[str] = None, batches: int = BATCHES, min_gain: float = MIN_GAIN,
+    ) -> None:
+        self.twin, self.consensus, self.info = twin, consensus, info
+        self.batches, self.min_gain = batches, min_gain
+        self.state = "waiting" if twin is not None and why_not is None else "off"
+        if twin is not None and why_not is not None:
+            info(f"one rank: FSDP2 kept ({why_not}); the model unsharded is not timed against it")
+        self.idle = 0
+        self.split: Optional[tuple[int, ...]] = None
+        self.arm = "unsharded"  # the arm of the batch in progress
+        self.times: dict[str, list[float]] = {"unsharded": [], "sharded": []}
+        self.first_s = 0.0
+        self.result: Any = None
+        self.clock = BatchClock(device)
+        # Tests replace it to make one arm look faster or slower without depending on the machine.
+        self.timing: Callable[[str, float], float] = lambda arm, seconds: seconds
+
+    @property
+    def blocks_layout(self) -> bool:
+        """No layout trial may start: the twin is timed or kept (FSDP2's trades mean nothing through it)."""
+        return self.state in ("compiling", "trial", "unsharded")
+
+    @property
+    def through_twin(self) -> bool:
+        """The next attempt runs through the twin."""
+        return self.state in ("compiling", "unsharded") or (self.state == "trial" and self.arm == "unsharded")
+
+    def before_batch(self, ready: bool, split: tuple[int, ...]) -> Optional[UnshardedTwin]:
+        """`ready`: steady, the compiled graphs and the scope settled, no layout trial running or
+        starting with this batch; `split`: this batch's. Returns the twin where the batch runs through it."""
+        if self.state == "waiting":
+            self.idle = self.idle + 1 if ready and split == self.split else (1 if ready else 0)
+            self.split = split
+            if self.idle > IDLE_BATCHES:
+                assert self.twin is not None
+                compiles = self.twin.compile()
+                self.state, self.arm = "compiling", "unsharded"
+                self.info(
+                    f"one rank: the model unsharded timed against FSDP2, {self.batches} batches each, alternately, at "
+                    f"microbatch {max(split)} (its first batch untimed{': it compiles the whole model' if compiles else ''})"
+                )
+        elif self.state == "trial" and (not ready or split != self.split):
+            self.state, self.idle = "waiting", 0  # the size moved: time again once it settles
+            self.times = {"unsharded": [], "sharded": []}
+        if self.state in ("compiling", "trial"):
+            self.clock.start()
+        return self.twin if self.through_twin else None
+
+    def after_batch(self, attempts: int, split: tuple[int, ...], weight: float = 1.0) -> None:
+        """The batch succeeded after `attempts` attempts at `split`; `weight`: its work against the
+        average batch (1.0 with samples)."""
+        if self.state not in ("compiling", "trial"):
+            return
+        seconds = self.clock.stop()
+        if self.state == "compiling":
+            self.first_s, self.state, self.arm = seconds, "trial", "sharded"
+            return
+        if attempts == 1 and split == self.split:  # agreed: every rank appends alike
+            self.times[self.arm].append(self.timing(self.arm, seconds / (weight or 1.0)))
+        self.arm = "sharded" if self.arm == "unsharded" else "unsharded"
+        if min(len(t) for t in self.times.values()) >= self.batches:
+            self._decide()
+
+    def relieve(self) -> bool:
+        """An OOM in a batch through the twin: rerun it through FSDP2, and FSDP2 from now on. True
+        where that was done (the caller reruns at the same size)."""
+        if not self.through_twin:
+            return False
+        was = self.state
+        self.state = "sharded"
+        self.clock.stop()
+        self.info(
+            f"one rank: out of memory through the model unsharded ({'kept' if was == 'unsharded' else 'during its trial'}); "
+            "the batch is rerun through FSDP2, and FSDP2 stays for the rest of the run"
+        )
+        return True
+
+    def _decide(self) -> None:
+        unsharded, sharded = (agreed_times(self.consensus, self.times[arm]) for arm in ("unsharded", "sharded"))
+        self.result = judge("unsharded", unsharded, sharded, self.min_gain)
+        medians = (
+            f"median batch {statistics.median(unsharded):.4f} s unsharded, {statistics.median(sharded):.4f} s FSDP2 "
+            f"({100.0 * (1.0 - statistics.median(unsharded) / statistics.median(sharded)):+.1f}%; spread "
+            f"{self.result.spread:.4f} s); its first batch {self.first_s:.1f} s"
+        )
+        self.state = "unsharded" if self.result.kept else "sharded"
+        self.info(f"one rank: {'the model unsharded kept' if self.result.kept else 'FSDP2 kept'}; {medians}")
+
+
+__all__ = ["BATCHES", "IDLE_BATCHES", "MIN_GAIN", "ShardingChoice"]

@@ -1,0 +1,145 @@
+"""`UnshardedTwin`: the model unsharded beside its FSDP2 form on a mesh of one, sharing every byte.
+
+On one rank FSDP2 shards nothing: each parameter's local tensor is the whole parameter. The twin is
+a copy of the model's modules made before `fully_shard` (its parameters and buffers left out of the
+copy: placeholders), whose parameters are then plain `nn.Parameter`s over the FSDP2 parameters' local
+tensors and whose buffers are the model's own. A forward and backward through the twin trains the
+same storage without FSDP2's hooks, casts and copies; `move_grads` hands its gradients to the FSDP2
+parameters (a DTensor over the same tensor, no copy), so the optimizer, its state, the checkpoints
+and evaluation stay on the FSDP2 model and never see the twin. Switching between the two is a
+pointer swap for the batch (`automicro.batch.sharding_choice` measures which is faster).
+
+Where the two give the same numbers: in fp32 (``mixed_precision: FULL``), the same to the summation
+order of the gradients; with ``mixed_precision: DEFAULT`` and Composer's ``amp_bf16`` the twin computes
+under autocast as the unsharded model does (`automicro.batch.one_rank`'s pin), not on bf16 copies of
+the parameters: the same bf16 compute, not the same rounding.
+
+Owns: the copy, the binding of its parameters to the FSDP2 storage, the gradient hand-over and the
+twin's compile. May not touch: the FSDP2 modules' state, the optimizer, Composer.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+
+class TwinError(ValueError):
+    """The model cannot have an unsharded twin (the message says why)."""
+
+
+def _named_slots(module: nn.Module, kind: str) -> list[tuple[str, nn.Module, str, Any]]:
+    """(fqn, owner, name, tensor) for every parameter (`kind` "_parameters") or buffer ("_buffers")
+    of `module`, tied ones under each of their names."""
+    out = []
+    for prefix, owner in module.named_modules(remove_duplicate=False):
+        for name, tensor in getattr(owner, kind).items():
+            if tensor is not None:
+                out.append((f"{prefix}.{name}" if prefix else name, owner, name, tensor))
+    return out
+
+
+@dataclass
+class UnshardedTwin:
+    """The twin of one model. `module` is what a batch calls in the model's place."""
+
+    module: nn.Module
+    compile_kwargs: Optional[dict[str, Any]] = None
+    # (FSDP2 parameter, twin parameter), one pair per distinct parameter once bound.
+    pairs: list[tuple[nn.Parameter, nn.Parameter]] = field(default_factory=list)
+    compiled: bool = False
+
+    @classmethod
+    def before_sharding(cls, model: nn.Module, compile_kwargs: Optional[dict[str, Any]] = None) -> "UnshardedTwin":
+        """Copy `model`'s modules before `fully_shard` changes them, its parameters and buffers left
+        out (each a placeholder on the meta device until `bind`)."""
+        memo: dict[int, Any] = {}
+        for _, _, _, param in _named_slots(model, "_parameters"):
+            memo.setdefault(id(param), nn.Parameter(torch.empty(0, device="meta"), requires_grad=param.requires_grad))
+        for _, _, _, buffer in _named_slots(model, "_buffers"):
+            memo.setdefault(id(buffer), torch.empty(0, device="meta"))
+        try:
+            module = copy.deepcopy(model, memo)
+        except Exception as error:  # a model that holds what cannot be copied (a process group, a file)
+            raise TwinError(f"the model's modules cannot be copied ({type(error).__name__}: {error})") from error
+        return cls(module, dict(compile_kwargs) if compile_kwargs is not None else None)
+
+    def bind(self, model: nn.Module) -> None:
+        """Point the twin's parameters at `model`'s FSDP2 parameters' local tensors and share its
+        buffers (after `fully_shard` and placement, and again whenever FSDP2 replaced a local tensor:
+        `rebind`). `model` must be resharded (its parameters DTensors)."""
+        sharded = {fqn: tensor for fqn, _, _, tensor in _named_slots(model, "_parameters")}
+        buffers = {fqn: tensor for fqn, _, _, tensor in _named_slots(model, "_buffers")}
+        made: dict[int, nn.Parameter] = {}
+        pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
+        for fqn, owner, name, _ in _named_slots(self.module, "_parameters"):
+            param = sharded.get(fqn)
+            if param is None:
+                raise TwinError(f"the sharded model has no parameter {fqn!r}")
+            if id(param) not in made:
+                local = _whole_local(fqn, param)
+                twin = nn.Parameter(local, requires_grad=param.requires_grad)
+                made[id(param)] = twin
+                pairs.append((param, twin))
+            owner._parameters[name] = made[id(param)]
+        for fqn, owner, name, _ in _named_slots(self.module, "_buffers"):
+            if fqn not in buffers:
+                raise TwinError(f"the sharded model has no buffer {fqn!r}")
+            owner._buffers[name] = buffers[fqn]
+        self.pairs = pairs
+
+    def rebind(self, model: nn.Module) -> None:
+        """Before a batch through the twin: bind again where a local tensor is no longer the one
+        bound (a checkpoint load or a move that replaced FSDP2's storage)."""
+        for param, twin in self.pairs:
+            with torch.no_grad():
+                local = param.to_local() if isinstance(param, DTensor) else param
+            if local.data_ptr() != twin.data_ptr() or local.shape != twin.shape:
+                self.bind(model)
+                return
+
+    def compile(self) -> bool:
+        """Compile the twin's whole forward (once; True where it was compiled now)."""
+        if self.compile_kwargs is None or self.compiled:
+            return False
+        self.module.compile(**self.compile_kwargs)
+        self.compiled = True
+        return True
+
+    def move_grads(self) -> None:
+        """After the twin's last backward of a batch: its gradients become the FSDP2 parameters'
+        (a DTensor over the same tensor), added to any they hold."""
+        for param, twin in self.pairs:
+            grad, twin.grad = twin.grad, None
+            if grad is None:
+                continue
+            if isinstance(param, DTensor):
+                grad = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False,
+                                          shape=param.shape, stride=param.stride())
+            param.grad = grad if param.grad is None else param.grad + grad
+
+    def drop_grads(self) -> None:
+        """After a failed attempt: nothing the twin accumulated reaches the model."""
+        for _, twin in self.pairs:
+            twin.grad = None
+
+
+def _whole_local(fqn: str, param: Any) -> torch.Tensor:
+    """`param`'s local tensor, which must be the whole parameter (a mesh of one)."""
+    if not isinstance(param, DTensor):
+        raise TwinError(f"parameter {fqn!r} is not sharded by FSDP2 (the model must be resharded when bound)")
+    if param.device_mesh.size() != 1:
+        raise TwinError(f"parameter {fqn!r} lives on a mesh of {param.device_mesh.size()} ranks; the twin needs one")
+    with torch.no_grad():
+        local = param.to_local()
+    if local.shape != param.shape:
+        raise TwinError(f"parameter {fqn!r}'s local tensor {tuple(local.shape)} is not the whole {tuple(param.shape)}")
+    return local
+
+
+__all__ = ["TwinError", "UnshardedTwin"]

@@ -1,0 +1,184 @@
+"""One-rank cases for the measured choice between FSDP2 and the model unsharded (`automicro.batch.
+sharding_choice`, `automicro.engine.twin`), on one gloo rank in fp32: each returns plain data for
+tests/test_sharding_choice.py; a case that breaks is {"crash": ...}."""
+
+from __future__ import annotations
+
+import traceback
+import warnings
+from typing import Any, Optional
+
+import torch
+from composer.core import Callback
+
+import automicro
+from automicro.composer.callback import AutoMicrobatching
+from tests.automicro_cases import SEED, make_loader
+from tests.toy_models import ComposerStack, full_state, max_error
+
+# Settled at batch 0 (the whole batch fits), hooks off after 3 clean batches, 3 idle steady batches,
+# the twin's first batch, 3 batches each way: decided at batch 13; 3 more through the kept arm.
+BATCHES = 17
+
+
+class SlowArm(Callback):
+    """Makes one arm of the choice look slower (`ShardingChoice.timing`): `slow` maps "unsharded" or
+    "sharded" to a factor on its batch times."""
+
+    def __init__(self, auto: AutoMicrobatching, slow: dict[str, float]) -> None:
+        self.auto, self.slow = auto, slow
+
+    def run_event(self, event: Any, state: Any, logger: Any) -> None:
+        choice = self.auto.search.sharding_choice
+        if choice is not None:
+            choice.timing = lambda arm, seconds: seconds * self.slow.get(arm, 1.0) + 0.05 * (self.slow.get(arm, 1.0) - 1.0)
+
+
+class Through(Callback):
+    """Records, at every forward, whether it ran through the twin; with `oom_at` (a batch index), the
+    first forward through the twin at or after that batch runs out of memory."""
+
+    def __init__(self, auto: AutoMicrobatching, oom_at: Optional[int] = None) -> None:
+        self.auto, self.oom_at = auto, oom_at
+        self.batches: dict[int, bool] = {}
+        self.fired = 0
+
+    def before_forward(self, state: Any, logger: Any) -> None:
+        twin = getattr(self.auto.runtime.sharded, "twin", None)
+        through = twin is not None and state.model is twin.module
+        batch = int(state.timestamp.batch)
+        self.batches[batch] = through
+        if through and self.oom_at is not None and batch >= self.oom_at and not self.fired:
+            self.fired += 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate (test: through the unsharded twin)")
+
+
+def _toy(on_one_rank: Optional[str], slow: Optional[dict[str, float]] = None, oom_at: Optional[int] = None,
+         microbatch: Any = "auto", compile: Any = None) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = ComposerStack()
+    lines: list[str] = []
+    auto = AutoMicrobatching(log_attempts=False) if microbatch == "auto" else None
+    callbacks: list[Any] = []
+    through = None
+    if auto is not None:
+        through = Through(auto, oom_at)
+        callbacks = [auto, through] + ([SlowArm(auto, slow)] if slow else [])
+    fsdp2: dict[str, Any] = {} if on_one_rank is None else {"on_one_rank": on_one_rank}
+    if compile is not None:
+        torch.compiler.reset()
+    trainer = automicro.Trainer(
+        model=model, train_dataloader=make_loader(1, BATCHES), max_duration=f"{BATCHES}ba",
+        optimizers=torch.optim.AdamW(model.parameters(), lr=1e-2), device="cpu", parallelism_config={"fsdp2": fsdp2},
+        device_train_microbatch_size=microbatch, callbacks=callbacks, loggers=[], progress_bar=False,
+        log_to_console=False, seed=SEED, compile=compile,
+    )
+    if auto is not None:
+        auto.runtime.info = lambda message: lines.append(message)  # type: ignore[method-assign]
+    try:
+        trainer.fit()
+        choice = None if auto is None else auto.search.sharding_choice
+        twin = None if trainer.sharded_model is None else trainer.sharded_model.twin
+        return {
+            "state": None if choice is None else choice.state,
+            "twin": twin is not None,
+            "twin_compiled": twin is not None and twin.compiled,
+            "lines": [line for line in lines if line.startswith("one rank:")],
+            "history": [] if auto is None else [(r.batch, r.size, r.outcome, r.note) for r in auto.history],
+            "through": {} if through is None else through.batches,
+            "fired": 0 if through is None else through.fired,
+            "split": None if auto is None else list(auto.policy.current_split()),
+            "params": full_state(trainer.state.model),
+        }
+    finally:
+        trainer.close()
+
+
+def toy_cases(rank: int, world: int) -> dict[str, Any]:
+    """The toy stack: the twin made faster (kept), slower (not kept), out of memory while timed and
+    while kept, under compile (aot_eager); each against FSDP2 at the same split and the unsharded pin."""
+    out: dict[str, Any] = {}
+    runs = {
+        "faster": dict(on_one_rank="auto", slow={"sharded": 3.0}),
+        "slower": dict(on_one_rank="auto", slow={"unsharded": 3.0}),
+        "oom_trial": dict(on_one_rank="auto", slow={"sharded": 3.0}, oom_at=0),
+        "oom_kept": dict(on_one_rank="auto", slow={"sharded": 3.0}, oom_at=15),
+        "default_cpu": dict(on_one_rank=None),
+        "compiled": dict(on_one_rank="auto", slow={"sharded": 3.0}, compile={"backend": "aot_eager", "scope": "blocks", "dynamic": False}),
+    }
+    for name, kwargs in runs.items():
+        try:
+            out[name] = _toy(**kwargs)
+        except Exception:
+            out[name] = {"crash": traceback.format_exc()}
+    try:
+        split = out["faster"]["split"]
+        fixed = _toy("keep", microbatch=max(split))["params"]
+        pinned = _toy("unshard", microbatch=max(split))["params"]
+        for name in runs:
+            if "params" in out[name]:
+                params = out[name].pop("params")
+                out[name]["error_fsdp2"] = max_error(params, fixed)
+                out[name]["error_unsharded"] = max_error(params, pinned)
+    except Exception:
+        out["reference"] = {"crash": traceback.format_exc()}
+    return out
+
+
+def _hf(family: str, on_one_rank: str, slow: Optional[dict[str, float]], microbatch: Any) -> dict[str, Any]:
+    """A transformers model built from its config at the defaults (GPT-2 ties its head to the embedding)."""
+    from composer.models import HuggingFaceModel
+    from composer.utils import dist as composer_dist
+    import transformers
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        config = transformers.GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=2, n_positions=32)
+        net = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+        net = transformers.LlamaForCausalLM(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = HuggingFaceModel(net, tokenizer=None, use_logits=True)
+    generator = torch.Generator().manual_seed(5)
+    rows = [{"input_ids": t, "labels": t.clone()} for t in torch.randint(0, 96, (4 * BATCHES, 16), generator=generator)]
+    loader = torch.utils.data.DataLoader(rows, batch_size=4, sampler=composer_dist.get_sampler(rows, shuffle=False),
+                                         collate_fn=lambda b: {k: torch.stack([r[k] for r in b]) for k in b[0]})
+    auto = AutoMicrobatching(log_attempts=False) if microbatch == "auto" else None
+    callbacks: list[Any] = [] if auto is None else [auto, SlowArm(auto, slow or {})]
+    lines: list[str] = []
+    trainer = automicro.Trainer(
+        model=model, train_dataloader=loader, max_duration=f"{BATCHES}ba",
+        optimizers=torch.optim.AdamW(model.parameters(), lr=1e-3), device="cpu",
+        parallelism_config={"fsdp2": {"on_one_rank": on_one_rank}}, device_train_microbatch_size=microbatch,
+        callbacks=callbacks, loggers=[], progress_bar=False, log_to_console=False, seed=SEED,
+    )
+    if auto is not None:
+        auto.runtime.info = lambda message: lines.append(message)  # type: ignore[method-assign]
+    try:
+        trainer.fit()
+        return {
+            "state": None if auto is None else auto.search.sharding_choice.state,
+            "lines": [line for line in lines if line.startswith("one rank:")],
+            "split": None if auto is None else list(auto.policy.current_split()),
+            "tied": family == "gpt2" and net.lm_head.weight is net.transformer.wte.weight,
+            "params": full_state(trainer.state.model),
+        }
+    finally:
+        trainer.close()
+
+
+def hf_cases(rank: int, world: int) -> dict[str, Any]:
+    """Llama and GPT-2 (tied) at their config defaults: the twin kept, against FSDP2 at the same split."""
+    out: dict[str, Any] = {}
+    for family in ("llama", "gpt2"):
+        try:
+            chosen = _hf(family, "auto", {"sharded": 3.0}, "auto")
+            fixed = _hf(family, "keep", None, max(chosen["split"]))
+            chosen["error_fsdp2"] = max_error(chosen.pop("params"), fixed["params"])
+            out[family] = chosen
+        except Exception:
+            out[family] = {"crash": traceback.format_exc()}
+    return out
