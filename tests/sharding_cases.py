@@ -182,3 +182,55 @@ def hf_cases(rank: int, world: int) -> dict[str, Any]:
         except Exception:
             out[family] = {"crash": traceback.format_exc()}
     return out
+
+
+def twin_units(rank: int, world: int) -> dict[str, Any]:
+    """The twin's binding: after a `load_state_dict(assign=True)` replaced every FSDP2 parameter, `rebind`
+    points the twin at the new storage; a model whose modules cannot be copied keeps FSDP2 with a line."""
+    import contextlib
+    import io
+    import threading
+
+    from automicro.engine.config import FSDP2Config
+    from automicro.engine.sharding import shard
+    from automicro.engine.twin import UnshardedTwin
+
+    out: dict[str, Any] = {}
+    torch.manual_seed(0)
+    model = ComposerStack()
+    twin = UnshardedTwin.before_sharding(model)
+    shard(model, FSDP2Config(), device=torch.device("cpu"))
+    twin.bind(model)
+    model.load_state_dict({k: v.detach().clone() + 1 for k, v in model.state_dict().items()}, assign=True)
+    current = dict(model.named_parameters())
+
+    def stale() -> int:
+        return sum(current[name].to_local().data_ptr() != param.data_ptr() for name, _, param in twin.pairs)
+
+    x = torch.randn(4, 8)
+    out["stale_before"] = stale()
+    twin.rebind(model)
+    out["stale_after"] = stale()
+    out["same_output"] = float((twin.module((x, None)) - model((x, None))).abs().max())
+
+    class Locked(ComposerStack):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lock = threading.Lock()  # what deepcopy cannot copy
+
+    printed = io.StringIO()
+    locked = Locked()
+    with contextlib.redirect_stdout(printed):
+        trainer = automicro.Trainer(
+            model=locked, train_dataloader=make_loader(1, 2), max_duration="2ba",
+            optimizers=torch.optim.AdamW(locked.parameters(), lr=1e-2), device="cpu",
+            parallelism_config={"fsdp2": {"on_one_rank": "auto"}}, device_train_microbatch_size="auto",
+            loggers=[], progress_bar=False, log_to_console=False, seed=SEED,
+        )
+        try:
+            trainer.fit()
+            out["locked_twin"] = trainer.sharded_model.twin is not None
+        finally:
+            trainer.close()
+    out["locked_lines"] = [line for line in printed.getvalue().splitlines() if line.startswith("[automicro] one rank:")]
+    return out

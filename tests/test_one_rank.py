@@ -8,7 +8,7 @@ import pytest
 
 from automicro.engine.compile import CompileConfig
 from automicro.engine.config import FSDP2Config, FSDP2ConfigError
-from automicro.batch.one_rank import choose
+from automicro.batch.one_rank import choose, twin_problem
 
 PIN = FSDP2Config(on_one_rank="unshard")
 
@@ -19,10 +19,12 @@ def _choose(fsdp2=PIN, *, world_size=1, pipeline=False, compile=None, checkpoint
                   model_on_meta=model_on_meta, precision=precision, auto_eval=auto_eval)
 
 
-def test_keep_is_the_default_and_several_ranks_keep_fsdp2_whatever_the_pin():
-    assert FSDP2Config().on_one_rank == "keep"
-    kept = _choose(FSDP2Config(), compile=True)
-    assert kept.fsdp2 == FSDP2Config() and kept.compile is True and kept.line is None and kept.unsharded_from is None
+def test_fsdp2_is_built_unless_pinned_unshard_and_several_ranks_keep_fsdp2_whatever_the_pin():
+    assert FSDP2Config().on_one_rank is None  # measured where it can be (`twin_problem`), FSDP2 built either way
+    for setting in (None, "auto", "keep"):
+        kept = _choose(FSDP2Config(on_one_rank=setting), compile=True)
+        assert kept.fsdp2 == FSDP2Config(on_one_rank=setting) and kept.compile is True and kept.line is None
+        assert kept.unsharded_from is None
     for world in (2, 8):
         assert _choose(world_size=world, compile=True).fsdp2 is PIN
     assert _choose(None).fsdp2 is None  # no FSDP2 asked: nothing to decide
@@ -55,8 +57,25 @@ def test_an_unshard_pin_that_one_rank_cannot_honour_is_refused_naming_the_fix(se
     _choose(**{**setting, "world_size": 2})  # several ranks shard as configured: nothing to refuse
 
 
-def test_on_one_rank_takes_keep_or_unshard():
-    with pytest.raises(FSDP2ConfigError, match=r"on_one_rank='unsharded': must be one of keep, unshard"):
+def _twin(fsdp2=FSDP2Config(), *, world_size=1, pipeline=False, auto=True, device_type="cuda", precision="fp32"):
+    return twin_problem(fsdp2, world_size=world_size, pipeline=pipeline, auto=auto, device_type=device_type, precision=precision)
+
+
+def test_one_gpu_under_auto_times_the_model_unsharded_unless_pinned_or_it_cannot():
+    assert _twin() is None and _twin(FSDP2Config(on_one_rank="auto"), device_type="cpu") is None
+    assert _twin(FSDP2Config(mixed_precision="DEFAULT"), precision="amp_bf16") is None
+    # Not asked: nothing to say (several ranks, a pipeline, no auto, a pin, the default on CPU).
+    for quiet in (dict(world_size=2), dict(pipeline=True), dict(auto=False), dict(device_type="cpu"),
+                  dict(fsdp2=FSDP2Config(on_one_rank="keep")), dict(fsdp2=FSDP2Config(on_one_rank="unshard")), dict(fsdp2=None)):
+        assert _twin(**quiet) == "", quiet
+    # Asked and impossible: the console says why.
+    assert "cpu_offload=true" in _twin(FSDP2Config(cpu_offload=True))
+    assert "activation_checkpointing=true" in _twin(FSDP2Config(activation_checkpointing=True))
+    assert "precision: amp_bf16 lets" in _twin(FSDP2Config(mixed_precision="DEFAULT"), precision="fp32")
+
+
+def test_on_one_rank_takes_auto_keep_or_unshard():
+    with pytest.raises(FSDP2ConfigError, match=r"on_one_rank='unsharded': must be null or one of auto, keep, unshard"):
         FSDP2Config(on_one_rank="unsharded")
     assert FSDP2Config.from_dict({"on_one_rank": "unshard"}).on_one_rank == "unshard"
 

@@ -50,8 +50,8 @@ class UnshardedTwin:
 
     module: nn.Module
     compile_kwargs: Optional[dict[str, Any]] = None
-    # (FSDP2 parameter, twin parameter), one pair per distinct parameter once bound.
-    pairs: list[tuple[nn.Parameter, nn.Parameter]] = field(default_factory=list)
+    # (name, FSDP2 parameter, twin parameter), one per distinct parameter once bound.
+    pairs: list[tuple[str, nn.Parameter, nn.Parameter]] = field(default_factory=list)
     compiled: bool = False
 
     @classmethod
@@ -76,7 +76,7 @@ class UnshardedTwin:
         sharded = {fqn: tensor for fqn, _, _, tensor in _named_slots(model, "_parameters")}
         buffers = {fqn: tensor for fqn, _, _, tensor in _named_slots(model, "_buffers")}
         made: dict[int, nn.Parameter] = {}
-        pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
+        pairs: list[tuple[str, nn.Parameter, nn.Parameter]] = []
         for fqn, owner, name, _ in _named_slots(self.module, "_parameters"):
             param = sharded.get(fqn)
             if param is None:
@@ -85,7 +85,7 @@ class UnshardedTwin:
                 local = _whole_local(fqn, param)
                 twin = nn.Parameter(local, requires_grad=param.requires_grad)
                 made[id(param)] = twin
-                pairs.append((param, twin))
+                pairs.append((fqn, param, twin))
             owner._parameters[name] = made[id(param)]
         for fqn, owner, name, _ in _named_slots(self.module, "_buffers"):
             if fqn not in buffers:
@@ -94,9 +94,14 @@ class UnshardedTwin:
         self.pairs = pairs
 
     def rebind(self, model: nn.Module) -> None:
-        """Before a batch through the twin: bind again where a local tensor is no longer the one
-        bound (a checkpoint load or a move that replaced FSDP2's storage)."""
-        for param, twin in self.pairs:
+        """Before a batch through the twin: bind again where the model's parameter or its local tensor
+        is no longer the one bound (a checkpoint load with ``assign``, a move that replaced FSDP2's storage)."""
+        current = {fqn: tensor for fqn, _, _, tensor in _named_slots(model, "_parameters")}
+        for fqn, param, twin in self.pairs:
+            now = current.get(fqn)
+            if now is not param:
+                self.bind(model)
+                return
             with torch.no_grad():
                 local = param.to_local() if isinstance(param, DTensor) else param
             if local.data_ptr() != twin.data_ptr() or local.shape != twin.shape:
@@ -114,7 +119,7 @@ class UnshardedTwin:
     def move_grads(self) -> None:
         """After the twin's last backward of a batch: its gradients become the FSDP2 parameters'
         (a DTensor over the same tensor), added to any they hold."""
-        for param, twin in self.pairs:
+        for _, param, twin in self.pairs:
             grad, twin.grad = twin.grad, None
             if grad is None:
                 continue
@@ -125,7 +130,7 @@ class UnshardedTwin:
 
     def drop_grads(self) -> None:
         """After a failed attempt: nothing the twin accumulated reaches the model."""
-        for _, twin in self.pairs:
+        for _, _, twin in self.pairs:
             twin.grad = None
 
 

@@ -1,0 +1,87 @@
+"""One rank: FSDP2 or the model unsharded, measured (`automicro.batch.sharding_choice`, `automicro.engine.twin`;
+issue 58 item 1), on one gloo rank in fp32 (tests/sharding_cases.py). The choice is kept when an injected slow
+path makes the twin faster and not when it makes it slower; an OOM through the twin, timed or kept, reruns the
+batch through FSDP2 for good; either way the run equals one that started in the chosen configuration."""
+
+from __future__ import annotations
+
+import pytest
+
+from automicro.testing.multiprocess import run_multiprocess
+from tests import sharding_cases as cases
+
+
+@pytest.fixture(scope="module")
+def toy():
+    return run_multiprocess(cases.toy_cases, world_size=1, timeout_s=300)[0]
+
+
+def _ok(result):
+    assert "crash" not in result, result.get("crash")
+    return result
+
+
+def _through(result):
+    """The batches that ran through the twin, in order."""
+    return [int(batch) for batch, through in result["through"].items() if through]
+
+
+@pytest.mark.multiproc
+def test_the_twin_made_faster_is_kept_and_trains_every_later_batch_as_fsdp2_and_the_pin_do(toy):
+    _ok(toy.get("reference", {}))
+    result = _ok(toy["faster"])
+    assert result["state"] == "unsharded" and result["split"] == [8], result
+    assert "the model unsharded kept" in result["lines"][-1], result["lines"]
+    # Steady at batch 3, 3 idle batches, the twin's first batch (6), then alternately: kept from batch 13 on.
+    assert _through(result) == [6, 8, 10, 12, 13, 14, 15, 16], result["through"]
+    # fp32 on one rank: the same numbers as FSDP2 throughout and as the unsharded pin from the start.
+    assert result["error_fsdp2"] < 1e-6 and result["error_unsharded"] < 1e-6, result
+
+
+@pytest.mark.multiproc
+def test_the_twin_made_slower_is_not_kept_and_fsdp2_trains_on(toy):
+    result = _ok(toy["slower"])
+    assert result["state"] == "sharded" and "FSDP2 kept" in result["lines"][-1], result["lines"]
+    assert _through(result) == [6, 8, 10, 12], result["through"]
+    assert result["error_fsdp2"] < 1e-6, result
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("case, where", [("oom_trial", "during its trial"), ("oom_kept", "(kept)")])
+def test_an_oom_through_the_twin_reruns_the_batch_through_fsdp2_for_the_rest_of_the_run(toy, case, where):
+    result = _ok(toy[case])
+    assert result["fired"] == 1 and result["state"] == "sharded", result
+    assert where in result["lines"][-1] and "FSDP2 stays" in result["lines"][-1], result["lines"]
+    ooms = [h for h in result["history"] if h[2] == "oom"]
+    assert len(ooms) == 1 and "rerun through FSDP2 at the same size" in ooms[0][3], ooms
+    assert result["split"] == [8]  # the size did not give way
+    assert max(_through(result), default=-1) < ooms[0][0], result["through"]  # FSDP2 from that batch on
+    assert result["error_fsdp2"] < 1e-6, result  # the failed attempt left nothing
+
+
+@pytest.mark.multiproc
+def test_the_default_on_cpu_builds_no_twin_and_compile_compiles_the_twin_whole(toy):
+    quiet = _ok(toy["default_cpu"])
+    assert quiet["state"] == "off" and not quiet["twin"] and quiet["lines"] == [] and _through(quiet) == []
+    compiled = _ok(toy["compiled"])
+    assert compiled["state"] == "unsharded" and compiled["twin_compiled"], compiled
+    assert "it compiles the whole model" in compiled["lines"][0], compiled["lines"]
+    assert compiled["error_fsdp2"] < 1e-6, compiled
+
+
+@pytest.mark.multiproc
+def test_transformers_models_at_their_defaults_tied_head_included_train_through_the_twin_as_through_fsdp2():
+    out = run_multiprocess(cases.hf_cases, world_size=1, timeout_s=300)[0]
+    for family in ("llama", "gpt2"):
+        result = _ok(out[family])
+        assert result["state"] == "unsharded" and "kept" in result["lines"][-1], (family, result)
+        assert result["error_fsdp2"] < 1e-6, (family, result)
+    assert out["gpt2"]["tied"]
+
+
+@pytest.mark.multiproc
+def test_the_twin_follows_a_load_that_replaced_the_parameters_and_a_model_it_cannot_copy_keeps_fsdp2_saying_why():
+    out = run_multiprocess(cases.twin_units, world_size=1, timeout_s=300)[0]
+    assert out["stale_before"] > 0 and out["stale_after"] == 0 and out["same_output"] == 0.0, out
+    assert not out["locked_twin"], out
+    assert len(out["locked_lines"]) == 1 and "FSDP2 kept (the model's modules cannot be copied (TypeError" in out["locked_lines"][0], out
