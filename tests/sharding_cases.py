@@ -232,5 +232,5 @@ def twin_units(rank: int, world: int) -> dict[str, Any]:
             out["locked_twin"] = trainer.sharded_model.twin is not None
         finally:
             trainer.close()
-    out["locked_lines"] = [line for line in printed.getvalue().splitlines() if line.startswith("[automicro] one rank:")]
+    out["locked_lines"] = [line for line in printed.getvalue().splitlines() if line.startswith("[automicro] one rank: FSDP2 kept")]
     return out
