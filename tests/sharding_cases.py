@@ -88,6 +88,7 @@ def _toy(on_one_rank: Optional[str], slow: Optional[dict[str, float]] = None, oo
             "through": {} if through is None else through.batches,
             "fired": 0 if through is None else through.fired,
             "split": None if auto is None else list(auto.policy.current_split()),
+            "summary": None if auto is None else auto.search.summary_line(),
             "params": full_state(trainer.state.model),
         }
     finally:

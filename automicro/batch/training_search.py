@@ -168,6 +168,8 @@ class TrainingSearch:
             return None
         tail = f"attempts {len(self.history)}, OOMs {self.ooms_total}; sync hooks {'on' if self.runtime.hooks_active else 'off'}"
         layout = "" if self.layout is None or self.layout.engine is None else f"; layout: {self.layout.describe()}"
+        if self.sharding_choice is not None and self.sharding_choice.state in ("unsharded", "sharded"):
+            tail += f"; one rank: {'the model unsharded' if self.sharding_choice.state == 'unsharded' else 'FSDP2'} (measured)"
         return self.kind.summary(self.policy, per_rank_batch, layout, self.used_split, tail)
 
     def figures(self) -> LocalFigures:

@@ -99,7 +99,7 @@ class UnshardedTwin:
         current = {fqn: tensor for fqn, _, _, tensor in _named_slots(model, "_parameters")}
         for fqn, param, twin in self.pairs:
             now = current.get(fqn)
-            if now is not param:
+            if isinstance(now, DTensor) and now is not param:  # (an unsharded FSDP2 module shows plain tensors)
                 self.bind(model)
                 return
             with torch.no_grad():
