@@ -14,6 +14,8 @@ most over its steady batches, and half of it, so the best hand-set sizes are tim
   noshardmodel-* the same with compile: {scope: model} (Composer's whole-model compile, automicro's `auto`)
   unshardpin-*   the default config (FSDP2) with `parallelism_config.fsdp2.on_one_rank: unshard` and
                  compile: true: on one rank what noshardmodel-* runs, from the YAML a multi-GPU job uses
+  keeppin-*      compile: true with `on_one_rank: keep`: FSDP2 pinned, not timed against the model
+                 unsharded (blocks-* times both under `auto` by default: its JSON's "one_rank" lines)
   layout-*       FSDP2 with `callbacks.auto_microbatching.layout: auto` (issue 26's layout search)
   pinned-*       FSDP2 with both layout trades pinned (`layout: [grad_sync_once, no_reshard]`)
   gso-*          FSDP2 with `layout: [grad_sync_once]` pinned (no search, no checkpointing)
@@ -100,6 +102,8 @@ def overrides(variant: str, args: argparse.Namespace, run_dir: str) -> list[str]
         common += ["parallelism_config=null", "compile.scope=model"] + backend
     elif kind == "unshardpin":  # FSDP2 in the config, pinned unsharded on one rank; each-block compile asked
         common += ["parallelism_config.fsdp2.on_one_rank=unshard", "compile=true"] + backend
+    elif kind == "keeppin":  # FSDP2 pinned on one rank (not timed against the model unsharded); each-block compile asked
+        common += ["parallelism_config.fsdp2.on_one_rank=keep", "compile=true"] + backend
     elif kind == "composercompile":  # Composer's own compile: the whole model, its `compile_config`
         common += ["parallelism_config=null", "compile.scope=model"] + backend
     elif kind == "layout":
@@ -210,6 +214,8 @@ def summarize(variant: str, rows: list[dict[str, Any]], console: list[str], skip
         "size_by_batch": [sizes[s] for s in sorted(sizes)],
         "steady_sizes": [sizes[s] for s in sorted(sizes) if s > skip],
         "capacity_mib_each_batch": [round(capacity[s] / 2**20) for s in sorted(capacity)],
+        # FSDP2 against the model unsharded on one rank: what was timed and kept (`sharding_choice`).
+        "one_rank": [line.split("] ", 1)[-1] for line in console if "] one rank: " in line],
     }
 
 
