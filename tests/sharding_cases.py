@@ -198,10 +198,12 @@ def twin_units(rank: int, world: int) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     torch.manual_seed(0)
-    model = ComposerStack()
+    model = ComposerStack(dropout=0.5)
+    model.eval()  # as `from_pretrained` returns a model: the twin is copied in eval mode
     twin = UnshardedTwin.before_sharding(model)
     shard(model, FSDP2Config(), device=torch.device("cpu"))
     twin.bind(model)
+    model.train()  # as the trainer does at fit start
     model.load_state_dict({k: v.detach().clone() + 1 for k, v in model.state_dict().items()}, assign=True)
     current = dict(model.named_parameters())
 
@@ -210,9 +212,14 @@ def twin_units(rank: int, world: int) -> dict[str, Any]:
 
     x = torch.randn(4, 8)
     out["stale_before"] = stale()
+    out["eval_before"] = sum(not m.training for m in twin.module.modules())
     twin.rebind(model)
     out["stale_after"] = stale()
-    out["same_output"] = float((twin.module((x, None)) - model((x, None))).abs().max())
+    out["eval_after"] = sum(not m.training for m in twin.module.modules())
+    torch.manual_seed(3)
+    through_twin = twin.module((x, None))
+    torch.manual_seed(3)  # the same dropout masks: the same numbers
+    out["same_output"] = float((through_twin - model((x, None))).abs().max())
 
     class Locked(ComposerStack):
         def __init__(self) -> None:

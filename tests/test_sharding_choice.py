@@ -82,8 +82,9 @@ def test_transformers_models_at_their_defaults_tied_head_included_train_through_
 
 
 @pytest.mark.multiproc
-def test_the_twin_follows_a_load_that_replaced_the_parameters_and_a_model_it_cannot_copy_keeps_fsdp2_saying_why():
+def test_the_twin_follows_the_models_mode_and_a_load_that_replaced_its_parameters_and_a_model_it_cannot_copy_keeps_fsdp2():
     out = run_multiprocess(cases.twin_units, world_size=1, timeout_s=300)[0]
     assert out["stale_before"] > 0 and out["stale_after"] == 0 and out["same_output"] == 0.0, out
+    assert out["eval_before"] > 0 and out["eval_after"] == 0, out  # the model's train mode followed
     assert not out["locked_twin"], out
     assert len(out["locked_lines"]) == 1 and "FSDP2 kept (the model's modules cannot be copied (TypeError" in out["locked_lines"][0], out

@@ -94,8 +94,16 @@ class UnshardedTwin:
         self.pairs = pairs
 
     def rebind(self, model: nn.Module) -> None:
-        """Before a batch through the twin: bind again where the model's parameter or its local tensor
-        is no longer the one bound (a checkpoint load with ``assign``, a move that replaced FSDP2's storage)."""
+        """Before a batch through the twin: each of its modules in the mode (train or eval) of the
+        model's module of that name (a model built in eval mode, as `from_pretrained` returns one, is put
+        in train mode by the trainer after the copy); bound again where the model's parameter or its
+        local tensor is no longer the one bound (a checkpoint load with ``assign``, a move that replaced
+        FSDP2's storage)."""
+        modes = {name: module.training for name, module in model.named_modules()}
+        for name, module in self.module.named_modules():
+            training = modes.get(name)
+            if training is not None and module.training != training:
+                module.training = training
         current = {fqn: tensor for fqn, _, _, tensor in _named_slots(model, "_parameters")}
         for fqn, param, twin in self.pairs:
             now = current.get(fqn)
