@@ -242,3 +242,35 @@ def twin_units(rank: int, world: int) -> dict[str, Any]:
             trainer.close()
     out["locked_lines"] = [line for line in printed.getvalue().splitlines() if line.startswith("[automicro] one rank: FSDP2 kept")]
     return out
+
+
+TOKEN_BATCHES = 36
+
+
+def token_cases(rank: int, world: int) -> dict[str, Any]:
+    """A token budget over variable-length padded batches (`tests/token_cases.py`'s data and limit): the
+    twin timed (FSDP2 made slower) and kept, against the same `auto` with FSDP2 pinned."""
+    from tests import token_cases
+
+    out: dict[str, Any] = {}
+    try:
+        lines: list[str] = []
+        auto = AutoMicrobatching(budget="tokens", log_attempts=False)
+        limit = token_cases.TokenLimit(token_cases.limits(world))
+
+        def listen() -> None:
+            auto.runtime.info = lambda message: lines.append(message)  # type: ignore[method-assign]
+
+        chosen = token_cases.fit("auto", [auto, limit, SlowArm(auto, {"sharded": 3.0})], batches=TOKEN_BATCHES,
+                                 fsdp2={"on_one_rank": "auto"}, before_fit=listen)
+        kept = AutoMicrobatching(budget="tokens", log_attempts=False)
+        fixed = token_cases.fit("auto", [kept, token_cases.TokenLimit(token_cases.limits(world))], batches=TOKEN_BATCHES,
+                                fsdp2={"on_one_rank": "keep"})
+        out = {
+            "state": auto.search.sharding_choice.state, "lines": [line for line in lines if line.startswith("one rank:")],
+            "same_history": [h[:5] for h in chosen["history"]] == [h[:5] for h in fixed["history"]],
+            "error_fsdp2": max_error(chosen["params"], fixed["params"]), "batches": chosen["batches"],
+        }
+    except Exception:
+        out = {"crash": traceback.format_exc()}
+    return out

@@ -60,10 +60,10 @@ def loader(rank: int, batches: int = BATCHES, median: Optional[int] = None) -> D
 
 
 def fit(microbatch: Any, callbacks: list, batches: int = BATCHES, on_tokens: bool = False, sgd: bool = False,
-        before_fit: Optional[Callable[[], None]] = None, **kwargs: Any) -> dict[str, Any]:
+        before_fit: Optional[Callable[[], None]] = None, fsdp2: Optional[dict[str, Any]] = None, **kwargs: Any) -> dict[str, Any]:
     """`sgd`: plain SGD instead of AdamW (Adam's normalised step turns rounding differences in a
     near-zero gradient into differences of the learning rate's size). `before_fit`: called once the
-    trainer is built."""
+    trainer is built. `fsdp2`: the engine's settings (default: all defaults)."""
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = build_model("tiny", n_layers=2, max_seq_len=MAX_LEN)
@@ -73,7 +73,7 @@ def fit(microbatch: Any, callbacks: list, batches: int = BATCHES, on_tokens: boo
     trainer = automicro.Trainer(
         model=model, train_dataloader=train, max_duration=f"{batches}ba",
         optimizers=(torch.optim.SGD if sgd else torch.optim.AdamW)(model.parameters(), lr=1e-2), device="cpu",
-        parallelism_config={"fsdp2": {}}, device_train_microbatch_size=microbatch, callbacks=callbacks,
+        parallelism_config={"fsdp2": fsdp2 or {}}, device_train_microbatch_size=microbatch, callbacks=callbacks,
         loggers=[], progress_bar=False, log_to_console=False, seed=17,
         accumulate_train_batch_on_tokens=on_tokens, **kwargs,
     )

@@ -67,6 +67,7 @@ class ShardingChoice:
         self.arm = "unsharded"  # the arm of the batch in progress
         self.times: dict[str, list[float]] = {"unsharded": [], "sharded": []}
         self.first_s = 0.0
+        self.restarts = 0  # trials begun again because the size moved
         self.result: Any = None
         self.clock = BatchClock(device)
         # Tests replace it to make one arm look faster or slower without depending on the machine.
@@ -82,9 +83,10 @@ class ShardingChoice:
         """The next attempt runs through the twin."""
         return self.state in ("compiling", "unsharded") or (self.state == "trial" and self.arm == "unsharded")
 
-    def before_batch(self, ready: bool, split: tuple[int, ...]) -> Optional[UnshardedTwin]:
+    def before_batch(self, ready: bool, split: tuple[int, ...], where: str = "") -> Optional[UnshardedTwin]:
         """`ready`: steady, the compiled graphs and the scope settled, no layout trial running or
-        starting with this batch; `split`: this batch's. Returns the twin where the batch runs through it."""
+        starting with this batch; `split`: the settled split (a token budget's: its budget); `where`: how
+        the console names it. Returns the twin where the batch runs through it."""
         if self.state == "waiting":
             self.idle = self.idle + 1 if ready and split == self.split else (1 if ready else 0)
             self.split = split
@@ -92,20 +94,22 @@ class ShardingChoice:
                 assert self.twin is not None
                 compiles = self.twin.compile()
                 self.state, self.arm = "compiling", "unsharded"
+                again = " again (the size moved)" if self.restarts else ""
                 self.info(
-                    f"one rank: the model unsharded timed against FSDP2, {self.batches} batches each, alternately, at "
-                    f"microbatch {max(split)} (its first batch untimed{': it compiles the whole model' if compiles else ''})"
+                    f"one rank: the model unsharded timed against FSDP2{again}, {self.batches} batches each, alternately, at "
+                    f"{where or f'microbatch {max(split)}'} (its first batch untimed{': it compiles the whole model' if compiles else ''})"
                 )
         elif self.state == "trial" and (not ready or split != self.split):
             self.state, self.idle = "waiting", 0  # the size moved: time again once it settles
+            self.restarts += 1
             self.times = {"unsharded": [], "sharded": []}
         if self.state in ("compiling", "trial"):
             self.clock.start()
         return self.twin if self.through_twin else None
 
     def after_batch(self, attempts: int, split: tuple[int, ...], weight: float = 1.0) -> None:
-        """The batch succeeded after `attempts` attempts at `split`; `weight`: its work against the
-        average batch (1.0 with samples)."""
+        """The batch succeeded after `attempts` attempts, the settled split then `split`; `weight`: its
+        work against the average batch (1.0 with samples)."""
         if self.state not in ("compiling", "trial"):
             return
         seconds = self.clock.stop()

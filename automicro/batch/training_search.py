@@ -238,7 +238,9 @@ class TrainingSearch:
         static.before_batch(steady, self.layout.trial_running, settled_split)
         scope.before_batch(steady and static.done, self.layout.trial_running, settled_split)
         settled = steady and static.done and scope.settled and not self.layout.trial_running
-        step.twin = sharding.before_batch(settled and not (packing is not None and packing.trialing), settled_split)
+        step.twin = sharding.before_batch(
+            settled and not (packing is not None and packing.trialing), settled_split, self.kind.stable_at(self.policy)
+        )
         batch_index = step.batch_index
         while True:
             # A pipeline's per-step barriers come off with the sync hooks (a failed stage drains the
@@ -334,7 +336,7 @@ class TrainingSearch:
         self._optimizer_pending = 0  # the step created the state: evals and later batches hold it
         self._static_shapes().after_batch(step.attempts, sizes)
         self._compile_scope().after_batch(step.attempts, sizes)
-        self._sharding_choice().after_batch(step.attempts, sizes, self.kind.batch_weight())
+        self._sharding_choice().after_batch(step.attempts, tuple(self.policy.current_split()), self.kind.batch_weight())
         packing = self._packing_choice()
         if packing is not None and self.kind.tokens is not None and self.kind.tokens.plan is not None:
             packing.after_batch(step.attempts, self.kind.batch_weight(), self.kind.tokens.plan.most_real)
