@@ -79,6 +79,11 @@ class ShardingChoice:
         return self.state in ("compiling", "trial", "unsharded")
 
     @property
+    def timing_now(self) -> bool:
+        """The twin is being timed against FSDP2 (no other trial may start: the times would mix)."""
+        return self.state in ("compiling", "trial")
+
+    @property
     def through_twin(self) -> bool:
         """The next attempt runs through the twin."""
         return self.state in ("compiling", "unsharded") or (self.state == "trial" and self.arm == "unsharded")

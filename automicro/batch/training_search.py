@@ -207,7 +207,8 @@ class TrainingSearch:
         packing = self._packing_choice()
         if packing is not None:  # before the batch's domain is agreed (`step.begin`)
             steady = self.policy is not None and self.policy.phase == search.Phase.STEADY and not rt.hooks_active
-            packing.before_batch(steady, self.layout is not None and self.layout.trial_running)
+            timing = self.sharding_choice is not None and self.sharding_choice.timing_now
+            packing.before_batch(steady, (self.layout is not None and self.layout.trial_running) or timing)
         self._optimizer_pending = self._pending_optimizer_bytes(host.optimizers())
         self._ensure_policy(step.begin(), host)
         assert self.policy is not None and self.layout is not None
