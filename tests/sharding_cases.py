@@ -16,8 +16,8 @@ from automicro.composer.callback import AutoMicrobatching
 from tests.automicro_cases import SEED, make_loader
 from tests.toy_models import ComposerStack, full_state, max_error
 
-# Settled at batch 0 (the whole batch fits), hooks off after 3 clean batches, 3 idle steady batches,
-# the twin's first batch, 3 batches each way: decided at batch 13; 3 more through the kept arm.
+# Settled at batch 0 (the whole batch fits), hooks off after 3 clean batches, one batch at the settled
+# size, the twin's first batch (5), 3 batches each way: decided after batch 11; 5 more through the kept arm.
 BATCHES = 17
 
 

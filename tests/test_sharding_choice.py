@@ -33,8 +33,9 @@ def test_the_twin_made_faster_is_kept_and_trains_every_later_batch_as_fsdp2_and_
     assert result["state"] == "unsharded" and result["split"] == [8], result
     assert "the model unsharded kept" in result["lines"][-1], result["lines"]
     assert result["summary"].endswith("one rank: the model unsharded (measured)"), result["summary"]
-    # Steady at batch 3, 3 idle batches, the twin's first batch (6), then alternately: kept from batch 13 on.
-    assert _through(result) == [6, 8, 10, 12, 13, 14, 15, 16], result["through"]
+    # Hooks off after batch 3, batch 4 at the settled size, the twin's first batch (5), then alternately from
+    # FSDP2's (6): decided after batch 11, the twin from batch 12 on.
+    assert _through(result) == [5, 7, 9, 11, 12, 13, 14, 15, 16], result["through"]
     # fp32 on one rank: the same numbers as FSDP2 throughout and as the unsharded pin from the start.
     assert result["error_fsdp2"] < 1e-6 and result["error_unsharded"] < 1e-6, result
 
@@ -44,7 +45,7 @@ def test_the_twin_made_slower_is_not_kept_and_fsdp2_trains_on(toy):
     result = _ok(toy["slower"])
     assert result["state"] == "sharded" and "FSDP2 kept" in result["lines"][-1], result["lines"]
     assert result["summary"].endswith("one rank: FSDP2 (measured)"), result["summary"]
-    assert _through(result) == [6, 8, 10, 12], result["through"]
+    assert _through(result) == [5, 7, 9, 11], result["through"]
     assert result["error_fsdp2"] < 1e-6, result
 
 

@@ -65,9 +65,9 @@ class ScopeChoice:
         self.timing: Callable[[str, float], float] = lambda arm, seconds: seconds
 
     @property
-    def settled(self) -> bool:
-        """The scope is decided (or not measured): nothing here changes the graphs any more."""
-        return self.state in ("off", "model", "blocks")
+    def running(self) -> bool:
+        """The scope is being timed (its batches must not be another trial's)."""
+        return self.state in ("warming", "timing_blocks", "compiling", "timing_model")
 
     @property
     def _arm(self) -> Optional[str]:

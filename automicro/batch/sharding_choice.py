@@ -8,16 +8,19 @@ casts and copies at every unshard and its hooks each microbatch left the GPU idl
 session 38). So where the job has one rank, `auto` times both on the user's model at the settled size.
 
 How: the trainer builds the model's unsharded twin beside its FSDP2 form (`automicro.engine.twin`: the
-same parameter storage, no copy). Once the size is steady, the compiled blocks' graphs and the compile
-scope are settled and the layout trials have had `IDLE_BATCHES` batches with nothing to try (FSDP2 at
-its best layout), `ShardingChoice` lets the twin run one batch untimed (it compiles the whole model
-where compile is on), then alternates `batches` batches through the twin and as many through FSDP2, at
-the same split, each batch's seconds weighed against the average batch (a token budget's batches vary),
-the device synchronized at both ends. The twin is kept where its median beats FSDP2's by more than
-`min_gain` and the spread (`automicro.core.layout.judge`); one line says what was kept with both
-medians and what the twin's first batch took. Kept, every later batch runs through the twin and the
-layout trials stay off (FSDP2's trades change nothing there). Nothing else moves: the optimizer, its
-state, checkpoints and evaluation stay on the FSDP2 model, whose parameters the twin's are.
+same parameter storage, no copy). Once the size is steady and the compiled blocks' graphs have settled
+(`compile_shapes`), after `IDLE_BATCHES` batch(es) more, and before the compile scope and the layout trials
+(they wait for this choice: the gap it closes can be 1.9x where theirs are a few percent, and every
+batch they spend first runs at FSDP2's speed), `ShardingChoice` lets the twin run one batch untimed (it
+compiles the whole model where compile is on), then alternates `batches` batches through the twin and
+as many through FSDP2 (each block compiled, its own layout), at the same split, each batch's seconds
+weighed against the average batch (a token budget's batches vary), the device synchronized at both
+ends. The twin is kept where its median beats FSDP2's by more than `min_gain` and the spread
+(`automicro.core.layout.judge`); one line says what was kept with both medians and what the twin's first
+batch took. Kept, every later batch runs through the twin, and the compile scope and the layout trials
+(FSDP2's trades, and the size trials bound to them) do not run. Not kept, they run as before. Nothing
+else moves: the optimizer, its state, checkpoints and evaluation stay on the FSDP2 model, whose
+parameters the twin's are.
 
 Under memory pressure (an OOM in a batch through the twin, trial or kept) the batch reruns through
 FSDP2 and FSDP2 stays for the rest of the run, said once, before the layout trades or the size give
@@ -47,7 +50,7 @@ from automicro.engine.twin import UnshardedTwin
 
 BATCHES = 3  # timed batches each way (the layout trials' default)
 MIN_GAIN = 0.01
-IDLE_BATCHES = 2  # steady batches with no layout trial started before the twin is timed
+IDLE_BATCHES = 1  # batches at the settled size and graphs before the twin is timed
 
 
 class ShardingChoice:
@@ -75,8 +78,8 @@ class ShardingChoice:
 
     @property
     def blocks_layout(self) -> bool:
-        """No layout trial may start: the twin is timed or kept (FSDP2's trades mean nothing through it)."""
-        return self.state in ("compiling", "trial", "unsharded")
+        """No layout trial nor compile scope trial may start: the twin is still to be timed, timed or kept."""
+        return self.state in ("waiting", "compiling", "trial", "unsharded")
 
     @property
     def timing_now(self) -> bool:

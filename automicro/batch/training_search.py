@@ -215,8 +215,9 @@ class TrainingSearch:
         if self._layout_state is not None:
             self.layout.load_state_dict(self._layout_state)
             self._layout_state = None
-        # No layout trial starts while packing is measured (their times would mix the two), nor while the
-        # unsharded twin is timed or kept (FSDP2's trades change nothing through it).
+        # No layout trial starts while packing is measured (their times would mix the two), nor before FSDP2
+        # is kept on one rank where the model unsharded is timed against it (`sharding_choice`: first, its
+        # gap can be 1.9x; FSDP2's trades change nothing through the twin).
         sharding = self._sharding_choice()
         layout_steady = (
             self.policy.phase == search.Phase.STEADY and not (packing is not None and packing.trialing)
@@ -237,8 +238,8 @@ class TrainingSearch:
         steady = self.policy.phase == search.Phase.STEADY and not rt.hooks_active
         settled_split = tuple(self.policy.current_split())
         static.before_batch(steady, self.layout.trial_running, settled_split)
-        scope.before_batch(steady and static.done, self.layout.trial_running, settled_split)
-        settled = steady and static.done and scope.settled and not self.layout.trial_running
+        scope.before_batch(steady and static.done and not sharding.blocks_layout, self.layout.trial_running, settled_split)
+        settled = steady and static.done and not scope.running and not self.layout.trial_running
         step.twin = sharding.before_batch(
             settled and not (packing is not None and packing.trialing), settled_split, self.kind.stable_at(self.policy)
         )
@@ -352,7 +353,7 @@ class TrainingSearch:
         return self.packing_choice
 
     def _sharding_choice(self) -> ShardingChoice:
-        """One rank: the model unsharded timed against FSDP2 once everything else settled (`sharding_choice`)."""
+        """One rank: the model unsharded timed against FSDP2 once the size and its graphs settle (`sharding_choice`)."""
         if self.sharding_choice is None:
             rt = self.runtime
             assert rt.sharded is not None and rt.consensus is not None
