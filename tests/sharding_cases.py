@@ -54,7 +54,9 @@ class Through(Callback):
 
 
 def _toy(on_one_rank: Optional[str], slow: Optional[dict[str, float]] = None, oom_at: Optional[int] = None,
-         microbatch: Any = "auto", compile: Any = None) -> dict[str, Any]:
+         microbatch: Any = "auto", compile: Any = None, batches: int = BATCHES, data_batches: Optional[int] = None,
+         **more: Any) -> dict[str, Any]:
+    """`batches` trained, of `data_batches` (default: as many) in the loader."""
     torch.manual_seed(0)
     model = ComposerStack()
     lines: list[str] = []
@@ -68,10 +70,10 @@ def _toy(on_one_rank: Optional[str], slow: Optional[dict[str, float]] = None, oo
     if compile is not None:
         torch.compiler.reset()
     trainer = automicro.Trainer(
-        model=model, train_dataloader=make_loader(1, BATCHES), max_duration=f"{BATCHES}ba",
+        model=model, train_dataloader=make_loader(1, data_batches or batches), max_duration=f"{batches}ba",
         optimizers=torch.optim.AdamW(model.parameters(), lr=1e-2), device="cpu", parallelism_config={"fsdp2": fsdp2},
         device_train_microbatch_size=microbatch, callbacks=callbacks, loggers=[], progress_bar=False,
-        log_to_console=False, seed=SEED, compile=compile,
+        log_to_console=False, seed=SEED, compile=compile, **more,
     )
     if auto is not None:
         auto.runtime.info = lambda message: lines.append(message)  # type: ignore[method-assign]
@@ -274,3 +276,31 @@ def token_cases(rank: int, world: int) -> dict[str, Any]:
     except Exception:
         out = {"crash": traceback.format_exc()}
     return out
+
+
+SAVED_AT, RESUMED_TO = 14, 26
+
+
+def resume_cases(rank: int, world: int, folder: str) -> dict[str, Any]:
+    """The twin kept at batch 11, a checkpoint at SAVED_AT; a new trainer loads it (the choice is not
+    checkpointed: timed again) and trains to RESUMED_TO through the twin bound to the loaded parameters;
+    against an uninterrupted run with FSDP2 pinned at the same split."""
+    import os
+
+    try:
+        saved = _toy("auto", slow={"sharded": 3.0}, batches=SAVED_AT, data_batches=RESUMED_TO, save_folder=folder,
+                     save_interval=f"{SAVED_AT}ba")
+        resumed = _toy("auto", slow={"sharded": 3.0}, batches=RESUMED_TO, load_path=os.path.join(folder, f"ep0-ba{SAVED_AT}-rank0.pt"))
+        fixed = _toy("keep", microbatch=max(saved["split"]), batches=RESUMED_TO)
+        out = {
+            "saved_state": saved["state"], "resumed_state": resumed["state"], "resumed_lines": resumed["lines"],
+            "resumed_through": _through_after(resumed["through"], SAVED_AT),
+            "error_fsdp2": max_error(resumed["params"], fixed["params"]),
+        }
+    except Exception:
+        out = {"crash": traceback.format_exc()}
+    return out
+
+
+def _through_after(through: dict[int, bool], start: int) -> list[int]:
+    return [batch for batch, yes in through.items() if yes and batch >= start]
