@@ -38,8 +38,8 @@ class Through(Callback):
     """Records, at every forward, whether it ran through the twin; with `oom_at` (a batch index), the
     first forward through the twin at or after that batch runs out of memory."""
 
-    def __init__(self, auto: AutoMicrobatching, oom_at: Optional[int] = None) -> None:
-        self.auto, self.oom_at = auto, oom_at
+    def __init__(self, auto: AutoMicrobatching, oom_at: Optional[int] = None, error: bool = False) -> None:
+        self.auto, self.oom_at, self.error = auto, oom_at, error
         self.batches: dict[int, bool] = {}
         self.fired = 0
 
@@ -50,6 +50,8 @@ class Through(Callback):
         self.batches[batch] = through
         if through and self.oom_at is not None and batch >= self.oom_at and not self.fired:
             self.fired += 1
+            if self.error:
+                raise ValueError("test: a bug in the model's forward, through the unsharded twin")
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate (test: through the unsharded twin)")
 
 
@@ -304,3 +306,31 @@ def resume_cases(rank: int, world: int, folder: str) -> dict[str, Any]:
 
 def _through_after(through: dict[int, bool], start: int) -> list[int]:
     return [batch for batch, yes in through.items() if yes and batch >= start]
+
+
+def error_case(rank: int, world: int) -> dict[str, Any]:
+    """A non-OOM error in a forward through the twin (its trial's first batch): the run ends with it, and
+    the trainer's model is the FSDP2 model again."""
+    torch.manual_seed(0)
+    model = ComposerStack()
+    auto = AutoMicrobatching(log_attempts=False)
+    through = Through(auto, oom_at=0, error=True)
+    trainer = automicro.Trainer(
+        model=model, train_dataloader=make_loader(1, BATCHES), max_duration=f"{BATCHES}ba",
+        optimizers=torch.optim.AdamW(model.parameters(), lr=1e-2), device="cpu",
+        parallelism_config={"fsdp2": {"on_one_rank": "auto"}}, device_train_microbatch_size="auto",
+        callbacks=[auto, through], loggers=[], progress_bar=False, log_to_console=False, seed=SEED,
+    )
+    out: dict[str, Any] = {}
+    try:
+        trainer.fit()
+    except Exception as error:  # noqa: BLE001 - returned to the test
+        out["raised"] = f"{type(error).__name__}: {error}"
+        chain = error
+        while chain.__cause__ is not None or chain.__context__ is not None:
+            chain = chain.__cause__ or chain.__context__
+            out.setdefault("causes", []).append(f"{type(chain).__name__}: {chain}")
+    out["fired"] = through.fired
+    out["model_is_fsdp2"] = trainer.state.model is model
+    trainer.close()
+    return out

@@ -111,3 +111,11 @@ def test_a_run_resumed_from_a_checkpoint_times_again_and_trains_through_the_twin
     assert "timed against FSDP2" in result["resumed_lines"][0], result["resumed_lines"]  # not checkpointed: timed again
     assert len(result["resumed_through"]) >= 4, result  # the twin trained batches after the load
     assert result["error_fsdp2"] < 1e-6, result  # on the loaded parameters, as an unbroken FSDP2 run
+
+
+@pytest.mark.multiproc
+def test_a_non_oom_error_through_the_twin_ends_the_run_with_that_error():
+    result = run_multiprocess(cases.error_case, world_size=1, timeout_s=300)[0]
+    assert result["fired"] == 1 and "raised" in result, result
+    assert "a bug in the model's forward, through the unsharded twin" in " / ".join([result["raised"]] + result.get("causes", [])), result
+    assert result["model_is_fsdp2"], result  # swapped back: nothing after the error sees the twin
