@@ -38,16 +38,20 @@ class Through(Callback):
     """Records, at every forward, whether it ran through the twin; with `oom_at` (a batch index), the
     first forward through the twin at or after that batch runs out of memory."""
 
-    def __init__(self, auto: AutoMicrobatching, oom_at: Optional[int] = None, error: bool = False) -> None:
-        self.auto, self.oom_at, self.error = auto, oom_at, error
+    def __init__(self, auto: AutoMicrobatching, oom_at: Optional[int] = None, error: bool = False,
+                 retries_from: Optional[int] = None) -> None:
+        self.auto, self.oom_at, self.error, self.retries_from = auto, oom_at, error, retries_from
         self.batches: dict[int, bool] = {}
         self.fired = 0
+        self.retries = 0  # allocator retries made up in forwards through the twin from batch `retries_from` on
 
     def before_forward(self, state: Any, logger: Any) -> None:
         twin = getattr(self.auto.runtime.sharded, "twin", None)
         through = twin is not None and state.model is twin.module
         batch = int(state.timestamp.batch)
         self.batches[batch] = through
+        if through and self.retries_from is not None and batch >= self.retries_from:
+            self.retries += 1
         if through and self.oom_at is not None and batch >= self.oom_at and not self.fired:
             self.fired += 1
             if self.error:
@@ -56,17 +60,18 @@ class Through(Callback):
 
 
 def _toy(on_one_rank: Optional[str], slow: Optional[dict[str, float]] = None, oom_at: Optional[int] = None,
+         retries_from: Optional[int] = None,
          microbatch: Any = "auto", compile: Any = None, batches: int = BATCHES, data_batches: Optional[int] = None,
          **more: Any) -> dict[str, Any]:
     """`batches` trained, of `data_batches` (default: as many) in the loader."""
     torch.manual_seed(0)
     model = ComposerStack()
     lines: list[str] = []
-    auto = AutoMicrobatching(log_attempts=False) if microbatch == "auto" else None
+    auto = AutoMicrobatching(log_attempts=False, thrash_batches=2) if microbatch == "auto" else None
     callbacks: list[Any] = []
     through = None
     if auto is not None:
-        through = Through(auto, oom_at)
+        through = Through(auto, oom_at, retries_from=retries_from)
         callbacks = [auto, through] + ([SlowArm(auto, slow)] if slow else [])
     fsdp2: dict[str, Any] = {} if on_one_rank is None else {"on_one_rank": on_one_rank}
     if compile is not None:
@@ -79,6 +84,10 @@ def _toy(on_one_rank: Optional[str], slow: Optional[dict[str, float]] = None, oo
     )
     if auto is not None:
         auto.runtime.info = lambda message: lines.append(message)  # type: ignore[method-assign]
+    if retries_from is not None:  # the allocator's retry count, as the twin's batches made it grow
+        assert auto is not None and through is not None
+        memory, counted = auto.runtime.memory, auto.runtime.memory.alloc_retries
+        memory.alloc_retries = lambda: counted() + through.retries  # type: ignore[method-assign]
     try:
         trainer.fit()
         choice = None if auto is None else auto.search.sharding_choice
@@ -108,6 +117,7 @@ def toy_cases(rank: int, world: int) -> dict[str, Any]:
         "slower": dict(on_one_rank="auto", slow={"unsharded": 3.0}),
         "oom_trial": dict(on_one_rank="auto", slow={"sharded": 3.0}, oom_at=0),
         "oom_kept": dict(on_one_rank="auto", slow={"sharded": 3.0}, oom_at=15),
+        "thrash_kept": dict(on_one_rank="auto", slow={"sharded": 3.0}, retries_from=14),
         "default_cpu": dict(on_one_rank=None),
         "compiled": dict(on_one_rank="auto", slow={"sharded": 3.0}, compile={"backend": "aot_eager", "scope": "blocks", "dynamic": False}),
     }

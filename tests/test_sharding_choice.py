@@ -63,6 +63,17 @@ def test_an_oom_through_the_twin_reruns_the_batch_through_fsdp2_for_the_rest_of_
 
 
 @pytest.mark.multiproc
+def test_thrashing_through_the_kept_twin_hands_the_next_batches_to_fsdp2_and_the_size_stays(toy):
+    result = _ok(toy["thrash_kept"])
+    assert result["state"] == "sharded" and "thrashing through the model unsharded (kept)" in result["lines"][-1], result
+    thrash = [h for h in result["history"] if h[2] == "thrash"]
+    # Retries in the twin's batches 14 and 15 (thrash_batches=2): FSDP2 from batch 16, at the same split.
+    assert [h[0] for h in thrash] == [15] and "FSDP2 from the next batch" in thrash[0][3], result["history"]
+    assert _through(result) == [5, 7, 9, 11, 12, 13, 14, 15] and result["split"] == [8], result
+    assert result["error_fsdp2"] < 1e-6, result
+
+
+@pytest.mark.multiproc
 def test_the_default_on_cpu_builds_no_twin_and_compile_compiles_the_twin_whole(toy):
     quiet = _ok(toy["default_cpu"])
     assert quiet["state"] == "off" and not quiet["twin"] and quiet["lines"] == [] and _through(quiet) == []

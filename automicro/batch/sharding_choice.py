@@ -24,7 +24,8 @@ parameters the twin's are.
 
 Under memory pressure (an OOM in a batch through the twin, trial or kept) the batch reruns through
 FSDP2 and FSDP2 stays for the rest of the run, said once, before the layout trades or the size give
-way. Not measured (FSDP2 stays, one line says why): several ranks; a pipeline; ``cpu_offload`` or
+way; thrashing through the twin (allocator retries) ends it the same way from the next batch. Not
+measured (FSDP2 stays, one line says why): several ranks; a pipeline; ``cpu_offload`` or
 ``activation_checkpointing`` (FSDP2-only); a model the twin cannot copy; a ``mixed_precision`` whose
 compute autocast does not give (the twin computes under Composer's precision); on CPU unless
 ``on_one_rank: auto`` (as the layout trials: a CPU's time says nothing of a GPU's). The choice is not
@@ -130,17 +131,18 @@ class ShardingChoice:
         if min(len(t) for t in self.times.values()) >= self.batches:
             self._decide()
 
-    def relieve(self) -> bool:
-        """An OOM in a batch through the twin: rerun it through FSDP2, and FSDP2 from now on. True
-        where that was done (the caller reruns at the same size)."""
+    def relieve(self, why: str = "out of memory", rerun: bool = True) -> bool:
+        """Memory pressure in a batch through the twin (an OOM; thrashing, `rerun` False): FSDP2 from
+        now on, the batch rerun through it where it failed. True where that was done."""
         if not self.through_twin:
             return False
         was = self.state
         self.state = "sharded"
         self.clock.stop()
+        then = "the batch is rerun through FSDP2, and FSDP2 stays" if rerun else "FSDP2 from the next batch on"
         self.info(
-            f"one rank: out of memory through the model unsharded ({'kept' if was == 'unsharded' else 'during its trial'}); "
-            "the batch is rerun through FSDP2, and FSDP2 stays for the rest of the run"
+            f"one rank: {why} through the model unsharded ({'kept' if was == 'unsharded' else 'during its trial'}); "
+            f"{then} for the rest of the run"
         )
         return True
 
