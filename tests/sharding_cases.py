@@ -294,9 +294,9 @@ SAVED_AT, RESUMED_TO = 14, 26
 
 
 def resume_cases(rank: int, world: int, folder: str) -> dict[str, Any]:
-    """The twin kept at batch 11, a checkpoint at SAVED_AT; a new trainer loads it (the choice is not
-    checkpointed: timed again) and trains to RESUMED_TO through the twin bound to the loaded parameters;
-    against an uninterrupted run with FSDP2 pinned at the same split."""
+    """The twin kept after batch 11, a checkpoint at SAVED_AT; a new trainer loads it (the choice with it:
+    not timed again) and trains to RESUMED_TO through the twin bound to the loaded parameters; against an
+    uninterrupted run with FSDP2 pinned at the same split."""
     import os
 
     try:

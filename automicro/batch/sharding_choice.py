@@ -28,9 +28,10 @@ way; thrashing through the twin (allocator retries) ends it the same way from th
 measured (FSDP2 stays, one line says why): several ranks; a pipeline; ``cpu_offload`` or
 ``activation_checkpointing`` (FSDP2-only); a model the twin cannot copy; a ``mixed_precision`` whose
 compute autocast does not give (the twin computes under Composer's precision); on CPU unless
-``on_one_rank: auto`` (as the layout trials: a CPU's time says nothing of a GPU's). The choice is not
-checkpointed: a resumed run measures again once it settles. The size found under FSDP2 is the size
-the twin runs at (not searched again unsharded).
+``on_one_rank: auto`` (as the layout trials: a CPU's time says nothing of a GPU's). The choice is in
+the checkpoint (`state_dict`): a resumed run keeps it without timing again (the twin compiles in its
+first batch); one stopped mid-trial times again. The size found under FSDP2 is the size the twin runs
+at (not searched again unsharded).
 
 Owns: when the twin is timed, the decision, its line, and whether the next batch runs through the twin.
 May not touch: the search policy, the layout trials and the compile scope (it only asks whether they
@@ -145,6 +146,24 @@ class ShardingChoice:
             f"{then} for the rest of the run"
         )
         return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"state": self.state if self.state in ("unsharded", "sharded") else None}
+
+    def load_state_dict(self, saved: Optional[dict[str, Any]]) -> None:
+        """A decided choice from a checkpoint (before the first batch): kept as it was, not timed again.
+        Nothing where this run has no twin (another world size, a pin) or the checkpoint had no decision."""
+        decided = (saved or {}).get("state")
+        if self.state != "waiting" or decided not in ("unsharded", "sharded"):
+            return
+        assert self.twin is not None
+        self.state = decided
+        if decided == "unsharded":
+            compiles = self.twin.compile()
+            self.info(f"one rank: the model unsharded, as kept before the checkpoint (not timed again"
+                      f"{'; its first batch compiles the whole model' if compiles else ''})")
+        else:
+            self.info("one rank: FSDP2, as kept before the checkpoint (not timed again)")
 
     def _decide(self) -> None:
         unsharded, sharded = (agreed_times(self.consensus, self.times[arm]) for arm in ("unsharded", "sharded"))

@@ -74,6 +74,7 @@ class TrainingSearch:
         self._headroom_checked: set[int] = set()
         self._pending_policy: Optional[dict[str, Any]] = None  # from a checkpoint, applied at the first batch
         self._layout_state: Optional[dict[str, Any]] = None
+        self._one_rank_state: Optional[dict[str, Any]] = None  # `sharding_choice`'s, from a checkpoint
         self._optimizer_pending = 0  # bytes the first optimizer step will allocate on this rank
         self._optimizer_state_known = False
         self._step: Optional[BatchStep] = None  # the batch in progress (or the last one)
@@ -129,6 +130,7 @@ class TrainingSearch:
             "history": history_to_state(self.history),
             "tokens": self.kind.state_dict(),
             "layout": None if self.layout is None else self.layout.state_dict(),
+            "one_rank": None if self.sharding_choice is None else self.sharding_choice.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -139,6 +141,7 @@ class TrainingSearch:
         self.history = history_from_state(state.get("history", []))
         self.kind.load_state_dict(state.get("tokens"))
         self._layout_state = state.get("layout")
+        self._one_rank_state = state.get("one_rank")
 
     # ---- the dashboards' figures -----------------------------------------------------------------
 
@@ -358,6 +361,9 @@ class TrainingSearch:
             rt = self.runtime
             assert rt.sharded is not None and rt.consensus is not None
             self.sharding_choice = ShardingChoice(getattr(rt.sharded, "twin", None), rt.consensus, rt.info, rt.sharded.device)
+        if self._one_rank_state is not None:
+            self.sharding_choice.load_state_dict(self._one_rank_state)
+            self._one_rank_state = None
         return self.sharding_choice
 
     def _static_shapes(self) -> StaticShapes:
