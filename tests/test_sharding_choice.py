@@ -45,6 +45,7 @@ def test_the_twin_made_slower_is_not_kept_and_fsdp2_trains_on(toy):
     result = _ok(toy["slower"])
     assert result["state"] == "sharded" and "FSDP2 kept" in result["lines"][-1], result["lines"]
     assert result["summary"].endswith("one rank: FSDP2 (measured)"), result["summary"]
+    assert not result["twin"], result  # released: nothing holds the FSDP2 storage it aliased
     assert _through(result) == [5, 7, 9, 11], result["through"]
     assert result["error_fsdp2"] < 1e-6, result
 

@@ -61,8 +61,11 @@ class ShardingChoice:
     def __init__(
         self, twin: Optional[UnshardedTwin], consensus: Any, info: Callable[[str], None], device: torch.device,
         why_not: Optional[str] = None, batches: int = BATCHES, min_gain: float = MIN_GAIN,
+        release: Callable[[], None] = lambda: None,
     ) -> None:
-        self.twin, self.consensus, self.info = twin, consensus, info
+        """`release()`: drop every other reference to the twin once FSDP2 is kept for good (its parameters
+        would otherwise hold storage FSDP2 may replace)."""
+        self.twin, self.consensus, self.info, self.release = twin, consensus, info, release
         self.batches, self.min_gain = batches, min_gain
         self.state = "waiting" if twin is not None and why_not is None else "off"
         if twin is not None and why_not is not None:
@@ -138,7 +141,7 @@ class ShardingChoice:
         if not self.through_twin:
             return False
         was = self.state
-        self.state = "sharded"
+        self._keep_fsdp2()
         self.clock.stop()
         then = "the batch is rerun through FSDP2, and FSDP2 stays" if rerun else "FSDP2 from the next batch on"
         self.info(
@@ -146,6 +149,10 @@ class ShardingChoice:
             f"{then} for the rest of the run"
         )
         return True
+
+    def _keep_fsdp2(self) -> None:
+        self.state, self.twin = "sharded", None
+        self.release()
 
     def state_dict(self) -> dict[str, Any]:
         return {"state": self.state if self.state in ("unsharded", "sharded") else None}
@@ -157,6 +164,8 @@ class ShardingChoice:
         if self.state != "waiting" or decided not in ("unsharded", "sharded"):
             return
         assert self.twin is not None
+        if decided == "sharded":
+            self._keep_fsdp2()
         self.state = decided
         if decided == "unsharded":
             compiles = self.twin.compile()
@@ -173,7 +182,10 @@ class ShardingChoice:
             f"({100.0 * (1.0 - statistics.median(unsharded) / statistics.median(sharded)):+.1f}%; spread "
             f"{self.result.spread:.4f} s); its first batch {self.first_s:.1f} s"
         )
-        self.state = "unsharded" if self.result.kept else "sharded"
+        if self.result.kept:
+            self.state = "unsharded"
+        else:
+            self._keep_fsdp2()
         self.info(f"one rank: {'the model unsharded kept' if self.result.kept else 'FSDP2 kept'}; {medians}")
 
 

@@ -360,7 +360,11 @@ class TrainingSearch:
         if self.sharding_choice is None:
             rt = self.runtime
             assert rt.sharded is not None and rt.consensus is not None
-            self.sharding_choice = ShardingChoice(getattr(rt.sharded, "twin", None), rt.consensus, rt.info, rt.sharded.device)
+            sharded = rt.sharded
+            self.sharding_choice = ShardingChoice(
+                getattr(sharded, "twin", None), rt.consensus, rt.info, sharded.device,
+                release=lambda: setattr(sharded, "twin", None),
+            )
         if self._one_rank_state is not None:
             self.sharding_choice.load_state_dict(self._one_rank_state)
             self._one_rank_state = None
