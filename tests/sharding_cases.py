@@ -38,7 +38,7 @@ class Through(Callback):
     """Records, at every forward, whether it ran through the twin; with `oom_at` (a batch index), the
     first forward through the twin at or after that batch runs out of memory."""
 
-    def __init__(self, auto: AutoMicrobatching, oom_at: Optional[int] = None, error: bool = False,
+    def __init__(self, auto: AutoMicrobatching, oom_at: Optional[int] = None, error: Any = False,
                  retries_from: Optional[int] = None) -> None:
         self.auto, self.oom_at, self.error, self.retries_from = auto, oom_at, error, retries_from
         self.batches: dict[int, bool] = {}
@@ -52,10 +52,13 @@ class Through(Callback):
         self.batches[batch] = through
         if through and self.retries_from is not None and batch >= self.retries_from:
             self.retries += 1
+        if self.error == "everywhere" and self.oom_at is not None and batch >= self.oom_at:
+            self.fired += 1
+            raise ValueError("test: a bug in the model's forward, through either")
         if through and self.oom_at is not None and batch >= self.oom_at and not self.fired:
             self.fired += 1
             if self.error:
-                raise ValueError("test: a bug in the model's forward, through the unsharded twin")
+                raise ValueError("test: the whole-model compile failed, through the unsharded twin")
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate (test: through the unsharded twin)")
 
 
@@ -318,22 +321,27 @@ def _through_after(through: dict[int, bool], start: int) -> list[int]:
     return [batch for batch, yes in through.items() if yes and batch >= start]
 
 
-def error_case(rank: int, world: int) -> dict[str, Any]:
-    """A non-OOM error in a forward through the twin (its trial's first batch): the run ends with it, and
-    the trainer's model is the FSDP2 model again."""
+def error_case(rank: int, world: int, everywhere: bool) -> dict[str, Any]:
+    """A non-OOM error in the twin's first batch (its whole-model compile failing): the batch reruns through
+    FSDP2, which trains on; `everywhere`: from batch 5 (the twin's first) every forward raises, through either
+    (a bug in the model): the rerun through FSDP2 meets it too and the run ends with it, the trainer's model
+    the FSDP2 model again."""
     torch.manual_seed(0)
     model = ComposerStack()
     auto = AutoMicrobatching(log_attempts=False)
-    through = Through(auto, oom_at=0, error=True)
+    through = Through(auto, oom_at=5 if everywhere else 0, error="everywhere" if everywhere else True)
+    lines: list[str] = []
     trainer = automicro.Trainer(
         model=model, train_dataloader=make_loader(1, BATCHES), max_duration=f"{BATCHES}ba",
         optimizers=torch.optim.AdamW(model.parameters(), lr=1e-2), device="cpu",
         parallelism_config={"fsdp2": {"on_one_rank": "auto"}}, device_train_microbatch_size="auto",
         callbacks=[auto, through], loggers=[], progress_bar=False, log_to_console=False, seed=SEED,
     )
+    auto.runtime.info = lambda message: lines.append(message)  # type: ignore[method-assign]
     out: dict[str, Any] = {}
     try:
         trainer.fit()
+        out["params"] = full_state(trainer.state.model)
     except Exception as error:  # noqa: BLE001 - returned to the test
         out["raised"] = f"{type(error).__name__}: {error}"
         chain = error
@@ -342,5 +350,10 @@ def error_case(rank: int, world: int) -> dict[str, Any]:
             out.setdefault("causes", []).append(f"{type(chain).__name__}: {chain}")
     out["fired"] = through.fired
     out["model_is_fsdp2"] = trainer.state.model is model
+    out["lines"] = [line for line in lines if line.startswith("one rank:")]
+    out["history"] = [(r.batch, r.size, r.outcome, r.note) for r in auto.history]
+    out["through"] = through.batches
     trainer.close()
+    if "params" in out:
+        out["error_fsdp2"] = max_error(out.pop("params"), _toy("keep", microbatch=8)["params"])
     return out

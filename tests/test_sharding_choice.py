@@ -127,8 +127,16 @@ def test_a_run_resumed_from_a_checkpoint_keeps_the_choice_and_trains_through_the
 
 
 @pytest.mark.multiproc
-def test_a_non_oom_error_through_the_twin_ends_the_run_with_that_error():
-    result = run_multiprocess(cases.error_case, world_size=1, timeout_s=300)[0]
-    assert result["fired"] == 1 and "raised" in result, result
-    assert "a bug in the model's forward, through the unsharded twin" in " / ".join([result["raised"]] + result.get("causes", [])), result
-    assert result["model_is_fsdp2"], result  # swapped back: nothing after the error sees the twin
+def test_an_error_of_the_twins_own_reruns_the_batch_through_fsdp2_and_one_of_the_models_ends_the_run():
+    own = run_multiprocess(cases.error_case, world_size=1, args=(False,), timeout_s=300)[0]
+    assert "raised" not in own and own["fired"] == 1, own
+    assert "an error (ValueError: test: the whole-model compile failed" in own["lines"][-1], own["lines"]
+    assert "FSDP2 stays" in own["lines"][-1] and _through(own) == [], own  # (batch 5's rerun went through FSDP2)
+    errors = [h for h in own["history"] if h[2] == "error"]
+    assert [h[0] for h in errors] == [5] and "rerun through FSDP2" in errors[0][3], own["history"]
+    assert own["error_fsdp2"] < 1e-6, own  # the failed attempt left nothing
+    # The model's own bug meets FSDP2 too: the run ends with it, the model swapped back.
+    bug = run_multiprocess(cases.error_case, world_size=1, args=(True,), timeout_s=300)[0]
+    assert "a bug in the model's forward, through either" in " / ".join([bug["raised"]] + bug.get("causes", [])), bug
+    assert bug["fired"] == 2 and "FSDP2 stays" in bug["lines"][-1], bug  # through the twin, then through FSDP2
+    assert bug["model_is_fsdp2"], bug

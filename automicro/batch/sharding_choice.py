@@ -24,7 +24,10 @@ parameters the twin's are.
 
 Under memory pressure (an OOM in a batch through the twin, trial or kept) the batch reruns through
 FSDP2 and FSDP2 stays for the rest of the run, said once, before the layout trades or the size give
-way; thrashing through the twin (allocator retries) ends it the same way from the next batch. Not
+way; thrashing through the twin (allocator retries) ends it the same way from the next batch. So does
+an error other than an OOM through the twin (its whole-model compile can fail where each block's did
+not): the batch reruns through FSDP2, the error and its traceback go to the log, and an error of the
+model's own, met again through FSDP2, ends the run as any error does. Not
 measured (FSDP2 stays, one line says why): several ranks; a pipeline; ``cpu_offload`` or
 ``activation_checkpointing`` (FSDP2-only); a model the twin cannot copy; a ``mixed_precision`` whose
 compute autocast does not give (the twin computes under Composer's precision); on CPU unless

@@ -16,6 +16,8 @@ a plain loop's through `automicro.AutoStep`), FSDP2 internals (the engine's `rec
 from __future__ import annotations
 
 import dataclasses
+import logging
+import traceback
 from typing import Any, Optional, TypeVar
 
 import torch
@@ -42,6 +44,8 @@ from automicro.batch.runtime import Runtime
 from automicro.batch.settings import Settings
 
 E = TypeVar("E", bound=BaseException)
+
+log = logging.getLogger(__name__)
 
 
 class MicrobatchSizeError(RuntimeError):
@@ -273,6 +277,15 @@ class TrainingSearch:
                 raise result.unreported
             if not verdict.failed:
                 return self._trained(step, attempt, verdict, batch_index, sizes, seconds)
+            if step.twin is not None and (result.own_error is not None or verdict.error_ranks) and self._twin_failed(result.own_error):
+                # An error through the unsharded twin (its whole-model compile, a shape it cannot take): FSDP2
+                # reruns the batch; an error of the model's own meets FSDP2 too and ends the run there.
+                step.twin = None
+                self.search_time_s += seconds
+                self.memory_truth.after_failure(step.left_behind, f"batch {batch_index}")
+                self._record(batch_index, sizes, "error", verdict, max(sizes), seconds,
+                             "an error through the unsharded model: rerun through FSDP2 at the same size", hooks=hooks_on)
+                continue
             self.ooms_total += 1
             self.search_time_s += seconds
             self.memory_truth.after_failure(step.left_behind, f"batch {batch_index}")
@@ -354,6 +367,19 @@ class TrainingSearch:
             assert rt.sharded is not None and rt.consensus is not None
             self.packing_choice = PackingChoice(self.kind.tokens, rt.consensus, rt.info, rt.sharded.device)
         return self.packing_choice
+
+    def _twin_failed(self, error: Optional[BaseException]) -> bool:
+        """A non-OOM error in a batch through the twin: FSDP2 from now on, the error and its traceback in the
+        log once (`sharding_choice.relieve`). True where the batch is to be rerun through FSDP2."""
+        assert self.sharding_choice is not None
+        first = "" if error is None else (str(error).strip().splitlines() or [""])[0][:300]
+        what = "an error" if error is None else f"an error ({type(error).__name__}{': ' + first if first else ''})"
+        if not self.sharding_choice.relieve(what):
+            return False
+        if error is not None:
+            log.warning("automicro: the error through the model unsharded (rerun through FSDP2):\n%s",
+                        "".join(traceback.format_exception(type(error), error, error.__traceback__)))
+        return True
 
     def _sharding_choice(self) -> ShardingChoice:
         """One rank: the model unsharded timed against FSDP2 once the size and its graphs settle (`sharding_choice`)."""
