@@ -6,6 +6,7 @@ batch through FSDP2 for good; either way the run equals one that started in the 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from automicro.testing.multiprocess import run_multiprocess
 from tests import sharding_cases as cases
@@ -140,3 +141,68 @@ def test_an_error_of_the_twins_own_reruns_the_batch_through_fsdp2_and_one_of_the
     assert "a bug in the model's forward, through either" in " / ".join([bug["raised"]] + bug.get("causes", [])), bug
     assert bug["fired"] == 2 and "FSDP2 stays" in bug["lines"][-1], bug  # through the twin, then through FSDP2
     assert bug["model_is_fsdp2"], bug
+
+
+class _Twin:
+    """What `ShardingChoice` asks of a twin: its compile (counted)."""
+
+    compiled = 0
+
+    def compile(self) -> bool:
+        self.compiled += 1
+        return True
+
+
+class _Consensus:
+    """One rank: the agreed maximum is this rank's own."""
+
+    def agree_max(self, values):
+        return list(values)
+
+
+def _choice(**kwargs):
+    from automicro.batch.sharding_choice import ShardingChoice
+
+    lines, released = [], []
+    twin = _Twin()
+    choice = ShardingChoice(twin, _Consensus(), lines.append, torch.device("cpu"), release=lambda: released.append(1), **kwargs)
+    return choice, twin, lines, released
+
+
+def _batch(choice, ready=True, split=(8,), seconds=None):
+    """One batch: what runs it, its time as `timing` sees it (the arm's own, or `seconds`)."""
+    through = choice.before_batch(ready, split) is not None
+    arm = "unsharded" if through else "sharded"
+    choice.timing = lambda _arm, _s: seconds if seconds is not None else {"unsharded": 1.0, "sharded": 2.0}[arm]
+    choice.after_batch(1, split)
+    return through
+
+
+def test_the_state_machine_times_alternately_keeps_the_faster_and_compiles_the_twin_once():
+    choice, twin, lines, released = _choice()
+    # One batch at the settled size, the twin's first (untimed), then FSDP2 and the twin alternately: kept after 8.
+    assert [_batch(choice) for _ in range(9)] == [False, True, False, True, False, True, False, True, True]
+    assert choice.state == "unsharded" and twin.compiled == 1 and not released, lines
+    assert "the model unsharded kept" in lines[-1] and "+50.0%" in lines[-1], lines
+    assert choice.state_dict() == {"state": "unsharded"}
+    # Resumed from that checkpoint: kept at once, the twin compiled in the first batch, not timed.
+    resumed, twin2, lines2, _ = _choice()
+    resumed.load_state_dict({"state": "unsharded"})
+    assert resumed.state == "unsharded" and twin2.compiled == 1 and _batch(resumed), lines2
+    assert lines2 == ["one rank: the model unsharded, as kept before the checkpoint (not timed again; its first batch compiles the whole model)"]
+
+
+def test_a_size_that_keeps_moving_keeps_fsdp2_untimed_and_the_twin_is_released():
+    from automicro.batch.sharding_choice import MAX_RESTARTS
+
+    choice, _, lines, released = _choice()
+    split = 8
+    for _ in range(MAX_RESTARTS + 1):
+        for _ in range(4):  # two batches to start, the twin's first batch, one timed
+            _batch(choice, split=(split,))
+        split -= 1  # the size moves: the trial begins again
+        _batch(choice, split=(split,))
+    assert choice.state == "sharded" and released == [1] and choice.twin is None, lines
+    assert f"the size moved during {MAX_RESTARTS + 1} of its trials" in lines[-1], lines
+    assert not choice.blocks_layout and not _batch(choice, split=(split,))  # FSDP2 from now on, the other trials free
+    assert choice.relieve() is False  # nothing through the twin to relieve

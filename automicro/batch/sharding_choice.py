@@ -15,7 +15,8 @@ batch they spend first runs at FSDP2's speed), `ShardingChoice` lets the twin ru
 compiles the whole model where compile is on), then alternates `batches` batches through the twin and
 as many through FSDP2 (each block compiled, its own layout), at the same split, each batch's seconds
 weighed against the average batch (a token budget's batches vary), the device synchronized at both
-ends. The twin is kept where its median beats FSDP2's by more than `min_gain` and the spread
+ends (a size that moves mid-trial starts it again; after `MAX_RESTARTS` FSDP2 is kept untimed). The twin
+is kept where its median beats FSDP2's by more than `min_gain` and the spread
 (`automicro.core.layout.judge`); one line says what was kept with both medians and what the twin's first
 batch took. Kept, every later batch runs through the twin, and the compile scope and the layout trials
 (FSDP2's trades, and the size trials bound to them) do not run. Not kept, they run as before. Nothing
@@ -56,6 +57,9 @@ from automicro.engine.twin import UnshardedTwin
 BATCHES = 3  # timed batches each way (the layout trials' default)
 MIN_GAIN = 0.01
 IDLE_BATCHES = 1  # batches at the settled size and graphs before the twin is timed
+# Trials begun again because the size moved, before FSDP2 is kept untimed (a size that keeps moving would
+# otherwise hold the layout and scope trials off for good).
+MAX_RESTARTS = 3
 
 
 class ShardingChoice:
@@ -118,6 +122,10 @@ class ShardingChoice:
         elif self.state == "trial" and (not ready or split != self.split):
             self.state, self.idle = "waiting", 0  # the size moved: time again once it settles
             self.restarts += 1
+            if self.restarts > MAX_RESTARTS:
+                self._keep_fsdp2()
+                self.info(f"one rank: FSDP2 kept, not timed against the model unsharded (the size moved during "
+                          f"{self.restarts} of its trials)")
             self.times = {"unsharded": [], "sharded": []}
         if self.state in ("compiling", "trial"):
             self.clock.start()
@@ -192,4 +200,4 @@ class ShardingChoice:
         self.info(f"one rank: {'the model unsharded kept' if self.result.kept else 'FSDP2 kept'}; {medians}")
 
 
-__all__ = ["BATCHES", "IDLE_BATCHES", "MIN_GAIN", "ShardingChoice"]
+__all__ = ["BATCHES", "IDLE_BATCHES", "MAX_RESTARTS", "MIN_GAIN", "ShardingChoice"]
