@@ -53,6 +53,10 @@ class UnshardedTwin:
     # (name, FSDP2 parameter, twin parameter), one per distinct parameter once bound.
     pairs: list[tuple[str, nn.Parameter, nn.Parameter]] = field(default_factory=list)
     compiled: bool = False
+    # Made at `bind` so that `rebind`, before every batch through the twin, walks no module tree: each
+    # pair's (model module, parameter name), and (model module, twin module) of each name.
+    _slots: list[tuple[nn.Module, str]] = field(default_factory=list)
+    _modes: list[tuple[nn.Module, nn.Module]] = field(default_factory=list)
 
     @classmethod
     def before_sharding(cls, model: nn.Module, compile_kwargs: Optional[dict[str, Any]] = None) -> "UnshardedTwin":
@@ -75,6 +79,7 @@ class UnshardedTwin:
         `rebind`). `model` must be resharded (its parameters DTensors)."""
         sharded = {fqn: tensor for fqn, _, _, tensor in _named_slots(model, "_parameters")}
         buffers = {fqn: tensor for fqn, _, _, tensor in _named_slots(model, "_buffers")}
+        owners = {fqn: (owner, name) for fqn, owner, name, _ in _named_slots(model, "_parameters")}
         made: dict[int, nn.Parameter] = {}
         pairs: list[tuple[str, nn.Parameter, nn.Parameter]] = []
         for fqn, owner, name, _ in _named_slots(self.module, "_parameters"):
@@ -92,6 +97,9 @@ class UnshardedTwin:
                 raise TwinError(f"the sharded model has no buffer {fqn!r}")
             owner._buffers[name] = buffers[fqn]
         self.pairs = pairs
+        self._slots = [owners[fqn] for fqn, _, _ in pairs]
+        mirrors = dict(self.module.named_modules())
+        self._modes = [(source, mirrors[name]) for name, source in model.named_modules() if name in mirrors]
 
     def rebind(self, model: nn.Module) -> None:
         """Before a batch through the twin: each of its modules in the mode (train or eval) of the
@@ -99,22 +107,20 @@ class UnshardedTwin:
         in train mode by the trainer after the copy); bound again where the model's parameter or its
         local tensor is no longer the one bound (a checkpoint load with ``assign``, a move that replaced
         FSDP2's storage)."""
-        modes = {name: module.training for name, module in model.named_modules()}
-        for name, module in self.module.named_modules():
-            training = modes.get(name)
-            if training is not None and module.training != training:
-                module.training = training
-        current = {fqn: tensor for fqn, _, _, tensor in _named_slots(model, "_parameters")}
-        for fqn, param, twin in self.pairs:
-            now = current.get(fqn)
-            if isinstance(now, DTensor) and now is not param:  # (an unsharded FSDP2 module shows plain tensors)
-                self.bind(model)
-                return
-            with torch.no_grad():
+        for source, mirror in self._modes:
+            if mirror.training != source.training:
+                mirror.training = source.training
+        with torch.no_grad():
+            for (owner, name), (_, param, twin) in zip(self._slots, self.pairs):
+                now = owner._parameters.get(name)
+                if isinstance(now, DTensor) and now is not param:  # (an unsharded FSDP2 module shows plain tensors)
+                    break
                 local = param.to_local() if isinstance(param, DTensor) else param
-            if local.data_ptr() != twin.data_ptr() or local.shape != twin.shape:
-                self.bind(model)
+                if local.data_ptr() != twin.data_ptr() or local.shape != twin.shape:
+                    break
+            else:
                 return
+        self.bind(model)
 
     def compile(self) -> bool:
         """Compile the twin's whole forward (once; True where it was compiled now)."""
