@@ -26,15 +26,13 @@ layout trials and the static recompile (it only asks whether they run), Composer
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
 
-from automicro.core.layout import judge
 from automicro.engine.compile import CompiledBlocks
-from automicro.batch.trial_timing import BatchClock, agreed_times, timed_arm
+from automicro.batch.trial_timing import BatchClock, judged, timed_arm
 
 BATCHES = 3  # timed batches each side (the layout trials' default)
 MIN_GAIN = 0.01
@@ -112,13 +110,9 @@ class ScopeChoice:
             self.info(f"compile: the whole model timed against each block compiled, {self.batches} batches each "
                       f"at microbatch {max(self.split or (0,))} (the first with the whole model compiles it)")
             return
-        blocks, model = (agreed_times(self.consensus, self.times[a]) for a in ("blocks", "model"))
-        self.result = judge("model", model, blocks, self.min_gain)
-        medians = (
-            f"median batch {statistics.median(model):.4f} s the whole model, {statistics.median(blocks):.4f} s each "
-            f"block ({100.0 * (1.0 - statistics.median(model) / statistics.median(blocks)):+.1f}%; spread "
-            f"{self.result.spread:.4f} s); its compile batch {self.compile_s:.1f} s"
-        )
+        self.result, medians = judged(self.consensus, "model", self.times["model"], self.times["blocks"], self.min_gain,
+                                      "the whole model", "each block")
+        medians += f"; its compile batch {self.compile_s:.1f} s"
         if self.result.kept:
             self.state = "model"
             self.info(f"compile: the whole model: kept; {medians}")

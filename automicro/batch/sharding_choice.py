@@ -44,14 +44,12 @@ run), the twin's binding (the engine's), Composer.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
 
-from automicro.batch.trial_timing import BatchClock, agreed_times
-from automicro.core.layout import judge
+from automicro.batch.trial_timing import BatchClock, judged
 from automicro.engine.twin import UnshardedTwin
 
 BATCHES = 3  # timed batches each way (the layout trials' default)
@@ -186,13 +184,9 @@ class ShardingChoice:
             self.info("one rank: FSDP2, as kept before the checkpoint (not timed again)")
 
     def _decide(self) -> None:
-        unsharded, sharded = (agreed_times(self.consensus, self.times[arm]) for arm in ("unsharded", "sharded"))
-        self.result = judge("unsharded", unsharded, sharded, self.min_gain)
-        medians = (
-            f"median batch {statistics.median(unsharded):.4f} s unsharded, {statistics.median(sharded):.4f} s FSDP2 "
-            f"({100.0 * (1.0 - statistics.median(unsharded) / statistics.median(sharded)):+.1f}%; spread "
-            f"{self.result.spread:.4f} s); its first batch {self.first_s:.1f} s"
-        )
+        self.result, medians = judged(self.consensus, "unsharded", self.times["unsharded"], self.times["sharded"],
+                                      self.min_gain, "unsharded", "FSDP2")
+        medians += f"; its first batch {self.first_s:.1f} s"
         if self.result.kept:
             self.state = "unsharded"
         else:

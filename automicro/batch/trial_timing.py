@@ -6,6 +6,7 @@ Owns: the clock and the agreement of batch times. May not touch: what a trial de
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -13,6 +14,7 @@ from typing import Any, Optional
 import torch
 
 from automicro.core.consensus import SLOTS
+from automicro.core.layout import TrialResult, judge
 
 
 class BatchClock:
@@ -53,4 +55,17 @@ def agreed_times(consensus: Any, times: Sequence[float]) -> list[float]:
     return [us / 1e6 for us in agreed]
 
 
-__all__ = ["BatchClock", "agreed_times", "timed_arm"]
+def judged(consensus: Any, trade: str, on: Sequence[float], off: Sequence[float], min_gain: float,
+           on_label: str, off_label: str) -> tuple[TrialResult, str]:
+    """A two-arm trial's verdict: each arm's batch times agreed (the slowest rank's), `trade` (the "on"
+    arm) judged against the other (`automicro.core.layout.judge`), and the words that say both medians."""
+    on, off = agreed_times(consensus, on), agreed_times(consensus, off)
+    result = judge(trade, on, off, min_gain)
+    median_on, median_off = statistics.median(on), statistics.median(off)
+    return result, (
+        f"median batch {median_on:.4f} s {on_label}, {median_off:.4f} s {off_label} "
+        f"({100.0 * (1.0 - median_on / median_off):+.1f}%; spread {result.spread:.4f} s)"
+    )
+
+
+__all__ = ["BatchClock", "agreed_times", "judged", "timed_arm"]
