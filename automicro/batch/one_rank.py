@@ -84,7 +84,7 @@ def choose(fsdp2: Optional[FSDP2Config], *, world_size: int, pipeline: bool, com
             f"{key}: the model's parameters are on the meta device, which FSDP2 materializes shard by shard and the "
             "unsharded model cannot; build the model on a real device (YAML: model.init_device: cpu), or set on_one_rank: keep"
         )
-    precision_name = str(getattr(precision, "value", precision) or "default").lower()
+    precision_name = _precision_name(precision)
     if not _same_compute(fsdp2, precision):
         raise FSDP2ConfigError(
             f"{key} with {FSDP2_KEY}.mixed_precision={fsdp2.mixed_precision} and precision={precision_name}: FSDP2 would "
@@ -103,9 +103,14 @@ def choose(fsdp2: Optional[FSDP2Config], *, world_size: int, pipeline: bool, com
     return OneRankChoice(None, config, line, unsharded_from=fsdp2)
 
 
+def _precision_name(precision: Any) -> str:
+    """Composer's precision (a name or its `Precision`) as its lower-case name ("default" where unset)."""
+    return str(getattr(precision, "value", precision) or "default").lower()
+
+
 def _same_compute(fsdp2: FSDP2Config, precision: Any) -> bool:
     """FSDP2's compute dtype is what Composer's precision gives the unsharded model: fp32 both, or bf16 both."""
-    return fsdp2.mixed_precision == "FULL" or str(getattr(precision, "value", precision) or "default").lower() == "amp_bf16"
+    return fsdp2.mixed_precision == "FULL" or _precision_name(precision) == "amp_bf16"
 
 
 def twin_problem(fsdp2: Optional[FSDP2Config], *, world_size: int, pipeline: bool, auto: bool, device_type: str,
@@ -121,7 +126,6 @@ def twin_problem(fsdp2: Optional[FSDP2Config], *, world_size: int, pipeline: boo
         if getattr(fsdp2, name):
             return f"{FSDP2_KEY}.{name}=true: {name} {why}"
     if not _same_compute(fsdp2, precision):
-        name = str(getattr(precision, "value", precision) or "default").lower()
-        return (f"{FSDP2_KEY}.mixed_precision={fsdp2.mixed_precision} computes in bf16, precision={name} would not: "
+        return (f"{FSDP2_KEY}.mixed_precision={fsdp2.mixed_precision} computes in bf16, precision={_precision_name(precision)} would not: "
                 "precision: amp_bf16 lets the model unsharded be timed")
     return None
