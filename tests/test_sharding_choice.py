@@ -206,3 +206,14 @@ def test_a_size_that_keeps_moving_keeps_fsdp2_untimed_and_the_twin_is_released()
     assert f"the size moved during {MAX_RESTARTS + 1} of its trials" in lines[-1], lines
     assert not choice.blocks_layout and not _batch(choice, split=(split,))  # FSDP2 from now on, the other trials free
     assert choice.relieve() is False  # nothing through the twin to relieve
+
+
+def test_a_trial_pauses_while_not_ready_at_the_same_size_and_goes_on_with_its_times():
+    """The hooks back on after an eval (a rearm) at the settled size: those batches run through FSDP2
+    untimed, and the trial goes on where it was (eval every few batches would otherwise restart it for good)."""
+    choice, _, lines, _ = _choice()
+    assert [_batch(choice) for _ in range(4)] == [False, True, False, True]  # the twin's first, one timed each way
+    assert [_batch(choice, ready=False, seconds=99.0) for _ in range(2)] == [False, False]  # paused: FSDP2, untimed
+    assert choice.state == "trial" and choice.restarts == 0
+    assert [_batch(choice) for _ in range(5)] == [False, True, False, True, True]  # the rest of the trial, then kept
+    assert choice.state == "unsharded" and "+50.0%" in lines[-1], lines  # the paused batches' 99 s never counted

@@ -81,6 +81,7 @@ class ShardingChoice:
         self.times: dict[str, list[float]] = {"unsharded": [], "sharded": []}
         self.first_s = 0.0
         self.restarts = 0  # trials begun again because the size moved
+        self.paused = False  # this batch of a trial is not timed: not ready (the hooks back on after an eval, a rearm)
         self.result: Any = None
         self.clock = BatchClock(device)
         # Tests replace it to make one arm look faster or slower without depending on the machine.
@@ -99,7 +100,7 @@ class ShardingChoice:
     @property
     def through_twin(self) -> bool:
         """The next attempt runs through the twin."""
-        return self.state in ("compiling", "unsharded") or (self.state == "trial" and self.arm == "unsharded")
+        return self.state in ("compiling", "unsharded") or (self.state == "trial" and self.arm == "unsharded" and not self.paused)
 
     def before_batch(self, ready: bool, split: tuple[int, ...], where: str = "") -> Optional[UnshardedTwin]:
         """`ready`: steady, the compiled graphs and the scope settled, no layout trial running or
@@ -117,7 +118,10 @@ class ShardingChoice:
                     f"one rank: the model unsharded timed against FSDP2{again}, {self.batches} batches each, alternately, at "
                     f"{where or f'microbatch {max(split)}'} (its first batch untimed{': it compiles the whole model' if compiles else ''})"
                 )
-        elif self.state == "trial" and (not ready or split != self.split):
+        self.paused = self.state == "trial" and not ready and split == self.split
+        if self.paused:
+            return None  # FSDP2 runs it untimed; the trial goes on once ready again, its times kept
+        if self.state == "trial" and split != self.split:
             self.state, self.idle = "waiting", 0  # the size moved: time again once it settles
             self.restarts += 1
             if self.restarts > MAX_RESTARTS:
@@ -132,7 +136,7 @@ class ShardingChoice:
     def after_batch(self, attempts: int, split: tuple[int, ...], weight: float = 1.0) -> None:
         """The batch succeeded after `attempts` attempts, the settled split then `split`; `weight`: its
         work against the average batch (1.0 with samples)."""
-        if self.state not in ("compiling", "trial"):
+        if self.state not in ("compiling", "trial") or self.paused:
             return
         seconds = self.clock.stop()
         if self.state == "compiling":
