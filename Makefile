@@ -13,7 +13,7 @@ PYTEST := -m pytest tests $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKER
 # Overrides for the demo, e.g. `make demo DEMO_ARGS=loggers.wandb=true` (an offline wandb run).
 DEMO_ARGS ?=
 
-.PHONY: demo demo-pp demo-varlen foundry-demo docs test test-full test-quick test-211 test-215 venv venv-211 venv-215 wheelhouse clean-venv
+.PHONY: demo demo-pp demo-varlen foundry-demo docs test test-full test-full-cores test-quick test-211 test-215 venv venv-211 venv-215 wheelhouse clean-venv
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -63,7 +63,7 @@ demo-varlen: $(VENV)/.installed
 
 # llm-foundry's own train path with automicro: a tiny MPT on 2 CPU ranks under an emulated memory cap.
 foundry-demo: $(VENV)/.foundry
-	WANDB_MODE=$${WANDB_MODE:-offline} OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/composer -n 2 -m automicro.foundry automicro/configs/foundry-tiny-cpu.yaml $(DEMO_ARGS)
+	WANDB_MODE=$${WANDB_MODE:-offline} OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/composer -n 2 -m automicro.foundry configs/foundry-tiny-cpu.yaml $(DEMO_ARGS)
 
 # The documentation site (MkDocs, mkdocs.yml) into site/, strict: a broken link, a page left out of
 # the nav or a config key without a meaning fails. The configuration reference is generated from the
@@ -86,6 +86,11 @@ test: $(VENV)/.installed $(VENV)/.foundry
 # AUTOMICRO_TEST_SEED=N repeats the draw a run printed) and every 4-rank launch.
 test-full: $(VENV)/.installed $(VENV)/.foundry
 	$(VENV)/bin/python $(PYTEST) --full $(PYTEST_ARGS)
+
+# The same full tier spread over every core of this machine (about 6 minutes on 16 cores): one pytest
+# worker a core, one intra-op thread each, the costliest test files first (scripts/full_suite.sh).
+test-full-cores: $(VENV)/.installed $(VENV)/.foundry
+	PYTHON=$(abspath $(VENV))/bin/python bash scripts/full_suite.sh
 
 # The development loop (a few minutes, not a gate: CI runs `make test`): the policy, its property
 # tests, the layout and capacity logic, config parsing, and one 2-rank end-to-end run of the demo

@@ -40,9 +40,11 @@ setup(
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
     ],
     keywords=["pytorch", "composer", "fsdp2", "microbatching", "llm", "distributed training"],
-    packages=find_packages(include=["automicro", "automicro.*"]),
-    # The main job's YAMLs (`python -m automicro.train tiny-cpu`) and llm-foundry's, with their data.
-    package_data={"automicro": ["configs/*.yaml", "configs/data/*/*.jsonl"]},
+    # The main job's YAMLs (`python -m automicro.train tiny-cpu`) and llm-foundry's, with their data: one copy in
+    # the repository's top-level configs/, carried in the wheel as automicro/configs/ (automicro.config.configs_dir).
+    packages=find_packages(include=["automicro", "automicro.*"]) + ["automicro.configs"],
+    package_dir={"automicro.configs": "configs"},
+    package_data={"automicro.configs": ["*.yaml", "data/*/*.jsonl"]},
     entry_points={"console_scripts": ["automicro-train = automicro.train:cli"]},
     python_requires=">=3.10",
     install_requires=[

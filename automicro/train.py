@@ -6,7 +6,7 @@
     WORLD_SIZE=16 python -m automicro.train --check ...                     # ... for a world size
     automicro-train tiny-cpu [key=value ...]                                # the console script
 
-CONFIG is a YAML path, or the name of a config shipped with the package (`automicro/configs/`:
+CONFIG is a YAML path, or the name of a config shipped with the package (`configs/`:
 tiny-cpu, tiny-cpu-varlen, tiny-cpu-pp, tiny-gpu; `automicro.config.shipped_configs()`). From a clone,
 `scripts/train.py` runs this module.
 

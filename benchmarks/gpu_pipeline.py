@@ -217,7 +217,7 @@ def run(argv: list[str]) -> int:
     p.add_argument("--work", default="/tmp/gpu_pipeline", help="the runs' folders (logs, metrics, probes)")
     p.add_argument("--parts", default="nohang,throughput,memory")
     p.add_argument("--run-s", type=float, default=170.0, help="each case's timeout (the hang watchdog)")
-    p.add_argument("--cpu-dry", action="store_true", help="CPU stand-in: automicro/configs/tiny-cpu-pp.yaml under memory caps")
+    p.add_argument("--cpu-dry", action="store_true", help="CPU stand-in: configs/tiny-cpu-pp.yaml under memory caps")
     p.add_argument("--gbs", type=int, default=0, help="global batch (32 on GPUs, 12 on the CPU stand-in)")
     p.add_argument("--nohang-specs", default=NOHANG_SPECS, help="'name schedule rank:fraction[ override]', ...")
     p.add_argument("--nohang-dur", default="8ba")
@@ -231,10 +231,10 @@ def run(argv: list[str]) -> int:
     dry = args.cpu_dry
     gbs = args.gbs or (12 if dry else 32)
     if dry:
-        config, mp = "automicro/configs/tiny-cpu-pp.yaml", "FULL"
+        config, mp = "configs/tiny-cpu-pp.yaml", "FULL"
         base = [f"global_train_batch_size={gbs}", "loggers.console=false", "eval_interval=null", "save_folder=null", "load_path=null"]
     else:
-        config, mp = "automicro/configs/tiny-gpu.yaml", "DEFAULT"
+        config, mp = "configs/tiny-gpu.yaml", "DEFAULT"
         base = ["model.preset=1b", "model.init_device=meta", "model.tie_embeddings=false", "data.kind=synthetic", "data.seq_len=2048",
                 "data.num_samples=4096", f"global_train_batch_size={gbs}", "loggers.console=false", "eval_interval=null",
                 "save_folder=null", "load_path=null", "precision=amp_bf16"]

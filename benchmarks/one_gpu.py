@@ -2,7 +2,7 @@
 
     python benchmarks/one_gpu.py --out $OUT [--variants eager-auto,blocks-auto,model-auto] [--batches 30]
 
-Each variant is one `scripts/train.py automicro/configs/tiny-gpu.yaml` run (its own process, one rank) on the
+Each variant is one `scripts/train.py configs/tiny-gpu.yaml` run (its own process, one rank) on the
 1B preset of `automicro.models` (seq 2048, per-rank batch 32, amp_bf16, AdamW, synthetic tokens),
 with the YAML overrides the variant names (`-auto` or `-fixed-N` for the microbatch size; `-fixed-found`
 and `-fixed-half`: the largest microbatch the same kind's `-auto` run (earlier in `--variants`) ran at
@@ -296,7 +296,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         shutil.rmtree(run_dir, ignore_errors=True)
         stock = variant.startswith(("composer-", "composercompile-"))
         script = os.path.abspath(__file__) if stock else os.path.join(harness.REPO_ROOT, "scripts", "train.py")
-        rest = [*(["--stock"] if stock else []), "automicro/configs/tiny-gpu.yaml", *overrides(variant, args, run_dir)]
+        rest = [*(["--stock"] if stock else []), "configs/tiny-gpu.yaml", *overrides(variant, args, run_dir)]
         if args.model != "automicro":
             script, rest = os.path.abspath(__file__), [f"--hf={args.model}", *rest, *(["--tiny-hf"] if args.dry_run else [])]
         if (args.torch_fraction or args.profile) and script != os.path.abspath(__file__):

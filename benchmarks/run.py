@@ -190,9 +190,9 @@ def _interleaved(args: argparse.Namespace) -> list[Launch]:
 
 
 def _smoke(args: argparse.Namespace) -> list[Launch]:
-    """The main job (`automicro/configs/tiny-gpu.yaml`) on 2 GPUs, then Llama 1B with per-rank memory fractions
+    """The main job (`configs/tiny-gpu.yaml`) on 2 GPUs, then Llama 1B with per-rank memory fractions
     0.22 / 0.32: a search through real CUDA OOMs."""
-    composer = [_py(args), "-m", "composer.cli.launcher", "-n", str(args.nproc or 2), "scripts/train.py", "automicro/configs/tiny-gpu.yaml",
+    composer = [_py(args), "-m", "composer.cli.launcher", "-n", str(args.nproc or 2), "scripts/train.py", "configs/tiny-gpu.yaml",
                 "loggers.console=false"]
     return [
         Launch("smoke_tiny", [*composer, f"run_dir={os.path.join(args.out, 'tiny')}", *args.rest], args.timeout or 300),
@@ -238,7 +238,7 @@ def _smoke_report(args: argparse.Namespace) -> None:
 def _ckpt(args: argparse.Namespace) -> list[Launch]:
     """Sharded checkpoints on 2 GPUs: 8 batches straight, 4 then a save, the resume to 8; both loss
     series and their largest difference are printed."""
-    composer = [_py(args), "-m", "composer.cli.launcher", "-n", "2", "scripts/train.py", "automicro/configs/tiny-gpu.yaml", "loggers.console=false"]
+    composer = [_py(args), "-m", "composer.cli.launcher", "-n", "2", "scripts/train.py", "configs/tiny-gpu.yaml", "loggers.console=false"]
     ck = os.path.join(args.out, "ck")
     return [
         Launch("ckpt_full8", [*composer, f"run_dir={os.path.join(args.out, 'full8')}", "max_duration=8ba", *args.rest], 300),

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         composer = os.path.join(os.path.dirname(sys.executable), "composer")
         runs = {}
         for batches in (2, 6):
-            command = [composer, "-n", "2", "scripts/train.py", "automicro/configs/tiny-cpu.yaml", f"max_duration={batches}ba",
+            command = [composer, "-n", "2", "scripts/train.py", "configs/tiny-cpu.yaml", f"max_duration={batches}ba",
                        f"run_dir={os.path.abspath(args.out)}/run{batches}"]
             runs[batches] = statistics.median(_seconds(command) for _ in range(2))
         per_batch = (runs[6] - runs[2]) / 4

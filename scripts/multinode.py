@@ -7,7 +7,7 @@ multi-host job runs. automicro treats each launcher as a node (no shared memory 
 the consensus runs hierarchically and the collective ledger has no board, as across real hosts.
 
     # CPU, gloo: 2 nodes x 2 ranks of the main job
-    python scripts/multinode.py --nodes 2 --nproc-per-node 2 -- scripts/train.py automicro/configs/tiny-cpu.yaml
+    python scripts/multinode.py --nodes 2 --nproc-per-node 2 -- scripts/train.py configs/tiny-cpu.yaml
 
     # GPU, NCCL: 2 nodes x 1 GPU, the link between the nodes through NCCL's socket transport
     python scripts/multinode.py --nodes 2 --nproc-per-node 1 --gpu --slow-link -- scripts/train.py cfg.yaml
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command and args.command[0] == "--":
         args.command = args.command[1:]
     if not args.command:
-        parser.error("give the training script after --, e.g. -- scripts/train.py automicro/configs/tiny-cpu.yaml")
+        parser.error("give the training script after --, e.g. -- scripts/train.py configs/tiny-cpu.yaml")
     if args.nodes < 1 or args.nproc_per_node < 1:
         parser.error("--nodes and --nproc-per-node must be at least 1")
     port = args.master_port or _free_port()

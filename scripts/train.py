@@ -1,6 +1,6 @@
 """The main job from a clone: `automicro.train` (`python -m automicro.train`, the same arguments).
 
-    python scripts/train.py automicro/configs/tiny-cpu.yaml [key=value ...]   # or a shipped name: tiny-cpu
+    python scripts/train.py configs/tiny-cpu.yaml [key=value ...]   # or a shipped name: tiny-cpu
     composer -n 2 scripts/train.py tiny-cpu [key=value ...]
 """
 

@@ -1,7 +1,7 @@
 """Runs `scripts/train.py`'s `main` over several command lines in one process (one import of torch
 and Composer instead of one per case): tests/test_user_errors.py's sweep of bad top-level values.
 
-    python tests/config_error_run.py '[["automicro/configs/tiny-cpu.yaml", "seed=-1"], ...]'
+    python tests/config_error_run.py '[["configs/tiny-cpu.yaml", "seed=-1"], ...]'
 
 Prints one JSON line after the marker: each case's return code and its stdout and stderr together
 (an exception that escapes `main` is a traceback there, with return code 1)."""

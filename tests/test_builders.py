@@ -62,7 +62,7 @@ def test_a_memory_cap_in_the_config_is_built_from_the_kit():
     from automicro.composer import builders
     from automicro.testing import MemoryCapCallback
 
-    cfg = load_config(REPO / "automicro" / "configs" / "tiny-cpu.yaml")
+    cfg = load_config(REPO / "configs" / "tiny-cpu.yaml")
     assert "memory_cap" in cfg.callbacks
     assert any(isinstance(c, MemoryCapCallback) for c in builders.build_callbacks(cfg))
 

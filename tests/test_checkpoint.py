@@ -26,7 +26,7 @@ from tests import checkpoint_cases as cases
 from tests.toy_models import ComposerStack
 
 REPO = Path(__file__).resolve().parents[1]
-CPU_YAML = str(REPO / "automicro" / "configs" / "tiny-cpu.yaml")
+CPU_YAML = str(REPO / "configs" / "tiny-cpu.yaml")
 TOLERANCE = 1e-6
 CASES = ("auto", "fixed")
 

@@ -207,8 +207,8 @@ def test_bad_settings_name_the_key_and_the_choices():
     with pytest.raises(ValueError, match=r"batch=0"):
         CheckpointFault("truncate", batch=0)
     with pytest.raises(ConfigError, match=r"save_failure='ignore': must be one of continue, stop"):
-        load_config("automicro/configs/tiny-cpu.yaml", ["save_failure=ignore"])
-    cfg = load_config("automicro/configs/tiny-cpu.yaml", ["save_failure=stop", "callbacks.checkpoint_fault={at: mid_write, batch: 4}"])
+        load_config("configs/tiny-cpu.yaml", ["save_failure=ignore"])
+    cfg = load_config("configs/tiny-cpu.yaml", ["save_failure=stop", "callbacks.checkpoint_fault={at: mid_write, batch: 4}"])
     assert cfg.save_failure == "stop" and cfg.callbacks["checkpoint_fault"] == {"at": "mid_write", "batch": 4}
 
 

@@ -214,7 +214,7 @@ def test_fault_sites_around_compiled_blocks_recover_like_eager(results, site):
     ],
 )
 def test_the_yaml_compile_section(override, expected):
-    assert load_config("automicro/configs/tiny-cpu.yaml", [override]).compile == expected
+    assert load_config("configs/tiny-cpu.yaml", [override]).compile == expected
 
 
 @pytest.mark.parametrize(
@@ -230,7 +230,7 @@ def test_the_yaml_compile_section(override, expected):
 )
 def test_a_bad_compile_section_is_one_config_error(overrides, message):
     with pytest.raises(ConfigError) as error:
-        load_config("automicro/configs/tiny-cpu.yaml", overrides)
+        load_config("configs/tiny-cpu.yaml", overrides)
     assert message in str(error.value)
 
 

@@ -23,8 +23,8 @@ from automicro.config import (
 from automicro.engine.config import FSDP2Config
 
 REPO = Path(__file__).resolve().parents[1]
-CPU_YAML = str(REPO / "automicro" / "configs" / "tiny-cpu.yaml")
-GPU_YAML = str(REPO / "automicro" / "configs" / "tiny-gpu.yaml")
+CPU_YAML = str(REPO / "configs" / "tiny-cpu.yaml")
+GPU_YAML = str(REPO / "configs" / "tiny-gpu.yaml")
 THIS_FILE = str(Path(__file__).resolve())
 
 
@@ -327,8 +327,8 @@ def test_per_rank_batch_size_errors(gbs, mb, world, fragments):
 
 
 def test_parse_cli_ok():
-    assert parse_cli(["automicro/configs/tiny-cpu.yaml", "max_duration=10ba", "model.n_layers=3"]) == (
-        "automicro/configs/tiny-cpu.yaml",
+    assert parse_cli(["configs/tiny-cpu.yaml", "max_duration=10ba", "model.n_layers=3"]) == (
+        "configs/tiny-cpu.yaml",
         ["max_duration=10ba", "model.n_layers=3"],
     )
     assert parse_cli(["c.yml"]) == ("c.yml", [])
@@ -352,7 +352,7 @@ def test_parse_cli_errors(argv):
 
 def test_a_shipped_configs_name_stands_for_its_file_and_a_near_miss_is_named():
     """Issue 63: `python -m automicro.train tiny-cpu` from anywhere: the names are the YAMLs shipped in
-    automicro/configs/; a path is taken as given; a wrong name lists the names and the nearest."""
+    configs/; a path is taken as given; a wrong name lists the names and the nearest."""
     from automicro.config import resolve_config, shipped_configs
 
     names = shipped_configs()

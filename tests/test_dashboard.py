@@ -35,13 +35,13 @@ def _offline_env(tmp: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory) -> dict[str, Any]:
-    """automicro/configs/tiny-cpu.yaml on 2 gloo ranks with wandb on. `memory_monitor` rides along to show
+    """configs/tiny-cpu.yaml on 2 gloo ranks with wandb on. `memory_monitor` rides along to show
     that it only warns on CPU."""
     tmp = tmp_path_factory.mktemp("dashboard")
     run_dir = tmp / "run"
     result = _run(
         [
-            str(COMPOSER), "-n", "2", "scripts/train.py", "automicro/configs/tiny-cpu.yaml", "loggers.wandb=true",
+            str(COMPOSER), "-n", "2", "scripts/train.py", "configs/tiny-cpu.yaml", "loggers.wandb=true",
             f"max_duration={BATCHES}ba", f"run_dir={run_dir}", "callbacks.memory_monitor={}",
         ],
         timeout_s=420,
@@ -54,11 +54,11 @@ def demo(tmp_path_factory) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def varlen_demo(tmp_path_factory) -> dict[str, Any]:
-    """automicro/configs/tiny-cpu-varlen.yaml (budget: tokens) on 2 gloo ranks, wandb off."""
+    """configs/tiny-cpu-varlen.yaml (budget: tokens) on 2 gloo ranks, wandb off."""
     tmp = tmp_path_factory.mktemp("dashboard-varlen")
     run_dir = tmp / "run"
     result = _run(
-        [str(COMPOSER), "-n", "2", "scripts/train.py", "automicro/configs/tiny-cpu-varlen.yaml", f"max_duration={BATCHES}ba",
+        [str(COMPOSER), "-n", "2", "scripts/train.py", "configs/tiny-cpu-varlen.yaml", f"max_duration={BATCHES}ba",
          f"run_dir={run_dir}"],
         timeout_s=420,
         env=_offline_env(tmp),
@@ -126,7 +126,7 @@ def _documented_metric_keys() -> set[str]:
 @pytest.mark.multiproc
 @pytest.mark.multiproc
 def test_launcher_runs_tiny_cpu_config_on_two_ranks_with_a_real_search(demo):
-    """`composer -n 2 scripts/train.py automicro/configs/tiny-cpu.yaml` (the demo, here with wandb offline and
+    """`composer -n 2 scripts/train.py configs/tiny-cpu.yaml` (the demo, here with wandb offline and
     the memory monitor, neither of which moves the search)."""
     # Rank 0's cap (13 MB) fits 5 samples per microbatch: the search must land there exactly,
     # then split the per-rank batch of 8 evenly.
@@ -292,18 +292,18 @@ def test_build_loggers_chooses_offline_wandb_only_when_nothing_says_otherwise(tm
     for key in ("WANDB_MODE", "WANDB_PROJECT"):
         monkeypatch.setenv(key, "")  # records the original value, so what build_loggers sets is undone
         monkeypatch.delenv(key)
-    cfg = load_config(REPO / "automicro" / "configs" / "tiny-cpu.yaml", ["loggers.wandb=true", f"run_dir={tmp_path}"])
+    cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", ["loggers.wandb=true", f"run_dir={tmp_path}"])
     wandb_loggers = [lg for lg in build_loggers(cfg) if isinstance(lg, WandBLogger)]
     assert len(wandb_loggers) == 1 and os.environ["WANDB_MODE"] == "offline"
     assert wandb_loggers[0]._init_kwargs["dir"] == str(tmp_path)
 
     monkeypatch.delenv("WANDB_MODE")
-    cfg = load_config(REPO / "automicro" / "configs" / "tiny-cpu.yaml", ["loggers.wandb=true", "loggers.wandb_project=p", f"run_dir={tmp_path}"])
+    cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", ["loggers.wandb=true", "loggers.wandb_project=p", f"run_dir={tmp_path}"])
     build_loggers(cfg)
     assert "WANDB_MODE" not in os.environ
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
-    cfg = load_config(REPO / "automicro" / "configs" / "tiny-cpu.yaml", ["loggers.wandb=true", f"run_dir={tmp_path}"])
+    cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", ["loggers.wandb=true", f"run_dir={tmp_path}"])
     build_loggers(cfg)
     assert os.environ["WANDB_MODE"] == "disabled"
 
@@ -313,7 +313,7 @@ def test_gpu_config_has_the_memory_monitor():
 
     from automicro.config import load_config
     from automicro.composer import builders
-    cfg = load_config(REPO / "automicro" / "configs" / "tiny-gpu.yaml")
+    cfg = load_config(REPO / "configs" / "tiny-gpu.yaml")
     kinds = {type(c) for c in builders.build_callbacks(cfg)}
     assert {MemoryMonitor, SpeedMonitor} <= kinds
 

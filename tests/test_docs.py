@@ -1,4 +1,4 @@
-"""The documentation (issue 61): the README stays short, the configuration reference is generated from
+"""The documentation: the README stays short, the configuration reference is generated from
 the code and lists every key the shipped configs use, and every guide is in the site's nav.
 `make docs` (CI's first step) builds the site strict."""
 
@@ -44,7 +44,7 @@ def test_the_readme_is_at_most_200_lines():
 @pytest.mark.parametrize("config", ["tiny-cpu.yaml", "tiny-gpu.yaml", "tiny-cpu-varlen.yaml", "tiny-cpu-pp.yaml"])
 def test_the_configuration_reference_lists_every_key_a_shipped_config_uses(config):
     known = _hooks().reference_keys()
-    used = _used_keys(yaml.safe_load((REPO / "automicro" / "configs" / config).read_text()), "", known)
+    used = _used_keys(yaml.safe_load((REPO / "configs" / config).read_text()), "", known)
     assert used and used - known == set(), sorted(used - known)
 
 
@@ -63,7 +63,7 @@ def test_the_reference_gives_every_key_a_meaning_and_catches_one_without(monkeyp
 def test_every_page_under_docs_is_in_the_nav_and_every_nav_page_exists():
     config = yaml.safe_load((REPO / "mkdocs.yml").read_text())
     listed = set(re.findall(r"([\w/-]+\.md)", str(config["nav"])))
-    excluded = ("results/", "autostep-plan.md")
+    excluded = ("results/",)
     pages = {str(p.relative_to(REPO / "docs")) for p in (REPO / "docs").rglob("*.md")
              if not str(p.relative_to(REPO / "docs")).startswith(excluded)}
     assert listed == pages, (sorted(listed - pages), sorted(pages - listed))
@@ -108,7 +108,7 @@ def test_every_yaml_example_in_the_docs_loads_through_the_config_over_a_shipped_
 
     fragment = yaml.safe_load(example)
     assert isinstance(fragment, dict) and fragment, where
-    base = yaml.safe_load((REPO / "automicro" / "configs" / "tiny-cpu.yaml").read_text())
+    base = yaml.safe_load((REPO / "configs" / "tiny-cpu.yaml").read_text())
     config = from_dict(_deep_merge(base, fragment))
     Settings.parse(**(config.callbacks.get("auto_microbatching") or {}))
     known = _hooks().reference_keys()
@@ -169,12 +169,64 @@ def _github_slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
-def test_the_readmes_links_to_benchmark_rows_land_on_a_heading_of_results():
+def _results_anchors() -> set[str]:
+    """The anchors of benchmarks/RESULTS.md: each entry's explicit ``<a id="...">`` (it stays when the title is
+    edited) and its headings' GitHub anchors."""
+    text = (REPO / "benchmarks" / "RESULTS.md").read_text()
+    return set(re.findall(r'<a id="([^"]+)"></a>', text)) | {
+        _github_slug(line.lstrip("#")) for line in text.splitlines() if line.startswith("#")}
+
+
+def test_the_readmes_links_to_benchmark_rows_land_on_an_anchor_of_results():
     readme = (REPO / "README.md").read_text()
     anchors = re.findall(r"\(benchmarks/RESULTS\.md#([^)]+)\)", readme)
-    headings = {_github_slug(line.lstrip("#")) for line in (REPO / "benchmarks" / "RESULTS.md").read_text().splitlines()
-                if line.startswith("#")}
-    assert len(anchors) >= 4 and set(anchors) - headings == set(), sorted(set(anchors) - headings)
+    assert len(anchors) >= 4 and set(anchors) - _results_anchors() == set(), sorted(set(anchors) - _results_anchors())
+
+
+def test_every_results_entry_is_titled_by_its_date_and_subject_under_an_anchor_that_stays():
+    lines = (REPO / "benchmarks" / "RESULTS.md").read_text().splitlines()
+    entries = [i for i, line in enumerate(lines) if line.startswith("## ")]
+    assert len(entries) >= 30
+    for i in entries:
+        assert re.match(r"## 20\d\d-\d\d-\d\d — \S", lines[i]), lines[i]
+        assert re.fullmatch(r'<a id="20\d\d-\d\d-\d\d-[a-z0-9-]+"></a>', lines[i - 2]), (lines[i - 2], lines[i])
+        assert not INTERNAL_NUMBER.search(lines[i]), lines[i]
+
+
+# An internal bookkeeping number (a work session, an issue of this project's tracker) in a user's page.
+INTERNAL_NUMBER = re.compile(r"\b[Ss]essions? \d|\b[Ii]ssues? #?\d|\bissue-\d")
+USER_PAGES = [REPO / "README.md", *sorted(p for p in (REPO / "docs").rglob("*.md") if "results" not in p.parts)]
+
+
+def test_no_user_page_names_an_internal_session_or_issue_number():
+    found = [f"{page.relative_to(REPO)}:{n}: {line.strip()[:120]}" for page in USER_PAGES
+             for n, line in enumerate(page.read_text().splitlines(), 1) if INTERNAL_NUMBER.search(line)]
+    assert found == []
+    assert INTERNAL_NUMBER.search("measured in session 34") and INTERNAL_NUMBER.search("(issue 58)")
+
+
+# A path in the repository a page names: a top-level folder of ours, then a file or folder.
+REPO_PATH = re.compile(r"(?<![\w./-])((?:configs|scripts|examples|benchmarks|tests|automicro|docs|requirements|\.ci)/[\w./*-]*[\w*])")
+
+
+def _named_paths(text: str) -> list[str]:
+    """The repository paths a page's code blocks name, and those its inline code names with a file
+    extension (an inline ``automicro/found_size`` is a metric key, not a path)."""
+    blocks = re.findall(r"```[^\n]*\n(.*?)```", text, re.S)
+    inline = re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+    paths = [m for block in blocks for m in REPO_PATH.findall(block)]
+    paths += [m for code in inline for m in REPO_PATH.findall(code) if re.search(r"\.[a-z]{2,5}$", m)]
+    return [m.rstrip(".") for m in paths]
+
+
+def test_every_path_a_readme_or_docs_code_block_names_exists():
+    missing = []
+    for page in [*USER_PAGES, REPO / "CONTRIBUTING.md"]:
+        for path in _named_paths(page.read_text()):
+            if not (list(REPO.glob(path)) if "*" in path else (REPO / path).exists()):
+                missing.append(f"{page.relative_to(REPO)}: {path}")
+    assert missing == []
+    assert "configs/tiny-cpu.yaml" in _named_paths((REPO / "README.md").read_text() + "\n```\ncomposer -n 2 scripts/train.py configs/tiny-cpu.yaml\n```\n")
 
 
 def test_every_plot_the_docs_name_is_drawn_from_the_results_json():

@@ -1,4 +1,4 @@
-"""The main job end to end: the Composer launcher runs automicro/configs/tiny-cpu.yaml on 2 gloo ranks."""
+"""The main job end to end: the Composer launcher runs configs/tiny-cpu.yaml on 2 gloo ranks."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tests.launch import run as _run
 
 
 def test_bad_config_fails_before_any_process_starts_with_the_key_named():
-    result = _run([sys.executable, "scripts/train.py", "automicro/configs/tiny-cpu.yaml", "device_train_microbatch_size=big"], 120)
+    result = _run([sys.executable, "scripts/train.py", "configs/tiny-cpu.yaml", "device_train_microbatch_size=big"], 120)
     assert result.returncode == 2
     assert "device_train_microbatch_size='big'" in result.stdout
 
@@ -35,22 +35,22 @@ def _train_main(argv: list[str]) -> int:
 def test_check_runs_every_config_check_alone_for_the_world_size_it_is_given(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(REPO)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert _train_main(["--check", "automicro/configs/tiny-cpu.yaml", f"run_dir={tmp_path / 'run'}"]) == 0
+    assert _train_main(["--check", "configs/tiny-cpu.yaml", f"run_dir={tmp_path / 'run'}"]) == 0
     out = capsys.readouterr().out
-    assert "[automicro] config ok: automicro/configs/tiny-cpu.yaml" in out and "per-rank batch 16" in out, out
+    assert "[automicro] config ok: configs/tiny-cpu.yaml" in out and "per-rank batch 16" in out, out
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     # The same checks as a launch of that size: 16 samples do not split over 3 ranks.
     monkeypatch.setenv("WORLD_SIZE", "3")
-    assert _train_main(["--check", "automicro/configs/tiny-cpu.yaml"]) == 2
+    assert _train_main(["--check", "configs/tiny-cpu.yaml"]) == 2
     assert "global_train_batch_size=16" in capsys.readouterr().err
     monkeypatch.delenv("WORLD_SIZE")
-    assert _train_main(["--check", "automicro/configs/tiny-cpu.yaml", f"load_path={tmp_path}/nope.pt"]) == 2
+    assert _train_main(["--check", "configs/tiny-cpu.yaml", f"load_path={tmp_path}/nope.pt"]) == 2
     assert "config error: load_path=" in capsys.readouterr().err
 
 
 @pytest.mark.multiproc
 def test_under_the_launcher_a_bad_config_is_said_once_and_fails_the_launch():
-    result = _run([str(COMPOSER), "-n", "2", "scripts/train.py", "automicro/configs/tiny-cpu.yaml", "seed=-1"], 180)
+    result = _run([str(COMPOSER), "-n", "2", "scripts/train.py", "configs/tiny-cpu.yaml", "seed=-1"], 180)
     assert result.returncode != 0
     assert result.stdout.count("config error: seed=-1") == 1, result.stdout[-3000:]
     assert "Traceback" not in result.stdout
@@ -65,7 +65,7 @@ def test_restart_with_autoresume_finishes_a_run_lost_between_batches_below_the_s
     the hooks on from the start."""
     folder = tmp_path / "checkpoints"
     common = [
-        str(COMPOSER), "-n", "2", "scripts/train.py", "automicro/configs/tiny-cpu.yaml", "max_duration=10ba",
+        str(COMPOSER), "-n", "2", "scripts/train.py", "configs/tiny-cpu.yaml", "max_duration=10ba",
         f"run_dir={tmp_path}", f"save_folder={folder}", "save_interval=1ba", "autoresume=true",
     ]
     first = _run(common + ["callbacks.fault_injector={site: between_batches, ranks: [1], batch: 7}"], timeout_s=300)

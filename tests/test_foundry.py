@@ -20,7 +20,7 @@ if torch.__version__.startswith("2.7."):
 else:
     pytest.importorskip("llmfoundry", reason="llm-foundry 0.22 pins torch<2.7.1: installed only in the default (torch 2.7) leg")
 
-CONFIG = "automicro/configs/foundry-tiny-cpu.yaml"
+CONFIG = "configs/foundry-tiny-cpu.yaml"
 
 
 def _losses(stdout: str) -> list[float]:
@@ -53,8 +53,8 @@ def test_a_foundry_yaml_searches_under_asymmetric_caps_and_trains_like_the_fixed
     assert all(abs(a - b) < 1e-3 for a, b in zip(auto_losses, fixed_losses)), (auto_losses, fixed_losses)
 
 
-PRETRAIN = "automicro/configs/foundry-mpt-small-cpu.yaml"  # llm-foundry's mpt-small-cpu.yaml, fsdp_config block included
-SFT = "automicro/configs/foundry-sft-cpu.yaml"  # llm-foundry's local-data finetuning YAML (finetuning loader, JSONL)
+PRETRAIN = "configs/foundry-mpt-small-cpu.yaml"  # llm-foundry's mpt-small-cpu.yaml, fsdp_config block included
+SFT = "configs/foundry-sft-cpu.yaml"  # llm-foundry's local-data finetuning YAML (finetuning loader, JSONL)
 OFFLINE = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 
 
@@ -166,6 +166,6 @@ def test_a_missing_yaml_is_named(capsys):
     # In this process (the entry point's own launch costs 18 s of imports; the other tests launch it).
     from automicro import foundry
 
-    assert foundry.main(["automicro/configs/no-such.yaml"]) == 2
+    assert foundry.main(["configs/no-such.yaml"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("config error: ") and "automicro/configs/no-such.yaml: no such file" in err, err
+    assert err.startswith("config error: ") and "configs/no-such.yaml: no such file" in err, err

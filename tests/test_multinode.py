@@ -132,7 +132,7 @@ def test_harness_runs_the_main_job_as_two_nodes_with_the_hierarchical_consensus(
         [
             __import__("sys").executable, "scripts/multinode.py", "--nodes", "2", "--nproc-per-node", str(nproc),
             "--launcher", launcher, "--timeout", "400", "--",
-            "scripts/train.py", "automicro/configs/tiny-cpu.yaml", "max_duration=6ba", f"run_dir={tmp_path}",
+            "scripts/train.py", "configs/tiny-cpu.yaml", "max_duration=6ba", f"run_dir={tmp_path}",
             f"global_train_batch_size={8 * world}", f"callbacks.memory_cap.limit_bytes={limits}",
         ],
         timeout_s=450,

@@ -83,5 +83,5 @@ def test_on_one_rank_takes_auto_keep_or_unshard():
 def test_the_yaml_takes_the_pin(tmp_path):
     from automicro.config.load import load_config
 
-    cfg = load_config("automicro/configs/tiny-cpu.yaml", ["parallelism_config.fsdp2.on_one_rank=unshard"])
+    cfg = load_config("configs/tiny-cpu.yaml", ["parallelism_config.fsdp2.on_one_rank=unshard"])
     assert cfg.fsdp2.on_one_rank == "unshard"

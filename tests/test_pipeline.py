@@ -343,7 +343,7 @@ def test_a_pipeline_saves_sharded_checkpoints_and_resumes_to_the_same_parameters
 
 # ---- the YAML ----------------------------------------------------------------------------------
 
-PP_YAML = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "automicro" / "configs" / "tiny-cpu-pp.yaml")
+PP_YAML = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu-pp.yaml")
 
 
 def test_the_pipeline_yaml_loads_and_a_pipeline_batch_is_per_pipeline():

@@ -90,7 +90,7 @@ def test_the_yaml_allows_auto_without_fsdp2_on_one_rank_and_refuses_it_on_severa
     from automicro.config import ConfigError
     from automicro.config.load import load_config
 
-    assert load_config("automicro/configs/tiny-cpu.yaml", ["parallelism_config=null"]).fsdp2 is None
+    assert load_config("configs/tiny-cpu.yaml", ["parallelism_config=null"]).fsdp2 is None
     monkeypatch.setenv("WORLD_SIZE", "8")
     with pytest.raises(ConfigError, match=r"auto runs on one rank only, and this job has 8 .*parallelism_config: \{fsdp2: \{\}\}"):
-        load_config("automicro/configs/tiny-cpu.yaml", ["parallelism_config=null"])
+        load_config("configs/tiny-cpu.yaml", ["parallelism_config=null"])

@@ -107,14 +107,14 @@ SWEEP = [
     pytest.param(["data.kind=synthetic", "data.num_samples=1"], ["data: the dataloader has no batches", "data.num_samples"], id="data-no-batches"),
     pytest.param(["parallelism_config.fsdp2.reshard_after_forward=3"], ["parallelism_config.fsdp2.reshard_after_forward=3", "divide the shard group size 1"], id="reshard-vs-world"),
     pytest.param(["callbacks.speed_monitor.window_size=0"], ["callbacks.speed_monitor.window_size=0", "positive int"], id="speed-monitor-window"),
-    pytest.param(["load_path=automicro/configs/tiny-cpu.yaml"], ["load_path='automicro/configs/tiny-cpu.yaml'", "cannot be read as a Composer checkpoint"], id="load-path-not-a-checkpoint"),
-    pytest.param(["load_path=automicro/configs"], ["load_path='automicro/configs'", "is a folder", ".pt file"], id="load-path-folder-for-full"),
-    pytest.param(["checkpoint_format=sharded", "load_path=automicro/configs"], ["load_path='automicro/configs'", "not a sharded checkpoint folder"], id="load-path-not-dcp"),
+    pytest.param(["load_path=configs/tiny-cpu.yaml"], ["load_path='configs/tiny-cpu.yaml'", "cannot be read as a Composer checkpoint"], id="load-path-not-a-checkpoint"),
+    pytest.param(["load_path=configs"], ["load_path='configs'", "is a folder", ".pt file"], id="load-path-folder-for-full"),
+    pytest.param(["checkpoint_format=sharded", "load_path=configs"], ["load_path='configs'", "not a sharded checkpoint folder"], id="load-path-not-dcp"),
 ]
 
 
 def _argv(overrides: list[str], run_dir: str) -> list[str]:
-    args = ["automicro/configs/tiny-cpu.yaml", "max_duration=1ba", *overrides]
+    args = ["configs/tiny-cpu.yaml", "max_duration=1ba", *overrides]
     return args if any(o.startswith("run_dir=") for o in overrides) else [*args, f"run_dir={run_dir}"]
 
 
@@ -151,7 +151,7 @@ def test_load_path_is_checked_by_the_yaml_and_by_the_trainer_with_the_same_reaso
     missing = str(tmp_path / "nope.pt")
     reason = load_path_problem(missing, "full")
     with pytest.raises(ConfigError) as info:
-        load_config("automicro/configs/tiny-cpu.yaml", [f"load_path={missing}"])
+        load_config("configs/tiny-cpu.yaml", [f"load_path={missing}"])
     assert reason and reason in str(info.value)
     with pytest.raises(ValueError) as info:
         automicro.Trainer(model=ComposerStack(), device="cpu", max_duration="1ba", load_path=missing)

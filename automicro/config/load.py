@@ -32,15 +32,27 @@ USAGE = (
     "usage: python -m automicro.train [--check] CONFIG [key=value ...] "
     "(CONFIG: a .yaml / .yml path, or the name of a config shipped with automicro)"
 )
-# The configs shipped with the package (`python -m automicro.train tiny-cpu`): automicro/configs/NAME.yaml.
-CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+# The configs shipped with the package (`python -m automicro.train tiny-cpu`). One copy lives in the repository's
+# top-level `configs/`; the wheel carries it as `automicro/configs/` (setup.py's package_dir mapping). So an
+# installed wheel finds them beside the package, a clone (an editable install, `scripts/train.py`) one level up.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_CANDIDATE_DIRS = (os.path.join(_PACKAGE_DIR, "configs"), os.path.join(os.path.dirname(_PACKAGE_DIR), "configs"))
+
+
+def configs_dir() -> str:
+    """The folder of the shipped configs: the wheel's `automicro/configs/`, else a clone's `configs/` ("" if neither)."""
+    for folder in _CANDIDATE_DIRS:
+        if os.path.isfile(os.path.join(folder, "tiny-cpu.yaml")):
+            return folder
+    return ""
 
 
 def shipped_configs() -> list[str]:
-    """The names `python -m automicro.train NAME` takes: the YAMLs in `automicro/configs/`."""
-    if not os.path.isdir(CONFIGS_DIR):
+    """The names `python -m automicro.train NAME` takes: the YAMLs in `configs_dir()`."""
+    folder = configs_dir()
+    if not folder:
         return []
-    return sorted(name[: -len(".yaml")] for name in os.listdir(CONFIGS_DIR) if name.endswith(".yaml"))
+    return sorted(name[: -len(".yaml")] for name in os.listdir(folder) if name.endswith(".yaml"))
 
 
 def resolve_config(name_or_path: str) -> str:
@@ -49,7 +61,7 @@ def resolve_config(name_or_path: str) -> str:
         return name_or_path
     names = shipped_configs()
     if name_or_path in names:
-        return os.path.join(CONFIGS_DIR, f"{name_or_path}.yaml")
+        return os.path.join(configs_dir(), f"{name_or_path}.yaml")
     hint = _did_you_mean(name_or_path, names)
     raise ConfigError(
         f"first argument {name_or_path!r} is neither a .yaml / .yml config file nor a config shipped with automicro "
