@@ -62,7 +62,7 @@ SETTINGS = (
     "stable_batches", "thrash_batches", "search", "use_prediction", "start_size", "cpu_sync_group", "memory_fraction",
     "log_attempts", "unguarded_timeout_s", "sync_points", "consensus_transport", "steady_recovery", "budget",
     "fixed_tokens", "layout", "layout_trial_batches", "layout_min_gain", "layout_size_trials", "loss_normalization",
-    "label_shift", "exit_timeout_s", "rerun_target",
+    "label_shift", "exit_timeout_s", "rerun_target", "bound_trials",
 )
 
 

@@ -14,6 +14,7 @@ from composer.core import Callback
 import automicro
 from automicro.composer.callback import AutoMicrobatching
 from tests.automicro_cases import SEED, make_loader
+from automicro.batch.batch_profile import BatchProfile
 from tests.toy_models import ComposerStack, full_state, max_error
 
 # Settled at batch 0 (the whole batch fits), hooks off after 3 clean batches, one batch at the settled
@@ -32,6 +33,47 @@ class SlowArm(Callback):
         choice = self.auto.search.sharding_choice
         if choice is not None:
             choice.timing = lambda arm, seconds: seconds * self.slow.get(arm, 1.0) + 0.05 * (self.slow.get(arm, 1.0) - 1.0)
+
+
+class PlanSeams(Callback):
+    """The trial plan's test seams, set once the plan exists (the first batch makes it): `profile` is every batch
+    profile's figures (what the machine measured replaced: `TrialPlan.measured`), `slow_scope` maps "model" or
+    "blocks" to a factor on the compile scope trial's batch times; `graphs` records dynamo's graph count after
+    every batch (`automicro.engine.compile.compiled_graphs`)."""
+
+    def __init__(self, auto: AutoMicrobatching, profile: Any = None, slow_scope: Optional[dict[str, float]] = None) -> None:
+        self.auto, self.profile, self.slow_scope = auto, profile, slow_scope
+        self.graphs: dict[int, int] = {}
+
+    def run_event(self, event: Any, state: Any, logger: Any) -> None:
+        from automicro.engine.compile import compiled_graphs
+
+        plan = self.auto.search.plan
+        if plan is not None and self.profile is not None:
+            plan.measured = lambda measured: self.profile
+        scope = self.auto.search.compile_scope
+        if scope is not None and self.slow_scope:
+            scope.timing = lambda arm, seconds: seconds * self.slow_scope.get(arm, 1.0) + 0.05 * (self.slow_scope.get(arm, 1.0) - 1.0)
+        if str(event) in ("Event.BATCH_END", "batch_end"):
+            self.graphs[int(state.timestamp.batch) - 1] = compiled_graphs()
+
+
+class SlowFSDP2Path(Callback):
+    """A slow path in FSDP2 alone: `seconds` of sleep at every forward of an FSDP2 block (a forward pre-hook on
+    the sharded model's blocks; the twin's modules are copies without it). The batch profile measures it as
+    host time the device sits idle (`automicro.batch.batch_profile`), what the model unsharded can win."""
+
+    def __init__(self, auto: AutoMicrobatching, seconds: float) -> None:
+        self.auto, self.seconds, self.hooked = auto, seconds, False
+
+    def fit_start(self, state: Any, logger: Any) -> None:
+        import time
+
+        sharded = self.auto.runtime.sharded
+        for module in sharded.fsdp_modules:
+            if module is not sharded.module:
+                module.register_forward_pre_hook(lambda *_: time.sleep(self.seconds))
+                self.hooked = True
 
 
 class Through(Callback):
@@ -65,6 +107,7 @@ class Through(Callback):
 def _toy(on_one_rank: Optional[str], slow: Optional[dict[str, float]] = None, oom_at: Optional[int] = None,
          retries_from: Optional[int] = None,
          microbatch: Any = "auto", compile: Any = None, batches: int = BATCHES, data_batches: Optional[int] = None,
+         profile: Any = None, slow_scope: Optional[dict[str, float]] = None, slow_fsdp2_s: float = 0.0,
          **more: Any) -> dict[str, Any]:
     """`batches` trained, of `data_batches` (default: as many) in the loader."""
     torch.manual_seed(0)
@@ -72,10 +115,12 @@ def _toy(on_one_rank: Optional[str], slow: Optional[dict[str, float]] = None, oo
     lines: list[str] = []
     auto = AutoMicrobatching(log_attempts=False, thrash_batches=2) if microbatch == "auto" else None
     callbacks: list[Any] = []
-    through = None
+    through = seams = None
     if auto is not None:
         through = Through(auto, oom_at, retries_from=retries_from)
-        callbacks = [auto, through] + ([SlowArm(auto, slow)] if slow else [])
+        seams = PlanSeams(auto, profile, slow_scope)
+        callbacks = [auto, through, seams] + ([SlowArm(auto, slow)] if slow else [])
+        callbacks += [SlowFSDP2Path(auto, slow_fsdp2_s)] if slow_fsdp2_s else []
     fsdp2: dict[str, Any] = {} if on_one_rank is None else {"on_one_rank": on_one_rank}
     if compile is not None:
         torch.compiler.reset()
@@ -99,7 +144,11 @@ def _toy(on_one_rank: Optional[str], slow: Optional[dict[str, float]] = None, oo
             "state": None if choice is None else choice.state,
             "twin": twin is not None,
             "twin_compiled": twin is not None and twin.compiled,
+            "twin_scope": None if twin is None else twin.scope,
             "lines": [line for line in lines if line.startswith("one rank:")],
+            "scope_lines": [line for line in lines if line.startswith("compile:")],
+            "plan_lines": [line for line in lines if line.startswith(("trials:", "a batch profiled"))],
+            "graphs": {} if seams is None else seams.graphs,
             "history": [] if auto is None else [(r.batch, r.size, r.outcome, r.note) for r in auto.history],
             "through": {} if through is None else through.batches,
             "fired": 0 if through is None else through.fired,
@@ -123,6 +172,14 @@ def toy_cases(rank: int, world: int) -> dict[str, Any]:
         "thrash_kept": dict(on_one_rank="auto", slow={"sharded": 3.0}, retries_from=14),
         "default_cpu": dict(on_one_rank=None),
         "compiled": dict(on_one_rank="auto", slow={"sharded": 3.0}, compile={"backend": "aot_eager", "scope": "blocks", "dynamic": False}),
+        # A profile that leaves the model unsharded too little to win: not timed, FSDP2 kept (one line names the bound).
+        "bounded_out": dict(on_one_rank="auto", profile=BatchProfile(1.0, 0.002, 0.003, 0.0, 0.2, device="cpu")),
+        # A slow path in FSDP2 alone (20 ms at every block's forward): measured as idle, the twin timed and kept.
+        "slow_fsdp2": dict(on_one_rank="auto", slow_fsdp2_s=0.02),
+        # Compile with the scope left to measure: the twin kept (FSDP2 made slower), then the whole model timed for
+        # the twin against its blocks' times from the one-rank trial (the whole model made slower: not kept).
+        "scope_after_twin": dict(on_one_rank="auto", slow={"sharded": 3.0}, slow_scope={"model": 3.0},
+                                 compile={"backend": "aot_eager"}, batches=40),
     }
     for name, kwargs in runs.items():
         try:
@@ -131,10 +188,14 @@ def toy_cases(rank: int, world: int) -> dict[str, Any]:
             out[name] = {"crash": traceback.format_exc()}
     try:
         split = out["faster"]["split"]
-        fixed = _toy("keep", microbatch=max(split))["params"]
-        pinned = _toy("unshard", microbatch=max(split))["params"]
+        references: dict[int, tuple[Any, Any]] = {}  # by the batches a run trained
         for name in runs:
             if "params" in out[name]:
+                batches = runs[name].get("batches", BATCHES)
+                if batches not in references:
+                    references[batches] = (_toy("keep", microbatch=max(split), batches=batches)["params"],
+                                           _toy("unshard", microbatch=max(split), batches=batches)["params"])
+                fixed, pinned = references[batches]
                 params = out[name].pop("params")
                 out[name]["error_fsdp2"] = max_error(params, fixed)
                 out[name]["error_unsharded"] = max_error(params, pinned)
@@ -323,13 +384,13 @@ def _through_after(through: dict[int, bool], start: int) -> list[int]:
 
 def error_case(rank: int, world: int, everywhere: bool) -> dict[str, Any]:
     """A non-OOM error in the twin's first batch (its whole-model compile failing): the batch reruns through
-    FSDP2, which trains on; `everywhere`: from batch 5 (the twin's first) every forward raises, through either
+    FSDP2, which trains on; `everywhere`: from batch 6 (the twin's first) every forward raises, through either
     (a bug in the model): the rerun through FSDP2 meets it too and the run ends with it, the trainer's model
     the FSDP2 model again."""
     torch.manual_seed(0)
     model = ComposerStack()
     auto = AutoMicrobatching(log_attempts=False)
-    through = Through(auto, oom_at=5 if everywhere else 0, error="everywhere" if everywhere else True)
+    through = Through(auto, oom_at=6 if everywhere else 0, error="everywhere" if everywhere else True)
     lines: list[str] = []
     trainer = automicro.Trainer(
         model=model, train_dataloader=make_loader(1, BATCHES), max_duration=f"{BATCHES}ba",

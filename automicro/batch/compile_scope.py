@@ -1,47 +1,63 @@
 """The compile scope, measured: the whole model compiled against each block compiled.
 
 Which scope is faster depends on the model, and the difference is not small (one H200, FSDP2 on one
-rank, seq 2048, per-rank batch 32, fixed microbatch 16, `benchmarks/RESULTS.md` session 34: Qwen2.5-0.5B's
+rank, seq 2048, per-rank batch 32, fixed microbatch 16, `benchmarks/RESULTS.md`, 2026-11-29: Qwen2.5-0.5B's
 shape 106.5k tokens/s with each block compiled, 98.0k with the whole model; `automicro.models`' Llama 1B,
-session 32: the whole model 1.8% faster). With compile's ``scope`` unset (the default) the blocks are
-compiled, and once the search has settled, the layout trials have nothing running and the blocks'
-graphs are settled (`compile_shapes.StaticShapes` decided or does not apply), `ScopeChoice` lets one
-batch pass, times `batches` batches with the blocks, compiles the whole model's ``forward`` instead
-(`CompiledBlocks.compile_model`: every block eager again, every graph dropped), lets one batch compile,
-times as many, and keeps the whole model only where it is faster beyond `min_gain` and the spread;
-otherwise the blocks are compiled again as they were (static or dynamic in the batch). The batch
-times are the slowest rank's (one consensus round). An OOM or a new split while the whole model is
-timed undoes it (its graphs may hold more memory than the blocks'). One line says what was kept, with
-both medians and what the whole model's compile batch took. Nothing changes the numbers: the same
-modules, parameters and optimizer state; only which ``forward`` dynamo compiles.
+2026-11-28: the whole model 1.8% faster). With compile's ``scope`` unset (the default) the blocks are
+compiled, and once the size has settled `ScopeChoice` may time the whole model against them, when the trial
+plan (`automicro.batch.trial_plan`) gives it the turn: after the model unsharded is timed against FSDP2 on one
+rank, for whichever of the two runs on (FSDP2's blocks, or the unsharded twin's), and only where a batch's
+profile says the whole model can win beyond the rule for keeping it (host idle and the eager work a compile
+could fuse, `automicro.batch.batch_profile`; otherwise one line names the bound and nothing is compiled).
+
+How: where the one-rank trial just timed the blocks of the configuration that won, at this split, and
+nothing changed since, its agreed times are the "each block" arm (a compile made for one trial serves the
+next); otherwise one batch passes and the blocks are timed. Then the whole model's ``forward`` is compiled
+(every block eager again; the blocks' graphs stay cached), one batch compiles it, as many batches are timed,
+and the whole model is kept only where it is faster beyond `min_gain` and the spread; otherwise the blocks'
+compiled forwards come back as they were (no compile). The batch times are the slowest rank's (one consensus
+round). An OOM or a new split while the whole model is timed undoes it (its graphs may hold more memory than
+the blocks'). One line says what was kept, with both medians and what the whole model's compile batch took.
+Nothing changes the numbers: the same modules, parameters and optimizer state; only which ``forward`` dynamo
+compiles.
 
 Not tried: a ``scope`` the user set (``blocks`` or ``model``), a token budget (every microbatch has its
 own shape), a model whose only FSDP2 unit is its root (one scope), no FSDP2 (``model`` from the start).
-The cost: one whole-model compile (Qwen2.5-0.5B's shape on one H200: a 24.7 s first batch against
-3.2 s for the blocks, session 34) and, where the blocks stay, one blocks' compile more.
 
-Owns: when the scope is tried, the measurement and the line. May not touch: the search policy, the
-layout trials and the static recompile (it only asks whether they run), Composer.
+Owns: when the scope is tried (once given the turn), the measurement and the line. May not touch: the
+search policy, the other trials (the plan orders them), Composer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
+from automicro.batch.batch_profile import SCOPE
+from automicro.batch.trial_timing import BatchClock, enough, judged, timed_arm
 from automicro.engine.compile import CompiledBlocks
-from automicro.batch.trial_timing import BatchClock, judged, timed_arm
 
-BATCHES = 3  # timed batches each side (the layout trials' default)
+BATCHES = 3  # timed batches each side at most (the layout trials' default; 2 where the spread is tiny)
 MIN_GAIN = 0.01
+
+
+class ScopeTarget(Protocol):
+    """What compiles either scope: FSDP2's `CompiledBlocks`, or the unsharded twin (`UnshardedTwin`)."""
+
+    def compile_model(self) -> None: ...
+
+    def back_to_blocks(self) -> None: ...
 
 
 class ScopeChoice:
     """Asked before and after each batch the training search runs (`before_batch`, `after_batch`);
-    states: waiting -> warming -> timing_blocks -> compiling -> timing_model -> model | blocks;
-    `off` where it does not apply."""
+    states: waiting -> [warming -> timing_blocks ->] compiling -> timing_model -> model | blocks;
+    `off` where it does not apply. A trial of the plan ("scope")."""
+
+    name = "scope"
+    waits_for = ("one_rank",)
 
     def __init__(
         self, compiled: Optional[CompiledBlocks], consensus: Any, info: Callable[[str], None], device: torch.device,
@@ -58,25 +74,55 @@ class ScopeChoice:
         self.compile_s = 0.0  # the whole model's compile batch
         self.result: Optional[Any] = None
         self.clock = BatchClock(device)
-        self._blocks_form: tuple[Optional[bool], bool] = (None, False)  # (dynamic, batch_dynamic) to go back to
+        # Which scope target runs now, and its name ("FSDP2" or "unsharded"); the trainer sets it where the twin
+        # may win (`automicro.batch.training_search`): FSDP2's compiled blocks otherwise.
+        self.target: Callable[[], tuple[str, Optional[ScopeTarget]]] = lambda: ("FSDP2", self.compiled)
+        # The agreed "each block" times another trial just took at this split with nothing changed since, or None.
+        self.reusable: Callable[[tuple[int, ...]], Optional[list[float]]] = lambda split: None
+        self.reused = False
+        self._on: tuple[str, Optional[ScopeTarget]] = ("FSDP2", None)  # the target being timed
         # Tests replace it to make one scope look faster or slower without depending on the machine.
         self.timing: Callable[[str, float], float] = lambda arm, seconds: seconds
+
+    # ---- the plan's questions ---------------------------------------------------------------------
+
+    @property
+    def pending(self) -> bool:
+        return self.state == "waiting"
 
     @property
     def running(self) -> bool:
         """The scope is being timed (its batches must not be another trial's)."""
         return self.state in ("warming", "timing_blocks", "compiling", "timing_model")
 
+    def bound_kind(self) -> Optional[str]:
+        return SCOPE
+
+    def rule_out(self, why: str) -> None:
+        self.state = "blocks"
+        self.info(f"compile: each block stays compiled, the whole model not timed: {why}")
+
+    def projection(self) -> str:
+        return f"a whole-model compile and up to {2 * self.batches} timed batches"
+
     @property
     def _arm(self) -> Optional[str]:
         return timed_arm(self.state)
 
-    def before_batch(self, ready: bool, trial_running: bool, split: tuple[int, ...]) -> None:
-        """`ready`: the search has settled and the blocks' graphs with it (the static recompile is
-        done); `trial_running`: a layout trial runs or starts with this batch; `split`: this batch's."""
-        if self.state == "waiting" and ready and not trial_running:
-            self.state, self.split = "warming", split  # one batch untimed: graphs compiled last batch settle
-        elif self.state in ("warming", "timing_blocks") and (not ready or trial_running or split != self.split):
+    # ---- one batch ---------------------------------------------------------------------------------
+
+    def before_batch(self, ready: bool, split: tuple[int, ...]) -> None:
+        """`ready`: the plan gives this trial the batch (the size settled, no other trial running); `split`: this
+        batch's."""
+        if self.state == "waiting" and ready:
+            self._on, self.split = self.target(), split
+            reused = self.reusable(split)
+            if reused:
+                self.times["blocks"], self.reused = list(reused), True
+                self._compile_model()
+            else:
+                self.state = "warming"  # one batch untimed: graphs compiled last batch settle
+        elif self.state in ("warming", "timing_blocks") and (not ready or split != self.split):
             self.state, self.times["blocks"] = "waiting", []  # the size moved: start again once settled
         if self._arm is not None or self.state == "compiling":
             self.clock.start()
@@ -95,37 +141,45 @@ class ScopeChoice:
                 self._back("undone: an OOM or a new split in the batch that compiled it")
             return
         arm = self._arm
-        assert arm is not None and self.compiled is not None
+        assert arm is not None
         if attempts == 1 and split == self.split:
             self.times[arm].append(self.timing(arm, seconds))
         elif arm == "model":  # an OOM or another split under the whole model: back to the blocks
             self._back("undone: an OOM or a new split while it was timed")
             return
-        if len(self.times[arm]) < self.batches:
-            return
         if arm == "blocks":
-            self._blocks_form = (self.compiled.dynamic, self.compiled.batch_dynamic)
-            self.compiled.compile_model()
-            self.state = "compiling"
-            self.info(f"compile: the whole model timed against each block compiled, {self.batches} batches each "
-                      f"at microbatch {max(self.split or (0,))} (the first with the whole model compiles it)")
+            if enough(self.consensus, [self.times["blocks"]], self.batches, self.min_gain):
+                self._compile_model()
             return
-        self.result, medians = judged(self.consensus, "model", self.times["model"], self.times["blocks"], self.min_gain,
-                                      "the whole model", "each block")
+        if not enough(self.consensus, [self.times["model"]], self.batches, self.min_gain):
+            return
+        self.result, medians, _ = judged(self.consensus, "model", self.times["model"], self.times["blocks"], self.min_gain,
+                                         "the whole model", "each block")
         medians += f"; its compile batch {self.compile_s:.1f} s"
         if self.result.kept:
             self.state = "model"
-            self.info(f"compile: the whole model: kept; {medians}")
+            self.info(f"compile: the whole model{self._whose()}: kept; {medians}")
         else:
             self._back(f"not kept, {medians}")
 
+    def _whose(self) -> str:
+        return " (unsharded)" if self._on[0] == "unsharded" else ""
+
+    def _compile_model(self) -> None:
+        name, target = self._on
+        assert target is not None
+        target.compile_model()
+        self.state = "compiling"
+        source = f"the one-rank trial's {len(self.times['blocks'])} batches" if self.reused else f"{len(self.times['blocks'])} batches"
+        self.info(f"compile: the whole model{self._whose()} timed against each block compiled ({source}) at microbatch "
+                  f"{max(self.split or (0,))}; the first batch with the whole model compiles it")
+
     def _back(self, why: str) -> None:
-        assert self.compiled is not None
-        dynamic, batch_dynamic = self._blocks_form
-        self.compiled.recompile(dynamic, batch_dynamic=batch_dynamic)
+        _, target = self._on
+        assert target is not None
+        target.back_to_blocks()
         self.state = "blocks"
-        form = "dynamic in the batch" if batch_dynamic else "dynamic" if dynamic else "static in the batch"
-        self.info(f"compile: the whole model: {why}; each block compiled again ({form})")
+        self.info(f"compile: the whole model{self._whose()}: {why}; each block compiled as before (its graphs kept)")
 
 
 __all__ = ["ScopeChoice"]

@@ -42,10 +42,10 @@ from typing import Any, Optional
 import torch
 
 from automicro.core.layout import judge
-from automicro.batch.trial_timing import BatchClock, agreed_times, timed_arm
+from automicro.batch.trial_timing import BatchClock, agreed_times, enough, timed_arm
 from automicro.engine.compile import CompiledBlocks
 
-BATCHES = 3  # timed batches each side (the layout trials' default)
+BATCHES = 3  # timed batches each side at most (the layout trials' default; 2 where the spread is tiny)
 MIN_GAIN = 0.01
 
 
@@ -58,7 +58,10 @@ ARMS = ("search", "static", "batch")
 class StaticShapes:
     """Asked before and after each batch that the training search runs (`before_batch`,
     `after_batch`); states: waiting -> timing_search -> compiling -> timing_static -> static, or
-    -> compiling -> timing_batch -> batch | static; `off` where it does not apply."""
+    -> compiling -> timing_batch -> batch | static; `off` where it does not apply. A trial of the plan
+    (`automicro.batch.trial_plan`, "static"), not bounded by a profile: it changes the kernels themselves."""
+
+    name = "static"
 
     def __init__(
         self, compiled: Optional[CompiledBlocks], consensus: Any, info: Callable[[str], None], device: torch.device,
@@ -86,12 +89,29 @@ class StaticShapes:
         """Decided, or not tried: the blocks' graphs stay as they are."""
         return self.state in ("static", "batch", "off")
 
-    def before_batch(self, steady: bool, trial_running: bool, split: tuple[int, ...]) -> None:
-        """`steady`: the search has settled (hooks off); `trial_running`: a layout trial runs or
-        starts with this batch; `split`: this batch's split."""
-        if self.state == "waiting" and steady and not trial_running:
+    @property
+    def pending(self) -> bool:
+        return self.state == "waiting"
+
+    @property
+    def running(self) -> bool:
+        return not self.done and self.state != "waiting"
+
+    def bound_kind(self) -> Optional[str]:
+        return None
+
+    def rule_out(self, why: str) -> None:
+        raise AssertionError("the static recompile is not bounded by a profile")
+
+    def projection(self) -> str:
+        return f"a compile of the blocks and up to {2 * self.batches} timed batches (one more compile and {self.batches} where the search's graphs win)"
+
+    def before_batch(self, ready: bool, split: tuple[int, ...]) -> None:
+        """`ready`: the plan gives this trial the batch (the size settled, no other trial running); `split`:
+        this batch's split."""
+        if self.state == "waiting" and ready:
             self.state, self.split = "timing_search", split
-        elif self.state == "timing_search" and (not steady or trial_running or split != self.split):
+        elif self.state == "timing_search" and (not ready or split != self.split):
             self.state, self.times["search"] = "waiting", []  # the size moved: start again once settled
         if self._arm is not None or self.state == "compiling":
             self.clock.start()
@@ -111,7 +131,7 @@ class StaticShapes:
         elif arm != "search":  # an OOM or another size: nothing to compare against; keep these graphs
             self._settle(arm, None)
             return
-        if len(self.times[arm]) < self.batches:
+        if not enough(self.consensus, [self.times[arm]], self.batches, self.min_gain):
             return
         if arm == "search":
             self._compile("static")

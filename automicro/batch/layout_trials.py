@@ -15,15 +15,18 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 from automicro.core.consensus import Consensus
-from automicro.core.layout import SIZE_FRACTIONS, TRADES, UPSIZE, LayoutConfig, LayoutSearch, describe
+from automicro.core.layout import BOUND_KINDS, SIZE_FRACTIONS, TRADES, UPSIZE, LayoutConfig, LayoutSearch, describe
 from automicro.core.policy import SAFETY_MARGIN, predict_max_size
 from automicro.engine.layout import LayoutEngine
 from automicro.engine.sharding import ShardedModel
-from automicro.batch.trial_timing import BatchClock, agreed_times
+from automicro.batch.trial_timing import BatchClock, agreed_times, enough
 
 
 class LayoutTrials:
-    """One run's layout. `engine` is None where nothing can be traded (no FSDP2 blocks, a pipeline)."""
+    """One run's layout. `engine` is None where nothing can be traded (no FSDP2 blocks, a pipeline). A trial of
+    the plan (`automicro.batch.trial_plan`, "layout": the trades and the size trials, one at a time)."""
+
+    name = "layout"
 
     def __init__(
         self,
@@ -73,8 +76,46 @@ class LayoutTrials:
         # Turns each measured batch time into the one judged (the identity). Tests replace it to
         # make a trade look faster or slower without depending on the machine's timing.
         self.timing: Callable[[tuple[str, ...], float], float] = lambda layout, seconds: seconds
+        # Why a trial of a kind cannot win beyond the rule, by the plan's batch profile (None: it may); the
+        # training search sets it.
+        self.bounded: Callable[[str], Optional[str]] = lambda kind: None
+        self._quiet: Optional[tuple[Any, ...]] = None  # where given the batch and nothing was left to try
+        self._key: tuple[Any, ...] = ()
+        self.started_now = False  # a trial started with the batch in progress
+        self._token_sizes = False  # the size trials are a token budget's (not bounded: padding is device work)
+        self.held_off = False  # the model runs unsharded for good (`sharding_choice`): FSDP2's trades change nothing
         if self.engine is not None:
             self._apply(self.search.settled)
+
+    # ---- the plan's questions ---------------------------------------------------------------------
+
+    @property
+    def min_gain(self) -> float:
+        return self.config.min_gain
+
+    @property
+    def pending(self) -> bool:
+        """Something may be left to try: searching, and not found idle at this size and layout."""
+        return (self.engine is not None and self.search.searching and self.search.trial is None and not self.held_off
+                and self._quiet != self._key)
+
+    @property
+    def running(self) -> bool:
+        return self.trial_running
+
+    def bound_kind(self) -> Optional[str]:
+        """"trade" where every trade still to try is an FSDP2 trade (bounded by a profile), else None."""
+        if self.engine is None:
+            return None
+        untried = self.search._untried()
+        return "trade" if all(BOUND_KINDS.get(t) for t in untried) and not self._token_sizes else None
+
+    def rule_out(self, why: str) -> None:
+        self._quiet = self._key
+        self._info(f"layout: no trade nor smaller microbatch tried: {why}")
+
+    def projection(self) -> str:
+        return f"{2 * self.config.trial_batches} batches a trial, for each trade and smaller microbatch left to try"
 
     # ---- checkpoints -----------------------------------------------------------------------------
 
@@ -158,6 +199,8 @@ class LayoutTrials:
                     return n
             return None
 
+        self._key = (found, self.search.settled, size)
+        self._token_sizes = size_unit == "tokens" and self.config.size_trials
         measure_at = None
         if measure_split and found is not None and capacity_bytes:
             measure_at = min(measure_split)
@@ -166,9 +209,12 @@ class LayoutTrials:
         started = self.search.trial
         layout, lines = self.search.layout_for_batch(
             steady, fits, size, found, smaller, measure_at, largest_at, capacity_bytes,
-            sum(measure_split) if measure_split else None, outside_bytes, size_fractions, size_unit,
+            sum(measure_split) if measure_split else None, outside_bytes, size_fractions, size_unit, self.bounded,
         )
         trial = self.search.trial
+        self.started_now = trial is not None and trial is not started
+        if steady and trial is None:
+            self._quiet = self._key
         if trial is not None and trial is not started and trial.size is not None and not trial.measure and peak_at:
             projected = peak_at(trial.size)
             extra = None if projected is None else extra_at(trial.trades, projected[0])
@@ -231,7 +277,10 @@ class LayoutTrials:
             self._info(self.search.measured(per_sample, how))
             self._apply(self.search.settled)
             return
-        if self.search.needs_agreement:
+        trial = self.search.trial
+        if trial is not None and not trial.measure and enough(
+            self._consensus, [trial.on, trial.off], self.config.trial_batches, self.config.min_gain,
+        ):
             result = self.search.decide(agreed_times(self._consensus, self.search.local_times()), self._capacity_read)
             self._info(result.line())
             if result.kept and result.size is not None:

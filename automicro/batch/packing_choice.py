@@ -35,15 +35,20 @@ from typing import Any
 import torch
 
 from automicro.core.layout import judge
-from automicro.batch.trial_timing import BatchClock, agreed_times
+from typing import Optional
+
+from automicro.batch.trial_timing import BatchClock, agreed_times, enough
 from automicro.batch.token_budget import TokenBudget
 
-BATCHES = 3  # batches each way (the layout trials' default)
+BATCHES = 3  # batches each way at most (the layout trials' default; 2 where the spread is tiny)
 MIN_GAIN = 0.01
 
 
 class PackingChoice:
-    """States: waiting (for the budget to settle) -> trial (alternating) -> packed | padded."""
+    """States: waiting (for the budget to settle) -> trial (alternating) -> packed | padded. A trial of the plan
+    (`automicro.batch.trial_plan`, "packing"), not bounded by a profile: padding is device work."""
+
+    name = "packing"
 
     def __init__(
         self, tokens: TokenBudget, consensus: Any, info: Callable[[str], None], device: torch.device,
@@ -64,11 +69,31 @@ class PackingChoice:
     def trialing(self) -> bool:
         return self.state == "trial"
 
-    def before_batch(self, steady: bool, layout_trial_running: bool) -> None:
-        """Before the batch's domain is agreed (`TokenBudget.agree_domain` reads `packing`)."""
-        if self.state == "waiting" and steady and not layout_trial_running:
+    @property
+    def pending(self) -> bool:
+        return self.state == "waiting"
+
+    @property
+    def running(self) -> bool:
+        return self.trialing
+
+    def bound_kind(self) -> Optional[str]:
+        return None
+
+    def rule_out(self, why: str) -> None:
+        raise AssertionError("packing is not bounded by a profile")
+
+    def projection(self) -> str:
+        done = sum(len(t) for t in self.times.values())
+        return f"up to {2 * self.batches - done} batch(es) alternating packed and padded"
+
+    def before_batch(self, ready: bool, steady: bool) -> None:
+        """Before the batch's domain is agreed (`TokenBudget.agree_domain` reads `packing`). `ready`: the plan
+        gives this trial the batch; `steady`: the budget has settled."""
+        if self.state == "waiting" and ready:
             self.state, self.arm = "trial", "packed"
-            self.info(f"packing trial: {self.batches} batches packed, as many padded, alternately, at the settled budget")
+            self.info(f"packing trial: up to {self.batches} batches packed, as many padded, alternately, at the settled budget "
+                      f"(2 each where their spread is tiny)")
         elif self.state == "trial" and not steady:
             # The budget moved (an OOM while padded): the times would compare different budgets.
             self.state = "waiting"
@@ -89,7 +114,7 @@ class PackingChoice:
             self.times[arm].append(self.timing(arm, seconds / (weight or 1.0)))
             self.real[arm].append(most_real)
         self.arm = "padded" if arm == "packed" else "packed"
-        if min(len(self.times["packed"]), len(self.times["padded"])) >= self.batches:
+        if self.arm == "packed" and enough(self.consensus, [self.times["packed"], self.times["padded"]], self.batches, self.min_gain):
             self._decide()
 
     def relieve(self) -> bool:

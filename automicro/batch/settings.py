@@ -47,6 +47,8 @@ class Settings:
     # The job-level share of batches a steady-state OOM may rerun; the settled size keeps the headroom it
     # takes at the run's world size (`core.headroom`). 0: the size found stays.
     rerun_target: float = DEFAULT_RERUN_TARGET
+    # A batch profile bounds what a trial can win; a trial it rules out does not run (`batch.trial_plan`).
+    bound_trials: bool = True
 
     @classmethod
     def parse(
@@ -75,6 +77,7 @@ class Settings:
         packing: Union[bool, str, None] = None,
         exit_timeout_s: float = 30.0,
         rerun_target: float = DEFAULT_RERUN_TARGET,
+        bound_trials: bool = True,
     ) -> "Settings":
         # None: the probe on a GPU, the whole batch on CPU (resolved at attach, as the layout).
         start = _start(start_size, search, use_prediction, budget)
@@ -146,6 +149,11 @@ class Settings:
                 f"rerun_target={rerun_target!r}: must be a number in [0, 1): the share of the batches a steady-state OOM "
                 "may rerun over the whole job (0.01: 1%), which sets the headroom below the size found; 0 keeps the size found"
             )
+        if not isinstance(bound_trials, bool):
+            raise ValueError(
+                f"bound_trials={bound_trials!r}: must be true (a profiled batch bounds what each trial can win; a trial "
+                "that cannot win beyond its rule for keeping does not run) or false (every trial runs)"
+            )
         return cls(
             start=start,
             policy_config=kind.policy_config(config),
@@ -165,6 +173,7 @@ class Settings:
             loss_normalization=LossNormalization.parse(loss_normalization, label_shift, budget),
             exit_timeout_s=float(exit_timeout_s),
             rerun_target=float(rerun_target),
+            bound_trials=bound_trials,
         )
 
 

@@ -49,19 +49,24 @@ from typing import Any, Optional
 
 import torch
 
-from automicro.batch.trial_timing import BatchClock, judged
+from automicro.batch.batch_profile import UNSHARDED
+from automicro.batch.trial_timing import BatchClock, enough, judged
 from automicro.engine.twin import UnshardedTwin
 
-BATCHES = 3  # timed batches each way (the layout trials' default)
+BATCHES = 3  # timed batches each way at most (the layout trials' default; 2 where the spread is tiny)
 MIN_GAIN = 0.01
-IDLE_BATCHES = 1  # batches at the settled size and graphs before the twin is timed
+IDLE_BATCHES = 0  # batches at the settled size and graphs, once given the turn, before the twin is timed
 # Trials begun again because the size moved, before FSDP2 is kept untimed (a size that keeps moving would
 # otherwise hold the layout and scope trials off for good).
 MAX_RESTARTS = 3
 
 
 class ShardingChoice:
-    """States: off | waiting -> compiling (the twin's first batch) -> trial (alternating) -> unsharded | sharded."""
+    """States: off | waiting -> compiling (the twin's first batch) -> trial (alternating) -> unsharded | sharded.
+    A trial of `automicro.batch.trial_plan` ("one_rank"): the plan gives it the turn (`before_batch`'s `ready`)
+    or decides it without running it (`rule_out`)."""
+
+    name = "one_rank"
 
     def __init__(
         self, twin: Optional[UnshardedTwin], consensus: Any, info: Callable[[str], None], device: torch.device,
@@ -83,14 +88,38 @@ class ShardingChoice:
         self.restarts = 0  # trials begun again because the size moved
         self.paused = False  # this batch of a trial is not timed: not ready (the hooks back on after an eval, a rearm)
         self.result: Any = None
+        self.decided_times: dict[str, list[float]] = {}  # each arm's agreed times once decided (the scope trial reuses the kept one's)
         self.clock = BatchClock(device)
         # Tests replace it to make one arm look faster or slower without depending on the machine.
         self.timing: Callable[[str, float], float] = lambda arm, seconds: seconds
 
+    # ---- the plan's questions (`automicro.batch.trial_plan.PlannedTrial`) ---------------------------------
+
+    @property
+    def pending(self) -> bool:
+        return self.state == "waiting"
+
+    @property
+    def running(self) -> bool:
+        return self.timing_now
+
+    def bound_kind(self) -> Optional[str]:
+        return UNSHARDED  # the twin removes FSDP2's host time and its own device work, nothing else
+
+    def rule_out(self, why: str) -> None:
+        self._keep_fsdp2()
+        self.info(f"one rank: FSDP2 kept, the model unsharded not timed: {why}")
+
+    def projection(self) -> str:
+        if self.state == "waiting":
+            return f"the twin's first batch (each block compiled where compile is on), then up to {2 * self.batches} timed batches"
+        done = sum(len(t) for t in self.times.values())
+        return f"{2 * self.batches - done} timed batch(es) at most"
+
     @property
     def blocks_layout(self) -> bool:
-        """No layout trial nor compile scope trial may start: the twin is still to be timed, timed or kept."""
-        return self.state in ("waiting", "compiling", "trial", "unsharded")
+        """The model runs unsharded for good: FSDP2's layout trades change nothing (they do not run)."""
+        return self.state == "unsharded"
 
     @property
     def timing_now(self) -> bool:
@@ -115,8 +144,9 @@ class ShardingChoice:
                 self.state, self.arm = "compiling", "unsharded"
                 again = " again (the size moved)" if self.restarts else ""
                 self.info(
-                    f"one rank: the model unsharded timed against FSDP2{again}, {self.batches} batches each, alternately, at "
-                    f"{where or f'microbatch {max(split)}'} (its first batch untimed{': it compiles the whole model' if compiles else ''})"
+                    f"one rank: the model unsharded timed against FSDP2{again}, up to {self.batches} batches each (2 where their "
+                    f"spread is tiny), alternately, at "
+                    f"{where or f'microbatch {max(split)}'} (its first batch untimed{': it compiles ' + self._compiles() if compiles else ''})"
                 )
         self.paused = self.state == "trial" and not ready and split == self.split
         if self.paused:
@@ -145,7 +175,8 @@ class ShardingChoice:
         if attempts == 1 and split == self.split:  # agreed: every rank appends alike
             self.times[self.arm].append(self.timing(self.arm, seconds / (weight or 1.0)))
         self.arm = "sharded" if self.arm == "unsharded" else "unsharded"
-        if min(len(t) for t in self.times.values()) >= self.batches:
+        # Both arms have as many times after an unsharded batch (the trial times FSDP2 first).
+        if self.arm == "sharded" and enough(self.consensus, list(self.times.values()), self.batches, self.min_gain):
             self._decide()
 
     def relieve(self, why: str = "out of memory", rerun: bool = True) -> bool:
@@ -162,6 +193,10 @@ class ShardingChoice:
             f"{then} for the rest of the run"
         )
         return True
+
+    def _compiles(self) -> str:
+        assert self.twin is not None
+        return "each block" if self.twin.scope == "blocks" else "the whole model"
 
     def _keep_fsdp2(self) -> None:
         self.state, self.twin = "sharded", None
@@ -183,13 +218,14 @@ class ShardingChoice:
         if decided == "unsharded":
             compiles = self.twin.compile()
             self.info(f"one rank: the model unsharded, as kept before the checkpoint (not timed again"
-                      f"{'; its first batch compiles the whole model' if compiles else ''})")
+                      f"{'; its first batch compiles ' + self._compiles() if compiles else ''})")
         else:
             self.info("one rank: FSDP2, as kept before the checkpoint (not timed again)")
 
     def _decide(self) -> None:
-        self.result, medians = judged(self.consensus, "unsharded", self.times["unsharded"], self.times["sharded"],
-                                      self.min_gain, "unsharded", "FSDP2")
+        self.result, medians, (on, off) = judged(self.consensus, "unsharded", self.times["unsharded"], self.times["sharded"],
+                                                 self.min_gain, "unsharded", "FSDP2")
+        self.decided_times = {"unsharded": on, "sharded": off}
         medians += f"; its first batch {self.first_s:.1f} s"
         if self.result.kept:
             self.state = "unsharded"

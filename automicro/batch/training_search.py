@@ -38,6 +38,7 @@ from automicro.batch.compile_scope import ScopeChoice
 from automicro.batch.compile_shapes import StaticShapes
 from automicro.batch.packing_choice import PackingChoice
 from automicro.batch.sharding_choice import ShardingChoice
+from automicro.batch.trial_plan import TrialPlan
 from automicro.batch.layout_trials import LayoutTrials
 from automicro.batch.memory_truth import MemoryTruth, reached_bytes
 from automicro.batch.runtime import Runtime
@@ -86,6 +87,10 @@ class TrainingSearch:
         self.compile_scope: Optional[ScopeChoice] = None  # the same (`_compile_scope`)
         self.packing_choice: Optional[PackingChoice] = None  # packed or padded, measured (`packing_choice`)
         self.sharding_choice: Optional[ShardingChoice] = None  # one rank: FSDP2 or unsharded (`sharding_choice`)
+        self.plan: Optional[TrialPlan] = None  # which trial holds the next batch (`trial_plan`)
+        self._plan_steady = False  # the batch in progress was given to the trials with the size settled
+        # The one-rank trial's times of the configuration that won: (split, agreed times, configuration).
+        self._reuse: Optional[tuple[tuple[int, ...], list[float], tuple[Any, ...]]] = None
 
     def configure(self, device_type: str, pipeline: Any) -> None:
         """At attach: how the search starts on this device, and a pipeline's sizes."""
@@ -177,6 +182,8 @@ class TrainingSearch:
         layout = "" if self.layout is None or self.layout.engine is None else f"; layout: {self.layout.describe()}"
         if self.sharding_choice is not None and self.sharding_choice.state in ("unsharded", "sharded"):
             tail += f"; one rank: {'the model unsharded' if self.sharding_choice.state == 'unsharded' else 'FSDP2'} (measured)"
+        if self.plan is not None and self.plan.summary():
+            tail += f"; {self.plan.summary()}"
         return self.kind.summary(self.policy, per_rank_batch, layout, self.used_split, tail)
 
     def figures(self) -> LocalFigures:
@@ -212,26 +219,25 @@ class TrainingSearch:
         )
         self._step = step
         packing = self._packing_choice()
+        # One place decides which trial holds this batch (`trial_plan`): the size must have settled (last batch's
+        # verdict), and each trial runs alone; `ready(name)` asks again with this batch's own state below.
+        plan = self._trial_plan()
+        planned = getattr(host, "planned_batches", None)
+        plan.planned_batches = planned() if callable(planned) else None
+        turn = plan.before_batch(step.batch_index, self._steady(), self._configuration())
         if packing is not None:  # before the batch's domain is agreed (`step.begin`)
-            steady = self.policy is not None and self.policy.phase == search.Phase.STEADY and not rt.hooks_active
-            timing = self.sharding_choice is not None and self.sharding_choice.timing_now
-            packing.before_batch(steady, (self.layout is not None and self.layout.trial_running) or timing)
+            packing.before_batch(turn == "packing" and self._steady(), self._steady())
         self._optimizer_pending = self._pending_optimizer_bytes(host.optimizers())
         self._ensure_policy(step.begin(), host)
         assert self.policy is not None and self.layout is not None
         if self._layout_state is not None:
             self.layout.load_state_dict(self._layout_state)
             self._layout_state = None
-        # No layout trial starts while packing is measured (their times would mix the two), nor before FSDP2
-        # is kept on one rank where the model unsharded is timed against it (`sharding_choice`: first, its
-        # gap can be 1.9x; FSDP2's trades change nothing through the twin).
         sharding = self._sharding_choice()
-        layout_steady = (
-            self.policy.phase == search.Phase.STEADY and not (packing is not None and packing.trialing)
-            and not sharding.blocks_layout
-        )
+        # Where the model runs unsharded for good, FSDP2's layout trades change nothing: none is tried.
+        self.layout.held_off = sharding.blocks_layout
         self.layout.before_batch(
-            layout_steady, self._last_peak, self.policy.usable_bytes(self.last_capacity),
+            turn == "layout" and self._steady(), self._last_peak, self.policy.usable_bytes(self.last_capacity),
             *self.kind.layout_figures(self.policy, self._peak_at, self.config.probes),
             capacity_read=self.last_capacity or 0, outside_bytes=self._last_outside, size_fractions=self.kind.size_fractions,
             size_unit=self.config.unit,
@@ -242,14 +248,12 @@ class TrainingSearch:
             self.apply_hooks(decision.hooks, decision.reason, "a layout trade undone")
             rt.info(decision.event)
         static, scope = self._static_shapes(), self._compile_scope()
-        steady = self.policy.phase == search.Phase.STEADY and not rt.hooks_active
+        steady = self._steady()
         settled_split = tuple(self.policy.current_split())
-        static.before_batch(steady, self.layout.trial_running, settled_split)
-        scope.before_batch(steady and static.done and not sharding.blocks_layout, self.layout.trial_running, settled_split)
-        settled = steady and static.done and not scope.running and not self.layout.trial_running
-        step.twin = sharding.before_batch(
-            settled and not (packing is not None and packing.trialing), settled_split, self.kind.stable_at(self.policy)
-        )
+        static.before_batch(turn == "static" and steady, settled_split)
+        scope.before_batch(turn == "scope" and steady, settled_split)
+        step.twin = sharding.before_batch(turn == "one_rank" and steady, settled_split, self.kind.stable_at(self.policy))
+        self._plan_steady = steady
         batch_index = step.batch_index
         while True:
             # A pipeline's per-step barriers come off with the sync hooks (a failed stage drains the
@@ -354,11 +358,60 @@ class TrainingSearch:
         self._optimizer_pending = 0  # the step created the state: evals and later batches hold it
         self._static_shapes().after_batch(step.attempts, sizes)
         self._compile_scope().after_batch(step.attempts, sizes)
-        self._sharding_choice().after_batch(step.attempts, tuple(self.policy.current_split()), self.kind.batch_weight())
+        sharding = self._sharding_choice()
+        was = sharding.state
+        sharding.after_batch(step.attempts, tuple(self.policy.current_split()), self.kind.batch_weight())
+        if was == "trial" and sharding.state in ("unsharded", "sharded"):
+            # Its times of the configuration that won are the compile scope's "each block" arm while nothing changes.
+            self._reuse = (tuple(self.policy.current_split()), sharding.decided_times[sharding.state], self._configuration(False))
         packing = self._packing_choice()
         if packing is not None and self.kind.tokens is not None and self.kind.tokens.plan is not None:
             packing.after_batch(step.attempts, self.kind.batch_weight(), self.kind.tokens.plan.most_real)
+        self._trial_plan().after_batch(step.attempts if self._plan_steady else 0, self.layout.started_now)
         return attempt.total_loss_dict
+
+    # ---- the trials' plan ------------------------------------------------------------------------
+
+    def _steady(self) -> bool:
+        """The size has settled and the sync hooks are off: a trial may hold the batch."""
+        return self.policy is not None and self.policy.phase == search.Phase.STEADY and not self.runtime.hooks_active
+
+    def _configuration(self, with_choices: bool = True) -> tuple[Any, ...]:
+        """What the trials have kept so far (a batch profile of another configuration bounds nothing; with
+        `with_choices` False, the one-rank and scope choices left out: what the scope trial's reuse needs)."""
+        split = () if self.policy is None else tuple(self.policy.current_split())
+        static = None if self.static_shapes is None else self.static_shapes.state
+        packing = None if self.packing_choice is None else self.packing_choice.state
+        layout = () if self.layout is None else self.layout.search.settled
+        # What runs, not how it was decided: FSDP2 kept (or never timed) is the configuration profiled before.
+        choices = (self.sharding_choice is not None and self.sharding_choice.state == "unsharded",
+                   self.compile_scope is not None and self.compile_scope.state == "model") if with_choices else ()
+        return (split, static, packing, layout) + choices
+
+    def _trial_plan(self) -> TrialPlan:
+        if self.plan is None:
+            rt = self.runtime
+            assert rt.sharded is not None and rt.consensus is not None and self.layout is not None
+            trials = [self._static_shapes(), self._packing_choice(), self._sharding_choice(), self._compile_scope(), self.layout]
+            self.plan = TrialPlan([t for t in trials if t is not None], rt.consensus, rt.info, rt.sharded.device,
+                                  bound=rt.settings.bound_trials)
+            layout, plan = self.layout, self.plan
+            layout.bounded = lambda kind: None if plan.profile is None else plan.profile.rules_out(kind, layout.min_gain)
+            scope, sharding = self._compile_scope(), self._sharding_choice()
+
+            def target() -> tuple[str, Any]:
+                twin = getattr(rt.sharded, "twin", None)
+                if sharding.state == "unsharded" and twin is not None and twin.compiled and twin.blocks and twin.scope == "blocks":
+                    return "unsharded", twin
+                return "FSDP2", scope.compiled
+
+            def reusable(split: tuple[int, ...]) -> Optional[list[float]]:
+                if self._reuse is None or self._reuse[0] != split or self._reuse[2] != self._configuration(False):
+                    return None
+                return self._reuse[1]
+
+            scope.target, scope.reusable = target, reusable
+        return self.plan
 
     def _packing_choice(self) -> Optional[PackingChoice]:
         """Packed rows against padded batches, where the batch kind measures it (`packing_choice`)."""

@@ -55,17 +55,39 @@ def agreed_times(consensus: Any, times: Sequence[float]) -> list[float]:
     return [us / 1e6 for us in agreed]
 
 
+EARLY_BATCHES = 2  # batches a side that decide a trial where its spread is tiny
+TINY = 0.25  # tiny: an arm's spread under this share of the gain a trial must show (its ``min_gain``)
+
+
+def enough(consensus: Any, arms: Sequence[Sequence[float]], batches: int, min_gain: float) -> bool:
+    """Whether the arms' times can be judged: `batches` each, or `EARLY_BATCHES` each where every arm's spread
+    (half the gap of its two agreed times) is under `TINY` x `min_gain` of its median: a third batch a side could
+    not move a median across the rule. Every rank calls it at the same batch with as many times (one consensus
+    round per arm at `EARLY_BATCHES`)."""
+    counts = [len(arm) for arm in arms]
+    if min(counts) >= batches:
+        return True
+    if batches <= EARLY_BATCHES or any(count != EARLY_BATCHES for count in counts):
+        return False
+    for arm in arms:
+        agreed = agreed_times(consensus, arm)
+        if abs(agreed[0] - agreed[1]) / 2 > TINY * min_gain * statistics.median(agreed):
+            return False
+    return True
+
+
 def judged(consensus: Any, trade: str, on: Sequence[float], off: Sequence[float], min_gain: float,
-           on_label: str, off_label: str) -> tuple[TrialResult, str]:
+           on_label: str, off_label: str) -> tuple[TrialResult, str, tuple[list[float], list[float]]]:
     """A two-arm trial's verdict: each arm's batch times agreed (the slowest rank's), `trade` (the "on"
-    arm) judged against the other (`automicro.core.layout.judge`), and the words that say both medians."""
+    arm) judged against the other (`automicro.core.layout.judge`), the words that say both medians, and the
+    agreed times of each arm."""
     on, off = agreed_times(consensus, on), agreed_times(consensus, off)
     result = judge(trade, on, off, min_gain)
     median_on, median_off = statistics.median(on), statistics.median(off)
     return result, (
         f"median batch {median_on:.4f} s {on_label}, {median_off:.4f} s {off_label} "
         f"({100.0 * (1.0 - median_on / median_off):+.1f}%; spread {result.spread:.4f} s)"
-    )
+    ), (on, off)
 
 
-__all__ = ["BatchClock", "agreed_times", "judged", "timed_arm"]
+__all__ = ["BatchClock", "EARLY_BATCHES", "TINY", "agreed_times", "enough", "judged", "timed_arm"]

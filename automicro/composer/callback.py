@@ -111,6 +111,8 @@ class AutoMicrobatching(Callback):
         rerun_target: The share of the batches a steady-state OOM may rerun over the whole job (0.01:
             1%); the size settled on keeps the headroom below the size found that this takes at the
             run's world size, from the spread of the settling batches' peaks; 0 keeps the size found.
+        bound_trials: Profile one batch once the size settles and run only the trials it says can win
+            beyond their rule for keeping (each one ruled out says the bound); false: every trial runs.
 
     The rooms that own the behaviour: `settings` (the checked keys), `runtime` (what attach builds:
     consensus, ledger, fence, sync hooks, memory source), `search` (the training batch under `auto`
@@ -145,12 +147,13 @@ class AutoMicrobatching(Callback):
         packing: Union[bool, str, None] = None,
         exit_timeout_s: float = 30.0,
         rerun_target: float = 0.01,
+        bound_trials: bool = True,
     ) -> None:
         self.settings = Settings.parse(
             stable_batches, thrash_batches, search, use_prediction, start_size, cpu_sync_group, memory_fraction,
             log_attempts, unguarded_timeout_s, sync_points, consensus_transport, steady_recovery, budget,
             fixed_tokens, eval_oom, layout, layout_trial_batches, layout_min_gain, layout_size_trials,
-            loss_normalization, label_shift, packing, exit_timeout_s, rerun_target,
+            loss_normalization, label_shift, packing, exit_timeout_s, rerun_target, bound_trials,
         )
         self.runtime = Runtime(self.settings)
         self.search = TrainingSearch(self.settings, self.runtime)

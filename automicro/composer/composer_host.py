@@ -27,6 +27,22 @@ class ComposerHost:
     def num_samples(self) -> int:
         return composer_internals.num_samples(self.trainer, self.batch)
 
+    def planned_batches(self) -> Optional[int]:
+        """The run's batches (``max_duration`` in batches, or in epochs of a dataloader of known length; None
+        where Composer cannot tell: tokens, samples, an iterable of unknown length)."""
+        from composer.core import TimeUnit
+
+        state = self.trainer.state
+        duration = state.max_duration
+        if duration is None:
+            return None
+        if duration.unit == TimeUnit.BATCH:
+            return int(duration.value)
+        length = state.dataloader_len
+        if duration.unit == TimeUnit.EPOCH and length is not None:
+            return int(duration.value) * int(length.value if hasattr(length, "value") else length)
+        return None
+
     def split(self, sizes: tuple[int, ...]) -> list[Any]:
         if composer_internals.uses_default_split(self.trainer):
             try:

@@ -277,6 +277,7 @@ class Trainer(composer.Trainer):
                 _rebind_optimizers(kwargs.get("optimizers"), names_before, model)
                 if twin is not None:
                     twin.bind(model)
+                    twin.blocks = tuple(self._automicro_sharded.wrapped_names)
                     self._automicro_sharded.twin = twin
                 _route_eval_forward_through_fsdp(model)
                 callback_list.append(_ReshardRootAfterEval(self._automicro_sharded))
@@ -359,7 +360,8 @@ class Trainer(composer.Trainer):
         if why is None:
             compile_kwargs = compile_config.torch_kwargs() if compile_config is not None else kwargs.get("compile_config")
             try:
-                return UnshardedTwin.before_sharding(model, compile_kwargs)
+                scope = "model" if compile_config is None or compile_config.scope == "model" else "blocks"
+                return UnshardedTwin.before_sharding(model, compile_kwargs, scope)
             except TwinError as error:
                 why = str(error)
         if why:

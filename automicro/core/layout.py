@@ -112,6 +112,9 @@ DESCRIPTIONS = {
     RECOMPUTE: "activation checkpointing on",
 }
 MODES = ("auto", "fixed")
+# What a batch's profile bounds for each trade (`automicro.batch.batch_profile`): the FSDP2 trades save FSDP2's
+# own work, collectives and host time at most; checkpointing on or off changes the device work (not bounded).
+BOUND_KINDS = {GRAD_SYNC_ONCE: "trade", NO_RESHARD: "trade"}
 # The name of a size trial's result (`TrialResult.trade`): no trade, a smaller microbatch.
 SIZE_TRIAL = "smaller_microbatch"
 # The microbatches a size trial tries, as shares of the largest microbatch at the size found, in
@@ -315,6 +318,10 @@ class LayoutSearch:
         # For a trade in UPSIZE kept by its trial: the capacity it was kept under and the size found
         # without it. Where the capacity grows past that, it is undone (`reconsider`).
         self.kept_under: dict[str, tuple[int, int]] = {}
+        # For a trade a batch's profile ruled out (it could not win beyond the rule): the size found it was
+        # ruled out at (tried again from another; not checkpointed: a resumed run profiles again).
+        self.bounded_at: dict[str, Optional[int]] = {}
+        self._found: Optional[int] = None
 
     @property
     def searching(self) -> bool:
@@ -340,7 +347,8 @@ class LayoutSearch:
 
     def _untried(self) -> list[str]:
         slower = {t for t, bases in self.slower_on.items() if self.settled in bases}
-        done = set(self.kept) | set(self.rejected) | slower | set(UPSIZE)
+        bounded = {t for t, at in self.bounded_at.items() if at == self._found}
+        done = set(self.kept) | set(self.rejected) | slower | set(UPSIZE) | bounded
         return [t for t in self.candidates if t not in done]
 
     def _readmit(self, size: Optional[int]) -> list[str]:
@@ -523,6 +531,7 @@ class LayoutSearch:
         measure_at: Optional[int] = None, largest_at: Optional[Callable[[int], int]] = None,
         capacity: int = 0, whole_batch: Optional[int] = None, outside: int = 0,
         size_fractions: Sequence[float] = SIZE_FRACTIONS, size_unit: str = "samples",
+        bounded: Optional[Callable[[str], Optional[str]]] = None,
     ) -> tuple[tuple[str, ...], list[str]]:
         """The layout of the next batch, and a console line for each trade passed over and for a
         trial that starts. `fits(trade)` returns None when the trade's projected bytes fit (or
@@ -536,12 +545,22 @@ class LayoutSearch:
         `capacity`: the usable bytes now (0: unknown), `whole_batch`: this rank's batch in samples
         (None: unknown), `outside`: the most another process holds on any rank's device (0: none),
         all for the upsize trial (`_upsize`); `size_fractions`: the shares of the largest microbatch
-        the size trials try (`_smaller`), `size_unit` what their sizes count ("samples", "tokens")."""
+        the size trials try (`_smaller`), `size_unit` what their sizes count ("samples", "tokens").
+        `bounded(kind)`: why a trial of that kind ("trade", "smaller": `automicro.batch.batch_profile`) cannot win
+        beyond the rule for keeping it, by a batch's profile, or None; a trial it rules out does not run at this
+        size found (one line names the bound)."""
         lines: list[str] = []
+        bounded = bounded or (lambda kind: None)
+        self._found = found
         if self.searching and steady and self.trial is None:
             lines += self._readmit(size)
             for trade in self._untried():
                 problem = fits(trade)
+                why = bounded(BOUND_KINDS[trade]) if problem is None and BOUND_KINDS.get(trade) else None
+                if why is not None:
+                    self.bounded_at[trade] = found
+                    lines.append(f"layout trade {trade} ({DESCRIPTIONS[trade]}) not tried: {why}")
+                    continue
                 if problem is None:
                     self.trial = Trial((trade,))
                     lines.append(f"{self.trial.heading()}: {self.config.trial_batches} batches with it, as many without")
@@ -563,7 +582,13 @@ class LayoutSearch:
                         lines.append(f"layout trades {joint} not tried together: {problem}")
             if self.trial is None:
                 self.trial = self._downsize(size, found, smaller, measure_at)
-                if self.trial is not None and self.trial.measure:
+                why = bounded("trade") if self.trial is not None and not self.trial.measure else None
+                if why is not None:
+                    assert found is not None and self.trial is not None
+                    lines.append(f"{self.trial.heading()}: not tried: {why}")
+                    self.downsized_from.append(found)
+                    self.trial = None
+                elif self.trial is not None and self.trial.measure:
                     lines.append(f"{self.trial.heading()}: it did not fit at {size}")
                 elif self.trial is not None:
                     assert found is not None
@@ -578,6 +603,12 @@ class LayoutSearch:
                 lines += more
             if self.trial is None:
                 self.trial = self._smaller(found, largest_at, size_fractions, size_unit)
+                why = bounded("smaller") if self.trial is not None and size_unit == "samples" else None
+                if why is not None:
+                    assert self.trial is not None and largest_at is not None and found is not None
+                    lines.append(f"size trials below microbatch {found} not run (a smaller microbatch of fixed-length samples does "
+                                 f"the same device work in more launches): {why}")
+                    self._no_smaller, self.trial = (found, largest_at(found)), None
                 if self.trial is not None:
                     lines.append(
                         f"{self.trial.heading()}: {self.config.trial_batches} batches at {self.trial.size}, as many at "

@@ -137,7 +137,8 @@ class CompiledBlocks:
     search leaves, dynamic in the batch and static elsewhere, compiled at the size of its next
     call). `compile_model()` compiles the root's ``forward`` instead (every block eager again: the
     ``model`` scope, as Composer's ``compile_config`` does it; dynamic as the config says);
-    `recompile` goes back to the blocks. Other compiled code of the process (a model's own,
+    `back_to_blocks` returns to the blocks' compiled forwards (their graphs kept: nothing compiles again);
+    `recompile` compiles the blocks anew. Other compiled code of the process (a model's own,
     transformers' flex attention) compiles again at its next call. `scope`, `dynamic` and
     `batch_dynamic` say how the model is compiled now."""
 
@@ -145,6 +146,7 @@ class CompiledBlocks:
         self.blocks, self.config, self.root = blocks, config, root
         self._eager = [block.forward for block in blocks]
         self._root_forward: Any = None  # the root's own `forward` entry, if it had one, under `model`
+        self._blocks_form: tuple[list[Any], Optional[bool], bool] = ([], None, False)  # the blocks before `compile_model`
         self.dynamic, self.batch_dynamic, self.scope = config.dynamic, False, "blocks"
         self._compile(config.dynamic, False)
 
@@ -159,15 +161,25 @@ class CompiledBlocks:
         self._compile(dynamic, batch_dynamic)
 
     def compile_model(self) -> None:
+        """The whole model's forward compiled, every block eager again. Nothing is dropped: the blocks' graphs
+        stay in dynamo's cache, so `back_to_blocks` returns to them without compiling."""
         import torch
 
         assert self.has_other_scope
-        _reset()
+        self._blocks_form = ([block.forward for block in self.blocks], self.dynamic, self.batch_dynamic)
         for block, eager in zip(self.blocks, self._eager):
             block.forward = eager
         self._root_forward = self.root.__dict__.get("forward", _NONE)
         self.root.forward = torch.compile(self.root.forward, **self.config.torch_kwargs())
         self.scope, self.dynamic, self.batch_dynamic = "model", self.config.dynamic, False
+
+    def back_to_blocks(self) -> None:
+        """Undo `compile_model`: the root eager, each block's compiled forward as it was (its graphs kept)."""
+        forwards, dynamic, batch_dynamic = self._blocks_form
+        self._eager_root()
+        for block, forward in zip(self.blocks, forwards):
+            block.forward = forward
+        self.scope, self.dynamic, self.batch_dynamic = "blocks", dynamic, batch_dynamic
 
     def _eager_root(self) -> None:
         if self._root_forward is None:
