@@ -278,7 +278,9 @@ def _hf_llama_blocks(world: int) -> dict[str, Any]:
             trainer.close()
 
 
-HF_SCOPE_BATCHES = 14  # hooks off after 3; 1 untimed, 3 with the blocks, 1 compiling, 3 whole: decided at 11
+# Hooks off after batch 3; 2 batches profiled (`trial_plan`); 1 untimed, up to 3 with the blocks, 1 compiling, up to 3
+# whole: decided by batch 13.
+HF_SCOPE_BATCHES = 16
 
 
 def _hf_llama_scope(world: int) -> dict[str, Any]:
