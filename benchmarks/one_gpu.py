@@ -214,6 +214,12 @@ def summarize(variant: str, rows: list[dict[str, Any]], console: list[str], skip
         "size_by_batch": [sizes[s] for s in sorted(sizes)],
         "steady_sizes": [sizes[s] for s in sorted(sizes) if s > skip],
         "capacity_mib_each_batch": [round(capacity[s] / 2**20) for s in sorted(capacity)],
+        # Every batch's wall seconds (Composer's clock), for the run projected end to end (`project`).
+        "batch_seconds": [round(seconds[s], 4) for s in steps],
+        # The trial plan (`automicro.batch.trial_plan`): the profile, what it ruled out, the price line.
+        "trial_lines": [line.split("] ", 1)[-1] for line in console
+                        if "a batch profiled" in line or "not timed:" in line or "not tried:" in line or "] trials:" in line
+                        or "not run (a smaller" in line or "no trade nor smaller" in line],
         # FSDP2 against the model unsharded on one rank: what was timed and kept (`sharding_choice`).
         "one_rank": [line.split("] ", 1)[-1] for line in console if "] one rank: " in line],
     }
@@ -335,6 +341,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         else:
             result = {"variant": variant, "error": f"rc {done.returncode}: {(done.stderr or done.stdout or '')[-800:]}"}
         result["launch_s"] = round(time.perf_counter() - started, 1)
+        result.update(project(result))
         result["variant"] = variant + args.tag
         result["setting"] = {"torch_fraction": args.torch_fraction, "hog_gib": args.hog_gib, "model": args.model,
                              "memory_fraction": args.memory_fraction}
@@ -353,13 +360,41 @@ def main(argv: Optional[list[str]] = None) -> int:
             r["variant"], harness.fmt(r.get("tokens_per_s"), ",.0f"), harness.fmt(r.get("mfu"), ".3f"),
             harness.fmt(auto["tokens_per_s"] / r["tokens_per_s"], ".3f") if r.get("tokens_per_s") and auto else "–",
             r.get("found", "–"), r.get("ooms", "–"), r.get("found_at_batch", "–"), harness.fmt(r.get("first_batch_s"), ".1f"), r.get("graphs", "–"),
-            harness.fmt(r.get("peak_reserved_gib"), ".1f"), (r.get("error") or "")[:80],
+            harness.fmt(r.get("peak_reserved_gib"), ".1f"),
+            harness.fmt(r["e2e_1000_s"] / auto["e2e_1000_s"], ".3f") if r.get("e2e_1000_s") and auto and auto.get("e2e_1000_s") else "–",
+            harness.fmt(r.get("trials_s"), ".1f"),
+            f"{harness.fmt(r.get('trials_share_1000'), '.1%')} / {harness.fmt(r.get('trials_share_10000'), '.2%')}" if r.get("trials_s") is not None else "–",
+            r.get("final_at", "–"), (r.get("error") or "")[:80],
         ])
-    header = ["variant", "tokens/s", "MFU", "auto ÷ this", "size", "OOMs", "found at batch", "first batch s", "graphs", "peak GiB", "error"]
+    header = ["variant", "tokens/s", "MFU", "auto ÷ this", "size", "OOMs", "found at batch", "first batch s", "graphs", "peak GiB",
+              "auto ÷ this, 1,000 batches end to end", "trials s", "trials % of 1,000 / 10,000", "final at", "error"]
     for line in harness.table_lines(header, rows):
         print(f"[one_gpu] | {line}", flush=True)
     harness.write_json(os.path.join(args.out, f"one_gpu{args.tag}.json"), {"args": vars(args), "gpu": gpu, "results": results})
     return 0
+
+
+SETTLED_TAIL = 5  # the last batches of a run whose median projects the rest of it
+
+
+def project(result: dict[str, Any]) -> dict[str, Any]:
+    """The run projected end to end: its launch (start-up, compile, search, trials, every batch it ran, exit) plus
+    the batches it did not run at the median of its last `SETTLED_TAIL`, to 1,000 and to 10,000 batches; and the
+    trial plan's price line (the configuration final at batch N, the trials' seconds) as shares of those runs."""
+    seconds = result.get("batch_seconds") or []
+    if len(seconds) < SETTLED_TAIL or not result.get("launch_s"):
+        return {}
+    settled = statistics.median(seconds[-SETTLED_TAIL:])
+    out: dict[str, Any] = {"settled_s": round(settled, 4)}
+    for total in (1000, 10000):
+        out[f"e2e_{total}_s"] = round(result["launch_s"] + (total - len(seconds)) * settled, 1)
+    price = next((m for line in result.get("trial_lines", [])
+                  if (m := re.search(r"final at batch (\d+); the trials cost ([0-9.]+) s", line))), None)
+    if price is not None:
+        out["final_at"], out["trials_s"] = int(price.group(1)), float(price.group(2))
+        out["trials_share_1000"] = out["trials_s"] / (1000 * settled)
+        out["trials_share_10000"] = out["trials_s"] / (10000 * settled)
+    return out
 
 
 def start_hog(gib: float, after: Any = 0.0, hold: Any = 0.0, device: int = 0, metrics: str = "") -> Any:
@@ -500,10 +535,14 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                    rope_theta=1000000.0, tie_word_embeddings=True)),
     # GPT-2 large: 1024 positions (run it with --seq 1024 --batch 64: the same tokens a batch).
     "gpt2l": ("GPT2Config", dict(n_embd=1280, n_layer=36, n_head=20)),
+    # OLMo-2 1B's shape.
+    "olmo2": ("Olmo2Config", dict(vocab_size=100352, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                  num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=2048)),
 }
 _TINY = {"LlamaConfig": dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128),
          "Qwen2Config": dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128),
-         "GPT2Config": dict(vocab_size=1000, n_embd=64, n_layer=2, n_head=4)}
+         "GPT2Config": dict(vocab_size=1000, n_embd=64, n_layer=2, n_head=4),
+         "Olmo2Config": dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128)}
 
 
 def _use_hf(name: str, tiny: bool) -> None:
