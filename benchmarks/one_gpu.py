@@ -84,7 +84,8 @@ def overrides(variant: str, args: argparse.Namespace, run_dir: str) -> list[str]
     kind, _, mode = variant.partition("-")
     common = [
         f"model.preset={args.preset}", "data.kind=synthetic", f"data.seq_len={args.seq}",
-        f"global_train_batch_size={args.batch * args.nproc}", f"max_duration={batches_and_skip(variant, args)[0]}ba", f"run_dir={run_dir}",
+        f"global_train_batch_size={args.batch * args.nproc}",
+        f"max_duration={args.planned or batches_and_skip(variant, args)[0]}ba", f"run_dir={run_dir}",
         "loggers.console=false", "loggers.jsonl=true", "callbacks.speed_monitor.window_size=5",
     ]
     if args.dry_run:  # CPU: the suite's plumbing only
@@ -257,10 +258,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--profile", default="",
                    help="START:COUNT: torch.profiler over batches START..START+COUNT-1 of every variant; "
                         "its top kernels and ops as VARIANT.profile.txt (GPU time, wall time, the gap between)")
+    p.add_argument("--planned", type=int, default=0,
+                   help="each run's max_duration in batches (a run that long as far as automicro and Composer know), "
+                        "stopped after --batches (0: max_duration is --batches)")
     p.add_argument("--model", choices=("automicro", *FAMILIES), default="automicro",
                    help="automicro.models' Llama (the preset), or a transformers model built from its config (FAMILIES)")
     if argv is None and sys.argv[1:2] == ["--hog"]:
         return hog(*sys.argv[2:6])
+    if argv is None and sys.argv[1].startswith("--stop-after="):
+        _stop_after(sys.argv[1].split("=", 1)[1])
+        sys.argv = sys.argv[:1] + sys.argv[2:]
     if argv is None and sys.argv[1].startswith("--profile="):
         _profile_batches(*sys.argv[1].split("=", 1)[1].split(":", 2))
         sys.argv = sys.argv[:1] + sys.argv[2:]
@@ -305,10 +312,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         rest = [*(["--stock"] if stock else []), "configs/tiny-gpu.yaml", *overrides(variant, args, run_dir)]
         if args.model != "automicro":
             script, rest = os.path.abspath(__file__), [f"--hf={args.model}", *rest, *(["--tiny-hf"] if args.dry_run else [])]
-        if (args.torch_fraction or args.profile) and script != os.path.abspath(__file__):
+        if (args.torch_fraction or args.profile or args.planned) and script != os.path.abspath(__file__):
             script, rest = os.path.abspath(__file__), ["--train", *rest]  # scripts/train.py, run from this file's process
         if args.torch_fraction:
             rest = [f"--torch-fraction={args.torch_fraction}", *rest]
+        if args.planned:
+            rest = [f"--stop-after={batches_and_skip(variant, args)[0]}", *rest]
         if args.profile:
             rest = [f"--profile={args.profile}:{os.path.join(args.out, variant + args.tag + '.profile.txt')}", *rest]
         if args.nproc == 1:
@@ -614,6 +623,29 @@ def _profile_batches(start_: str, count_: str, path: str) -> None:
 
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
         kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), Profile()]
+        original(self, *args, **kwargs)
+
+    composer.Trainer.__init__ = init
+
+
+def _stop_after(batches_: str) -> None:
+    """`--planned N`: every Trainer built in this process (automicro's or Composer's own) runs with ``max_duration``
+    N batches, as a user's run of N batches would (automicro weighs a trial's cost against the batches left), and
+    stops after `batches_` of them (Composer's `state.stop_training`)."""
+    import composer
+    from composer.core import Callback
+
+    batches = int(batches_)
+
+    class StopAfter(Callback):
+        def batch_end(self, state: Any, logger: Any) -> None:
+            if int(state.timestamp.batch) >= batches:
+                state.stop_training()
+
+    original = composer.Trainer.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), StopAfter()]
         original(self, *args, **kwargs)
 
     composer.Trainer.__init__ = init

@@ -76,9 +76,11 @@ def fit(
         SyntheticTokens(PER_RANK_BATCH * world * batches, SEQ, MODEL["vocab_size"], seed=2), PER_RANK_BATCH, shuffle=False
     )
     cap = MemoryCapCallback(limit_bytes=limit, retry_band=0.0, **(cap_args or {}))
+    # The batch sequences below are the layout search's own: no batch profile before its trials (`bound_trials`;
+    # tests/test_trial_plan.py covers the bounds).
     auto = automicro.AutoMicrobatching(
         log_attempts=False, layout=layout, layout_trial_batches=trial_batches, start_size=start_size,
-        layout_size_trials=size_trials,
+        layout_size_trials=size_trials, bound_trials=False,
     )
     trainer = automicro.Trainer(
         model=model, train_dataloader=data, max_duration=f"{batches}ba",

@@ -82,14 +82,16 @@ def test_packing_left_out_is_measured_and_the_faster_kept(packing, arm):
         assert result["batches"] == cases.MEASURED_BATCHES and result["state"] == arm, result["state"]
         by_batch = _trial(result)
         first = min(b for b, a in by_batch.items() if a == "packed")  # the trial's first batch
-        assert [by_batch[b] for b in range(first, first + 6)] == ["packed", "padded"] * 3, by_batch
+        # 3 batches a side, or 2 where their spread is tiny (`trial_timing.enough`), then the faster for good.
+        pairs = [n for n in (2, 3) if [by_batch[b] for b in range(first, first + 2 * n)] == ["packed", "padded"] * n
+                 and all(by_batch[b] == arm for b in range(first + 2 * n, cases.MEASURED_BATCHES))]
+        assert pairs, by_batch
         assert all(by_batch[b] == "padded" for b in range(first)), by_batch  # padded while the budget was searched
-        assert all(by_batch[b] == arm for b in range(first + 6, cases.MEASURED_BATCHES)), by_batch
-        assert first + 6 < cases.MEASURED_BATCHES, by_batch
+        assert first + 2 * pairs[0] < cases.MEASURED_BATCHES, by_batch
         if rank == 0:
             said = result["lines"]
             assert said[0].startswith("packing: measured once the token budget settles, packed rows against padded batches"), said
-            assert said[1].startswith("packing trial: 3 batches packed, as many padded"), said
+            assert said[1].startswith("packing trial: up to 3 batches packed, as many padded"), said
             assert said[2].startswith(f"packing: {'packed rows kept' if arm == 'packed' else 'padded batches kept'}; median"), said
             assert "real tokens/s of the busiest rank" in said[2], said
         assert result["error_vs_pinned"] <= TOLERANCE, result["error_vs_pinned"]

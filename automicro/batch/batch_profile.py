@@ -46,6 +46,9 @@ import torch
 # forward's "Torch-Compiled Region: i/j", the backward's "CompiledFunctionBackward").
 FSDP_RANGE = re.compile(r"^FSDP::")
 COMPILED_RANGE = re.compile(r"^(Torch-Compiled Region|CompiledFunction)")
+# The optimizer's step and zero_grad (torch's own ranges, and the batch step's around every optimizer step): eager
+# work a model's compile does not touch.
+OPTIMIZER_RANGE = re.compile(r"^(Optimizer\.|automicro::optimizer_step)")
 # Device work a compile cannot fuse or speed up (cuBLAS/CUTLASS products, attention kernels) or that is a collective.
 MATMUL = re.compile(r"gemm|nvjet|cutlass|xmma|wgmma|cublas|matmul|sm\d+_|aten::(mm|addmm|bmm|baddbmm|linear|_?scaled_dot_product|"
                     r"_flash_attention|_efficient_attention|_scaled_mm|convolution|_convolution)\b|flash|fmha|attention", re.I)
@@ -70,6 +73,7 @@ class BatchProfile:
     fusable_s: float  # eager work outside compiled regions a compile could fuse
     unattributed_s: float = 0.0  # device work the profile could not place in a range (added to every bound)
     device: str = "cuda"
+    unattributed_names: tuple[str, ...] = ()  # the costliest of it, by name (what the line names)
 
     def can_win(self, kind: str) -> float:
         """The most a trial of `kind` can save from a batch, in seconds."""
@@ -101,18 +105,19 @@ class BatchProfile:
 
     def line(self) -> str:
         busy = self.wall_s - self.idle_s
+        names = f" ({', '.join(self.unattributed_names)})" if self.unattributed_names else ""
         return (f"a batch profiled: {self.wall_s:.4f} s, the {'GPU' if self.device == 'cuda' else self.device.upper()} busy "
                 f"{self.share(busy)} (idle {self.share(self.idle_s)}); FSDP2's own work {self.share(self.fsdp_s)}, collectives "
                 f"{self.share(self.comm_s)}, eager work a compile could fuse {self.share(self.fusable_s)}"
-                + (f", unattributed {self.share(self.unattributed_s)}" if self.unattributed_s else ""))
+                + (f", unattributed {self.share(self.unattributed_s)}{names}" if self.unattributed_s else ""))
 
     def to_micros(self) -> list[int]:
         return [int(round(v * 1e6)) for v in (self.wall_s, self.idle_s, self.fsdp_s, self.comm_s, self.fusable_s, self.unattributed_s)]
 
     @classmethod
-    def from_micros(cls, values: Sequence[int], device: str) -> "BatchProfile":
+    def from_micros(cls, values: Sequence[int], device: str, names: tuple[str, ...] = ()) -> "BatchProfile":
         wall, idle, fsdp, comm, fusable, unattributed = (v / 1e6 for v in values)
-        return cls(wall, idle, fsdp, comm, fusable, unattributed, device)
+        return cls(wall, idle, fsdp, comm, fusable, unattributed, device, names if unattributed else ())
 
 
 # ---- intervals ------------------------------------------------------------------------------------
@@ -187,46 +192,61 @@ class _Ranges:
 
 def figures(events: Sequence[Any], wall_s: float, device: str) -> BatchProfile:
     """A batch's profile from its events (`ProfiledEvent`s: name, on_device, start_ns, end_ns, correlation,
-    linked, thread) and its wall time measured without the profiler."""
+    linked, thread) and its wall time measured without the profiler.
+
+    A kernel is placed by what launched it on the host: the runtime call of the same (CUPTI) correlation id, else
+    the operator its linked id names; its launch inside a range is what the range did. Collectives by name first;
+    then FSDP2's ranges, the optimizer's (not fusable: no model compile touches it), compiled regions, matrix
+    products and attention by name; what is left is fusable eager work."""
     host = [e for e in events if not e.on_device]
     fsdp = _Ranges(e for e in host if FSDP_RANGE.match(e.name))
     compiled = _Ranges(e for e in host if COMPILED_RANGE.match(e.name))
+    optimizer = _Ranges(e for e in host if OPTIMIZER_RANGE.match(e.name))
     kernels = [e for e in events if e.on_device]
     if kernels:
         launches: dict[int, Any] = {}
+        operators: dict[int, Any] = {}
         for e in host:
             if LAUNCH.match(e.name):
                 launches.setdefault(e.correlation, e)
+            elif e.correlation:
+                operators.setdefault(e.correlation, e)
         busy = _length((k.start_ns, k.end_ns) for k in kernels)
         parts: dict[str, list[Interval]] = {"fsdp": [], "comm": [], "fusable": [], "unattributed": []}
+        lost: dict[str, int] = {}
         for k in kernels:
             span = (k.start_ns, k.end_ns)
             if COMM.search(k.name):
                 parts["comm"].append(span)
                 continue
-            launch = launches.get(k.correlation) or launches.get(k.linked)
-            if launch is None:
+            anchor = launches.get(k.correlation) or operators.get(k.linked)
+            if anchor is None:
                 parts["unattributed"].append(span)
-            elif fsdp.holds(launch.thread, launch.start_ns):
+                lost[k.name] = lost.get(k.name, 0) + k.end_ns - k.start_ns
+            elif fsdp.holds(anchor.thread, anchor.start_ns):
                 parts["fsdp"].append(span)
-            elif not compiled.holds(launch.thread, launch.start_ns) and not MATMUL.search(k.name):
+            elif optimizer.holds(anchor.thread, anchor.start_ns):
+                continue
+            elif not compiled.holds(anchor.thread, anchor.start_ns) and not MATMUL.search(k.name):
                 parts["fusable"].append(span)
         seconds = {name: _length(spans) / 1e9 for name, spans in parts.items()}
+        names = tuple(name[:60] for name, _ in sorted(lost.items(), key=lambda item: -item[1])[:3])
     else:  # a CPU: the operators are the device work
         ops = [e for e in host if OPERATOR.match(e.name)]
         spans = [(e.start_ns, e.end_ns) for e in ops]
         busy = _length(spans)
         products = [(e.start_ns, e.end_ns) for e in ops if MATMUL.search(e.name)]
         comm = [(e.start_ns, e.end_ns) for e in ops if COMM.search(e.name)]
-        outside = _minus(_minus(spans, products + comm), fsdp.all() + compiled.all())
+        outside = _minus(_minus(spans, products + comm), fsdp.all() + compiled.all() + optimizer.all())
         seconds = {
             "fsdp": _length(_within(spans, fsdp.all())) / 1e9,
             "comm": _length(comm) / 1e9,
             "fusable": _length(outside) / 1e9,
             "unattributed": 0.0,
         }
+        names = ()
     idle = max(0.0, wall_s - busy / 1e9)
-    return BatchProfile(wall_s, idle, seconds["fsdp"], seconds["comm"], seconds["fusable"], seconds["unattributed"], device)
+    return BatchProfile(wall_s, idle, seconds["fsdp"], seconds["comm"], seconds["fusable"], seconds["unattributed"], device, names)
 
 
 class BatchProfiler:

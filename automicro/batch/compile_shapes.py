@@ -77,6 +77,7 @@ class StaticShapes:
         self.result: Optional[Any] = None  # the last `TrialResult` once decided
         self.clock = BatchClock(device)
         self._next = ""  # the arm the batch in progress compiles ("compiling")
+        self.compile_batch_s = 0.0  # the longest batch that compiled the blocks anew (what a compile of them costs)
         # Tests replace it to make one arm look faster or slower without depending on the machine.
         self.timing: Callable[[str, float], float] = lambda arm, seconds: seconds
 
@@ -123,6 +124,7 @@ class StaticShapes:
         seconds = self.clock.stop()
         if self.state == "compiling":
             self.state = f"timing_{self._next}"  # that batch compiled the new graphs: not timed
+            self.compile_batch_s = max(self.compile_batch_s, seconds)
             return
         arm = self._arm
         assert arm is not None and self.compiled is not None

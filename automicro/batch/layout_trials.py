@@ -137,7 +137,7 @@ class LayoutTrials:
         found: Optional[int] = None, peak_at: Optional[Callable[[int], Optional[tuple[int, int]]]] = None,
         measure_split: Optional[tuple[int, ...]] = None, largest_at: Optional[Callable[[int], int]] = None,
         capacity_read: int = 0, outside_bytes: int = 0, size_fractions: tuple[float, ...] = SIZE_FRACTIONS,
-        size_unit: str = "samples",
+        size_unit: str = "samples", microbatches: int = 0,
     ) -> None:
         """Choose and apply the next batch's layout; start the clock during a trial. `size`: the
         next batch's largest microbatch (a trade that did not fit at a larger one may be tried
@@ -149,7 +149,9 @@ class LayoutTrials:
         microbatch of the split were the size found `n`. `capacity_read`: the capacity as read (the
         least over ranks, no ceiling applied), against which a kept upsize trade is reconsidered
         (`take_undone` then gives the size policy the size found without it). `outside_bytes`: the most
-        another process holds on any rank's device (agreed; 0: no card shared): no upsize trial then."""
+        another process holds on any rank's device (agreed; 0: no card shared): no upsize trial then.
+        `microbatches`: how many the settled split runs (0: unknown): with one, gradients are reduced once per
+        batch already and ``grad_sync_once`` is not tried (again once the microbatch is smaller)."""
         if self.engine is None:
             return
         engine = self.engine
@@ -210,6 +212,7 @@ class LayoutTrials:
         layout, lines = self.search.layout_for_batch(
             steady, fits, size, found, smaller, measure_at, largest_at, capacity_bytes,
             sum(measure_split) if measure_split else None, outside_bytes, size_fractions, size_unit, self.bounded,
+            one_microbatch=microbatches == 1,
         )
         trial = self.search.trial
         self.started_now = trial is not None and trial is not started

@@ -110,6 +110,12 @@ class ShardingChoice:
         self._keep_fsdp2()
         self.info(f"one rank: FSDP2 kept, the model unsharded not timed: {why}")
 
+    def projected_cost_s(self, block_compile_s: float) -> tuple[float, str]:
+        """The least this trial costs before it can keep anything: the twin's first batch compiles one block graph."""
+        if self.twin is None or self.twin.compile_kwargs is None or self.twin.compiled or self.twin.scope != "blocks":
+            return 0.0, ""
+        return block_compile_s, "a compile of the blocks"
+
     def projection(self) -> str:
         if self.state == "waiting":
             return f"the twin's first batch (each block compiled where compile is on), then up to {2 * self.batches} timed batches"

@@ -240,7 +240,7 @@ class TrainingSearch:
             turn == "layout" and self._steady(), self._last_peak, self.policy.usable_bytes(self.last_capacity),
             *self.kind.layout_figures(self.policy, self._peak_at, self.config.probes),
             capacity_read=self.last_capacity or 0, outside_bytes=self._last_outside, size_fractions=self.kind.size_fractions,
-            size_unit=self.config.unit,
+            size_unit=self.config.unit, microbatches=len(self.policy.current_split()) if self.config.unit == "samples" else 0,
         )
         undone = self.layout.take_undone()
         if undone is not None:
@@ -378,11 +378,14 @@ class TrainingSearch:
 
     def _configuration(self, with_choices: bool = True) -> tuple[Any, ...]:
         """What the trials have kept so far (a batch profile of another configuration bounds nothing; with
-        `with_choices` False, the one-rank and scope choices left out: what the scope trial's reuse needs)."""
+        `with_choices` False, the one-rank and scope choices left out and the layout in: what the scope trial's
+        reuse of the one-rank trial's times needs)."""
         split = () if self.policy is None else tuple(self.policy.current_split())
         static = None if self.static_shapes is None else self.static_shapes.state
         packing = None if self.packing_choice is None else self.packing_choice.state
-        layout = () if self.layout is None else self.layout.search.settled
+        # A kept layout trade only takes FSDP2's work and host time away: the profile before it still bounds what
+        # the later trials can win (from above), so it is not profiled again; it does change the scope's arm times.
+        layout = self.layout.search.settled if self.layout is not None and not with_choices else ()
         # What runs, not how it was decided: FSDP2 kept (or never timed) is the configuration profiled before.
         choices = (self.sharding_choice is not None and self.sharding_choice.state == "unsharded",
                    self.compile_scope is not None and self.compile_scope.state == "model") if with_choices else ()
@@ -411,7 +414,19 @@ class TrainingSearch:
                 return self._reuse[1]
 
             scope.target, scope.reusable = target, reusable
+            plan.block_compile_s = self._block_compile_s
         return self.plan
+
+    def _block_compile_s(self) -> float:
+        """What a compile of the blocks cost, as measured so far: the static recompile's compile batch, or the twin's
+        first batch, less a batch (the profile's); 0 where neither ran."""
+        plan = self.plan
+        wall = plan.profile.wall_s if plan is not None and plan.profile is not None else 0.0
+        measured = [s - wall for s in (
+            self.static_shapes.compile_batch_s if self.static_shapes is not None else 0.0,
+            self.sharding_choice.first_s if self.sharding_choice is not None else 0.0,
+        ) if s > wall]
+        return max(measured, default=0.0)
 
     def _packing_choice(self) -> Optional[PackingChoice]:
         """Packed rows against padded batches, where the batch kind measures it (`packing_choice`)."""

@@ -106,6 +106,8 @@ class TrialPlan:
         self.price: Optional[str] = None  # the price line once said (the summary repeats it)
         self.planned_batches: Optional[int] = None
         self.ruled_out: list[str] = []
+        # What a compile of the blocks costs, as measured so far (0: not measured); the training search sets it.
+        self.block_compile_s: Callable[[], float] = lambda: 0.0
         # Tests replace it to give every rank the same profile without depending on the machine.
         self.measured: Callable[[Optional[BatchProfile]], Optional[BatchProfile]] = lambda profile: profile
 
@@ -177,10 +179,24 @@ class TrialPlan:
         return self.profile is None or self.profiled_for != configuration
 
     def _rules_out(self, trial: PlannedTrial) -> Optional[str]:
+        """Why `trial` cannot pay: its bound under its own rule for keeping, or all it can win over the batches left
+        below what it costs before it can keep anything (a compile, projected from a compile of the blocks)."""
         kind = trial.bound_kind()
         if self.profile is None or kind is None:
             return None
-        return self.profile.rules_out(kind, trial.min_gain)
+        why = self.profile.rules_out(kind, trial.min_gain)
+        if why is not None or not hasattr(trial, "projected_cost_s"):
+            return why
+        cost, what = trial.projected_cost_s(self.block_compile_s())
+        planned = self.planned_batches or DEFAULT_PLANNED
+        left = max(0, planned - self._batch)
+        most = self.profile.can_win(kind) * left
+        if cost <= 0 or most >= cost:
+            return None
+        whose = "this run's" if self.planned_batches else "a run of"
+        return (f"it can win at most {most:.1f} s over the {left:,} batches left of {whose} {planned:,} "
+                f"({self.profile.share(self.profile.can_win(kind))} of a {self.profile.wall_s:.4f} s batch: "
+                f"{self.profile.parts(kind)}), less than {what} costs (projected {cost:.1f} s)")
 
     def running_or_pending(self) -> bool:
         return any(t.running or t.pending for t in self.trials)
@@ -214,7 +230,7 @@ class TrialPlan:
         if agreed[-1]:
             self.no_profile, self.profile = self.profiler.why or "a rank could not profile its batch", None
             return
-        self.profile = BatchProfile.from_micros(agreed[:-1], self.device.type)
+        self.profile = BatchProfile.from_micros(agreed[:-1], self.device.type, local.unattributed_names if local else ())
         self.info(self.profile.line())
 
     # ---- the price ---------------------------------------------------------------------------------

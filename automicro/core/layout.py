@@ -531,7 +531,7 @@ class LayoutSearch:
         measure_at: Optional[int] = None, largest_at: Optional[Callable[[int], int]] = None,
         capacity: int = 0, whole_batch: Optional[int] = None, outside: int = 0,
         size_fractions: Sequence[float] = SIZE_FRACTIONS, size_unit: str = "samples",
-        bounded: Optional[Callable[[str], Optional[str]]] = None,
+        bounded: Optional[Callable[[str], Optional[str]]] = None, one_microbatch: bool = False,
     ) -> tuple[tuple[str, ...], list[str]]:
         """The layout of the next batch, and a console line for each trade passed over and for a
         trial that starts. `fits(trade)` returns None when the trade's projected bytes fit (or
@@ -548,7 +548,8 @@ class LayoutSearch:
         the size trials try (`_smaller`), `size_unit` what their sizes count ("samples", "tokens").
         `bounded(kind)`: why a trial of that kind ("trade", "smaller": `automicro.batch.batch_profile`) cannot win
         beyond the rule for keeping it, by a batch's profile, or None; a trial it rules out does not run at this
-        size found (one line names the bound)."""
+        size found (one line names the bound). `one_microbatch`: the settled split is one microbatch, whose
+        gradients are reduced once per batch already: ``grad_sync_once`` is not tried at this size found."""
         lines: list[str] = []
         bounded = bounded or (lambda kind: None)
         self._found = found
@@ -557,6 +558,8 @@ class LayoutSearch:
             for trade in self._untried():
                 problem = fits(trade)
                 why = bounded(BOUND_KINDS[trade]) if problem is None and BOUND_KINDS.get(trade) else None
+                if trade == GRAD_SYNC_ONCE and one_microbatch:
+                    why = "the batch runs in one microbatch: its gradients are reduced once per batch already"
                 if why is not None:
                     self.bounded_at[trade] = found
                     lines.append(f"layout trade {trade} ({DESCRIPTIONS[trade]}) not tried: {why}")
