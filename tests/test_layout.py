@@ -265,21 +265,21 @@ def test_the_faster_trade_is_kept_the_slower_not_and_parameters_equal_a_fixed_ru
 @pytest.mark.multiproc
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_smaller_microbatch_timed_faster_is_kept_and_parameters_equal_a_fixed_run(world):
-    """Size trials on 1 and 2 ranks (issue 42): the whole batch (4) fits; once the trades are tried,
-    2 (split 2, 2) is timed against 4, faster, kept: the size policy settles on 2. From 2, 1 is timed,
-    slower, not kept. Interleaved with the size found; the same on every rank; parameters equal a
-    fixed run at 2."""
+    """Size trials on 1 and 2 ranks: the whole batch (4) fits, in one microbatch (gradients reduced once is not
+    tried: they are already); once the other trade is tried, 2 (split 2, 2) is timed against 4, faster, kept: the
+    size policy settles on 2. At 2 (two microbatches) gradients reduced once is tried, then 1 is timed, slower, not
+    kept. Interleaved with the size found; the same on every rank; parameters equal a fixed run at 2."""
     results = _suite(world)
     for rank in range(world):
         sized = results[rank]["sized"]
         assert sized["results"] == [
-            [GRAD_SYNC_ONCE, False], [NO_RESHARD, False], ["smaller_microbatch", True], ["smaller_microbatch", False]
+            [NO_RESHARD, False], ["smaller_microbatch", True], [GRAD_SYNC_ONCE, False], ["smaller_microbatch", False]
         ], sized["trial_lines"]
         steady = next(r[0] for r in sized["history"] if "sync hooks off" in r[3])
-        trials = sized["splits"][steady + 5 : steady + 9]
-        assert trials == [[2, 2], [4], [1, 1, 1, 1], [2, 2]], sized["splits"]
+        assert sized["splits"][steady + 3 : steady + 5] == [[2, 2], [4]], sized["splits"]
+        assert sized["splits"][steady + 7 : steady + 9] == [[1, 1, 1, 1], [2, 2]], sized["splits"]
         assert all(s == [2, 2] for s in sized["splits"][steady + 8 :]) and sized["found"] == 2, sized["splits"]
-        assert sized["trial_lines"][2].startswith("size trial: microbatch 2 against 4, the size found: kept"), sized["trial_lines"]
+        assert sized["trial_lines"][1].startswith("size trial: microbatch 2 against 4, the size found: kept"), sized["trial_lines"]
         assert "OOMs 0" in sized["summary"] and sized["diff"] < 1e-5, (sized["summary"], sized["diff"])
     assert len({str(results[r]["sized"]["splits"]) for r in range(world)}) == 1
 
@@ -327,8 +327,9 @@ def test_activation_checkpointing_off_is_kept_when_faster_on_four_ranks():
     for rank in range(4):
         kept = results[rank]["recompute_kept"]
         assert kept["found"] == 4 and kept["diff"] < 1e-5, (kept["history"], kept["diff"])
-        assert kept["results"] == [[GRAD_SYNC_ONCE, False], [NO_RESHARD, False], [NO_RECOMPUTE, True]], kept
-        assert kept["settled"] == [NO_RECOMPUTE] and kept["layouts"][-1] == [GRAD_SYNC_ONCE, NO_RECOMPUTE]
+        # The whole batch in one microbatch: gradients reduced once is not tried (they are already).
+        assert kept["results"] == [[NO_RESHARD, False], [NO_RECOMPUTE, True], [NO_RESHARD, False]], kept
+        assert kept["settled"] == [NO_RECOMPUTE] and kept["layouts"][-1] == [NO_RECOMPUTE]
     assert len({str(results[r]["recompute_kept"]["layouts"]) for r in range(4)}) == 1
 
 
@@ -399,7 +400,7 @@ def test_checkpointing_on_is_measured_then_kept_at_the_larger_microbatch_it_admi
 @pytest.mark.multiproc
 @pytest.mark.parametrize("world", [1, 2])
 def test_activation_checkpointing_off_is_a_trade_kept_when_faster_undone_by_an_oom_then_measured_and_downsized(world):
-    """``no_recompute`` on 1 and 2 ranks, the blocks checkpointed: tried after the other two, last; kept
+    """``no_recompute`` on 1 and 2 ranks, the blocks checkpointed: tried after the other trades, last; kept
     when timed faster; under a cap it cannot meet, its trial's first batch runs out of memory, the
     trade is undone, the batch reruns at the same size and it is not tried again at that size. Then
     one batch at size 1 measures its bytes, and the downsize trial runs it at the largest smaller
@@ -410,10 +411,11 @@ def test_activation_checkpointing_off_is_a_trade_kept_when_faster_undone_by_an_o
         for run in (kept, oom):
             assert run["diff"] < 1e-5, run["diff"]
             steady = next(r[0] for r in run["history"] if "sync hooks off" in r[3])
-            assert [x for x in run["layouts"][steady + 1 : steady + 5]] == [[GRAD_SYNC_ONCE], [], [NO_RESHARD], []]
-        # The two slower trades come back on top of the new layout (batch 10 starts the first again).
-        assert kept["results"] == [[GRAD_SYNC_ONCE, False], [NO_RESHARD, False], [NO_RECOMPUTE, True]], kept
-        assert kept["settled"] == [NO_RECOMPUTE] and kept["layouts"][-1] == [GRAD_SYNC_ONCE, NO_RECOMPUTE]
+            # One microbatch (size 4): gradients reduced once is not tried (they are already).
+            assert [x for x in run["layouts"][steady + 1 : steady + 5]] == [[NO_RESHARD], [], [NO_RECOMPUTE], []]
+        # The slower trade comes back on top of the new layout (batch 8), not kept again.
+        assert kept["results"] == [[NO_RESHARD, False], [NO_RECOMPUTE, True], [NO_RESHARD, False]], kept
+        assert kept["settled"] == [NO_RECOMPUTE] and kept["layouts"][-1] == [NO_RECOMPUTE]
         assert "layout: activation checkpointing off" in kept["summary"] and kept["found"] == 4
         [(batch, size, note)] = [(r[0], r[1], r[3]) for r in oom["history"] if r[2] == "oom"]
         assert size == 4 and note == "layout undone first; rerun at the same size, now default", oom["history"]
@@ -424,7 +426,8 @@ def test_activation_checkpointing_off_is_a_trade_kept_when_faster_undone_by_an_o
         assert oom["splits"][batch + 3 : batch + 6] == [[1, 1, 2], [2, 2], [4]], oom["splits"]
         per_sample = oom["state"]["per_sample"][NO_RECOMPUTE]
         assert 0 < per_sample and 2 * per_sample < _suite(world)[rank]["limit"], oom["state"]
-        assert oom["results"] == [[GRAD_SYNC_ONCE, False], [NO_RESHARD, False], [NO_RECOMPUTE, True]], oom
+        # At the size adopted, two microbatches: gradients reduced once is tried there, not kept.
+        assert oom["results"] == [[NO_RESHARD, False], [NO_RECOMPUTE, True], [GRAD_SYNC_ONCE, False]], oom
         assert oom["found"] == 3 and oom["splits"][-1] == [2, 2] and oom["settled"] == [NO_RECOMPUTE]
         assert oom["state"]["too_big_at"] == {} and oom["state"]["downsized_from"] == [4]
         assert "OOMs 1" in oom["summary"]

@@ -4,9 +4,10 @@ A trial `auto` runs costs the run its batches and, for some, a compile (the whol
 on a 1B model on one H200, and lost there on three families). Most trials change only *how* the same device
 work is issued, so what they can win is bounded by what a batch already shows:
 
-- the device idle: the batch's wall time less the time the device was busy (the union of its kernels,
-  copies and sets; on a CPU, of the operators' time). Host overhead, hooks, allocator retries and waits
-  live there: no trial can win more than that and the device work it removes;
+- the device idle: between the batch's first and last kernel, the time the device was not busy (the union
+  of its kernels, copies and sets; on a CPU, the batch's wall time less the operators' time). Host overhead,
+  hooks, allocator retries and waits live there: no trial can win more than that and the device work it
+  removes;
 - FSDP2's own device work: what runs inside FSDP2's ``FSDP::`` ranges (the all-gather copy-in and
   copy-out, the casts, the reduce-scatter's copies): the model unsharded on one rank and the layout trades
   remove at most that;
@@ -202,7 +203,10 @@ def figures(events: Sequence[Any], wall_s: float, device: str) -> BatchProfile:
     fsdp = _Ranges(e for e in host if FSDP_RANGE.match(e.name))
     compiled = _Ranges(e for e in host if COMPILED_RANGE.match(e.name))
     optimizer = _Ranges(e for e in host if OPTIMIZER_RANGE.match(e.name))
-    kernels = [e for e in events if e.on_device]
+    # A host range shows on the device too (kineto's GPU user annotations: "FSDP::pre_forward", "Optimizer.step#..."),
+    # spanning its kernels and the gaps between them: not work.
+    ranges = {e.name for e in host if not OPERATOR.match(e.name) and not LAUNCH.match(e.name)}
+    kernels = [e for e in events if e.on_device and e.name not in ranges]
     if kernels:
         launches: dict[int, Any] = {}
         operators: dict[int, Any] = {}
@@ -212,6 +216,10 @@ def figures(events: Sequence[Any], wall_s: float, device: str) -> BatchProfile:
             elif e.correlation:
                 operators.setdefault(e.correlation, e)
         busy = _length((k.start_ns, k.end_ns) for k in kernels)
+        # The device's idle between its first and last kernel of the batch: a clocked batch starts and ends with the
+        # device synchronized (the gaps at its ends are the clock's, which no trial can win, and no run without the
+        # clock pays).
+        extent = max(k.end_ns for k in kernels) - min(k.start_ns for k in kernels)
         parts: dict[str, list[Interval]] = {"fsdp": [], "comm": [], "fusable": [], "unattributed": []}
         lost: dict[str, int] = {}
         for k in kernels:
@@ -231,6 +239,7 @@ def figures(events: Sequence[Any], wall_s: float, device: str) -> BatchProfile:
                 parts["fusable"].append(span)
         seconds = {name: _length(spans) / 1e9 for name, spans in parts.items()}
         names = tuple(name[:60] for name, _ in sorted(lost.items(), key=lambda item: -item[1])[:3])
+        idle = max(0.0, (extent - busy) / 1e9)
     else:  # a CPU: the operators are the device work
         ops = [e for e in host if OPERATOR.match(e.name)]
         spans = [(e.start_ns, e.end_ns) for e in ops]
@@ -245,7 +254,7 @@ def figures(events: Sequence[Any], wall_s: float, device: str) -> BatchProfile:
             "unattributed": 0.0,
         }
         names = ()
-    idle = max(0.0, wall_s - busy / 1e9)
+        idle = max(0.0, wall_s - busy / 1e9)
     return BatchProfile(wall_s, idle, seconds["fsdp"], seconds["comm"], seconds["fusable"], seconds["unattributed"], device, names)
 
 
