@@ -62,7 +62,7 @@ SETTINGS = (
     "stable_batches", "thrash_batches", "search", "use_prediction", "start_size", "cpu_sync_group", "memory_fraction",
     "log_attempts", "unguarded_timeout_s", "sync_points", "consensus_transport", "steady_recovery", "budget",
     "fixed_tokens", "layout", "layout_trial_batches", "layout_min_gain", "layout_size_trials", "loss_normalization",
-    "label_shift", "exit_timeout_s", "rerun_target", "bound_trials",
+    "label_shift", "exit_timeout_s", "rerun_target", "bound_trials", "stall_report_s", "stall_end_s", "signal_exit_s",
 )
 
 
@@ -251,7 +251,15 @@ class AutoStep:
                 "its microbatches are cut at sample starts and carry no padding; budget='tokens' plans padded rows "
                 "(use a padding collator for it)"
             )
-        total = self.search.train_batch(host)
+        # The watchdog watches the step (`core.watchdog`), not the loop's own code between steps.
+        watchdog = self.runtime.watchdog
+        if watchdog is not None:
+            watchdog.arm()
+        try:
+            total = self.search.train_batch(host)
+        finally:
+            if watchdog is not None:
+                watchdog.disarm()
         self.batches += 1
         policy = self.search.policy
         assert policy is not None

@@ -144,12 +144,12 @@ def test_the_scope_trial_reuses_the_one_rank_trials_times_and_goes_back_to_the_b
     assert timed.startswith("compile: the whole model (unsharded) timed against each block compiled (the one-rank "
                             "trial's "), result["scope_lines"]
     assert "not kept" in verdict and verdict.endswith("each block compiled as before (its graphs kept)"), verdict
-    # From the twin's first batch on, dynamo compiled twice, one graph each time: the twin's blocks (one graph they
-    # share) in that batch, the twin's whole model in the scope trial's compile batch; going back to the blocks
-    # compiled nothing (their graphs were kept), nor did anything after.
+    # From the twin's first batch on, dynamo compiled one graph for the twin's blocks (they share it) in that batch,
+    # and at most one more: the rest of the model around the blocks' kept graphs in the scope trial's compile batch
+    # (the toy's root does nothing of its own: none); going back to the blocks compiled nothing, nor did anything after.
     graphs, first = result["graphs"], _through(result)[0]
     grew = [b for b in sorted(graphs) if b >= first and graphs[b] > graphs[b - 1]]
-    assert len(grew) == 2 and grew[0] == first and all(graphs[b] - graphs[b - 1] == 1 for b in grew), graphs
+    assert grew[:1] == [first] and len(grew) <= 2 and all(graphs[b] - graphs[b - 1] == 1 for b in grew), graphs
     assert result["plan_lines"][-1].startswith("trials: the configuration was final at batch "), result["plan_lines"]
     assert result["error_fsdp2"] < 1e-6, result
 

@@ -23,6 +23,7 @@ from automicro.core.memory import CudaMemory, MemorySource, NoMemory, release_af
 from automicro.core.policy import HookReason
 from automicro.core.sites import SiteDispatcher
 from automicro.core.store_board import StoreBoard
+from automicro.core.watchdog import SignalExit, Watchdog
 from automicro.engine import _torch_internals as torch_internals
 from automicro.engine.hooks import SyncHooks
 from automicro.engine.sharding import ShardedModel
@@ -48,6 +49,9 @@ class Runtime:
         self.memory: MemorySource = NoMemory()
         self.dispatcher = SiteDispatcher()  # replaced by the trainer's at attach()
         self._ledger_handle: Any = None
+        # A run that stops making progress says where and ends (`core.watchdog`); made at attach, armed by the loop.
+        self.watchdog: Optional[Watchdog] = None
+        self.signal_exit: Optional[SignalExit] = None
 
     def info(self, message: str) -> None:
         if self.rank == 0 and self.settings.log_attempts:
@@ -84,6 +88,10 @@ class Runtime:
             self.consensus, self.dispatcher.context, figures, self.ledger, s.unguarded_timeout_s, alarm=self.alarm
         )
         self.hooks = SyncHooks(sharded, self.consensus, self.dispatcher, sync_points=s.sync_points)
+        self.watchdog = Watchdog(self.rank, s.stall_report_s, s.stall_end_s, context=self.progress)
+        self.signal_exit, why = SignalExit.install(s.signal_exit_s, self.rank)
+        if why:
+            log.info("automicro: SIGTERM and SIGINT within signal_exit_s: %s", why)
         if memory is not None:
             self.memory = memory
         elif torch.cuda.is_available() and sharded.device.type == "cuda":
@@ -119,7 +127,19 @@ class Runtime:
             self._ledger_handle.remove()
             self._ledger_handle = None
 
+    def progress(self) -> str:
+        """What the batch in progress is at, for the watchdog's report (`core.watchdog`)."""
+        ctx = self.dispatcher.context
+        if not ctx.in_attempt:
+            return f"between attempts (batch {ctx.batch_index}, sync hooks {'on' if self.hooks_active else 'off'})"
+        microbatch = f"microbatch {ctx.microbatch_index + 1} of {ctx.num_microbatches}" if ctx.microbatch_index >= 0 else "before its first microbatch"
+        module = f" ({ctx.last_module})" if ctx.last_module else ""
+        return (f"batch {ctx.batch_index}, attempt {ctx.attempt} at microbatch size {ctx.microbatch_size}, {microbatch}, last "
+                f"site {ctx.last_site}{module}, sync hooks {'on' if self.hooks_active else 'off'}")
+
     def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()
         self.observe_collectives(False)
         if self.ledger is not None:
             self.ledger.close()

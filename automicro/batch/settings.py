@@ -49,6 +49,11 @@ class Settings:
     rerun_target: float = DEFAULT_RERUN_TARGET
     # A batch profile bounds what a trial can win; a trial it rules out does not run (`batch.trial_plan`).
     bound_trials: bool = True
+    # A run that stops making progress (`core.watchdog`): the report and the end (None: what a batch should cost),
+    # and how long a SIGTERM or SIGINT gives the process.
+    stall_report_s: Optional[float] = None
+    stall_end_s: Optional[float] = None
+    signal_exit_s: float = 30.0
 
     @classmethod
     def parse(
@@ -78,6 +83,9 @@ class Settings:
         exit_timeout_s: float = 30.0,
         rerun_target: float = DEFAULT_RERUN_TARGET,
         bound_trials: bool = True,
+        stall_report_s: Optional[float] = None,
+        stall_end_s: Optional[float] = None,
+        signal_exit_s: float = 30.0,
     ) -> "Settings":
         # None: the probe on a GPU, the whole batch on CPU (resolved at attach, as the layout).
         start = _start(start_size, search, use_prediction, budget)
@@ -154,6 +162,22 @@ class Settings:
                 f"bound_trials={bound_trials!r}: must be true (a profiled batch bounds what each trial can win; a trial "
                 "that cannot win beyond its rule for keeping does not run) or false (every trial runs)"
             )
+        for key, value in (("stall_report_s", stall_report_s), ("stall_end_s", stall_end_s)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ValueError(
+                    f"{key}={value!r}: must be null (the default: from what a batch should cost, generous for a batch that "
+                    "searches, compiles or runs a trial) or a positive number of seconds without progress"
+                )
+        if stall_report_s is not None and stall_end_s is not None and stall_end_s < stall_report_s:
+            raise ValueError(
+                f"stall_end_s={stall_end_s!r} is below stall_report_s={stall_report_s!r}: the run is ended after it is "
+                "reported; set stall_end_s at least stall_report_s"
+            )
+        if isinstance(signal_exit_s, bool) or not isinstance(signal_exit_s, (int, float)) or signal_exit_s <= 0:
+            raise ValueError(
+                f"signal_exit_s={signal_exit_s!r}: must be a positive number of seconds (after SIGTERM or SIGINT the process "
+                "ends within it, its stacks written, even where its main thread is blocked)"
+            )
         return cls(
             start=start,
             policy_config=kind.policy_config(config),
@@ -174,6 +198,9 @@ class Settings:
             exit_timeout_s=float(exit_timeout_s),
             rerun_target=float(rerun_target),
             bound_trials=bound_trials,
+            stall_report_s=None if stall_report_s is None else float(stall_report_s),
+            stall_end_s=None if stall_end_s is None else float(stall_end_s),
+            signal_exit_s=float(signal_exit_s),
         )
 
 

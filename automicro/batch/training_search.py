@@ -224,7 +224,14 @@ class TrainingSearch:
         plan = self._trial_plan()
         planned = getattr(host, "planned_batches", None)
         plan.planned_batches = planned() if callable(planned) else None
+        watchdog = rt.watchdog
+        if watchdog is not None:  # what the batch should cost is known once the plan has given it (below)
+            watchdog.batch(step.batch_index, False, f"training batch {step.batch_index}")
         turn = plan.before_batch(step.batch_index, self._steady(), self._configuration())
+        if watchdog is not None:  # a settled batch should take the settled median (`core.watchdog`)
+            watchdog.settled = self._steady() and turn is None
+            watchdog.phase = (f"training batch {step.batch_index} ("
+                              + ("settled" if watchdog.settled else f"{'the ' + turn + ' trial' if turn else 'the size search'}") + ")")
         if packing is not None:  # before the batch's domain is agreed (`step.begin`)
             packing.before_batch(turn == "packing" and self._steady(), self._steady())
         self._optimizer_pending = self._pending_optimizer_bytes(host.optimizers())
@@ -260,6 +267,8 @@ class TrainingSearch:
             # schedule instead, `automicro.engine.pipeline`); steady_recovery=False keeps them on.
             hooks_on = rt.hooks_active or (rt.pipeline is not None and not rt.settings.steady_recovery)
             split, budget, track = self.kind.next_attempt(self.policy, self.layout, self.config.probes)
+            if rt.watchdog is not None:
+                rt.watchdog.beat()
             try:
                 attempt = step.attempt(split, budget, hooks_on, track_peaks=track)
             except FatalRecoveryError as lost:

@@ -113,6 +113,13 @@ class AutoMicrobatching(Callback):
             run's world size, from the spread of the settling batches' peaks; 0 keeps the size found.
         bound_trials: Profile one batch once the size settles and run only the trials it says can win
             beyond their rule for keeping (each one ruled out says the bound); false: every trial runs.
+        stall_report_s: Seconds without progress after which every thread's stack and what automicro was
+            doing are written (null: from what a settled batch takes, generous for a batch that searches,
+            compiles or runs a trial, an evaluation or a checkpoint save).
+        stall_end_s: Seconds without progress after which the run ends with an error naming the stall
+            (null: as stall_report_s, longer).
+        signal_exit_s: After SIGTERM or SIGINT the process ends within this many seconds, its stacks written,
+            even where its main thread is blocked in a collective or a compile.
 
     The rooms that own the behaviour: `settings` (the checked keys), `runtime` (what attach builds:
     consensus, ledger, fence, sync hooks, memory source), `search` (the training batch under `auto`
@@ -148,12 +155,16 @@ class AutoMicrobatching(Callback):
         exit_timeout_s: float = 30.0,
         rerun_target: float = 0.01,
         bound_trials: bool = True,
+        stall_report_s: Optional[float] = None,
+        stall_end_s: Optional[float] = None,
+        signal_exit_s: float = 30.0,
     ) -> None:
         self.settings = Settings.parse(
             stable_batches, thrash_batches, search, use_prediction, start_size, cpu_sync_group, memory_fraction,
             log_attempts, unguarded_timeout_s, sync_points, consensus_transport, steady_recovery, budget,
             fixed_tokens, eval_oom, layout, layout_trial_batches, layout_min_gain, layout_size_trials,
-            loss_normalization, label_shift, packing, exit_timeout_s, rerun_target, bound_trials,
+            loss_normalization, label_shift, packing, exit_timeout_s, rerun_target, bound_trials, stall_report_s,
+            stall_end_s, signal_exit_s,
         )
         self.runtime = Runtime(self.settings)
         self.search = TrainingSearch(self.settings, self.runtime)
@@ -306,8 +317,19 @@ class AutoMicrobatching(Callback):
 
     # ---- Composer events ---------------------------------------------------------------------
 
+    # Events after which the loop runs callbacks, logging and checkpoint saves until the next batch (a generous bound).
+    _BETWEEN_BATCHES = (Event.BATCH_END, Event.BATCH_CHECKPOINT, Event.EPOCH_END, Event.EPOCH_CHECKPOINT, Event.ITERATION_CHECKPOINT)
+
     def run_event(self, event: Event, state: State, logger: Logger) -> None:
         self._last_event = event  # where an error outside any attempt happened (`fit_raised`)
+        watchdog = self.runtime.watchdog
+        if watchdog is not None:  # every event is progress (`core.watchdog`)
+            if event in self._BETWEEN_BATCHES:
+                watchdog.enter(f"between batches ({event.value}: callbacks, logging, checkpoint saves)")
+            elif event == Event.EVAL_START:
+                watchdog.enter("an evaluation")
+            else:
+                watchdog.beat()
         super().run_event(event, state, logger)
 
     def init(self, state: State, logger: Logger) -> None:
@@ -321,11 +343,15 @@ class AutoMicrobatching(Callback):
         if self.policy is not None:
             self.search.apply_hooks(self.policy.hooks, HookReason.FIT_START)
         self.observe_collectives(True)
+        if self.runtime.watchdog is not None:
+            self.runtime.watchdog.arm()
 
     def fit_end(self, state: State, logger: Logger) -> None:
         # The hooks and the collective patch are process-wide: none may outlive this fit.
         self.search.apply_hooks(False, HookReason.FIT_END)
         self.observe_collectives(False)
+        if self.runtime.watchdog is not None:
+            self.runtime.watchdog.disarm()
 
     def close(self, state: State, logger: Logger) -> None:
         # `trainer.close()`, also after a fit that raised (fit_end did not run).
