@@ -37,11 +37,13 @@ class SleepAt(Callback):
     """Sleeps `seconds` on `rank` at Composer's `event` ("before_forward", "eval_before_forward", ...) in batch
     `batch` (or the first eval batch after it)."""
 
-    def __init__(self, event: str, rank: int, batch: int, seconds: float) -> None:
-        self.event, self.rank, self.batch, self.seconds = event, rank, batch, seconds
+    def __init__(self, event: str, rank: int, batch: int, seconds: float, marker: str = "") -> None:
+        self.event, self.rank, self.batch, self.seconds, self.marker = event, rank, batch, seconds, marker
 
     def run_event(self, event: Any, state: Any, logger: Any) -> None:
         if event.value == self.event and torch.distributed.get_rank() == self.rank and int(state.timestamp.batch) >= self.batch:
+            if self.marker:  # the test sends its signal once this rank sleeps
+                open(self.marker, "w").close()
             time.sleep(self.seconds)
 
 
@@ -49,8 +51,8 @@ class SleepIn(Callback):
     """From batch `batch` on `rank`, the callable `owner.name` sleeps `seconds` before it runs (a consensus round,
     a checkpoint save, FSDP2's pre-collective site): set at fit start, when the owner exists."""
 
-    def __init__(self, owner: Any, name: str, rank: int, batch: int, seconds: float) -> None:
-        self.owner, self.name, self.rank, self.batch, self.seconds = owner, name, rank, batch, seconds
+    def __init__(self, owner: Any, name: str, rank: int, batch: int, seconds: float, marker: str = "") -> None:
+        self.owner, self.name, self.rank, self.batch, self.seconds, self.marker = owner, name, rank, batch, seconds, marker
         self.now = -1
 
     def batch_start(self, state: Any, logger: Any) -> None:
@@ -62,6 +64,8 @@ class SleepIn(Callback):
 
         def slow(*args: Any, **kwargs: Any) -> Any:
             if torch.distributed.get_rank() == self.rank and self.now >= self.batch:
+                if self.marker:  # the test sends its signal once this rank sleeps
+                    open(self.marker, "w").close()
                 time.sleep(self.seconds)
             return original(*args, **kwargs)
 
@@ -85,20 +89,28 @@ def _slow_backend(rank: int, seconds: float) -> str:
 
 
 def run(rank: int, world: int, where: str, folder: str, report_s: Optional[float] = 2.0, end_s: Optional[float] = 6.0,
-        stalled_rank: int = 1, seconds: float = HOUR, signal_exit_s: float = 30.0) -> dict[str, Any]:
-    """A fit of the toy stack (2 CPU ranks, gloo) with `where` stalling `stalled_rank` for `seconds`."""
+        stalled_rank: int = 1, seconds: float = HOUR, signal_exit_s: float = 30.0,
+        floors: Optional[tuple[float, float, float, float]] = None) -> dict[str, Any]:
+    """A fit of the toy stack (2 CPU ranks, gloo) with `where` stalling `stalled_rank` for `seconds`. `floors`: the
+    settled batches' limits (report floor and multiple, end floor and multiple), lowered for a test."""
     _own_stderr(folder, rank)
+    if floors is not None:
+        from automicro.core import watchdog
+
+        watchdog.SETTLED_REPORT_MIN_S, watchdog.SETTLED_REPORT_X, watchdog.SETTLED_END_MIN_S, watchdog.SETTLED_END_X = floors
     torch.manual_seed(0)
     auto = AutoMicrobatching(log_attempts=False, stall_report_s=report_s, stall_end_s=end_s, signal_exit_s=signal_exit_s)
     callbacks: list[Any] = [auto]
     more: dict[str, Any] = {}
     if where == "forward":
-        callbacks.append(SleepAt("before_forward", stalled_rank, STALL_BATCH, seconds))
+        callbacks.append(SleepAt("before_forward", stalled_rank, STALL_BATCH, seconds,
+                                 marker=os.path.join(folder, f"rank{stalled_rank}.sleeping")))
     elif where == "evaluation":
         callbacks.append(SleepAt("eval_before_forward", stalled_rank, STALL_BATCH, seconds))
         more = dict(eval_dataloader=make_loader(world, 2), eval_interval=f"{STALL_BATCH + 1}ba")
     elif where == "collective":  # before FSDP2's all-gather: the other rank goes into it alone
-        callbacks.append(SleepIn(torch.distributed, "all_gather_into_tensor", stalled_rank, STALL_BATCH, seconds))
+        callbacks.append(SleepIn(torch.distributed, "all_gather_into_tensor", stalled_rank, STALL_BATCH, seconds,
+                                 marker=os.path.join(folder, f"rank{stalled_rank}.sleeping")))
     elif where == "consensus":  # inside a consensus round: the other rank waits in its all-reduce
         callbacks.append(SleepIn(lambda: auto.runtime.consensus, "agree_max", stalled_rank, STALL_BATCH, seconds))
     elif where == "checkpoint":

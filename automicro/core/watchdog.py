@@ -80,8 +80,8 @@ _PLACES = (
 
 
 def where_waiting(frames: list[traceback.FrameSummary]) -> str:
-    """What the main thread is in, from its stack (outermost first): the places named, innermost first, and
-    the innermost frame ("a collective (all_gather_into_tensor) in a checkpoint save; at file.py:12 in f")."""
+    """Where the main thread is, from its stack (outermost first): the places named, innermost first, and the
+    innermost frame ("in a collective (all_gather_into_tensor) in a checkpoint save, at file.py:12 in f")."""
     seen: list[str] = []
     kinds: set[str] = set()
     for frame in reversed(frames):
@@ -94,7 +94,7 @@ def where_waiting(frames: list[traceback.FrameSummary]) -> str:
             seen.append(f"{what} ({frame.name})" if what == "a collective" else what)
     innermost = frames[-1] if frames else None
     at = f"at {innermost.filename}:{innermost.lineno} in {innermost.name}" if innermost is not None else "no frame"
-    return (" in ".join(seen) + "; " if seen else "") + at
+    return ("in " + " in ".join(seen) + ", " if seen else "") + at
 
 
 def thread_stacks() -> str:
@@ -158,6 +158,7 @@ class Watchdog:
 
     def disarm(self) -> None:
         """Stop watching (the thread ends once disarmed for `IDLE_EXIT_S`; `arm` starts it again)."""
+        self._end_batch()
         self.armed = False
 
     def beat(self) -> None:
@@ -165,14 +166,20 @@ class Watchdog:
 
     def batch(self, index: int, settled: bool, phase: str) -> None:
         """A training batch starts: `settled` ones should take the settled median."""
+        self._end_batch()
         now = time.monotonic()
-        if self._batch_started is not None and self.settled:
-            self._durations.append(now - self._batch_started)
         self._batch_started, self.settled, self.phase, self._last = now, settled, phase, now
 
     def enter(self, phase: str, settled: bool = False) -> None:
-        """Something else holds the loop now (an evaluation, a checkpoint save): its bound is generous."""
+        """Something else holds the loop now (the batch's end: callbacks, a checkpoint save; an evaluation): its bound
+        is generous."""
+        self._end_batch()
         self.phase, self.settled, self._last = phase, settled, time.monotonic()
+
+    def _end_batch(self) -> None:
+        """The training batch in progress, if any, ended: a settled one's seconds count in the median."""
+        if self._batch_started is not None and self.settled:
+            self._durations.append(time.monotonic() - self._batch_started)
         self._batch_started = None
 
     # ---- the limits ------------------------------------------------------------------------------
@@ -215,7 +222,7 @@ class Watchdog:
                 _write(self._stalled_line(waited, report, why) + "\n" + thread_stacks())
             if waited >= end and self.armed:
                 _write(f"[automicro] rank {self.rank}: ending the run: no progress for {waited:.1f} s (the limit "
-                       f"{end:.1f} s: {why}) in {self.phase}; {where_waiting(main_thread_frames())}; exit code "
+                       f"{end:.1f} s: {why}) in {self.phase}; the main thread is {where_waiting(main_thread_frames())}; exit code "
                        f"{STALL_EXIT_CODE}")
                 self._exit(STALL_EXIT_CODE)
                 return
@@ -223,7 +230,7 @@ class Watchdog:
     def _stalled_line(self, waited: float, limit: float, why: str) -> str:
         context = self.context()
         return (f"[automicro] rank {self.rank}: no progress for {waited:.1f} s (the limit {limit:.1f} s: {why}); "
-                f"stalled in {self.phase}{'; ' + context if context else ''}; the main thread is in "
+                f"stalled in {self.phase}{'; ' + context if context else ''}; the main thread is "
                 f"{where_waiting(main_thread_frames())}; every thread's stack follows "
                 "(AutoMicrobatching(stall_report_s=..., stall_end_s=...) set the limits)")
 
@@ -307,7 +314,7 @@ class SignalExit:
         _write(f"[automicro] rank {self.rank}: {name} received; the process ends within {self.timeout_s:g} s "
                "(AutoMicrobatching(signal_exit_s=...))")
         time.sleep(self.timeout_s)
-        _write(f"[automicro] rank {self.rank}: still running {self.timeout_s:g} s after {name}: the main thread is in "
+        _write(f"[automicro] rank {self.rank}: still running {self.timeout_s:g} s after {name}: the main thread is "
                f"{where_waiting(main_thread_frames())}; every thread's stack follows; ending the process with exit code "
                f"{128 + signum}\n" + thread_stacks())
         self._exit(128 + signum)
