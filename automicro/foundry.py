@@ -188,6 +188,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         for line in summary_lines(trainer):
             print(line, flush=True)
     trainer.close()
+    from automicro.composer.callback import AutoMicrobatching
+    from automicro.core import exit_watch
+
+    # The run finished: what holds the exit after it is bounded (torch inductor's compile workers after a cold start).
+    auto = next((c for c in trainer.state.callbacks if isinstance(c, AutoMicrobatching)), None)
+    exit_watch.arm_finished(auto.settings.exit_timeout_s if auto is not None else exit_watch.DEFAULT_TIMEOUT_S,
+                            int(os.environ.get("RANK", "0")))
     return 0
 
 

@@ -70,6 +70,7 @@ def main(argv: list[str]) -> int:
     from automicro.engine.config import FSDP2ConfigError
     from automicro.composer import builders
     from automicro.composer.loggers import build_loggers, output_lines
+    from automicro.core import exit_watch
 
     try:
         callbacks = builders.build_callbacks(cfg)
@@ -168,6 +169,9 @@ def main(argv: list[str]) -> int:
         for line in output_lines(cfg, loggers):
             print(line, flush=True)
     trainer.close()
+    # The run finished: what holds the exit after it is bounded (torch inductor's compile workers after a cold start).
+    auto = next((c for c in trainer.state.callbacks if isinstance(c, AutoMicrobatching)), None)
+    exit_watch.arm_finished(auto.settings.exit_timeout_s if auto is not None else exit_watch.DEFAULT_TIMEOUT_S, dist.get_global_rank())
     return 0
 
 

@@ -23,7 +23,11 @@ SCRIPT = textwrap.dedent("""
     if mode == "thread":
         threading.Thread(target=exit_that_waits, args=(600,)).start()  # a non-daemon thread that never ends
     else:
-        atexit.register(exit_that_waits, 600 if mode in ("atexit", "raised_from", "unmarked") else 3)
+        atexit.register(exit_that_waits, 600 if mode in ("atexit", "raised_from", "unmarked", "finished") else 3)
+    if mode == "finished":  # a run that trained to its end, whose exit waits (inductor's compile workers)
+        exit_watch.arm_finished(timeout_s=1.0, rank=0)
+        print("done", flush=True)
+        sys.exit(0)
     error = RuntimeError("the run's error")
     if mode != "unmarked":
         exit_watch.arm(error, timeout_s=1.0, rank=1)
@@ -95,3 +99,13 @@ def test_every_rank_of_a_run_ended_by_a_non_oom_error_exits_though_its_exit_hang
     for rank in (0, 1):
         assert f"[automicro] rank {rank}: the process is still exiting 3 s after the run ended with" in out, (rank, out[-3000:])
     assert seconds < 150, seconds
+
+
+def test_a_finished_run_whose_exit_hangs_is_ended_with_exit_code_0_and_what_held_it():
+    """`automicro.train` (and `automicro.bound_exit()`) bound the exit of a run that finished: torch inductor's
+    compile-worker shutdown after a cold start held a finished run on an H200 past its launcher's limit."""
+    done, seconds = _python("finished", timeout_s=30)
+    assert done.returncode == 0 and done.stdout.strip() == "done" and seconds < 15, (done.returncode, seconds, done.stderr[-2000:])
+    [line] = [x for x in done.stderr.splitlines() if x.startswith("[automicro] rank 0: the process is still exiting 1 s")]
+    assert "after its run finished;" in line and "exit code 0" in line, line
+    assert "exit_that_waits" in done.stderr.split(line, 1)[1], done.stderr[-2000:]

@@ -15,6 +15,14 @@ alive then, it prints one line and every thread's stack, and ends the process wi
 A program that catches the error and goes on (a sweep, a notebook, the tests), or that exits
 cleanly after catching it, is left alone.
 
+A run that finished is bounded the same way where the program that owns the process says so
+(`arm_finished`: `automicro.train`, `automicro.foundry` and `automicro.bound_exit()` at the end of a user's
+script): once the main thread returned, the exit gets `timeout_s`; still alive then, the line names what
+holds it, every thread's stack follows, and the process ends with exit code 0 (the run itself finished).
+Measured on one H200 (torch 2.11, OLMo-2 1B compiled, a cold inductor cache): the run printed its last line
+and the process stayed up past its launcher's limit, inductor's compile-worker shutdown waiting at exit
+(pytorch/pytorch#162199); with a warm cache it exited at once.
+
 Owns: the mark, the watcher thread, the line. May not touch: torch, Composer, the ranks.
 """
 
@@ -34,18 +42,33 @@ _lock = threading.Lock()
 _watcher_pid: Optional[int] = None  # the process whose watcher runs (a forked child starts its own)
 _timeout_s = DEFAULT_TIMEOUT_S
 _rank: Optional[int] = None
+_finished_pid: Optional[int] = None  # the process whose run finished, its exit bounded (`arm_finished`)
 
 
 def arm(error: BaseException, timeout_s: float = DEFAULT_TIMEOUT_S, rank: Optional[int] = None) -> BaseException:
     """Mark `error` as ending the run and make sure the watcher runs; returns `error` (to raise)."""
-    global _watcher_pid, _timeout_s, _rank
     setattr(error, MARK, True)
+    _start(timeout_s, rank)
+    return error
+
+
+def arm_finished(timeout_s: float = DEFAULT_TIMEOUT_S, rank: Optional[int] = None) -> None:
+    """This process's run finished and its program is about to return: once the main thread returned, its exit
+    gets `timeout_s`, then what holds it is written and the process ends with exit code 0. Call it only from the
+    program that owns the process, after its last line (a caller that goes on after it would be ended once its
+    main thread ends and the exit takes longer than `timeout_s`)."""
+    global _finished_pid
+    _finished_pid = os.getpid()
+    _start(timeout_s, rank)
+
+
+def _start(timeout_s: float, rank: Optional[int]) -> None:
+    global _watcher_pid, _timeout_s, _rank
     with _lock:
         _timeout_s, _rank = float(timeout_s), rank
         if _watcher_pid != os.getpid():
             _watcher_pid = os.getpid()
             threading.Thread(target=_watch, name="automicro-exit-watch", daemon=True).start()
-    return error
 
 
 def ends_run(error: Optional[BaseException]) -> bool:
@@ -71,14 +94,17 @@ def _uncaught() -> Optional[BaseException]:
 def _watch() -> None:
     threading.main_thread().join()  # returns once the interpreter begins to shut down
     error = _uncaught()
-    if not ends_run(error):
+    finished = not ends_run(error) and error is None and _finished_pid == os.getpid()
+    if not ends_run(error) and not finished:
         return
     time.sleep(_timeout_s)
     who = "" if _rank is None else f"rank {_rank}: "
+    how = (f"the run ended with {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}" if not finished
+           else "its run finished")
     sys.stderr.write(
-        f"[automicro] {who}the process is still exiting {_timeout_s:g} s after the run ended with "
-        f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}; what holds it (every thread's "
-        "stack) follows; ending the process with exit code 1 (AutoMicrobatching(exit_timeout_s=...) sets the wait)\n"
+        f"[automicro] {who}the process is still exiting {_timeout_s:g} s after {how}; what holds it (every thread's "
+        f"stack) follows; ending the process with exit code {0 if finished else 1} (AutoMicrobatching(exit_timeout_s=...) "
+        "sets the wait)\n"
     )
     try:
         sys.stderr.flush()
@@ -86,7 +112,7 @@ def _watch() -> None:
         sys.stderr.flush()
     except Exception:  # noqa: BLE001 - a stderr without a file descriptor: the line was said
         pass
-    os._exit(1)
+    os._exit(0 if finished else 1)
 
 
-__all__ = ["arm", "ends_run", "DEFAULT_TIMEOUT_S"]
+__all__ = ["arm", "arm_finished", "ends_run", "DEFAULT_TIMEOUT_S"]
