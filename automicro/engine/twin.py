@@ -158,13 +158,15 @@ class UnshardedTwin:
         self.scope = "blocks"
 
     def compile_model(self) -> None:
-        """The compile scope trial on the twin: its whole forward compiled around its blocks, each block's graph kept
-        as it is (a call dynamo does not trace: `torch.compiler.disable`). The rest of the model (the embedding, the
-        head, the loss: the eager work a compile can fuse) compiles into its own graphs; the blocks are not compiled
-        again inside one graph of the whole model (60-70 s for a 1B model where a block took a few)."""
+        """The compile scope trial on the twin: its whole forward compiled, every block eager again (their graphs
+        kept for `back_to_blocks`, which then compiles nothing). Unsharded, nothing breaks the graph between the
+        blocks: dynamo traces the whole model into one graph (60-70 s for a 1B model on one H200 where a block
+        took a few; `automicro.batch.compile_scope` weighs that before it runs). A call the outer compile does not
+        trace (`torch.compiler.disable`) runs its nested compiled blocks eager on torch 2.7-2.15 (checked): no way
+        to keep the blocks' graphs inside."""
         assert self.compile_kwargs is not None and self.blocks
-        for (block, _), compiled in zip(self._eager, self._block_forwards):
-            block.forward = torch.compiler.disable(compiled)
+        for block, eager in self._eager:
+            block.forward = eager
         self.module.compile(**self.compile_kwargs)
         self.scope = "model"
 
