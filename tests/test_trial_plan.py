@@ -46,10 +46,14 @@ def test_a_gpu_batchs_kernels_are_placed_by_the_range_that_launched_them():
         _event("mystery_kernel", True, 520, 530, correlation=12345),  # nothing names it
         _event("FSDP::all_gather (layers.0)", True, 0, 600),  # the range shown on the device: not work
     ]
+    # The optimizer step's own gap (its kernels at 320-360 and 600-610, the device idle between): not a trial's.
+    events += [_event("cudaLaunchKernel", False, 390, 391, correlation=6), _event("multi_tensor_apply_kernel", True, 600, 610, correlation=6)]
+    events[2] = _event("Optimizer.step#AdamW.step", False, 300, 400)
     profile = figures(events, wall_s=0.001, device="cuda")
-    # Busy 20-60, 120-360 and 420-530 (the kernels' union, 390 us) between the first and the last kernel (510 us): the
-    # gaps at the clocked batch's ends are the clock's.
-    assert profile.idle_s == pytest.approx(120e-6)
+    # Busy 20-60, 120-360, 420-530 and 600-610 (the kernels' union) between the first and the last kernel: the gaps at
+    # the clocked batch's ends are the clock's. The optimizer step's own gaps (from its first kernel, 320, to its last,
+    # 610: 360-420 and 530-600) are the step's. What is left: 60-120.
+    assert profile.idle_s == pytest.approx(60e-6)
     assert profile.fsdp_s == pytest.approx(40e-6)
     assert profile.comm_s == pytest.approx(20e-6)
     assert profile.fusable_s == pytest.approx(30e-6)  # the elementwise kernel and the loss's, not the GEMM nor the optimizer

@@ -5,9 +5,9 @@ on a 1B model on one H200, and lost there on three families). Most trials change
 work is issued, so what they can win is bounded by what a batch already shows:
 
 - the device idle: between the batch's first and last kernel, the time the device was not busy (the union
-  of its kernels, copies and sets; on a CPU, the batch's wall time less the operators' time). Host overhead,
-  hooks, allocator retries and waits live there: no trial can win more than that and the device work it
-  removes;
+  of its kernels, copies and sets; on a CPU, the batch's wall time less the operators' time), less the gaps
+  inside the optimizer's step (no trial changes the step). Host overhead, hooks, allocator retries and waits
+  live there: no trial can win more than that and the device work it removes;
 - FSDP2's own device work: what runs inside FSDP2's ``FSDP::`` ranges (the all-gather copy-in and
   copy-out, the casts, the reduce-scatter's copies): the model unsharded on one rank and the layout trades
   remove at most that;
@@ -220,7 +220,7 @@ def figures(events: Sequence[Any], wall_s: float, device: str) -> BatchProfile:
         # device synchronized (the gaps at its ends are the clock's, which no trial can win, and no run without the
         # clock pays).
         extent = max(k.end_ns for k in kernels) - min(k.start_ns for k in kernels)
-        parts: dict[str, list[Interval]] = {"fsdp": [], "comm": [], "fusable": [], "unattributed": []}
+        parts: dict[str, list[Interval]] = {"fsdp": [], "comm": [], "fusable": [], "unattributed": [], "optimizer": []}
         lost: dict[str, int] = {}
         for k in kernels:
             span = (k.start_ns, k.end_ns)
@@ -234,12 +234,19 @@ def figures(events: Sequence[Any], wall_s: float, device: str) -> BatchProfile:
             elif fsdp.holds(anchor.thread, anchor.start_ns):
                 parts["fsdp"].append(span)
             elif optimizer.holds(anchor.thread, anchor.start_ns):
-                continue
+                parts["optimizer"].append(span)
             elif not compiled.holds(anchor.thread, anchor.start_ns) and not MATMUL.search(k.name):
                 parts["fusable"].append(span)
         seconds = {name: _length(spans) / 1e9 for name, spans in parts.items()}
         names = tuple(name[:60] for name, _ in sorted(lost.items(), key=lambda item: -item[1])[:3])
-        idle = max(0.0, (extent - busy) / 1e9)
+        # The optimizer step's own gaps (its many small kernels, launched from the host one after another) are not
+        # a trial's to win: the model unsharded, the layout trades, the scope and the size leave the step as it is.
+        steps = parts["optimizer"]
+        stepping = 0
+        if steps:
+            window = (min(a for a, _ in steps), max(b for _, b in steps))
+            stepping = window[1] - window[0] - _length(_within(((k.start_ns, k.end_ns) for k in kernels), [window]))
+        idle = max(0.0, (extent - busy - stepping) / 1e9)
     else:  # a CPU: the operators are the device work
         ops = [e for e in host if OPERATOR.match(e.name)]
         spans = [(e.start_ns, e.end_ns) for e in ops]
