@@ -52,7 +52,7 @@ TORCH_VERSION_FILES = {
     "test_control_sim.py", "test_engine.py", "test_sharding_choice.py",
     "test_fsdp_config.py", "test_hf_models.py", "test_hf_trainer.py", "test_install.py", "test_ledger.py", "test_lightning.py", "test_local_step.py", "test_model.py",
     "test_optimizer_memory.py", "test_packing.py", "test_pipeline.py", "test_pipeline_memory.py", "test_steady_state.py",
-    "test_testing_tools.py", "test_trainer.py",
+    "test_testing_tools.py", "test_trainer.py", "test_trial_plan.py", "test_watchdog.py",
 }
 # Not in the set though they run on FSDP2: test_floor_rule.py (the size-1 rule of the policy, over
 # paths test_steady_state and test_pipeline cover on every torch) and test_unsharded.py (no FSDP2;

@@ -89,6 +89,18 @@ GUARANTEES: dict[str, list[str]] = {
         "test_layout.py::test_the_faster_trade_is_kept_the_slower_not_and_parameters_equal_a_fixed_run",
         "test_layout.py::test_a_smaller_microbatch_timed_faster_is_kept_and_parameters_equal_a_fixed_run",
     ],
+    "measuring costs little: a trial runs only where a profiled batch says it can win, its price said": [
+        "test_trial_plan.py",
+        "test_sharding_choice.py::test_a_trial_a_batch_profile_rules_out_does_not_run_and_its_line_names_the_bound",
+        "test_sharding_choice.py::test_a_slow_path_in_fsdp2_is_measured_as_idle_and_the_twin_timed_and_kept",
+        "test_sharding_choice.py::test_the_scope_trial_reuses_the_one_rank_trials_times_and_goes_back_to_the_blocks_without_compiling",
+    ],
+    "a run that stops making progress says where and ends; SIGTERM ends it within seconds": [
+        "test_watchdog.py::test_a_stall_is_named_on_every_rank_with_its_stacks_and_ends_the_run",
+        "test_watchdog.py::test_sigterm_ends_a_process_whose_main_thread_is_blocked_in_a_collective",
+        "test_watchdog.py::test_a_long_legitimate_first_compile_is_not_ended",
+        "test_exit_watch.py::test_a_finished_run_whose_exit_hangs_is_ended_with_exit_code_0_and_what_held_it",
+    ],
     "the probe and a card not all ours": [
         "test_probe.py::test_one_and_four_ranks_probe_first_and_train_like_the_fixed_size",
         "test_probe.py::test_a_card_another_process_holds_converges_within_two_ooms",
