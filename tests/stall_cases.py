@@ -99,7 +99,10 @@ def run(rank: int, world: int, where: str, folder: str, report_s: Optional[float
 
         watchdog.SETTLED_REPORT_MIN_S, watchdog.SETTLED_REPORT_X, watchdog.SETTLED_END_MIN_S, watchdog.SETTLED_END_X = floors
     torch.manual_seed(0)
-    auto = AutoMicrobatching(log_attempts=False, stall_report_s=report_s, stall_end_s=end_s, signal_exit_s=signal_exit_s)
+    # A rank whose collective fails once the stalled one ended (gloo notices a closed peer on torch >= 2.8) exits
+    # within 2 s of its error.
+    auto = AutoMicrobatching(log_attempts=False, stall_report_s=report_s, stall_end_s=end_s, signal_exit_s=signal_exit_s,
+                             exit_timeout_s=2.0)
     callbacks: list[Any] = [auto]
     more: dict[str, Any] = {}
     if where == "forward":

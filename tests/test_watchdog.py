@@ -28,13 +28,18 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _stalled(where, tmp_path, **kwargs):
-    """Runs the case; every rank must be ended by its watchdog. Returns each rank's stderr and the seconds it took."""
+    """Runs the case; every rank must end: the stalled one (1) by its watchdog, the other by its own, or by the
+    error its collective raises once rank 1 ended (gloo notices a closed peer on torch >= 2.8; whichever limit
+    comes first is a race). Returns each rank's stderr, the seconds it took and rank 0's exit code."""
     began = time.monotonic()
     with pytest.raises(MultiprocessFailure) as failed:
         run_multiprocess(cases.run, world_size=2, args=(where, str(tmp_path)), kwargs=kwargs, timeout_s=120)
     took = time.monotonic() - began
-    assert failed.value.exitcodes == {0: wd.STALL_EXIT_CODE, 1: wd.STALL_EXIT_CODE}, (failed.value.exitcodes, failed.value.errors)
-    return [(tmp_path / f"rank{rank}.err").read_text() for rank in (0, 1)], took
+    codes = failed.value.exitcodes
+    assert codes.get(1) == wd.STALL_EXIT_CODE and codes.get(0) in (wd.STALL_EXIT_CODE, 1), (codes, failed.value.errors)
+    if codes[0] == 1:
+        assert "Connection closed by peer" in failed.value.errors.get(0, ""), failed.value.errors
+    return [(tmp_path / f"rank{rank}.err").read_text() for rank in (0, 1)], took, codes[0]
 
 
 def _lines(text, start):
@@ -50,15 +55,16 @@ def _lines(text, start):
     ("evaluation", ["a collective", "an evaluation"], ["an evaluation"]),
 ])
 def test_a_stall_is_named_on_every_rank_with_its_stacks_and_ends_the_run(where, rank0_in, rank1_in, tmp_path):
-    (rank0, rank1), took = _stalled(where, tmp_path)
+    (rank0, rank1), took, code0 = _stalled(where, tmp_path)
     for rank, text, places in ((0, rank0, rank0_in), (1, rank1, rank1_in)):
         [report] = _lines(text, f"[automicro] rank {rank}: no progress for ")
-        [end] = _lines(text, f"[automicro] rank {rank}: ending the run: no progress for ")
-        for line in (report, end):
+        ends = _lines(text, f"[automicro] rank {rank}: ending the run: no progress for ")
+        assert len(ends) == (1 if rank == 1 or code0 == wd.STALL_EXIT_CODE else 0), ends
+        for line in [report, *ends]:
             waits = line.split("the main thread is ", 1)[1]
             assert all(place in waits for place in places), (places, line)
+            assert "exit code" not in line or line.endswith(f"exit code {wd.STALL_EXIT_CODE}"), line
         assert "--- Thread MainThread (main) ---" in text and "--- Thread automicro-watchdog ---" in text, text[-3000:]
-        assert end.endswith(f"exit code {wd.STALL_EXIT_CODE}"), end
     assert "stall_cases.py" in rank1  # the stalled rank's own stack shows where it sleeps
     assert took < 90, took
 
@@ -66,7 +72,7 @@ def test_a_stall_is_named_on_every_rank_with_its_stacks_and_ends_the_run(where, 
 @pytest.mark.multiproc
 def test_by_default_a_settled_batch_that_stops_is_ended_after_what_batches_take(tmp_path, monkeypatch):
     """No limit set: a settled batch is bounded by the settled batches' median (the floors lowered for the test)."""
-    (rank0, rank1), _ = _stalled("forward", tmp_path, report_s=None, end_s=None, floors=(0.5, 10.0, 2.0, 50.0))
+    (rank0, rank1), _, _ = _stalled("forward", tmp_path, report_s=None, end_s=None, floors=(0.5, 10.0, 2.0, 50.0))
     for rank, text in ((0, rank0), (1, rank1)):
         [report] = _lines(text, f"[automicro] rank {rank}: no progress for ")
         assert "a settled batch takes " in report and "stalled in training batch" in report and "(settled)" in report, report
