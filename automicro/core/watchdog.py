@@ -151,7 +151,7 @@ class Watchdog:
         self._last = time.monotonic()
         self.armed = True
         with _LOCK:
-            if self._thread is None or not self._thread.is_alive():
+            if self._thread is None:
                 self._stop = threading.Event()
                 self._thread = threading.Thread(target=self._watch, name="automicro-watchdog", daemon=True)
                 self._thread.start()
@@ -210,7 +210,10 @@ class Watchdog:
             if not self.armed:
                 idle_since = idle_since or time.monotonic()
                 if time.monotonic() - idle_since > IDLE_EXIT_S:
-                    return
+                    with _LOCK:  # `arm` starts a new thread once this one is gone, never misses it going
+                        if not self.armed:
+                            self._thread = None
+                            return
                 continue
             idle_since = None
             last = self._last
@@ -237,9 +240,11 @@ class Watchdog:
     def close(self) -> None:
         self.armed = False
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=2.0)
-        self._thread = None
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=2.0)
+        with _LOCK:
+            self._thread = None
 
 
 class SignalExit:
