@@ -106,6 +106,7 @@ class TrialPlan:
         self.price: Optional[str] = None  # the price line once said (the summary repeats it)
         self.planned_batches: Optional[int] = None
         self.ruled_out: list[str] = []
+        self._tried = False  # a trial (or the profile) held a batch, or one was ruled out: there is a price to say
         # What a compile of the blocks costs, as measured so far (0: not measured); the training search sets it.
         self.block_compile_s: Callable[[], float] = lambda: 0.0
         # Tests replace it to give every rank the same profile without depending on the machine.
@@ -127,6 +128,7 @@ class TrialPlan:
         if self.final_at is not None and self.price is None:
             self._price()
         self.turn = self._choose(steady, configuration)
+        self._tried = self._tried or self.turn is not None or bool(self.ruled_out)
         if self.turn == PROFILE:
             if self._profiling == "clock":
                 self.clock.start()
@@ -239,6 +241,8 @@ class TrialPlan:
         """Once `SETTLED_BATCHES` batches ran after the last trial: the trials' window (from the first batch with
         the size settled to the last before `final_at`) against their median, agreed (the max over ranks)."""
         assert self.final_at is not None and self.first_steady is not None
+        if not self._tried:
+            return  # nothing was tried: nothing to price
         settled = [self.seconds[b] for b in range(self.final_at, self.final_at + SETTLED_BATCHES) if b in self.seconds]
         if len(settled) < SETTLED_BATCHES:
             return
