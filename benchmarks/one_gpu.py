@@ -85,7 +85,7 @@ def overrides(variant: str, args: argparse.Namespace, run_dir: str) -> list[str]
     common = [
         f"model.preset={args.preset}", "data.kind=synthetic", f"data.seq_len={args.seq}",
         f"global_train_batch_size={args.batch * args.nproc}",
-        f"max_duration={args.planned or batches_and_skip(variant, args)[0]}ba", f"run_dir={run_dir}",
+        f"max_duration={getattr(args, 'planned', 0) or batches_and_skip(variant, args)[0]}ba", f"run_dir={run_dir}",
         "loggers.console=false", "loggers.jsonl=true", "callbacks.speed_monitor.window_size=5",
     ]
     if args.dry_run:  # CPU: the suite's plumbing only
