@@ -114,8 +114,8 @@ def run(rank: int, world: int, where: str, folder: str, report_s: Optional[float
     elif where == "collective":  # before FSDP2's all-gather: the other rank goes into it alone
         callbacks.append(SleepIn(torch.distributed, "all_gather_into_tensor", stalled_rank, STALL_BATCH, seconds,
                                  marker=os.path.join(folder, f"rank{stalled_rank}.sleeping")))
-    elif where == "consensus":  # inside a consensus round: the other rank waits in its all-reduce
-        callbacks.append(SleepIn(lambda: auto.runtime.consensus, "agree_max", stalled_rank, STALL_BATCH, seconds))
+    elif where == "consensus":  # inside the end-of-attempt consensus round: the other rank waits in it
+        callbacks.append(SleepIn(lambda: auto.runtime.consensus, "finish", stalled_rank, STALL_BATCH, seconds))
     elif where == "checkpoint":
         from composer.utils import checkpoint
 
