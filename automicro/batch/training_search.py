@@ -220,7 +220,8 @@ class TrainingSearch:
         self._step = step
         packing = self._packing_choice()
         # One place decides which trial holds this batch (`trial_plan`): the size must have settled (last batch's
-        # verdict), and each trial runs alone; `ready(name)` asks again with this batch's own state below.
+        # verdict), and each trial runs alone; each trial below is given the batch only where the size is still
+        # settled after this batch's own checks (`_steady()` again: a new batch size, a layout trade undone).
         plan = self._trial_plan()
         planned = getattr(host, "planned_batches", None)
         plan.planned_batches = planned() if callable(planned) else None
