@@ -51,6 +51,7 @@ from automicro.core.sites import SiteDispatcher
 from automicro.data.varlen import TokenCounter
 from automicro.engine import local_step
 from automicro.engine.sharding import ShardedModel, adopt, sharded_of
+from automicro.engine.unsharded import UnshardedModel
 from automicro.batch.layout_trials import LayoutTrials
 from automicro.batch.runtime import Runtime
 from automicro.batch.settings import Settings
@@ -88,7 +89,8 @@ class AutoStep:
 
     Args:
         model: the model, sharded with torch's `fully_shard` (root included; blocks first, as
-            torchtitan does) or by `automicro.engine.shard`; or that `ShardedModel`.
+            torchtitan does) or by `automicro.engine.shard`; or that `ShardedModel`; or, on one
+            rank with no FSDP2, `automicro.engine.unsharded.unsharded(model, device)`.
         optimizer: an optimizer, or a list of them (each steps once per batch).
         loss_fn: ``(model, microbatch) -> loss``, the microbatch's mean loss (a tensor, or an output
             with ``.loss``); the microbatch is on the model's device. Default: ``model(**microbatch)``
@@ -108,6 +110,11 @@ class AutoStep:
             (`automicro.engine.local_step`; the model's ``local_optimizer_step`` setting).
         backward: ``backward(loss)`` for each microbatch's weighted loss (default ``loss.backward()``;
             a loop with a grad scaler passes its own, e.g. accelerate's ``accelerator.backward``).
+        own_backward: True where `loss_fn` runs the microbatch's backward itself on the microbatch's share
+            of the step's loss and returns that share (torchtitan's ``forward_backward_step``: summed over
+            the microbatch's tokens, divided by the global batch's valid tokens); AutoStep then neither
+            weights nor backwards it, and the loop's own reduction (torchtitan sums gradients over the
+            ranks) makes the step's gradients. `backward` must then be None.
         **settings: `AutoMicrobatching`'s keywords (`stable_batches`, `search`, `budget`,
             `start_size`, `layout`, `loss_normalization`, ...).
 
@@ -127,6 +134,7 @@ class AutoStep:
         sites: Optional[SiteDispatcher] = None,
         step_optimizer: bool = True,
         backward: Optional[Callable[[torch.Tensor], None]] = None,
+        own_backward: bool = False,
         **settings: Any,
     ) -> None:
         unknown = sorted(set(settings) - set(SETTINGS))
@@ -144,10 +152,12 @@ class AutoStep:
                              "the caller steps the optimizer and clips (leave max_grad_norm=None)")
         if backward is not None and not callable(backward):
             raise TypeError(f"AutoStep: backward={backward!r}: must be a callable backward(loss), or None for loss.backward()")
+        if own_backward and backward is not None:
+            raise ValueError("AutoStep: own_backward=True: the loss function runs the backward; leave backward=None")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"AutoStep: loss_fn={loss_fn!r}: must be a callable (model, microbatch) -> loss")
         self.settings = Settings.parse(**settings)
-        if isinstance(model, ShardedModel):
+        if isinstance(model, (ShardedModel, UnshardedModel)):
             self.sharded = model
         else:
             self.sharded = sharded_of(model) or adopt(model)
@@ -158,10 +168,11 @@ class AutoStep:
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self._grad_norm: Optional[float] = None
         self.step_optimizer = bool(step_optimizer)
-        if self.step_optimizer:  # AutoStep steps them: on local shards where the numbers are the same
+        if self.step_optimizer and self.sharded.config is not None:  # AutoStep steps them: on local shards where the numbers are the same
             for one in optimizers:
                 local_step.install(one, self.sharded.config.local_optimizer_step)
         self.backward = backward
+        self.own_backward = bool(own_backward)
         self.runtime = Runtime(self.settings)
         self.search = TrainingSearch(self.settings, self.runtime)
         rt = self.runtime
@@ -243,7 +254,7 @@ class AutoStep:
         host = TorchHost(
             self.model, self.optimizers, self.loss_fn, batch, self.batches, self.sharded.device, self._count,
             after_loss, self.checkpoint_folder, before_step=None if self.max_grad_norm is None else self._clip,
-            step_optimizer=self.step_optimizer, backward=self.backward,
+            step_optimizer=self.step_optimizer, backward=self.backward, own_backward=self.own_backward,
         )
         if host.flattened and self.settings.kind.tokens is not None:
             raise StepInputError(

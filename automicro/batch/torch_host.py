@@ -106,6 +106,7 @@ class TorchHost:
         before_step: Optional[Callable[[], None]] = None,
         step_optimizer: bool = True,
         backward: Optional[Callable[[torch.Tensor], None]] = None,
+        own_backward: bool = False,
     ) -> None:
         self.model, self._optimizers, self.loss_fn = model, list(optimizers), loss_fn
         self.batch, self.batch_index = batch, batch_index
@@ -113,6 +114,7 @@ class TorchHost:
         self.before_step = before_step
         self.step_optimizer = step_optimizer
         self.backward = backward
+        self.own_backward = own_backward
         # Once a batch: it reads position_ids (a sync on a GPU); None where the batch is not flattened.
         self._restarts = flattened.restarts(batch)
         self.flattened = self._restarts is not None
@@ -144,6 +146,10 @@ class TorchHost:
     ) -> None:
         for optimizer in self._optimizers:
             optimizer.zero_grad(set_to_none=True)
+        if self.own_backward:
+            self._run_own_backward(microbatches, total_loss_dict, before_microbatch)
+            end_of_attempt()
+            return
         counts = [self.count(mb) for mb in microbatches]
         total = torch.tensor([float(sum(counts))], dtype=torch.float64, device=self.device)
         all_reduce(total)
@@ -165,6 +171,20 @@ class TorchHost:
             loss_sum += scaled.detach().float()
             del loss, scaled
         end_of_attempt()
+
+    def _run_own_backward(
+        self, microbatches: Sequence[Any], total_loss_dict: dict[str, torch.Tensor], before_microbatch: Callable[[int], None],
+    ) -> None:
+        """The loss function runs each microbatch's forward and backward itself, on the microbatch's
+        share of the step's loss (torchtitan: its summed loss over the global batch's valid tokens),
+        and returns that share: nothing to weigh or to backward here."""
+        loss_sum = total_loss_dict["loss/train/total"]
+        for index, microbatch in enumerate(microbatches):
+            before_microbatch(index)
+            share = loss_tensor(self.loss_fn(self.model, to_device(microbatch, self.device)))
+            self.after_loss()
+            loss_sum += share.detach().float()
+            del share
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
         return list(self._optimizers)
