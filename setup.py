@@ -63,6 +63,9 @@ setup(
         "lightning": [
             "pytorch-lightning>=2.6,<2.7",  # automicro.lightning.AutoMicrobatch (manual optimization on AutoStep)
         ],
+        "torchtitan": [
+            "torchtitan==0.3.0",  # python -m automicro.torchtitan (needs torch >= 2.12: tested on 2.15)
+        ],
         # make docs: the site from docs/ (mkdocs.yml), the API reference read from the source.
         "docs": _requirements(os.path.join("requirements", "docs.txt")),
         "plot": [

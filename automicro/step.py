@@ -51,7 +51,6 @@ from automicro.core.sites import SiteDispatcher
 from automicro.data.varlen import TokenCounter
 from automicro.engine import local_step
 from automicro.engine.sharding import ShardedModel, adopt, sharded_of
-from automicro.engine.unsharded import UnshardedModel
 from automicro.batch.layout_trials import LayoutTrials
 from automicro.batch.runtime import Runtime
 from automicro.batch.settings import Settings
@@ -89,8 +88,7 @@ class AutoStep:
 
     Args:
         model: the model, sharded with torch's `fully_shard` (root included; blocks first, as
-            torchtitan does) or by `automicro.engine.shard`; or that `ShardedModel`; or, on one
-            rank with no FSDP2, `automicro.engine.unsharded.unsharded(model, device)`.
+            torchtitan does) or by `automicro.engine.shard`; or that `ShardedModel`.
         optimizer: an optimizer, or a list of them (each steps once per batch).
         loss_fn: ``(model, microbatch) -> loss``, the microbatch's mean loss (a tensor, or an output
             with ``.loss``); the microbatch is on the model's device. Default: ``model(**microbatch)``
@@ -157,7 +155,7 @@ class AutoStep:
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"AutoStep: loss_fn={loss_fn!r}: must be a callable (model, microbatch) -> loss")
         self.settings = Settings.parse(**settings)
-        if isinstance(model, (ShardedModel, UnshardedModel)):
+        if isinstance(model, ShardedModel):
             self.sharded = model
         else:
             self.sharded = sharded_of(model) or adopt(model)
@@ -168,7 +166,7 @@ class AutoStep:
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self._grad_norm: Optional[float] = None
         self.step_optimizer = bool(step_optimizer)
-        if self.step_optimizer and self.sharded.config is not None:  # AutoStep steps them: on local shards where the numbers are the same
+        if self.step_optimizer:  # AutoStep steps them: on local shards where the numbers are the same
             for one in optimizers:
                 local_step.install(one, self.sharded.config.local_optimizer_step)
         self.backward = backward

@@ -57,7 +57,6 @@ except ImportError as error:  # pragma: no cover - the extra is not installed
         "automicro.torchtitan needs torchtitan 0.3.0 on torch >= 2.12: pip install 'automicro[torchtitan]'"
     ) from error
 
-from automicro.engine.unsharded import unsharded
 from automicro.step import SETTINGS, AutoStep, StepResult
 from automicro.torchtitan import _torchtitan_internals as internals
 
@@ -111,7 +110,10 @@ def refusals(config: Any) -> list[str]:
             "without converters, or set training.local_batch_size by hand"
         )
     if config.training.enable_cpu_offload:
-        out.append("training.enable_cpu_offload: auto measures device memory; offloaded runs are not supported")
+        out.append(
+            "training.enable_cpu_offload: auto measures device memory, which offloading moves to the host; set "
+            "--training.no-enable_cpu_offload, or set training.local_batch_size by hand"
+        )
     return out
 
 
@@ -239,27 +241,23 @@ class AutoTrainer(Trainer):
 
     def _start(self) -> AutoStep:
         model = self.model_parts[0]
-        handle: Any = model
         from torch.distributed.fsdp import FSDPModule
 
-        if not isinstance(model, FSDPModule):
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                raise TorchtitanConfigError(
-                    "automicro.torchtitan: the model is not sharded with FSDP2 on several ranks; auto guards FSDP2: "
-                    "leave parallelism.data_parallel_shard_degree at -1"
-                )
-            handle = unsharded(model, self.device)  # one rank: torchtitan trains the model unsharded
+        if not isinstance(model, FSDPModule):  # torchtitan 0.3.0 shards every language model, one rank included
+            raise TorchtitanConfigError(
+                f"automicro.torchtitan: the model reached training as {type(model).__name__}, not sharded with FSDP2; "
+                "auto guards FSDP2: leave parallelism.data_parallel_shard_degree at -1"
+            )
         settings = {k: v for k, v in self._settings.items() if k not in STEP_KEYWORDS}
         auto = AutoStep(
-            handle, self.optimizers, self._microbatch, step_optimizer=False, own_backward=True,
+            model, self.optimizers, self._microbatch, step_optimizer=False, own_backward=True,
             checkpoint_folder=self.config.dump_folder, memory=self._settings.get("memory"),
             sites=self._settings.get("sites"), **settings,
         )
         if self._resume_state is not None:
             auto.load_state_dict(self._resume_state)
             self._resume_state = None
-        auto.open()
-        return auto
+        return auto  # `step` opens it (the sync hooks, the ledger) at the first batch
 
     @property
     def auto(self) -> AutoStep:
@@ -360,8 +358,9 @@ class AutoTrainer(Trainer):
                 log.warning("automicro: the checkpoint has no automicro state: the microbatch search starts again")
             return
         if self._auto is not None:
-            raise RuntimeError("AutoTrainer: a checkpoint loaded after the first step")
-        self._resume_state = saved
+            self._auto.load_state_dict(saved)  # made early (tests arm fault sites on it); refused after a step
+        else:
+            self._resume_state = saved
 
     # ---- validation at the size in use ---------------------------------------------------------------
 
