@@ -18,9 +18,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "automicro"
-FRAMEWORKS = ("composer", "transformers", "lightning", "pytorch_lightning", "accelerate", "llmfoundry")
+FRAMEWORKS = ("composer", "transformers", "lightning", "pytorch_lightning", "accelerate", "llmfoundry", "torchtitan")
 # The loop-neutral floors, bottom up, and what each may not import from automicro (what stands above it).
-ABOVE_NEUTRAL = ("automicro.composer", "automicro.hf", "automicro.lightning", "automicro.foundry", "automicro.config",
+ABOVE_NEUTRAL = ("automicro.composer", "automicro.hf", "automicro.lightning", "automicro.torchtitan", "automicro.foundry", "automicro.config",
                  "automicro.testing", "automicro.integration", "automicro.train", "automicro.models")
 FLOORS = {
     "core": ABOVE_NEUTRAL + ("automicro.engine", "automicro.batch", "automicro.data", "automicro.step"),
