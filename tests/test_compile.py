@@ -284,3 +284,31 @@ def test_blocks_compiled_dynamic_in_the_batch_take_any_batch_size_and_stay_stati
     compiled.recompile(None)
     assert not compiled.batch_dynamic
     assert [run(4), run(4), run(6), run(9)] == [1, 0, 1, 0]  # static at 4, automatic dynamic from 6
+
+
+def test_a_module_compiled_with_its_hooks_gets_its_forward_compiled_and_its_hooks_left_eager():
+    """torchtitan compiles each block with `nn.Module.compile` (hooks traced, fullgraph); a sync hook that
+    reads a value breaks that graph. `compile_forwards_not_hooks` compiles the same forward, hooks eager."""
+    import torch
+
+    from automicro.engine import _torch_internals as internals
+
+    def build():
+        torch.manual_seed(0)
+        root = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        seen = []
+        # Branching on a value, as a consensus round does on its result.
+        root[0].register_forward_hook(lambda m, i, o: seen.append(1) if bool(o.sum() > -1e9) else None)
+        for block in root:
+            block.compile(backend="eager", fullgraph=True)
+        return root, seen
+
+    x = torch.randn(3, 4)
+    traced, _ = build()
+    with pytest.raises(Exception):
+        traced(x)  # the hook's branch on a value cannot be traced into a full graph
+    eager = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    root, seen = build()
+    eager.load_state_dict(root.state_dict())
+    assert internals.compile_forwards_not_hooks(root, backend="eager", fullgraph=True) == 2
+    assert torch.allclose(root(x), eager(x)) and len(seen) == 1

@@ -144,11 +144,12 @@ def run(rank: int, world_size: int, folder: str, case: str) -> dict[str, Any]:
             # A new job on the search's folder, resumed from its step-3 checkpoint, to step 6.
             return _auto(argv(assets, os.path.join(folder, "search"), 6, *global_batch, *ckpt, "--checkpoint.load_step", "3"),
                          (FaultInjector("forward", ranks=[1], above=4),), stable_batches=2)
+        compiled = ["--compile.enable", "--compile.backend", "aot_eager"]  # torchtitan's block and loss compile
         if case == "one_rank":
-            args = argv(assets, os.path.join(folder, "one"), 3, "--training.global_batch_size", "3")
+            args = argv(assets, os.path.join(folder, "one"), 3, "--training.global_batch_size", "3", *compiled)
             return _auto(args, (FaultInjector("forward", above=1),), stable_batches=1)
         if case == "one_rank_reference":
-            args = argv(assets, os.path.join(folder, "one_ref"), 3, "--training.global_batch_size", "3")
+            args = argv(assets, os.path.join(folder, "one_ref"), 3, "--training.global_batch_size", "3", *compiled)
             return _fixed(args, 1)
     except Exception as error:  # noqa: BLE001 - the test prints it
         return {"error": _error(error)}

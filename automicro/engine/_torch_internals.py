@@ -1170,3 +1170,26 @@ def unsharded_param_bytes(modules: list[FSDPModule]) -> tuple[int, int, int]:
             local = local.to_local() if hasattr(local, "to_local") else local  # a DTensor: this rank's shard
             sharded += local.numel() * orig.itemsize
     return params, grads, sharded
+
+
+# --------------------------------------------------------------------------------------------
+# Module-level compile (`nn.Module.compile`; checked on torch 2.15.0, where torchtitan 0.3.0 runs)
+# --------------------------------------------------------------------------------------------
+# `nn.Module.compile` compiles the module's `_call_impl`, its hooks with it (torchtitan compiles each
+# block so, fullgraph). automicro's sync hooks sit on those blocks and run a consensus round (a
+# collective and a read of its result): traced, they break a fullgraph compile. Compiling the
+# block's `forward` in place instead (what `automicro.engine.compile` does for its own blocks)
+# leaves the hooks, FSDP2's and automicro's, eager around the same compiled code.
+
+
+def compile_forwards_not_hooks(root: torch.nn.Module, **options: Any) -> int:
+    """Every module under `root` compiled with `nn.Module.compile` gets its `forward` compiled in
+    place with `options` instead (`torch.compile`'s keywords); returns how many."""
+    moved = 0
+    for module in root.modules():
+        if getattr(module, "_compiled_call_impl", None) is None:
+            continue
+        module._compiled_call_impl = None
+        module.forward = torch.compile(module.forward, **options)
+        moved += 1
+    return moved

@@ -26,8 +26,8 @@ less the eval ones), e.g. ``--automicro.stable_batches 4``.
 Where torchtitan and ``auto`` disagree (`refusals`): pipeline parallel (its microbatches are the
 schedule's), context, tensor and expert parallel, DDP without sharding, quantized linears (float8,
 MXFP8, NVFP4) are refused at start with what to set; CUDA graphs are turned off (a graph is
-captured for one microbatch shape, which the search changes); compiled model and loss run (each
-new microbatch shape compiles once).
+captured for one microbatch shape, which the search changes); a compiled model and loss run (each
+block's forward compiled, the hooks eager around it; each new microbatch shape compiles once).
 
 Owns: torchtitan's side of the seam (arguments, the step, checkpoint state, metrics, validation's
 batch). May not touch: the search and the batch's attempts (`AutoStep`); torchtitan privates outside
@@ -57,6 +57,7 @@ except ImportError as error:  # pragma: no cover - the extra is not installed
         "automicro.torchtitan needs torchtitan 0.3.0 on torch >= 2.12: pip install 'automicro[torchtitan]'"
     ) from error
 
+from automicro.engine import _torch_internals as torch_internals
 from automicro.step import SETTINGS, AutoStep, StepResult
 from automicro.torchtitan import _torchtitan_internals as internals
 
@@ -230,6 +231,13 @@ class AutoTrainer(Trainer):
         if validate:
             self.validator = _LateValidator(self)
         internals.sum_reduction_on_gloo(self.model_parts)
+        if config.compile.enable and "model" in config.compile.components:
+            # torchtitan compiles each block with `nn.Module.compile` (its hooks traced, fullgraph); automicro's
+            # sync hooks on those blocks must run eager: the same blocks' forwards compiled instead.
+            moved = torch_internals.compile_forwards_not_hooks(
+                self.model_parts[0], backend=config.compile.backend, fullgraph=True
+            )
+            log.info("automicro: %d compiled blocks: their forward compiled, the module hooks left eager", moved)
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
         if rank0:
             log.info(
