@@ -45,6 +45,10 @@ def test_a_search_where_one_rank_runs_out_then_a_late_oom_train_like_torchtitan_
         assert "error" not in reference, cases.describe(reference)
         assert run["ntokens_seen"] == reference["ntokens_seen"] == 6 * cases.BATCH * cases.SEQ
         assert run["metrics"]["automicro/found_size"] == 4
+        # torchtitan's metrics carry the automicro/* keys beside its own, every step.
+        assert len(run["logged"]) == 6 and run["logged"][-1]["automicro/found_size"] == 4, run["logged"]
+        # torchtitan's validation ran at the microbatch size in use at step 1, at steps 1 and 6.
+        assert run["validation"] == {"batch": 4, "runs": 2}, run["validation"]
         assert cases.max_error(run["params"], reference["params"]) <= TOLERANCE, rank
 
 

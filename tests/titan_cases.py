@@ -83,6 +83,14 @@ def _auto(args: list[str], injectors: tuple = (), stop_at: Optional[int] = None,
                         "loss": float(r.loss)})
 
     trainer.train_step = recorded
+    logged: list[dict[str, Any]] = []
+    log_once = trainer.metrics_processor.log
+
+    def log(step: int, *args: Any, extra_metrics: Optional[dict[str, Any]] = None, **kwargs: Any) -> Any:
+        logged.append({k: v for k, v in (extra_metrics or {}).items() if k.startswith("automicro/")})
+        return log_once(step, *args, extra_metrics=extra_metrics, **kwargs)
+
+    trainer.metrics_processor.log = log
     if stop_at is not None:
         trainer.should_continue_training = lambda: trainer.step < stop_at
     auto = trainer.auto
@@ -95,7 +103,9 @@ def _auto(args: list[str], injectors: tuple = (), stop_at: Optional[int] = None,
         out = {"results": results, "history": history, "params": full_state(trainer.model_parts[0]),
                "metrics": {k: v for k, v in auto.metrics().items() if isinstance(v, (int, float))},
                "state": json.loads(state["automicro"]), "step": trainer.step, "ntokens_seen": trainer.ntokens_seen,
-               "batch": trainer.config.training.local_batch_size}
+               "batch": trainer.config.training.local_batch_size, "logged": logged,
+               "validation": ({"batch": trainer.validator.batch, "runs": trainer.validator.runs}
+                              if trainer.config.validator.enable else None)}
     finally:
         for injector in injectors:
             injector.close_hooks()
@@ -134,8 +144,12 @@ def run(rank: int, world_size: int, folder: str, case: str) -> dict[str, Any]:
         if case == "search":
             # Only rank 1 runs out (above 4 samples a microbatch) while searching; then an OOM on it in backward
             # at batch 4, after the hooks came off (stable_batches 2: hooks off from batch 3). torchtitan's DCP
-            # checkpoints at steps 3 and 6 (the search's state in its train_state).
-            return _auto(argv(assets, os.path.join(folder, "search"), 6, *global_batch, *ckpt),
+            # checkpoints at steps 3 and 6 (the search's state in its train_state); torchtitan's validation at
+            # steps 1 and 6 (a validation guards the batches after it with the hooks on again).
+            validation = ["--validator.enable", "--validator.freq", "6", "--validator.steps", "2",
+                          "--validator.dataloader.dataset", "c4_test", "--validator.dataloader.dataset_path",
+                          os.path.join(assets, "data")]
+            return _auto(argv(assets, os.path.join(folder, "search"), 6, *global_batch, *ckpt, *validation),
                          (FaultInjector("forward", ranks=[1], above=4),
                           FaultInjector("backward", ranks=[1], batch=4, times=1)), stable_batches=2)
         if case == "reference":

@@ -384,6 +384,8 @@ class _LateValidator:
     def __init__(self, trainer: AutoTrainer) -> None:
         self._trainer = trainer
         self._built: Any = None
+        self.batch: Optional[int] = None  # the samples a rank validates at (set at the first validation)
+        self.runs = 0
 
     def should_validate(self, step: int) -> bool:
         freq = self._trainer.config.validator.freq
@@ -392,13 +394,14 @@ class _LateValidator:
     def validate(self, model_parts: list[torch.nn.Module], step: int) -> Any:
         trainer = self._trainer
         if self._built is None:
-            size = trainer.validation_batch()
+            size = self.batch = trainer.validation_batch()
             self._built = internals.build_validator(trainer, size)
             if dist.is_initialized() and dist.get_rank() == 0:
                 log.info("automicro: validation at %d samples a rank (the microbatch size in use at step %d)", size, step)
         auto = trainer._auto
         if auto is not None:
             auto.layout.suspend()
+        self.runs += 1
         try:
             return self._built.validate(model_parts, step)
         finally:
