@@ -151,3 +151,24 @@ def test_a_token_budget_and_unknown_settings_are_refused():
         AutoTrainer(_config(), {"budget": "tokens"})
     with pytest.raises(TypeError, match="unknown automicro setting"):
         AutoTrainer(_config(), {"stable_batch": 2})
+
+
+@pytest.mark.multiproc
+def test_the_module_runs_under_torchrun_with_one_key_changed(tmp_path):
+    """`torchrun -m automicro.torchtitan` with torchtitan's own arguments and `--training.local_batch_size auto`:
+    the run trains, says each rank's batch, finds the size and exits 0."""
+    import os
+    import sys
+
+    from tests.launch import python_path, run
+
+    assets = cases.make_assets(str(tmp_path / "assets"))
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", "automicro.torchtitan",
+        *cases.argv(assets, str(tmp_path / "out"), 2, "--training.global_batch_size", "2"),
+        "--training.local_batch_size", "auto", "--automicro.stable_batches", "1",
+    ]
+    done = run(command, 240, env={**os.environ, "PYTHONPATH": python_path(), "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert "each rank trains 2 samples a step (training.global_batch_size 2 / 1 ranks" in done.stdout, done.stdout[-4000:]
+    assert "microbatch size found: 2" in done.stdout, done.stdout[-4000:]

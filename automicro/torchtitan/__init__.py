@@ -57,6 +57,7 @@ except ImportError as error:  # pragma: no cover - the extra is not installed
         "automicro.torchtitan needs torchtitan 0.3.0 on torch >= 2.12: pip install 'automicro[torchtitan]'"
     ) from error
 
+from automicro.core import exit_watch
 from automicro.engine import _torch_internals as torch_internals
 from automicro.step import SETTINGS, AutoStep, StepResult
 from automicro.torchtitan import _torchtitan_internals as internals
@@ -410,6 +411,11 @@ class _LateValidator:
                 auto.search.rearm("eval")
 
 
+def settings_of(trainer: Trainer) -> dict[str, Any]:
+    """The automicro settings a trainer runs with (none for torchtitan's own `Trainer`)."""
+    return dict(getattr(trainer, "_settings", {}) or {})
+
+
 def build(argv: Optional[Sequence[str]] = None, **automicro: Any) -> Trainer:
     """The trainer for torchtitan's command line `argv` (``--module``, ``--config``, overrides): an
     `AutoTrainer` with ``--training.local_batch_size auto``, else torchtitan's own `Trainer`."""
@@ -438,8 +444,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             trainer.close()
         raise
     trainer.close()
+    rank = dist.get_rank() if dist.is_initialized() else 0
     if dist.is_initialized():
         dist.destroy_process_group()
+    # Once main returns, the process gets the settings' exit_timeout_s to exit (a compiled run's exit can hang:
+    # pytorch/pytorch#162199); what holds it is written and the process ends with code 0.
+    exit_watch.arm_finished(float(settings_of(trainer).get("exit_timeout_s", exit_watch.DEFAULT_TIMEOUT_S)), rank)
 
 
 __all__ = ["AutoTrainer", "TorchtitanConfigError", "build", "main", "per_rank_batch", "refusals", "split_arguments"]
