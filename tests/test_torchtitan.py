@@ -110,10 +110,15 @@ def test_the_command_line_takes_auto_and_the_settings_and_leaves_the_rest_to_tor
 
 
 def test_each_ranks_batch_of_a_step_is_the_global_batch_over_the_ranks_or_the_configs_own():
-    from automicro.torchtitan import TorchtitanConfigError, per_rank_batch
+    from automicro.torchtitan import TorchtitanConfigError, per_rank_batch, refusals
 
     assert per_rank_batch(_config("--training.global_batch_size", "64"), 8)[0] == 8
     assert per_rank_batch(_config(), 8)[0] == 8  # llama3_debugmodel's local_batch_size 8, no global batch
+    # A real size from torchtitan's zoo, as its registry has it: accepted, one sample a rank a step until a global
+    # batch is set (the run says so), the global batch over the ranks then.
+    real = _config(name="llama3_8b")
+    assert refusals(real) == [] and per_rank_batch(real, 8)[0] == 1
+    assert per_rank_batch(_config("--training.global_batch_size", "256", name="llama3_8b"), 8)[0] == 32
     with pytest.raises(TorchtitanConfigError, match="not a multiple of the data-parallel degree 8"):
         per_rank_batch(_config("--training.global_batch_size", "60"), 8)
 

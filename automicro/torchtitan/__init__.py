@@ -240,6 +240,11 @@ class AutoTrainer(Trainer):
             )
             log.info("automicro: %d compiled blocks: their forward compiled, the module hooks left eager", moved)
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        if rank0 and batch == 1:
+            log.warning(
+                "automicro: each rank's batch of a step is 1 sample (%s): there is no microbatch to find; set "
+                "training.global_batch_size to the batch you want each step (a multiple of %d ranks)", source, world,
+            )
         if rank0:
             log.info(
                 "automicro: training.local_batch_size auto: each rank trains %d samples a step (%s; global batch %d); "
