@@ -177,3 +177,13 @@ def test_the_module_runs_under_torchrun_with_one_key_changed(tmp_path):
     assert done.returncode == 0, done.stdout[-4000:]
     assert "each rank trains 2 samples a step (training.global_batch_size 2 / 1 ranks" in done.stdout, done.stdout[-4000:]
     assert "microbatch size found: 2" in done.stdout, done.stdout[-4000:]
+
+
+def test_another_torchtitan_version_is_refused_with_the_one_to_install(monkeypatch):
+    import torchtitan
+
+    from automicro.torchtitan import AutoTrainer
+
+    monkeypatch.setattr(torchtitan, "__version__", "0.2.1")
+    with pytest.raises(RuntimeError, match=r"torchtitan 0.2.1 is installed; automicro supports torchtitan 0.3.0"):
+        AutoTrainer(_config())
