@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 try:
     from torchtitan.components.loss import IGNORE_INDEX
+    from torchtitan.components.validate import BaseValidator
     from torchtitan.config import ConfigManager
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.trainer import Trainer
@@ -387,15 +388,15 @@ class _LateValidator:
     """torchtitan's validator, built at its first use at the microbatch size then in use (torchtitan
     validates at ``local_batch_size``; under `auto` that is found in the run)."""
 
+    # torchtitan's own rule (it reads `self.config.freq`), before its validator exists.
+    should_validate = BaseValidator.should_validate
+
     def __init__(self, trainer: AutoTrainer) -> None:
         self._trainer = trainer
+        self.config = trainer.config.validator
         self._built: Any = None
         self.batch: Optional[int] = None  # the samples a rank validates at (set at the first validation)
         self.runs = 0
-
-    def should_validate(self, step: int) -> bool:
-        freq = self._trainer.config.validator.freq
-        return step == 1 or step % freq == 0
 
     def validate(self, model_parts: list[torch.nn.Module], step: int) -> Any:
         trainer = self._trainer
