@@ -125,6 +125,10 @@ class SampleBatches:
         """(`automicro/budget_tokens`, `automicro/padding_waste`)."""
         return 0, None
 
+    def padding_share(self) -> float:
+        """The share of the trained tokens that were padding (what packed rows or a smaller budget can save)."""
+        return self.metric_figures()[1] or 0.0
+
     def state_dict(self) -> Optional[dict[str, Any]]:
         return None
 

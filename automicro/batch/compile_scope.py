@@ -35,7 +35,6 @@ from typing import Any, Optional, Protocol
 
 import torch
 
-from automicro.batch.batch_profile import SCOPE
 from automicro.batch.trial_timing import BatchClock, enough, judged, timed_arm
 from automicro.engine.compile import CompiledBlocks
 
@@ -57,6 +56,7 @@ class ScopeChoice:
     `off` where it does not apply. A trial of the plan ("scope")."""
 
     name = "scope"
+    profiled = True
     waits_for = ("one_rank",)
 
     def __init__(
@@ -95,24 +95,22 @@ class ScopeChoice:
         """The scope is being timed (its batches must not be another trial's)."""
         return self.state in ("warming", "timing_blocks", "compiling", "timing_model")
 
-    def bound_kind(self) -> Optional[str]:
-        return SCOPE
+    @property
+    def label(self) -> Optional[str]:
+        return self.name if self.running else None
+
+    def candidates(self) -> list[tuple[str, str, dict[str, float]]]:
+        """The whole model compiled, for whichever runs on: FSDP2's blocks, or the unsharded twin (every block inlined
+        into one graph: its compile grows with the blocks, `trial_price`)."""
+        name, _ = self.target()
+        return [(self.name, "scope", {"unsharded": float(name == "unsharded")})]
 
     def rule_out(self, why: str) -> None:
         self.state = "blocks"
         self.info(f"compile: each block stays compiled, the whole model not timed: {why}")
 
-    def projected_cost_s(self, block_compile_s: float) -> tuple[float, str]:
-        """The least the whole model's compile costs, projected from a compile of the blocks (one graph they share):
-        under FSDP2 its hooks break the graph at every block and dynamo compiles about one block's worth (12-18 s
-        against 3-5 s measured on one H200); unsharded every block is inlined into one graph and inductor's time
-        grows with it (62 s for Qwen2.5-0.5B's 24 layers against 2.9 s for its blocks, 70 s for TinyLlama's 22
-        against 2.7 s): half the blocks' count times a block's compile, a projection kept low on purpose."""
-        name, _ = self.target()
-        if name == "unsharded":
-            blocks = len(self.compiled.blocks) if self.compiled is not None else 0
-            return 0.5 * blocks * block_compile_s, f"the whole model unsharded compiled as one graph of {blocks} blocks"
-        return block_compile_s, "the whole model compiled"
+    def outcome(self) -> str:
+        return {"model": "the whole model kept", "blocks": "each block kept"}.get(self.state, self.state)
 
     def projection(self) -> str:
         return f"a whole-model compile and up to {2 * self.batches} timed batches"

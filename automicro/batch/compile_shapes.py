@@ -58,10 +58,12 @@ ARMS = ("search", "static", "batch")
 class StaticShapes:
     """Asked before and after each batch that the training search runs (`before_batch`,
     `after_batch`); states: waiting -> timing_search -> compiling -> timing_static -> static, or
-    -> compiling -> timing_batch -> batch | static; `off` where it does not apply. A trial of the plan
-    (`automicro.batch.trial_plan`, "static"), not bounded by a profile: it changes the kernels themselves."""
+    -> compiling -> timing_batch -> batch | static; `off` where it does not apply or its price rules it out. A
+    trial of the plan (`automicro.batch.trial_plan`, "static"), priced without a profile: it changes the kernels
+    themselves."""
 
     name = "static"
+    profiled = False
 
     def __init__(
         self, compiled: Optional[CompiledBlocks], consensus: Any, info: Callable[[str], None], device: torch.device,
@@ -98,11 +100,23 @@ class StaticShapes:
     def running(self) -> bool:
         return not self.done and self.state != "waiting"
 
-    def bound_kind(self) -> Optional[str]:
-        return None
+    @property
+    def label(self) -> Optional[str]:
+        return self.name if self.running else None
+
+    def candidates(self) -> list[tuple[str, str, dict[str, float]]]:
+        return [(self.name, "static", {})]
 
     def rule_out(self, why: str) -> None:
-        raise AssertionError("the static recompile is not bounded by a profile")
+        self.state = "off"
+        self.info(f"compile: the blocks stay as the search compiled them, not compiled again at the settled size: {why}")
+
+    def outcome(self) -> str:
+        if self.state == "static":
+            return "compiled again, static: kept"
+        if self.state == "batch":
+            return "compiled again, dynamic in the batch: kept"
+        return "not compiled again" if self.state == "off" else self.state
 
     def projection(self) -> str:
         return f"a compile of the blocks and up to {2 * self.batches} timed batches (one more compile and {self.batches} where the search's graphs win)"

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 from automicro.core.consensus import Consensus
-from automicro.core.layout import BOUND_KINDS, SIZE_FRACTIONS, TRADES, UPSIZE, LayoutConfig, LayoutSearch, describe
+from automicro.core.layout import GRAD_SYNC_ONCE, SIZE_FRACTIONS, TRADES, UPSIZE, LayoutConfig, LayoutSearch, Priced, describe
 from automicro.core.policy import SAFETY_MARGIN, predict_max_size
 from automicro.engine.layout import LayoutEngine
 from automicro.engine.sharding import ShardedModel
@@ -27,6 +27,7 @@ class LayoutTrials:
     the plan (`automicro.batch.trial_plan`, "layout": the trades and the size trials, one at a time)."""
 
     name = "layout"
+    profiled = True
 
     def __init__(
         self,
@@ -76,13 +77,15 @@ class LayoutTrials:
         # Turns each measured batch time into the one judged (the identity). Tests replace it to
         # make a trade look faster or slower without depending on the machine's timing.
         self.timing: Callable[[tuple[str, ...], float], float] = lambda layout, seconds: seconds
-        # Why a trial of a kind cannot win beyond the rule, by the plan's batch profile (None: it may); the
-        # training search sets it.
-        self.bounded: Callable[[str], Optional[str]] = lambda kind: None
+        # A trial's price, asked before it starts (`automicro.batch.trial_plan.TrialPlan.admit`: None where it runs);
+        # the training search sets it.
+        self.priced: Priced = lambda label, kind, facts: None
+        self.order: Callable[[list[str]], list[str]] = list  # the untried trades in the order they are tried
+        self._outcome = ""  # what the last trial decided (its cost line's and the dashboards' words)
+        self._one_microbatch = False
         self._quiet: Optional[tuple[Any, ...]] = None  # where given the batch and nothing was left to try
         self._key: tuple[Any, ...] = ()
         self.started_now = False  # a trial started with the batch in progress
-        self._token_sizes = False  # the size trials are a token budget's (not bounded: padding is device work)
         self.held_off = False  # the model runs unsharded for good (`sharding_choice`): FSDP2's trades change nothing
         if self.engine is not None:
             self._apply(self.search.settled)
@@ -103,12 +106,21 @@ class LayoutTrials:
     def running(self) -> bool:
         return self.trial_running
 
-    def bound_kind(self) -> Optional[str]:
-        """"trade" where every trade still to try is an FSDP2 trade (bounded by a profile), else None."""
+    @property
+    def label(self) -> Optional[str]:
+        """The running trial's label (`automicro.core.layout.Trial.label`), None when none runs."""
+        trial = None if self.engine is None else self.search.trial
+        return None if trial is None else trial.label
+
+    def candidates(self) -> list[tuple[str, str, dict[str, float]]]:
+        """The trades still to try at this size and layout (the downsize, upsize and size trials are priced as they
+        come: their sizes are chosen then)."""
         if self.engine is None:
-            return None
-        untried = self.search._untried()
-        return "trade" if all(BOUND_KINDS.get(t) for t in untried) and not self._token_sizes else None
+            return []
+        return [(t, t, {}) for t in self.search._untried() if not (t == GRAD_SYNC_ONCE and self._one_microbatch)]
+
+    def outcome(self) -> str:
+        return self._outcome
 
     def rule_out(self, why: str) -> None:
         self._quiet = self._key
@@ -137,7 +149,7 @@ class LayoutTrials:
         found: Optional[int] = None, peak_at: Optional[Callable[[int], Optional[tuple[int, int]]]] = None,
         measure_split: Optional[tuple[int, ...]] = None, largest_at: Optional[Callable[[int], int]] = None,
         capacity_read: int = 0, outside_bytes: int = 0, size_fractions: tuple[float, ...] = SIZE_FRACTIONS,
-        size_unit: str = "samples", microbatches: int = 0,
+        size_unit: str = "samples", microbatches: int = 0, count_at: Optional[Callable[[int], int]] = None,
     ) -> None:
         """Choose and apply the next batch's layout; start the clock during a trial. `size`: the
         next batch's largest microbatch (a trade that did not fit at a larger one may be tried
@@ -151,7 +163,8 @@ class LayoutTrials:
         (`take_undone` then gives the size policy the size found without it). `outside_bytes`: the most
         another process holds on any rank's device (agreed; 0: no card shared): no upsize trial then.
         `microbatches`: how many the settled split runs (0: unknown): with one, gradients are reduced once per
-        batch already and ``grad_sync_once`` is not tried (again once the microbatch is smaller)."""
+        batch already and ``grad_sync_once`` is not tried (again once the microbatch is smaller). `count_at(n)`: the
+        microbatches of the split a size found of `n` runs (a size trial's price)."""
         if self.engine is None:
             return
         engine = self.engine
@@ -202,7 +215,7 @@ class LayoutTrials:
             return None
 
         self._key = (found, self.search.settled, size)
-        self._token_sizes = size_unit == "tokens" and self.config.size_trials
+        self._one_microbatch = microbatches == 1
         measure_at = None
         if measure_split and found is not None and capacity_bytes:
             measure_at = min(measure_split)
@@ -211,8 +224,8 @@ class LayoutTrials:
         started = self.search.trial
         layout, lines = self.search.layout_for_batch(
             steady, fits, size, found, smaller, measure_at, largest_at, capacity_bytes,
-            sum(measure_split) if measure_split else None, outside_bytes, size_fractions, size_unit, self.bounded,
-            one_microbatch=microbatches == 1,
+            sum(measure_split) if measure_split else None, outside_bytes, size_fractions, size_unit, self.priced,
+            one_microbatch=microbatches == 1, count_at=count_at, microbatches=microbatches, order=self.order,
         )
         trial = self.search.trial
         self.started_now = trial is not None and trial is not started
@@ -260,6 +273,8 @@ class LayoutTrials:
         if attempts == 1:
             self.search.observe(self.layout, self.timing(self.layout, seconds / (weight or 1.0)))
         trial = self.search.measuring
+        if trial is not None:
+            self._outcome = "measured"
         if trial is not None and trial.trades[0] in UPSIZE:
             self._info(self._measured_upsize(sorted(peaks_by_size)))
             self._apply(self.search.settled)
@@ -285,6 +300,7 @@ class LayoutTrials:
             self._consensus, [trial.on, trial.off], self.config.trial_batches, self.config.min_gain,
         ):
             result = self.search.decide(agreed_times(self._consensus, self.search.local_times()), self._capacity_read)
+            self._outcome = "kept" if result.kept else "not kept"
             self._info(result.line())
             if result.kept and result.size is not None:
                 self.adopted = result.size
@@ -330,8 +346,11 @@ class LayoutTrials:
         says which) and return it, or None when the layout has nothing left to give."""
         if self.engine is None:
             return None
+        running = self.search.trial is not None
         undone = self.search.relieve(self.layout, why, size, self._capacity)
         self._timing = False
+        if running:
+            self._outcome = f"ended: {why}"
         if undone is not None:
             self._apply(self.search.settled)
             self._info(f"layout: undid {undone} ({why}); layout now: {describe(self.layout)}")

@@ -46,9 +46,11 @@ MIN_GAIN = 0.01
 
 class PackingChoice:
     """States: waiting (for the budget to settle) -> trial (alternating) -> packed | padded. A trial of the plan
-    (`automicro.batch.trial_plan`, "packing"), not bounded by a profile: padding is device work."""
+    (`automicro.batch.trial_plan`, "packing"), priced without a profile (from the padding's share): padding is
+    device work."""
 
     name = "packing"
+    profiled = False
 
     def __init__(
         self, tokens: TokenBudget, consensus: Any, info: Callable[[str], None], device: torch.device,
@@ -77,11 +79,20 @@ class PackingChoice:
     def running(self) -> bool:
         return self.trialing
 
-    def bound_kind(self) -> Optional[str]:
-        return None
+    @property
+    def label(self) -> Optional[str]:
+        return self.name if self.running else None
+
+    def candidates(self) -> list[tuple[str, str, dict[str, float]]]:
+        return [(self.name, "packing", {})]
 
     def rule_out(self, why: str) -> None:
-        raise AssertionError("packing is not bounded by a profile")
+        self.state = "padded"
+        self.tokens.packing = False
+        self.info(f"packing: padded batches kept, packed rows not timed: {why}")
+
+    def outcome(self) -> str:
+        return {"packed": "packed rows kept", "padded": "padded batches kept"}.get(self.state, self.state)
 
     def projection(self) -> str:
         done = sum(len(t) for t in self.times.values())

@@ -47,8 +47,11 @@ class Settings:
     # The job-level share of batches a steady-state OOM may rerun; the settled size keeps the headroom it
     # takes at the run's world size (`core.headroom`). 0: the size found stays.
     rerun_target: float = DEFAULT_RERUN_TARGET
-    # A batch profile bounds what a trial can win; a trial it rules out does not run (`batch.trial_plan`).
+    # Every trial is priced before it runs and runs only where it pays (`batch.trial_plan`); false: every trial
+    # runs, unpriced (tests, measurements).
     bound_trials: bool = True
+    # False: no trial at all (the size search and nothing else: a short fine-tune).
+    trials: bool = True
     # A run that stops making progress (`core.watchdog`): the report and the end (None: what a batch should cost),
     # and how long a SIGTERM or SIGINT gives the process.
     stall_report_s: Optional[float] = None
@@ -86,6 +89,7 @@ class Settings:
         stall_report_s: Optional[float] = None,
         stall_end_s: Optional[float] = None,
         signal_exit_s: float = 30.0,
+        trials: bool = True,
     ) -> "Settings":
         # None: the probe on a GPU, the whole batch on CPU (resolved at attach, as the layout).
         start = _start(start_size, search, use_prediction, budget)
@@ -159,9 +163,29 @@ class Settings:
             )
         if not isinstance(bound_trials, bool):
             raise ValueError(
-                f"bound_trials={bound_trials!r}: must be true (a profiled batch bounds what each trial can win; a trial "
-                "that cannot win beyond its rule for keeping does not run) or false (every trial runs)"
+                f"bound_trials={bound_trials!r}: must be true (each trial is priced before it runs and runs only where "
+                "it pays) or false (every trial runs, unpriced)"
             )
+        if not isinstance(trials, bool):
+            raise ValueError(
+                f"trials={trials!r}: must be true (once the size settles, trials that pay for themselves may change how "
+                "the batch runs) or false (the size search and nothing else)"
+            )
+        if not trials:
+            if layout == "auto":
+                raise ValueError(
+                    "layout='auto' runs the layout trials and trials=false turns every trial off: drop layout (the "
+                    "engine's own layout then stays), pin a list of trades, or drop trials=false"
+                )
+            if packing == "auto":
+                raise ValueError(
+                    "packing='auto' times packed rows against padded batches and trials=false turns every trial off: "
+                    "pin packing (true or false) or drop trials=false"
+                )
+            if layout is None:
+                layout = "fixed"
+            if packing is None and budget == "tokens":
+                packing = False
         for key, value in (("stall_report_s", stall_report_s), ("stall_end_s", stall_end_s)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
                 raise ValueError(
@@ -198,6 +222,7 @@ class Settings:
             exit_timeout_s=float(exit_timeout_s),
             rerun_target=float(rerun_target),
             bound_trials=bound_trials,
+            trials=trials,
             stall_report_s=None if stall_report_s is None else float(stall_report_s),
             stall_end_s=None if stall_end_s is None else float(stall_end_s),
             signal_exit_s=float(signal_exit_s),

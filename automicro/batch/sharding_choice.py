@@ -49,7 +49,6 @@ from typing import Any, Optional
 
 import torch
 
-from automicro.batch.batch_profile import UNSHARDED
 from automicro.batch.trial_timing import BatchClock, enough, judged
 from automicro.engine.twin import UnshardedTwin
 
@@ -67,6 +66,7 @@ class ShardingChoice:
     or decides it without running it (`rule_out`)."""
 
     name = "one_rank"
+    profiled = True
 
     def __init__(
         self, twin: Optional[UnshardedTwin], consensus: Any, info: Callable[[str], None], device: torch.device,
@@ -80,6 +80,8 @@ class ShardingChoice:
         self.state = "waiting" if twin is not None and why_not is None else "off"
         if twin is not None and why_not is not None:
             info(f"one rank: FSDP2 kept ({why_not}); the model unsharded is not timed against it")
+            self.twin = None
+            release()
         self.idle = 0
         self.split: Optional[tuple[int, ...]] = None
         self.arm = "unsharded"  # the arm of the batch in progress
@@ -103,18 +105,24 @@ class ShardingChoice:
     def running(self) -> bool:
         return self.timing_now
 
-    def bound_kind(self) -> Optional[str]:
-        return UNSHARDED  # the twin removes FSDP2's host time and its own device work, nothing else
+    @property
+    def label(self) -> Optional[str]:
+        return self.name if self.running else None
+
+    def candidates(self) -> list[tuple[str, str, dict[str, float]]]:
+        # The twin's first batch compiles where compile is on and not done yet: its blocks (one graph), or the whole
+        # model unsharded as one graph (every block inlined: a graph's compile per block).
+        twin = self.twin
+        compiles = twin is not None and twin.compile_kwargs is not None and not twin.compiled
+        graphs = 1.0 if twin is None or twin.scope == "blocks" else float(max(1, len(getattr(twin, "blocks", ()) or ())))
+        return [(self.name, "one_rank", {"compiles": float(compiles), "graphs": graphs})]
 
     def rule_out(self, why: str) -> None:
         self._keep_fsdp2()
         self.info(f"one rank: FSDP2 kept, the model unsharded not timed: {why}")
 
-    def projected_cost_s(self, block_compile_s: float) -> tuple[float, str]:
-        """The least this trial costs before it can keep anything: the twin's first batch compiles one block graph."""
-        if self.twin is None or self.twin.compile_kwargs is None or self.twin.compiled or self.twin.scope != "blocks":
-            return 0.0, ""
-        return block_compile_s, "a compile of the blocks"
+    def outcome(self) -> str:
+        return {"unsharded": "the model unsharded kept", "sharded": "FSDP2 kept"}.get(self.state, self.state)
 
     def projection(self) -> str:
         if self.state == "waiting":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import statistics
 import traceback
 from typing import Any, Optional, TypeVar
 
@@ -32,6 +33,7 @@ from automicro.core.metrics import AttemptRecord, BatchFigures, history_from_sta
 from automicro.core.optimizer_memory import pending_state_bytes
 from automicro.core.policy import HookReason
 from automicro.core.thrash import ThrashDetector
+from automicro.engine.compile import compile_seconds, compiled_graphs
 from automicro.batch.batch_host import BatchHost
 from automicro.batch.batch_step import BatchStep
 from automicro.batch.compile_scope import ScopeChoice
@@ -174,6 +176,15 @@ class TrainingSearch:
             capacity_bytes=self.last_capacity,
         )
 
+    def trial_metrics(self) -> dict[str, float]:
+        """`automicro/trial` and `automicro/trials_s` of the batch that just trained (`TrialPlan.metrics`)."""
+        return {} if self.plan is None else self.plan.metrics()
+
+    def trial_traces(self) -> list[dict[str, Any]]:
+        """One `automicro/trial` trace per trial that ended since the last call: its label, kind, batches, outcome,
+        real and predicted cost."""
+        return [] if self.plan is None else [{"automicro/trial": record} for record in self.plan.take_records()]
+
     def summary_line(self, per_rank_batch: Optional[int] = None) -> Optional[str]:
         """What the search found, for the console at the end of a run (None before any batch)."""
         if self.policy is None:
@@ -181,7 +192,8 @@ class TrainingSearch:
         tail = f"attempts {len(self.history)}, OOMs {self.ooms_total}; sync hooks {'on' if self.runtime.hooks_active else 'off'}"
         layout = "" if self.layout is None or self.layout.engine is None else f"; layout: {self.layout.describe()}"
         if self.sharding_choice is not None and self.sharding_choice.state in ("unsharded", "sharded"):
-            tail += f"; one rank: {'the model unsharded' if self.sharding_choice.state == 'unsharded' else 'FSDP2'} (measured)"
+            how = "measured" if self.sharding_choice.result is not None else "not timed"
+            tail += f"; one rank: {'the model unsharded' if self.sharding_choice.state == 'unsharded' else 'FSDP2'} ({how})"
         if self.plan is not None and self.plan.summary():
             tail += f"; {self.plan.summary()}"
         return self.kind.summary(self.policy, per_rank_batch, layout, self.used_split, tail)
@@ -249,6 +261,7 @@ class TrainingSearch:
             *self.kind.layout_figures(self.policy, self._peak_at, self.config.probes),
             capacity_read=self.last_capacity or 0, outside_bytes=self._last_outside, size_fractions=self.kind.size_fractions,
             size_unit=self.config.unit, microbatches=len(self.policy.current_split()) if self.config.unit == "samples" else 0,
+            count_at=(lambda n: len(self.policy.split_for(n))) if self.config.unit == "samples" else None,
         )
         undone = self.layout.take_undone()
         if undone is not None:
@@ -261,6 +274,9 @@ class TrainingSearch:
         static.before_batch(turn == "static" and steady, settled_split)
         scope.before_batch(turn == "scope" and steady, settled_split)
         step.twin = sharding.before_batch(turn == "one_rank" and steady, settled_split, self.kind.stable_at(self.policy))
+        # What holds this batch, now that the trials have started theirs (a layout trade's or size trial's own label).
+        trial = {"layout": self.layout}.get(turn or "") or next((t for t in plan.trials if t.name == turn), None)
+        plan.hold(None if trial is None else trial.label, turn)
         self._plan_steady = steady
         batch_index = step.batch_index
         while True:
@@ -371,13 +387,15 @@ class TrainingSearch:
         sharding = self._sharding_choice()
         was = sharding.state
         sharding.after_batch(step.attempts, tuple(self.policy.current_split()), self.kind.batch_weight())
+        self.layout.held_off = sharding.blocks_layout  # before the plan asks what is pending next
         if was == "trial" and sharding.state in ("unsharded", "sharded"):
             # Its times of the configuration that won are the compile scope's "each block" arm while nothing changes.
             self._reuse = (tuple(self.policy.current_split()), sharding.decided_times[sharding.state], self._configuration(False))
         packing = self._packing_choice()
         if packing is not None and self.kind.tokens is not None and self.kind.tokens.plan is not None:
             packing.after_batch(step.attempts, self.kind.batch_weight(), self.kind.tokens.plan.most_real)
-        self._trial_plan().after_batch(step.attempts if self._plan_steady else 0, self.layout.started_now)
+        self._trial_plan().after_batch(step.attempts if self._plan_steady else 0, self.layout.started_now,
+                                       retried=self.batch_retries, split=sizes)
         return attempt.total_loss_dict
 
     # ---- the trials' plan ------------------------------------------------------------------------
@@ -407,9 +425,10 @@ class TrainingSearch:
             assert rt.sharded is not None and rt.consensus is not None and self.layout is not None
             trials = [self._static_shapes(), self._packing_choice(), self._sharding_choice(), self._compile_scope(), self.layout]
             self.plan = TrialPlan([t for t in trials if t is not None], rt.consensus, rt.info, rt.sharded.device,
-                                  bound=rt.settings.bound_trials)
+                                  bound=rt.settings.bound_trials, enabled=rt.settings.trials)
             layout, plan = self.layout, self.plan
-            layout.bounded = lambda kind: None if plan.profile is None else plan.profile.rules_out(kind, layout.min_gain)
+            layout.priced = lambda label, kind, facts: plan.admit(label, kind, layout.min_gain, **facts)
+            layout.order = plan.by_value
             scope, sharding = self._compile_scope(), self._sharding_choice()
 
             def target() -> tuple[str, Any]:
@@ -424,12 +443,20 @@ class TrainingSearch:
                 return self._reuse[1]
 
             scope.target, scope.reusable = target, reusable
-            plan.block_compile_s = self._block_compile_s
+            compiled = getattr(rt.sharded, "compiled", None)
+            plan.split_now = lambda: tuple(self.policy.current_split()) if self.policy is not None else ()
+            plan.compile_s = self._graph_compile_s
+            plan.blocks = lambda: 0 if compiled is None else len(compiled.blocks)
+            plan.graphs = compiled_graphs if compiled is not None or getattr(rt.sharded, "twin", None) is not None else (lambda: 0)
+            plan.padding_share = self.kind.padding_share
         return self.plan
 
-    def _block_compile_s(self) -> float:
-        """What a compile of the blocks cost, as measured so far: the static recompile's compile batch, or the twin's
-        first batch, less a batch (the profile's); 0 where neither ran."""
+    def _graph_compile_s(self) -> float:
+        """One graph's compile, as timed in this run: dynamo's own timings of its compiles (the median), else the static
+        recompile's compile batch or the twin's first batch, less a settled batch; 0 where nothing compiled."""
+        timed = compile_seconds()
+        if timed:
+            return statistics.median(timed)
         plan = self.plan
         wall = plan.profile.wall_s if plan is not None and plan.profile is not None else 0.0
         measured = [s - wall for s in (
@@ -467,7 +494,7 @@ class TrainingSearch:
             sharded = rt.sharded
             self.sharding_choice = ShardingChoice(
                 getattr(sharded, "twin", None), rt.consensus, rt.info, sharded.device,
-                release=lambda: setattr(sharded, "twin", None),
+                why_not=None if rt.settings.trials else "trials: false", release=lambda: setattr(sharded, "twin", None),
             )
         if self._one_rank_state is not None:
             self.sharding_choice.load_state_dict(self._one_rank_state)
@@ -480,7 +507,9 @@ class TrainingSearch:
             rt = self.runtime
             compiled = getattr(rt.sharded, "compiled", None)
             why_not = None
-            if compiled is not None and compiled.config.dynamic is not None:
+            if not rt.settings.trials:
+                why_not = "trials: false"
+            elif compiled is not None and compiled.config.dynamic is not None:
                 why_not = f"compile.dynamic={str(compiled.config.dynamic).lower()} is set"
             elif compiled is not None and self.kind.tokens is not None:
                 why_not = "a token budget gives every microbatch its own shape"
@@ -493,6 +522,7 @@ class TrainingSearch:
         if self.compile_scope is None:
             rt = self.runtime
             why_not = "a token budget gives every microbatch its own shape" if self.kind.tokens is not None else None
+            why_not = why_not if rt.settings.trials else "trials: false"
             assert rt.sharded is not None and rt.consensus is not None
             self.compile_scope = ScopeChoice(getattr(rt.sharded, "compiled", None), rt.consensus, rt.info, rt.sharded.device, why_not)
         return self.compile_scope

@@ -111,8 +111,11 @@ class AutoMicrobatching(Callback):
         rerun_target: The share of the batches a steady-state OOM may rerun over the whole job (0.01:
             1%); the size settled on keeps the headroom below the size found that this takes at the
             run's world size, from the spread of the settling batches' peaks; 0 keeps the size found.
-        bound_trials: Profile one batch once the size settles and run only the trials it says can win
-            beyond their rule for keeping (each one ruled out says the bound); false: every trial runs.
+        trials: Once the size settles, time other ways of running the same batch and keep the faster (the
+            blocks compiled again, packed rows, the model unsharded on one GPU, the layout trades, smaller
+            microbatches), each priced before it runs from what the run measured and run only where it pays, all
+            within 1% of the run's planned seconds; false: the size search and nothing else (a short fine-tune).
+        bound_trials: Price each trial before it runs (false: every trial runs, unpriced: for measuring a trial).
         stall_report_s: Seconds without progress after which every thread's stack and what automicro was
             doing are written (null: from what a settled batch takes, generous for a batch that searches,
             compiles or runs a trial, an evaluation or a checkpoint save).
@@ -158,13 +161,14 @@ class AutoMicrobatching(Callback):
         stall_report_s: Optional[float] = None,
         stall_end_s: Optional[float] = None,
         signal_exit_s: float = 30.0,
+        trials: bool = True,
     ) -> None:
         self.settings = Settings.parse(
             stable_batches, thrash_batches, search, use_prediction, start_size, cpu_sync_group, memory_fraction,
             log_attempts, unguarded_timeout_s, sync_points, consensus_transport, steady_recovery, budget,
             fixed_tokens, eval_oom, layout, layout_trial_batches, layout_min_gain, layout_size_trials,
             loss_normalization, label_shift, packing, exit_timeout_s, rerun_target, bound_trials, stall_report_s,
-            stall_end_s, signal_exit_s,
+            stall_end_s, signal_exit_s, trials,
         )
         self.runtime = Runtime(self.settings)
         self.search = TrainingSearch(self.settings, self.runtime)
@@ -429,9 +433,10 @@ class AutoMicrobatching(Callback):
         figures = self.search.batch_figures()
         if figures is None:
             return
-        logger.log_metrics({**batch_metrics(figures, self.history), **(self.layout.metrics() if self.layout else {})})
+        logger.log_metrics({**batch_metrics(figures, self.history), **(self.layout.metrics() if self.layout else {}),
+                            **self.search.trial_metrics()})
         # Composer moves the timestamp to the next batch before BATCH_END.
-        for trace in event_traces(self.history, int(state.timestamp.batch) - 1):
+        for trace in event_traces(self.history, int(state.timestamp.batch) - 1) + self.search.trial_traces():
             logger.log_traces(trace)
 
     # ---- checkpoints -------------------------------------------------------------------------

@@ -114,9 +114,9 @@ class AutomicroWandBLogger(WandBLogger):
         if wandb.run is None:
             return
         for key, value in traces.items():
-            if key == "automicro/event":
-                events = list(wandb.run.summary.get("automicro/events", []) or []) + [value]
-                wandb.run.summary["automicro/events"] = events
+            if key in ("automicro/event", "automicro/trial"):
+                plural = key + "s"
+                wandb.run.summary[plural] = list(wandb.run.summary.get(plural, []) or []) + [value]
             else:
                 wandb.run.summary[key] = value
 

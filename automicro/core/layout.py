@@ -112,9 +112,9 @@ DESCRIPTIONS = {
     RECOMPUTE: "activation checkpointing on",
 }
 MODES = ("auto", "fixed")
-# What a batch's profile bounds for each trade (`automicro.batch.batch_profile`): the FSDP2 trades save FSDP2's
-# own work, collectives and host time at most; checkpointing on or off changes the device work (not bounded).
-BOUND_KINDS = {GRAD_SYNC_ONCE: "trade", NO_RESHARD: "trade"}
+# A trial's price (`automicro.batch.trial_price`), asked before it starts: ``priced(label, kind, facts)`` returns why
+# it does not pay (it does not run), or None (it runs; its cost is committed).
+Priced = Callable[[str, str, dict[str, float]], Optional[str]]
 # The name of a size trial's result (`TrialResult.trade`): no trade, a smaller microbatch.
 SIZE_TRIAL = "smaller_microbatch"
 # The microbatches a size trial tries, as shares of the largest microbatch at the size found, in
@@ -208,6 +208,15 @@ class Trial:
     @property
     def trade(self) -> str:
         return "+".join(self.trades) if self.trades else SIZE_TRIAL
+
+    @property
+    def label(self) -> str:
+        """What the trial is called in its price's and cost's lines: the trade(s), where it runs them, or the size."""
+        if self.sized:
+            return f"{'budget' if self.unit == 'tokens' else 'size'} {self.size}"
+        if self.measure:
+            return f"{self.trade} measured"
+        return self.trade if self.size is None else f"{self.trade} at {self.size}"
 
     @property
     def sized(self) -> bool:
@@ -318,9 +327,9 @@ class LayoutSearch:
         # For a trade in UPSIZE kept by its trial: the capacity it was kept under and the size found
         # without it. Where the capacity grows past that, it is undone (`reconsider`).
         self.kept_under: dict[str, tuple[int, int]] = {}
-        # For a trade a batch's profile ruled out (it could not win beyond the rule): the size found it was
-        # ruled out at (tried again from another; not checkpointed: a resumed run profiles again).
-        self.bounded_at: dict[str, Optional[int]] = {}
+        # For a trade its price ruled out (not worth its cost): the size found it was ruled out at (priced again
+        # from another; not checkpointed: a resumed run prices again).
+        self.priced_out_at: dict[str, Optional[int]] = {}
         self._found: Optional[int] = None
 
     @property
@@ -347,8 +356,8 @@ class LayoutSearch:
 
     def _untried(self) -> list[str]:
         slower = {t for t, bases in self.slower_on.items() if self.settled in bases}
-        bounded = {t for t, at in self.bounded_at.items() if at == self._found}
-        done = set(self.kept) | set(self.rejected) | slower | set(UPSIZE) | bounded
+        priced_out = {t for t, at in self.priced_out_at.items() if at == self._found}
+        done = set(self.kept) | set(self.rejected) | slower | set(UPSIZE) | priced_out
         return [t for t in self.candidates if t not in done]
 
     def _readmit(self, size: Optional[int]) -> list[str]:
@@ -531,7 +540,9 @@ class LayoutSearch:
         measure_at: Optional[int] = None, largest_at: Optional[Callable[[int], int]] = None,
         capacity: int = 0, whole_batch: Optional[int] = None, outside: int = 0,
         size_fractions: Sequence[float] = SIZE_FRACTIONS, size_unit: str = "samples",
-        bounded: Optional[Callable[[str], Optional[str]]] = None, one_microbatch: bool = False,
+        priced: Optional[Priced] = None, one_microbatch: bool = False,
+        count_at: Optional[Callable[[int], int]] = None, microbatches: int = 0,
+        order: Optional[Callable[[list[str]], list[str]]] = None,
     ) -> tuple[tuple[str, ...], list[str]]:
         """The layout of the next batch, and a console line for each trade passed over and for a
         trial that starts. `fits(trade)` returns None when the trade's projected bytes fit (or
@@ -546,22 +557,27 @@ class LayoutSearch:
         (None: unknown), `outside`: the most another process holds on any rank's device (0: none),
         all for the upsize trial (`_upsize`); `size_fractions`: the shares of the largest microbatch
         the size trials try (`_smaller`), `size_unit` what their sizes count ("samples", "tokens").
-        `bounded(kind)`: why a trial of that kind ("trade", "smaller": `automicro.batch.batch_profile`) cannot win
-        beyond the rule for keeping it, by a batch's profile, or None; a trial it rules out does not run at this
-        size found (one line names the bound). `one_microbatch`: the settled split is one microbatch, whose
-        gradients are reduced once per batch already: ``grad_sync_once`` is not tried at this size found."""
+        `priced(label, kind, facts)`: asked before any trial starts (`automicro.batch.trial_price`): why it does not
+        pay, or None (it runs); a trial it rules out does not run at this size found (one line names its price).
+        `one_microbatch`: the settled split is one microbatch, whose gradients are reduced once per batch already:
+        ``grad_sync_once`` is not tried at this size found. `count_at(n)`: the microbatches of the split a size found
+        of `n` runs; `microbatches`: the settled split's (a token budget's size trials are priced from it).
+        `order(trades)`: the untried trades in the order they are tried (default `TRADES`'; the plan's: the best
+        expected value first)."""
         lines: list[str] = []
-        bounded = bounded or (lambda kind: None)
+        priced = priced or (lambda label, kind, facts: None)
         self._found = found
         if self.searching and steady and self.trial is None:
             lines += self._readmit(size)
-            for trade in self._untried():
+            for trade in (order or list)(self._untried()):
                 problem = fits(trade)
-                why = bounded(BOUND_KINDS[trade]) if problem is None and BOUND_KINDS.get(trade) else None
+                why = None
                 if trade == GRAD_SYNC_ONCE and one_microbatch:
                     why = "the batch runs in one microbatch: its gradients are reduced once per batch already"
+                elif problem is None:
+                    why = priced(trade, trade, {})
                 if why is not None:
-                    self.bounded_at[trade] = found
+                    self.priced_out_at[trade] = found
                     lines.append(f"layout trade {trade} ({DESCRIPTIONS[trade]}) not tried: {why}")
                     continue
                 if problem is None:
@@ -574,18 +590,26 @@ class LayoutSearch:
                 together = tuple(t for t in TRADES if t in self.near.get(self.settled, ()) and t not in self.rejected)
                 joint = "+".join(together)
                 if len(together) > 1 and self.settled not in self.slower_on.get(joint, []):
-                    problem = fits(joint)
+                    problem = fits(joint) or priced(joint, "together", {"trades": joint})  # type: ignore[dict-item]
                     if problem is None:
                         self.trial = Trial(together)
                         lines.append(f"{self.trial.heading()}: {self.config.trial_batches} batches with them, as many without")
                     else:
                         self.slower_on.setdefault(joint, []).append(self.settled)
-                        for trade in together:
-                            self._reject_for_memory(trade, f"with {joint}: {problem}", size)
+                        if fits(joint) is not None:
+                            for trade in together:
+                                self._reject_for_memory(trade, f"with {joint}: {problem}", size)
                         lines.append(f"layout trades {joint} not tried together: {problem}")
             if self.trial is None:
                 self.trial = self._downsize(size, found, smaller, measure_at)
-                why = bounded("trade") if self.trial is not None and not self.trial.measure else None
+                why = None
+                if self.trial is not None:
+                    trial = self.trial
+                    if trial.measure:
+                        why = priced(trial.label, trial.trades[0], {})
+                    else:
+                        facts = {"trades": trial.trade, "microbatches": float(count_at(trial.size) if count_at and trial.size else microbatches)}
+                        why = priced(trial.label, "downsize", facts)  # type: ignore[arg-type]
                 if why is not None:
                     assert found is not None and self.trial is not None
                     lines.append(f"{self.trial.heading()}: not tried: {why}")
@@ -604,13 +628,30 @@ class LayoutSearch:
             if self.trial is None:
                 self.trial, more = self._upsize(found, measure_at, largest_at, capacity, whole_batch, outside)
                 lines += more
+                if self.trial is not None:
+                    trial = self.trial
+                    count = 1 if trial.measure else (count_at(trial.size) if count_at and trial.size else 1)
+                    why = priced(trial.label, "upsize", {"microbatches": float(count)})
+                    if why is not None:
+                        lines.append(f"{trial.heading()}: not tried: {why}")
+                        if found is not None and found not in self.upsized_from:
+                            self.upsized_from.append(found)
+                        self.trial = None
             if self.trial is None:
                 self.trial = self._smaller(found, largest_at, size_fractions, size_unit)
-                why = bounded("smaller") if self.trial is not None and size_unit == "samples" else None
+                why = None
+                if self.trial is not None:
+                    trial = self.trial
+                    if size_unit == "samples":
+                        count = count_at(trial.size) if count_at and trial.size else microbatches
+                        why = priced(trial.label, "smaller", {"microbatches": float(count)})
+                    elif found and trial.size:
+                        fraction = trial.size / found
+                        why = priced(trial.label, "smaller", {"fraction": fraction})
                 if why is not None:
                     assert self.trial is not None and largest_at is not None and found is not None
-                    lines.append(f"size trials below microbatch {found} not run (a smaller microbatch of fixed-length samples does "
-                                 f"the same device work in more launches): {why}")
+                    unit = "microbatch" if size_unit == "samples" else "budget"
+                    lines.append(f"size trials below {unit} {found} not run: {why}")
                     self._no_smaller, self.trial = (found, largest_at(found)), None
                 if self.trial is not None:
                     lines.append(

@@ -236,4 +236,12 @@ def compiled_graphs() -> int:
     return internals.compiled_graph_count()
 
 
-__all__ = ["CompileConfig", "CompileConfigError", "CompiledBlocks", "SCOPES", "MODES", "compile_blocks", "compiled_graphs"]
+def compile_seconds() -> list[float]:
+    """The seconds each graph dynamo compiled in this process took (its own timings; empty where not kept)."""
+    from automicro.engine import _torch_internals as internals
+
+    return internals.compile_seconds()
+
+
+__all__ = ["CompileConfig", "CompileConfigError", "CompiledBlocks", "SCOPES", "MODES", "compile_blocks", "compile_seconds",
+           "compiled_graphs"]
