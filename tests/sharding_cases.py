@@ -60,8 +60,9 @@ class PlanSeams(Callback):
 
 class SlowFSDP2Path(Callback):
     """A slow path in FSDP2 alone: `seconds` of sleep at every forward of an FSDP2 block (a forward pre-hook on
-    the sharded model's blocks; the twin's modules are copies without it). The batch profile measures it as
-    host time the device sits idle (`automicro.batch.batch_profile`), what the model unsharded can win."""
+    the sharded model's blocks, inside a range named as FSDP2's own are; the twin's modules are copies without it).
+    The batch profile measures it as the device idle under FSDP2's host code (`automicro.batch.batch_profile`), what
+    the model unsharded is expected to win (`automicro.batch.trial_price`)."""
 
     def __init__(self, auto: AutoMicrobatching, seconds: float) -> None:
         self.auto, self.seconds, self.hooked = auto, seconds, False
@@ -72,8 +73,24 @@ class SlowFSDP2Path(Callback):
         sharded = self.auto.runtime.sharded
         for module in sharded.fsdp_modules:
             if module is not sharded.module:
-                module.register_forward_pre_hook(lambda *_: time.sleep(self.seconds))
+                module.register_forward_pre_hook(lambda *_: self._sleep(time))
                 self.hooked = True
+
+
+    def _sleep(self, time: Any) -> None:
+        with torch.profiler.record_function("FSDP::slow_path"):
+            time.sleep(self.seconds)
+
+
+class StopAfter(Callback):
+    """Stops the run after `batches` batches of a longer `max_duration` (the run the trials are priced against)."""
+
+    def __init__(self, batches: int) -> None:
+        self.batches = batches
+
+    def batch_end(self, state: Any, logger: Any) -> None:
+        if int(state.timestamp.batch) >= self.batches:
+            state.stop_training()
 
 
 class Through(Callback):
@@ -108,8 +125,9 @@ def _toy(on_one_rank: Optional[str], slow: Optional[dict[str, float]] = None, oo
          retries_from: Optional[int] = None,
          microbatch: Any = "auto", compile: Any = None, batches: int = BATCHES, data_batches: Optional[int] = None,
          profile: Any = None, slow_scope: Optional[dict[str, float]] = None, slow_fsdp2_s: float = 0.0,
-         bound: bool = True, **more: Any) -> dict[str, Any]:
-    """`batches` trained, of `data_batches` (default: as many) in the loader."""
+         bound: bool = False, planned: Optional[int] = None, **more: Any) -> dict[str, Any]:
+    """`batches` trained, of `data_batches` (default: as many) in the loader; `bound`: the trials priced (the runs that
+    test a trial's own logic run it unpriced), against a run of `planned` batches (stopped after `batches`)."""
     torch.manual_seed(0)
     model = ComposerStack()
     lines: list[str] = []
@@ -121,11 +139,12 @@ def _toy(on_one_rank: Optional[str], slow: Optional[dict[str, float]] = None, oo
         seams = PlanSeams(auto, profile, slow_scope)
         callbacks = [auto, through, seams] + ([SlowArm(auto, slow)] if slow else [])
         callbacks += [SlowFSDP2Path(auto, slow_fsdp2_s)] if slow_fsdp2_s else []
+        callbacks += [StopAfter(batches)] if planned else []
     fsdp2: dict[str, Any] = {} if on_one_rank is None else {"on_one_rank": on_one_rank}
     if compile is not None:
         torch.compiler.reset()
     trainer = automicro.Trainer(
-        model=model, train_dataloader=make_loader(1, data_batches or batches), max_duration=f"{batches}ba",
+        model=model, train_dataloader=make_loader(1, data_batches or batches), max_duration=f"{planned or batches}ba",
         optimizers=torch.optim.AdamW(model.parameters(), lr=1e-2), device="cpu", parallelism_config={"fsdp2": fsdp2},
         device_train_microbatch_size=microbatch, callbacks=callbacks, loggers=[], progress_bar=False,
         log_to_console=False, seed=SEED, compile=compile, **more,
@@ -172,10 +191,13 @@ def toy_cases(rank: int, world: int) -> dict[str, Any]:
         "thrash_kept": dict(on_one_rank="auto", slow={"sharded": 3.0}, retries_from=14),
         "default_cpu": dict(on_one_rank=None),
         "compiled": dict(on_one_rank="auto", slow={"sharded": 3.0}, compile={"backend": "aot_eager", "scope": "blocks", "dynamic": False}),
-        # A profile that leaves the model unsharded too little to win: not timed, FSDP2 kept (one line names the bound).
-        "bounded_out": dict(on_one_rank="auto", profile=BatchProfile(1.0, 0.002, 0.003, 0.0, 0.2, device="cpu")),
-        # A slow path in FSDP2 alone (20 ms at every block's forward): measured as idle, the twin timed and kept.
-        "slow_fsdp2": dict(on_one_rank="auto", slow_fsdp2_s=0.02),
+        # Priced, over a run of 1,000 batches: a profile that leaves the model unsharded too little to win: not timed,
+        # FSDP2 kept (one line names its price).
+        "priced_out": dict(on_one_rank="auto", profile=BatchProfile(1.0, 0.002, 0.003, 0.0, 0.2, device="cpu"), bound=True,
+                           planned=1000),
+        # Priced: a slow path in FSDP2 alone (20 ms at every block's forward, in FSDP2's ranges): measured as the device
+        # idle under FSDP2's host code, the twin priced to win it, timed and kept.
+        "slow_fsdp2": dict(on_one_rank="auto", slow_fsdp2_s=0.02, bound=True, planned=1000),
         # Compile with the scope left to measure: the twin kept (FSDP2 made slower), then the whole model timed for
         # the twin against its blocks' times from the one-rank trial (the whole model made slower: not kept). Not
         # bounded (a 40-batch run cannot pay a compile: the plan would rule the scope trial out).
@@ -226,7 +248,7 @@ def _hf(family: str, on_one_rank: str, slow: Optional[dict[str, float]], microba
     rows = [{"input_ids": t, "labels": t.clone()} for t in torch.randint(0, 96, (4 * BATCHES, 16), generator=generator)]
     loader = torch.utils.data.DataLoader(rows, batch_size=4, sampler=composer_dist.get_sampler(rows, shuffle=False),
                                          collate_fn=lambda b: {k: torch.stack([r[k] for r in b]) for k in b[0]})
-    auto = AutoMicrobatching(log_attempts=False) if microbatch == "auto" else None
+    auto = AutoMicrobatching(log_attempts=False, bound_trials=False) if microbatch == "auto" else None
     callbacks: list[Any] = [] if auto is None else [auto, SlowArm(auto, slow or {})]
     lines: list[str] = []
     trainer = automicro.Trainer(
@@ -334,7 +356,9 @@ def token_cases(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     try:
         lines: list[str] = []
-        auto = AutoMicrobatching(budget="tokens", log_attempts=False)
+        # Five clean batches before the hooks come off: the trial then starts where this data's long batches leave the
+        # twin room to be decided before one runs out of memory (a seeded timeline; the outcome is the memory's).
+        auto = AutoMicrobatching(budget="tokens", log_attempts=False, bound_trials=False, stable_batches=5)
         limit = token_cases.TokenLimit(token_cases.limits(world))
 
         def listen() -> None:
@@ -342,7 +366,7 @@ def token_cases(rank: int, world: int) -> dict[str, Any]:
 
         chosen = token_cases.fit("auto", [auto, limit, SlowArm(auto, {"sharded": 3.0})], batches=TOKEN_BATCHES,
                                  fsdp2={"on_one_rank": "auto"}, before_fit=listen)
-        kept = AutoMicrobatching(budget="tokens", log_attempts=False)
+        kept = AutoMicrobatching(budget="tokens", log_attempts=False, bound_trials=False, stable_batches=5)
         fixed = token_cases.fit("auto", [kept, token_cases.TokenLimit(token_cases.limits(world))], batches=TOKEN_BATCHES,
                                 fsdp2={"on_one_rank": "keep"})
         out = {
@@ -390,7 +414,7 @@ def error_case(rank: int, world: int, everywhere: bool) -> dict[str, Any]:
     the FSDP2 model again."""
     torch.manual_seed(0)
     model = ComposerStack()
-    auto = AutoMicrobatching(log_attempts=False)
+    auto = AutoMicrobatching(log_attempts=False, bound_trials=False)
     through = Through(auto, oom_at=6 if everywhere else 0, error="everywhere" if everywhere else True)
     lines: list[str] = []
     trainer = automicro.Trainer(

@@ -1,8 +1,8 @@
-"""The trials' plan (`automicro.batch.trial_plan`) and what bounds them (`automicro.batch.batch_profile`): which
-trial holds the batch, which are decided without running because a profiled batch says they cannot win, when
-two batches a side decide, and what the trials cost. No processes: the plan and the profile's reading on their
-own; the runs through a real model are in tests/test_sharding_choice.py (a bound that rules the twin out, a slow
-FSDP2 path measured and the twin kept, the scope trial reusing the one-rank trial's times)."""
+"""The trials' plan (`automicro.batch.trial_plan`), their prices (`automicro.batch.trial_price`) and the profile they
+are priced from (`automicro.batch.batch_profile`): which trial holds the batch, which are decided without running
+because their expected win does not pay for their predicted cost or does not fit the budget, when two batches a side
+decide, and what the trials cost. No processes: the plan, the prices and the profile's reading on their own; the runs
+through a real model are in tests/test_sharding_choice.py and tests/test_layout.py (priced trials on CPU ranks)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from typing import Any, Optional
 import pytest
 import torch
 
-from automicro.batch import batch_profile
+from automicro.batch import batch_profile, trial_price
 from automicro.batch.batch_profile import BatchProfile, figures
-from automicro.batch.trial_plan import PROFILE, SETTLED_BATCHES, TARGET_BATCH, TrialPlan
+from automicro.batch.trial_plan import PROFILE, SETTLED_BATCHES, TARGET_BATCH, TRIAL_CODES, TrialPlan
+from automicro.batch.trial_price import Budget, Measured, allocate, fit_microbatch_cost, price, worth
 from automicro.batch.trial_timing import enough
 from automicro.core.layout import GRAD_SYNC_ONCE, NO_RESHARD, LayoutConfig, LayoutSearch
 from automicro.engine._torch_internals import ProfiledEvent
@@ -80,29 +81,121 @@ def test_a_cpu_batchs_operators_are_its_device_work():
     assert profile.idle_s == pytest.approx(0.001 - (40 + 240 + 70 + 20) * 1e-6)
 
 
-def test_a_bound_under_the_rule_for_keeping_names_itself_and_one_over_it_does_not():
+
+
+def test_a_profile_travels_between_ranks_as_micros_and_bounds_each_kind_from_above():
     profile = BatchProfile(wall_s=2.0, idle_s=0.004, fsdp_s=0.006, comm_s=0.1, fusable_s=0.5, device="cuda")
-    assert profile.rules_out(batch_profile.UNSHARDED, 0.01) == (
-        "it can win at most 0.50% of a 2.0000 s batch (the GPU idle 0.20%, FSDP2's own work 0.30%), under the 1% a "
-        "trial must win")
-    assert profile.rules_out(batch_profile.TRADE, 0.01) is None  # the collectives are 5%
-    assert profile.rules_out(batch_profile.SCOPE, 0.01) is None
-    assert profile.rules_out(batch_profile.SMALLER, 0.01) is not None  # idle only
     assert BatchProfile.from_micros(profile.to_micros(), "cuda") == profile
+    assert profile.can_win(batch_profile.UNSHARDED) == pytest.approx(0.010)
+    assert profile.can_win(batch_profile.TRADE) == pytest.approx(0.110)
+    assert profile.can_win(batch_profile.SCOPE) == pytest.approx(0.504)
+    assert profile.can_win(batch_profile.SMALLER) == pytest.approx(0.004)
+
+
+# ---- prices ------------------------------------------------------------------------------------------
+
+
+def test_the_microbatch_cost_model_is_fitted_from_batches_timed_at_other_microbatch_counts():
+    """seconds = 0.05 per microbatch + 0.01 per sample, at 1, 2 and 4 microbatches of a batch of 32 (and noise on one
+    point, which the median of its count absorbs); one microbatch count tells nothing."""
+    points = [(1, 32, 0.37), (2, 32, 0.42), (4, 32, 0.52), (4, 32, 0.52), (4, 32, 0.90), (4, 32, 0.52)]
+    assert fit_microbatch_cost(points) == pytest.approx(0.05, abs=1e-9)
+    # Variable samples (a token budget's batches): both terms are fitted.
+    varied = [(n, s, 0.05 * n + 0.01 * s) for n, s in [(1, 20, ), (2, 40), (3, 35), (5, 50)]]
+    assert fit_microbatch_cost(varied) == pytest.approx(0.05, abs=1e-9)
+    assert fit_microbatch_cost([(4, 32, 0.5), (4, 32, 0.6)]) is None
+
+
+def _measured(**kw) -> Measured:
+    base = dict(batch_s=1.0, left=975, planned=1000,
+                profile=BatchProfile(1.0, idle_s=0.02, fsdp_s=0.03, comm_s=0.02, fusable_s=0.05, device="cuda"),
+                microbatches=2, graph_compile_s=4.0, blocks=16)
+    return Measured(**{**base, **kw})
+
+
+def test_a_smaller_microbatch_is_expected_to_lose_what_its_extra_microbatches_cost_unless_the_size_found_retries():
+    measured = _measured()  # a microbatch's fixed cost from the profile: (idle + FSDP2 + collectives) / 2 = 3.5%
+    quarter = price("size 8", "smaller", measured, microbatches=8)
+    assert quarter is not None and quarter.win_s == pytest.approx(-6 * 0.035)
+    assert worth(quarter, measured, 0.01).startswith("expected -21.0% a batch (6 more microbatch(es) at 3.5% each")
+    # The search's own batches at other microbatch counts give the fixed cost where they exist.
+    fitted = price("size 8", "smaller", _measured(microbatch_fit_s=0.001), microbatches=8)
+    assert fitted.win_s == pytest.approx(-0.006) and "fitted from the batches timed" in fitted.basis
+    # Allocator retries in every settled batch at the size found: the idle they cost is what a smaller size may win.
+    retried = price("size 4", "smaller", _measured(retried_share=1.0, microbatch_fit_s=0.001), microbatches=3)
+    assert retried.win_s == pytest.approx(0.02 - 0.001)
+    assert worth(retried, _measured(), 0.01) is None
+
+
+def test_a_whole_model_compile_is_priced_from_the_compiles_this_run_timed_and_ruled_out_where_it_cannot_pay():
+    eager_heavy = _measured(profile=BatchProfile(1.0, idle_s=0.02, fsdp_s=0.03, comm_s=0.0, fusable_s=0.50, device="cuda"))
+    fsdp2 = price("scope", "scope", eager_heavy)
+    assert fsdp2.cost_s == pytest.approx(4 * 4.0 + 3 * (0.15 * 0.50 - 0.03))  # four graphs of the blocks' 4 s
+    unsharded = price("scope", "scope", eager_heavy, unsharded=1)
+    assert unsharded.cost_s == pytest.approx(16 * 4.0 + 3 * 0.15 * 0.50)  # one graph per block inlined
+    # Over 975 batches of 1 s, 4.5% a batch pays for 16 s; over 75 it does not; 7.5% does not pay for 64 s over 975
+    # batches, and over 9,975 it does but does not fit a budget of 1% of 1,000 s.
+    assert worth(fsdp2, eager_heavy, 0.01) is None
+    assert "less than 2 x its predicted cost" in worth(fsdp2, _measured(left=75, profile=eager_heavy.profile), 0.01)
+    assert "less than 2 x its predicted cost of 64.2 s" in worth(unsharded, eager_heavy, 0.01)
+    long_run = _measured(left=9975, planned=10000, profile=eager_heavy.profile)
+    assert worth(unsharded, long_run, 0.01) is None
+    assert "does not fit" in allocate([unsharded], long_run, Budget(planned_s=1000.0), 0.01)[1]["scope"]
+    # Under FSDP2, little eager work to fuse: expected to lose (its hooks break the graph at every block).
+    assert price("scope", "scope", _measured()).win_s < 0
+
+
+def test_the_budget_goes_to_the_trials_worth_most_and_keeps_within_one_percent():
+    measured = _measured(profile=BatchProfile(1.0, idle_s=0.0, fsdp_s=0.10, comm_s=0.05, fusable_s=0.0, device="cuda"))
+    budget = Budget(planned_s=1000.0)  # 10 s
+    twin = price("one_rank", "one_rank", measured)  # 6% a batch; a 4 s compile and its arms
+    no_reshard = price("no_reshard", "no_reshard", measured)  # 6% a batch, its arms only
+    grad_once = price("grad_sync_once", "grad_sync_once", measured)  # 1.9% a batch
+    chosen, refused = allocate([grad_once, twin, no_reshard], measured, budget, 0.01)
+    assert [p.label for p in chosen] == ["no_reshard", "one_rank", "grad_sync_once"]
+    assert sum(p.cost_s for p in chosen) <= budget.total_s and not refused
+    tight = Budget(planned_s=300.0)  # 3 s: the twin's compile alone does not fit
+    chosen, refused = allocate([grad_once, twin, no_reshard], measured, tight, 0.01)
+    assert [p.label for p in chosen] == ["no_reshard", "grad_sync_once"]
+    assert refused["one_rank"].endswith("left after the trials worth more (no_reshard)")
+
+
+def test_the_static_recompile_is_kept_unless_beaten_so_it_is_priced_on_its_expected_gain_alone():
+    quick = _measured(profile=None, graph_compile_s=2.0)
+    static = price("static", "static", quick)
+    assert static is not None and not static.keeps_on_gain
+    assert static.cost_s == pytest.approx(2.0 * 1.25 + 3 * 0.02)
+    assert worth(static, quick, 0.01) is None  # 0.8% of 975 one-second batches (7.8 s) against 2 x 2.56 s
+    # A compile of 4 s pays over 10,000 batches, not over 1,000.
+    slow = price("static", "static", _measured(profile=None))
+    assert worth(slow, _measured(profile=None), 0.01).endswith("less than 2 x its predicted cost of 5.06 s (a compile of "
+                                                                "the blocks (4.00 s) and its arms' batches)")
+    assert worth(slow, _measured(profile=None, left=9975, planned=10000), 0.01) is None
+    # A trial that needs a profile is not priced without one.
+    assert price("one_rank", "one_rank", _measured(profile=None)) is None
+
+
+# ---- the plan ----------------------------------------------------------------------------------------
 
 
 class _Consensus:
     """One rank: the agreed maximum is this rank's own."""
 
+    rounds = 0
+
     def agree_max(self, values):
+        self.rounds += 1
         return list(values)
 
 
 class _Trial:
-    """A trial as the plan sees it: pending until given the batch, then running for `batches` batches."""
+    """A trial as the plan sees it: pending until given the batch, then running for `batches` batches. `kind` is its
+    price's (`trial_price.KINDS`); `profiled`: priced from a batch profile."""
 
-    def __init__(self, name: str, kind: Optional[str], batches: int = 2, cost: float = 0.0, waits_for: tuple = ()) -> None:
-        self.name, self.kind, self.batches, self.cost, self.waits_for = name, kind, batches, cost, waits_for
+    def __init__(self, name: str, kind: str, batches: int = 2, profiled: bool = True, waits_for: tuple = (),
+                 facts: Optional[dict] = None) -> None:
+        self.name, self.kind, self.batches, self.profiled, self.waits_for = name, kind, batches, profiled, waits_for
+        self.facts = facts or {}
         self.min_gain = 0.01
         self.state = "pending"
         self.left = batches
@@ -110,9 +203,10 @@ class _Trial:
 
     pending = property(lambda self: self.state == "pending")
     running = property(lambda self: self.state == "running")
+    label = property(lambda self: self.name if self.running else None)
 
-    def bound_kind(self):
-        return self.kind
+    def candidates(self):
+        return [(self.name, self.kind, self.facts)]
 
     def rule_out(self, why):
         self.state = "ruled out"
@@ -121,98 +215,141 @@ class _Trial:
     def projection(self):
         return f"{self.left} batches"
 
-    def projected_cost_s(self, block_compile_s):
-        return self.cost, "a compile"
+    def outcome(self):
+        return "kept" if self.state == "done" else self.state
 
-    def step(self, turn):
+    def begin(self, turn):
+        """Given the batch: it runs (its label holds the batch)."""
         if turn == self.name:
             self.state = "running"
+
+    def end(self, turn):
+        """The batch trained: a batch fewer to go; the last decides."""
+        if turn == self.name:
             self.left -= 1
             if self.left == 0:
                 self.state = "done"
 
 
-def _run(trials, profile, batches=40, planned=None, steady_from=2):
+PROFILED = BatchProfile(1.0, idle_s=0.02, fsdp_s=0.10, comm_s=0.05, fusable_s=0.5, device="cpu")
+
+
+def _run(trials, profile=PROFILED, batches=40, planned=1000, steady_from=2, seconds=None, monkeypatch=None, **plan_kw):
+    """Each batch's loop seconds: `seconds(batch, turn)` (1 s by default), through the plan's clock."""
     lines: list[str] = []
-    plan = TrialPlan(trials, _Consensus(), lines.append, torch.device("cpu"))
+    now = [0.0]
+    if monkeypatch is not None:
+        monkeypatch.setattr("automicro.batch.trial_plan.time.perf_counter", lambda: now[0])
+    plan = TrialPlan(trials, _Consensus(), lines.append, torch.device("cpu"), **plan_kw)
     plan.measured = lambda measured: profile
     plan.planned_batches = planned
+    plan.compile_s = lambda: 2.0
+    plan.split_now = lambda: (8, 8)
     turns = []
     for batch in range(batches):
         turn = plan.before_batch(batch, batch >= steady_from, ("configuration",))
         turns.append(turn)
         for trial in trials:
-            trial.step(turn)
-        plan.after_batch(1)
+            trial.begin(turn)
+        plan.hold(next((t.label for t in trials if t.name == turn), None), turn)
+        for trial in trials:
+            trial.end(turn)
+        plan.after_batch(1, split=(8, 8))
+        now[0] += seconds(batch, turn) if seconds else 1.0
     return plan, turns, lines
 
 
-def test_the_unbounded_trials_run_first_then_one_profile_bounds_the_rest_in_order_of_what_they_can_win():
-    static = _Trial("static", None, batches=3)
-    one_rank = _Trial("one_rank", batch_profile.UNSHARDED)
-    scope = _Trial("scope", batch_profile.SCOPE, waits_for=("one_rank",))
-    layout = _Trial("layout", batch_profile.TRADE)
-    # Collectives make the layout trades the most to win; the twin next; the scope waits for the twin.
-    profile = BatchProfile(1.0, idle_s=0.02, fsdp_s=0.03, comm_s=0.2, fusable_s=0.5, device="cpu")
-    plan, turns, lines = _run([static, one_rank, scope, layout], profile)
+def test_the_device_work_trials_run_first_then_one_profile_prices_the_rest_which_run_in_their_order(monkeypatch):
+    static = _Trial("static", "static", batches=3, profiled=False)
+    one_rank = _Trial("one_rank", "one_rank")
+    scope = _Trial("scope", "scope", waits_for=("one_rank",), facts={"unsharded": 0})
+    layout = _Trial("layout", "no_reshard")
+    plan, turns, lines = _run([static, one_rank, scope, layout], planned=2000, monkeypatch=monkeypatch)
     assert turns[:2] == [None, None]  # the size not settled yet
     assert turns[2:5] == ["static"] * 3
     assert turns[5:7] == [PROFILE, PROFILE]  # a clocked batch, then the profiled one
-    assert turns[7:13] == ["layout", "layout", "one_rank", "one_rank", "scope", "scope"], turns
-    assert lines[0].startswith("a batch profiled: 1.0000 s"), lines
+    # The whole model under FSDP2 is expected to win 0.15 x 50% less 3%: 4.5%, for 4 graphs of 2 s: it pays, and the
+    # budget (1% of 2,000 one-second batches) holds it beside the twin (6%) and the layout's no_reshard.
+    assert turns[7:13] == ["one_rank", "one_rank", "scope", "scope", "layout", "layout"], turns
+    text = "\n".join(lines)
+    assert "trials: static runs: expected +0.8% a batch" in text
+    assert "a batch profiled: 1.0000 s" in text
+    assert "trials: one_rank runs: expected +6.0% a batch (0.6 x FSDP2's own work (10.0% of a batch))" in text
+    assert "trials: scope runs: expected +4.5% a batch" in text
     assert plan.final_at == 13 and turns[13:] == [None] * (40 - 13)
     assert any(line.startswith("trials: the configuration was final at batch 13; the trials cost ") for line in lines), lines
 
 
-def test_a_trial_the_profile_rules_out_never_runs_and_says_its_bound():
-    one_rank = _Trial("one_rank", batch_profile.UNSHARDED)
-    layout = _Trial("layout", batch_profile.TRADE)
-    profile = BatchProfile(1.0, idle_s=0.002, fsdp_s=0.003, comm_s=0.2, fusable_s=0.0, device="cpu")
-    _, turns, _ = _run([one_rank, layout], profile)
+def test_a_trial_its_price_rules_out_never_runs_and_says_why(monkeypatch):
+    one_rank = _Trial("one_rank", "one_rank")
+    layout = _Trial("layout", "no_reshard")
+    little = BatchProfile(1.0, idle_s=0.002, fsdp_s=0.003, comm_s=0.2, fusable_s=0.0, device="cpu")
+    _, turns, lines = _run([one_rank, layout], profile=little, monkeypatch=monkeypatch)
     assert one_rank.state == "ruled out" and "one_rank" not in turns
-    assert one_rank.ruled_out == ["it can win at most 0.50% of a 1.0000 s batch (the CPU idle 0.20%, FSDP2's own work "
-                                  "0.30%), under the 1% a trial must win"]
+    assert one_rank.ruled_out == ["expected +0.2% a batch (0.6 x FSDP2's own work (0.3% of a batch)), under the 1% it must "
+                                  "win to be kept"]
     assert turns.count("layout") == 2
 
 
-def test_a_trial_whose_compile_costs_more_than_it_can_win_over_the_batches_left_does_not_run():
-    """5% of a 1 s batch over the batches left, against a 60 s compile: worth it over 10,000 batches, not 1,000."""
-    profile = BatchProfile(1.0, idle_s=0.01, fsdp_s=0.0, comm_s=0.0, fusable_s=0.04, device="cpu")
-    short = _Trial("scope", batch_profile.SCOPE, cost=60.0)
-    _run([short], profile, planned=1000)
-    assert short.state == "ruled out" and short.ruled_out[0].startswith(
-        "it can win at most 49.8 s over the 996 batches left of this run's 1,000 (5.00% of a 1.0000 s batch: "), short.ruled_out
-    assert short.ruled_out[0].endswith("less than a compile costs (projected 60.0 s)")
-    long = _Trial("scope", batch_profile.SCOPE, cost=60.0)
-    _run([long], profile, planned=10000)
-    assert long.state == "done" and not long.ruled_out
+def test_a_short_run_profiles_nothing_and_prices_every_trial_out_then_says_its_price(monkeypatch):
+    """40 batches of 1 s: a budget of 0.4 s cannot hold a profiled batch; the static recompile's compile does not pay."""
+    static = _Trial("static", "static", profiled=False)
+    one_rank = _Trial("one_rank", "one_rank")
+    plan, turns, lines = _run([static, one_rank], planned=40, monkeypatch=monkeypatch)
+    assert set(turns) == {None} and static.state == one_rank.state == "ruled out"
+    assert "cannot hold a profiled batch and a trial" in one_rank.ruled_out[0]
+    assert plan.final_at == 2
+    assert plan.price == (f"trials: the configuration was final at batch 2; the trials cost 0.00 s against the settled "
+                          f"configuration (1.0000 s a batch, the median of the {SETTLED_BATCHES} batches after), 0.0% of "
+                          "this run's 40 batches; none ran (static, one_rank priced out)")
 
 
-def test_what_is_still_running_at_the_target_batch_is_said_with_its_projection():
-    slow = _Trial("static", None, batches=TARGET_BATCH + 5)
-    _, _, lines = _run([slow], None, batches=TARGET_BATCH + 2)
-    assert f"trials: still running at batch {TARGET_BATCH}, projected: static: " in "\n".join(lines), lines
+def test_trials_false_runs_no_trial_and_says_so_once(monkeypatch):
+    static = _Trial("static", "static", profiled=False)
+    layout = _Trial("layout", "no_reshard")
+    plan, turns, lines = _run([static, layout], enabled=False, monkeypatch=monkeypatch)
+    assert set(turns) == {None} and static.pending and layout.pending
+    assert [line for line in lines if line.startswith("trials:")] == [
+        "trials: off (trials: false): the size search and nothing else; the configuration stays as the search left it"]
+    assert plan.price is None
+
+
+def test_each_trial_that_ends_says_its_real_and_predicted_cost_and_leaves_a_record(monkeypatch):
+    """The twin's batches take 1.5 s against 1 s settled: 2 batches cost 1.0 s."""
+    one_rank = _Trial("one_rank", "one_rank")
+    plan, turns, lines = _run([one_rank], monkeypatch=monkeypatch,
+                              seconds=lambda batch, turn: 1.5 if turn == "one_rank" else 1.0)
+    ended = [line for line in lines if line.startswith("trials: one_rank ended")]
+    assert ended == [ended[0]] and ended[0].startswith("trials: one_rank ended (kept): cost 1.00 s over 2 batch(es) "
+                                                       "against the batch before it, predicted ")
+    records = plan.take_records()
+    assert [r["trial"] for r in records] == [PROFILE, "one_rank"]
+    assert records[1]["first"] == turns.index("one_rank") and records[1]["cost_s"] == pytest.approx(1.0)
+    assert records[1]["predicted_s"] == pytest.approx(price("one_rank", "one_rank", _measured(profile=PROFILED, graph_compile_s=2.0)).cost_s)
+    assert plan.take_records() == []  # each once
+    assert plan.metrics() == {"automicro/trial": TRIAL_CODES[None], "automicro/trials_s": pytest.approx(1.0)}
 
 
 def test_the_price_counts_the_trials_window_against_the_batches_after_it(monkeypatch):
     """The loop's clock, start to start: 2 s a trial batch, 1 s a settled one. The trials' window is every batch
     from the first with the size settled to the last before the final configuration ran."""
-    now = [0.0]
-    monkeypatch.setattr("automicro.batch.trial_plan.time.perf_counter", lambda: now[0])
-    trial = _Trial("static", None, batches=4)
-    lines: list[str] = []
-    plan = TrialPlan([trial], _Consensus(), lines.append, torch.device("cpu"))
-    plan.planned_batches = 100
-    for batch in range(20):
-        turn = plan.before_batch(batch, batch >= 2, ())
-        trial.step(turn)
-        plan.after_batch(1)
-        now[0] += 2.0 if turn == "static" else 1.0
+    trial = _Trial("static", "static", batches=4, profiled=False)
+    plan, _, _ = _run([trial], batches=20, planned=100, monkeypatch=monkeypatch, bound=False,
+                      seconds=lambda batch, turn: 2.0 if turn == "static" else 1.0)
     assert plan.final_at == 6  # batches 2-5 held the trial
-    assert plan.price == (f"trials: the configuration was final at batch 6; the trials cost 4.0 s against the settled "
-                          f"configuration (1.0000 s a batch, the median of the {SETTLED_BATCHES} batches after), 4.0% of "
-                          "this run's 100 batches")
-    assert plan.summary().startswith("trials cost 4.0 s against the settled configuration")
+    assert plan.price.startswith(f"trials: the configuration was final at batch 6; the trials cost 4.00 s against the settled "
+                                 f"configuration (1.0000 s a batch, the median of the {SETTLED_BATCHES} batches after), 4.0% of "
+                                 "this run's 100 batches; 1 ran (static)")
+    assert plan.summary().startswith("trials cost 4.00 s against the settled configuration")
+
+
+def test_what_is_still_running_at_the_target_batch_is_said_in_seconds_with_why(monkeypatch):
+    slow = _Trial("static", "static", batches=TARGET_BATCH + 5, profiled=False)
+    _, _, lines = _run([slow], batches=TARGET_BATCH + 2, planned=100000, monkeypatch=monkeypatch)
+    line = next(line for line in lines if line.startswith(f"trials: not final at batch {TARGET_BATCH}"))
+    assert line.startswith(f"trials: not final at batch {TARGET_BATCH} (the size settled at batch 2): about ")
+    assert "(static running); left: static: " in line, line
+
 
 
 def test_two_batches_a_side_decide_where_the_spread_is_tiny_and_three_otherwise():
@@ -229,20 +366,34 @@ def _layout(candidates=(GRAD_SYNC_ONCE, NO_RESHARD)):
     return LayoutSearch(LayoutConfig("auto", (), 3, 0.01), list(candidates))
 
 
-def test_the_layout_search_passes_over_a_trade_or_a_size_trial_its_bound_rules_out():
+
+
+def _layout(candidates=(GRAD_SYNC_ONCE, NO_RESHARD)):
+    return LayoutSearch(LayoutConfig("auto", (), 3, 0.01), list(candidates))
+
+
+def test_the_layout_search_asks_each_trade_and_size_trial_its_price_and_passes_over_what_does_not_pay():
     search = _layout()
-    ruled = {"trade": "it can win at most 0.40% of a 1.0000 s batch", "smaller": "it can win at most 0.10%"}
+    asked = []
+
+    def priced(label, kind, facts):
+        asked.append((label, kind, dict(facts)))
+        return "expected +0.4% a batch, under the 1% it must win to be kept" if kind != "smaller" else "expected -20.0% a batch"
+
     layout, lines = search.layout_for_batch(True, lambda trade: None, size=8, found=8, largest_at=lambda n: n,
-                                            bounded=ruled.get)
+                                            priced=priced, count_at=lambda n: -(-32 // n), microbatches=4)
     assert search.trial is None and layout == ()
-    assert lines[:2] == [
-        "layout trade grad_sync_once (gradients reduced once per batch) not tried: it can win at most 0.40% of a 1.0000 s batch",
-        "layout trade no_reshard (no resharding after forward, nor between microbatches) not tried: it can win at most 0.40% of a 1.0000 s batch",
+    assert lines == [
+        "layout trade grad_sync_once (gradients reduced once per batch) not tried: expected +0.4% a batch, under the 1% it must win to be kept",
+        "layout trade no_reshard (no resharding after forward, nor between microbatches) not tried: expected +0.4% a batch, under the 1% it must win to be kept",
+        "size trials below microbatch 8 not run: expected -20.0% a batch",
     ], lines
-    assert search.layout_for_batch(True, lambda trade: None, size=8, found=8, largest_at=lambda n: n, bounded=ruled.get)[1] == []
-    # Another size found: bounded again from a new profile (here it may run).
-    search.layout_for_batch(True, lambda trade: None, size=6, found=6, largest_at=lambda n: n, bounded=lambda kind: None)
-    assert search.trial is not None and search.trial.trades == (GRAD_SYNC_ONCE,)
+    assert asked == [(GRAD_SYNC_ONCE, GRAD_SYNC_ONCE, {}), (NO_RESHARD, NO_RESHARD, {}), ("size 4", "smaller", {"microbatches": 8.0})]
+    assert search.layout_for_batch(True, lambda trade: None, size=8, found=8, largest_at=lambda n: n, priced=priced)[1] == []
+    # Another size found: priced again (here it pays), in the order asked (the best expected value first).
+    search.layout_for_batch(True, lambda trade: None, size=6, found=6, largest_at=lambda n: n,
+                            priced=lambda label, kind, facts: None, order=lambda trades: sorted(trades, reverse=True))
+    assert search.trial is not None and search.trial.trades == (NO_RESHARD,)
 
 
 def test_gradients_reduced_once_is_not_tried_where_the_batch_runs_in_one_microbatch():
@@ -251,5 +402,3 @@ def test_gradients_reduced_once_is_not_tried_where_the_batch_runs_in_one_microba
     assert lines[0] == ("layout trade grad_sync_once (gradients reduced once per batch) not tried: the batch runs in one "
                         "microbatch: its gradients are reduced once per batch already")
     assert search.trial is not None and search.trial.trades == (NO_RESHARD,)
-
-

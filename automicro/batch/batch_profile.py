@@ -10,7 +10,8 @@ work is issued, so what they can win is bounded by what a batch already shows:
   live there: no trial can win more than that and the device work it removes;
 - FSDP2's own device work: what runs inside FSDP2's ``FSDP::`` ranges (the all-gather copy-in and
   copy-out, the casts, the reduce-scatter's copies): the model unsharded on one rank and the layout trades
-  remove at most that;
+  remove at most that, and the device's idle while the host runs FSDP2's own code (its ranges: a host-bound
+  FSDP2, many small microbatches);
 - collectives (NCCL kernels; gloo's operators on a CPU): what the layout trades can save between ranks;
 - fusable eager work: kernels launched outside any compiled region that are not a matrix product,
   attention or a collective (the embedding, the loss, casts between blocks): what the whole model
@@ -75,6 +76,7 @@ class BatchProfile:
     unattributed_s: float = 0.0  # device work the profile could not place in a range (added to every bound)
     device: str = "cuda"
     unattributed_names: tuple[str, ...] = ()  # the costliest of it, by name (what the line names)
+    fsdp_idle_s: float = 0.0  # of the idle: the device waiting while the host ran FSDP2's own code (its ranges)
 
     def can_win(self, kind: str) -> float:
         """The most a trial of `kind` can save from a batch, in seconds."""
@@ -107,18 +109,21 @@ class BatchProfile:
     def line(self) -> str:
         busy = self.wall_s - self.idle_s
         names = f" ({', '.join(self.unattributed_names)})" if self.unattributed_names else ""
-        return (f"a batch profiled: {self.wall_s:.4f} s, the {'GPU' if self.device == 'cuda' else self.device.upper()} busy "
-                f"{self.share(busy)} (idle {self.share(self.idle_s)}); FSDP2's own work {self.share(self.fsdp_s)}, collectives "
+        where = "GPU" if self.device == "cuda" else self.device.upper()
+        host = f" (and the {where} idle under its host code {self.share(self.fsdp_idle_s)})" if self.fsdp_idle_s else ""
+        return (f"a batch profiled: {self.wall_s:.4f} s, the {where} busy "
+                f"{self.share(busy)} (idle {self.share(self.idle_s)}); FSDP2's own work {self.share(self.fsdp_s)}{host}, collectives "
                 f"{self.share(self.comm_s)}, eager work a compile could fuse {self.share(self.fusable_s)}"
                 + (f", unattributed {self.share(self.unattributed_s)}{names}" if self.unattributed_s else ""))
 
     def to_micros(self) -> list[int]:
-        return [int(round(v * 1e6)) for v in (self.wall_s, self.idle_s, self.fsdp_s, self.comm_s, self.fusable_s, self.unattributed_s)]
+        return [int(round(v * 1e6)) for v in (self.wall_s, self.idle_s, self.fsdp_s, self.comm_s, self.fusable_s,
+                                              self.unattributed_s, self.fsdp_idle_s)]
 
     @classmethod
     def from_micros(cls, values: Sequence[int], device: str, names: tuple[str, ...] = ()) -> "BatchProfile":
-        wall, idle, fsdp, comm, fusable, unattributed = (v / 1e6 for v in values)
-        return cls(wall, idle, fsdp, comm, fusable, unattributed, device, names if unattributed else ())
+        wall, idle, fsdp, comm, fusable, unattributed, fsdp_idle = (v / 1e6 for v in values)
+        return cls(wall, idle, fsdp, comm, fusable, unattributed, device, names if unattributed else (), min(idle, fsdp_idle))
 
 
 # ---- intervals ------------------------------------------------------------------------------------
@@ -247,6 +252,10 @@ def figures(events: Sequence[Any], wall_s: float, device: str) -> BatchProfile:
             window = (min(a for a, _ in steps), max(b for _, b in steps))
             stepping = window[1] - window[0] - _length(_within(((k.start_ns, k.end_ns) for k in kernels), [window]))
         idle = max(0.0, (extent - busy - stepping) / 1e9)
+        # The device idle while the host ran FSDP2's own code: the gaps between kernels inside FSDP2's host ranges.
+        first, last = min(k.start_ns for k in kernels), max(k.end_ns for k in kernels)
+        gaps = _minus([(first, last)], [(k.start_ns, k.end_ns) for k in kernels] + ([window] if steps else []))
+        fsdp_idle = _length(_within(gaps, fsdp.all())) / 1e9
     else:  # a CPU: the operators are the device work
         ops = [e for e in host if OPERATOR.match(e.name)]
         spans = [(e.start_ns, e.end_ns) for e in ops]
@@ -262,7 +271,10 @@ def figures(events: Sequence[Any], wall_s: float, device: str) -> BatchProfile:
         }
         names = ()
         idle = max(0.0, wall_s - busy / 1e9)
-    return BatchProfile(wall_s, idle, seconds["fsdp"], seconds["comm"], seconds["fusable"], seconds["unattributed"], device, names)
+        # FSDP2's host code with no operator running: its own host time.
+        fsdp_idle = min(idle, _length(_minus(fsdp.all(), spans)) / 1e9)
+    return BatchProfile(wall_s, idle, seconds["fsdp"], seconds["comm"], seconds["fusable"], seconds["unattributed"], device, names,
+                        fsdp_idle)
 
 
 class BatchProfiler:

@@ -456,7 +456,7 @@ class TrialPlan:
     def _agree(self, profile: Optional[BatchProfile]) -> None:
         """Every rank's profile, the max of each figure over ranks (one round): every rank prices alike."""
         local = self.measured(profile)
-        values = local.to_micros() if local is not None else [0] * 6
+        values = local.to_micros() if local is not None else [0] * 7
         agreed = self.consensus.agree_max(values + [0 if local is not None else 1])
         if agreed[-1]:
             self.no_profile, self.profile = self.profiler.why or "a rank could not profile its batch", None
@@ -506,13 +506,13 @@ class TrialPlan:
         predicted = self.predicted_s + (trial_price.PROFILE_BATCHES * median if PROFILE in self.costs else 0.0)
         what = (f"{len(ran)} ran ({', '.join(ran)}), predicted {seconds(predicted)}" if ran
                 else "none ran" + (f" ({', '.join(dict.fromkeys(self.ruled_out))} priced out)" if self.ruled_out else ""))
-        self.price = (f"trials: the configuration was final at batch {self.final_at}; the trials cost {cost:.1f} s against the "
+        self.price = (f"trials: the configuration was final at batch {self.final_at}; the trials cost {seconds(cost)} against the "
                       f"settled configuration ({median:.4f} s a batch, the median of the {SETTLED_BATCHES} batches after), "
                       f"{100.0 * share:.1f}% of {whose} {planned:,} batches; {what}")
         self.info(self.price)
 
     def _target_line(self, batch: int) -> None:
-        if self.first is None or batch - self.first != TARGET_BATCH or self._said_target or self.final_at is not None:
+        if not self.enabled or self.first is None or batch - self.first != TARGET_BATCH or self._said_target or self.final_at is not None:
             return
         left = [t for t in self.trials if t.running or t.pending]
         if not left and self.turn is None:

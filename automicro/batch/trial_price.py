@@ -181,10 +181,12 @@ def price(label: str, kind: str, m: Measured, **facts: float) -> Optional[Price]
     a, a_from = m.microbatch_s()
     n = max(1, m.microbatches)
     if kind == "one_rank":
-        win = UNSHARDED_OF_FSDP * p.fsdp_s
+        own = p.fsdp_s + p.fsdp_idle_s
+        win = UNSHARDED_OF_FSDP * own
         graphs = facts.get("graphs", 1.0)
         return Price(label, kind, win, graphs * graph + _arms(win, m),
-                     f"{UNSHARDED_OF_FSDP:g} x FSDP2's own work ({_pct(p.fsdp_s, m)} of a batch)",
+                     f"{UNSHARDED_OF_FSDP:g} x FSDP2's own work ({_pct(own, m)} of a batch"
+                     + (f", {_pct(p.fsdp_idle_s, m)} of it the device idle under FSDP2's host code)" if p.fsdp_idle_s else ")"),
                      (f"the twin's compile ({graphs:g} graph(s) of {seconds(graph)}) and " if graph else "") + "its arms' batches")
     if kind == "scope":
         unsharded = bool(facts.get("unsharded"))
@@ -198,9 +200,10 @@ def price(label: str, kind: str, m: Measured, **facts: float) -> Optional[Price]
         return Price(label, kind, win, compile_s + _arms(win, m), basis, what + " and its arms' batches")
     if kind in TRADE_OF_FSDP_AND_COMM:
         share = TRADE_OF_FSDP_AND_COMM[kind] * (1.0 if kind == "no_reshard" else (n - 1) / n)
-        win = share * (p.fsdp_s + p.comm_s)
+        own = p.fsdp_s + p.fsdp_idle_s + p.comm_s
+        win = share * own
         return Price(label, kind, win, _arms(win, m),
-                     f"{share:.2g} x FSDP2's own work and collectives ({_pct(p.fsdp_s + p.comm_s, m)})", "its arms' batches")
+                     f"{share:.2g} x FSDP2's own work and collectives ({_pct(own, m)})", "its arms' batches")
     if kind == "together":  # trades each faster by too little, tried together: the sum of their estimates
         trades = [t for t in str(facts.get("trades", "")).split("+") if t in TRADE_OF_FSDP_AND_COMM]
         win = sum(price(label, t, m).win_s for t in trades)  # type: ignore[union-attr]
