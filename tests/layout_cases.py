@@ -64,9 +64,13 @@ def fit(
     start_size: Any = None,
     cap_args: Optional[dict[str, Any]] = None,
     size_trials: bool = False,
+    planned: Optional[int] = None,
+    trials: bool = True,
 ) -> dict[str, Any]:
     """`cap_args`: more `MemoryCapCallback` arguments (`limit_at_batch`). `size_trials`: off but in
-    `size_case` (the other cases' batch sequences are the trades')."""
+    `size_case` (the other cases' batch sequences are the trades'). `planned`: the trials priced against a run of
+    that many batches (`max_duration`), stopped after `batches`; else unpriced (`bound_trials: false`). `trials`:
+    the key."""
     from automicro.models import build_model
 
     torch.manual_seed(0)
@@ -76,18 +80,21 @@ def fit(
         SyntheticTokens(PER_RANK_BATCH * world * batches, SEQ, MODEL["vocab_size"], seed=2), PER_RANK_BATCH, shuffle=False
     )
     cap = MemoryCapCallback(limit_bytes=limit, retry_band=0.0, **(cap_args or {}))
-    # The batch sequences below are the layout search's own: no batch profile before its trials (`bound_trials`;
-    # tests/test_trial_plan.py covers the bounds).
+    # The batch sequences below are the layout search's own: no batch profile, no price before its trials
+    # (`bound_trials`; tests/test_trial_plan.py covers the prices), but in the priced cases (`planned`).
     auto = automicro.AutoMicrobatching(
-        log_attempts=False, layout=layout, layout_trial_batches=trial_batches, start_size=start_size,
-        layout_size_trials=size_trials, bound_trials=False,
+        log_attempts=False, layout=None if not trials else layout, layout_trial_batches=trial_batches,
+        start_size=start_size, layout_size_trials=size_trials, bound_trials=planned is not None, trials=trials,
     )
+    stop = [_StopAfter(batches)] if planned else []
     trainer = automicro.Trainer(
-        model=model, train_dataloader=data, max_duration=f"{batches}ba",
+        model=model, train_dataloader=data, max_duration=f"{planned or batches}ba",
         optimizers=torch.optim.SGD(model.parameters(), lr=0.1), device="cpu",
         parallelism_config={"fsdp2": dict(fsdp2 or {})}, device_train_microbatch_size=microbatch,
-        callbacks=[auto, cap, *(faults or [])], loggers=[], progress_bar=False, log_to_console=False, seed=17,
+        callbacks=[auto, cap, *(faults or []), *stop], loggers=[], progress_bar=False, log_to_console=False, seed=17,
     )
+    lines: list[str] = []
+    auto.runtime.info = lines.append  # type: ignore[method-assign]
     layouts: list[tuple[str, ...]] = []
     splits: list[list[int]] = []  # the split each batch trained with
     try:
@@ -123,11 +130,29 @@ def fit(
             "params": {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()},
             # Blocks carrying activation checkpointing (on, or switched off for `recompute`).
             "checkpointed": sum(map(has_activation_checkpointing, model.modules())),
+            "plan_lines": [line for line in lines if line.startswith(("trials:", "a batch profiled", "layout", "size trial"))],
+            "final_at": None if auto.search.plan is None else auto.search.plan.final_at,
+            "price": None if auto.search.plan is None else auto.search.plan.price,
+            "batches": int(trainer.state.timestamp.batch),
         }
         result["extra"] = sum(result["extras"])
         return result
     finally:
         trainer.close()
+
+
+class _StopAfter:
+    """Ends the run after `batches` batches of a longer `max_duration` (the run its trials are priced against)."""
+
+    def __new__(cls, batches: int) -> Any:
+        from composer.core import Callback
+
+        class StopAfter(Callback):
+            def batch_end(self, state: Any, logger: Any) -> None:
+                if int(state.timestamp.batch) >= batches:
+                    state.stop_training()
+
+        return StopAfter()
 
 
 def _peaks() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -182,6 +207,10 @@ def suite(rank: int, world: int) -> dict[str, Any]:
         out["no_room"] = {k: v for k, v in no_room.items() if k != "params"}
         # Checkpointing is carried (switched off) only where the layout is searched: not when pinned.
         out["pinned_checkpointed"] = out["pinned"]["checkpointed"]
+        # Priced against a run of 1,000 batches (stopped after PRICED_BATCHES): the trades that pay run, the size
+        # trials' estimate rules them out; and `trials: false` (no trial, the engine's layout).
+        out["priced"] = _strip(fit("auto", PRICED_BATCHES, limit=room, planned=1000, size_trials=True), fixed_priced := fit(2, PRICED_BATCHES, layout="fixed"))
+        out["no_trials"] = _strip(fit("auto", PRICED_BATCHES, limit=room, planned=1000, trials=False), fixed_priced)
     if world <= 2:
         out["sized"] = _strip(size_case(), fit(2, SIZE_BATCHES, layout="fixed"))
     if world <= 2:
@@ -193,6 +222,7 @@ def suite(rank: int, world: int) -> dict[str, Any]:
 
 
 SIZE_BATCHES = 16
+PRICED_BATCHES = 30
 
 
 def size_case() -> dict[str, Any]:

@@ -285,6 +285,38 @@ def test_a_smaller_microbatch_timed_faster_is_kept_and_parameters_equal_a_fixed_
 
 
 @pytest.mark.multiproc
+def test_priced_trials_run_where_they_pay_the_same_on_every_rank_and_the_configuration_is_final_by_batch_25():
+    """2 ranks, a run of 1,000 batches stopped after 30 (the machine's own times and profile): the trades are priced
+    from a profiled batch; the size trials' estimate (two more microbatches each, no allocator retries) rules them
+    out; every rank takes the same decisions; final by batch 25 with the price line; the numbers of a fixed run."""
+    world, results = 2, _suite(2)
+    priced = [results[rank]["priced"] for rank in range(world)]
+    for run in priced:
+        lines = run["plan_lines"]
+        assert any(line.startswith("a batch profiled: ") for line in lines), lines
+        assert any(line.startswith("size trials below microbatch 2 not run: expected -") for line in lines), lines
+        assert not any(line.startswith("size trial: microbatch") for line in lines), lines
+        assert run["final_at"] is not None and run["final_at"] <= 25, lines
+        assert run["price"].startswith(f"trials: the configuration was final at batch {run['final_at']}; the trials cost "), lines
+        assert "% of this run's 1,000 batches" in run["price"] and run["batches"] == cases.PRICED_BATCHES
+        assert run["diff"] < 1e-5, run["diff"]
+    # Every decision was agreed: the same trials, layouts and splits on both ranks.
+    assert priced[0]["results"] == priced[1]["results"] and priced[0]["layouts"] == priced[1]["layouts"]
+    assert [r["splits"] for r in priced] == [priced[0]["splits"]] * world
+    assert priced[0]["final_at"] == priced[1]["final_at"]
+
+
+@pytest.mark.multiproc
+def test_trials_false_runs_the_search_and_nothing_else():
+    world, results = 2, _suite(2)
+    for rank in range(world):
+        run = results[rank]["no_trials"]
+        assert run["results"] == [] and all(layout == [] for layout in run["layouts"]), run
+        assert run["found"] == 2 and run["price"] is None and run["diff"] < 1e-5, run
+        assert not any(line.startswith(("a batch profiled", "layout trial", "size trial")) for line in run["plan_lines"])
+
+
+@pytest.mark.multiproc
 def test_a_pinned_layout_runs_from_the_first_batch_and_parameters_equal_a_fixed_run():
     world, results = 2, _suite(2)
     for rank in range(world):

@@ -322,6 +322,7 @@ def test_each_trial_that_ends_says_its_real_and_predicted_cost_and_leaves_a_reco
     ended = [line for line in lines if line.startswith("trials: one_rank ended")]
     assert ended == [ended[0]] and ended[0].startswith("trials: one_rank ended (kept): cost 1.00 s over 2 batch(es) "
                                                        "against the batch before it, predicted ")
+    assert ended[0].endswith(" budget left")
     records = plan.take_records()
     assert [r["trial"] for r in records] == [PROFILE, "one_rank"]
     assert records[1]["first"] == turns.index("one_rank") and records[1]["cost_s"] == pytest.approx(1.0)

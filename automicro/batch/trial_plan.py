@@ -436,8 +436,8 @@ class TrialPlan:
         outcome = "" if last == PROFILE else self._outcome(last)
         if last != PROFILE:
             self.info(f"trials: {last} ended ({outcome}): cost {seconds(cost)} over {len(batches)} batch(es) against the "
-                      f"batch before it, " + (f"predicted {seconds(predicted.cost_s)}" if predicted is not None else "not priced")
-                      + f"; {seconds(max(0.0, self.budget.left_s()))} of the {seconds(self.budget.total_s)} budget left")
+                      "batch before it" + (f", predicted {seconds(predicted.cost_s)}; {seconds(max(0.0, self.budget.left_s()))} "
+                                           f"of the {seconds(self.budget.total_s)} budget left" if predicted is not None else ""))
         self.records.append({
             "trial": last, "kind": self.kinds.get(last, last), "first": batches[0] if batches else batch - 1,
             "last": batches[-1] if batches else batch - 1, "outcome": outcome, "cost_s": round(cost, 4),
