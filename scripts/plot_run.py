@@ -6,7 +6,9 @@ Panel 1: throughput (tokens/s, Composer's SpeedMonitor) per batch.
 Panel 2: the microbatch size in use (step plot) and the number of microbatches per batch.
 Both panels: grey background while automicro's sync hooks are on; a red x (with a dotted
 line) for every attempt that ran out of memory, at the failing size and with the rank and
-site; orange for thrash events. A run without auto microbatching gets the throughput panel only.
+site; orange for thrash events; each trial's batches shaded in its own colour (the
+`automicro/trial` traces), labelled with its name, what it decided and its cost. A run without
+auto microbatching gets the throughput panel only.
 
 The x axis is the 0-based batch index, as in the ``[automicro] batch N attempt M`` console
 lines (Composer logs a batch's metrics at step N + 1). ``metrics.jsonl`` is appended to by each
@@ -44,10 +46,13 @@ WASTE = "automicro/padding_waste"
 COUNT = "automicro/num_microbatches"
 HOOKS = "automicro/hooks_active"
 EVENT = "automicro/event"
+TRIAL = "automicro/trial"  # one trace per trial that ended (`automicro.batch.trial_plan.TrialPlan.take_records`)
 
 OOM_COLOR = "#d62728"
 THRASH_COLOR = "#ff7f0e"
 HOOKS_COLOR = "#d9d9d9"
+PROFILE_COLOR = "#e5e5c0"  # the profiled batch the trials are priced from
+TRIAL_COLORS = ("#aec7e8", "#ffbb78", "#98df8a", "#c5b0d5", "#f7b6d2", "#dbdb8d", "#9edae5")
 
 
 class PlotError(Exception):
@@ -59,6 +64,7 @@ class Run:
     name: str
     batches: dict[int, dict[str, Any]] = field(default_factory=dict)  # batch index -> merged metrics
     events: list[dict[str, Any]] = field(default_factory=list)
+    trials: list[dict[str, Any]] = field(default_factory=list)  # the trials that ended, first batch first
     skipped_lines: int = 0
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
@@ -108,6 +114,8 @@ def read_run(path: str, all_launches: bool = False, default_name: str = "") -> R
         if row.get("trace"):
             if isinstance(row.get(EVENT), dict):
                 run.events.append(row[EVENT])
+            if isinstance(row.get(TRIAL), dict):
+                run.trials.append(row[TRIAL])
             continue
         if not isinstance(step, int):
             continue
@@ -136,6 +144,20 @@ def spans(xs: list[int], flags: list[float]) -> list[tuple[float, float]]:
             start = prev = None
     if start is not None:
         out.append((start - 0.5, prev + 0.5))
+    return out
+
+
+def trial_shades(run: Run) -> list[tuple[float, float, str, str]]:
+    """Each trial that ended: (x from, x to, its colour, "name: what it decided, its cost"); one colour per trial
+    name, in the order they first ran."""
+    colors: dict[str, str] = {}
+    out = []
+    for trial in sorted(run.trials, key=lambda t: int(t.get("first", 0))):
+        name = str(trial.get("trial", "trial"))
+        color = PROFILE_COLOR if name == "profile" else colors.setdefault(name, TRIAL_COLORS[len(colors) % len(TRIAL_COLORS)])
+        cost = trial.get("cost_s")
+        text = name + (f": {trial['outcome']}" if trial.get("outcome") else "") + (f", {cost:+.2f} s" if isinstance(cost, (int, float)) else "")
+        out.append((int(trial.get("first", 0)) - 0.5, int(trial.get("last", 0)) + 0.5, color, text))
     return out
 
 
@@ -207,9 +229,12 @@ def plot(run: Run, out_path: str) -> None:
     hook_spans = spans(hook_xs, guarded)
     oom_events = [e for e in run.events if e.get("outcome") == "oom"]
     thrash_events = [e for e in run.events if e.get("outcome") == "thrash"]
+    trial_spans = trial_shades(run)
     for ax in axes:
         for lo, hi in hook_spans:
             ax.axvspan(lo, hi, color=HOOKS_COLOR, alpha=0.6, lw=0, zorder=0)
+        for lo, hi, color, _ in trial_spans:
+            ax.axvspan(lo, hi, color=color, alpha=0.55, lw=0, zorder=0)
         for events, color in ((oom_events, OOM_COLOR), (thrash_events, THRASH_COLOR)):
             for x in sorted({int(e.get("batch", -1)) for e in events}):
                 ax.axvline(x, color=color, ls=":", lw=1.2, alpha=0.8, zorder=1)
@@ -236,10 +261,16 @@ def plot(run: Run, out_path: str) -> None:
                    transform=ax_tp.transAxes, color="#555555")
     ax_tp.set_ylabel(label)
     ax_tp.set_title("throughput", loc="left", fontsize=10)
+    for lo, hi, color, text in trial_spans:  # each trial named where it ran, top of the throughput panel
+        ax_tp.annotate(text, xy=((lo + hi) / 2, 1.0), xycoords=("data", "axes fraction"), xytext=(0, -4),
+                       textcoords="offset points", fontsize=7, rotation=90, ha="center", va="top", color="#333333",
+                       zorder=6)
 
     handles = []
     if hook_spans:
         handles.append(Patch(color=HOOKS_COLOR, alpha=0.6, label="sync hooks on (searching / settling)"))
+    if trial_spans:
+        handles.append(Patch(color=trial_spans[0][2], alpha=0.55, label="a trial's batches (named above: what it decided, cost)"))
     if oom_events:
         handles.append(Line2D([], [], color=OOM_COLOR, marker="x", ls=":", ms=9, mew=2, label="OOM (failed attempt)"))
     if thrash_events:

@@ -224,6 +224,33 @@ def test_plot_script_draws_a_run_without_auto_microbatching(tmp_path):
     assert matplotlib.image.imread(str(tmp_path / "p.png")).shape[:2] == (495, 1210)
 
 
+def test_plot_script_shades_each_trials_batches_with_its_name_outcome_and_cost(tmp_path):
+    """The `automicro/trial` traces (one per trial that ended) become shaded spans, one colour per trial, named."""
+    import importlib.util
+
+    import matplotlib.image
+
+    spec = importlib.util.spec_from_file_location("plot_run", PLOT)
+    plot_run = importlib.util.module_from_spec(spec)
+    sys.modules["plot_run"] = plot_run  # its dataclasses look their module up
+    spec.loader.exec_module(plot_run)
+    rows = [{"step": 0, "trace": True, "run_start": {"run_name": "priced"}}]
+    rows += [{"step": s, "throughput/tokens_per_sec": 1000.0, "automicro/microbatch_size": 4, "automicro/num_microbatches": 2,
+              "automicro/hooks_active": int(s < 4), "automicro/trial": 0, "automicro/trials_s": 0.0} for s in range(1, 21)]
+    rows += [{"step": 7, "trace": True, "automicro/trial": {"trial": "profile", "kind": "profile", "first": 4, "last": 5,
+                                                            "outcome": "", "cost_s": 0.4, "predicted_s": None}},
+             {"step": 13, "trace": True, "automicro/trial": {"trial": "no_reshard", "kind": "no_reshard", "first": 6, "last": 11,
+                                                             "outcome": "kept", "cost_s": -0.25, "predicted_s": 0.14}}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = plot_run.read_run(str(tmp_path / "metrics.jsonl"))
+    shades = plot_run.trial_shades(run)
+    assert [(lo, hi, text) for lo, hi, _, text in shades] == [(3.5, 5.5, "profile, +0.40 s"), (5.5, 11.5, "no_reshard: kept, -0.25 s")]
+    assert shades[0][2] == plot_run.PROFILE_COLOR and shades[1][2] != shades[0][2]
+    result = _run([sys.executable, str(PLOT), str(tmp_path), "-o", str(tmp_path / "p.png")], 120, _offline_env(tmp_path))
+    assert result.returncode == 0, result.stdout
+    assert matplotlib.image.imread(str(tmp_path / "p.png")).shape[:2] == PNG_SHAPE
+
+
 # ---- (c) one event trace per OOM in metrics.jsonl -----------------------------------------------
 
 
