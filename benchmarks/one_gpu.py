@@ -16,6 +16,9 @@ most over its steady batches, and half of it, so the best hand-set sizes are tim
                  compile: true: on one rank what noshardmodel-* runs, from the YAML a multi-GPU job uses
   keeppin-*      compile: true with `on_one_rank: keep`: FSDP2 pinned, not timed against the model
                  unsharded (blocks-* times both under `auto` by default: its JSON's "one_rank" lines)
+  notrials-*     compile: true with `callbacks.auto_microbatching.trials: false`: the size search and nothing
+                 else (blocks-* prices and runs the trials that pay: the end-to-end ratio of the two is what
+                 the trials won)
   layout-*       FSDP2 with `callbacks.auto_microbatching.layout: auto` (issue 26's layout search)
   pinned-*       FSDP2 with both layout trades pinned (`layout: [grad_sync_once, no_reshard]`)
   gso-*          FSDP2 with `layout: [grad_sync_once]` pinned (no search, no checkpointing)
@@ -64,7 +67,7 @@ import harness  # noqa: E402
 VARIANTS = ("eager-auto", "blocks-auto", "model-auto")
 SEQ, PER_RANK_BATCH = 2048, 32  # per-rank batch = global batch on one GPU
 # The automicro variant with the same compile setting as a stock Composer one (the table's ratios).
-COUNTERPART = {"composer": "eager", "composercompile": "blocks", "unshardpin": "blocks"}
+COUNTERPART = {"composer": "eager", "composercompile": "blocks", "unshardpin": "blocks", "notrials": "blocks"}
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16, SXM
 
 
@@ -105,6 +108,8 @@ def overrides(variant: str, args: argparse.Namespace, run_dir: str) -> list[str]
         common += ["parallelism_config.fsdp2.on_one_rank=unshard", "compile=true"] + backend
     elif kind == "keeppin":  # FSDP2 pinned on one rank (not timed against the model unsharded); each-block compile asked
         common += ["parallelism_config.fsdp2.on_one_rank=keep", "compile=true"] + backend
+    elif kind == "notrials":  # each block compiled, no trial at all: the size search and nothing else
+        common += ["compile=true", "callbacks.auto_microbatching.trials=false"] + backend
     elif kind == "composercompile":  # Composer's own compile: the whole model, its `compile_config`
         common += ["parallelism_config=null", "compile.scope=model"] + backend
     elif kind == "layout":
@@ -220,7 +225,13 @@ def summarize(variant: str, rows: list[dict[str, Any]], console: list[str], skip
         # The trial plan (`automicro.batch.trial_plan`): the profile, what it ruled out, the price line.
         "trial_lines": [line.split("] ", 1)[-1] for line in console
                         if "a batch profiled" in line or "not timed:" in line or "not tried:" in line or "] trials:" in line
-                        or "not run (a smaller" in line or "no trade nor smaller" in line],
+                        or "not run:" in line or "no trade nor smaller" in line or "not compiled again" in line
+                        or "not timed against" in line],
+        # Each trial that ended: its real cost against the batch before it and its predicted cost (`trial_plan`).
+        "trials": [{"trial": m.group(1), "outcome": m.group(2), "cost_s": float(m.group(3)), "batches": int(m.group(4)),
+                    "predicted_s": float(m.group(5)) if m.group(5) else None}
+                   for line in console if (m := re.search(r"\] trials: (.+?) ended \((.*?)\): cost (-?[0-9.]+) s over (\d+) "
+                                                          r"batch\(es\)[^,]*(?:, predicted ([0-9.]+) s)?", line))],
         # FSDP2 against the model unsharded on one rank: what was timed and kept (`sharding_choice`).
         "one_rank": [line.split("] ", 1)[-1] for line in console if "] one rank: " in line],
     }

@@ -240,7 +240,7 @@ class TrainingSearch:
         watchdog = rt.watchdog
         if watchdog is not None:  # what the batch should cost is known once the plan has given it (below)
             watchdog.batch(step.batch_index, False, f"training batch {step.batch_index}")
-        turn = plan.before_batch(step.batch_index, self._steady(), self._configuration())
+        turn = plan.before_batch(step.batch_index, self._steady(), self._configuration)
         if watchdog is not None:  # a settled batch should take the settled median (`core.watchdog`)
             watchdog.settled = self._steady() and turn is None
             watchdog.phase = (f"training batch {step.batch_index} ("

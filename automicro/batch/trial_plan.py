@@ -169,8 +169,8 @@ class TrialPlan:
 
     def before_batch(self, batch: int, steady: bool, configuration: Any) -> Optional[str]:
         """The trial (by name), or `PROFILE`, that holds batch `batch`; None: no trial. `steady`: the size has
-        settled (sync hooks off); `configuration`: what the trials have kept so far (a profile of another
-        configuration prices nothing)."""
+        settled (sync hooks off); `configuration`: what the trials have kept so far, or a callable that says it
+        (a profile of another configuration prices nothing)."""
         now = time.perf_counter()
         graphs = self.graphs()
         if self._started is not None and self._started[0] == batch - 1:
@@ -228,6 +228,8 @@ class TrialPlan:
                     return trial.name
                 self._rule_out(trial, why)
         profiled = [t for t in self.trials if t.pending and t.profiled]
+        if callable(configuration):  # read now: the trials ruled out above may have changed it
+            configuration = configuration()
         if profiled and self.priced and self.profile_needed(configuration):
             why = self._profile_unaffordable()
             if why is None:
