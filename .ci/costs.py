@@ -1,41 +1,108 @@
 #!/usr/bin/env python3
-"""The suite's costs against the budget (issue 59). Standard library only.
+"""The gate's costs as data, and the prediction that sizes a run. Standard library only.
 
-    python3 .ci/costs.py report DIR TOTAL_S BUDGET_S   # after .ci/run's legs: the total against the budget,
-                                                      # each leg's test seconds against tests/costs.json,
-                                                      # the ten costliest files
-    python3 .ci/costs.py update DIR                    # tests/costs.json from a run's leg files
+    python3 .ci/costs.py predict SECONDS [BUDGET_S]    # SECONDS: this machine's calibration (.ci/calibrate.py);
+                                                      # prints the speed factor against the recorded one, the
+                                                      # prediction of the whole .ci/run, and the share of each
+                                                      # file's launches that keeps it within BUDGET_S (2400)
+    python3 .ci/costs.py report DIR TOTAL_S BUDGET_S   # after .ci/run: the total against the budget, each step
+                                                      # and leg against tests/costs.json, the costliest files
+    python3 .ci/costs.py update DIR                    # tests/costs.json from a run's DIR (.ci-costs)
     python3 .ci/costs.py files [K/N]                   # the test files, costliest first (part K of N:
                                                       # dealt about equally by cost), for scripts/full_suite.sh
     python3 .ci/costs.py update-full FILE...           # tests/costs_full.json from scripts/full_suite.sh's
                                                       # costs.json (one per part)
 
-DIR holds one ``LEG.json`` per leg (``{test file: seconds}``, written by `tests/costs.py` where
-``AUTOMICRO_COSTS_OUT`` names it; `.ci/run` writes ``.ci-costs/leg1.json`` .. ``leg3.json``).
-`tests/costs.json` keeps ``{"legs": {LEG: {file: seconds}}, "measured": ...}``: the costs of the last
-run someone recorded, so that a change can see what it adds (`report` prints each leg's change).
+DIR holds one ``LEG.json`` per leg (``{"files": {file: seconds}, "launches": {file: {launch: seconds}}}``,
+written by `tests/costs.py` where ``AUTOMICRO_COSTS_OUT`` names it) and ``steps.json`` (``{step: seconds}``:
+the docs, the venvs, the calibration, each leg's wall time, written by `.ci/run`). `tests/costs.json` keeps
+the last recorded run: ``{"legs": {LEG: {file: s}}, "launches": {LEG: {file: {launch: s}}}, "steps": {...},
+"measured": ...}``; `tests/test_costs.py` holds the recorded whole within `GATE_S`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
-from typing import Any
+from typing import Any, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORDED = os.path.join(ROOT, "tests", "costs.json")
 RECORDED_FULL = os.path.join(ROOT, "tests", "costs_full.json")
 UNKNOWN_S = 120.0  # a file no run recorded yet: dealt early, as one of the costlier ones
+GATE_S = 1800.0  # the recorded gate on the recording machine: a machine 1.3x slower still fits 40 minutes
+BUDGET_S = 2400.0  # 40 minutes: a run predicted over it draws fewer launches
+SHARES = tuple(round(0.05 * k, 2) for k in range(20, 0, -1))  # the launch shares a prediction chooses from
+STEPS = "steps.json"
+# Steps whose time is not tests: the docs build, the leg-1 venvs, the calibration, the wait for the newer
+# legs' venvs; each leg's wall time less its tests is its own start-up (collection, imports).
+FIXED_STEPS = ("docs", "venv", "calibration", "venvs_wait")
+
+
+def _leg_doc(doc: dict[str, Any]) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """(files, launches) of a leg file; an older one holds ``{file: seconds}`` only (one launch-less group each)."""
+    if "files" not in doc:
+        files = {k: float(v) for k, v in doc.items()}
+        return files, {k: {"": v} for k, v in files.items()}
+    return ({k: float(v) for k, v in doc["files"].items()},
+            {f: {g: float(v) for g, v in groups.items()} for f, groups in doc.get("launches", {}).items()})
+
+
+def read_run(folder: str) -> dict[str, Any]:
+    """A run's DIR: {"legs": {leg: {file: s}}, "launches": {leg: {file: {launch: s}}}, "steps": {step: s}}."""
+    out: dict[str, Any] = {"legs": {}, "launches": {}, "steps": {}}
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if not name.endswith(".json"):
+            continue
+        doc = _read(os.path.join(folder, name))
+        if name == STEPS:
+            out["steps"] = {k: float(v) for k, v in doc.items()}
+            continue
+        leg = name[: -len(".json")]
+        out["legs"][leg], out["launches"][leg] = _leg_doc(doc)
+    return out
 
 
 def read_legs(folder: str) -> dict[str, dict[str, float]]:
-    legs = {}
-    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-        if name.endswith(".json"):
-            with open(os.path.join(folder, name), encoding="utf-8") as handle:
-                legs[name[: -len(".json")]] = {k: float(v) for k, v in json.load(handle).items()}
-    return legs
+    return read_run(folder)["legs"]
+
+
+def predicted_s(doc: dict[str, Any], share: float = 1.0) -> float:
+    """The whole run's seconds as recorded in `doc` (tests/costs.json's form), each file drawing `share` of its
+    launches (at least one): the fixed steps, each leg's start-up, each file's tests without a launch, and of its
+    launches the share's expected cost (the launches' mean cost times the count drawn)."""
+    steps = doc.get("steps", {})
+    total = sum(float(steps.get(step, 0.0)) for step in FIXED_STEPS)
+    for leg, files in doc.get("legs", {}).items():
+        launches = doc.get("launches", {}).get(leg, {})
+        tests = 0.0
+        for file, seconds in files.items():
+            groups = launches.get(file) or {"": seconds}
+            runs = {g: v for g, v in groups.items() if g}
+            tests += groups.get("", 0.0)
+            if runs:
+                drawn = max(1, math.ceil(share * len(runs))) if share < 1.0 else len(runs)
+                tests += sum(runs.values()) / len(runs) * drawn
+        total += tests + max(0.0, float(steps.get(leg, 0.0)) - sum(files.values()))
+    return total
+
+
+def choose_share(doc: dict[str, Any], factor: float, budget_s: float = BUDGET_S) -> tuple[float, float]:
+    """The largest share of `SHARES` whose prediction (recorded x `factor`) fits `budget_s`, and that prediction;
+    the smallest share where none fits (a slow machine draws less, never nothing)."""
+    for share in SHARES:
+        prediction = factor * predicted_s(doc, share)
+        if prediction <= budget_s:
+            return share, prediction
+    return SHARES[-1], factor * predicted_s(doc, SHARES[-1])
+
+
+def speed_factor(doc: dict[str, Any], calibration_s: float) -> float:
+    """This machine against the recorded one: its calibration's seconds over the recorded (1.0 where none was)."""
+    recorded_s = float(doc.get("steps", {}).get("calibration", 0.0))
+    return calibration_s / recorded_s if recorded_s > 0 and calibration_s > 0 else 1.0
 
 
 def _read(path: str) -> dict[str, Any]:
@@ -49,9 +116,14 @@ def recorded() -> dict[str, Any]:
     return _read(RECORDED) or {"legs": {}}
 
 
-def report(legs: dict[str, dict[str, float]], total_s: float, budget_s: float, before: dict[str, Any]) -> list[str]:
+def report(legs: dict[str, dict[str, float]], total_s: float, budget_s: float, before: dict[str, Any],
+           steps: Optional[dict[str, float]] = None) -> list[str]:
     verdict = "within" if total_s <= budget_s else f"OVER by {total_s - budget_s:.0f} s"
     lines = [f"costs: .ci/run {total_s:.0f} s against a budget of {budget_s:.0f} s: {verdict}"]
+    was_steps = before.get("steps", {})
+    for step, seconds in (steps or {}).items():
+        change = f" (recorded {was_steps[step]:.0f} s)" if step in was_steps else ""
+        lines.append(f"costs: step {step}: {seconds:.0f} s{change}")
     for leg, files in legs.items():
         was = before.get("legs", {}).get(leg)
         change = "" if was is None else f" (recorded {sum(was.values()):.0f} s: {sum(files.values()) - sum(was.values()):+.0f} s)"
@@ -116,10 +188,20 @@ def main(argv: list[str]) -> int:
             return 2
         print("\n".join(deal(file_costs(test_files(), _read(RECORDED_FULL), recorded()), part, parts)))
         return 0
+    if argv[:1] == ["predict"] and len(argv) in (2, 3):
+        doc = recorded()
+        factor = speed_factor(doc, float(argv[1]))
+        budget = float(argv[2]) if len(argv) == 3 else BUDGET_S
+        full = factor * predicted_s(doc)
+        share, prediction = choose_share(doc, factor, budget)
+        print(f"predict: speed {factor:.2f}x the recorded machine; the whole gate {full:.0f} s predicted; "
+              f"launch share {share:g}: {prediction:.0f} s predicted (budget {budget:.0f} s)")
+        print(f"share={share:g}")
+        return 0
     if argv[:1] == ["update-full"] and len(argv) >= 2:
         files: dict[str, float] = {}
         for path in argv[1:]:
-            files.update({k: float(v) for k, v in _read(path).items()})
+            files.update(_leg_doc(_read(path))[0])
         if not files:
             print(f"costs: no costs in {' '.join(argv[1:])}: nothing recorded", file=sys.stderr)
             return 1
@@ -127,19 +209,20 @@ def main(argv: list[str]) -> int:
         print(f"costs: {RECORDED_FULL} now holds {len(files)} files, {sum(files.values()):.0f} s")
         return 0
     if len(argv) == 4 and argv[0] == "report":
-        legs = read_legs(argv[1])
-        if not legs:
+        run = read_run(argv[1])
+        if not run["legs"]:
             print(f"costs: no leg files in {argv[1]}")
             return 0
-        print("\n".join(report(legs, float(argv[2]), float(argv[3]), recorded())))
+        print("\n".join(report(run["legs"], float(argv[2]), float(argv[3]), recorded(), run["steps"])))
         return 0
     if len(argv) == 2 and argv[0] == "update":
-        legs = read_legs(argv[1])
-        if not legs:
+        run = read_run(argv[1])
+        if not run["legs"]:
             print(f"costs: no leg files in {argv[1]}: nothing recorded", file=sys.stderr)
             return 1
-        _record(RECORDED, {"legs": legs}, "a .ci/run on a 2-core development machine")
-        print(f"costs: {RECORDED} now holds {', '.join(f'{leg} {sum(f.values()):.0f} s' for leg, f in legs.items())}")
+        _record(RECORDED, run, "a .ci/run on a 2-core development machine")
+        print(f"costs: {RECORDED} now holds {', '.join(f'{leg} {sum(f.values()):.0f} s' for leg, f in run['legs'].items())}; "
+              f"the whole gate {predicted_s(run):.0f} s")
         return 0
     print(__doc__, file=sys.stderr)
     return 2

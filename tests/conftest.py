@@ -94,6 +94,10 @@ def pytest_collection_modifyitems(config, items):
     _leave_the_full_tier(config, items)
     _sample_many_rank_launches(config, items)
     _share_version_launches(config, items)
+    _draw_launch_share(config, items)
+    from tests import costs
+
+    costs.LAUNCH_OF.update({item.nodeid: launch_of(item) or "" for item in items})
 
 
 def _named_case(table, item) -> bool:
@@ -162,6 +166,35 @@ def _launch_group(item):
     return None
 
 
+def launch_of(item):
+    """The launch a test belongs to (None: it starts no process): the processes one module- or class-scoped fixture
+    starts serve every test that uses it; else the test's own (with its parameters, one launch each)."""
+    if item.get_closest_marker("multiproc") is None and "run_multiprocess(" not in _source(item):
+        return None
+    group = _launch_group(item)
+    return group if group and group.startswith("fixture ") else f"test {item.name}"
+
+
+def _draw_launch_share(config, items):
+    """A slow machine draws less, never nothing: with ``--launch-share S`` (S in (0, 1]; `.ci/run` sets it from its
+    prediction, `.ci/costs.py predict`) each test file keeps a seeded share S of its launches, at least one; the
+    tests that launch nothing all run. Over successive seeds every launch runs; `--full` takes every one."""
+    from tests import matrix
+
+    share = matrix.parse_fraction(config.getoption("--launch-share"))
+    if share >= 1.0:
+        return
+    launches = {}
+    for item in items:
+        group = launch_of(item)
+        if group is not None:
+            launches.setdefault(Path(str(item.fspath)).name, {}).setdefault(group, []).append(item)
+    kept = matrix.share_of("launch share", {file: sorted(groups) for file, groups in launches.items()}, share)
+    dropped = [item for file, groups in launches.items() for group, tests in groups.items()
+               if (file, group) not in kept for item in tests]
+    _deselect(config, items, dropped)
+
+
 def _source(item) -> str:
     import inspect
 
@@ -199,6 +232,13 @@ def pytest_addoption(parser):
         "--versions-share", default=None, metavar="K/N",
         help="CI's torch 2.11 / 2.15 legs: this leg's share (1/2, 2/2) of the torch_versions tests' launches, dealt "
         "per file with the run's seed (tests/matrix.shares); --full takes every launch",
+    )
+
+
+    parser.addoption(
+        "--launch-share", default="1", metavar="S",
+        help="each test file runs a seeded share S (0 < S <= 1) of its launches, at least one; the tests that launch "
+        "nothing all run (.ci/run lowers it on a slow machine: .ci/costs.py predict); --full takes every launch",
     )
 
 

@@ -18,6 +18,7 @@ versions between them, dealt per test file with the same seed (`tests/conftest.p
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import re
@@ -120,6 +121,34 @@ def shares(name: str, groups: Sequence[tuple[str, Hashable]], part: int, parts: 
         if index % parts == part - 1:
             taken.update((file, group) for group in by_file[file])
     DRAWN[f"{name} {part}/{parts}"] = (len(taken), total)
+    return taken
+
+
+def parse_fraction(text: str) -> float:
+    """`S` (pytest's `--launch-share`): a share in (0, 1]."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        value = -1.0
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"--launch-share={text!r}: expected a number in (0, 1], e.g. 0.5 (half of each file's launches)")
+    return value
+
+
+def share_of(name: str, launches: dict[str, list[Hashable]], share: float) -> set[tuple[str, Hashable]]:
+    """Of each file's launches, a seeded `share` (rounded up, at least one): (file, launch) pairs. Every launch
+    under `full()`."""
+    total = sum(map(len, launches.values()))
+    if full() or share >= 1.0:
+        DRAWN[name] = (total, total)
+        return {(file, launch) for file, row in launches.items() for launch in row}
+    taken: set[tuple[str, Hashable]] = set()
+    for file in sorted(launches):
+        row = sorted(launches[file], key=repr)
+        count = max(1, math.ceil(share * len(row)))
+        rng = random.Random(f"{seed()}:{name}:{file}:{_torch_minor()}")
+        taken.update((file, launch) for launch in rng.sample(row, count))
+    DRAWN[f"{name} {share:.2f}"] = (len(taken), total)
     return taken
 
 

@@ -1,5 +1,6 @@
-"""The suite's costs as data (issue 59): what each run measures per test file (`tests/costs.py`) and
-the report `.ci/run` prints against the budget (`.ci/costs.py`). No launches."""
+"""The suite's costs as data: what each run measures per test file and launch (`tests/costs.py`), the
+prediction that sizes a run on a slower machine and the report `.ci/run` prints (`.ci/costs.py`), the
+launch share drawn per file (`tests/matrix.share_of`). No launches."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import importlib.util
 import json
 import os
 from types import SimpleNamespace
+
+import pytest
 
 from tests import costs
 
@@ -20,8 +23,10 @@ def _ci_costs():
     return module
 
 
-def test_each_phase_of_a_test_is_charged_to_its_file_and_the_costliest_come_first(monkeypatch, tmp_path):
+def test_each_phase_of_a_test_is_charged_to_its_file_and_its_launch_and_the_costliest_come_first(monkeypatch, tmp_path):
     monkeypatch.setattr(costs, "_seconds", costs.defaultdict(float))
+    monkeypatch.setattr(costs, "_launches", costs.defaultdict(lambda: costs.defaultdict(float)))
+    monkeypatch.setattr(costs, "LAUNCH_OF", {"tests/b.py::C::t2[x]": "fixture two_ranks", "tests/a.py::t4": "test t4"})
     for nodeid, duration in [("tests/a.py::t1", 2.0), ("tests/a.py::t1", 0.5), ("tests/b.py::C::t2[x]", 4.0),
                              ("tests/c.py::t3", 0.25), ("tests/a.py::t4", 1.0)]:
         costs.record(SimpleNamespace(nodeid=nodeid, duration=duration))
@@ -30,7 +35,10 @@ def test_each_phase_of_a_test_is_charged_to_its_file_and_the_costliest_come_firs
     monkeypatch.setenv("AUTOMICRO_COSTS_OUT", str(out))
     lines = costs.summary_lines()
     assert lines[0].startswith("test costs: 8 s over 3 files (written to ") and "3.5 s  tests/a.py" in lines[2], lines
-    assert json.loads(out.read_text()) == {"tests/a.py": 3.5, "tests/b.py": 4.0, "tests/c.py": 0.2}
+    assert json.loads(out.read_text()) == {
+        "files": {"tests/a.py": 3.5, "tests/b.py": 4.0, "tests/c.py": 0.2},
+        "launches": {"tests/a.py": {"": 2.5, "test t4": 1.0}, "tests/b.py": {"fixture two_ranks": 4.0}, "tests/c.py": {"": 0.2}},
+    }
 
 
 def test_the_report_gives_the_total_against_the_budget_each_legs_change_and_the_costliest_files(tmp_path):
@@ -46,15 +54,73 @@ def test_the_report_gives_the_total_against_the_budget_each_legs_change_and_the_
     assert ci.report({"leg1": {"x": 1.0}}, 2300, 2400, {})[0].endswith(": within")
 
 
-def test_update_records_the_legs_in_the_repo_file(tmp_path, monkeypatch):
+def test_update_records_the_legs_their_launches_and_the_steps_in_the_repo_file(tmp_path, monkeypatch):
     ci = _ci_costs()
     monkeypatch.setattr(ci, "RECORDED", str(tmp_path / "costs.json"))
     assert ci.main(["update", str(tmp_path / "nothing")]) == 1  # no leg files: nothing written
     assert not (tmp_path / "costs.json").exists()
     (tmp_path / "legs").mkdir()
-    (tmp_path / "legs" / "leg3.json").write_text(json.dumps({"tests/a.py": 12.5}))
+    (tmp_path / "legs" / "leg3.json").write_text(json.dumps({"files": {"tests/a.py": 12.5}, "launches": {"tests/a.py": {"test t": 12.5}}}))
+    (tmp_path / "legs" / "steps.json").write_text(json.dumps({"docs": 60, "leg3": 20.0, "calibration": 3.0}))
     assert ci.main(["update", str(tmp_path / "legs")]) == 0
-    assert json.loads((tmp_path / "costs.json").read_text())["legs"] == {"leg3": {"tests/a.py": 12.5}}
+    doc = json.loads((tmp_path / "costs.json").read_text())
+    assert doc["legs"] == {"leg3": {"tests/a.py": 12.5}} and doc["launches"] == {"leg3": {"tests/a.py": {"test t": 12.5}}}
+    assert doc["steps"] == {"docs": 60.0, "leg3": 20.0, "calibration": 3.0}
+    # The whole: the docs, the calibration, leg 3's start-up (20 - 12.5 s) and its tests.
+    assert ci.predicted_s(doc) == pytest.approx(60 + 3 + 7.5 + 12.5)
+
+
+def _recorded_gate() -> dict:
+    """A recorded run: 1,000 s of fixed steps; a leg whose two files launch 4 and 1 times (100 s each) beside 50 s of
+    tests that launch nothing."""
+    return {
+        "steps": {"docs": 100.0, "venv": 800.0, "calibration": 5.0, "venvs_wait": 95.0, "leg1": 1550.0},
+        "legs": {"leg1": {"tests/test_a.py": 450.0, "tests/test_b.py": 100.0}},
+        "launches": {"leg1": {"tests/test_a.py": {"": 50.0, "fixture x": 100.0, "test p[1]": 100.0, "test p[2]": 100.0,
+                                                  "test q": 100.0},
+                              "tests/test_b.py": {"test r": 100.0}}},
+    }
+
+
+def test_a_machine_as_fast_as_the_recorded_one_draws_every_launch():
+    ci = _ci_costs()
+    doc = _recorded_gate()
+    assert ci.speed_factor(doc, 5.0) == 1.0
+    assert ci.predicted_s(doc) == pytest.approx(1000 + 1000 + 550)  # steps, leg 1's start-up, its tests
+    assert ci.choose_share(doc, 0.9, budget_s=2400) == (1.0, pytest.approx(0.9 * 2550))
+
+
+def test_a_slower_machine_draws_a_smaller_share_of_each_files_launches_never_below_one_a_file():
+    """Twice as slow: 5,100 s predicted at every launch. Each share keeps at least one launch a file, and the tests
+    that launch nothing always count; where even one launch a file does not fit, the smallest share is drawn."""
+    ci = _ci_costs()
+    doc = _recorded_gate()
+    factor = ci.speed_factor(doc, 10.0)
+    assert factor == 2.0
+    share, prediction = ci.choose_share(doc, factor, budget_s=4700)
+    assert share < 1.0 and prediction <= 4700
+    # At share 0.5, test_a.py draws 2 of its 4 launches, test_b.py its one: 300 s of launches instead of 500.
+    assert ci.predicted_s(doc, 0.5) == pytest.approx(2000 + 50 + 200 + 100)
+    # Never below one launch a file: the least any share predicts.
+    floor = 2000 + 50 + 100 + 100
+    assert all(ci.predicted_s(doc, s) >= floor for s in ci.SHARES)
+    assert ci.choose_share(doc, factor, budget_s=100) == (ci.SHARES[-1], pytest.approx(2 * floor))
+
+
+def test_the_launch_share_is_drawn_per_file_at_least_one_each_and_over_seeds_every_launch_runs(monkeypatch):
+    from tests import matrix
+
+    launches = {"test_a.py": [f"launch {i}" for i in range(8)], "test_b.py": ["only"]}
+    seen = set()
+    for seed in range(40):
+        monkeypatch.setenv(matrix.SEED_ENV, str(seed))
+        taken = matrix.share_of("launch share", launches, 0.25)
+        assert sum(1 for file, _ in taken if file == "test_a.py") == 2 and ("test_b.py", "only") in taken
+        seen |= taken
+    assert seen == {(file, launch) for file, row in launches.items() for launch in row}
+    assert len(matrix.share_of("launch share", launches, 1.0)) == 9
+    with pytest.raises(ValueError, match="expected a number in \\(0, 1\\]"):
+        matrix.parse_fraction("0")
 
 
 def test_every_test_file_has_its_recorded_cost_and_no_recorded_file_is_gone():
