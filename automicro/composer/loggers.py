@@ -104,7 +104,8 @@ def build_loggers(cfg: TrainConfig) -> list[LoggerDestination]:
 class AutomicroWandBLogger(WandBLogger):
     """Composer's `WandBLogger` that also keeps traces: Composer's drops them. Each
     ``automicro/event`` (one per failed attempt) is appended to the run summary's
-    ``automicro/events`` list, which does not advance wandb's step."""
+    ``automicro/events`` list, each ``automicro/trial`` (one per trial that ended) to ``automicro/trials``;
+    neither advances wandb's step."""
 
     def log_traces(self, traces: dict[str, Any]) -> None:
         if not self._enabled:
