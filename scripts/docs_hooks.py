@@ -294,21 +294,21 @@ def _run(path: str, variant: str) -> dict:
 
 # (label, file, variant) of the runs each plot draws.
 SEARCH_RUNS = (
-    ("automicro Llama 1B, torch fraction 0.7", "session24/one_gpu_f07.json", "blocks-auto.f07"),
-    ("transformers Llama 1B shape, eager, FSDP2", "session26/one_gpu_hf_eager_h200.json", "eager-auto"),
-    ("the same, unsharded on one rank", "session26/one_gpu_hf_eager_h200.json", "noshard-auto"),
+    ("automicro Llama 1B, torch fraction 0.7", "2026-11-27-size-trials/one_gpu_f07.json", "blocks-auto.f07"),
+    ("transformers Llama 1B shape, eager, FSDP2", "2026-11-27-fsdp2-or-unsharded/one_gpu_hf_eager_h200.json", "eager-auto"),
+    ("the same, unsharded on one rank", "2026-11-27-fsdp2-or-unsharded/one_gpu_hf_eager_h200.json", "noshard-auto"),
 )
-MEMORY_BACK_RUN = ("session23/one_gpu_back12c_h200.json", "blocks-auto_back12c")
+MEMORY_BACK_RUN = ("2026-11-27-compile-shared-card/one_gpu_back12c_h200.json", "blocks-auto_back12c")
 # (setting, (file, automicro's variant), (file, Composer's variant)): tokens/s side by side.
 VS_COMPOSER = (
-    ("whole card, eager", ("session26/one_gpu_hf_eager_h200.json", "eager-auto"), ("session26/one_gpu_hf_eager_h200.json", "composer-auto")),
-    ("whole card, compiled", ("session26/one_gpu_hf_compile_h200.json", "blocks-auto"), ("session26/one_gpu_hf_compile_h200.json", "composercompile-auto")),
-    ("another process takes 20 GiB at batch 15", ("session23/one_gpu_take20c_blocks_h200.json", "blocks-auto_take20c"),
-     ("session23/one_gpu_take20c_composer_h200.json", "composercompile-auto_take20c")),
-    ("another process gives 12 GiB back at batch 14", ("session23/one_gpu_back12c_h200.json", "blocks-auto_back12c"),
-     ("session23/one_gpu_back12c_h200.json", "composercompile-auto_back12c")),
-    ("2 GPUs, another process on rank 1's", ("session23/one_gpu_rank1shared_automicro_h200x2.json", "eager-auto_rank1shared"),
-     ("session23/one_gpu_rank1shared_composer_h200x2.json", "composer-auto_rank1shared")),
+    ("whole card, eager", ("2026-11-27-fsdp2-or-unsharded/one_gpu_hf_eager_h200.json", "eager-auto"), ("2026-11-27-fsdp2-or-unsharded/one_gpu_hf_eager_h200.json", "composer-auto")),
+    ("whole card, compiled", ("2026-11-27-fsdp2-or-unsharded/one_gpu_hf_compile_h200.json", "blocks-auto"), ("2026-11-27-fsdp2-or-unsharded/one_gpu_hf_compile_h200.json", "composercompile-auto")),
+    ("another process takes 20 GiB at batch 15", ("2026-11-27-compile-shared-card/one_gpu_take20c_blocks_h200.json", "blocks-auto_take20c"),
+     ("2026-11-27-compile-shared-card/one_gpu_take20c_composer_h200.json", "composercompile-auto_take20c")),
+    ("another process gives 12 GiB back at batch 14", ("2026-11-27-compile-shared-card/one_gpu_back12c_h200.json", "blocks-auto_back12c"),
+     ("2026-11-27-compile-shared-card/one_gpu_back12c_h200.json", "composercompile-auto_back12c")),
+    ("2 GPUs, another process on rank 1's", ("2026-11-27-compile-shared-card/one_gpu_rank1shared_automicro_h200x2.json", "eager-auto_rank1shared"),
+     ("2026-11-27-compile-shared-card/one_gpu_rank1shared_composer_h200x2.json", "composer-auto_rank1shared")),
 )
 
 

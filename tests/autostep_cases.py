@@ -253,7 +253,7 @@ def run_errors(rank: int, world_size: int) -> dict[str, Any]:
 class TradeRetries(NoMemory):
     """No memory figures, but allocator retries that grow in every attempt run with a layout trade on,
     and in the attempt right after one (a pool a trade fragmented retries once more without it): what
-    two H200s showed under a 0.3 memory fraction (docs/results/session29)."""
+    two H200s showed under a 0.3 memory fraction (docs/results/2026-11-28-autostep)."""
 
     def __init__(self) -> None:
         self.retries = 0

@@ -1,7 +1,7 @@
 """The control-plane simulator (`automicro.core.control_sim`, issue 62): its rounds are the real code's,
 its cost model matches the measured 16-128-rank runs, and its projection to 16,384 ranks runs in seconds.
 
-The measured runs are session 38's (`docs/results/session38/call5/mr/w*.json`: `benchmarks/many_ranks.py`
+The measured runs are session 38's (`docs/results/2026-11-29-many-ranks/call5/mr/w*.json`: `benchmarks/many_ranks.py`
 on nvidia-h200's 16 CPU cores, torch 2.11). A live cross-check runs the benchmark itself on 4 CPU ranks as
 2 simulated hosts (under a hang timeout) and compares its attempts and rounds with the simulation's.
 """
@@ -19,7 +19,7 @@ from automicro.core import control_sim
 from automicro.core.control_sim import ONE_MACHINE, Links, Simulation, leader_exchanges, project, store_ops
 from tests.launch import REPO, run
 
-MEASURED = REPO / "docs" / "results" / "session38" / "call5" / "mr"
+MEASURED = REPO / "docs" / "results" / "2026-11-29-many-ranks" / "call5" / "mr"
 WORLDS = (16, 32, 64, 128)
 
 
