@@ -1,4 +1,4 @@
-"""Issue 58 item 2: what a non-OOM error inside the first attempt does on a GPU with compile (inductor).
+"""What a non-OOM error inside the first attempt does on a GPU with compile (inductor).
 MODE=inject: a RuntimeError after the first forward of batch 0; MODE=killworker: the inductor compile
 workers are killed while the first compile runs. Prints a timeline; time the launcher from outside:
 

@@ -1,4 +1,4 @@
-"""What a failed attempt leaves allocated on a GPU after its wipe (issue 39, item 3), eager and compiled.
+"""What a failed attempt leaves allocated on a GPU after its wipe, eager and compiled.
 
     python3 benchmarks/left_behind.py --out $OUT [--preset 125m] [--cases all]
 

@@ -1,4 +1,4 @@
-"""Many ranks on one machine's cores: the control plane at 16 to 128 CPU ranks (issue 62, item 1).
+"""Many ranks on one machine's cores: the control plane at 16 to 128 CPU ranks.
 
     python3 benchmarks/many_ranks.py --out DIR [--worlds 16,32,64,128] [--per-node 8] [--fuzz-world 64]
 

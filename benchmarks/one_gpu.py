@@ -19,11 +19,11 @@ most over its steady batches, and half of it, so the best hand-set sizes are tim
   notrials-*     compile: true with `callbacks.auto_microbatching.trials: false`: the size search and nothing
                  else (blocks-* prices and runs the trials that pay: the end-to-end ratio of the two is what
                  the trials won)
-  layout-*       FSDP2 with `callbacks.auto_microbatching.layout: auto` (issue 26's layout search)
+  layout-*       FSDP2 with `callbacks.auto_microbatching.layout: auto` (the layout search)
   pinned-*       FSDP2 with both layout trades pinned (`layout: [grad_sync_once, no_reshard]`)
   gso-*          FSDP2 with `layout: [grad_sync_once]` pinned (no search, no checkpointing)
   wholebatch-*   the default config with `start_size: batch`: the search starts at the whole batch
-                 and halves down, as before the probe (issue 26, item 3)
+                 and halves down, as before the probe
   ac-*           the default config with `activation_checkpointing: true` (the layout search may
                  switch it off: the `no_recompute` trade)
   acfixed-*      `activation_checkpointing: true` with `layout: fixed` (checkpointing stays on)
@@ -31,7 +31,7 @@ most over its steady batches, and half of it, so the best hand-set sizes are tim
                  own `auto`: halving), built from the same YAML
   composercompile-*  the same with Composer's own `compile_config={}` (torch.compile of the whole model)
 `--memory-fraction` caps the process's GPU memory in every variant, told to automicro
-(`AutoMicrobatching(memory_fraction=...)`; 0: not set). A card that is not all ours (issue 39):
+(`AutoMicrobatching(memory_fraction=...)`; 0: not set). A card that is not all ours:
 `--torch-fraction F` sets `torch.cuda.set_per_process_memory_fraction(F)` first thing in each
 variant's process, as a user's own script would, telling automicro nothing (`--memory-fraction` is
 then not passed, so Composer's stock run does not raise the cap to it either); `--hog-gib G` starts
@@ -539,9 +539,9 @@ def stock_composer(argv: list[str]) -> int:
 
 
 # `--model NAME`: transformers models built from their configs (no weights downloaded). `hf` is the
-# 1B Llama shape of `automicro.models` with `use_cache=False` (sessions 12-32); the others are public
+# 1B Llama shape of `automicro.models` with `use_cache=False` (the runs of 2026-11-25 to 2026-11-28); the others are public
 # models' shapes with every other config value at transformers' default (`use_cache` included), as a
-# user who builds one from its config gets it (issue 58, item 5).
+# user who builds one from its config gets it.
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "hf": ("LlamaConfig", dict(vocab_size=32000, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
                                num_key_value_heads=8, intermediate_size=8192, use_cache=False)),

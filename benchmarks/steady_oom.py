@@ -28,7 +28,7 @@ Two suites, one launch (every rank runs this file):
   the median over pairs with its distribution-free 95% interval (`harness.median_interval`).
   The ledger's watcher thread and its per-attempt bookkeeping run in both halves of a pair (they
   are built with the callback); their cost is bounded separately (`benchmarks/ledger_cost.py`,
-  one wake-up per 0.2 s). Separate runs per variant were tried first (sessions 4 and 8): the
+  one wake-up per 0.2 s). Separate runs per variant were tried first (2026-11-23): the
   run-to-run spread of a shared host (up to 13.7%) and a Trainer that stays alive after `close()`
   (memory grows run by run) buried the effect.
 

@@ -1,8 +1,8 @@
-"""Issue 58's model on one GPU: transformers `LlamaForCausalLM` in TinyLlama's shape (every other config
+"""One model on one GPU: transformers `LlamaForCausalLM` in TinyLlama's shape (every other config
 value at its default, `use_cache` included) in Composer's `HuggingFaceModel`, seq 2048, per-rank batch
 32, amp_bf16, Composer's DecoupledAdamW, synthetic tokens, `compile: true`; each batch's time (device
 synchronized at batch start and end) and the peak reserved memory, as JSON under $OUT and one
-`RESULT` line. Not on the shared harness: a one-model probe (session 33); `benchmarks/one_gpu.py` is
+`RESULT` line. Not on the shared harness: a one-model probe (`benchmarks/RESULTS.md` 2026-11-29, the compiled TinyLlama row); `benchmarks/one_gpu.py` is
 the harness's one-GPU suite.
 
     PIN=keep MB=auto BATCHES=58 composer -n 1 benchmarks/tinyllama.py   # automicro auto, FSDP2

@@ -232,7 +232,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if args.variant:
-        # A launch that stalls (session 27: a hand-set budget packed with flex attention trained no
+        # A launch that stalls (`benchmarks/RESULTS.md` 2026-11-28, packing: a hand-set budget packed with flex attention trained no
         # batch) prints every thread's stack shortly before the runner's timeout ends it.
         return harness.run_variant_here(args.out, f"varlen_{args.variant}", lambda: run_variant(args.variant, args), args.timeout,
                                         args.nproc, args.cpu)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Where a test launch's seconds go (issue 59, item 3): the fixed part of a 2-rank test, measured.
+"""Where a test launch's seconds go : the fixed part of a 2-rank test, measured.
 
     python scripts/launch_costs.py [--out DIR] [--reps N]      # from the repo root, in the test venv
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent-imports", action="store_true",
                         help="import Composer, automicro's integration and the case modules here first, as pytest's "
                         "collection does before the first launch (the forkserver then preloads them); without it, "
-                        "the launches pay what a forkserver without them does (before session 36: every test run)")
+                        "the launches pay what a forkserver without them does (before the preload: every test run)")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -1,4 +1,4 @@
-"""Multi-rank cases for a card that is not all ours (issue 39): what a failed attempt leaves behind.
+"""Multi-rank cases for a card that is not all ours: what a failed attempt leaves behind.
 (A capacity read wrong and a limit that moves run with the probe's cases, `optimizer_cases.shared_card`.)"""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 
-# ---- a failed attempt leaves nothing behind (issue 39, item 3) --------------------------------------
+# ---- a failed attempt leaves nothing behind --------------------------------------------------
 
 LEFT_BEHIND_SITES = ("forward_pre", "forward", "backward_pre", "backward", "unshard_alloc", "reduce_scatter_alloc", "loss", "optimizer_step")
 LAYOUTS = {

@@ -174,7 +174,7 @@ def _commits(trainer: automicro.Trainer) -> CommittedCheckpoints:
 
 
 def commit_case(world: int, folder: str, checkpoint_format: str, policies: tuple[str, ...] = ("continue", "stop")) -> dict[str, Any]:
-    """Checkpoints as commits (issue 43), `checkpoint_format` full or sharded: a save broken after it
+    """Checkpoints as commits, `checkpoint_format` full or sharded: a save broken after it
     committed (full: the .pt cut to half; sharded: the last rank's shard deleted), then autoresume from
     the newest complete one against a run loaded from it by path; a full disk on one rank with
     save_failure continue, then stop."""

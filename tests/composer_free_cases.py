@@ -1,5 +1,5 @@
 """`automicro.AutoStep` in a process where Composer and every other training framework cannot be
-imported (issue 60): importing this module hides them from the import system first, so the
+imported: importing this module hides them from the import system first, so the
 process that imports it, the forkserver that preloads it and every rank forked from that server
 fail on any ``import composer`` (or transformers, Lightning, accelerate, llm-foundry).
 

@@ -134,7 +134,7 @@ def _sample_many_rank_launches(config, items):
     """The 4-rank launches are sampled like the fault matrices (`tests/matrix.py`): each run takes a
     seeded quarter of them (a launch: a 4-rank module fixture with its tests, or one 4-rank test), the
     rest deselected; `--full` takes every one. The same paths run on 2 ranks in every run; over runs
-    every 4-rank launch comes up (each is ~1-3 minutes on CI's 2 cores; a quarter since session 26,
+    every 4-rank launch comes up (each is ~1-3 minutes on CI's 2 cores; a quarter since 2026-11-27,
     for the 45-minute budget)."""
     import math
 

@@ -1,4 +1,4 @@
-"""What each test file costs, measured by the run that ran it (issue 59: costs are data).
+"""What each test file costs, measured by the run that ran it (costs are data).
 
 Every phase of every test (setup, call, teardown: a module-scoped launch is charged to the file whose
 fixture starts it) adds its seconds to its file. With ``AUTOMICRO_COSTS_OUT=PATH`` in the environment the

@@ -1,4 +1,4 @@
-"""The Python examples of the README and the guides, run as written on 2 CPU ranks (issue 61).
+"""The Python examples of the README and the guides, run as written on 2 CPU ranks.
 
 A ```python block in the docs is preceded by ``<!-- runs: NAME -->``: NAME is a harness here, which
 builds what the example takes as given (a model, a loader, ...: the names it uses but does not

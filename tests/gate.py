@@ -1,4 +1,4 @@
-"""The gate and the full tier (issue 59): what `make test` (CI's `.ci/run`) must keep, and what it leaves
+"""The gate and the full tier: what `make test` (CI's `.ci/run`) must keep, and what it leaves
 to `make test-full`.
 
 The gate is every test except the full tier's. It has a budget: its recorded cost (`tests/costs.json`,
@@ -132,7 +132,7 @@ GUARANTEES: dict[str, list[str]] = {
 }
 
 # Test function -> None (every case) or the (parameter, value) of the one case in the full tier only,
-# with the gate test that runs the same path. Costs are per leg-1 run on 2 cores (session 35).
+# with the gate test that runs the same path. Costs are per leg-1 run on 2 cores (2026-11-29).
 FULL_TIER: dict[str, Optional[tuple[str, str]]] = {
     # 47 s. The gate: the foundry pretrain YAML (the foundry path) and the two-rank fault matrix with a
     # cap on one rank (test_automicro), GPT-2 under asymmetric memory (test_hf_models).

@@ -226,7 +226,7 @@ PRICED_BATCHES = 30
 
 
 def size_case() -> dict[str, Any]:
-    """Size trials (issue 42): no cap, so the whole batch (4) is found; the trades change no time
+    """Size trials: no cap, so the whole batch (4) is found; the trades change no time
     (not kept); then 2 (split 2, 2) is timed faster than 4 and kept (the size policy adopts it), and
     from 2, 1 slower than 2 (not kept)."""
     return fit("auto", SIZE_BATCHES, timing=seconds_by_size({4: 2.0, 2: 1.0, 1: 1.5}), size_trials=True)
@@ -255,7 +255,7 @@ def upsize_cases(without2: int, without3: int) -> dict[str, Any]:
     out["upsize"] = _strip(fit("auto", batches, limit=limit, timing=faster, start_size="probe", faults=[fault]), fixed)
     if torch.distributed.get_world_size() > 2:
         return out  # the two runs below run on 1 and 2 ranks (4 ranks on CI's 2 cores: ~2 min more)
-    # Issue 39, item 4: the rerun at the size found, the trade undone, runs out too (a second fault):
+    # A card not all ours: the rerun at the size found, the trade undone, runs out too (a second fault):
     # an error-level line says the trade was not what held the memory; the size policy goes on.
     import logging
 
@@ -275,12 +275,12 @@ def upsize_cases(without2: int, without3: int) -> dict[str, Any]:
     finally:
         truth.removeHandler(errors)
     out["rerun_out"] = {**_strip(again, fixed), "errors": errors.lines}
-    # Issue 39: the memory comes back (another process gave it up) after checkpointing was kept at 4:
+    # A card not all ours: the memory comes back (another process gave it up) after checkpointing was kept at 4:
     # undone, the size searched again from 2 without it, 4 fits now; checkpointing is not tried again
     # (4 is the whole batch).
     returned = fit("auto", batches + 6, limit=limit, timing=faster, start_size="probe", cap_args={"limit_at_batch": {13: 4 * limit}})
     out["returned"] = _strip(returned, fit(2, batches + 6, layout="fixed"))
-    # Issue 39 (an H200, session 22): another process holds memory on the last rank's card only: no
+    # A card not all ours (an H200, 2026-11-27, memory that moves): another process holds memory on the last rank's card only: no
     # rank measures or tries checkpointing at a larger microbatch (the other process could take what
     # the reshaped allocations free); the rest of the search as in `upsize`.
     last = torch.distributed.get_world_size() - 1

@@ -164,7 +164,7 @@ def probe(rank: int, world: int, compare: bool = True) -> dict[str, Any]:
 
 
 def shared_card(peaks: dict[int, list[int]], limit: int) -> dict[str, Any]:
-    """Issue 39: `auto` (the probe first) under `limit` while the capacity reads 3x that limit, a
+    """A card not all ours: `auto` (the probe first) under `limit` while the capacity reads 3x that limit, a
     fixed run at the size it found; then a run whose limit drops below size 4's peak at batch 4 and
     comes back at batch 8 (the capacity read follows it); then one where every batch leaves an
     eighth of the gap between sizes 4 and 8 in a reference cycle, the cyclic collector off."""

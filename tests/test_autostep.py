@@ -131,7 +131,7 @@ def test_the_plain_loop_example_runs_on_two_cpu_ranks_under_a_memory_cap():
 
 @pytest.mark.multiproc
 def test_allocator_retries_in_a_layout_trials_batches_end_the_trial_not_the_size():
-    """Two H200s at a 0.3 memory fraction (session 29): a trade's batch left the pool retrying in the
+    """Two H200s at a 0.3 memory fraction (`benchmarks/RESULTS.md` 2026-11-28, AutoStep): a trade's batch left the pool retrying in the
     next batch too, thrash was blamed on the size, and the size went 7 -> 6 -> 5 over two trials."""
     for out in run_multiprocess(cases.run_trial_retries, world_size=2, timeout_s=300):
         assert out["retries"] >= 2  # the trials' batches did retry

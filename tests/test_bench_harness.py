@@ -242,7 +242,7 @@ def test_one_gpu_fixed_sizes_come_from_the_same_kinds_auto_run_and_a_torch_cap_i
         one_gpu.overrides("eager-fixed-found", argparse.Namespace(**vars(args), preset="1b", seq=8, batch=2, nproc=1,
                                                                   dry_run=True, memory_fraction=0, extra=""), "/tmp/x")
     # A card not all ours (--torch-fraction): nobody is told a fraction, so Composer's stock run cannot
-    # raise the user's cap to --memory-fraction (session 35's first capped Composer row trained uncapped).
+    # raise the user's cap to --memory-fraction (the first capped Composer row of 2026-11-29 trained uncapped).
     gpu = dict(vars(args), preset="1b", seq=8, batch=2, nproc=1, dry_run=False, extra="")
     told = "callbacks.auto_microbatching.memory_fraction=0.95"
     assert told in one_gpu.overrides("composer-auto", argparse.Namespace(**gpu, memory_fraction=0.95, torch_fraction=0.0), "/tmp/x")

@@ -1,4 +1,4 @@
-"""A card that is not all ours (issue 39): the capacity read from the device as it is, an OOM that
+"""A card that is not all ours: the capacity read from the device as it is, an OOM that
 corrects the memory model, a capacity that moves mid-run."""
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def test_the_capacity_line_comes_once_and_again_only_when_it_moves():
 
 @pytest.mark.multiproc
 def test_a_failed_attempt_leaves_nothing_allocated_at_any_site_hooks_on_or_off_under_every_layout():
-    """Issue 39, item 3 (after a failed layout trial, 6.7 GiB no batch used stayed allocated on an
+    """After a failed layout trial ( 6.7 GiB no batch used stayed allocated on an
     H200): with the memory cap counting live tensor bytes, nothing allocated during a failed attempt
     is still live after its wipe (counted exactly: `MemoryCap.held_since`; the callback's own line
     has a 1 MiB / 1% tolerance), at every site, searching (sync hooks on) and steady (hooks off, the ledger's recovery), under the default

@@ -202,7 +202,7 @@ def test_the_default_planner_cannot_load_it_so_the_rebuild_is_needed(tmp_path):
         dcp.load(_fresh_template(), storage_reader=FileSystemReader(str(tmp_path)), planner=DefaultLoadPlanner())
 
 
-# ---- checkpoints as commits (issue 43): both formats in the process group above, and sharded on
+# ---- checkpoints as commits: both formats in the process group above, and sharded on
 # ---- two simulated nodes of two ranks --------------------------------------------------------
 
 

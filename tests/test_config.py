@@ -351,7 +351,7 @@ def test_parse_cli_errors(argv):
 
 
 def test_a_shipped_configs_name_stands_for_its_file_and_a_near_miss_is_named():
-    """Issue 63: `python -m automicro.train tiny-cpu` from anywhere: the names are the YAMLs shipped in
+    """`python -m automicro.train tiny-cpu` from anywhere: the names are the YAMLs shipped in
     configs/; a path is taken as given; a wrong name lists the names and the nearest."""
     from automicro.config import resolve_config, shipped_configs
 

@@ -1,7 +1,7 @@
-"""The control-plane simulator (`automicro.core.control_sim`, issue 62): its rounds are the real code's,
+"""The control-plane simulator (`automicro.core.control_sim`): its rounds are the real code's,
 its cost model matches the measured 16-128-rank runs, and its projection to 16,384 ranks runs in seconds.
 
-The measured runs are session 38's (`docs/results/2026-11-29-many-ranks/call5/mr/w*.json`: `benchmarks/many_ranks.py`
+The measured runs are those of many ranks on one machine (`docs/results/2026-11-29-many-ranks/call5/mr/w*.json`: `benchmarks/many_ranks.py`
 on nvidia-h200's 16 CPU cores, torch 2.11). A live cross-check runs the benchmark itself on 4 CPU ranks as
 2 simulated hosts (under a hang timeout) and compares its attempts and rounds with the simulation's.
 """

@@ -345,7 +345,7 @@ def test_gpu_config_has_the_memory_monitor():
     assert {MemoryMonitor, SpeedMonitor} <= kinds
 
 
-# ---- loss parity plot (issue 6.5) ---------------------------------------------------------------
+# ---- loss parity plot -------------------------------------------------------------------------
 
 
 def _parity_doc(first, second, searching=(0, 1), oom_batches=(0,)):

@@ -75,7 +75,7 @@ def test_restart_with_autoresume_finishes_a_run_lost_between_batches_below_the_s
     assert "(at Event.BATCH_END)" in out, out[-5000:]
     note = json.loads((folder / "automicro_failure.json").read_text())
     assert note["batch"] == 7, note
-    # Issue 43's command: the newest checkpoint cut short, as a kill in the middle of writing it
+    # The newest checkpoint cut short, as a kill in the middle of writing it
     # leaves one (from Composer's own writer; automicro's writes are atomic). The next launch
     # skips it with one line and resumes from the one before.
     newest = max(folder.glob("ep0-ba*-rank0.pt"), key=lambda p: int(p.name.split("-ba")[1].split("-")[0]))

@@ -1,6 +1,6 @@
 """After a run-ending error the process exits within `exit_timeout_s` (`automicro.core.exit_watch`):
 a hang at exit (a thread, an atexit handler) is ended with one line and every thread's stack; a
-program that catches the error is left alone. Issue 58: never a silent hang."""
+program that catches the error is left alone. Never a silent hang."""
 
 from __future__ import annotations
 

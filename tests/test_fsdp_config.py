@@ -1,5 +1,5 @@
 """An FSDP1 `fsdp_config` (Composer's `FSDPConfig` keys, as llm-foundry YAMLs write them) mapped
-onto automicro's FSDP2 engine (`integration.composer_config.fsdp2_from_fsdp1`)."""
+onto automicro's FSDP2 engine (`automicro.composer.composer_config.fsdp2_from_fsdp1`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The gate keeps a test for every guarantee and fits its budget (`tests/gate.py`, issue 59)."""
+"""The gate keeps a test for every guarantee and fits its budget (`tests/gate.py`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Headroom that knows the world size (`automicro.core.headroom`, issue 62 item 4): the size settled on keeps
+"""Headroom that knows the world size (`automicro.core.headroom`): the size settled on keeps
 a job-level rerun rate under the target at the run's world size, tested with injected per-rank OOM rates."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Installing on a newer torch in one command (issue 63 item 3): ``uv pip install --override
+"""Installing on a newer torch in one command: ``uv pip install --override
 requirements/override-torch-X.txt ...`` (README "Install", docs/supported-versions.md). `make venv-211` and `make
 venv-215` build CI's torch 2.11 and 2.15 legs with that command, so on those legs the environment
 running this file is what the command gave: the torch and torchvision its file pins, beside Composer

@@ -1,17 +1,14 @@
-"""The house's floors (issue 60; CONTRIBUTING.md "Layers"): the batch step every loop shares
+"""The house's floors (CONTRIBUTING.md "Layers"): the batch step every loop shares
 (`automicro.batch`), and what it stands on (`core`, `engine`, `data`) and `AutoStep` itself,
-import no training framework; `AutoStep` trains on two ranks with Composer hidden; the old
-`automicro.integration` paths still import, with a warning naming the new one."""
+import no training framework; `AutoStep` trains on two ranks with Composer hidden."""
 
 from __future__ import annotations
 
 import ast
-import importlib
 import json
 import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -21,7 +18,7 @@ PACKAGE = REPO / "automicro"
 FRAMEWORKS = ("composer", "transformers", "lightning", "pytorch_lightning", "accelerate", "llmfoundry", "torchtitan")
 # The loop-neutral floors, bottom up, and what each may not import from automicro (what stands above it).
 ABOVE_NEUTRAL = ("automicro.composer", "automicro.hf", "automicro.lightning", "automicro.torchtitan", "automicro.foundry", "automicro.config",
-                 "automicro.testing", "automicro.integration", "automicro.train", "automicro.models")
+                 "automicro.testing", "automicro.train", "automicro.models")
 FLOORS = {
     "core": ABOVE_NEUTRAL + ("automicro.engine", "automicro.batch", "automicro.data", "automicro.step"),
     "engine": ABOVE_NEUTRAL + ("automicro.batch", "automicro.data", "automicro.step"),
@@ -80,7 +77,7 @@ def test_the_floor_check_sees_an_import_inside_a_function(tmp_path, monkeypatch)
 
 @pytest.mark.multiproc
 def test_autostep_trains_on_two_ranks_with_composer_hidden_from_the_import_system():
-    """Issue 60 item 2: every framework hidden in a fresh interpreter and in its ranks; rank 1 runs out
+    """Every framework hidden in a fresh interpreter and in its ranks; rank 1 runs out
     of memory above 3 samples, rank 0 never: both settle on 3 and train as a plain loop at that split."""
     env = {k: v for k, v in os.environ.items() if k not in ("AUTOMICRO_MP_PRELOAD",)}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
@@ -103,20 +100,3 @@ def test_autostep_trains_on_two_ranks_with_composer_hidden_from_the_import_syste
         assert splits[0] != (8,) and all(max(s) <= 3 for s in splits) and splits[-1] == (3, 3, 2), (rank, out["results"])
         assert out["results"][0]["attempts"] >= 2  # the search ran into rank 1's OOM and retried
         assert out["max_error"] < 1e-6, (rank, out["max_error"])
-
-
-@pytest.mark.parametrize("old, new", [
-    ("automicro.integration.callback", "automicro.composer.callback"),
-    ("automicro.integration.settings", "automicro.batch.settings"),
-    ("automicro.integration._hf_internals", "automicro.hf._hf_internals"),
-])
-def test_an_old_module_path_imports_the_moved_module_with_a_warning_naming_its_new_path(old, new, monkeypatch):
-    monkeypatch.delitem(sys.modules, old, raising=False)
-    with pytest.warns(DeprecationWarning, match=f"{old} moved to {new}") as caught:
-        __import__(old)  # the import statement's own call (importlib.import_module would be the frame warned at)
-    module = sys.modules[old]
-    assert module is importlib.import_module(new)
-    assert caught[0].filename == __file__  # the warning points at the importing line
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert importlib.import_module(old) is module  # imported once: no second warning

@@ -375,7 +375,7 @@ def test_checkpointing_on_is_measured_then_kept_at_the_larger_microbatch_it_admi
     rank. An OOM in the last batch undoes ``grad_sync_once``, never checkpointing, and the batch
     reruns at 4. Parameters equal a fixed run at 2 without it. (On 4 ranks this is also the run where a
     trade is kept and another not: the module's 4-rank launch runs no other such case.) On 1 and 2
-    ranks also (issue 39): the rerun with the trade undone runs out too (an error-level line), and
+    ranks also (a card not all ours): the rerun with the trade undone runs out too (an error-level line), and
     the memory coming back undoes checkpointing (the size searched again without it)."""
     results = _suite(world)
     gso, both = [GRAD_SYNC_ONCE], [GRAD_SYNC_ONCE, RECOMPUTE]
@@ -576,7 +576,7 @@ def test_pressure_in_the_measuring_batch_or_no_measure_ends_it_for_good():
 
 
 def test_over_tokens_the_size_policy_adopts_only_a_smaller_budget():
-    """A size trial over a token budget (issue 41 item 1): a smaller budget is adopted, the budget is
+    """A size trial over a token budget: a smaller budget is adopted, the budget is
     the size; a larger one is refused (no trade admits a larger budget)."""
     from automicro.core import policy as search
 
@@ -846,7 +846,7 @@ def test_recompute_cannot_be_pinned():
 
 
 def test_recompute_kept_under_less_memory_is_undone_when_the_memory_comes_back_and_tried_again():
-    """Issue 39 (one H200, a 12 GiB neighbour that left): checkpointing was kept at 8 from 2 under
+    """A card not all ours (one H200, a 12 GiB neighbour that left): checkpointing was kept at 8 from 2 under
     26.8 GiB; the memory came back (39.1 GiB) and the run stayed at 5 with it, 0.84x Composer's
     size 4 without. A kept upsize trade is undone once the capacity grows past the one it was kept
     under; the size is searched again from the size found without it; then it is measured again."""
@@ -880,7 +880,7 @@ def test_recompute_kept_under_less_memory_is_undone_when_the_memory_comes_back_a
     assert blind.decide(blind.local_times()).kept and blind.reconsider(10**12) == (None, [])
 
 
-# ---- size trials: the largest microbatch that fits is not always the fastest (issue 42) -------------
+# ---- size trials: the largest microbatch that fits is not always the fastest -------------------
 
 
 def _halves(batch: int):

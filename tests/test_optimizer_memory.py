@@ -107,6 +107,6 @@ def test_two_ranks_under_a_cap_that_fits_size_8_only_before_adam_s_state_find_th
         # Trains like a fixed run at the size it found. Batch 0 ran whole (size 8) here and split in the
         # fixed run, so its gradient sums in another order; AdamW's normalised step turns that rounding
         # into parameter differences of ~1e-5 over 5 batches (1.33e-5 on one machine, deterministic,
-        # also before session 33; under 1e-5 on CI's). A leaked failed attempt moves them by ~lr (1e-3).
+        # also before 2026-11-29; under 1e-5 on CI's). A leaked failed attempt moves them by ~lr (1e-3).
         assert out["diff"] < 5e-5, out["diff"]
 

@@ -1,4 +1,4 @@
-"""The built artefacts (issue 63): the wheel and the sdist build from the working tree and pass `twine
+"""The built artefacts: the wheel and the sdist build from the working tree and pass `twine
 check`; the wheel, installed into a fresh environment outside the repository, runs the main job by a
 shipped config's name under the composer launcher, and its console script checks a config."""
 

@@ -1,4 +1,4 @@
-"""`packing: true` (issue 41 item 2): under a token budget each microbatch is one row of its samples
+"""`packing: true`: under a token budget each microbatch is one row of its samples
 end to end, attention kept within each sample, and training equals the padded training of the
 same samples.
 

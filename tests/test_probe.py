@@ -1,5 +1,5 @@
 """The probe (`PolicyConfig.probe`): two small sizes in the first attempt, then the memory model
-ends the search (issue 26, item 3: at most 2 OOMs, converged early, never a size that fails later).
+ends the search (at most 2 OOMs, converged early, never a size that fails later).
 
 A simulated device, as a GPU behaves: a microbatch's peak is the fixed bytes (parameters, the
 optimizer state once the first step made it) + the gradients (from the second microbatch on: the
@@ -346,7 +346,7 @@ def test_the_yaml_key_reaches_the_callback_and_bad_values_say_what_to_change(tmp
 
 @pytest.mark.multiproc
 def test_two_ranks_probe_first_finds_the_size_with_fewer_ooms_than_the_whole_batch_first():
-    """Issue 26, item 3, on CPU ranks: the probe's split first ((1, 1, 2, ...)), the size its two
+    """On CPU ranks: the probe's split first ((1, 1, 2, ...)), the size its two
     agreed per-microbatch peaks predict, at most one OOM, none once the size is chosen; the same
     training as a fixed run at that size."""
     ranks = run_multiprocess(optimizer_cases.probe, world_size=2, timeout_s=600)
@@ -366,14 +366,14 @@ def test_one_and_four_ranks_probe_first_and_train_like_the_fixed_size(world):
     for out in run_multiprocess(optimizer_cases.probe, world_size=world, args=(False,), timeout_s=900):
         # On one rank the split alone moves AdamW's parameters by 3.7e-5 to 7.2e-5 after 6 batches
         # (fixed runs at sizes 2, 4 and 6 against each other, measured 2026-11-26): the bound is
-        # that floor, not 1e-5. On 4 ranks 1.21e-5 on one machine (deterministic, before session 33
+        # that floor, not 1e-5. On 4 ranks 1.21e-5 on one machine (deterministic, before 2026-11-29
         # too; under 1e-5 on CI's): the same rounding, so 5e-5 (a leaked attempt moves them by ~lr).
         _check_probe(out, tolerance=5e-5 if world > 1 else 1e-4)
         _check_shared_card(out, tolerance=5e-5 if world > 1 else 1e-4)
 
 
 def _check_shared_card(out, tolerance=1e-5):
-    """Issue 39 on 1, 2 and 4 ranks (`optimizer_cases.shared_card`): the capacity reads 3x the limit:
+    """A card not all ours on 1, 2 and 4 ranks (`optimizer_cases.shared_card`): the capacity reads 3x the limit:
     at most 3 OOMs to converge, a size that fits, the parameters of a fixed run at it. The limit drops
     below size 4's peak at batch 4 and comes back at batch 8: the run goes on, shrinks with a line that
     says why, and is back at its size once the memory is."""
@@ -413,7 +413,7 @@ def _check_probe(out, tolerance=1e-5):
     assert out["diff"] < tolerance, out["diff"]
 
 
-# ---- a card that is not all ours (issue 39) ---------------------------------------------------
+# ---- a card that is not all ours ------------------------------------------------------------
 
 
 def train(policy: SearchPolicy, device: Device, batches: int, stepped: bool = True) -> tuple[list[tuple[int, ...]], int]:
@@ -476,7 +476,7 @@ def test_property_a_capacity_read_wrong_by_up_to_3x_costs_at_most_3_ooms(batch, 
     used, ooms = train(policy, device, 6, stepped=False)
     # A read that is right and memory the allocator does not lose: at most 2. Memory lost (loss_pct)
     # makes even a right read wrong by that much, found only by running out (the floor rule's rerun,
-    # as in the property above): drawn in session 28's CI run, batch 4, loss 4%: 3 OOMs (3; 2; its
+    # as in the property above): drawn in a CI run of 2026-11-28, batch 4, loss 4%: 3 OOMs (3; 2; its
     # rerun). The size that ran before the first step had a projected peak above the ceiling the OOM
     # at 3 then set; the policy does not yet re-judge a projected success against a later ceiling.
     assert ooms <= (2 if wrong_by == 1.0 and loss_pct == 0 else 3), (used, ooms, policy.state)
@@ -534,7 +534,7 @@ def test_the_ceiling_survives_a_checkpoint():
 
 
 def test_thrashing_under_less_memory_is_no_bound_once_the_memory_is_back():
-    """An H200 (session 20): another process took 12 GiB, `auto` thrashed at 8 and settled on 5; the
+    """An H200 (2026-11-26, a shared card): another process took 12 GiB, `auto` thrashed at 8 and settled on 5; the
     memory came back and the size stayed at 5. A thrash now records the capacity it happened under."""
     device = llama_1b(60)
     policy = SearchPolicy(PolicyConfig(probe=True), 32)
@@ -554,7 +554,7 @@ def test_thrashing_under_less_memory_is_no_bound_once_the_memory_is_back():
 
 @pytest.mark.parametrize("gib", [28, 33])
 def test_a_size_the_model_capped_under_less_memory_is_searched_above_once_the_memory_is_back(gib):
-    """An H200 (session 22): another process held 12 GiB from the launch; `auto` converged on 2
+    """An H200 (2026-11-27, memory that moves): another process held 12 GiB from the launch; `auto` converged on 2
     because the model predicted 3 would not fit (no OOM, so no bound); the 12 GiB came back at
     batch 14 and the size stayed at 2 for the rest of the run. 28 GiB: the size above ran, but its
     peak with the optimizer state was projected not to fit (a bound no OOM set)."""

@@ -1,5 +1,5 @@
 """One rank: FSDP2 or the model unsharded, measured (`automicro.batch.sharding_choice`, `automicro.engine.twin`;
-issue 58 item 1), on one gloo rank in fp32 (tests/sharding_cases.py). The choice is kept when an injected slow
+on one gloo rank in fp32 (tests/sharding_cases.py). The choice is kept when an injected slow
 path makes the twin faster and not when it makes it slower; an OOM through the twin, timed or kept, reruns the
 batch through FSDP2 for good; either way the run equals one that started in the chosen configuration."""
 

@@ -57,7 +57,7 @@ def steady_four_ranks():
     )
 
 
-# A non-OOM error at every site ends the run on every rank (issue 58): sampled, every site in every
+# A non-OOM error at every site ends the run on every rank: sampled, every site in every
 # run, the hooks (on while searching, off after) and who fails (rank 1, every rank) drawn; `--full`: 32.
 ERROR_CASES = matrix.sample(
     "errors 2 ranks", [(site, hooks, who) for site in cases.ERROR_SITES for hooks in ("on", "off") for who in ("one", "every")]

@@ -120,7 +120,7 @@ def test_per_token_loss_over_token_budget_microbatches_equals_the_unsplit_batch(
 
 @pytest.mark.multiproc
 def test_a_smaller_budget_timed_faster_is_kept_and_training_equals_the_unsplit_batch(numerics):
-    """Size trials over the token budget (issue 41 item 1): once the budget is found and the trades
+    """Size trials over the token budget : once the budget is found and the trades
     tried, 3/4 of it is timed against it, faster, kept; from the new budget 3/4 and 1/2 of it are not
     faster, not kept. The same on both ranks; parameters equal the unsplit batch's."""
     for per_rank in numerics:
@@ -154,7 +154,7 @@ def test_budget_tokens_turns_per_token_loss_on_with_a_counter_of_real_loss_token
 @pytest.mark.multiproc
 @pytest.mark.parametrize("layout", ["right", "left", "packed"])
 def test_a_transformers_causal_lm_trains_under_a_token_budget_as_the_unsplit_batch_per_loss_token(numerics, layout):
-    """Issue 41 item 0: a transformers Llama, batches padded by transformers' collator on either side
+    """A transformers Llama, batches padded by transformers' collator on either side
     or packed (position_ids restarting per document), budget: tokens with nothing else set: the
     batches are split, and the parameters equal the unsplit batches' weighted per loss token
     (labels[:, 1:] != -100: the model shifts its labels) to fp32 rounding."""
@@ -305,7 +305,7 @@ def test_budgets_a_few_quanta_large_lie_an_eighth_of_a_quantum_apart():
 
 
 def test_a_budget_under_a_tight_memory_cap_is_found_within_a_few_percent():
-    """Session 28, one H100 at torch's fraction 0.45: the limit was a few quanta of the first batch
+    """One H100 at torch's fraction 0.45 (2026-11-28, token `auto` under a cap): the limit was a few quanta of the first batch
     (1,166 tokens each), and the search on the quantum grid ended 20-40% under it. On the finer grid
     it ends within two of its steps (145 tokens), every batch trained, few OOMs."""
     limit = 5900
@@ -353,7 +353,7 @@ def test_the_trials_judge_a_variable_length_batch_per_average_batch_of_real_toke
 
 def test_a_hand_set_budget_gets_no_size_trials():
     """`fixed_tokens` is the user's budget: the size trials never time a smaller one (seen on an H200,
-    session 24: a hand-set 16,384 was put on trial against 12,288)."""
+    2026-11-27, size trials: a hand-set 16,384 was put on trial against 12,288)."""
     from automicro.core.layout import LayoutConfig, LayoutSearch
     from automicro.batch.batch_kinds import TokenBatches
 

@@ -1,4 +1,4 @@
-"""`device_train_microbatch_size: auto` without FSDP on one rank (issue 26 item 1)."""
+"""`device_train_microbatch_size: auto` without FSDP on one rank."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_on_one_rank_unshard_trains_one_rank_unsharded_with_the_whole_model_comp
 
 @pytest.mark.multiproc
 def test_on_one_rank_unshard_with_compile_trains_a_transformers_model_at_its_config_defaults(one_rank):
-    """Issue 58: the pin with compile printed one failed attempt on a GPU and trained nothing."""
+    """The pin with compile printed one failed attempt on a GPU and trained nothing."""
     pinned = _ok(one_rank["hf_pinned_compiled"])
     assert pinned["use_cache"] and pinned["compiled"] and not pinned["sharded"], pinned
     outcomes = [(r["size"], r["outcome"]) for r in pinned["history"]]

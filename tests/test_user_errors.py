@@ -1,4 +1,4 @@
-"""What a user sees first when they reach automicro from where Composer users already are (issue 14):
+"""What a user sees first when they reach automicro from where Composer users already are:
 a stock `composer.Trainer` with `AutoMicrobatching`, Composer's own FSDP2 / parallelism configs,
 and the inputs that used to end in raw tracebacks. Each case asserts automicro's message, naming
 what to change; none depends on timing."""
@@ -293,7 +293,7 @@ def test_composer_parallelism_config_with_fsdp1_is_refused_by_the_trainer_naming
 
 
 def test_a_meta_device_model_without_fsdp2_is_refused_with_the_fix():
-    """Issue 39, item 7: torch's raw `Cannot copy out of meta tensor` became one line naming the fix."""
+    """Torch's raw `Cannot copy out of meta tensor` became one line naming the fix."""
     import automicro
 
     with torch.device("meta"):

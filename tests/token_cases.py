@@ -194,7 +194,7 @@ def run_numerics(rank: int, world: int) -> dict[str, Any]:
 
 
 def _fastest_budget(world: int) -> dict[str, Any]:
-    """Size trials over a token budget (issue 41 item 1, issue 42 item 1): `layout: auto`, one batch
+    """Size trials over a token budget: `layout: auto`, one batch
     per trial arm; a budget below the first one found is timed faster (the batch times are replaced,
     `LayoutTrials.timing`): 3/4 of it is kept, and from there nothing smaller is faster. Per-token
     normalisation, so the parameters equal the unsplit batch's whatever the budgets."""

@@ -80,7 +80,7 @@ class OOMAboveTokens(OOMAbove):
 
 def _hf_llama_run(microbatch: Any, limit: Optional[int], compile: Any) -> dict[str, Any]:
     """A transformers `LlamaForCausalLM` whose config keeps every default but its size (`use_cache`
-    included) in Composer's `HuggingFaceModel`, with `on_one_rank: unshard` (issue 58: the pin with
+    included) in Composer's `HuggingFaceModel`, with `on_one_rank: unshard` (the pin with
     compile trained no batch on a GPU)."""
     import warnings
 

@@ -144,7 +144,7 @@ class TokenBatches(SampleBatches):
         self.tokens = TokenBudget(fixed)
         self.packing = packing  # True / False: pinned; None: measured on a GPU; "auto": measured anywhere
         self.measures_packing = False
-        # Finer than samples' (issue 41: the fastest hand-set budget was 0.56x the largest that fits);
+        # Finer than samples' (the fastest hand-set budget measured was 0.56x the largest that fits);
         # none for a hand-set budget (`fixed_tokens`): the user's budget is not traded.
         self.size_fractions: tuple[float, ...] = () if fixed is not None else (0.75, 0.5)
 

@@ -7,7 +7,7 @@ size runs that dynamic graph, whose kernels were chosen for the size it was comp
 search visits many sizes (the probe's 1 and 2, then its predictions, then the size trials), so
 the graph that trains the rest of the run is a dynamic one tuned for a size the run never trains
 at. Measured on one H200 (transformers Llama in TinyLlama's shape, seq 2048, compiled, split
-(16, 16), `benchmarks/RESULTS.md` session 33): 1.24 s a batch under `auto`, 1.16 s with the
+(16, 16), `benchmarks/RESULTS.md`, 2026-11-29, the compiled TinyLlama row): 1.24 s a batch under `auto`, 1.16 s with the
 blocks compiled dynamic at 16, 1.12 s compiled static at 16.
 
 Once the search has settled (the sync hooks are off) and the layout trials have nothing running,

@@ -2,11 +2,11 @@
 
 On one rank FSDP2 shards nothing: the parameters, gradients and optimizer state take the same
 bytes sharded over a world of one as unsharded, so the choice is speed alone, and which is faster
-depends on the model and on compile (measured on one H200, `benchmarks/RESULTS.md`, session 31):
+depends on the model and on compile (measured on one H200, `benchmarks/RESULTS.md`, 2026-11-28, one GPU against Composer):
 eager, FSDP2 with the layout trades is level with or ahead of unsharded (1.00-1.03x); compiled,
 transformers' Llama runs 1.13x faster with FSDP2 and each block compiled than with the whole
 model compiled unsharded, while `automicro.models`' Llama runs 1.05-1.06x faster unsharded with
-the whole model compiled, and under a memory cap at small microbatches Qwen2.5-0.5B 1.9x (session 38).
+the whole model compiled, and under a memory cap at small microbatches Qwen2.5-0.5B 1.9x (2026-11-29, the capped row profiled).
 So by default (``on_one_rank`` left out) a one-GPU job with ``auto`` times both once the size settles
 (`automicro.batch.sharding_choice`, on the model's unsharded twin: `twin_problem` says where it cannot),
 and ``keep`` and ``unshard`` are the pins; ``unshard`` also lets one YAML shard over many GPUs and run

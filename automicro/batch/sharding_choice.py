@@ -2,10 +2,10 @@
 
 On one rank FSDP2 shards nothing, and what it costs depends on the model, the compile and the
 microbatch: with each block compiled, transformers' Llama ran 1.13x faster under FSDP2 than with the
-whole model compiled unsharded (one H200, session 31), while Qwen2.5-0.5B under a torch cap of 0.3, at
+whole model compiled unsharded (one H200, `benchmarks/RESULTS.md` 2026-11-28, one GPU against Composer), while Qwen2.5-0.5B under a torch cap of 0.3, at
 8 microbatches of 4, ran 1.9x faster unsharded (95.0k tokens/s against 50.3k: FSDP2's per-parameter
 casts and copies at every unshard and its hooks each microbatch left the GPU idle 57% of a batch;
-session 38). So where the job has one rank, `auto` times both on the user's model at the settled size.
+2026-11-29, the capped row profiled). So where the job has one rank, `auto` times both on the user's model at the settled size.
 
 How: the trainer builds the model's unsharded twin beside its FSDP2 form (`automicro.engine.twin`: the
 same parameter storage, no copy). Once the size is steady and the compiled blocks' graphs have settled

@@ -17,7 +17,7 @@ searches a token budget instead of a sample count, and each batch is planned her
    microbatch of the ranks that failed; and the smallest budget when every microbatch already is
    one sample (nothing is left to split: the floor). A budget that ran clean but that the batch
    did not fill is settled on (`PolicyConfig.unit`): below a bound that ran out, later batches
-   pack more under it than the microbatch that ran (session 28, one H100 at a 0.45 cap: settling
+   pack more under it than the microbatch that ran (one H100 at a 0.45 cap, `benchmarks/RESULTS.md` 2026-11-28, token `auto` under a cap: settling
    on what ran kept 3,498 tokens where 4,664 had run clean, 0.66x the best hand-set budget); a
    later batch that fills it and runs out steps it down like any OOM.
 

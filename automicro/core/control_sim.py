@@ -18,7 +18,7 @@ be run here; it can be computed from two things this module keeps apart:
   int64 (`automicro.core.consensus`): it grows with the world, so a round does too, at every size
   past the point where the bytes outweigh the hops.
 
-`ONE_MACHINE` is the model fitted to the measured runs (`benchmarks/RESULTS.md`, session 38: 16 to 128
+`ONE_MACHINE` is the model fitted to the measured runs (`benchmarks/RESULTS.md`, 2026-11-29, many ranks: 16 to 128
 CPU ranks on 16 cores, hosts of 8 simulated by one launcher each), including a term for more ranks
 than cores, which real hosts of 8 GPUs do not have. `projected_links` keeps the one-machine node leg
 (8 ranks, shared memory, no oversubscription) and takes the link between hosts from public figures:
@@ -255,7 +255,7 @@ class Links:
         return node + leaders + crowd
 
 
-# Fitted to session 38's measured runs (`benchmarks/RESULTS.md`: a round's median, a search's and a
+# Fitted to the measured runs of many ranks on one machine (`benchmarks/RESULTS.md`: a round's median, a search's and a
 # steady-state rerun's seconds per round, at 16, 32, 64 and 128 CPU ranks on 16 cores, hosts of 8): three
 # numbers (the node leg, a loopback hop, the cost of a rank beyond one per core) for twelve, the largest
 # error 19%, but for the 16-rank rerun (20 ms in all, 41% below the model; `tests/test_control_sim.py`).
@@ -284,7 +284,7 @@ def store_ops(world: int, per_node: int = 8, ranks_in_failure: int = 1) -> dict[
     return {
         # a CPU side group over every rank (an NCCL job's consensus group; the board's exchange group)
         "world_group": world * world,
-        # before session 38: every rank made every node's group and the leaders' (a world barrier each)
+        # before the fix measured there: every rank made every node's group and the leaders' (a world barrier each)
         "every_node_group": nodes * per_node * per_node + nodes * nodes + 2 * world * (nodes + 1),
         # since: each rank makes only its own groups, synchronized among their members
         "own_groups": nodes * per_node * per_node + nodes * nodes,

@@ -234,7 +234,7 @@ class _RecursiveDoubling:
     """MAX over the node leaders in log2(leaders) exchanges (gloo point-to-point), not a ring.
 
     gloo's all-reduce is a ring: 2(n - 1) sequential steps, ~50 µs each (benchmarks/RESULTS.md,
-    session 5), which at 64 nodes makes a round ~126 steps long. Here: with p the largest power of
+    2026-11-23, the hierarchical consensus), which at 64 nodes makes a round ~126 steps long. Here: with p the largest power of
     two <= n, leader i >= p first hands its vector to leader i - p; the first p exchange with the
     partner i XOR 2^k for k = 0, 1, ... and keep the MAX; then leader i < n - p hands the result
     to i + p. log2(p) + 2 steps at most, the same result as the all-reduce."""
@@ -386,7 +386,7 @@ class HierarchicalTransport:
         mine = next(ranks for ranks in nodes if rank in ranks)
         # Each rank creates only the groups it belongs to: its node's, and the leaders' where it leads
         # (`own_group`). Creating every node's group on every rank cost nodes x world at start (128 CPU
-        # ranks in 16 hosts: 0.82 s, `benchmarks/RESULTS.md` session 38), hours at 16,384 ranks.
+        # ranks in 16 hosts: 0.82 s, `benchmarks/RESULTS.md` 2026-11-29, many ranks), hours at 16,384 ranks.
         leader_ranks = [ranks[0] for ranks in nodes]
         local_group = own_group(mine)
         if mine[0] == rank:

@@ -419,7 +419,7 @@ class LayoutSearch:
         for now, while `capacity` is below the one its bytes were measured under, nor while another
         process holds memory on a rank's device (`outside` bytes): a larger microbatch reshapes this
         process's allocations, the caching allocator releases blocks as they change shape, and the
-        other process may take them (an H200, session 22: 9.2 GiB went that way, the size found no
+        other process may take them (an H200, `benchmarks/RESULTS.md` 2026-11-27, memory that moves: 9.2 GiB went that way, the size found no
         longer fitted, and the run settled below it). Tried once the card is not shared."""
         lines: list[str] = []
         for trade, ran_out_under in list(self.failed_under.items()):

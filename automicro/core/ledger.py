@@ -35,7 +35,7 @@ record in memory, the consensus carries how many collectives each rank issued, a
 ranks behind replay the record of the rank ahead, handed over on a CPU group of the ledger's own
 (`align`; every replay is checked first and the ranks agree, so a rank that cannot replay stops
 every rank naming itself). That works only where every rank reaches the consensus, which a GPU run
-showed NCCL does not guarantee (a host blocks once its stream is stuck; RESULTS.md session 8). Where a rank is gone, or something outside the ledger (a
+showed NCCL does not guarantee (a host blocks once its stream is stuck; `benchmarks/RESULTS.md` 2026-11-23, the slow link and two nodes). Where a rank is gone, or something outside the ledger (a
 collective of the user's model) leaves a rank stuck, recovery is impossible in-process: the rank
 that waited longest declares the job lost on the board, and every rank exits with one message
 naming the rank, site and batch that failed first (`FatalRecoveryError`; the board's watcher

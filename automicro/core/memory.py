@@ -208,7 +208,7 @@ class CudaMemory:
 
     def empty_cache(self) -> None:
         """Give the allocator's unused blocks back to the device, unless another process holds memory
-        on it: that process would take them (an H200, session 20: 20 GiB went, and size 1 no longer
+        on it: that process would take them (an H200, `benchmarks/RESULTS.md` 2026-11-26, a shared card: 20 GiB went, and size 1 no longer
         fit). Where it is kept, the allocator still frees its unused blocks and retries by itself
         before it raises an OOM."""
         if not self._read().shared:

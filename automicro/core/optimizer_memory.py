@@ -2,7 +2,7 @@
 
 Adam's moments (and most optimizers' state) are created at the first `step()`. A microbatch
 size whose peak fit batch 0 can therefore run out of memory at batch 1, once the state lives
-beside the activations (issue 26: 5-7 OOMs over 3 batches on one GPU, Composer's halving has the
+beside the activations (measured: 5-7 OOMs over 3 batches on one GPU, Composer's halving has the
 same fault). `pending_state_bytes(optimizers)` tells the bytes not yet allocated: per parameter
 without state, how many parameter-sized tensors the optimizer's kind keeps, times the parameter's
 bytes on this rank (the local shard of an FSDP2 `DTensor`). The policy adds them to the peak of

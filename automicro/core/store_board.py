@@ -5,7 +5,7 @@ rank's record of the attempt to the ranks that must replay it, through the job's
 (MASTER_ADDR:MASTER_PORT, which torchrun and the composer launcher both set). May not touch: the
 consensus, FSDP2, Composer; the replay itself is the ledger's (`CollectiveLedger.catch_up`).
 
-Why (benchmarks/RESULTS.md, session 8). Ranks on several nodes share no memory, so before this a
+Why (`benchmarks/RESULTS.md`, 2026-11-23, the slow link and two nodes). Ranks on several nodes share no memory, so before this a
 rank kept its record to itself until the consensus, and the ranks behind replayed it afterwards
 (`CollectiveLedger.align`). That needs every rank's host to reach the consensus, and on GPUs it
 does not: with a real model, the rank that did not fail has its stream stuck behind an all-gather

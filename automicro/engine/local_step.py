@@ -5,7 +5,7 @@ them goes through DTensor's dispatch on the host. An optimizer that loops over p
 (Composer's `DecoupledAdamW`: about eight ops and a ``.item()`` per parameter; llm-foundry's
 `DecoupledLionW`) then keeps the GPU waiting on the host for the whole step: measured on one H200
 with the 1B Llama, 65 ms a batch, the gap between FSDP2 and the same model unsharded
-(`benchmarks/RESULTS.md`, session 32).
+(`benchmarks/RESULTS.md`, 2026-11-28, the optimizer step on DTensors).
 
 The same step on the local tensors gives the same numbers where:
 - every DTensor lives on a mesh of one rank (a one-GPU job with FSDP2 in its config): the local
