@@ -110,7 +110,7 @@ def main(argv: list[str]) -> int:
     for row in rows:
         kinds.setdefault(row["trial"].split(" ")[0], []).append(row)
     print()
-    print("| kind | trials | mean |estimate - won| (points) | mean |bound - won| (points) |")
+    print("| kind | trials | mean error of the estimate (points) | mean error of the bound (points) |")
     print("|---|---|---|---|")
     for kind, group in kinds.items():
         est = statistics.mean(abs(r["estimate"] - r["won"]) for r in group)
