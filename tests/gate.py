@@ -161,4 +161,9 @@ FULL_TIER: dict[str, Optional[tuple[str, str]]] = {
     # 25 s: the layout trials on one rank. The gate: the same on 2 ranks (the slowest rank decides),
     # and the size trials on 1 and 2 ranks.
     "test_the_faster_trade_is_kept_the_slower_not_and_parameters_equal_a_fixed_run": ("world", "1"),
+    # About 65 s on the torch 2.15 leg (two launches: torchtitan builds one Trainer a process): torchtitan's compiled
+    # blocks on one rank. The gate: the move of the compile from `nn.Module.compile` to the forwards, the sync hooks
+    # eager around them, on every torch (test_compile, no launch); torchtitan's own Trainer under `auto` on 2 ranks
+    # (the search, a late OOM, DCP resume) and under torchrun.
+    "test_one_rank_compiled_searches_down_to_size_one_and_trains_like_torchtitan_at_one_sample": None,
 }
