@@ -486,3 +486,24 @@ def test_yaml_and_trainer_give_the_same_reason_for_an_auto_eval_without_an_auto_
     assert "device_eval_microbatch_size='auto'" in str(info.value) and reason in str(info.value)
     evaluator = Evaluator(label="eval", dataloader=torch.utils.data.DataLoader([0, 1], batch_size=1), device_eval_microbatch_size="auto")
     assert reason in _trainer_error(device_train_microbatch_size=2, eval_dataloader=evaluator)
+
+
+def test_trials_false_reaches_every_loop_and_a_key_that_asks_for_a_trial_beside_it_says_which_to_drop():
+    """`trials: false` (the YAML key, `AutoMicrobatching`, `AutoStep` and the adapters, which take `AutoStep`'s
+    settings): the size search and nothing else; `layout: auto` or `packing: auto` beside it is refused by name."""
+    from automicro.batch.settings import Settings
+    from automicro.composer.callback import AutoMicrobatching
+    from automicro.step import SETTINGS
+
+    assert "trials" in SETTINGS  # AutoStep, and through it the HF Trainer, Lightning and torchtitan adapters
+    assert _load("callbacks.auto_microbatching.trials=false").callbacks["auto_microbatching"]["trials"] is False
+    quiet = AutoMicrobatching(trials=False)
+    assert quiet.settings.trials is False and quiet.settings.layout_config.mode == "fixed"
+    assert Settings.parse(trials=False, budget="tokens").kind.tokens is not None
+    with pytest.raises(ValueError, match="layout='auto' runs the layout trials and trials=false turns every trial off"):
+        AutoMicrobatching(trials=False, layout="auto")
+    with pytest.raises(ValueError, match="packing='auto' times packed rows against padded batches"):
+        Settings.parse(trials=False, budget="tokens", packing="auto")
+    with pytest.raises(ValueError, match="trials='no': must be true"):
+        Settings.parse(trials="no")
+    assert AutoMicrobatching(trials=False, layout=["no_reshard"]).settings.layout_config.pinned == ("no_reshard",)
