@@ -122,8 +122,9 @@ class OOMWhenPacked(Callback):
 def _measured(world: int, packing: Any, slow: Any = None, oom_at: Any = None) -> dict[str, Any]:
     """automicro's Llama (it says it takes packed rows) under a token limit, `packing` as given
     ("auto": measured on CPU too); `slow`: the trial arm made to look slower; `oom_at`: a batch whose
-    packed microbatches run out of memory on rank 1."""
-    auto = AutoMicrobatching(log_attempts=False, budget="tokens", packing=packing)
+    packed microbatches run out of memory on rank 1. The trial's logic, unpriced (`bound_trials`: its price is
+    tests/test_trial_plan.py's)."""
+    auto = AutoMicrobatching(log_attempts=False, budget="tokens", packing=packing, bound_trials=False)
     lines: list[str] = []
     auto.runtime.info = lines.append
     per_batch = MicrobatchesPerBatch()

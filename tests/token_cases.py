@@ -198,7 +198,8 @@ def _fastest_budget(world: int) -> dict[str, Any]:
     per trial arm; a budget below the first one found is timed faster (the batch times are replaced,
     `LayoutTrials.timing`): 3/4 of it is kept, and from there nothing smaller is faster. Per-token
     normalisation, so the parameters equal the unsplit batch's whatever the budgets."""
-    auto = AutoMicrobatching(log_attempts=False, budget="tokens", layout="auto", layout_trial_batches=1)
+    # The size trials' logic, unpriced (`bound_trials`; their price is tests/test_trial_plan.py's).
+    auto = AutoMicrobatching(log_attempts=False, budget="tokens", layout="auto", layout_trial_batches=1, bound_trials=False)
     first: dict[str, int] = {}
 
     def timing(layout: tuple[str, ...], measured: float) -> float:
