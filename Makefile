@@ -2,6 +2,7 @@
 # Each creates its virtual environment on first use and reuses it after.
 
 PYTHON ?= python3
+UV := uv==0.13.9
 VENV := .venv
 VENV211 := .venv-211
 VENV215 := .venv-215
@@ -15,25 +16,26 @@ DEMO_ARGS ?=
 
 .PHONY: demo demo-pp demo-varlen foundry-demo docs test test-full test-full-cores test-quick test-211 test-215 venv venv-211 venv-215 wheelhouse clean-venv
 
+# The default environment, Composer 0.32.1's own pin (torch 2.7.0), installed by uv (the same resolution as pip's,
+# in about 30 s where pip took 220 s on CI's 2 cores: most of it torch's download).
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -e '.[dev]'
+	$(VENV)/bin/python -m pip install -q $(UV)
+	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/uv pip install -q -e '.[dev]'
 	touch $@
 
 # llm-foundry 0.22.0 in the default environment (it pins torch<2.7.1: this leg only). What its train
 # path imports comes pinned from requirements/foundry.txt, then llm-foundry itself without its
 # dependency set (see that file for why).
 $(VENV)/.foundry: $(VENV)/.installed requirements/foundry.txt
-	$(VENV)/bin/python -m pip install -q -r requirements/foundry.txt
-	$(VENV)/bin/python -m pip install -q --no-deps llm-foundry==0.22.0
+	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/uv pip install -q -r requirements/foundry.txt
+	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/uv pip install -q --no-deps llm-foundry==0.22.0
 	touch $@
 
 # torch 2.11 (the GPU machines' torch) and 2.15 (the newest the registry serves), each in one command:
 # uv's --override puts the file's torch in place of Composer's pin (docs/supported-versions.md), the
 # requirements file adds the leg's test tools. uv reads no pip configuration (a machine-wide pip cap at
 # the torch releases kept on disk does not apply) and downloads torch from the index.
-UV := uv==0.13.9
 $(VENV211)/.installed: setup.py requirements/torch-2.11.txt requirements/override-torch-2.11.txt
 	$(PYTHON) -m venv $(VENV211)
 	$(VENV211)/bin/python -m pip install -q $(UV)
@@ -72,7 +74,8 @@ foundry-demo: $(VENV)/.foundry
 VENVDOCS := .venv-docs
 $(VENVDOCS)/.installed: requirements/docs.txt
 	$(PYTHON) -m venv $(VENVDOCS)
-	$(VENVDOCS)/bin/python -m pip install -q -r requirements/docs.txt
+	$(VENVDOCS)/bin/python -m pip install -q $(UV)
+	VIRTUAL_ENV=$(abspath $(VENVDOCS)) $(VENVDOCS)/bin/uv pip install -q -r requirements/docs.txt
 	touch $@
 
 docs: $(VENVDOCS)/.installed
