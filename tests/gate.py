@@ -137,6 +137,10 @@ FULL_TIER: dict[str, Optional[tuple[str, str]]] = {
     # 47 s. The gate: the foundry pretrain YAML (the foundry path) and the two-rank fault matrix with a
     # cap on one rank (test_automicro), GPT-2 under asymmetric memory (test_hf_models).
     "test_a_foundry_yaml_searches_under_asymmetric_caps_and_trains_like_the_fixed_size_run": None,
+    # 41 s: llm-foundry's finetuning YAML under a token budget. The gate: llm-foundry's pretrain YAML (its train path,
+    # evaluation, checkpoints and resume under `auto`), a token budget over variable-length padded batches with a
+    # transformers model (test_token_budget, test_packing).
+    "test_llm_foundrys_finetuning_path_trains_under_auto_with_a_token_budget": None,
     # 48 s. The gate: autoresume below the size that failed (test_steady_state), past a broken newest
     # checkpoint (test_checkpoint), from a rank killed mid-save (test_checkpoint_commit).
     "test_restart_with_autoresume_finishes_a_run_lost_between_batches_below_the_size_in_use": None,

@@ -209,8 +209,10 @@ def suite(rank: int, world: int) -> dict[str, Any]:
         out["pinned_checkpointed"] = out["pinned"]["checkpointed"]
         # Priced against a run of 1,000 batches (stopped after PRICED_BATCHES): the trades that pay run, the size
         # trials' estimate rules them out; and `trials: false` (no trial, the engine's layout).
-        out["priced"] = _strip(fit("auto", PRICED_BATCHES, limit=room, planned=1000, size_trials=True), fixed_priced := fit(2, PRICED_BATCHES, layout="fixed"))
-        out["no_trials"] = _strip(fit("auto", PRICED_BATCHES, limit=room, planned=1000, trials=False), fixed_priced)
+        # Each the other's reference: the trades change no number, and `trials: false` is the search alone.
+        priced = fit("auto", PRICED_BATCHES, limit=room, planned=1000, size_trials=True)
+        no_trials = fit("auto", PRICED_BATCHES, limit=room, planned=1000, trials=False)
+        out["priced"], out["no_trials"] = _strip(priced, no_trials), _strip(no_trials, priced)
     if world <= 2:
         out["sized"] = _strip(size_case(), fit(2, SIZE_BATCHES, layout="fixed"))
     if world <= 2:

@@ -288,7 +288,8 @@ def test_a_smaller_microbatch_timed_faster_is_kept_and_parameters_equal_a_fixed_
 def test_priced_trials_run_where_they_pay_the_same_on_every_rank_and_the_configuration_is_final_by_batch_25():
     """2 ranks, a run of 1,000 batches stopped after 30 (the machine's own times and profile): the trades are priced
     from a profiled batch; the size trials' estimate (two more microbatches each, no allocator retries) rules them
-    out; every rank takes the same decisions; final by batch 25 with the price line; the numbers of a fixed run."""
+    out; every rank takes the same decisions; final by batch 25 with the price line; the numbers of the same run with
+    `trials: false`."""
     world, results = 2, _suite(2)
     priced = [results[rank]["priced"] for rank in range(world)]
     for run in priced:
