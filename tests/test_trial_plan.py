@@ -404,3 +404,11 @@ def test_gradients_reduced_once_is_not_tried_where_the_batch_runs_in_one_microba
     assert lines[0] == ("layout trade grad_sync_once (gradients reduced once per batch) not tried: the batch runs in one "
                         "microbatch: its gradients are reduced once per batch already")
     assert search.trial is not None and search.trial.trades == (NO_RESHARD,)
+
+
+def test_once_the_price_is_said_only_the_recent_batches_figures_are_kept(monkeypatch):
+    trial = _Trial("static", "static", batches=2, profiled=False)
+    plan, _, _ = _run([trial], batches=400, planned=100, monkeypatch=monkeypatch, bound=False)
+    assert plan.price is not None
+    assert len(plan.seconds) <= 2 * 64 and min(plan.seconds) >= 400 - 2 * 64, (len(plan.seconds), min(plan.seconds))
+    assert len(plan.held) <= 2 * 64

@@ -54,6 +54,7 @@ TARGET_BATCH = 25  # the batch by which the configuration kept for the run shoul
 SETTLED_BATCHES = 5  # batches after the last trial whose median is the settled configuration's batch
 DEFAULT_PLANNED = 1000  # the run's batches where the loop does not say (`max_duration` in epochs of unknown length)
 PROFILE = "profile"
+KEPT_BATCHES = 64  # the batches' figures kept once the price is said (`_forget`)
 # The dashboards' `automicro/trial`: which kind of trial holds the batch (0: none).
 TRIAL_CODES = {None: 0, PROFILE: 1, "static": 2, "packing": 3, "one_rank": 4, "scope": 5, "layout": 6, "size": 7}
 
@@ -184,6 +185,8 @@ class TrialPlan:
         self._ended(batch)
         if self.final_at is not None and self.price is None:
             self._price()
+        if self.price is not None and batch % KEPT_BATCHES == 0:
+            self._forget(batch - KEPT_BATCHES)
         self.turn = self._choose(steady, configuration)
         self.label = self.turn if self.turn in (None, PROFILE) else None
         self._tried = self._tried or self.turn is not None or bool(self.ruled_out)
@@ -410,6 +413,14 @@ class TrialPlan:
         nothing_left = self.turn is None and not layout_started and not self.running_or_pending()
         if nothing_left and self.final_at is None and self.first_steady is not None:
             self.final_at = batch
+
+    def _forget(self, before: int) -> None:
+        """Once the price is said, only the last `KEPT_BATCHES` batches' figures are kept (a trial that starts again
+        prices itself from the recent ones): a long run holds no record per batch."""
+        for table in (self.seconds, self.held, self.compiled, self.retried, self._batch_split):
+            for old in [b for b in table if b < before]:
+                del table[old]
+        self.points = [p for p in self.points if p[3] >= before]
 
     def _clocked(self, batch: int) -> None:
         """Batch `batch`'s seconds are in: a clean batch is a point of the microbatch cost model; a trial's batch adds
