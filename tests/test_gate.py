@@ -52,19 +52,23 @@ def test_the_full_tier_names_tests_that_exist():
 
 
 def test_the_recorded_gate_fits_its_budget():
-    """The whole recorded run at every launch (share 1): the steps (docs, venvs, calibration, each leg's start-up)
-    and every test, as `.ci/costs.py predict` counts them on the recording machine."""
+    """On the recording machine (`tests/costs.json`: its steps, every file and launch) the gate draws at least half of
+    each file's launches within `GATE_S` (30 minutes: a machine 1.3x slower still fits 40), and its floor (one launch a
+    file, every test that launches none, the steps) fits half of CI's 40 minutes: a machine twice as slow still fits
+    them, drawing less (`.ci/costs.py predict`)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("ci_costs", TESTS.parent / ".ci" / "costs.py")
     ci = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ci)
     recorded = json.loads((TESTS / "costs.json").read_text(encoding="utf-8"))
-    total = ci.predicted_s(recorded)
-    legs = {leg: sum(files.values()) for leg, files in recorded["legs"].items()}
     assert recorded.get("steps"), "tests/costs.json records no steps: record a whole .ci/run (python3 .ci/costs.py update .ci-costs)"
-    assert total <= gate.GATE_BUDGET_S == ci.GATE_S, (
-        f"the gate's recorded cost is {total:.0f} s (tests: {', '.join(f'{leg} {s:.0f} s' for leg, s in sorted(legs.items()))}; "
-        f"steps: {recorded['steps']}), over its {gate.GATE_BUDGET_S} s budget (tests/gate.py): make something cheaper or "
-        "move tests to FULL_TIER, then record a .ci/run (python3 .ci/costs.py update .ci-costs)"
-    )
+    share, predicted = ci.choose_share(recorded, 1.0, ci.GATE_S)
+    floor = ci.predicted_s(recorded, ci.SHARES[-1])
+    every = ci.predicted_s(recorded)
+    what = (f"every launch {every:.0f} s, share {share:g} {predicted:.0f} s, the floor {floor:.0f} s (steps: "
+            f"{recorded['steps']}); make something cheaper or move tests to FULL_TIER (tests/gate.py), then record a "
+            ".ci/run (python3 .ci/costs.py update .ci-costs)")
+    assert gate.GATE_BUDGET_S == ci.GATE_S
+    assert share >= ci.MIN_SHARE and predicted <= ci.GATE_S, f"the gate no longer draws half its launches in {ci.GATE_S:.0f} s: {what}"
+    assert floor <= ci.FLOOR_S, f"a machine twice as slow would not fit {ci.BUDGET_S:.0f} s: {what}"
