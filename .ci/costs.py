@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """The gate's costs as data, and the prediction that sizes a run. Standard library only.
 
-    python3 .ci/costs.py predict SECONDS [TARGET_S]    # SECONDS: this machine's calibration (.ci/calibrate.py);
+    python3 .ci/costs.py predict SECONDS [BUDGET_S]    # SECONDS: this machine's calibration (.ci/calibrate.py);
                                                       # prints the speed factor against the recorded one, the
                                                       # prediction of the whole .ci/run, and the share of each
-                                                      # file's launches that keeps it within TARGET_S (1800)
+                                                      # file's launches that keeps it within BUDGET_S (2400)
     python3 .ci/costs.py report DIR TOTAL_S BUDGET_S   # after .ci/run: the total against the budget, each step
                                                       # and leg against tests/costs.json, the costliest files
     python3 .ci/costs.py update DIR                    # tests/costs.json from a run's DIR (.ci-costs)
@@ -14,10 +14,11 @@
                                                       # costs.json (one per part)
 
 DIR holds one ``LEG.json`` per leg (``{"files": {file: seconds}, "launches": {file: {launch: seconds}}}``,
-written by `tests/costs.py` where ``AUTOMICRO_COSTS_OUT`` names it) and ``steps.json`` (``{step: seconds}``:
-the docs, the venvs, the calibration, each leg's wall time, written by `.ci/run`). `tests/costs.json` keeps
-the last recorded run: ``{"legs": {LEG: {file: s}}, "launches": {LEG: {file: {launch: s}}}, "steps": {...},
-"measured": ...}``; `tests/test_costs.py` holds the recorded whole within `GATE_S`.
+written by `tests/costs.py` where ``AUTOMICRO_COSTS_OUT`` names it), ``steps.json`` (``{step: seconds}``: the docs,
+the venvs, the calibration, each leg's wall time) and ``speed.json`` (``{"calibration_s": the calibration's own
+seconds}``), both written by `.ci/run`. `tests/costs.json` keeps the last recorded run: ``{"legs": {LEG: {file: s}},
+"launches": {LEG: {file: {launch: s}}}, "steps": {...}, "calibration_s": s, "measured": ...}``; `tests/test_gate.py`
+holds the recorded gate to its budget.
 """
 
 from __future__ import annotations
@@ -32,12 +33,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORDED = os.path.join(ROOT, "tests", "costs.json")
 RECORDED_FULL = os.path.join(ROOT, "tests", "costs_full.json")
 UNKNOWN_S = 120.0  # a file no run recorded yet: dealt early, as one of the costlier ones
-GATE_S = 1800.0  # what a run aims at: the share of launches is drawn so that the prediction fits it
-BUDGET_S = 2400.0  # 40 minutes: CI's budget. The floor (one launch a file, every test that launches none) stays
-FLOOR_S = BUDGET_S / 2  # within half of it, so that a machine twice as slow as the recorded one still fits it
-MIN_SHARE = 0.5  # at the recorded machine's speed the gate draws at least this share: tests added are paid for
+BUDGET_S = 2400.0  # 40 minutes, CI's budget: a run predicted over it draws a smaller share of launches to fit it
+MIN_SHARE = 0.5  # at the recorded machine's speed the gate draws at least this share within it: tests added are paid for
 SHARES = tuple(round(0.05 * k, 2) for k in range(20, 0, -1))  # the launch shares a prediction chooses from
 STEPS = "steps.json"
+SPEED = "speed.json"
 # Steps whose time is not tests: the docs build, the leg-1 venvs, the calibration, the wait for the newer
 # legs' venvs; each leg's wall time less its tests is its own start-up (collection, imports).
 FIXED_STEPS = ("docs", "venv", "calibration", "venvs_wait")
@@ -55,12 +55,17 @@ def _leg_doc(doc: dict[str, Any]) -> tuple[dict[str, float], dict[str, dict[str,
 def read_run(folder: str) -> dict[str, Any]:
     """A run's DIR: {"legs": {leg: {file: s}}, "launches": {leg: {file: {launch: s}}}, "steps": {step: s}}."""
     out: dict[str, Any] = {"legs": {}, "launches": {}, "steps": {}}
+    speed = _read(os.path.join(folder, SPEED))
+    if speed.get("calibration_s"):
+        out["calibration_s"] = float(speed["calibration_s"])
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
         if not name.endswith(".json"):
             continue
         doc = _read(os.path.join(folder, name))
         if name == STEPS:
             out["steps"] = {k: float(v) for k, v in doc.items()}
+            continue
+        if name == SPEED:
             continue
         leg = name[: -len(".json")]
         out["legs"][leg], out["launches"][leg] = _leg_doc(doc)
@@ -91,7 +96,7 @@ def predicted_s(doc: dict[str, Any], share: float = 1.0) -> float:
     return total
 
 
-def choose_share(doc: dict[str, Any], factor: float, budget_s: float = GATE_S) -> tuple[float, float]:
+def choose_share(doc: dict[str, Any], factor: float, budget_s: float = BUDGET_S) -> tuple[float, float]:
     """The largest share of `SHARES` whose prediction (recorded x `factor`) fits `budget_s`, and that prediction;
     the smallest share where none fits (a slow machine draws less, never nothing)."""
     for share in SHARES:
@@ -103,7 +108,7 @@ def choose_share(doc: dict[str, Any], factor: float, budget_s: float = GATE_S) -
 
 def speed_factor(doc: dict[str, Any], calibration_s: float) -> float:
     """This machine against the recorded one: its calibration's seconds over the recorded (1.0 where none was)."""
-    recorded_s = float(doc.get("steps", {}).get("calibration", 0.0))
+    recorded_s = float(doc.get("calibration_s", 0.0))
     return calibration_s / recorded_s if recorded_s > 0 and calibration_s > 0 else 1.0
 
 
@@ -193,10 +198,11 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["predict"] and len(argv) in (2, 3):
         doc = recorded()
         factor = speed_factor(doc, float(argv[1]))
-        budget = float(argv[2]) if len(argv) == 3 else GATE_S
+        budget = float(argv[2]) if len(argv) == 3 else BUDGET_S
         full = factor * predicted_s(doc)
         share, prediction = choose_share(doc, factor, budget)
-        print(f"predict: speed {factor:.2f}x the recorded machine; every launch {full:.0f} s predicted; "
+        print(f"predict: calibration {float(argv[1]):.2f} s against the recorded {doc.get('calibration_s', 0):.2f} s: "
+              f"speed {factor:.2f}x the recorded machine; every launch {full:.0f} s predicted; "
               f"launch share {share:g}: {prediction:.0f} s predicted (target {budget:.0f} s)")
         print(f"share={share:g}")
         return 0

@@ -3,9 +3,8 @@ to `make test-full`.
 
 The gate is every test except the full tier's. It has a budget: on the recording machine (`tests/costs.json`, the
 last recorded `.ci/run` on 2 cores with nothing else running: the docs and venv builds, the calibration, the three
-legs, every file and launch) it draws at least half of each file's launches within ``GATE_BUDGET_S`` (30 minutes,
-so that a machine 1.3x slower still fits 40), and its floor (one launch a file) fits 20 minutes, so that a machine
-twice as slow still fits 40, drawing less (`.ci/costs.py predict`). `tests/test_gate.py` checks the budget against the recorded costs, and that every guarantee
+legs, every file and launch) it draws at least half of each file's launches within ``GATE_BUDGET_S`` (CI's 40
+minutes), and its floor (one launch a file) fits them too; a slower machine draws less (`.ci/costs.py predict`). `tests/test_gate.py` checks the budget against the recorded costs, and that every guarantee
 below keeps at least one test in the gate: a change that adds gate tests fits them in the budget in
 the same change, by making something cheaper or by moving something to the full tier (``FULL_TIER``,
 with what still covers its path in the gate).
@@ -18,7 +17,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-GATE_BUDGET_S = 30 * 60
+GATE_BUDGET_S = 40 * 60
 
 # What the README promises -> the gate tests that show it ("file::test function", every parameter of it,
 # or "file::test function[id]" for one case). A test named here may not be in FULL_TIER.

@@ -62,10 +62,12 @@ def test_update_records_the_legs_their_launches_and_the_steps_in_the_repo_file(t
     (tmp_path / "legs").mkdir()
     (tmp_path / "legs" / "leg3.json").write_text(json.dumps({"files": {"tests/a.py": 12.5}, "launches": {"tests/a.py": {"test t": 12.5}}}))
     (tmp_path / "legs" / "steps.json").write_text(json.dumps({"docs": 60, "leg3": 20.0, "calibration": 3.0}))
+    (tmp_path / "legs" / "speed.json").write_text(json.dumps({"calibration_s": 2.5}))
     assert ci.main(["update", str(tmp_path / "legs")]) == 0
     doc = json.loads((tmp_path / "costs.json").read_text())
     assert doc["legs"] == {"leg3": {"tests/a.py": 12.5}} and doc["launches"] == {"leg3": {"tests/a.py": {"test t": 12.5}}}
-    assert doc["steps"] == {"docs": 60.0, "leg3": 20.0, "calibration": 3.0}
+    assert doc["steps"] == {"docs": 60.0, "leg3": 20.0, "calibration": 3.0} and doc["calibration_s"] == 2.5
+    assert ci.speed_factor(doc, 5.0) == 2.0
     # The whole: the docs, the calibration, leg 3's start-up (20 - 12.5 s) and its tests.
     assert ci.predicted_s(doc) == pytest.approx(60 + 3 + 7.5 + 12.5)
 
@@ -74,7 +76,7 @@ def _recorded_gate() -> dict:
     """A recorded run: 1,000 s of fixed steps; a leg whose two files launch 4 and 1 times (100 s each) beside 50 s of
     tests that launch nothing."""
     return {
-        "steps": {"docs": 100.0, "venv": 800.0, "calibration": 5.0, "venvs_wait": 95.0, "leg1": 1550.0},
+        "steps": {"docs": 100.0, "venv": 800.0, "calibration": 5.0, "venvs_wait": 95.0, "leg1": 1550.0}, "calibration_s": 5.0,
         "legs": {"leg1": {"tests/test_a.py": 450.0, "tests/test_b.py": 100.0}},
         "launches": {"leg1": {"tests/test_a.py": {"": 50.0, "fixture x": 100.0, "test p[1]": 100.0, "test p[2]": 100.0,
                                                   "test q": 100.0},
