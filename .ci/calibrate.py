@@ -6,7 +6,7 @@ calibration, the speed factor that scales the recorded costs: `.ci/costs.py pred
 
 Two processes at once (the tests' ranks come in twos on two cores), each what a test launch does: start an
 interpreter, import torch, run Python (a search's bookkeeping) and single-threaded tensor work (a tiny model's
-steps). Prints the wall seconds of the whole, the best of three rounds (a round is about 3 s on the recording
+steps). Prints the wall seconds of the whole, the best of three rounds after an untimed one (a round is about 3 s on the recording
 machine). A machine with its cores shared (another process on each) or fewer of them takes longer alike.
 """
 
@@ -37,6 +37,7 @@ def one_round() -> float:
 
 
 def main() -> int:
+    one_round()  # untimed: the first imports after a venv build read torch's files from disk (one run read 1.3x slow)
     seconds = min(one_round() for _ in range(3))
     print(f"{seconds:.2f}")
     return 0

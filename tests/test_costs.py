@@ -112,6 +112,7 @@ def test_a_slower_machine_draws_a_smaller_share_of_each_files_launches_never_bel
 def test_the_launch_share_is_drawn_per_file_at_least_one_each_and_over_seeds_every_launch_runs(monkeypatch):
     from tests import matrix
 
+    monkeypatch.setattr(matrix, "DRAWN", {})  # this run's own draws stay as they were (its summary line)
     launches = {"test_a.py": [f"launch {i}" for i in range(8)], "test_b.py": ["only"]}
     seen = set()
     for seed in range(40):
