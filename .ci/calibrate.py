@@ -6,8 +6,8 @@ calibration, the speed factor that scales the recorded costs: `.ci/costs.py pred
 
 Two processes at once (the tests' ranks come in twos on two cores), each what a test launch does: start an
 interpreter, import torch, run Python (a search's bookkeeping) and single-threaded tensor work (a tiny model's
-steps). Prints the wall seconds of the whole, the best of three rounds after an untimed one (a round is about 3 s on the recording
-machine). A machine with its cores shared (another process on each) or fewer of them takes longer alike.
+steps). Prints the wall seconds of the whole, the best of three rounds after an untimed one (a round is about
+3 s on the recording machine). A machine with its cores shared (another process on each) or fewer of them takes longer alike.
 """
 
 from __future__ import annotations
