@@ -88,13 +88,6 @@ class BatchProfile:
         }
         return parts[kind] + self.unattributed_s
 
-    def rules_out(self, kind: str, min_gain: float) -> Optional[str]:
-        """Why a trial of `kind` cannot be kept (its gain must beat `min_gain` of the batch), or None."""
-        bound = self.can_win(kind)
-        if bound > min_gain * self.wall_s:
-            return None
-        return f"it can win at most {self.share(bound)} of a {self.wall_s:.4f} s batch ({self.parts(kind)}), under the {100 * min_gain:g}% a trial must win"
-
     def share(self, seconds: float) -> str:
         return f"{100.0 * seconds / self.wall_s:.2f}%" if self.wall_s > 0 else "0%"
 

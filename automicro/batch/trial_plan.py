@@ -91,12 +91,6 @@ class PlannedTrial(Protocol):
         """What its last trial decided, in a few words (for its cost line and the dashboards)."""
 
 
-def busy_before(trial: Any, trials: Sequence[Any]) -> bool:
-    """A trial it waits for is still to decide."""
-    waits = set(getattr(trial, "waits_for", ()))
-    return any(t.name in waits and (t.pending or t.running) for t in trials)
-
-
 _OFFSET_US = 10**12  # added to a signed figure for its agreement (a maximum of non-negative ints), then taken off
 
 

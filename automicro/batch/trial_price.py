@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Optional
 
 from automicro.batch.batch_profile import BatchProfile
@@ -322,11 +322,7 @@ def allocate(prices: Sequence[Price], m: Measured, budget: Budget, min_gain: flo
     return chosen, refused
 
 
-def with_label(price_: Price, label: str) -> Price:
-    return replace(price_, label=label)
-
-
 __all__ = [
     "ARM_BATCHES", "BUDGET_SHARE", "Budget", "KINDS", "MARGIN", "Measured", "NOISE", "PROFILE_BATCHES", "Price",
-    "allocate", "fit_microbatch_cost", "price", "seconds", "with_label", "worth",
+    "allocate", "fit_microbatch_cost", "price", "seconds", "worth",
 ]
