@@ -184,19 +184,26 @@ def launch_of(item):
 
 def _draw_launch_share(config, items):
     """A slow machine draws less, never nothing: with ``--launch-share S`` (S in (0, 1]; `.ci/run` sets it from its
-    prediction, `.ci/costs.py predict`) each test file keeps a seeded share S of its launches, at least one; the
-    tests that launch nothing all run. Over successive seeds every launch runs; `--full` takes every one."""
+    prediction, `.ci/costs.py predict`) each test file keeps a seeded share S of its launches, at least one (on the
+    newer torch legs a file that leg 1 runs may keep none: each of its launches with chance S); the tests that
+    launch nothing all run. Over successive seeds every launch runs; `--full` takes every one."""
     from tests import matrix
 
     share = matrix.parse_fraction(config.getoption("--launch-share"))
     if share >= 1.0:
         return
-    launches = {}
+    launches, only_here = {}, set()
     for item in items:
         group = launch_of(item)
         if group is not None:
-            launches.setdefault(Path(str(item.fspath)).name, {}).setdefault(group, []).append(item)
-    kept = matrix.share_of("launch share", {file: sorted(groups) for file, groups in launches.items()}, share)
+            file = Path(str(item.fspath)).name
+            launches.setdefault(file, {}).setdefault(group, []).append(item)
+            if item.get_closest_marker("torchtitan") is not None:
+                only_here.add(file)
+    # On the newer torch legs (--versions-share) a file leg 1 runs too may draw none of its launches: the
+    # run keeps one launch of it there. The torchtitan files run on leg 3 only: they keep one.
+    elsewhere = set(launches) - only_here if config.getoption("--versions-share") else set()
+    kept = matrix.share_of("launch share", {file: sorted(groups) for file, groups in launches.items()}, share, elsewhere)
     dropped = [item for file, groups in launches.items() for group, tests in groups.items()
                if (file, group) not in kept for item in tests]
     _deselect(config, items, dropped)

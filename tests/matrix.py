@@ -22,7 +22,7 @@ import math
 import os
 import random
 import re
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, Optional, TypeVar
 
 T = TypeVar("T")
@@ -135,18 +135,25 @@ def parse_fraction(text: str) -> float:
     return value
 
 
-def share_of(name: str, launches: dict[str, list[Hashable]], share: float) -> set[tuple[str, Hashable]]:
-    """Of each file's launches, a seeded `share` (rounded up, at least one): (file, launch) pairs. Every launch
-    under `full()`."""
+def share_of(name: str, launches: dict[str, list[Hashable]], share: float,
+             elsewhere: Iterable[str] = ()) -> set[tuple[str, Hashable]]:
+    """Of each file's launches, a seeded `share` (rounded up, at least one): (file, launch) pairs. A file in
+    `elsewhere` (its launches run on another leg of this CI run too: the newer torch legs' files that leg 1 runs
+    whole) may draw none: its count is `share` x its launches rounded up or down at random (seeded), so each of its
+    launches still runs with probability `share`. Every launch under `full()`."""
     total = sum(map(len, launches.values()))
     if full() or share >= 1.0:
         DRAWN[name] = (total, total)
         return {(file, launch) for file, row in launches.items() for launch in row}
+    elsewhere = set(elsewhere)
     taken: set[tuple[str, Hashable]] = set()
     for file in sorted(launches):
         row = sorted(launches[file], key=repr)
-        count = max(1, math.ceil(share * len(row)))
         rng = random.Random(f"{seed()}:{name}:{file}:{_torch_minor()}")
+        if file in elsewhere:
+            count = min(len(row), math.floor(share * len(row) + rng.random()))
+        else:
+            count = max(1, math.ceil(share * len(row)))
         taken.update((file, launch) for launch in rng.sample(row, count))
     DRAWN[f"{name} {share:.2f}"] = (len(taken), total)
     return taken

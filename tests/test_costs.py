@@ -89,7 +89,35 @@ def test_a_machine_as_fast_as_the_recorded_one_draws_every_launch():
     doc = _recorded_gate()
     assert ci.speed_factor(doc, 5.0) == 1.0
     assert ci.predicted_s(doc) == pytest.approx(1000 + 1000 + 550)  # steps, leg 1's start-up, its tests
-    assert ci.choose_share(doc, 0.9, budget_s=2400) == (1.0, pytest.approx(0.9 * 2550))
+    assert ci.choose_share(doc, 0.9, budget_s=2400, recorded_s=2600) == (1.0, pytest.approx(0.9 * 2550))
+    # The recorded cost must also fit 30 minutes (`RECORDED_BUDGET_S`) whatever today's machine: this one cannot.
+    assert ci.choose_share(doc, 0.5, budget_s=2400, recorded_s=2400)[0] < 1.0
+
+
+def test_at_the_recorded_speed_the_gate_draws_what_fits_30_minutes_so_a_slower_machine_fits_40():
+    ci = _ci_costs()
+    doc = _recorded_gate()  # 2,550 s at every launch; 2,350 s at half of test_a.py's; 2,250 s at one launch a file
+    assert ci.RECORDED_BUDGET_S == 1800 and ci.BUDGET_S == 2400
+    assert ci.choose_share(doc, 1.0, recorded_s=2400) == (0.5, pytest.approx(2350))
+    assert ci.choose_share(doc, 1.0, recorded_s=2400, budget_s=2400)[0] == 0.5
+    # 1.02x slower: 2,397 s at share 0.5 still fits 40 minutes; 1.1x: 2,585 s does not, so the floor is drawn.
+    assert ci.choose_share(doc, 1.02, recorded_s=2400)[0] == 0.5
+    assert ci.choose_share(doc, 1.1, recorded_s=2400) == (ci.SHARES[-1], pytest.approx(1.1 * 2250))
+
+
+def test_a_newer_torch_leg_draws_its_share_of_a_file_leg_1_runs_maybe_none_and_keeps_one_of_a_file_only_it_runs():
+    ci = _ci_costs()
+    doc = _recorded_gate()
+    doc["legs"]["leg2"] = {"tests/test_a.py": 250.0, "tests/test_only_leg2.py": 100.0}
+    doc["launches"]["leg2"] = {"tests/test_a.py": {"": 50.0, "fixture x": 100.0, "test q": 100.0},
+                               "tests/test_only_leg2.py": {"test t": 100.0}}
+    doc["launches"]["leg1"]["tests/test_only_leg2.py"] = {"test t": 0.0}  # collected on leg 1, skipped there
+    doc["steps"]["leg2"] = 400.0  # 50 s of start-up
+    leg1 = 1000 + 1000 + 50
+    # At share 0.25 leg 2 draws on average a quarter of test_a.py's two launches (leg 1 runs them too: maybe none),
+    # and one of test_only_leg2.py's (no other leg runs it).
+    assert ci.predicted_s(doc, 0.25) == pytest.approx(leg1 + 100 + 100 + 50 + 50 + 0.25 * 2 * 100 + 100)
+    assert ci.predicted_s(doc) == pytest.approx(leg1 + 500 + 400)
 
 
 def test_a_slower_machine_draws_a_smaller_share_of_each_files_launches_never_below_one_a_file():
@@ -122,6 +150,26 @@ def test_the_launch_share_is_drawn_per_file_at_least_one_each_and_over_seeds_eve
         seen |= taken
     assert seen == {(file, launch) for file, row in launches.items() for launch in row}
     assert len(matrix.share_of("launch share", launches, 1.0)) == 9
+
+
+def test_on_a_newer_torch_leg_a_file_leg_1_runs_may_draw_none_each_launch_with_the_share_as_its_chance(monkeypatch):
+    from tests import matrix
+
+    monkeypatch.setattr(matrix, "DRAWN", {})
+    launches = {"test_a.py": [f"launch {i}" for i in range(3)], "test_b.py": ["only"], "test_titan.py": ["t"]}
+    counts, seen = {"test_a.py": 0, "test_b.py": 0}, set()
+    for seed in range(400):
+        monkeypatch.setenv(matrix.SEED_ENV, str(seed))
+        taken = matrix.share_of("launch share", launches, 0.25, elsewhere={"test_a.py", "test_b.py"})
+        assert ("test_titan.py", "t") in taken  # not elsewhere: at least one
+        drawn_a = sum(1 for file, _ in taken if file == "test_a.py")
+        assert drawn_a in (0, 1)  # 0.75 launches on average, rounded down or up
+        counts["test_a.py"] += drawn_a
+        counts["test_b.py"] += ("test_b.py", "only") in taken
+        seen |= taken
+    assert seen == {(file, launch) for file, row in launches.items() for launch in row}
+    assert 0.6 * 400 < counts["test_a.py"] < 0.9 * 400  # 0.75 a run
+    assert 0.15 * 400 < counts["test_b.py"] < 0.35 * 400  # 0.25 a run
     with pytest.raises(ValueError, match="expected a number in \\(0, 1\\]"):
         matrix.parse_fraction("0")
 
