@@ -364,6 +364,22 @@ def test_two_batches_a_side_decide_where_the_spread_is_tiny_and_three_otherwise(
     assert enough(consensus, [[1.0]], 1, 0.01)  # a trial of one batch a side
 
 
+def test_a_trade_kept_on_a_gain_under_three_times_its_spread_runs_on_in_pairs_up_to_twice_its_batches():
+    consensus = _Consensus()
+    weak_on, weak_off = [0.98, 1.00, 0.97], [1.00, 1.01, 0.99]  # +2.0%, spread 0.01 s: kept, under 3x the spread
+    assert enough(consensus, [weak_on, weak_off], 3, 0.01)  # without `extend`: judged at 3
+    assert not enough(consensus, [weak_on, weak_off], 3, 0.01, extend=True)
+    assert not enough(consensus, [weak_on + [0.98], weak_off], 3, 0.01, extend=True)  # the pair half run
+    # A fourth pair that makes the gain clear (spread 0.005 s, gain 0.02 s) ends it; one that does not, runs on.
+    assert enough(consensus, [weak_on + [0.98], weak_off + [1.00]], 3, 0.01, extend=True)
+    assert not enough(consensus, [weak_on + [0.99], weak_off + [1.00]], 3, 0.01, extend=True)  # +1.5%, spread 0.01 s
+    six_on, six_off = weak_on + [1.00, 0.97, 1.00], weak_off + [0.99, 1.01, 0.98]
+    assert enough(consensus, [six_on, six_off], 3, 0.01, extend=True)  # twice its batches: judged whatever
+    # Clear at 3 either way: judged at 3.
+    assert enough(consensus, [[0.90, 0.90, 0.91], [1.00, 1.00, 1.01]], 3, 0.01, extend=True)  # +10%, spread 0
+    assert enough(consensus, [[1.00, 1.02, 0.99], [1.00, 1.01, 0.99]], 3, 0.01, extend=True)  # not kept
+
+
 def _layout(candidates=(GRAD_SYNC_ONCE, NO_RESHARD)):
     return LayoutSearch(LayoutConfig("auto", (), 3, 0.01), list(candidates))
 

@@ -19,7 +19,7 @@ from automicro.core.layout import GRAD_SYNC_ONCE, SIZE_FRACTIONS, TRADES, UPSIZE
 from automicro.core.policy import SAFETY_MARGIN, predict_max_size
 from automicro.engine.layout import LayoutEngine
 from automicro.engine.sharding import ShardedModel
-from automicro.batch.trial_timing import BatchClock, agreed_times, enough
+from automicro.batch.trial_timing import CONCLUSIVE, BatchClock, agreed_times, enough
 
 
 class LayoutTrials:
@@ -297,11 +297,14 @@ class LayoutTrials:
             return
         trial = self.search.trial
         if trial is not None and not trial.measure and enough(
-            self._consensus, [trial.on, trial.off], self.config.trial_batches, self.config.min_gain,
+            self._consensus, [trial.on, trial.off], self.config.trial_batches, self.config.min_gain, extend=True,
         ):
+            sides = min(len(trial.on), len(trial.off))
             result = self.search.decide(agreed_times(self._consensus, self.search.local_times()), self._capacity_read)
             self._outcome = "kept" if result.kept else "not kept"
-            self._info(result.line())
+            extended = (f" (over {sides} batches a side: at {self.config.trial_batches} its gain was under "
+                        f"{CONCLUSIVE:g}x its spread)" if sides > self.config.trial_batches else "")
+            self._info(result.line() + extended)
             if result.kept and result.size is not None:
                 self.adopted = result.size
             self._info(f"layout now: {describe(self.search.settled)}")
