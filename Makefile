@@ -14,6 +14,11 @@ PYTEST := -m pytest tests $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKER
 # Overrides for the demo, e.g. `make demo DEMO_ARGS=loggers.wandb=true` (an offline wandb run).
 DEMO_ARGS ?=
 
+# Python writes bytecode caches here even where the machine's environment says not to (PYTHONDONTWRITEBYTECODE=1
+# on the development and CI machines): uv installs no .pyc, so without them every interpreter a test starts (each
+# rank of a launch) compiles torch, Composer and transformers from source (import torch 4.1-5.2 s against 2.5-3.1 s).
+unexport PYTHONDONTWRITEBYTECODE
+
 .PHONY: demo demo-pp demo-varlen foundry-demo docs test test-full test-full-cores test-quick test-211 test-215 venv venv-211 venv-215 wheelhouse clean-venv
 
 # The default environment, Composer 0.32.1's own pin (torch 2.7.0), installed by uv (the same resolution as pip's,

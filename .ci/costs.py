@@ -242,6 +242,11 @@ def main(argv: list[str]) -> int:
         if not run["legs"]:
             print(f"costs: no leg files in {argv[1]}: nothing recorded", file=sys.stderr)
             return 1
+        share = float(_read(os.path.join(argv[1], SPEED)).get("share", 1.0))
+        if share < 1.0:
+            print(f"costs: {argv[1]} is a run of launch share {share:g}: the launches it did not draw would drop out "
+                  "of the record; record a run of every launch (AUTOMICRO_LAUNCH_SHARE=1 .ci/run)", file=sys.stderr)
+            return 1
         _record(RECORDED, run, "a .ci/run on a 2-core development machine")
         print(f"costs: {RECORDED} now holds {', '.join(f'{leg} {sum(f.values()):.0f} s' for leg, f in run['legs'].items())}; "
               f"the whole gate {predicted_s(run):.0f} s")

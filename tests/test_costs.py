@@ -62,7 +62,10 @@ def test_update_records_the_legs_their_launches_and_the_steps_in_the_repo_file(t
     (tmp_path / "legs").mkdir()
     (tmp_path / "legs" / "leg3.json").write_text(json.dumps({"files": {"tests/a.py": 12.5}, "launches": {"tests/a.py": {"test t": 12.5}}}))
     (tmp_path / "legs" / "steps.json").write_text(json.dumps({"docs": 60, "leg3": 20.0, "calibration": 3.0}))
-    (tmp_path / "legs" / "speed.json").write_text(json.dumps({"calibration_s": 2.5}))
+    (tmp_path / "legs" / "speed.json").write_text(json.dumps({"calibration_s": 2.5, "share": 0.5}))
+    assert ci.main(["update", str(tmp_path / "legs")]) == 1  # half the launches: the rest would drop out
+    assert not (tmp_path / "costs.json").exists()
+    (tmp_path / "legs" / "speed.json").write_text(json.dumps({"calibration_s": 2.5, "share": 1.0}))
     assert ci.main(["update", str(tmp_path / "legs")]) == 0
     doc = json.loads((tmp_path / "costs.json").read_text())
     assert doc["legs"] == {"leg3": {"tests/a.py": 12.5}} and doc["launches"] == {"leg3": {"tests/a.py": {"test t": 12.5}}}
