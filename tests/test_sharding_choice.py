@@ -147,12 +147,17 @@ def test_the_scope_trial_reuses_the_one_rank_trials_times_and_goes_back_to_the_b
                             "trial's "), result["scope_lines"]
     assert "not kept" in verdict and verdict.endswith("each block compiled as before (its graphs kept)"), verdict
     # From the twin's first batch on, dynamo compiled one graph for the twin's blocks (they share it) in that batch,
-    # and at most one more: the rest of the model around the blocks' kept graphs in the scope trial's compile batch
-    # (the toy's root does nothing of its own: none); going back to the blocks compiled nothing, nor did anything after.
+    # at most one for FSDP2's blocks in the next (where the search had visited several sizes, a loaded machine's
+    # timing), and at most one more: the rest of the model around the blocks' kept graphs in the scope trial's
+    # compile batch (the toy's root does nothing of its own: none); going back to the blocks compiled nothing, nor did
+    # anything once the configuration was final.
     graphs, first = result["graphs"], _through(result)[0]
     grew = [b for b in sorted(graphs) if b >= first and graphs[b] > graphs[b - 1]]
-    assert grew[:1] == [first] and len(grew) <= 2 and all(graphs[b] - graphs[b - 1] == 1 for b in grew), graphs
-    assert result["plan_lines"][-1].startswith("trials: the configuration was final at batch "), result["plan_lines"]
+    assert grew[:1] == [first] and len(grew) <= 3 and all(graphs[b] - graphs[b - 1] == 1 for b in grew), graphs
+    assert len(grew) <= 2 or grew[1] == first + 1, graphs
+    final = re.match(r"trials: the configuration was final at batch (\d+);", result["plan_lines"][-1])
+    assert final, result["plan_lines"]
+    assert all(b <= int(final.group(1)) for b in grew), (graphs, result["plan_lines"][-1])
     assert result["error_fsdp2"] < 1e-6, result
 
 
