@@ -51,6 +51,7 @@ from automicro.core.sites import SiteDispatcher
 from automicro.data.varlen import TokenCounter
 from automicro.engine import local_step
 from automicro.engine.sharding import ShardedModel, adopt, sharded_of
+from automicro.batch.head_choice import attach_head
 from automicro.batch.layout_trials import LayoutTrials
 from automicro.batch.runtime import Runtime
 from automicro.batch.settings import Settings
@@ -63,7 +64,7 @@ SETTINGS = (
     "log_attempts", "unguarded_timeout_s", "sync_points", "consensus_transport", "steady_recovery", "budget",
     "fixed_tokens", "layout", "layout_trial_batches", "layout_min_gain", "layout_size_trials", "loss_normalization",
     "label_shift", "exit_timeout_s", "rerun_target", "bound_trials", "stall_report_s", "stall_end_s", "signal_exit_s",
-    "trials",
+    "trials", "head",
 )
 
 
@@ -177,6 +178,10 @@ class AutoStep:
         rt = self.runtime
         rt.attach(self.sharded, self.search.figures, memory, sites, None)
         self.search.configure(self.sharded.device.type, None)
+        # The head before the layout trials: its switch is one of their trades under head: auto.
+        attach_head(self.settings.head, self.sharded, rt.info,
+                    searches_layout=self.settings.layout_config.resolve(self.sharded.device.type).mode == "auto"
+                    and self.settings.steady_recovery, allocated=lambda: rt.memory.allocated_bytes())
         self.layout = self.search.layout = LayoutTrials(
             self.settings.layout_config, self.sharded, rt.consensus, rt.info, recoverable=rt.ledger is not None,
             pipeline=False,

@@ -14,6 +14,7 @@ from automicro.core import policy as search
 from automicro.core.headroom import DEFAULT_RERUN_TARGET
 from automicro.core.layout import LayoutConfig
 from automicro.core.transport import TRANSPORTS
+from automicro.engine.head import HEAD_MODES
 from automicro.engine.hooks import SYNC_POINTS
 from automicro.batch.batch_kinds import BatchKind, batch_kind
 from automicro.batch.loss_normalization import LossNormalization
@@ -57,6 +58,9 @@ class Settings:
     stall_report_s: Optional[float] = None
     stall_end_s: Optional[float] = None
     signal_exit_s: float = 30.0
+    # The vocabulary head (`automicro.batch.head_choice`): None (auto on a GPU where the layout is searched, plain
+    # elsewhere), "auto", "fused" or "plain".
+    head: Optional[str] = None
 
     @classmethod
     def parse(
@@ -90,6 +94,7 @@ class Settings:
         stall_end_s: Optional[float] = None,
         signal_exit_s: float = 30.0,
         trials: bool = True,
+        head: Optional[str] = None,
     ) -> "Settings":
         # None: the probe on a GPU, the whole batch on CPU (resolved at attach, as the layout).
         start = _start(start_size, search, use_prediction, budget)
@@ -171,6 +176,19 @@ class Settings:
                 f"trials={trials!r}: must be true (once the size settles, trials that pay for themselves may change how "
                 "the batch runs) or false (the size search and nothing else)"
             )
+        if head is not None and head not in HEAD_MODES:
+            raise ValueError(
+                f"head={head!r}: must be left out (auto on a GPU, plain elsewhere), 'auto' (the fused head timed against "
+                "the plain one once the size settles, priced like every trial, and kept where faster), 'fused' (the loss "
+                "computed from the hidden states in chunks, never the whole logits: the size is searched with it) or "
+                "'plain' (the model's own head)"
+            )
+        if head == "auto" and (not trials or layout == "fixed" or isinstance(layout, (list, tuple))):
+            why = "trials=false turns every trial off" if not trials else f"layout={layout!r} keeps the layout trials off"
+            raise ValueError(
+                f"head='auto' times the fused head against the plain one in the layout trials, and {why}: set head: fused "
+                "or head: plain, or drop " + ("trials=false" if not trials else "the layout key (or set layout: auto)")
+            )
         if not trials:
             if layout == "auto":
                 raise ValueError(
@@ -226,6 +244,7 @@ class Settings:
             stall_report_s=None if stall_report_s is None else float(stall_report_s),
             stall_end_s=None if stall_end_s is None else float(stall_end_s),
             signal_exit_s=float(signal_exit_s),
+            head=head,
         )
 
 

@@ -576,3 +576,11 @@ def forget_closed_trainer(trainer: Any) -> None:
     trainer.state.loss = None
     trainer.state.batch = None
     atexit.unregister(Engine._close)
+
+
+def add_to_cross_entropy(metric: Any, loss_sum: torch.Tensor, count: torch.Tensor) -> None:
+    """Add a microbatch's summed loss and its loss tokens to Composer's `LanguageCrossEntropy` (or its subclass
+    `LanguagePerplexity`) as its `update` would from the logits: its `sum_loss` and `total_items` states (Composer
+    0.32.1's names) take them, on the metric's device."""
+    metric.sum_loss += loss_sum.detach().to(device=metric.sum_loss.device, dtype=metric.sum_loss.dtype)
+    metric.total_items += count.detach().to(device=metric.total_items.device, dtype=metric.total_items.dtype)

@@ -48,9 +48,10 @@ from automicro.core.policy import HookReason
 from automicro.core.sites import AttemptContext, SiteDispatcher
 from automicro.engine.sharding import ShardedModel
 from automicro.composer import _composer_internals as composer_internals
-from automicro.composer import loss_counting
+from automicro.composer import head_metrics, loss_counting
 from automicro.composer.composer_host import ComposerHost
 from automicro.composer.eval_search import EvalFence, EvalSearch
+from automicro.batch.head_choice import attach_head
 from automicro.batch.layout_trials import LayoutTrials
 from automicro.composer.pipeline_batch import PipelineBatch
 from automicro.batch.runtime import Runtime
@@ -123,6 +124,12 @@ class AutoMicrobatching(Callback):
             (null: as stall_report_s, longer).
         signal_exit_s: After SIGTERM or SIGINT the process ends within this many seconds, its stacks written,
             even where its main thread is blocked in a collective or a compile.
+        head: The vocabulary head (the output projection and the loss over the vocabulary): ``auto`` (the default
+            on a GPU where the layout is searched: once the size settles, the fused head is priced like every trial,
+            measured, timed against the plain one at the size it fits and kept where faster), ``fused`` (the loss
+            computed from the hidden states in chunks, never the whole logits: the size is searched with it) or
+            ``plain`` (the model's own head; the default elsewhere). automicro's Llama and transformers' Llama,
+            Mistral, Qwen2/3, Gemma 1/2/3, OLMo-2, Phi-3, GPT-2, StableLM and Granite causal LMs.
 
     The rooms that own the behaviour: `settings` (the checked keys), `runtime` (what attach builds:
     consensus, ledger, fence, sync hooks, memory source), `search` (the training batch under `auto`
@@ -162,13 +169,14 @@ class AutoMicrobatching(Callback):
         stall_end_s: Optional[float] = None,
         signal_exit_s: float = 30.0,
         trials: bool = True,
+        head: Optional[str] = None,
     ) -> None:
         self.settings = Settings.parse(
             stable_batches, thrash_batches, search, use_prediction, start_size, cpu_sync_group, memory_fraction,
             log_attempts, unguarded_timeout_s, sync_points, consensus_transport, steady_recovery, budget,
             fixed_tokens, eval_oom, layout, layout_trial_batches, layout_min_gain, layout_size_trials,
             loss_normalization, label_shift, packing, exit_timeout_s, rerun_target, bound_trials, stall_report_s,
-            stall_end_s, signal_exit_s, trials,
+            stall_end_s, signal_exit_s, trials, head,
         )
         self.runtime = Runtime(self.settings)
         self.search = TrainingSearch(self.settings, self.runtime)
@@ -243,6 +251,17 @@ class AutoMicrobatching(Callback):
                 "layout: auto (the default on a GPU) trades that away once the size is found (docs/guides/one-gpu.md)"
             )
         self.search.configure(sharded.device.type, pipeline)
+        # The head before the layout trials: its switch is one of their trades under head: auto.
+        model = sharded.module
+        switch = attach_head(
+            self.settings.head, sharded, self._info, searches_layout=self.searches_layout(sharded.device.type),
+            allocated=lambda: rt.memory.allocated_bytes(), logits_needed=head_metrics.logits_needed(model),
+            pipeline=pipeline is not None, also=head_metrics.from_loss(model),
+        )
+        if switch is not None:
+            twin = getattr(sharded, "twin", None)
+            for composer_model in [model] + ([twin.module] if twin is not None else []):
+                head_metrics.install(composer_model, switch)
         self.layout = self.search.layout = LayoutTrials(
             self.layout_config, sharded, rt.consensus, self._info, recoverable=rt.ledger is not None, pipeline=pipeline is not None,
         )

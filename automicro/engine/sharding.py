@@ -259,6 +259,9 @@ class ShardedModel:
     # On a mesh of one: the model unsharded over the same storage (`automicro.engine.twin`), where the
     # trainer built one for `automicro.batch.sharding_choice` to time; None otherwise.
     twin: Optional[Any] = None
+    # The vocabulary head's switch (`automicro.engine.head.HeadSwitch`), where the model's head can be fused and the
+    # run asked for it (`automicro.batch.head_choice`); None: the model's own head, untouched.
+    head: Optional[Any] = None
 
     @property
     def compute_stream_buffers(self) -> bool:

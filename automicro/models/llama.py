@@ -431,6 +431,11 @@ class Llama(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`position_ids` [B, S]: packed rows (positions restarting at each sample; see the module docstring)."""
+        return self.lm_head(self.hidden_states(input_ids, position_ids))
+
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """What the head reads: the final norm of the last block's output, ``[B, S, d_model]`` (a fused head
+        computes the loss from it and ``lm_head``'s weight without the logits: `automicro.engine.head`)."""
         seq = input_ids.shape[1]
         mask = None
         if position_ids is None:
@@ -453,7 +458,7 @@ class Llama(nn.Module):
             mask = packed_samples(position_ids) if _uses_varlen(x) else document_mask(position_ids)
         for block in self.blocks:
             x = block(x, cos, sin, mask)
-        return self.lm_head(self.norm(x))
+        return self.norm(x)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Number of distinct parameters (a tied weight counts once).

@@ -1,0 +1,93 @@
+"""The ``head`` key at attach: which head the run trains with, and the one line that says it.
+
+- ``plain``: the model's own head (the default where the layout is not searched: a CPU, ``layout: fixed``,
+  ``trials: false``); nothing is installed.
+- ``fused``: the switch (`automicro.engine.head.HeadSwitch`) is put on the model fused from the first batch, so the
+  size is searched with the head that trains. A model whose head automicro cannot fuse is refused, with why.
+- ``auto`` (the default on a GPU where the layout is searched): the switch is put on plain; once the size settles
+  the layout trials price the fused head from the profiled batch (the head's share of its time, the bytes its
+  logits hold per sample), measure its memory in one batch, and time it against the plain head at the largest size
+  it fits (`automicro.core.layout`'s ``fused_head``); kept where faster, the size settles there. A model whose head
+  cannot be fused keeps its own, one line says why.
+
+Either way a run whose loop reads the logits of a training batch keeps the plain head (Composer's
+``compute_training_metrics``: the metrics are computed from the logits), said on the line; evaluation always runs
+the plain head (a fused head only runs a training forward with labels). The switch is put on the model's unsharded
+twin too, where the run has one (the same head either way).
+
+Owns: resolving the key, the attach-time checks and the line. May not touch: the fused loss and the models
+(`automicro.engine.head`, `head_models`), the trial (the layout's), Composer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Optional
+
+import torch
+
+from automicro.engine.head import HeadConfigError, HeadSwitch, choose_backend
+from automicro.engine.head_models import find_head, head_weight, install_head
+from automicro.engine.sharding import ShardedModel
+
+
+def _compute_dtype(sharded: ShardedModel, weight: torch.Tensor) -> torch.dtype:
+    precision = getattr(sharded.config, "mixed_precision", "FULL")
+    return torch.bfloat16 if precision in ("DEFAULT", "PURE") else weight.dtype
+
+
+def attach_head(
+    value: Optional[str], sharded: ShardedModel, info: Callable[[str], None], *, searches_layout: bool,
+    allocated: Callable[[], int] = lambda: 0, logits_needed: str = "", pipeline: bool = False, also: str = "",
+) -> Optional[HeadSwitch]:
+    """Resolve ``head`` for this run and put the switch on the model where it is fused or timed; returns it (also
+    as ``sharded.head``), or None where the model keeps its own head. `searches_layout`: the layout trials run here
+    (``head: auto`` needs them); `allocated`: the memory source's allocated bytes (the meter's); `logits_needed`: why
+    the loop reads a training batch's logits ("" where it does not); `also`: what else the fused head brings, for
+    the line (the training metrics it computes from its loss)."""
+    mode = value
+    if mode is None:
+        mode = "auto" if searches_layout and sharded.device.type == "cuda" and not pipeline else "plain"
+    if mode == "plain":
+        if value == "plain":
+            info("head: plain (head: plain): the model's own head")
+        return None
+    if mode == "auto" and not searches_layout:
+        raise HeadConfigError(
+            "head='auto' times the fused head against the plain one in the layout trials, which do not run here "
+            "(layout: fixed, the default off a GPU; a pipeline; steady_recovery: false): set head: fused or head: plain, "
+            "or layout: auto"
+        )
+    family, why = (None, "a pipeline stage holds the head apart from the blocks") if pipeline else find_head(sharded.module)
+    if family is None:
+        if value == "fused":
+            raise HeadConfigError(f"head='fused': {why}; set head: plain (or leave it out)")
+        info(f"head: plain: {why}")
+        return None
+    if logits_needed:
+        info(f"head: plain ({'head: ' + value if value else 'the default on a GPU'} asked for {mode}): {logits_needed}, "
+             "which the fused head never holds")
+        return None
+    weight = head_weight(sharded.module)
+    assert weight is not None
+    backend, backend_why = choose_backend(sharded.device, _compute_dtype(sharded, weight))
+    switch = HeadSwitch(mode=mode, fused=mode == "fused", backend=backend, backend_why=backend_why, family=family,
+                        vocab=int(weight.shape[0]))
+    switch.meter.allocated = allocated
+    install_head(sharded.module, switch)
+    twin = getattr(sharded, "twin", None)
+    if twin is not None:
+        install_head(twin.module, switch)
+    sharded.head = switch
+    how = "liger-kernel's fused linear cross-entropy" if backend == "liger" else f"torch-native, in chunks ({backend_why})"
+    also = f"; {also}" if also else ""
+    if mode == "fused":
+        info(f"head: fused ({how}) on {family}'s head, a vocabulary of {switch.vocab:,}: the loss from the hidden states "
+             f"in chunks, never the whole logits; the size is searched with it{also}")
+    else:
+        info(f"head: auto: {family}'s head (a vocabulary of {switch.vocab:,}) is priced fused ({how}) once the size "
+             f"settles, from the profiled batch, and timed against the plain head at the size it fits{also}")
+    return switch
+
+
+__all__ = ["attach_head"]
