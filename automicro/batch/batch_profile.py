@@ -15,7 +15,11 @@ work is issued, so what they can win is bounded by what a batch already shows:
 - collectives (NCCL kernels; gloo's operators on a CPU): what the layout trades can save between ranks;
 - fusable eager work: kernels launched outside any compiled region that are not a matrix product,
   attention or a collective (the embedding, the loss, casts between blocks): what the whole model
-  compiled can fuse beyond each block compiled.
+  compiled can fuse beyond each block compiled;
+- the vocabulary head (where the run put its switch on the model: `automicro.engine.head`): what its forward and
+  backward launch inside their host ranges (``automicro::head``), all of it and its eager part (not a matrix
+  product), and the bytes per sample its forward holds until its backward (the logits and what the loss keeps of
+  them): the fused head's price reads them (`trial_price`). On its own line.
 
 So: the model unsharded can win at most idle + FSDP2's work; a layout trade idle + FSDP2's work +
 collectives; the whole model compiled idle + fusable work; a smaller microbatch of fixed-length samples
@@ -37,6 +41,7 @@ privates (the engine's `_torch_internals`).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -47,6 +52,7 @@ import torch
 # Host ranges the trials' bounds read: FSDP2's record_function ranges, and dynamo's compiled regions (the
 # forward's "Torch-Compiled Region: i/j", the backward's "CompiledFunctionBackward").
 FSDP_RANGE = re.compile(r"^FSDP::")
+HEAD_RANGES = re.compile(r"^automicro::head")  # `automicro.engine.head.HEAD_RANGE`, forward and backward
 COMPILED_RANGE = re.compile(r"^(Torch-Compiled Region|CompiledFunction)")
 # The optimizer's step and zero_grad (torch's own ranges, and the batch step's around every optimizer step): eager
 # work a model's compile does not touch.
@@ -77,6 +83,9 @@ class BatchProfile:
     device: str = "cuda"
     unattributed_names: tuple[str, ...] = ()  # the costliest of it, by name (what the line names)
     fsdp_idle_s: float = 0.0  # of the idle: the device waiting while the host ran FSDP2's own code (its ranges)
+    head_s: float = 0.0  # device work of the vocabulary head's forward and backward (0: not measured)
+    head_eager_s: float = 0.0  # of it, what is not a matrix product (the upcast, the softmax, the loss, their backward)
+    head_bytes: int = 0  # bytes per sample the head's forward holds until its backward (0: not measured)
 
     def can_win(self, kind: str) -> float:
         """The most a trial of `kind` can save from a batch, in seconds."""
@@ -109,14 +118,25 @@ class BatchProfile:
                 f"{self.share(self.comm_s)}, eager work a compile could fuse {self.share(self.fusable_s)}"
                 + (f", unattributed {self.share(self.unattributed_s)}{names}" if self.unattributed_s else ""))
 
+    def head_line(self, vocab: int = 0) -> Optional[str]:
+        """The head's own line (None where it was not measured)."""
+        if not self.head_s and not self.head_bytes:
+            return None
+        over = f" over a vocabulary of {vocab:,}" if vocab else ""
+        return (f"the vocabulary head profiled: its projection and loss{over} {self.share(self.head_s)} of the batch "
+                f"({self.share(self.head_eager_s)} outside matrix products), its forward holding "
+                f"{self.head_bytes / 2**20:.2f} MiB a sample until its backward (the logits and what its loss keeps of them)")
+
     def to_micros(self) -> list[int]:
+        """The figures as ints for their agreement (seconds in microseconds; the head's bytes as they are)."""
         return [int(round(v * 1e6)) for v in (self.wall_s, self.idle_s, self.fsdp_s, self.comm_s, self.fusable_s,
-                                              self.unattributed_s, self.fsdp_idle_s)]
+                                              self.unattributed_s, self.fsdp_idle_s, self.head_s, self.head_eager_s)] + [int(self.head_bytes)]
 
     @classmethod
     def from_micros(cls, values: Sequence[int], device: str, names: tuple[str, ...] = ()) -> "BatchProfile":
-        wall, idle, fsdp, comm, fusable, unattributed, fsdp_idle = (v / 1e6 for v in values)
-        return cls(wall, idle, fsdp, comm, fusable, unattributed, device, names if unattributed else (), min(idle, fsdp_idle))
+        wall, idle, fsdp, comm, fusable, unattributed, fsdp_idle, head, head_eager = (v / 1e6 for v in values[:9])
+        return cls(wall, idle, fsdp, comm, fusable, unattributed, device, names if unattributed else (), min(idle, fsdp_idle),
+                   head, min(head, head_eager), int(values[9]))
 
 
 # ---- intervals ------------------------------------------------------------------------------------
@@ -201,6 +221,7 @@ def figures(events: Sequence[Any], wall_s: float, device: str) -> BatchProfile:
     fsdp = _Ranges(e for e in host if FSDP_RANGE.match(e.name))
     compiled = _Ranges(e for e in host if COMPILED_RANGE.match(e.name))
     optimizer = _Ranges(e for e in host if OPTIMIZER_RANGE.match(e.name))
+    head = _Ranges(e for e in host if HEAD_RANGES.match(e.name))
     # A host range shows on the device too (kineto's GPU user annotations: "FSDP::pre_forward", "Optimizer.step#..."),
     # spanning its kernels and the gaps between them: not work.
     ranges = {e.name for e in host if not OPERATOR.match(e.name) and not LAUNCH.match(e.name)}
@@ -218,7 +239,8 @@ def figures(events: Sequence[Any], wall_s: float, device: str) -> BatchProfile:
         # device synchronized (the gaps at its ends are the clock's, which no trial can win, and no run without the
         # clock pays).
         extent = max(k.end_ns for k in kernels) - min(k.start_ns for k in kernels)
-        parts: dict[str, list[Interval]] = {"fsdp": [], "comm": [], "fusable": [], "unattributed": [], "optimizer": []}
+        parts: dict[str, list[Interval]] = {"fsdp": [], "comm": [], "fusable": [], "unattributed": [], "optimizer": [],
+                                            "head": [], "head_eager": []}
         lost: dict[str, int] = {}
         for k in kernels:
             span = (k.start_ns, k.end_ns)
@@ -226,6 +248,10 @@ def figures(events: Sequence[Any], wall_s: float, device: str) -> BatchProfile:
                 parts["comm"].append(span)
                 continue
             anchor = launches.get(k.correlation) or operators.get(k.linked)
+            if anchor is not None and head.holds(anchor.thread, anchor.start_ns):
+                parts["head"].append(span)
+                if not MATMUL.search(k.name):
+                    parts["head_eager"].append(span)
             if anchor is None:
                 parts["unattributed"].append(span)
                 lost[k.name] = lost.get(k.name, 0) + k.end_ns - k.start_ns
@@ -256,18 +282,21 @@ def figures(events: Sequence[Any], wall_s: float, device: str) -> BatchProfile:
         products = [(e.start_ns, e.end_ns) for e in ops if MATMUL.search(e.name)]
         comm = [(e.start_ns, e.end_ns) for e in ops if COMM.search(e.name)]
         outside = _minus(_minus(spans, products + comm), fsdp.all() + compiled.all() + optimizer.all())
+        heads = _within(spans, head.all())
         seconds = {
             "fsdp": _length(_within(spans, fsdp.all())) / 1e9,
             "comm": _length(comm) / 1e9,
             "fusable": _length(outside) / 1e9,
             "unattributed": 0.0,
+            "head": _length(heads) / 1e9,
+            "head_eager": _length(_minus(heads, products)) / 1e9,
         }
         names = ()
         idle = max(0.0, wall_s - busy / 1e9)
         # FSDP2's host code with no operator running: its own host time.
         fsdp_idle = min(idle, _length(_minus(fsdp.all(), spans)) / 1e9)
     return BatchProfile(wall_s, idle, seconds["fsdp"], seconds["comm"], seconds["fusable"], seconds["unattributed"], device, names,
-                        fsdp_idle)
+                        fsdp_idle, seconds["head"], seconds["head_eager"])
 
 
 class BatchProfiler:
@@ -278,6 +307,9 @@ class BatchProfiler:
         self.device = device
         self._profile: Any = None
         self.why = ""
+        # The vocabulary head's switch where the run has one (`automicro.engine.head.HeadSwitch`): its meter is on
+        # for the profiled batch only.
+        self.head: Any = None
 
     def start(self) -> bool:
         from torch.profiler import ProfilerActivity, profile
@@ -288,6 +320,9 @@ class BatchProfiler:
                 torch.cuda.synchronize(self.device)
             self._profile = profile(activities=activities, record_shapes=False, with_stack=False, profile_memory=False)
             self._profile.start()
+            if self.head is not None:
+                self.head.meter.reset()
+                self.head.meter.on = True
         except Exception as error:  # noqa: BLE001 - a profiler already on (the user's, Composer's): no bound
             self._profile, self.why = None, f"the profiler could not start ({type(error).__name__}: {str(error)[:120]})"
             return False
@@ -299,6 +334,10 @@ class BatchProfiler:
         if self._profile is None:
             return None
         profile, self._profile = self._profile, None
+        head_bytes = 0
+        if self.head is not None:
+            self.head.meter.on = False
+            head_bytes = self.head.meter.per_sample()
         try:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -310,7 +349,7 @@ class BatchProfiler:
         if not events:
             self.why = "the profile held no events"
             return None
-        return figures(events, wall_s, self.device.type)
+        return dataclasses.replace(figures(events, wall_s, self.device.type), head_bytes=head_bytes)
 
 
 __all__ = ["BatchProfile", "BatchProfiler", "SCOPE", "SMALLER", "TRADE", "UNSHARDED", "figures"]

@@ -15,7 +15,9 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 from automicro.core.consensus import Consensus
-from automicro.core.layout import GRAD_SYNC_ONCE, SIZE_FRACTIONS, TRADES, UPSIZE, LayoutConfig, LayoutSearch, Priced, describe
+from automicro.core.layout import (
+    FUSED_HEAD, GRAD_SYNC_ONCE, GROWS, SIZE_FRACTIONS, TRADES, UPSIZE, LayoutConfig, LayoutSearch, Priced, describe,
+)
 from automicro.core.policy import SAFETY_MARGIN, predict_max_size
 from automicro.engine.layout import LayoutEngine
 from automicro.engine.sharding import ShardedModel
@@ -87,6 +89,15 @@ class LayoutTrials:
         self._key: tuple[Any, ...] = ()
         self.started_now = False  # a trial started with the batch in progress
         self.held_off = False  # the model runs unsharded for good (`sharding_choice`): FSDP2's trades change nothing
+        # The bytes per sample the plain head holds from its forward to its backward, as the profiled batch measured
+        # them (agreed; 0: not measured): the fused head's price predicts the size it fits from them. Set by the
+        # training search.
+        self.head_bytes: Callable[[], int] = lambda: 0
+        self._count_at: Optional[Callable[[int], int]] = None
+        self._largest_at: Optional[Callable[[int], int]] = None
+        self._found: Optional[int] = None
+        self._microbatches = 0
+        self._probe_microbatches = 0
         if self.engine is not None:
             self._apply(self.search.settled)
 
@@ -98,9 +109,38 @@ class LayoutTrials:
 
     @property
     def pending(self) -> bool:
-        """Something may be left to try: searching, and not found idle at this size and layout."""
-        return (self.engine is not None and self.search.searching and self.search.trial is None and not self.held_off
-                and self._quiet != self._key)
+        """Something may be left to try: searching, and not found idle at this size and layout (with the model
+        unsharded for good, only the fused head)."""
+        return (self.engine is not None and self.search.searching and self.search.trial is None
+                and (not self.held_off or self._head_pending()) and self._quiet != self._key)
+
+    def _head_pending(self) -> bool:
+        search = self.search
+        return (FUSED_HEAD in search.candidates and FUSED_HEAD not in search.kept
+                and (self._found is None or self._found not in search.head_from))
+
+    def head_facts(self) -> dict[str, float]:
+        """What the fused head's price needs (`automicro.batch.trial_price`, kind ``fused_head``): the microbatches at
+        the size found and at the size the plain head's measured bytes say the fused head fits (the memory model
+        less those bytes per sample, under the policy's margin), the probe's microbatches (its measuring batch)."""
+        found, count_at, peak_at = self._found, self._count_at, self._peak_at
+        head = self.head_bytes()
+        facts = {"found_microbatches": float(self._microbatches), "probe_microbatches": float(self._probe_microbatches),
+                 "measure": 1.0 if self._probe_microbatches else 0.0, "microbatches": float(self._microbatches)}
+        if found is None or count_at is None or peak_at is None or not head or not self._capacity or not self._batch_size:
+            return facts
+        fits = found
+        for n in range(found + 1, self._batch_size + 1):
+            projected = peak_at(n)
+            if projected is None:
+                break
+            largest, peak = projected
+            if peak - largest * head > self._capacity * SAFETY_MARGIN:
+                break
+            fits = n
+        facts["microbatches"] = float(count_at(fits))
+        facts["fits"] = float(fits)
+        return facts
 
     @property
     def running(self) -> bool:
@@ -117,7 +157,10 @@ class LayoutTrials:
         come: their sizes are chosen then)."""
         if self.engine is None:
             return []
-        return [(t, t, {}) for t in self.search._untried() if not (t == GRAD_SYNC_ONCE and self._one_microbatch)]
+        head = [(FUSED_HEAD, FUSED_HEAD, self.head_facts())] if self._head_pending() and FUSED_HEAD not in self.search.fits_up_to else []
+        if self.held_off:
+            return head
+        return head + [(t, t, {}) for t in self.search._untried() if not (t == GRAD_SYNC_ONCE and self._one_microbatch)]
 
     def outcome(self) -> str:
         return self._outcome
@@ -221,11 +264,14 @@ class LayoutTrials:
             measure_at = min(measure_split)
             self._batch_size = sum(measure_split)
         self._peak_at, self._capacity = peak_at, capacity_bytes
+        self._found, self._count_at, self._largest_at, self._microbatches = found, count_at, largest_at, microbatches
+        self._probe_microbatches = len(measure_split) if measure_split and measure_at is not None else 0
         started = self.search.trial
         layout, lines = self.search.layout_for_batch(
             steady, fits, size, found, smaller, measure_at, largest_at, capacity_bytes,
             sum(measure_split) if measure_split else None, outside_bytes, size_fractions, size_unit, self.priced,
             one_microbatch=microbatches == 1, count_at=count_at, microbatches=microbatches, order=self.order,
+            head_facts=self.head_facts() if self._head_pending() else None, head_only=self.held_off,
         )
         trial = self.search.trial
         self.started_now = trial is not None and trial is not started
@@ -275,7 +321,7 @@ class LayoutTrials:
         trial = self.search.measuring
         if trial is not None:
             self._outcome = "measured"
-        if trial is not None and trial.trades[0] in UPSIZE:
+        if trial is not None and trial.trades[0] in UPSIZE + GROWS:
             self._info(self._measured_upsize(sorted(peaks_by_size)))
             self._apply(self.search.settled)
             return
@@ -311,7 +357,7 @@ class LayoutTrials:
             self._apply(self.search.settled)
 
     def _measured_upsize(self, by_size: list[tuple[int, int]]) -> str:
-        """A trade in UPSIZE was on in this batch at the probe's split: its own memory model
+        """A trade in UPSIZE or GROWS was on in this batch at the probe's split: its own memory model
         (fixed bytes and bytes per sample through the smallest and largest microbatch's peaks) gives
         the largest microbatch under the policy's margin, at most the batch."""
         fits_up_to, how = None, ""
@@ -377,7 +423,9 @@ class LayoutTrials:
     def metrics(self) -> dict[str, int]:
         if self.engine is None:
             return {}
-        row = {f"automicro/layout_{t}": int(t in self.layout) for t in TRADES}
+        row = {f"automicro/layout_{t}": int(t in self.layout) for t in TRADES if t != FUSED_HEAD}
+        if self.engine.head is not None:
+            row["automicro/head_fused"] = int(self.engine.head.fused)
         row["automicro/layout_trial"] = int(self.search.trial is not None)
         return row
 

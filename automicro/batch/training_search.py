@@ -194,6 +194,9 @@ class TrainingSearch:
         if self.sharding_choice is not None and self.sharding_choice.state in ("unsharded", "sharded"):
             how = "measured" if self.sharding_choice.result is not None else "not timed"
             tail += f"; one rank: {'the model unsharded' if self.sharding_choice.state == 'unsharded' else 'FSDP2'} ({how})"
+        head = getattr(self.runtime.sharded, "head", None)
+        if head is not None:
+            tail += f"; head: {head.describe()}"
         if self.plan is not None and self.plan.summary():
             tail += f"; {self.plan.summary()}"
         return self.kind.summary(self.policy, per_rank_batch, layout, self.used_split, tail)
@@ -429,6 +432,10 @@ class TrainingSearch:
             layout, plan = self.layout, self.plan
             layout.priced = lambda label, kind, facts: plan.admit(label, kind, layout.min_gain, **facts)
             layout.order = plan.by_value
+            # The vocabulary head, where the run put its switch on the model: metered in the profiled batch, whose
+            # figures price the fused head (`head_choice`).
+            plan.profiler.head = getattr(rt.sharded, "head", None)
+            layout.head_bytes = lambda: plan.profile.head_bytes if plan.profile is not None else 0
             scope, sharding = self._compile_scope(), self._sharding_choice()
 
             def target() -> tuple[str, Any]:

@@ -73,10 +73,15 @@ SCOPE_FSDP2_GRAPHS = 4.0
 PACKING_OF_PADDING = 1.0
 # Activation checkpointing recomputes each block's forward in backward: about a quarter of the device's busy time.
 RECOMPUTE_OF_BUSY = 0.25
+# The fused head runs the plain head's matrix products and replaces its eager work over the vocabulary (the fp32
+# upcast, the log-softmax, the loss and their backward: several passes over microbatch x sequence x vocabulary) with
+# one pass a chunk. Not calibrated yet: half of the head's eager work (one measurement on a 256k vocabulary, one
+# H200: liger-kernel's head alone +13% a batch with the size it allowed, 6-7 -> 16).
+HEAD_EAGER_SAVED = 0.5
 
 # What a kind of trial is expected to win from, for the words of its line.
 KINDS = ("static", "packing", "one_rank", "scope", "grad_sync_once", "no_reshard", "together", "no_recompute",
-         "smaller", "downsize", "upsize")
+         "smaller", "downsize", "upsize", "fused_head")
 
 
 @dataclass(frozen=True)
@@ -218,6 +223,19 @@ def price(label: str, kind: str, m: Measured, **facts: float) -> Optional[Price]
         win = RECOMPUTE_OF_BUSY * (p.wall_s - p.idle_s)
         return Price(label, kind, win, _arms(win, m) + w, f"the forward recomputed, {RECOMPUTE_OF_BUSY:g} x the device's busy time",
                      "its arms' batches and one batch an OOM may rerun")
+    if kind == "fused_head":
+        # Fewer microbatches where the size it fits (predicted from the plain head's measured bytes) is larger, and
+        # part of the head's eager work; its measuring batch runs at the probe's split.
+        count = int(facts.get("microbatches", n)) or n
+        eager = HEAD_EAGER_SAVED * p.head_eager_s
+        win = (n - count) * a + eager
+        probe = int(facts.get("probe_microbatches", 0)) if facts.get("measure", 0.0) else 0
+        measure = max(0, probe - n) * a + NOISE * w if probe else 0.0
+        compile_s = graph if count != n else 0.0
+        basis = (f"{HEAD_EAGER_SAVED:g} x the head's eager work ({_pct(p.head_eager_s, m)})"
+                 + (f" and {n - count} fewer microbatch(es) at {_pct(a, m)} each ({a_from})" if count != n else ""))
+        costs = ("a measuring batch at the probe's split, " if probe else "") + ("a compile at the new size and " if compile_s else "") + "its arms' batches"
+        return Price(label, kind, win, measure + compile_s + _arms(win, m), basis, costs)
     fraction = facts.get("fraction")
     count = int(facts.get("microbatches", math.ceil(n / fraction) if fraction else n))
     if kind == "smaller":

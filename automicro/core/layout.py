@@ -26,6 +26,16 @@ A *layout* is the set of trades in use. The trades (the FSDP2 engine applies the
   (an upsize trial, below), and never undone under pressure (the size shrinks instead: undoing it
   at the larger size would surely run out of memory).
 
+- ``fused_head``: where the run asked for ``head: auto`` (`automicro.batch.head_choice`), the vocabulary head
+  computes its loss from the hidden states in chunks (`automicro.engine.head`) instead of through the whole logits:
+  fewer bytes per sample (the logits, their fp32 copy and their gradient are gone) and less eager work over the
+  vocabulary. It changes what fits, so it is tried first, before the trades above (they are tried again on top
+  of it): priced from the profiled batch (`automicro.batch.trial_price`), measured in one batch at the probe's
+  split (its own memory model, as ``recompute``'s below), then timed at the largest microbatch that model fits
+  against the size found without it (at the size found where it fits no larger one); kept, the size policy
+  settles there (`automicro.core.policy.Adopt`). Never undone under pressure (it holds less than the plain head;
+  the size shrinks instead). Every line of it starts with ``head:``.
+
 How one trade is tried (`LayoutSearch`): when the size policy is steady and no trial runs, the
 next candidate whose projected extra bytes fit under the agreed capacity (peak + extra <=
 capacity; no margin) is tried; one that does not fit is passed over without an attempt. A trial
@@ -93,19 +103,24 @@ from typing import Any, Optional, Union
 
 from automicro.core.policy import capacity_moved
 
+FUSED_HEAD = "fused_head"
 GRAD_SYNC_ONCE = "grad_sync_once"
 NO_RESHARD = "no_reshard"
 NO_RECOMPUTE = "no_recompute"
 RECOMPUTE = "recompute"
-TRADES = (GRAD_SYNC_ONCE, NO_RESHARD, NO_RECOMPUTE, RECOMPUTE)  # also the order they are tried in
+TRADES = (FUSED_HEAD, GRAD_SYNC_ONCE, NO_RESHARD, NO_RECOMPUTE, RECOMPUTE)  # also the order they are tried in
 # Trades whose bytes grow with the microbatch and are measured, not projected from the model.
 MEASURED = (NO_RECOMPUTE,)
 # Trades that save bytes per sample at a cost in time: tried only at a larger microbatch (an upsize
 # trial), measured first, never undone under pressure.
 UPSIZE = (RECOMPUTE,)
-# What a pinned layout may name: checkpointing on is `activation_checkpointing: true`.
-PINNABLE = tuple(t for t in TRADES if t not in UPSIZE)
+# Trades that save bytes per sample and may be faster at any size: tried first, measured, then at the largest
+# microbatch they fit (else at the size found); never undone under pressure.
+GROWS = (FUSED_HEAD,)
+# What a pinned layout may name: checkpointing on is `activation_checkpointing: true`, the fused head `head: fused`.
+PINNABLE = tuple(t for t in TRADES if t not in UPSIZE and t not in GROWS)
 DESCRIPTIONS = {
+    FUSED_HEAD: "the vocabulary head fused (the loss without the whole logits)",
     GRAD_SYNC_ONCE: "gradients reduced once per batch",
     NO_RESHARD: "no resharding after forward, nor between microbatches",
     NO_RECOMPUTE: "activation checkpointing off",
@@ -173,6 +188,11 @@ class LayoutConfig:
             return cls(value, (), trial_batches, float(min_gain), size_trials=size_trials and value == "auto")
         if not isinstance(value, (list, tuple)):
             raise LayoutConfigError(f"layout={value!r}: must be 'auto', 'fixed' or a list of trades from {list(PINNABLE)}")
+        if FUSED_HEAD in value:
+            raise LayoutConfigError(
+                f"layout={list(value)!r}: the fused head is the head key's (head: fused pins it, head: auto times it), "
+                "not a layout trade to pin; drop it from layout"
+            )
         if any(v in UPSIZE for v in value):
             raise LayoutConfigError(
                 f"layout={list(value)!r}: {RECOMPUTE!r} is chosen by layout: auto only (at a larger microbatch); "
@@ -231,6 +251,13 @@ class Trial:
         return Trial(self.trades, size=self.size, from_size=self.from_size, measure=self.measure, unit=self.unit)
 
     def heading(self) -> str:
+        if self.trades == (FUSED_HEAD,):
+            if self.measure:
+                return (f"head: the fused head's bytes measured in one batch at microbatches {self.size} and {self.size + 1} "
+                        f"(found {self.from_size} with the plain head)")
+            if self.size is None:
+                return "head: fused against plain at the size found"
+            return f"head: fused at microbatch {self.size} against plain at {self.from_size}, the size found"
         if self.sized and self.unit == "tokens":
             return f"size trial: budget {self.size} tokens against {self.from_size}, the budget found"
         if self.sized:
@@ -258,6 +285,10 @@ class TrialResult:
     heading: str = ""
 
     def line(self) -> str:
+        if self.trade == FUSED_HEAD:
+            gain = 0.0 if self.median_off <= 0 else 100.0 * (1.0 - self.median_on / self.median_off)
+            return (f"{self.heading or 'head: fused against plain'}: {'fused kept' if self.kept else 'plain kept'}; median "
+                    f"batch {self.median_on:.4f} s fused, {self.median_off:.4f} s plain ({gain:+.1f}%; spread {self.spread:.4f} s)")
         verdict = "kept" if self.kept else "not kept"
         gain = 0.0 if self.median_off <= 0 else 100.0 * (1.0 - self.median_on / self.median_off)
         heading = self.heading or f"layout trial {self.trade} ({describe(self.trade.split('+'))})"
@@ -330,6 +361,8 @@ class LayoutSearch:
         # For a trade its price ruled out (not worth its cost): the size found it was ruled out at (priced again
         # from another; not checkpointed: a resumed run prices again).
         self.priced_out_at: dict[str, Optional[int]] = {}
+        # The sizes found from which the fused head was tried, or priced out: never again from those.
+        self.head_from: list[int] = []
         self._found: Optional[int] = None
 
     @property
@@ -357,7 +390,7 @@ class LayoutSearch:
     def _untried(self) -> list[str]:
         slower = {t for t, bases in self.slower_on.items() if self.settled in bases}
         priced_out = {t for t, at in self.priced_out_at.items() if at == self._found}
-        done = set(self.kept) | set(self.rejected) | slower | set(UPSIZE) | priced_out
+        done = set(self.kept) | set(self.rejected) | slower | set(UPSIZE) | set(GROWS) | priced_out
         return [t for t in self.candidates if t not in done]
 
     def _readmit(self, size: Optional[int]) -> list[str]:
@@ -407,6 +440,42 @@ class LayoutSearch:
             if target is not None and target < found:
                 return Trial(trades, size=target, from_size=found)
         return None
+
+    def _head(
+        self, found: Optional[int], measure_at: Optional[int], largest_at: Optional[Callable[[int], int]], outside: int,
+        priced: Priced, facts: dict[str, float],
+    ) -> tuple[Optional[Trial], list[str]]:
+        """The fused head, first of all trades (it changes what fits): priced (`facts`: what its price needs), then
+        measured (one batch at `measure_at`; straight to its trial where nothing can be measured), then timed at the
+        largest microbatch its model fits where that split's largest microbatch is larger than the size found's, else
+        at the size found. Once per size found; not at a larger microbatch while another process holds memory on a
+        rank's device (`outside`: as the upsize trial)."""
+        trade = FUSED_HEAD
+        if trade not in self.candidates or trade in self.kept or found is None or found in self.head_from:
+            return None, []
+        if trade not in self.fits_up_to and measure_at is not None:
+            why = priced(trade, trade, facts)
+            if why is not None:
+                self.head_from.append(found)
+                return None, [f"head: plain kept, the fused head not tried: {why}"]
+            trial = Trial((trade,), size=measure_at, from_size=found, measure=True)
+            return trial, [f"{trial.heading()}: a larger microbatch may fit with it"]
+        self.head_from.append(found)
+        target = self.fits_up_to.get(trade)
+        if trade not in self.fits_up_to:  # nothing measured (no memory figures): at the size found, priced
+            why = priced(trade, trade, {**facts, "measure": 0.0, "microbatches": facts.get("found_microbatches", 0.0)})
+            if why is not None:
+                return None, [f"head: plain kept, the fused head not tried: {why}"]
+        elif target is None:
+            return None, ["head: plain kept: the fused head's bytes could not be measured"]
+        if target is not None and largest_at is not None and largest_at(target) > largest_at(found) and not outside:
+            trial = Trial((trade,), size=target, from_size=found)
+            return trial, [f"{trial.heading()}: {self.config.trial_batches} batches each"]
+        trial = Trial((trade,))
+        why = "" if target is None else (
+            f" (it fits microbatch {target} at most, no larger split than at {found})" if not outside else
+            " (another process holds memory on a rank's GPU: no larger microbatch for now)")
+        return trial, [f"{trial.heading()}{why}: {self.config.trial_batches} batches each"]
 
     def _upsize(
         self, found: Optional[int], measure_at: Optional[int], largest_at: Optional[Callable[[int], int]] = None,
@@ -543,6 +612,7 @@ class LayoutSearch:
         priced: Optional[Priced] = None, one_microbatch: bool = False,
         count_at: Optional[Callable[[int], int]] = None, microbatches: int = 0,
         order: Optional[Callable[[list[str]], list[str]]] = None,
+        head_facts: Optional[dict[str, float]] = None, head_only: bool = False,
     ) -> tuple[tuple[str, ...], list[str]]:
         """The layout of the next batch, and a console line for each trade passed over and for a
         trial that starts. `fits(trade)` returns None when the trade's projected bytes fit (or
@@ -563,13 +633,16 @@ class LayoutSearch:
         ``grad_sync_once`` is not tried at this size found. `count_at(n)`: the microbatches of the split a size found
         of `n` runs; `microbatches`: the settled split's (a token budget's size trials are priced from it).
         `order(trades)`: the untried trades in the order they are tried (default `TRADES`'; the plan's: the best
-        expected value first)."""
+        expected value first). `head_facts`: what the fused head's price needs (`_head`); `head_only`: nothing but the head is tried (the model
+        runs unsharded for good: FSDP2's trades change nothing)."""
         lines: list[str] = []
         priced = priced or (lambda label, kind, facts: None)
         self._found = found
         if self.searching and steady and self.trial is None:
             lines += self._readmit(size)
-            for trade in (order or list)(self._untried()):
+            self.trial, more = self._head(found, measure_at, largest_at, outside, priced, dict(head_facts or {}))
+            lines += more
+            for trade in (order or list)(self._untried()) if self.trial is None and not head_only else ():
                 problem = fits(trade)
                 why = None
                 if trade == GRAD_SYNC_ONCE and one_microbatch:
@@ -586,7 +659,7 @@ class LayoutSearch:
                     break
                 self._reject_for_memory(trade, problem, size)
                 lines.append(f"layout trade {trade} ({DESCRIPTIONS[trade]}) not tried: {problem}")
-            if self.trial is None:
+            if self.trial is None and not head_only:
                 together = tuple(t for t in TRADES if t in self.near.get(self.settled, ()) and t not in self.rejected)
                 joint = "+".join(together)
                 if len(together) > 1 and self.settled not in self.slower_on.get(joint, []):
@@ -600,7 +673,7 @@ class LayoutSearch:
                             for trade in together:
                                 self._reject_for_memory(trade, f"with {joint}: {problem}", size)
                         lines.append(f"layout trades {joint} not tried together: {problem}")
-            if self.trial is None:
+            if self.trial is None and not head_only:
                 self.trial = self._downsize(size, found, smaller, measure_at)
                 why = None
                 if self.trial is not None:
@@ -625,7 +698,7 @@ class LayoutSearch:
                         f"{'it' if len(self.trial.trades) == 1 else 'them'} at {self.trial.size}, "
                         f"as many without at {found}"
                     )
-            if self.trial is None:
+            if self.trial is None and not head_only:
                 self.trial, more = self._upsize(found, measure_at, largest_at, capacity, whole_batch, outside)
                 lines += more
                 if self.trial is not None:
@@ -637,7 +710,7 @@ class LayoutSearch:
                         if found is not None and found not in self.upsized_from:
                             self.upsized_from.append(found)
                         self.trial = None
-            if self.trial is None:
+            if self.trial is None and not head_only:
                 self.trial = self._smaller(found, largest_at, size_fractions, size_unit)
                 why = None
                 if self.trial is not None:
@@ -696,6 +769,11 @@ class LayoutSearch:
         assert trial is not None and trial.measure
         self.trial = None
         trade = trial.trades[0]
+        if trade in GROWS:
+            self.fits_up_to[trade] = fits_up_to
+            if fits_up_to is None:
+                return "head: the fused head's bytes could not be measured; plain kept"
+            return f"head: fused fits microbatch {fits_up_to} at most{' (' + how + ')' if how else ''}"
         if trade in UPSIZE:
             self.fits_up_to[trade] = fits_up_to
             if capacity:
@@ -756,7 +834,7 @@ class LayoutSearch:
             trial, self.trial = self.trial, None
             if trial.measure:
                 # Even the smallest microbatch did not fit with it: never measured again.
-                if trial.trades[0] in UPSIZE:
+                if trial.trades[0] in UPSIZE + GROWS:
                     self.fits_up_to[trial.trades[0]] = None
                 else:
                     self.per_sample[trial.trades[0]] = None
@@ -767,7 +845,7 @@ class LayoutSearch:
                     # (`capacity`, read when it ran out) grows.
                     for trade in trial.trades:
                         self.fits_up_to[trade] = None
-                        if capacity:
+                        if capacity and trade in UPSIZE:
                             self.failed_under[trade] = int(capacity)
                 if trial.size is None:
                     for trade in trial.trades:
@@ -776,8 +854,8 @@ class LayoutSearch:
             if trial.size is None:
                 for trade in trial.trades:
                     self._reject_for_memory(trade, f"trial stopped: {why} without it", size)
-        # A trade in UPSIZE stays: the size it admitted would not fit without it (the size shrinks).
-        undoable = [t for t in self.kept if t not in UPSIZE]
+        # A trade in UPSIZE or GROWS stays: the size it admitted would not fit without it (the size shrinks).
+        undoable = [t for t in self.kept if t not in UPSIZE and t not in GROWS]
         if undoable and self.config.mode == "auto":
             trade = undoable[-1]
             self.kept.remove(trade)
@@ -801,6 +879,7 @@ class LayoutSearch:
             **({"fits_capacity": dict(self.fits_capacity)} if self.fits_capacity else {}),
             **({"failed_under": dict(self.failed_under)} if self.failed_under else {}),
             **({"kept_under": {t: list(v) for t, v in self.kept_under.items()}} if self.kept_under else {}),
+            **({"head_from": list(self.head_from)} if self.head_from else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -823,8 +902,9 @@ class LayoutSearch:
             t: (None if v is None else float(v)) for t, v in state.get("per_sample", {}).items() if t in MEASURED
         }
         self.fits_up_to = {
-            t: (None if v is None else int(v)) for t, v in state.get("fits_up_to", {}).items() if t in UPSIZE
+            t: (None if v is None else int(v)) for t, v in state.get("fits_up_to", {}).items() if t in UPSIZE + GROWS
         }
+        self.head_from = [int(n) for n in state.get("head_from", [])]
         self.upsized_from = [int(n) for n in state.get("upsized_from", [])]
         self.sized = [(int(a), int(b)) for a, b in state.get("sized", [])]
         self.fits_capacity = {t: int(c) for t, c in state.get("fits_capacity", {}).items() if t in UPSIZE}
@@ -838,7 +918,7 @@ class LayoutSearch:
         self.trial = None
 
 __all__ = [
-    "DESCRIPTIONS", "GRAD_SYNC_ONCE", "LayoutConfig", "LayoutConfigError", "LayoutSearch", "MEASURED", "NO_RECOMPUTE",
+    "DESCRIPTIONS", "FUSED_HEAD", "GROWS", "GRAD_SYNC_ONCE", "LayoutConfig", "LayoutConfigError", "LayoutSearch", "MEASURED", "NO_RECOMPUTE",
     "NO_RESHARD", "PINNABLE", "RECOMPUTE", "SIZE_FRACTIONS", "SIZE_TRIAL",
     "TRADES", "UPSIZE",
     "TrialResult", "describe", "judge",

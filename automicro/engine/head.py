@@ -91,11 +91,16 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(hidden.dtype, weight.dtype)
 
 
+# The least logits a chunk of the torch-native path holds (elements): below it a chunk's launches cost more than its
+# work (a small model's hidden states are small).
+MIN_CHUNK = 1 << 20
+
+
 def chunk_rows(rows: int, vocab: int, hidden: int) -> int:
     """Rows a chunk of the torch-native path holds: its logits about the size of the hidden states of all rows
-    (liger's rule), at least one row."""
+    (liger's rule), at least `MIN_CHUNK` elements, at least one row."""
     per = max(1, math.ceil(vocab / max(1, hidden)))
-    return max(1, math.ceil(rows / per))
+    return max(1, math.ceil(rows / per), MIN_CHUNK // max(1, vocab))
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -151,6 +156,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_weight.addmm_(grad.t().to(grad_weight.dtype), h.to(grad_weight.dtype))
             if grad_bias is not None:
                 grad_bias += grad.sum(0).to(grad_bias.dtype)
+            del grad  # before the next chunk's logits: one chunk's buffers at a time
         ctx.save_for_backward(*(t for t in (grad_hidden, grad_weight, grad_bias) if t is not None))
         ctx.present = (grad_hidden is not None, grad_weight is not None, grad_bias is not None)
         return total / divisor

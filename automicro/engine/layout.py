@@ -11,6 +11,8 @@
   ``activation_checkpointing: true``) is switched off, and back on, between batches.
 - ``recompute``: the blocks' checkpointing applied switched off at build time (`shard`'s
   ``checkpoint_switch``, where ``activation_checkpointing: false``) is switched on between batches.
+- ``fused_head``: the vocabulary head's switch (`automicro.engine.head.HeadSwitch`, put on the model under
+  ``head: auto``) is turned to the fused head between batches.
 
 `reset()` puts gradient reduction back on (after a failed attempt and between batches), so an
 attempt that never reached its last microbatch leaves no module that skips its reduce-scatter.
@@ -24,9 +26,9 @@ the layout search, Composer; torch privates outside `_torch_internals`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
-from automicro.core.layout import GRAD_SYNC_ONCE, NO_RECOMPUTE, NO_RESHARD, RECOMPUTE
+from automicro.core.layout import FUSED_HEAD, GRAD_SYNC_ONCE, NO_RECOMPUTE, NO_RESHARD, RECOMPUTE
 from automicro.engine import _torch_internals as internals
 from automicro.engine.sharding import ShardedModel
 
@@ -47,8 +49,11 @@ class LayoutEngine:
         """The trades this model can take: ``no_reshard`` where blocks reshard after forward
         (``reshard_after_forward: true``, the default), ``grad_sync_once`` wherever it is sharded,
         ``no_recompute`` where the blocks checkpoint their activations, ``recompute`` where they
-        carry checkpointing switched off (`shard`'s ``checkpoint_switch``)."""
+        carry checkpointing switched off (`shard`'s ``checkpoint_switch``); ``fused_head`` where the head's switch
+        is the trials' (``head: auto``)."""
         found = []
+        if self.head is not None and self.head.switchable:
+            found.append(FUSED_HEAD)
         if self.sharded.fsdp_modules:
             found.append(GRAD_SYNC_ONCE)
         if self._blocks and self.sharded.config.reshard_after_forward is True:
@@ -56,6 +61,10 @@ class LayoutEngine:
         if self._checkpointed:
             found.append(NO_RECOMPUTE if self._asked else RECOMPUTE)
         return found
+
+    @property
+    def head(self) -> Any:
+        return getattr(self.sharded, "head", None)
 
     @property
     def _asked(self) -> bool:
@@ -71,7 +80,7 @@ class LayoutEngine:
         (``no_reshard``) or unsharded gradients less the sharded ones the engine's own layout holds
         (``grad_sync_once``); None for ``no_recompute`` and ``recompute``
         (the activations depend on the layers and the microbatch: not projected)."""
-        if trade in (NO_RECOMPUTE, RECOMPUTE):
+        if trade in (NO_RECOMPUTE, RECOMPUTE, FUSED_HEAD):
             return None
         if not self._extra:
             param_bytes, grad_bytes, sharded_grad_bytes = internals.unsharded_param_bytes(self._blocks)
@@ -89,6 +98,8 @@ class LayoutEngine:
         on = NO_RECOMPUTE not in layout if self._asked else RECOMPUTE in layout
         for block in self._checkpointed:
             internals.set_activation_checkpointing(block, on)
+        if self.head is not None:
+            self.head.set_fused(FUSED_HEAD in layout)
         self.layout = layout
         self.reset()
 
