@@ -19,6 +19,9 @@ most over its steady batches, and half of it, so the best hand-set sizes are tim
   notrials-*     compile: true with `callbacks.auto_microbatching.trials: false`: the size search and nothing
                  else (blocks-* prices and runs the trials that pay: the end-to-end ratio of the two is what
                  the trials won)
+  plain-*        compile: true with `callbacks.auto_microbatching.head: plain` (the model's own head)
+  fused-*        compile: true with `head: fused` (the loss from the hidden states in chunks: `automicro.engine.head`;
+                 blocks-* runs `head: auto`, the default on a GPU: the fused head priced, measured and timed)
   layout-*       FSDP2 with `callbacks.auto_microbatching.layout: auto` (the layout search)
   pinned-*       FSDP2 with both layout trades pinned (`layout: [grad_sync_once, no_reshard]`)
   gso-*          FSDP2 with `layout: [grad_sync_once]` pinned (no search, no checkpointing)
@@ -67,7 +70,8 @@ import harness  # noqa: E402
 VARIANTS = ("eager-auto", "blocks-auto", "model-auto")
 SEQ, PER_RANK_BATCH = 2048, 32  # per-rank batch = global batch on one GPU
 # The automicro variant with the same compile setting as a stock Composer one (the table's ratios).
-COUNTERPART = {"composer": "eager", "composercompile": "blocks", "unshardpin": "blocks", "notrials": "blocks"}
+COUNTERPART = {"composer": "eager", "composercompile": "blocks", "unshardpin": "blocks", "notrials": "blocks",
+               "fused": "plain"}
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16, SXM
 
 
@@ -110,6 +114,8 @@ def overrides(variant: str, args: argparse.Namespace, run_dir: str) -> list[str]
         common += ["parallelism_config.fsdp2.on_one_rank=keep", "compile=true"] + backend
     elif kind == "notrials":  # each block compiled, no trial at all: the size search and nothing else
         common += ["compile=true", "callbacks.auto_microbatching.trials=false"] + backend
+    elif kind in ("plain", "fused"):  # each block compiled, the head pinned
+        common += ["compile=true", f"callbacks.auto_microbatching.head={kind}"] + backend
     elif kind == "composercompile":  # Composer's own compile: the whole model, its `compile_config`
         common += ["parallelism_config=null", "compile.scope=model"] + backend
     elif kind == "layout":
@@ -175,6 +181,7 @@ def summarize(variant: str, rows: list[dict[str, Any]], console: list[str], skip
     allocated: dict[int, float] = {}  # GiB allocated after each batch (Composer's MemoryMonitor)
     capacity: dict[int, int] = {}
     sizes: dict[int, int] = {}  # the microbatch size each batch ran at (its last attempt)
+    losses: dict[int, float] = {}
     for row in rows:
         step = int(row.get("step", 0))
         if "time/train" in row:
@@ -194,6 +201,8 @@ def summarize(variant: str, rows: list[dict[str, Any]], console: list[str], skip
                 capacity[step] = int(value)
             if key == "automicro/microbatch_size" and value:
                 sizes[step] = int(value)
+            if key == "loss/train/total":
+                losses[step] = float(value)
     steps = sorted(train_h)
     seconds = {s: (train_h[s] - train_h.get(s - 1, 0.0)) * 3600 for s in steps}
     steady = [seconds[s] for s in steps if s > skip]
@@ -234,6 +243,10 @@ def summarize(variant: str, rows: list[dict[str, Any]], console: list[str], skip
                                                           r"batch\(es\)[^,]*(?:, predicted ([0-9.]+) s)?", line))],
         # FSDP2 against the model unsharded on one rank: what was timed and kept (`sharding_choice`).
         "one_rank": [line.split("] ", 1)[-1] for line in console if "] one rank: " in line],
+        # The vocabulary head: its decisions and its profile (`automicro.batch.head_choice`, the layout's fused_head).
+        "head": [line.split("] ", 1)[-1] for line in console if "] head: " in line or "vocabulary head profiled" in line],
+        # The training loss of every batch (Composer's `loss/train/total`): the heads compared over the same batches.
+        "loss_by_batch": [round(losses[s], 5) for s in sorted(losses)],
     }
 
 
@@ -558,11 +571,24 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # OLMo-2 1B's shape.
     "olmo2": ("Olmo2Config", dict(vocab_size=100352, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                                   num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=2048)),
+    # Gemma-3 1B's shape (a vocabulary of 262k, tied embeddings, head_dim 256).
+    "gemma3": ("Gemma3TextConfig", dict(vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                                        num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                                        max_position_embeddings=32768, sliding_window=512, rope_theta=1000000.0,
+                                        query_pre_attn_scalar=256, tie_word_embeddings=True)),
+    # Gemma-2 2B's shape (256k, final-logit soft-capping).
+    "gemma2": ("Gemma2Config", dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                                    num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                                    final_logit_softcapping=30.0, attn_logit_softcapping=50.0)),
 }
 _TINY = {"LlamaConfig": dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128),
          "Qwen2Config": dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128),
          "GPT2Config": dict(vocab_size=1000, n_embd=64, n_layer=2, n_head=4),
-         "Olmo2Config": dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128)}
+         "Olmo2Config": dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128),
+         "Gemma3TextConfig": dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                                  intermediate_size=128, head_dim=16),
+         "Gemma2Config": dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              intermediate_size=128, head_dim=16)}
 
 
 def _use_hf(name: str, tiny: bool) -> None:

@@ -52,6 +52,7 @@ MAX_MIB=60
 #     image's 0.10.0 / 15.0.0 / 26.3 break mosaicml's and mosaicml-cli's pins
 #     (tabulate==0.9.0, rich<14, packaging<25.1), so the pinned ones are carried.
 PINS="
+liger-kernel==0.8.5
 mosaicml==0.32.1
 torchmetrics==1.7.4
 torch-optimizer==0.3.0

@@ -464,13 +464,16 @@ class TrialPlan:
         """Every rank's profile, the max of each figure over ranks (one round): every rank prices alike."""
         local = self.measured(profile)
         values = local.to_micros() if local is not None else [0] * len(BatchProfile(0.0, 0.0, 0.0, 0.0, 0.0).to_micros())
-        agreed = self.consensus.agree_max(values + [0 if local is not None else 1])
+        # A round holds 8 figures: the batch's 7 and whether a rank has none, then (where the run has a head switch,
+        # on every rank alike) the head's 3.
+        agreed = list(self.consensus.agree_max(values[:7] + [0 if local is not None else 1]))
+        head = self.profiler.head
+        agreed = agreed[:-1] + (list(self.consensus.agree_max(values[7:])) if head is not None else [0] * len(values[7:])) + agreed[-1:]
         if agreed[-1]:
             self.no_profile, self.profile = self.profiler.why or "a rank could not profile its batch", None
             return
         self.profile = BatchProfile.from_micros(agreed[:-1], self.device.type, local.unattributed_names if local else ())
         self.info(self.profile.line())
-        head = self.profiler.head
         head_line = self.profile.head_line(head.vocab if head is not None else 0)
         if head_line is not None:
             self.info(head_line)
