@@ -114,6 +114,12 @@ class LayoutTrials:
         return (self.engine is not None and self.search.searching and self.search.trial is None
                 and (not self.held_off or self._head_pending()) and self._quiet != self._key)
 
+    @property
+    def goes_first(self) -> bool:
+        """The fused head is still to be decided (`trial_plan`: it changes what fits, so it goes before every other
+        trial, the static recompile included)."""
+        return self.engine is not None and self.search.searching and self._head_pending()
+
     def _head_pending(self) -> bool:
         search = self.search
         return (FUSED_HEAD in search.candidates and FUSED_HEAD not in search.kept

@@ -10,8 +10,11 @@ module owns how it times its arms and what it keeps; this plan owns *when*, and 
   run has measured, and its predicted cost (compiles, its arms' batches); it runs only where the win over the
   batches left is `MARGIN` times the cost, where it is expected to clear its own rule for keeping, and where its
   cost fits what is left of the trials' budget (1% of the run's planned seconds); what does not run says why;
-- the trials that change the device work itself come first, in this order: the static recompile (the graphs
-  every later trial is timed on) and packing; they are priced without a profile;
+- a trial that changes what fits goes before every other (`goes_first`: the fused vocabulary head under
+  ``head: auto``, `automicro.core.layout`'s ``fused_head``): the size it settles on is the one the others are timed
+  at; it is priced from the first profile;
+- then the trials that change the device work itself, in this order: the static recompile (the graphs every
+  later trial is timed on) and packing; they are priced without a profile;
 - then one batch is profiled (`automicro.batch.batch_profile`: a clocked batch, then a profiled one) where the
   budget holds it and a trial is left that needs it; the budget goes to the rest best expected value first
   (`trial_price.allocate`); they run in their order (the model unsharded before the compile scope, the layout
@@ -218,8 +221,9 @@ class TrialPlan:
                 self.info("trials: off (trials: false): the size search and nothing else; the configuration stays as "
                           "the search left it")
             return None
+        first = [t for t in self.trials if getattr(t, "goes_first", False)]
         for trial in self.trials:  # the ones that change the device work first, in their order
-            if trial.pending and not trial.profiled:
+            if trial.pending and not trial.profiled and not first:
                 why = self._admit_trial(trial)
                 if why is None:
                     return trial.name
@@ -238,6 +242,7 @@ class TrialPlan:
         while True:
             busy = {t.name for t in self.trials if t.pending or t.running}
             ready = [t for t in self.trials if t.pending and not busy & set(getattr(t, "waits_for", ()))]
+            ready.sort(key=lambda t: not getattr(t, "goes_first", False))
             if not ready:
                 return None
             trial = ready[0]
