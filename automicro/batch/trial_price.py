@@ -75,9 +75,13 @@ PACKING_OF_PADDING = 1.0
 RECOMPUTE_OF_BUSY = 0.25
 # The fused head runs the plain head's matrix products and replaces its eager work over the vocabulary (the fp32
 # upcast, the log-softmax, the loss and their backward: several passes over microbatch x sequence x vocabulary) with
-# one pass a chunk. Not calibrated yet: half of the head's eager work (one measurement on a 256k vocabulary, one
-# H200: liger-kernel's head alone +13% a batch with the size it allowed, 6-7 -> 16).
-HEAD_EAGER_SAVED = 0.5
+# one pass a chunk. Won at the same microbatch count, over the head's eager work in the profile (one H200, liger-kernel,
+# `benchmarks/RESULTS.md` "2026-12-04 — the vocabulary head"): Qwen2.5-0.5B 19.8 of 21.3%, Llama-3.2 1B 9.7 of 10.6%,
+# OLMo-2 1B 7.3 of 8.2%, TinyLlama 2.7 of 3.0% (0.89-0.93); Gemma-3 1B 23.3 of 16.9%, with 4 microbatches fewer.
+HEAD_EAGER_SAVED = 0.9
+# Its measuring batch (the probe's split: 17 microbatches of a batch of 32) cost 2.9-6.8 batches over the settled one
+# on those five (median 3.7).
+HEAD_MEASURE_BATCHES = 4.0
 
 # What a kind of trial is expected to win from, for the words of its line.
 KINDS = ("static", "packing", "one_rank", "scope", "grad_sync_once", "no_reshard", "together", "no_recompute",
@@ -230,7 +234,7 @@ def price(label: str, kind: str, m: Measured, **facts: float) -> Optional[Price]
         eager = HEAD_EAGER_SAVED * p.head_eager_s
         win = (n - count) * a + eager
         probe = int(facts.get("probe_microbatches", 0)) if facts.get("measure", 0.0) else 0
-        measure = max(0, probe - n) * a + NOISE * w if probe else 0.0
+        measure = HEAD_MEASURE_BATCHES * w if probe else 0.0
         compile_s = graph if count != n else 0.0
         basis = (f"{HEAD_EAGER_SAVED:g} x the head's eager work ({_pct(p.head_eager_s, m)})"
                  + (f" and {n - count} fewer microbatch(es) at {_pct(a, m)} each ({a_from})" if count != n else ""))

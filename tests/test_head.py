@@ -1,0 +1,328 @@
+"""The vocabulary head (`automicro.engine.head`, `head_models`, `automicro.batch.head_choice`): the fused loss and its
+gradients equal the plain head's on automicro's Llama and on every transformers family it fuses (fp32, relative
+1e-5), on 1 and 2 gloo ranks under FSDP2; `head: fused` finds a larger microbatch under the same cap and trains to the
+same numbers; `head: auto` prices, measures and times it, and keeps it where faster, on every rank alike."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from automicro.batch.settings import Settings
+from automicro.batch.trial_price import HEAD_EAGER_SAVED, HEAD_MEASURE_BATCHES, Measured, price
+from automicro.batch.batch_profile import BatchProfile, figures
+from automicro.core.layout import FUSED_HEAD, LayoutConfig, LayoutConfigError, LayoutSearch
+from automicro.engine import head as head_module
+from automicro.engine._torch_internals import ProfiledEvent
+from automicro.engine.head import HeadSwitch, fused_linear_cross_entropy, plain_linear_cross_entropy
+from automicro.engine.head_models import FAMILIES, FusedHeadOutput, find_head, install_head
+from automicro.testing.multiprocess import run_multiprocess
+from tests import head_cases as cases
+
+transformers = pytest.importorskip("transformers")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+# ---- the fused loss ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("softcap,scale,bias,smoothing,num_items", [
+    (None, None, False, 0.0, None), (30.0, None, False, 0.0, None), (2.0, None, True, 0.0, 40),
+    (None, 0.25, True, 0.1, None), (None, None, False, 0.2, 17),
+])
+def test_the_fused_loss_and_both_gradients_equal_the_plain_heads_in_fp32_over_many_chunks(monkeypatch, softcap, scale, bias,
+                                                                                           smoothing, num_items):
+    monkeypatch.setattr(head_module, "MIN_CHUNK", 1)  # 3 rows a chunk: many chunks, a short last one
+    torch.manual_seed(0)
+    rows, hidden, vocab = 37, 16, 300
+    h = torch.randn(rows, hidden, requires_grad=True)
+    w = torch.randn(vocab, hidden, requires_grad=True)
+    b = torch.randn(vocab, requires_grad=True) if bias else None
+    labels = torch.randint(0, vocab, (rows,))
+    labels[::5] = -100
+    inputs = [h, w] + ([b] if b is not None else [])
+    kwargs = dict(softcap=softcap, scale=scale, label_smoothing=smoothing, num_items=num_items)
+    fused = fused_linear_cross_entropy(h, w, labels, b, backend="torch", **kwargs)
+    fused_grads = torch.autograd.grad(fused * 1.7, inputs)
+    plain = plain_linear_cross_entropy(h, w, labels, b, **kwargs)
+    plain_grads = torch.autograd.grad(plain * 1.7, inputs)
+    assert head_module.chunk_rows(rows, vocab, hidden) < rows
+    assert abs(float(fused - plain)) <= 1e-5 * abs(float(plain))
+    for got, want in zip(fused_grads, plain_grads):
+        assert _rel(got, want) < 1e-5
+
+
+def test_the_fused_loss_takes_shaped_hidden_states_and_refuses_labels_of_another_shape():
+    h, w = torch.randn(2, 5, 8), torch.randn(40, 8)
+    labels = torch.randint(0, 40, (2, 5))
+    assert torch.allclose(fused_linear_cross_entropy(h, w, labels), plain_linear_cross_entropy(h, w, labels), rtol=1e-5)
+    with pytest.raises(ValueError, match="hidden states .* and labels .* differ"):
+        fused_linear_cross_entropy(h, w, labels[:, :4])
+
+
+def test_off_a_gpu_the_backend_is_torch_native_and_says_why():
+    backend, why = head_module.choose_backend(torch.device("cpu"), torch.float32)
+    assert backend == "torch" and "CUDA" in why
+    with pytest.raises(head_module.HeadConfigError, match="liger backend cannot run here"):
+        head_module.choose_backend(torch.device("cpu"), torch.float32, wanted="liger")
+
+
+# ---- the models -------------------------------------------------------------------------------------
+
+
+def _fused_and_plain(model: torch.nn.Module, run, switch: HeadSwitch = None):
+    """`run(model) -> loss` on the model and on a copy with the switch on, fused: both losses and all gradients."""
+    fused_model = copy.deepcopy(model)
+    switch = switch or HeadSwitch(mode="fused", fused=True)
+    install_head(fused_model, switch)
+    results = []
+    for one in (model, fused_model):
+        one.train()
+        loss = run(one)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in one.named_parameters() if p.grad is not None}))
+    return results
+
+
+@pytest.mark.parametrize("family", sorted(cases.TINY_FAMILIES))
+def test_every_transformers_family_it_fuses_gives_the_plain_heads_loss_and_gradients(family):
+    torch.manual_seed(0)
+    model = cases.tiny_causal_lm(family)
+    assert find_head(model) == (model.config.model_type, "")
+    ids = torch.randint(0, cases.VOCAB, (3, 12))
+    labels = ids.clone()
+    labels[0, :4] = -100
+    (plain, plain_grads), (fused, fused_grads) = _fused_and_plain(model, lambda m: m(input_ids=ids, labels=labels).loss)
+    assert abs(float(fused - plain)) <= 1e-5 * abs(float(plain)), (family, float(fused), float(plain))
+    assert plain_grads.keys() == fused_grads.keys()
+    worst = max(_rel(fused_grads[n], plain_grads[n]) for n in plain_grads)
+    assert worst < 1e-5, (family, worst)
+
+
+def test_a_transformers_model_takes_num_items_in_batch_and_returns_no_logits_fused_and_its_own_in_evaluation():
+    """The Hugging Face Trainer's `num_items_in_batch` (the loss summed over the batch's loss tokens); a fused
+    training forward returns the loss without logits; in evaluation, or without labels, the model's own forward."""
+    torch.manual_seed(0)
+    model = cases.tiny_causal_lm("granite")
+    ids = torch.randint(0, cases.VOCAB, (2, 9))
+    (plain, plain_grads), (fused, fused_grads) = _fused_and_plain(
+        model, lambda m: m(input_ids=ids, labels=ids, num_items_in_batch=11).loss)
+    assert abs(float(fused - plain)) <= 1e-5 * abs(float(plain))
+    assert max(_rel(fused_grads[n], plain_grads[n]) for n in plain_grads) < 1e-5
+    fused_model = copy.deepcopy(model)
+    install_head(fused_model, HeadSwitch(mode="fused", fused=True))
+    assert fused_model(input_ids=ids, labels=ids).logits is None
+    assert fused_model(input_ids=ids).logits.shape == (2, 9, cases.VOCAB)  # no labels: the logits a caller asked for
+    fused_model.eval()
+    with torch.no_grad():
+        out = fused_model(input_ids=ids, labels=ids)
+    assert out.logits.shape == (2, 9, cases.VOCAB)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_automicros_llama_fused_gives_the_plain_heads_loss_gradients_and_loss_metrics(tied):
+    from automicro.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("tiny", vocab_size=512, tie_embeddings=tied)
+    ids = torch.randint(0, 512, (3, 16))
+    labels = torch.roll(ids, -1, 1)
+    labels[:, -1] = -100
+    batch = {"input_ids": ids, "labels": labels}
+    switch = HeadSwitch(mode="fused", fused=True)
+    (plain, plain_grads), (fused, fused_grads) = _fused_and_plain(model, lambda m: m.loss(m(batch), batch), switch)
+    assert abs(float(fused - plain)) <= 1e-5 * abs(float(plain))
+    assert max(_rel(fused_grads[n], plain_grads[n]) for n in plain_grads) < 1e-5
+    total, count = switch.last
+    assert int(count) == int((labels != -100).sum()) and abs(float(total / count) - float(plain)) < 1e-5
+
+
+def test_a_fused_output_names_the_key_to_set_when_its_logits_are_read():
+    out = FusedHeadOutput(torch.tensor(1.0))
+    assert out["loss"] is out.loss
+    for read in (lambda: out.float(), lambda: out["logits"], lambda: out.logits):
+        with pytest.raises(head_module.FusedHeadLogitsError, match="set head: plain"):
+            read()
+
+
+def test_a_model_whose_head_it_does_not_fuse_is_named_with_why():
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=2)
+    family, why = find_head(transformers.AutoModelForCausalLM.from_config(config))
+    assert family is None and "MixtralForCausalLM (model_type 'mixtral') is not one of the families" in why
+    family, why = find_head(torch.nn.Linear(4, 4))
+    assert family is None and "Linear has no head automicro knows" in why
+    assert set(cases.TINY_FAMILIES) == set(FAMILIES)
+
+
+# ---- the key ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(head="fast"), "head='fast': must be left out"),
+    (dict(head="auto", trials=False), "head='auto' times the fused head .* trials=false"),
+    (dict(head="auto", layout="fixed"), "head='auto' times the fused head .* layout='fixed' keeps the layout trials off"),
+])
+def test_a_bad_head_value_is_refused_with_what_to_set(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Settings.parse(**kwargs)
+
+
+def test_the_fused_head_is_not_a_layout_trade_to_pin():
+    with pytest.raises(LayoutConfigError, match="the fused head is the head key's"):
+        LayoutConfig.parse([FUSED_HEAD])
+
+
+# ---- the trial: when, what it measures, what it keeps ------------------------------------------------
+
+
+def _search(*others: str) -> LayoutSearch:
+    return LayoutSearch(LayoutConfig("auto", trial_batches=2), [FUSED_HEAD, *others])
+
+
+def _layout(search: LayoutSearch, **kwargs):
+    args = dict(steady=True, fits=lambda trade: None, size=4, found=4, measure_at=1, largest_at=lambda n: n,
+                capacity=1000, whole_batch=16)
+    args.update(kwargs)
+    return search.layout_for_batch(**args)
+
+
+def test_the_fused_head_goes_first_measured_then_timed_at_the_larger_size_it_fits_and_kept_where_faster():
+    search = _search()
+    layout, lines = _layout(search)
+    assert layout == (FUSED_HEAD,) and search.trial.measure and search.trial_size == 1, lines
+    assert lines == ["head: the fused head's bytes measured in one batch at microbatches 1 and 2 (found 4 with the plain head): "
+                     "a larger microbatch may fit with it"]
+    search.observe(layout, 1.0)
+    assert search.measuring is not None
+    assert search.measured(None, "figures", fits_up_to=12) == "head: fused fits microbatch 12 at most (figures)"
+    layout, lines = _layout(search)
+    assert search.trial.size == 12 and lines == ["head: fused at microbatch 12 against plain at 4, the size found: 2 batches each"]
+    for on in (True, False, True, False):
+        layout, _ = _layout(search, steady=True)
+        assert (FUSED_HEAD in layout) is on and search.trial_size == (12 if on else None)
+        search.observe(layout, 1.0 if on else 2.0)
+    assert search.needs_agreement
+    result = search.decide(search.local_times())
+    assert result.kept and result.size == 12 and result.line().startswith(
+        "head: fused at microbatch 12 against plain at 4, the size found: fused kept; median batch 1.0000 s fused, 2.0000 s plain")
+    assert search.settled == (FUSED_HEAD,)
+    # Pressure later undoes another trade, never the head (it holds less than the plain head: the size shrinks).
+    search.candidates.append("grad_sync_once")
+    search.kept.append("grad_sync_once")
+    assert search.relieve((FUSED_HEAD, "grad_sync_once"), "out of memory", 12) == "grad_sync_once"
+    assert search.relieve((FUSED_HEAD,), "out of memory", 12) is None and FUSED_HEAD in search.kept
+    # Checkpointed and resumed as kept.
+    resumed = _search()
+    resumed.load_state_dict(search.state_dict())
+    assert FUSED_HEAD in resumed.kept and resumed.fits_up_to[FUSED_HEAD] == 12
+
+
+def test_a_fused_head_that_fits_no_larger_split_is_timed_at_the_size_found_and_one_its_price_rules_out_is_said():
+    search = _search()
+    _layout(search)
+    search.observe((FUSED_HEAD,), 1.0)
+    search.measured(None, "", fits_up_to=4)
+    layout, lines = _layout(search)
+    assert search.trial.size is None and lines == [
+        "head: fused against plain at the size found (it fits microbatch 4 at most, no larger split than at 4): 2 batches each"]
+    priced_out = _search("grad_sync_once")
+    layout, lines = _layout(priced_out, priced=lambda label, kind, facts: None if label != FUSED_HEAD else
+                            "expected +0.1% a batch, under the 1% it must win")
+    assert lines[0] == "head: plain kept, the fused head not tried: expected +0.1% a batch, under the 1% it must win"
+    assert layout == ("grad_sync_once",) and FUSED_HEAD not in priced_out.kept  # the next trade's turn
+    priced_out.relieve(layout, "out of memory", 4)  # that trial ends
+    layout, lines = _layout(priced_out)
+    assert FUSED_HEAD not in layout and not any(line.startswith("head:") for line in lines)  # not again at this size found
+    _layout(priced_out, found=3, size=3)
+    assert priced_out.trial.trades == (FUSED_HEAD,) and priced_out.trial.measure  # from another size found, it is
+
+
+def test_the_fused_heads_price_is_its_eager_work_and_the_microbatches_it_saves_less_its_measuring_batch():
+    profile = BatchProfile(wall_s=1.0, idle_s=0.1, fsdp_s=0.02, comm_s=0.0, fusable_s=0.2, head_s=0.3, head_eager_s=0.2,
+                           head_bytes=3 << 30)
+    measured = Measured(batch_s=1.0, left=900, planned=1000, profile=profile, microbatches=4, microbatch_fit_s=0.05)
+    got = price(FUSED_HEAD, FUSED_HEAD, measured, microbatches=1.0, probe_microbatches=17.0, measure=1.0)
+    assert math.isclose(got.win_s, HEAD_EAGER_SAVED * 0.2 + 3 * 0.05)
+    assert got.cost_s > HEAD_MEASURE_BATCHES * 1.0 and "a measuring batch at the probe's split" in got.costs
+    assert "3 fewer microbatch(es)" in got.basis
+    unmeasured = price(FUSED_HEAD, FUSED_HEAD, measured, microbatches=4.0, measure=0.0)
+    assert math.isclose(unmeasured.win_s, HEAD_EAGER_SAVED * 0.2) and "measuring" not in unmeasured.costs
+
+
+def test_the_profile_counts_what_the_heads_ranges_launch_and_its_eager_part():
+    def event(name, on_device, start, end, correlation=0, thread=1):
+        return ProfiledEvent((name, on_device, start * 1000, end * 1000, correlation, 0, thread))
+
+    events = [
+        event("automicro::head", False, 100, 200), event("automicro::head_backward", False, 300, 400, thread=2),
+        event("cudaLaunchKernel", False, 110, 111, correlation=1), event("cudaLaunchKernel", False, 120, 121, correlation=2),
+        event("cudaLaunchKernel", False, 310, 311, correlation=3, thread=2), event("cudaLaunchKernel", False, 500, 501, correlation=4),
+        event("sm90_xmma_gemm_bf16", True, 130, 170, correlation=1), event("cross_entropy_kernel", True, 170, 190, correlation=2),
+        event("log_softmax_backward", True, 320, 330, correlation=3), event("elementwise_kernel", True, 500, 600, correlation=4),
+    ]
+    profile = figures(events, 1e-3, "cuda")
+    assert math.isclose(profile.head_s, 70e-6) and math.isclose(profile.head_eager_s, 30e-6)
+    agreed = BatchProfile.from_micros(profile.to_micros()[:9] + [123], "cuda")
+    assert agreed.head_bytes == 123 and "holding 0.00 MiB a sample" in agreed.head_line(262144)
+
+
+# ---- on ranks: FSDP2, the search, the trial -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_multiprocess(cases.suite, world_size=2, timeout_s=420)
+
+
+@pytest.mark.multiproc
+def test_fused_under_fsdp2_on_one_and_two_ranks_trains_to_the_plain_heads_parameters():
+    """automicro's Llama (tied embeddings) and Gemma 2 (soft-capping, tied) and Granite (logits scaling) built from
+    their configs, sharded with FSDP2, a fixed split: the fused head's parameters after 3 batches are the plain
+    head's (fp32, 1e-5), on one rank and on two."""
+    for world in (1, 2):
+        for result in run_multiprocess(cases.parity, world_size=world, timeout_s=300):
+            for name, diff in result.items():
+                assert diff < 1e-5, (world, name, diff)
+
+
+@pytest.mark.multiproc
+def test_the_main_job_with_a_large_vocabulary_finds_at_least_twice_the_microbatch_fused_and_the_same_loss(two_ranks):
+    """The main job (configs/tiny-cpu.yaml, a vocabulary of 8,192, caps of 60 and 70 MB): head: plain finds 2,
+    head: fused at least 4, on both ranks alike; every batch's loss, the final one too, and the training metric are
+    the plain run's."""
+    for result in two_ranks:
+        plain, fused = result["main_plain"], result["main_fused"]
+        assert plain["found"] == 2, plain
+        assert fused["found"] >= 2 * plain["found"], fused
+        assert any(line.startswith("head: fused (torch-native") for line in fused["lines"]), fused["lines"]
+        # Every batch's loss, the last one the final loss the console prints. (The parameters: the test above, with SGD;
+        # the job's AdamW divides each step by the gradients' running magnitude, which takes the fused head's rounding,
+        # 1e-6 of the gradients, to 1e-4 of some parameters after 10 steps, as a change of split alone does.)
+        assert len(fused["losses"]) == 10 and cases.loss_gap(fused, plain) < 1e-5, (fused["losses"], plain["losses"])
+        # The training LanguageCrossEntropy of every batch, from the fused loss (no logits): the plain run's.
+        assert None not in fused["metrics"] and max(abs(a - b) / b for a, b in zip(fused["metrics"], plain["metrics"])) < 1e-5
+    assert two_ranks[0]["main_fused"]["splits"] == two_ranks[1]["main_fused"]["splits"]
+
+
+@pytest.mark.multiproc
+def test_head_auto_measures_times_and_keeps_the_fused_head_at_the_larger_size_on_every_rank_alike(two_ranks):
+    """`head: auto` (layout: auto, the probe, the fused head timed faster): measured in one batch, timed at the
+    larger size it fits against the plain head at the size found, kept, the size adopted; every rank the same lines
+    and splits; every batch's loss the plain run's."""
+    lines = [result["auto"]["lines"] for result in two_ranks]
+    assert lines[0] == lines[1]
+    run = two_ranks[0]["auto"]
+    text = "\n".join(run["lines"])
+    assert "head: auto: automicro-llama's head" in text and "head: the fused head's bytes measured in one batch" in text, text
+    kept = next(line for line in run["lines"] if "fused kept; median batch" in line)
+    assert kept.startswith("head: fused at microbatch "), kept
+    assert run["found"] > two_ranks[0]["main_plain"]["found"] and run["head_fused"], run
+    assert run["splits"] == two_ranks[1]["auto"]["splits"]
+    assert cases.loss_gap(run, two_ranks[0]["main_plain"]) < 1e-5, (run["losses"], two_ranks[0]["main_plain"]["losses"])
