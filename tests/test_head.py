@@ -232,14 +232,12 @@ def test_a_fused_head_that_fits_no_larger_split_is_timed_at_the_size_found_and_o
     layout, lines = _layout(search)
     assert search.trial.size is None and lines == [
         "head: fused against plain at the size found (it fits microbatch 4 at most, no larger split than at 4): 2 batches each"]
-    priced_out = _search("grad_sync_once")
-    layout, lines = _layout(priced_out, priced=lambda label, kind, facts: None if label != FUSED_HEAD else
-                            "expected +0.1% a batch, under the 1% it must win")
-    assert lines[0] == "head: plain kept, the fused head not tried: expected +0.1% a batch, under the 1% it must win"
-    assert layout == ("grad_sync_once",) and FUSED_HEAD not in priced_out.kept  # the next trade's turn
-    priced_out.relieve(layout, "out of memory", 4)  # that trial ends
-    layout, lines = _layout(priced_out)
-    assert FUSED_HEAD not in layout and not any(line.startswith("head:") for line in lines)  # not again at this size found
+    priced_out = _search()
+    refuse = lambda label, kind, facts: "expected +0.1% a batch, under the 1% it must win"  # noqa: E731
+    layout, lines = _layout(priced_out, priced=refuse)
+    assert layout == () and lines[0] == "head: plain kept, the fused head not tried: expected +0.1% a batch, under the 1% it must win"
+    layout, lines = _layout(priced_out, priced=refuse)
+    assert layout == () and not any(line.startswith("head:") for line in lines)  # not priced again at this size found
     _layout(priced_out, found=3, size=3)
     assert priced_out.trial.trades == (FUSED_HEAD,) and priced_out.trial.measure  # from another size found, it is
 
