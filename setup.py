@@ -63,6 +63,9 @@ setup(
         "lightning": [
             "pytorch-lightning>=2.6,<2.7",  # automicro.lightning.AutoMicrobatch (manual optimization on AutoStep)
         ],
+        "kernels": [
+            "liger-kernel>=0.8.5",  # the fused vocabulary head's CUDA backend (automicro.engine.head; tested on 0.8.5)
+        ],
         "torchtitan": [
             "torchtitan==0.3.0",  # python -m automicro.torchtitan (needs torch >= 2.12: tested on 2.15)
         ],

@@ -181,7 +181,7 @@ class AutoStep:
         # The head before the layout trials: its switch is one of their trades under head: auto.
         attach_head(self.settings.head, self.sharded, rt.info,
                     searches_layout=self.settings.layout_config.resolve(self.sharded.device.type).mode == "auto"
-                    and self.settings.steady_recovery, allocated=lambda: rt.memory.allocated_bytes())
+                    and self.settings.steady_recovery and bool(self.sharded.fsdp_modules), allocated=lambda: rt.memory.allocated_bytes())
         self.layout = self.search.layout = LayoutTrials(
             self.settings.layout_config, self.sharded, rt.consensus, rt.info, recoverable=rt.ledger is not None,
             pipeline=False,

@@ -19,6 +19,8 @@
 #   * its runtime requirements missing from the image, mosaicml-cli's too
 #     (composer.loggers imports mcli at import time), wandb's and omegaconf's
 #     (omegaconf 2.4 vendors antlr4, so no antlr4-python3-runtime).
+#   * liger-kernel 0.8.5 (pure python, Triton kernels; needs the image's torch
+#     and triton): the fused vocabulary head's CUDA backend (automicro.engine.head).
 #   * torchmetrics 1.7.4 (pure python): mosaicml pins torchmetrics<1.7.5 and the
 #     image has 1.9.0; the carried copy matches the CPU test environment.
 #     (Composer also trained fine with the image's 1.9.0 in a device check.)

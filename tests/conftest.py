@@ -50,7 +50,7 @@ os.environ.setdefault(
 TORCH_VERSION_FILES = {
     "test_automicro.py", "test_autostep.py", "test_capacity.py", "test_checkpoint.py", "test_checkpoint_commit.py", "test_compile.py",
     "test_control_sim.py", "test_engine.py", "test_sharding_choice.py",
-    "test_fsdp_config.py", "test_hf_models.py", "test_hf_trainer.py", "test_install.py", "test_ledger.py", "test_lightning.py", "test_local_step.py", "test_model.py",
+    "test_fsdp_config.py", "test_head.py", "test_hf_models.py", "test_hf_trainer.py", "test_install.py", "test_ledger.py", "test_lightning.py", "test_local_step.py", "test_model.py",
     "test_optimizer_memory.py", "test_packing.py", "test_pipeline.py", "test_pipeline_memory.py", "test_steady_state.py",
     "test_testing_tools.py", "test_trainer.py", "test_trial_plan.py", "test_watchdog.py",
 }

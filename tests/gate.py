@@ -98,6 +98,12 @@ GUARANTEES: dict[str, list[str]] = {
         "test_sharding_choice.py::test_a_slow_path_in_fsdp2_is_measured_as_idle_and_the_twin_timed_and_kept",
         "test_sharding_choice.py::test_the_scope_trial_reuses_the_one_rank_trials_times_and_goes_back_to_the_blocks_without_compiling",
     ],
+    "the vocabulary head: the fused head gives the plain head's numbers and a larger microbatch; auto keeps it where faster": [
+        "test_head.py::test_every_transformers_family_it_fuses_gives_the_plain_heads_loss_and_gradients",
+        "test_head.py::test_fused_under_fsdp2_on_one_and_two_ranks_trains_to_the_plain_heads_parameters",
+        "test_head.py::test_the_main_job_with_a_large_vocabulary_finds_at_least_twice_the_microbatch_fused_and_the_same_loss",
+        "test_head.py::test_head_auto_measures_times_and_keeps_the_fused_head_at_the_larger_size_on_every_rank_alike",
+    ],
     "CI fits its budget: a slow machine draws fewer launches, never none": [
         "test_costs.py",
         "test_gate.py::test_the_recorded_gate_fits_its_budget",

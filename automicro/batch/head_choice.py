@@ -55,8 +55,8 @@ def attach_head(
     if mode == "auto" and not searches_layout:
         raise HeadConfigError(
             "head='auto' times the fused head against the plain one in the layout trials, which do not run here "
-            "(layout: fixed, the default off a GPU; a pipeline; steady_recovery: false): set head: fused or head: plain, "
-            "or layout: auto"
+            "(layout: fixed, the default off a GPU; a pipeline; a model without FSDP2; steady_recovery: false): set "
+            "head: fused or head: plain, or layout: auto"
         )
     family, why = (None, "a pipeline stage holds the head apart from the blocks") if pipeline else find_head(sharded.module)
     if family is None:

@@ -430,8 +430,7 @@ class LayoutTrials:
         if self.engine is None:
             return {}
         row = {f"automicro/layout_{t}": int(t in self.layout) for t in TRADES if t != FUSED_HEAD}
-        if self.engine.head is not None:
-            row["automicro/head_fused"] = int(self.engine.head.fused)
+        row["automicro/head_fused"] = int(self.engine.head is not None and self.engine.head.fused)
         row["automicro/layout_trial"] = int(self.search.trial is not None)
         return row
 

@@ -254,7 +254,8 @@ class AutoMicrobatching(Callback):
         # The head before the layout trials: its switch is one of their trades under head: auto.
         model = sharded.module
         switch = attach_head(
-            self.settings.head, sharded, self._info, searches_layout=self.searches_layout(sharded.device.type),
+            self.settings.head, sharded, self._info,
+            searches_layout=self.searches_layout(sharded.device.type) and bool(sharded.fsdp_modules) and pipeline is None,
             allocated=lambda: rt.memory.allocated_bytes(), logits_needed=head_metrics.logits_needed(model),
             pipeline=pipeline is not None, also=head_metrics.from_loss(model),
         )
