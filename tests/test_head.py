@@ -196,9 +196,9 @@ def _layout(search: LayoutSearch, **kwargs):
 def test_the_fused_head_goes_first_measured_then_timed_at_the_larger_size_it_fits_and_kept_where_faster():
     search = _search()
     layout, lines = _layout(search)
-    assert layout == (FUSED_HEAD,) and search.trial.measure and search.trial_size == 1, lines
-    assert lines == ["head: the fused head's bytes measured in one batch at microbatches 1 and 2 (found 4 with the plain head): "
-                     "a larger microbatch may fit with it"]
+    assert layout == (FUSED_HEAD,) and search.trial.measure and search.trial_size == 4, lines  # near the size found
+    assert lines == ["head: the fused head's bytes measured in one batch at two microbatch sizes up to 4 (found 4 with the "
+                     "plain head): a larger microbatch may fit with it"]
     search.observe(layout, 1.0)
     assert search.measuring is not None
     assert search.measured(None, "figures", fits_up_to=12) == "head: fused fits microbatch 12 at most (figures)"
@@ -242,14 +242,28 @@ def test_a_fused_head_that_fits_no_larger_split_is_timed_at_the_size_found_and_o
     assert priced_out.trial.trades == (FUSED_HEAD,) and priced_out.trial.measure  # from another size found, it is
 
 
+@pytest.mark.parametrize("batch,largest,split", [
+    (32, 8, (8, 7, 8, 8, 1)), (32, 16, (16, 15, 1)), (8, 2, (2, 1, 2, 2, 1)), (32, 11, (11, 10, 11)),
+    (31, 11, None), (32, 1, None), (32, 32, None), (4, 2, None), (5, 2, (2, 1, 2)),
+])
+def test_the_head_is_measured_near_the_size_found_where_a_split_gives_two_sizes_after_its_first(batch, largest, split):
+    from automicro.core.policy import near_split
+
+    assert near_split(batch, largest) == split
+    if split is not None:
+        assert sum(split) == batch and max(split) == largest and len(set(split[1:])) >= 2
+
+
 def test_the_fused_heads_price_is_its_eager_work_and_the_microbatches_it_saves_less_its_measuring_batch():
     profile = BatchProfile(wall_s=1.0, idle_s=0.1, fsdp_s=0.02, comm_s=0.0, fusable_s=0.2, head_s=0.3, head_eager_s=0.2,
                            head_bytes=3 << 30)
     measured = Measured(batch_s=1.0, left=900, planned=1000, profile=profile, microbatches=4, microbatch_fit_s=0.05)
-    got = price(FUSED_HEAD, FUSED_HEAD, measured, microbatches=1.0, probe_microbatches=17.0, measure=1.0)
+    got = price(FUSED_HEAD, FUSED_HEAD, measured, microbatches=1.0, measure_microbatches=17.0, measure=1.0)
     assert math.isclose(got.win_s, HEAD_EAGER_SAVED * 0.2 + 3 * 0.05)
     assert got.cost_s > HEAD_MEASURE_BATCHES * 1.0 and "a measuring batch at the probe's split" in got.costs
     assert "3 fewer microbatch(es)" in got.basis
+    near = price(FUSED_HEAD, FUSED_HEAD, measured, microbatches=1.0, measure_microbatches=5.0, measure=1.0, near=1.0)
+    assert near.win_s == got.win_s and near.cost_s < got.cost_s - 3.0 and "a measuring batch near the size found" in near.costs
     unmeasured = price(FUSED_HEAD, FUSED_HEAD, measured, microbatches=4.0, measure=0.0)
     assert math.isclose(unmeasured.win_s, HEAD_EAGER_SAVED * 0.2) and "measuring" not in unmeasured.costs
 

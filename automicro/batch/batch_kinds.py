@@ -72,8 +72,10 @@ class SampleBatches:
         downsized = layout.trial_size
         split = policy.current_split() if downsized is None else policy.split_for(downsized)
         if layout.measure_split_next:
-            # A layout trade's bytes, measured at the probe's split (`automicro.core.layout`).
-            split, track = policy.probe_split() or split, True
+            # A layout trade's bytes, measured at the probe's split, the fused head's near the size found
+            # (`automicro.core.layout`).
+            near = policy.near_split(layout.measure_near) if layout.measure_near else None
+            split, track = near or policy.probe_split() or split, True
         return tuple(split), None, track
 
     def layout_figures(self, policy: search.SearchPolicy, peak_at: Callable[[int], Any], probes: bool) -> tuple[Any, ...]:

@@ -18,7 +18,7 @@ from automicro.core.consensus import Consensus
 from automicro.core.layout import (
     FUSED_HEAD, GRAD_SYNC_ONCE, GROWS, SIZE_FRACTIONS, TRADES, UPSIZE, LayoutConfig, LayoutSearch, Priced, describe,
 )
-from automicro.core.policy import SAFETY_MARGIN, predict_max_size
+from automicro.core.policy import SAFETY_MARGIN, near_split, predict_max_size
 from automicro.engine.layout import LayoutEngine
 from automicro.engine.sharding import ShardedModel
 from automicro.batch.trial_timing import CONCLUSIVE, BatchClock, agreed_times, enough
@@ -131,8 +131,11 @@ class LayoutTrials:
         less those bytes per sample, under the policy's margin), the probe's microbatches (its measuring batch)."""
         found, count_at, peak_at = self._found, self._count_at, self._peak_at
         head = self.head_bytes()
-        facts = {"found_microbatches": float(self._microbatches), "probe_microbatches": float(self._probe_microbatches),
-                 "measure": 1.0 if self._probe_microbatches else 0.0, "microbatches": float(self._microbatches)}
+        # Its measuring batch: near the size found's largest microbatch, else at the probe's split.
+        near = near_split(self._batch_size, self._largest_at(found)) if found and self._largest_at and self._batch_size else None
+        facts = {"found_microbatches": float(self._microbatches), "measure": 1.0 if self._probe_microbatches else 0.0,
+                 "measure_microbatches": float(len(near) if near else self._probe_microbatches), "near": float(near is not None),
+                 "microbatches": float(self._microbatches)}
         if found is None or count_at is None or peak_at is None or not head or not self._capacity or not self._batch_size:
             return facts
         fits = found
@@ -302,6 +305,13 @@ class LayoutTrials:
         if self.search.trial is not None:
             self._clock.start()
             self._timing = True
+
+    @property
+    def measure_near(self) -> Optional[int]:
+        """The largest microbatch the next measuring batch runs near (`automicro.core.policy.near_split`: the fused
+        head's), None where it runs the probe's split."""
+        trial = None if self.engine is None else self.search.trial
+        return trial.size if trial is not None and trial.measure and trial.trades == (FUSED_HEAD,) else None
 
     @property
     def measure_split_next(self) -> bool:

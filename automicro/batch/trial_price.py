@@ -79,8 +79,10 @@ RECOMPUTE_OF_BUSY = 0.25
 # `benchmarks/RESULTS.md` "2026-12-04 — the vocabulary head"): Qwen2.5-0.5B 19.8 of 21.3%, Llama-3.2 1B 9.7 of 10.6%,
 # OLMo-2 1B 7.3 of 8.2%, TinyLlama 2.7 of 3.0% (0.89-0.93); Gemma-3 1B 23.3 of 16.9%, with 4 microbatches fewer.
 HEAD_EAGER_SAVED = 0.9
-# Its measuring batch (the probe's split: 17 microbatches of a batch of 32) cost 2.9-6.8 batches over the settled one
-# on those five (median 3.7).
+# Its measuring batch at the probe's split (17 microbatches of 1 and 2 samples in a batch of 32) cost 2.9-6.8 batches over
+# the settled one on those five (median 3.7): what it costs where the size found leaves no split near it. Since, it
+# runs near the size found's largest microbatch (`automicro.core.policy.near_split`: (16, 15, 1) for 16 x 2): its extra
+# microbatches at the fitted fixed cost, not measured on a GPU yet.
 HEAD_MEASURE_BATCHES = 4.0
 
 # What a kind of trial is expected to win from, for the words of its line.
@@ -233,12 +235,18 @@ def price(label: str, kind: str, m: Measured, **facts: float) -> Optional[Price]
         count = int(facts.get("microbatches", n)) or n
         eager = HEAD_EAGER_SAVED * p.head_eager_s
         win = (n - count) * a + eager
-        probe = int(facts.get("probe_microbatches", 0)) if facts.get("measure", 0.0) else 0
-        measure = HEAD_MEASURE_BATCHES * w if probe else 0.0
+        measuring = int(facts.get("measure_microbatches", 0)) if facts.get("measure", 0.0) else 0
+        if not measuring:
+            measure = 0.0
+        elif facts.get("near", 0.0):
+            measure = max(0, measuring - n) * a + NOISE * w
+        else:
+            measure = HEAD_MEASURE_BATCHES * w
         compile_s = graph if count != n else 0.0
         basis = (f"{HEAD_EAGER_SAVED:g} x the head's eager work ({_pct(p.head_eager_s, m)})"
                  + (f" and {n - count} fewer microbatch(es) at {_pct(a, m)} each ({a_from})" if count != n else ""))
-        costs = ("a measuring batch at the probe's split, " if probe else "") + ("a compile at the new size and " if compile_s else "") + "its arms' batches"
+        where = "near the size found" if facts.get("near", 0.0) else "at the probe's split"
+        costs = (f"a measuring batch {where}, " if measuring else "") + ("a compile at the new size and " if compile_s else "") + "its arms' batches"
         return Price(label, kind, win, measure + compile_s + _arms(win, m), basis, costs)
     fraction = facts.get("fraction")
     count = int(facts.get("microbatches", math.ceil(n / fraction) if fraction else n))

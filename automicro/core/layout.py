@@ -253,7 +253,7 @@ class Trial:
     def heading(self) -> str:
         if self.trades == (FUSED_HEAD,):
             if self.measure:
-                return (f"head: the fused head's bytes measured in one batch at microbatches {self.size} and {self.size + 1} "
+                return (f"head: the fused head's bytes measured in one batch at two microbatch sizes up to {self.size} "
                         f"(found {self.from_size} with the plain head)")
             if self.size is None:
                 return "head: fused against plain at the size found"
@@ -458,7 +458,8 @@ class LayoutSearch:
             if why is not None:
                 self.head_from.append(found)
                 return None, [f"head: plain kept, the fused head not tried: {why}"]
-            trial = Trial((trade,), size=measure_at, from_size=found, measure=True)
+            # Measured near the size found's largest microbatch (`near_split`; the probe's split where there is none).
+            trial = Trial((trade,), size=largest_at(found) if largest_at is not None else measure_at, from_size=found, measure=True)
             return trial, [f"{trial.heading()}: a larger microbatch may fit with it"]
         self.head_from.append(found)
         target = self.fits_up_to.get(trade)

@@ -414,6 +414,18 @@ def probe_split(batch_size: int, floor: int = 1) -> Optional[tuple[int, ...]]:
     return (floor, floor) + chunk_split(batch_size - 2 * floor, floor + 1)
 
 
+def near_split(batch_size: int, largest: int) -> Optional[tuple[int, ...]]:
+    """A split that runs two microbatch sizes near `largest` after its first microbatch: `largest`, then
+    `largest` - 1, then chunks of `largest` (e.g. (32, 8) -> (8, 7, 8, 8, 1); (32, 16) -> (16, 15, 1)), so a trade's
+    bytes are measured at about the settled microbatches' efficiency (the probe's split runs microbatches of 1 and 2).
+    None where that is not two sizes after the first (a batch too small, `largest` 1)."""
+    if not _is_int(largest) or largest < 2 or batch_size - (2 * largest - 1) < 1:
+        return None
+    rest = batch_size - 2 * largest + 1
+    split = (largest, largest - 1) + chunk_split(rest, min(largest, rest))
+    return split if len(set(split[1:])) >= 2 else None
+
+
 def _check_split_args(batch_size: int, size: int) -> None:
     if not _is_int(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r}: must be an int >= 1")
@@ -1038,6 +1050,10 @@ class SearchPolicy:
         """The probe's split of this batch (two sizes at the floor; None where the batch is too
         small): a layout trade's bytes are measured with it (`automicro.core.layout`)."""
         return probe_split(self.state.batch_size, _min_size(self.config, self.state.batch_size))
+
+    def near_split(self, largest: int) -> Optional[tuple[int, ...]]:
+        """`near_split` of this batch (None where it has no two sizes after its first microbatch)."""
+        return near_split(self.state.batch_size, largest)
 
     def split_for(self, found: int) -> tuple[int, ...]:
         """The split a settled search at `found` would run (the found size's own split rule)."""
