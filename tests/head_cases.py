@@ -124,11 +124,25 @@ def parity(rank: int, world: int) -> dict[str, float]:
 MAIN = ["data.kind=synthetic", "model.overrides.vocab_size=8192", "callbacks.memory_cap.limit_bytes={0: 60000000, 1: 70000000}"]
 
 
-def main_job(head: str, batches: int, more: tuple[str, ...] = (), fused_faster: bool = False) -> dict[str, Any]:
+class ReadsLogits:
+    """A callback that reads the training forward's logits after each forward (as a user's metric or loss might)."""
+
+    def __new__(cls) -> Any:
+        from composer.core import Callback
+
+        class Reader(Callback):
+            def after_forward(self, state: Any, logger: Any) -> None:
+                state.outputs.float()
+
+        return Reader()
+
+
+def main_job(head: str, batches: int, more: tuple[str, ...] = (), fused_faster: bool = False,
+             extra: tuple[Any, ...] = ()) -> dict[str, Any]:
     """configs/tiny-cpu.yaml as `composer -n 2 -m automicro.train tiny-cpu` builds it (`automicro.composer.builders`),
     with `MAIN`, `callbacks.auto_microbatching.head=HEAD` and `more`, for `batches` batches. `fused_faster`: the
     layout trials' clock says a batch with the fused head takes 1 s, without it 2 s (a CPU's times say nothing of a
-    GPU's)."""
+    GPU's). `extra`: more callbacks."""
     from automicro.composer import builders
     from automicro.config import load_config
     from automicro.config.load import resolve_config
@@ -138,7 +152,7 @@ def main_job(head: str, batches: int, more: tuple[str, ...] = (), fused_faster: 
                         "callbacks.auto_microbatching.log_attempts=false", *more]
     cfg = load_config(resolve_config("tiny-cpu"), overrides)
     world = torch.distributed.get_world_size()
-    callbacks = [c for c in builders.build_callbacks(cfg) if type(c).__name__ != "SpeedMonitor"]
+    callbacks = [c for c in builders.build_callbacks(cfg) if type(c).__name__ != "SpeedMonitor"] + list(extra)
     auto = next(c for c in callbacks if isinstance(c, automicro.AutoMicrobatching))
     torch.manual_seed(cfg.seed)
     model = builders.build_model_from(cfg)
@@ -182,13 +196,18 @@ def main_job(head: str, batches: int, more: tuple[str, ...] = (), fused_faster: 
 def suite(rank: int, world: int) -> dict[str, Any]:
     """- ``main_plain``, ``main_fused``: the main job for 16 and 10 batches with `head: plain` and `head: fused`;
     - ``auto``: `head: auto` with the layout trials (`layout: auto`, the probe, unpriced: `bound_trials: false`, one
-      batch a side, no size trials), the fused head timed faster, 16 batches."""
+      batch a side, no size trials), the fused head timed faster, 16 batches;
+    - ``reads_logits``: the same for 10 batches with a callback that reads every forward's logits."""
     plain = main_job("plain", 16)
     fused = main_job("fused", 10)
     auto = main_job("auto", 16, ("callbacks.auto_microbatching.layout=auto", "callbacks.auto_microbatching.start_size=probe",
                                  "callbacks.auto_microbatching.bound_trials=false", "callbacks.auto_microbatching.layout_trial_batches=1",
                                  "callbacks.auto_microbatching.layout_size_trials=false"), fused_faster=True)
-    return {"main_plain": plain, "main_fused": fused, "auto": auto}
+    reads = main_job("auto", 10, ("callbacks.auto_microbatching.layout=auto", "callbacks.auto_microbatching.start_size=probe",
+                                  "callbacks.auto_microbatching.bound_trials=false", "callbacks.auto_microbatching.layout_trial_batches=1",
+                                  "callbacks.auto_microbatching.layout_size_trials=false"), fused_faster=True,
+                     extra=(ReadsLogits(),))
+    return {"main_plain": plain, "main_fused": fused, "auto": auto, "reads_logits": reads}
 
 
 def loss_gap(run: dict[str, Any], reference: dict[str, Any]) -> float:

@@ -338,3 +338,17 @@ def test_head_auto_measures_times_and_keeps_the_fused_head_at_the_larger_size_on
     assert run["found"] > two_ranks[0]["main_plain"]["found"] and run["head_fused"], run
     assert run["splits"] == two_ranks[1]["auto"]["splits"]
     assert cases.loss_gap(run, two_ranks[0]["main_plain"]) < 1e-5, (run["losses"], two_ranks[0]["main_plain"]["losses"])
+
+
+@pytest.mark.multiproc
+def test_a_batch_that_reads_the_logits_of_the_fused_head_auto_put_on_is_rerun_with_the_plain_head(two_ranks):
+    """`head: auto`, and a callback that reads every training forward's logits: the fused head's measuring batch fails
+    on every rank with the error that names the key; the batch is rerun with the plain head, which stays; every batch
+    trains, with the plain run's losses."""
+    for result in two_ranks:
+        run = result["reads_logits"]
+        assert any(line.startswith("head: plain for the rest of the run: a batch with the fused head failed "
+                                   "(FusedHeadLogitsError: automicro: the fused head computed the loss without the logits")
+                   for line in run["lines"]), run["lines"]
+        assert not run["head_fused"] and len(run["losses"]) == 10
+        assert cases.loss_gap(run, result["main_plain"]) < 1e-5, (run["losses"], result["main_plain"]["losses"])

@@ -80,6 +80,8 @@ def attach_head(
         install_head(twin.module, switch)
     sharded.head = switch
     how = "liger-kernel's fused linear cross-entropy" if backend == "liger" else f"torch-native, in chunks ({backend_why})"
+    if backend == "torch" and sharded.device.type == "cuda":
+        how += "; pip install \"automicro[kernels]\" for liger-kernel's, 1.3-3x faster on an H200"
     also = f"; {also}" if also else ""
     if mode == "fused":
         info(f"head: fused ({how}) on {family}'s head, a vocabulary of {switch.vocab:,}: the loss from the hidden states "

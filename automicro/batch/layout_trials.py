@@ -421,6 +421,27 @@ class LayoutTrials:
             self._info(f"layout: undid {undone} ({why}); layout now: {describe(self.layout)}")
         return undone
 
+    def head_failed(self, what: str) -> bool:
+        """A batch with the fused head the trials put on failed with an error that is not an OOM (`what`): the plain
+        head for the rest of the run, the trial ended or the kept head undone, one line. False where the fused head
+        was not on (the error is the model's own: it ends the run as any error does)."""
+        head = None if self.engine is None else self.engine.head
+        if head is None or not head.switchable or FUSED_HEAD not in self.layout:
+            return False
+        search = self.search
+        if search.trial is not None and FUSED_HEAD in search.trial.trades:
+            search.trial = None
+            self._timing = False
+        if FUSED_HEAD in search.kept:
+            search.kept.remove(FUSED_HEAD)
+        if FUSED_HEAD in search.candidates:
+            search.candidates.remove(FUSED_HEAD)
+        self._outcome = f"ended: {what}"
+        self._apply(search.settled)
+        self._info(f"head: plain for the rest of the run: a batch with the fused head failed ({what}); the batch is rerun "
+                   "with the plain head (where training reads the logits, head: plain says so from the start)")
+        return True
+
     # ---- evaluation --------------------------------------------------------------------------------
 
     def suspend(self) -> None:

@@ -319,6 +319,14 @@ class TrainingSearch:
                 self._record(batch_index, sizes, "error", verdict, max(sizes), seconds,
                              "an error through the unsharded model: rerun through FSDP2 at the same size", hooks=hooks_on)
                 continue
+            if (result.own_error is not None or verdict.error_ranks) and self._head_failed(result.own_error):
+                # An error with the fused head the trials put on (a loss or a metric that reads the logits): the plain
+                # head reruns the batch; an error of the model's own meets the plain head too and ends the run there.
+                self.search_time_s += seconds
+                self.memory_truth.after_failure(step.left_behind, f"batch {batch_index}")
+                self._record(batch_index, sizes, "error", verdict, max(sizes), seconds,
+                             "an error with the fused head: rerun with the plain head at the same size", hooks=hooks_on)
+                continue
             self.ooms_total += 1
             self.search_time_s += seconds
             self.memory_truth.after_failure(step.left_behind, f"batch {batch_index}")
@@ -479,6 +487,19 @@ class TrainingSearch:
             assert rt.sharded is not None and rt.consensus is not None
             self.packing_choice = PackingChoice(self.kind.tokens, rt.consensus, rt.info, rt.sharded.device)
         return self.packing_choice
+
+    def _head_failed(self, error: Optional[BaseException]) -> bool:
+        """A non-OOM error in a batch that ran with the fused head `head: auto` put on: the plain head for the rest
+        of the run (`LayoutTrials.head_failed`), the error and its traceback in the log once. True where the batch is
+        to be rerun with the plain head."""
+        first = "" if error is None else (str(error).strip().splitlines() or [""])[0][:300]
+        what = "an error on another rank" if error is None else f"{type(error).__name__}{': ' + first if first else ''}"
+        if self.layout is None or not self.layout.head_failed(what):
+            return False
+        if error is not None:
+            log.warning("automicro: the error with the fused head (rerun with the plain head):\n%s",
+                        "".join(traceback.format_exception(type(error), error, error.__traceback__)))
+        return True
 
     def _twin_failed(self, error: Optional[BaseException]) -> bool:
         """A non-OOM error in a batch through the twin: FSDP2 from now on, the error and its traceback in the
