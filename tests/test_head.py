@@ -232,6 +232,12 @@ def test_a_fused_head_that_fits_no_larger_split_is_timed_at_the_size_found_and_o
     layout, lines = _layout(search)
     assert search.trial.size is None and lines == [
         "head: fused against plain at the size found (it fits microbatch 4 at most, no larger split than at 4): 2 batches each"]
+    shared = _search()  # another process holds memory on a rank's GPU: no larger microbatch for now
+    _layout(shared, outside=1 << 30)
+    shared.observe((FUSED_HEAD,), 1.0)
+    shared.measured(None, "", fits_up_to=12)
+    _layout(shared, outside=1 << 30)
+    assert shared.trial.size is None and shared.trial.trades == (FUSED_HEAD,)
     priced_out = _search()
     refuse = lambda label, kind, facts: "expected +0.1% a batch, under the 1% it must win"  # noqa: E731
     layout, lines = _layout(priced_out, priced=refuse)
