@@ -373,7 +373,8 @@ class LayoutTrials:
             self._apply(self.search.settled)
 
     def _measured_upsize(self, by_size: list[tuple[int, int]]) -> str:
-        """A trade in UPSIZE or GROWS was on in this batch at the probe's split: its own memory model
+        """A trade in UPSIZE or GROWS was on in this batch at the probe's split (the fused head: near the size found,
+        `automicro.core.policy.near_split`): its own memory model
         (fixed bytes and bytes per sample through the smallest and largest microbatch's peaks) gives
         the largest microbatch under the policy's margin, at most the batch."""
         fits_up_to, how = None, ""

@@ -30,8 +30,9 @@ A *layout* is the set of trades in use. The trades (the FSDP2 engine applies the
   computes its loss from the hidden states in chunks (`automicro.engine.head`) instead of through the whole logits:
   fewer bytes per sample (the logits, their fp32 copy and their gradient are gone) and less eager work over the
   vocabulary. It changes what fits, so it is tried first, before the trades above (they are tried again on top
-  of it): priced from the profiled batch (`automicro.batch.trial_price`), measured in one batch at the probe's
-  split (its own memory model, as ``recompute``'s below), then timed at the largest microbatch that model fits
+  of it): priced from the profiled batch (`automicro.batch.trial_price`), measured in one batch near the size found
+  (two microbatch sizes up to its largest: `automicro.core.policy.near_split`; the probe's split where there is no
+  such split), its own memory model as ``recompute``'s below, then timed at the largest microbatch that model fits
   against the size found without it (at the size found where it fits no larger one); kept, the size policy
   settles there (`automicro.core.policy.Adopt`). Never undone under pressure (it holds less than the plain head;
   the size shrinks instead). Every line of it starts with ``head:``.
