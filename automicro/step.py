@@ -179,9 +179,7 @@ class AutoStep:
         rt.attach(self.sharded, self.search.figures, memory, sites, None)
         self.search.configure(self.sharded.device.type, None)
         # The head before the layout trials: its switch is one of their trades under head: auto.
-        attach_head(self.settings.head, self.sharded, rt.info,
-                    searches_layout=self.settings.layout_config.resolve(self.sharded.device.type).mode == "auto"
-                    and self.settings.steady_recovery and bool(self.sharded.fsdp_modules), allocated=lambda: rt.memory.allocated_bytes())
+        attach_head(self.settings, self.sharded, rt.info, allocated=lambda: rt.memory.allocated_bytes())
         self.layout = self.search.layout = LayoutTrials(
             self.settings.layout_config, self.sharded, rt.consensus, rt.info, recoverable=rt.ledger is not None,
             pipeline=False,

@@ -10,8 +10,8 @@
   it fits (`automicro.core.layout`'s ``fused_head``); kept where faster, the size settles there. A model whose head
   cannot be fused keeps its own, one line says why.
 
-Either way a run whose loop reads the logits of a training batch keeps the plain head (Composer's
-``compute_training_metrics``: the metrics are computed from the logits), said on the line; evaluation always runs
+Either way a run whose loop reads the logits of a training batch keeps the plain head (a Composer model's training
+metrics other than its loss's: `automicro.composer.head_metrics`), said on the line; evaluation always runs
 the plain head (a fused head only runs a training forward with labels). The switch is put on the model's unsharded
 twin too, where the run has one (the same head either way).
 
@@ -29,6 +29,7 @@ import torch
 from automicro.engine.head import HeadConfigError, HeadSwitch, choose_backend
 from automicro.engine.head_models import find_head, head_weight, install_head
 from automicro.engine.sharding import ShardedModel
+from automicro.batch.settings import Settings
 
 
 def _compute_dtype(sharded: ShardedModel, weight: torch.Tensor) -> torch.dtype:
@@ -37,14 +38,17 @@ def _compute_dtype(sharded: ShardedModel, weight: torch.Tensor) -> torch.dtype:
 
 
 def attach_head(
-    value: Optional[str], sharded: ShardedModel, info: Callable[[str], None], *, searches_layout: bool,
+    settings: Settings, sharded: ShardedModel, info: Callable[[str], None], *,
     allocated: Callable[[], int] = lambda: 0, logits_needed: str = "", pipeline: bool = False, also: str = "",
 ) -> Optional[HeadSwitch]:
     """Resolve ``head`` for this run and put the switch on the model where it is fused or timed; returns it (also
-    as ``sharded.head``), or None where the model keeps its own head. `searches_layout`: the layout trials run here
-    (``head: auto`` needs them); `allocated`: the memory source's allocated bytes (the meter's); `logits_needed`: why
-    the loop reads a training batch's logits ("" where it does not); `also`: what else the fused head brings, for
-    the line (the training metrics it computes from its loss)."""
+    as ``sharded.head``), or None where the model keeps its own head. `allocated`: the memory source's allocated
+    bytes (the meter's); `logits_needed`: why the loop reads a training batch's logits ("" where it does not);
+    `pipeline`: the model is a pipeline stage; `also`: what else the fused head brings, for the line (the training
+    metrics it computes from its loss)."""
+    value = settings.head
+    # ``head: auto`` is one of the layout trials: they must run here, on FSDP2's blocks.
+    searches_layout = settings.searches_layout(sharded.device.type) and bool(sharded.fsdp_modules) and not pipeline
     mode = value
     if mode is None:
         mode = "auto" if searches_layout and sharded.device.type == "cuda" and not pipeline else "plain"

@@ -62,6 +62,11 @@ class Settings:
     # elsewhere), "auto", "fused" or "plain".
     head: Optional[str] = None
 
+    def searches_layout(self, device_type: str) -> bool:
+        """The layout trials run on this device (``layout: auto``, the default on a GPU; an OOM in a trial must be
+        recoverable: ``steady_recovery``)."""
+        return self.layout_config.resolve(device_type).mode == "auto" and self.steady_recovery
+
     @classmethod
     def parse(
         cls,

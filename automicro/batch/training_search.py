@@ -51,6 +51,12 @@ E = TypeVar("E", bound=BaseException)
 log = logging.getLogger(__name__)
 
 
+def _in_words(error: BaseException) -> str:
+    """An error's type and the first line of its message, for a console line."""
+    first = (str(error).strip().splitlines() or [""])[0][:300]
+    return f"{type(error).__name__}{': ' + first if first else ''}"
+
+
 class MicrobatchSizeError(RuntimeError):
     """Even a microbatch of one sample does not fit: raised on every rank."""
 
@@ -492,8 +498,7 @@ class TrainingSearch:
         """A non-OOM error in a batch that ran with the fused head `head: auto` put on: the plain head for the rest
         of the run (`LayoutTrials.head_failed`), the error and its traceback in the log once. True where the batch is
         to be rerun with the plain head."""
-        first = "" if error is None else (str(error).strip().splitlines() or [""])[0][:300]
-        what = "an error on another rank" if error is None else f"{type(error).__name__}{': ' + first if first else ''}"
+        what = "an error on another rank" if error is None else _in_words(error)
         if self.layout is None or not self.layout.head_failed(what):
             return False
         if error is not None:
@@ -505,8 +510,7 @@ class TrainingSearch:
         """A non-OOM error in a batch through the twin: FSDP2 from now on, the error and its traceback in the
         log once (`sharding_choice.relieve`). True where the batch is to be rerun through FSDP2."""
         assert self.sharding_choice is not None
-        first = "" if error is None else (str(error).strip().splitlines() or [""])[0][:300]
-        what = "an error" if error is None else f"an error ({type(error).__name__}{': ' + first if first else ''})"
+        what = "an error" if error is None else f"an error ({_in_words(error)})"
         if not self.sharding_choice.relieve(what):
             return False
         if error is not None:

@@ -228,7 +228,7 @@ class AutoMicrobatching(Callback):
 
     def searches_layout(self, device_type: str) -> bool:
         """Whether the layout is searched on this device (``layout: auto``, the default on a GPU)."""
-        return self.layout_config.resolve(device_type).mode == "auto" and self.settings.steady_recovery
+        return self.settings.searches_layout(device_type)
 
     def attach(
         self,
@@ -254,10 +254,8 @@ class AutoMicrobatching(Callback):
         # The head before the layout trials: its switch is one of their trades under head: auto.
         model = sharded.module
         switch = attach_head(
-            self.settings.head, sharded, self._info,
-            searches_layout=self.searches_layout(sharded.device.type) and bool(sharded.fsdp_modules) and pipeline is None,
-            allocated=lambda: rt.memory.allocated_bytes(), logits_needed=head_metrics.logits_needed(model),
-            pipeline=pipeline is not None, also=head_metrics.from_loss(model),
+            self.settings, sharded, self._info, allocated=lambda: rt.memory.allocated_bytes(),
+            logits_needed=head_metrics.logits_needed(model), pipeline=pipeline is not None, also=head_metrics.from_loss(model),
         )
         if switch is not None:
             twin = getattr(sharded, "twin", None)

@@ -46,7 +46,6 @@ import torch.nn.functional as F
 HEAD_MODES = ("auto", "fused", "plain")
 # What the profiled batch's host ranges of the head are called (`automicro.batch.batch_profile`).
 HEAD_RANGE = "automicro::head"
-BACKENDS = ("liger", "torch")
 # The dtypes liger's kernels take.
 _LIGER_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -350,6 +349,6 @@ class HeadSwitch:
 
 
 __all__ = [
-    "BACKENDS", "FusedHeadLogitsError", "HEAD_MODES", "HEAD_RANGE", "HeadConfigError", "HeadMeter", "HeadSwitch", "choose_backend",
+    "FusedHeadLogitsError", "HEAD_MODES", "HEAD_RANGE", "HeadConfigError", "HeadMeter", "HeadSwitch", "choose_backend",
     "chunk_rows", "fused_linear_cross_entropy", "liger_available", "plain_linear_cross_entropy",
 ]

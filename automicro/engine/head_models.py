@@ -20,7 +20,7 @@ Where it applies:
 Elsewhere (`find_head` says why): another family (its forward may do more between the hidden states and the
 loss: a router's auxiliary loss, a multimodal head), a pipeline stage, a head that is not one linear layer.
 
-Owns: the families, the wrapping and its undoing. May not touch: the switch's state (the trials'), Composer,
+Owns: the families and the wrapping. May not touch: the switch's state (the trials'), Composer,
 transformers' privates (the batch step reads a transformers model only through its public attributes; the
 output class through ``sys.modules``, never an import).
 """
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -69,7 +69,7 @@ FAMILIES: dict[str, Family] = {
 
 class FusedHeadOutput:
     """What a fused head's forward returns where the model returned logits (automicro's Llama): the loss, and a
-    clear error for whoever reads the logits (a training metric: Composer's ``compute_training_metrics``)."""
+    clear error for whoever reads the logits (a training metric, a loss computed from them)."""
 
     def __init__(self, loss: torch.Tensor) -> None:
         self.loss = loss
@@ -94,17 +94,12 @@ class FusedHeadOutput:
 
 
 class InstalledHead:
-    """The switch put on one model: its family, the modules wrapped, and `remove()` to take it off."""
+    """The switch put on one model's output projection: the fused loss runs inside its own call."""
 
-    def __init__(self, family: str, owner: nn.Module, lm_head: nn.Linear, switch: HeadSwitch, vocab: int, hidden: int,
-                 label_shift: int) -> None:
-        self.family, self.owner, self.lm_head, self.switch = family, owner, lm_head, switch
-        self.vocab, self.hidden_size, self.label_shift = vocab, hidden, label_shift
+    def __init__(self, lm_head: nn.Linear, switch: HeadSwitch, label_shift: int) -> None:
+        self.lm_head, self.switch, self.label_shift = lm_head, switch, label_shift
         self._pending: Optional[tuple[torch.Tensor, Any, Optional[float], Optional[float]]] = None
-        self._wrapped: list[tuple[nn.Module, str]] = []
-        self._handles: list[Any] = []
         head = self
-
         plain_linear = lm_head.forward
 
         def linear_forward(x: torch.Tensor) -> torch.Tensor:
@@ -115,13 +110,9 @@ class InstalledHead:
             labels, num_items, softcap, scale = pending
             return switch.loss(x, lm_head.weight, labels, lm_head.bias, softcap, scale, num_items)
 
-        self._wrap(lm_head, "forward", linear_forward)
+        lm_head.forward = linear_forward
         # The plain head's start, for the meter (the profiled batch only: a flag read otherwise).
-        self._handles.append(lm_head.register_forward_pre_hook(lambda module, args: switch.started(args[0]) if args else None))
-
-    def _wrap(self, module: nn.Module, name: str, function: Callable[..., Any]) -> None:
-        setattr(module, name, function)
-        self._wrapped.append((module, name))
+        lm_head.register_forward_pre_hook(lambda module, args: switch.started(args[0]) if args else None)
 
     def fused_loss(self, hidden: torch.Tensor, labels: torch.Tensor, num_items: Any = None, softcap: Optional[float] = None,
                    scale: Optional[float] = None, shifted: bool = False) -> torch.Tensor:
@@ -144,23 +135,13 @@ class InstalledHead:
     def fuses(self, training: bool, labels: Any) -> bool:
         return self.switch.fused and training and torch.is_grad_enabled() and isinstance(labels, torch.Tensor)
 
-    def remove(self) -> None:
-        for module, name in self._wrapped:
-            if name in module.__dict__:
-                delattr(module, name)
-        for handle in self._handles:
-            handle.remove()
-        self._wrapped, self._handles = [], []
-
 
 # ---- automicro's Llama ------------------------------------------------------------------------------
 
 
 def _install_llama(composer_model: nn.Module, switch: HeadSwitch) -> InstalledHead:
     llama = composer_model.model
-    config = llama.config
-    head = InstalledHead("automicro-llama", composer_model, llama.lm_head, switch, config.vocab_size, config.d_model,
-                         label_shift=0)
+    head = InstalledHead(llama.lm_head, switch, label_shift=0)
     plain_forward, plain_loss = composer_model.forward, composer_model.loss
 
     def forward(batch: Any) -> Any:
@@ -177,8 +158,7 @@ def _install_llama(composer_model: nn.Module, switch: HeadSwitch) -> InstalledHe
         switch.finished(value)
         return value
 
-    head._wrap(composer_model, "forward", forward)
-    head._wrap(composer_model, "loss", loss)
+    composer_model.forward, composer_model.loss = forward, loss
     return head
 
 
@@ -198,8 +178,7 @@ def _install_transformers(model: nn.Module, family: Family, switch: HeadSwitch) 
     divisor = getattr(config, family.divisor, None) if family.divisor else None
     scale = 1.0 / float(divisor) if divisor else None
     lm_head = model.lm_head
-    head = InstalledHead(config.model_type, model, lm_head, switch, int(lm_head.weight.shape[0]),
-                         int(lm_head.weight.shape[1]), label_shift=1)
+    head = InstalledHead(lm_head, switch, label_shift=1)
     plain_forward = model.forward
     output_class = _output_class()
 
@@ -236,7 +215,7 @@ def _install_transformers(model: nn.Module, family: Family, switch: HeadSwitch) 
             hidden_states=getattr(outputs, "hidden_states", None), attentions=getattr(outputs, "attentions", None),
         )
 
-    head._wrap(model, "forward", forward)
+    model.forward = forward
     return head
 
 
