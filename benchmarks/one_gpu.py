@@ -30,6 +30,9 @@ most over its steady batches, and half of it, so the best hand-set sizes are tim
   ac-*           the default config with `activation_checkpointing: true` (the layout search may
                  switch it off: the `no_recompute` trade)
   acfixed-*      `activation_checkpointing: true` with `layout: fixed` (checkpointing stays on)
+  acblocks-*     the same with compile: true (each block compiled with its checkpointing: what a user sets by hand
+                 where one sample does not fit without it; blocks-* under `auto` switches it on itself, the ladder
+                 below size 1: `automicro.batch.floor_ladder`)
   composer-*     the stock `composer.Trainer` on the same model, data and optimizer (no FSDP, its
                  own `auto`: halving), built from the same YAML
   composercompile-*  the same with Composer's own `compile_config={}` (torch.compile of the whole model)
@@ -71,7 +74,7 @@ VARIANTS = ("eager-auto", "blocks-auto", "model-auto")
 SEQ, PER_RANK_BATCH = 2048, 32  # per-rank batch = global batch on one GPU
 # The automicro variant with the same compile setting as a stock Composer one (the table's ratios).
 COUNTERPART = {"composer": "eager", "composercompile": "blocks", "unshardpin": "blocks", "notrials": "blocks",
-               "fused": "plain"}
+               "fused": "plain", "acblocks": "blocks"}
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16, SXM
 
 
@@ -126,10 +129,12 @@ def overrides(variant: str, args: argparse.Namespace, run_dir: str) -> list[str]
         common.append("callbacks.auto_microbatching.layout=[grad_sync_once]")
     elif kind == "wholebatch":
         common.append("callbacks.auto_microbatching.start_size=batch")
-    elif kind in ("ac", "acfixed"):
+    elif kind in ("ac", "acfixed", "acblocks"):
         common.append("parallelism_config.fsdp2.activation_checkpointing=true")
-        if kind == "acfixed":
+        if kind in ("acfixed", "acblocks"):
             common.append("callbacks.auto_microbatching.layout=fixed")
+        if kind == "acblocks":
+            common += ["compile=true"] + backend
     elif kind != "eager":
         raise SystemExit(f"unknown variant {variant!r}")
     common += [o for o in args.extra.split(",") if o]
@@ -241,6 +246,8 @@ def summarize(variant: str, rows: list[dict[str, Any]], console: list[str], skip
                     "predicted_s": float(m.group(5)) if m.group(5) else None}
                    for line in console if (m := re.search(r"\] trials: (.+?) ended \((.*?)\): cost (-?[0-9.]+) s over (\d+) "
                                                           r"batch\(es\)[^,]*(?:, predicted ([0-9.]+) s)?", line))],
+        # The ladder below size 1 (`floor_ladder`): its step's line, where it stepped.
+        "ladder": [line.split("] ", 1)[-1] for line in console if "] recompute on: " in line],
         # FSDP2 against the model unsharded on one rank: what was timed and kept (`sharding_choice`).
         "one_rank": [line.split("] ", 1)[-1] for line in console if "] one rank: " in line],
         # The vocabulary head: its decisions and its profile (`automicro.batch.head_choice`, the layout's fused_head).
@@ -580,6 +587,20 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma2": ("Gemma2Config", dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
                                     num_attention_heads=8, num_key_value_heads=4, head_dim=256,
                                     final_logit_softcapping=30.0, attn_logit_softcapping=50.0)),
+    # Routed (mixture-of-experts) shapes, each cut to fewer blocks so that it trains on one H200 with AdamW's state
+    # (every other value at its config's default; parameters counted from the shapes):
+    # Qwen3-30B-A3B's blocks (128 experts, 8 a token), 6 of its 48: about 4.4B parameters.
+    "qwen3moe": ("Qwen3MoeConfig", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                                        num_hidden_layers=6, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                        num_experts=128, num_experts_per_tok=8, max_position_embeddings=32768)),
+    # OLMoE-1B-7B's blocks (64 experts, 8 a token), 12 of its 16: about 5.2B parameters.
+    "olmoe": ("OlmoeConfig", dict(vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=12,
+                                  num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,
+                                  max_position_embeddings=4096)),
+    # Mixtral-8x7B's blocks (8 experts, 2 a token), 3 of its 32: about 4.6B parameters.
+    "mixtral": ("MixtralConfig", dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=3,
+                                      num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+                                      max_position_embeddings=32768, rope_theta=1000000.0)),
 }
 _TINY = {"LlamaConfig": dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128),
          "Qwen2Config": dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128),
@@ -588,7 +609,13 @@ _TINY = {"LlamaConfig": dict(vocab_size=1000, hidden_size=64, num_hidden_layers=
          "Gemma3TextConfig": dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
                                   intermediate_size=128, head_dim=16),
          "Gemma2Config": dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                              intermediate_size=128, head_dim=16)}
+                              intermediate_size=128, head_dim=16),
+         "Qwen3MoeConfig": dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                intermediate_size=128, moe_intermediate_size=64, head_dim=16, num_experts=8),
+         "OlmoeConfig": dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                             intermediate_size=64, num_experts=8),
+         "MixtralConfig": dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               intermediate_size=128)}
 
 
 def _use_hf(name: str, tiny: bool) -> None:

@@ -3,13 +3,14 @@
 The search driver (`FaultInjector("forward", above=1)`) makes every case settle on size 1 in
 batch 0 (8 -> 4 -> 2 -> 1 fail, fail, fail, fit); the hooks come off after 3 clean batches. Then
 faults strike at size 1: a one-off (once per rank it is armed on) must cost one batch retry at
-size 1; a repeat (twice) must end the run on every rank with the size-1 message, no hang.
+size 1; a repeat (twice) steps the ladder below size 1 (the blocks' activation checkpointing on, the size searched
+again in that batch: `automicro.batch.floor_ladder`) and the run trains on with the numbers of the run without it; a
+repeat with checkpointing on too (always) ends the run on every rank with the size-1 message naming it, no hang.
 Every case returns plain data for tests/test_floor_rule.py; a case that breaks is {"crash": ...}.
 """
 
 from __future__ import annotations
 
-import traceback
 from typing import Any, Optional
 
 import torch
@@ -18,6 +19,7 @@ from composer.core import Evaluator
 from automicro.composer.callback import AutoMicrobatching
 from automicro.testing.faults import FaultInjector
 from tests import pipeline_cases
+from tests.case_runs import run_case
 from tests import steady_cases as steady
 from tests.automicro_cases import adam_steps, build_trainer, history, make_loader, max_error
 
@@ -25,12 +27,6 @@ FLOOR = 1
 SETTLING_BATCH = 2  # the hooks are still on: clean batch 2 of 3 at size 1
 STEADY_BATCH = steady.FAULT_BATCH  # the hooks are off
 
-
-def _case(out: dict[str, Any], name: str, fn: Any) -> None:
-    try:
-        out[name] = fn()
-    except Exception:  # noqa: BLE001 - report which case broke
-        out[name] = {"crash": traceback.format_exc()}
 
 
 def run_plain(rank: int, world: int) -> dict[str, Any]:
@@ -50,12 +46,13 @@ def run_plain(rank: int, world: int) -> dict[str, Any]:
 
     for site in ("forward", "backward"):
         for who, ranks in (("one", [last]), ("every", None)):
-            _case(out, f"steady/{site}/{who}/once", lambda s=site, r=ranks: one(s, r, STEADY_BATCH, 1))
-    _case(out, "settling/forward/one/once", lambda: one("forward", [last], SETTLING_BATCH, 1))
-    _case(out, "steady/forward/one/twice", lambda: one("forward", [last], STEADY_BATCH, 2))
-    _case(out, "steady/backward/every/twice", lambda: one("backward", None, STEADY_BATCH, 2))
-    _case(out, "eval/one/once", lambda: _eval_at_floor(world, times=1))
-    _case(out, "eval/one/twice", lambda: _eval_at_floor(world, times=2))
+            run_case(out, f"steady/{site}/{who}/once", lambda s=site, r=ranks: one(s, r, STEADY_BATCH, 1))
+    run_case(out, "settling/forward/one/once", lambda: one("forward", [last], SETTLING_BATCH, 1))
+    run_case(out, "steady/forward/one/twice", lambda: one("forward", [last], STEADY_BATCH, 2))
+    run_case(out, "steady/backward/every/twice", lambda: one("backward", None, STEADY_BATCH, 2))
+    run_case(out, "steady/forward/one/always", lambda: one("forward", [last], STEADY_BATCH, 99))
+    run_case(out, "eval/one/once", lambda: _eval_at_floor(world, times=1))
+    run_case(out, "eval/one/twice", lambda: _eval_at_floor(world, times=2))
     return out
 
 
@@ -107,7 +104,7 @@ def run_pipeline(rank: int, world: int, schedule: str) -> dict[str, Any]:
         return {"history": auto["history"], "found": auto["found"], "fired": injector.fired, "clean": auto["clean"],
                 "diff": pipeline_cases.max_difference(auto["params"], fixed["params"])}
 
-    _case(out, "forward/stage0/once", lambda: one("forward", 0, 1))
-    _case(out, "backward_input/stage1/once", lambda: one("backward_input", 1, 1))
-    _case(out, "forward/stage0/twice", lambda: one("forward", 0, 2))
+    run_case(out, "forward/stage0/once", lambda: one("forward", 0, 1))
+    run_case(out, "backward_input/stage1/once", lambda: one("backward_input", 1, 1))
+    run_case(out, "forward/stage0/twice", lambda: one("forward", 0, 2))
     return out

@@ -31,8 +31,12 @@ GUARANTEES: dict[str, list[str]] = {
         "test_steady_state.py::test_oom_with_hooks_off_costs_one_retry_on_two_ranks",
         "test_steady_state.py::test_retry_with_dropout_is_bitwise_the_run_without_the_oom",
     ],
+    "where one sample does not fit, auto switches activation checkpointing on and trains as the hand-set run": [
+        "test_ladder.py::test_where_size_1_runs_out_without_checkpointing_auto_switches_it_on_and_trains_as_the_hand_set_run",
+        "test_floor_rule.py::test_a_repeated_oom_at_size_1_switches_checkpointing_on_and_the_run_trains_on_like_the_run_without_it",
+    ],
     "an OOM at size 1, or any other error, ends every rank with that error, never a hang": [
-        "test_floor_rule.py::test_a_repeated_oom_at_size_1_ends_the_run_on_every_rank_with_the_size_1_message",
+        "test_floor_rule.py::test_a_repeated_oom_at_size_1_with_checkpointing_on_ends_the_run_on_every_rank_naming_what_was_tried",
         "test_steady_state.py::test_a_non_oom_error_at_any_site_ends_the_run_on_every_rank_with_that_error",
         "test_steady_state.py::test_unrecoverable_failure_stops_every_rank_within_the_bound_naming_rank_site_batch",
         "test_exit_watch.py::test_every_rank_of_a_run_ended_by_a_non_oom_error_exits_though_its_exit_hangs",
@@ -42,6 +46,14 @@ GUARANTEES: dict[str, list[str]] = {
         "test_checkpoint.py::test_auto_microbatching_resumes_with_the_size_it_found",
         "test_checkpoint_commit.py::test_a_sigkill_at_each_point_of_a_save_leaves_a_folder_autoresume_resumes_from",
         "test_steady_state.py::test_after_an_unrecoverable_failure_autoresume_starts_below_the_size_that_failed",
+    ],
+    "routed (mixture-of-experts) models: the search, a fixed run's numbers, routing that moves the memory": [
+        "test_moe.py::test_auto_searches_a_routed_model_and_trains_it_as_a_fixed_run_at_the_size_found",
+        "test_moe.py::test_a_settled_batch_whose_routing_moved_reruns_once_and_says_so",
+    ],
+    "a failed attempt leaves nothing held (a failed backward's queued branches, a partial unshard)": [
+        "test_capacity.py::test_a_backward_that_raised_leaves_its_ready_branches_queued_until_the_wipe_drains_them",
+        "test_moe.py::test_a_routed_model_on_one_rank",
     ],
     "the plain PyTorch loop (AutoStep)": [
         "test_autostep.py::test_a_search_where_one_rank_runs_out_trains_every_batch_like_a_plain_loop",

@@ -205,7 +205,7 @@ def suite(rank: int, world: int) -> dict[str, Any]:
         out["pressure"] = _strip(fit("auto", BATCHES, limit=room, timing=faster, faults=[fault]), fixed)
         no_room = fit("auto", 5, limit=tight, timing=faster)  # settled after batch 3: batch 4 would try one
         out["no_room"] = {k: v for k, v in no_room.items() if k != "params"}
-        # Checkpointing is carried (switched off) only where the layout is searched: not when pinned.
+        # Checkpointing is carried (switched off) under auto, where the layout is pinned too (the ladder below size 1).
         out["pinned_checkpointed"] = out["pinned"]["checkpointed"]
         # Priced against a run of 1,000 batches (stopped after PRICED_BATCHES): the trades that pay run, the size
         # trials' estimate rules them out; and `trials: false` (no trial, the engine's layout).

@@ -19,6 +19,7 @@ from automicro.data import TokenCounter
 from automicro.composer.callback import AutoMicrobatching
 from tests import token_cases as cases
 from tests.automicro_cases import max_error
+from tests.case_runs import run_case
 
 BATCHES = 5
 
@@ -140,15 +141,15 @@ def _measured(world: int, packing: Any, slow: Any = None, oom_at: Any = None) ->
 def run_packing(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
-    cases._case(out, "llama", lambda: _llama(world))
+    run_case(out, "llama", lambda: _llama(world))
     # `packing` left to the measurement ("auto": on CPU too): kept packed where padding measures
     # slower, padded where packing does; each against a run pinned that way from the start.
-    cases._case(out, "measured/packed", lambda: _measured(world, "auto", slow="padded"))
-    cases._case(out, "measured/padded", lambda: _measured(world, "auto", slow="packed"))
-    cases._case(out, "pinned/packed", lambda: _measured(world, True))
-    cases._case(out, "pinned/padded", lambda: _measured(world, False))
-    cases._case(out, "measured/oom", lambda: _measured(world, "auto", slow="padded", oom_at=MEASURED_BATCHES - 1))
-    cases._case(out, "default_on_cpu", lambda: _measured(world, None))
+    run_case(out, "measured/packed", lambda: _measured(world, "auto", slow="padded"))
+    run_case(out, "measured/padded", lambda: _measured(world, "auto", slow="packed"))
+    run_case(out, "pinned/packed", lambda: _measured(world, True))
+    run_case(out, "pinned/padded", lambda: _measured(world, False))
+    run_case(out, "measured/oom", lambda: _measured(world, "auto", slow="padded", oom_at=MEASURED_BATCHES - 1))
+    run_case(out, "default_on_cpu", lambda: _measured(world, None))
     for arm in ("packed", "padded"):
         measured, pinned = out[f"measured/{arm}"], out[f"pinned/{arm}"]
         if measured.get("params") is not None and pinned.get("params") is not None:
@@ -156,9 +157,9 @@ def run_packing(rank: int, world: int) -> dict[str, Any]:
     for name in list(out):
         if name.startswith(("measured/", "pinned/", "default_on_cpu")):
             out[name].pop("params", None)
-    cases._case(out, "per_sample", lambda: _per_sample(world))
+    run_case(out, "per_sample", lambda: _per_sample(world))
     for layout in ("right", "left"):
-        cases._case(out, f"hf/{layout}", lambda layout=layout: _hf(world, layout))
+        run_case(out, f"hf/{layout}", lambda layout=layout: _hf(world, layout))
     return out
 
 

@@ -131,6 +131,7 @@ def _run(world: int, fault: Optional[Callback], transport: str = "auto", timeout
         adam_steps=adam_steps(trainer),
         batches=int(trainer.state.timestamp.batch),
         replayed=auto.collectives_replayed,
+        layout=None if auto.layout is None else auto.layout.describe(),
         params=None,
     )
     if "exception" not in result:

@@ -81,3 +81,40 @@ def test_a_failed_attempt_leaves_nothing_allocated_at_any_site_hooks_on_or_off_u
             assert case["checked"].get("train", 0) == case["ooms"], (name, case)
             assert case["left_behind_exact"] <= 8192, (name, case)  # bytes: consensus buffers gloo frees late (4,288 seen under load)
             assert case["left_behind"] == 0, (name, case)
+
+
+def test_a_backward_that_raised_leaves_its_ready_branches_queued_until_the_wipe_drains_them():
+    """torch's autograd engine returns at the first error of a backward and leaves the node tasks that were ready
+    beside it in this thread's queue, with the activations their branches saved (a routed block's experts are such
+    branches); the next backward on the thread drops them. `release_after_failure` drains them: nothing is left."""
+    from automicro.core.memory import release_after_failure
+    from automicro.testing.memory_cap import MemoryCap
+
+    def failed_backward() -> None:
+        torch.manual_seed(0)
+        linears = [torch.nn.Linear(64, 64) for _ in range(9)]
+        trunk = linears[8](torch.randn(128, 64, requires_grad=True)).relu()
+        branches = [linears[i](trunk).relu() * trunk for i in range(8)]
+
+        def boom(grad: torch.Tensor) -> None:
+            raise torch.OutOfMemoryError("CUDA out of memory (a hook's, in backward)")
+
+        branches[-1].register_hook(boom)  # the last branch made is the first the engine runs
+        loss = torch.stack(branches).sum()
+        del branches, trunk
+        with pytest.raises(torch.OutOfMemoryError):
+            loss.backward()
+        del loss
+
+    cap = MemoryCap(1 << 40)
+    with cap:
+        before = cap.stats()["live_bytes"]
+        failed_backward()  # its model and gradients gone with it
+        import gc
+
+        gc.collect()
+        held = cap.stats()["live_bytes"] - before
+        release_after_failure(NoMemory())
+        left = cap.stats()["live_bytes"] - before
+    assert held >= 7 * 128 * 64 * 4, f"torch {torch.__version__} no longer leaves the ready branches queued ({held} bytes)"
+    assert left == 0, left

@@ -1,5 +1,7 @@
 """The floor rule on gloo ranks: a one-off OOM at microbatch size 1 costs one batch retry, never
-the run; only a repeat at size 1 ends it, on every rank, with the size-1 message and no hang.
+the run; a repeat at size 1 steps the ladder (activation checkpointing on, the size searched again in that batch, the
+numbers as without it); only a repeat at size 1 with nothing left ends it, on every rank, with the size-1 message
+naming what was tried, and no hang.
 
 Cases in tests/floor_cases.py, each process group under `run_multiprocess`'s hang watchdog.
 Before the fix every "once" case below ended with MicrobatchSizeError.
@@ -57,13 +59,36 @@ def test_a_one_off_oom_at_size_1_reruns_the_batch_at_size_1_and_trains_like_the_
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("key", ["steady/forward/one/twice", "steady/backward/every/twice"])
-def test_a_repeated_oom_at_size_1_ends_the_run_on_every_rank_with_the_size_1_message(plain, key):
+def test_a_repeated_oom_at_size_1_switches_checkpointing_on_and_the_run_trains_on_like_the_run_without_it(plain, key):
+    """The ladder below size 1: the repeat switches the blocks' checkpointing on, the size is searched again in the same
+    batch (the probe's split: its microbatches of 2 run out under the search driver, then 1 fits), every rank alike,
+    and the parameters end as the run that never ran out (fp32, 1e-5)."""
     for rank, per_rank in enumerate(plain):
         result = _result(per_rank, key)
+        assert "exception" not in result, (rank, key, result["exception"])
+        assert result["batches"] == steady.BATCHES and result["adam_steps"] == [steady.BATCHES], (rank, key)
+        assert result["error"] <= TOLERANCE, (rank, key, result["error"])
+        assert result["found_size"] == 1 and result["clean"] and result["layout"] == "activation checkpointing on", result
+        batch = [(r["attempt"], r["size"], r["outcome"]) for r in result["history"] if r["batch"] == cases.STEADY_BATCH]
+        assert batch == [(1, 1, "oom"), (2, 1, "oom"), (3, 2, "oom"), (4, 1, "ok")], (rank, batch)
+        step = next(r for r in result["history"] if r["batch"] == cases.STEADY_BATCH and r["attempt"] == 2)
+        assert "activation checkpointing on, the size searched again" in step["note"], step
+    # Every rank alike; a rank that replayed collectives to get back in step (hooks off) says so in its own note.
+    steps = [[(r["batch"], r["attempt"], r["size"], r["outcome"], r["note"].split("; ")[0]) for r in per_rank[key]["history"]]
+             for per_rank in plain]
+    assert steps[0] == steps[1], steps
+
+
+@pytest.mark.multiproc
+def test_a_repeated_oom_at_size_1_with_checkpointing_on_ends_the_run_on_every_rank_naming_what_was_tried(plain):
+    for rank, per_rank in enumerate(plain):
+        result = _result(per_rank, "steady/forward/one/always")
         assert result["exception"]["type"] == "MicrobatchSizeError", (rank, result["exception"])
-        assert SIZE_1_MESSAGE in result["exception"]["message"]
+        message = result["exception"]["message"]
+        assert SIZE_1_MESSAGE in message and f"with activation checkpointing on (switched on by auto at batch {cases.STEADY_BATCH}" in message, message
+        assert "shard more (more ranks, reshard_after_forward, cpu_offload)" in message, message
         batch = [(r["attempt"], r["outcome"]) for r in result["history"] if r["batch"] == cases.STEADY_BATCH]
-        assert batch == [(1, "oom"), (2, "oom")], (rank, batch)
+        assert batch == [(1, "oom"), (2, "oom"), (3, "oom"), (4, "oom")], (rank, batch)
         assert result["batches"] == cases.STEADY_BATCH, "nothing of the failed batch was stepped"
 
 
@@ -106,3 +131,4 @@ def test_a_repeated_oom_on_a_pipeline_stage_at_its_smallest_size_ends_the_run_on
         result = _result(per_rank, "forward/stage0/twice")
         assert result["exception"]["type"] == "MicrobatchSizeError", (rank, result)
         assert SIZE_1_MESSAGE in result["exception"]["message"]
+        assert "activation checkpointing on not tried: a pipeline stage's checkpointing" in result["exception"]["message"]

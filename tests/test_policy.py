@@ -308,6 +308,20 @@ def test_thrash_at_size_1_stays_at_1():
     assert policy.found_size == 1
 
 
+def test_thrashing_at_the_floor_once_settled_counts_toward_the_clean_batches_that_take_the_hooks_off():
+    """Allocator retries every other batch at size 1 (one H200, Llama-3.2 1B's shape at 65,536 tokens a sample) kept
+    the hooks on for the whole run: settled at the floor, a thrashing batch trained and counts as a clean one."""
+    policy = SearchPolicy(PolicyConfig(stable_batches=3), 2)
+    policy.observe(OOM(2))
+    policy.observe(Success(1))  # converged on 1: settling
+    reasons = [policy.observe(outcome).reason for outcome in (Thrash(1), Success(1), Thrash(1))]
+    assert policy.phase == Phase.STEADY and policy.found_size == 1, policy.state
+    assert reasons == [HookReason.THRASH, HookReason.SETTLING, HookReason.STABLE]
+    d = policy.observe(Thrash(1))
+    assert (d.phase, d.hooks, d.next_size, d.reason) == (Phase.STEADY, False, 1, HookReason.STEADY)
+    assert d.event.startswith("thrash at 1: cannot go lower")
+
+
 # ---- thrash ----------------------------------------------------------------------------------
 
 

@@ -2,7 +2,8 @@
 
 torchtitan 0.3.0 needs torch >= 2.12: CI installs it on the torch 2.15 leg only (marker ``torchtitan``,
 `.ci/run`); elsewhere this file is skipped. The launches run torchtitan's llama3 debug model on 2 and
-1 gloo CPU ranks (tests/titan_cases.py); the rest reads torchtitan's config registry, no launch.
+1 gloo CPU ranks, and its routed DeepSeek-V3 debug model on 2 (tests/titan_cases.py); the rest reads torchtitan's
+config registry, no launch.
 """
 
 from __future__ import annotations
@@ -187,3 +188,25 @@ def test_another_torchtitan_version_is_refused_with_the_one_to_install(monkeypat
     monkeypatch.setattr(torchtitan, "__version__", "0.2.1")
     with pytest.raises(RuntimeError, match=r"torchtitan 0.2.1 is installed; automicro supports torchtitan 0.3.0"):
         AutoTrainer(_config())
+
+
+@pytest.mark.multiproc
+def test_torchtitans_routed_debug_model_searches_reruns_a_late_oom_and_counts_each_experts_tokens_once(tmp_path):
+    """torchtitan's DeepSeek-V3 debug model (8 experts, 3 a token): its MoE counts the tokens each expert got in every
+    training forward, and its optimizer step moves the expert bias by them. A late OOM in backward on rank 1 reruns
+    the batch; what the failed attempt counted is undone (`automicro.batch.forward_state`): the counts each layer holds
+    as its forwards begin are those of torchtitan's own run at 4 (without the undo they reach 3,072 where torchtitan's
+    stop at 2,304), and so are the parameters and the expert bias."""
+    folder = str(tmp_path)
+    cases.make_assets(f"{folder}/assets")
+    runs = {case: run_multiprocess(cases.run, world_size=2, args=(folder, case), timeout_s=300)
+            for case in ("moe_search", "moe_reference")}
+    for rank in range(2):
+        run, reference = runs["moe_search"][rank], runs["moe_reference"][rank]
+        assert "error" not in run, cases.describe(run)
+        assert "error" not in reference, cases.describe(reference)
+        assert all(r["split"] == [4, 4] for r in run["results"]), run["results"]
+        assert run["results"][0]["attempts"] > 1 and run["results"][4]["attempts"] == 2, run["results"]
+        assert run["expert_counts"] and sorted(set(run["expert_counts"])) == sorted(set(reference["expert_counts"]))
+        assert any("expert_bias" in name for name in reference["params"])
+        assert cases.max_error(run["params"], reference["params"]) <= TOLERANCE, rank

@@ -83,6 +83,21 @@ def test_a_cpu_batchs_operators_are_its_device_work():
 
 
 
+def test_a_routed_models_grouped_expert_products_are_products_not_eager_work_a_compile_could_fuse():
+    """transformers 5's experts run `aten::_grouped_mm` (seen on torch 2.11's CPU, tests/test_routing.py); on a GPU its
+    kernels (CUTLASS's grouped GEMM, inductor's template of it). Counted as fusable, they would let the whole-model
+    compile trial's bound grow by the experts' whole time."""
+    cpu = figures([_event("aten::_grouped_mm", False, 0, 200), _event("aten::_scaled_grouped_mm", False, 200, 260),
+                   _event("aten::silu", False, 260, 300)], wall_s=0.0003, device="cpu")
+    assert cpu.fusable_s == pytest.approx(40e-6)  # the activation only
+    gpu = figures([_event("cudaLaunchKernel", False, 0, 1, correlation=1), _event("cudaLaunchKernel", False, 2, 3, correlation=2),
+                   _event("cudaLaunchKernel", False, 4, 5, correlation=3),
+                   _event("triton_tem_fused__grouped_mm_0", True, 10, 110, correlation=1),
+                   _event("void grouped_gemm_bf16_kernel<128>", True, 110, 150, correlation=2),
+                   _event("triton_poi_fused_silu_1", True, 150, 160, correlation=3)], wall_s=0.0002, device="cuda")
+    assert gpu.fusable_s == pytest.approx(10e-6)
+
+
 def test_a_profile_travels_between_ranks_as_micros_and_bounds_each_kind_from_above():
     profile = BatchProfile(wall_s=2.0, idle_s=0.004, fsdp_s=0.006, comm_s=0.1, fusable_s=0.5, device="cuda")
     assert BatchProfile.from_micros(profile.to_micros(), "cuda") == profile

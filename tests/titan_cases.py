@@ -44,10 +44,10 @@ def make_assets(folder: str, documents: int = 400, seed: int = 0) -> str:
     return folder
 
 
-def argv(assets: str, out: str, steps: int, *extra: str) -> list[str]:
-    """torchtitan's command line for its llama3 debug model on the generated data."""
+def argv(assets: str, out: str, steps: int, *extra: str, module: str = "llama3") -> list[str]:
+    """torchtitan's command line for its debug model of `module` (llama3; deepseek_v3: routed) on the generated data."""
     return [
-        "--module", "llama3", "--config", "llama3_debugmodel",
+        "--module", module, "--config", f"{module}_debugmodel",
         "--hf_assets_path", assets, "--dataloader.dataset_path", os.path.join(assets, "data"),
         "--training.seq_len", str(SEQ), "--training.steps", str(steps), "--debug.seed", "7",
         "--validator.no-enable", "--checkpoint.no-enable", "--dump_folder", out, "--metrics.log_freq", "1",
@@ -61,6 +61,17 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         full = value.full_tensor() if hasattr(value, "full_tensor") else value
         out[name] = full.detach().clone()
     return out
+
+
+def count_expert_tokens(model: torch.nn.Module) -> list[float]:
+    """What each routed layer's token count (torchtitan's ``tokens_per_expert_E``) holds as each of its forwards
+    begins, in order: it grows by a microbatch's tokens x experts a token per forward and is zeroed by the optimizer
+    step, so its values do not depend on the routing; what a failed attempt wrote and nobody undid shows above them."""
+    seen: list[float] = []
+    for module in model.modules():
+        if isinstance(getattr(module, "tokens_per_expert_E", None), torch.Tensor):
+            module.register_forward_pre_hook(lambda m, args: seen.append(float(m.tokens_per_expert_E.sum())))
+    return seen
 
 
 def _error(error: BaseException) -> dict[str, str]:
@@ -94,6 +105,7 @@ def _auto(args: list[str], injectors: tuple = (), stop_at: Optional[int] = None,
     if stop_at is not None:
         trainer.should_continue_training = lambda: trainer.step < stop_at
     auto = trainer.auto
+    counts = count_expert_tokens(trainer.model_parts[0])
     for injector in injectors:
         injector.arm(auto.sites, trainer.model_parts[0])
     try:
@@ -103,7 +115,7 @@ def _auto(args: list[str], injectors: tuple = (), stop_at: Optional[int] = None,
         out = {"results": results, "history": history, "params": full_state(trainer.model_parts[0]),
                "metrics": {k: v for k, v in auto.metrics().items() if isinstance(v, (int, float))},
                "state": json.loads(state["automicro"]), "step": trainer.step, "ntokens_seen": trainer.ntokens_seen,
-               "batch": trainer.config.training.local_batch_size, "logged": logged,
+               "batch": trainer.config.training.local_batch_size, "logged": logged, "expert_counts": counts,
                "validation": ({"batch": trainer.validator.batch, "runs": trainer.validator.runs}
                               if trainer.config.validator.enable else None)}
     finally:
@@ -123,9 +135,10 @@ def _fixed(args: list[str], local_batch_size: int) -> dict[str, torch.Tensor]:
     extra = [] if given else ["--training.global_batch_size", str(BATCH * world)]
     trainer = build(args + ["--training.local_batch_size", str(local_batch_size), *extra, "--training.disable_cuda_graphs"])
     internals.sum_reduction_on_gloo(trainer.model_parts)
+    counts = count_expert_tokens(trainer.model_parts[0])
     try:
         trainer.train()
-        return {"params": full_state(trainer.model_parts[0]), "ntokens_seen": trainer.ntokens_seen}
+        return {"params": full_state(trainer.model_parts[0]), "ntokens_seen": trainer.ntokens_seen, "expert_counts": counts}
     finally:
         trainer.close()
 
@@ -158,6 +171,16 @@ def run(rank: int, world_size: int, folder: str, case: str) -> dict[str, Any]:
             # A new job on the search's folder, resumed from its step-3 checkpoint, to step 6.
             return _auto(argv(assets, os.path.join(folder, "search"), 6, *global_batch, *ckpt, "--checkpoint.load_step", "3"),
                          (FaultInjector("forward", ranks=[1], above=4),), stable_batches=2)
+        if case in ("moe_search", "moe_reference"):
+            # torchtitan's routed debug model (DeepSeek-V3's blocks: 8 experts, 3 a token, 2 shared; its MoE counts
+            # the tokens each expert got in every training forward, and the optimizer step's pre-hook moves the
+            # expert bias by them). Only rank 1 runs out above 4 while searching; after the hooks came off, an OOM
+            # in backward at batch 4 on rank 1, after that microbatch's forward counted its tokens.
+            args = argv(assets, os.path.join(folder, case), 6, *global_batch, module="deepseek_v3")
+            if case == "moe_reference":
+                return _fixed(args, 4)
+            return _auto(args, (FaultInjector("forward", ranks=[1], above=4),
+                                FaultInjector("backward", ranks=[1], batch=4, times=1)), stable_batches=2)
         compiled = ["--compile.enable", "--compile.backend", "aot_eager"]  # torchtitan's block and loss compile
         if case == "one_rank":
             args = argv(assets, os.path.join(folder, "one"), 3, "--training.global_batch_size", "3", *compiled)

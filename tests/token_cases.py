@@ -8,7 +8,6 @@ as a GPU would. Every case returns plain data; a case that breaks is returned as
 
 from __future__ import annotations
 
-import traceback
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
@@ -25,6 +24,7 @@ from automicro.composer.callback import AutoMicrobatching
 from automicro.models import build_model
 from automicro.testing.faults import FaultInjector
 from tests.automicro_cases import adam_steps, max_error
+from tests.case_runs import run_case
 from tests.toy_models import full_state
 
 VOCAB = 256
@@ -103,12 +103,6 @@ def fit(microbatch: Any, callbacks: list, batches: int = BATCHES, on_tokens: boo
     return result
 
 
-def _case(out: dict[str, Any], name: str, fn: Any) -> None:
-    try:
-        out[name] = fn()
-    except Exception:  # noqa: BLE001 - report which case broke
-        out[name] = {"crash": traceback.format_exc()}
-
 
 class PlanRecorder(Callback):
     """Every attempt's plan on this rank: (batch, agreed count, own count, largest, budget)."""
@@ -151,7 +145,7 @@ def run_search_and_faults(rank: int, world: int, sites: tuple = SITES, search_si
     for site in search_sites:
         # While searching (batch 1, hooks on): a one-off OOM on the last rank at this site.
         fault = FaultInjector(site, ranks=[world - 1], batch=1, microbatch_index=0, times=1)
-        _case(out, f"search/{site}", lambda fault=fault: {**{k: v for k, v in run(fault).items() if k != "params"},
+        run_case(out, f"search/{site}", lambda fault=fault: {**{k: v for k, v in run(fault).items() if k != "params"},
                                                           "fired": fault.fired})
     for site in sites:
         who = [world - 1] if site != "optimizer_step" else None
@@ -164,7 +158,7 @@ def run_search_and_faults(rank: int, world: int, sites: tuple = SITES, search_si
             result["fired"] = fault.fired
             return result
 
-        _case(out, f"steady/{site}", one)
+        run_case(out, f"steady/{site}", one)
     return out
 
 
@@ -183,13 +177,13 @@ def run_numerics(rank: int, world: int) -> dict[str, Any]:
             return {"history": searched["history"], "found": searched["found"], "exception": searched.get("exception"),
                     "error_vs_unsplit": max_error(searched["params"], whole["params"])}
 
-        _case(out, key, one)
-    _case(out, "padded_counter", lambda: _padded_counter(world))
+        run_case(out, key, one)
+    run_case(out, "padded_counter", lambda: _padded_counter(world))
     for layout in ("right", "left", "packed"):
-        _case(out, f"hf/{layout}", lambda layout=layout: _hf_split_invariant(world, layout))
-    _case(out, "hf/right/samples", lambda: _hf_split_invariant(world, "right", loss_normalization="samples"))
-    _case(out, "hf/right/unshifted", lambda: _hf_split_invariant(world, "right", label_shift=0))
-    _case(out, "fastest_budget", lambda: _fastest_budget(world))
+        run_case(out, f"hf/{layout}", lambda layout=layout: _hf_split_invariant(world, layout))
+    run_case(out, "hf/right/samples", lambda: _hf_split_invariant(world, "right", loss_normalization="samples"))
+    run_case(out, "hf/right/unshifted", lambda: _hf_split_invariant(world, "right", label_shift=0))
+    run_case(out, "fastest_budget", lambda: _fastest_budget(world))
     return out
 
 

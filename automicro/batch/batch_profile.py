@@ -58,7 +58,9 @@ COMPILED_RANGE = re.compile(r"^(Torch-Compiled Region|CompiledFunction)")
 # work a model's compile does not touch.
 OPTIMIZER_RANGE = re.compile(r"^(Optimizer\.|automicro::optimizer_step)")
 # Device work a compile cannot fuse or speed up (cuBLAS/CUTLASS products, attention kernels) or that is a collective.
-MATMUL = re.compile(r"gemm|nvjet|cutlass|xmma|wgmma|cublas|matmul|sm\d+_|aten::(mm|addmm|bmm|baddbmm|linear|_?scaled_dot_product|"
+# A routed model's grouped expert products (``aten::_grouped_mm``, its scaled form, inductor's kernels of them, a
+# CPU's per-expert fallbacks) are products too: one per expert group, not eager work a compile could fuse.
+MATMUL = re.compile(r"gemm|nvjet|cutlass|xmma|wgmma|cublas|matmul|grouped_?mm|sm\d+_|aten::(mm|addmm|bmm|baddbmm|linear|_?scaled_dot_product|"
                     r"_flash_attention|_efficient_attention|_scaled_mm|convolution|_convolution)\b|flash|fmha|attention", re.I)
 COMM = re.compile(r"nccl|c10d::|_c10d_functional::|gloo", re.I)
 # Host events that are operators (their union is a CPU's busy time).

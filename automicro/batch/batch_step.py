@@ -5,7 +5,7 @@ split (sample counts) or the token budget to `BatchStep.attempt`, and turns the 
 into the policy's next decision. Everything one attempt does to Composer's state lives here, in
 order: the split (Composer's or ours, by samples, by token budget, or a pipeline's), the attempt
 context, the layout's per-microbatch switch (`automicro.engine.layout`), the attempt fence around the host's microbatch loop (or the pipeline schedule), the wipe
-of a failed attempt, the failure note when the job is lost, and the optimizer step. What the loop
+of a failed attempt (the model's buffers it wrote included: `automicro.batch.forward_state`), the failure note when the job is lost, and the optimizer step. What the loop
 that owns the batch does (its split, microbatch loop, optimizer step, reset) is asked of its host
 (`batch_host`: Composer's trainer today); a pipeline's schedule runs on Composer's host only.
 
@@ -32,6 +32,7 @@ from automicro.engine.layout import LayoutEngine
 from automicro.engine.sharding import ShardedModel
 from automicro.engine.twin import UnshardedTwin
 from automicro.batch.batch_host import BatchHost
+from automicro.batch.forward_state import ForwardState
 from automicro.batch.pipeline_hooks import AttemptHooks, StagedBatch
 from automicro.batch.token_budget import TokenBudget
 
@@ -62,8 +63,10 @@ class BatchStep:
         pipeline: Optional[StagedBatch] = None,
         tokens: Optional[TokenBudget] = None,
         layout: Optional[LayoutEngine] = None,
+        forward_state: Optional[ForwardState] = None,
     ) -> None:
         self.host = host
+        self.forward_state = forward_state  # the model's buffers a failed attempt wrote, undone in the wipe
         self.fence, self.dispatcher, self.memory = fence, dispatcher, memory
         self.consensus, self.sharded, self.rank = consensus, sharded, rank
         self.pipeline, self.tokens, self.layout = pipeline, tokens, layout
@@ -90,6 +93,8 @@ class BatchStep:
         if self.pipeline is not None:
             self.pipeline.check_same_samples(self.batch)
         self._random_state = RandomState.capture(self.sharded.device)
+        if self.forward_state is not None:
+            self.forward_state.begin_batch()
         return size
 
     # ---- split ---------------------------------------------------------------------------------
@@ -165,6 +170,8 @@ class BatchStep:
             if getattr(lost, "oom", True):
                 failure_note.write(self.host.checkpoint_folder(), self.rank, self.batch_index, sizes)
             raise
+        if self.forward_state is not None:
+            self.forward_state.after_attempt(result.verdict.failed)
         # What a failed attempt left allocated after its wipe (DESIGN.md, "Memory truth": nothing).
         self.left_behind = left_after_wipe(self.memory, mark) if result.verdict.failed else None
         return Attempt(sizes, result, total_loss_dict)
@@ -216,6 +223,8 @@ class BatchStep:
         if self.pipeline is not None:
             self.pipeline.release()
         self.sharded.recover()
+        if self.forward_state is not None:
+            self.forward_state.undo()  # the buffers its forwards wrote (expert token counts, batch norm statistics)
         twin = getattr(self.sharded, "twin", None)
         if twin is not None:
             twin.drop_grads()

@@ -81,6 +81,11 @@ class ScopeChoice:
         self.reusable: Callable[[tuple[int, ...]], Optional[list[float]]] = lambda split: None
         self.reused = False
         self._on: tuple[str, Optional[ScopeTarget]] = ("FSDP2", None)  # the target being timed
+        # Graph breaks dynamo has traced in the process so far (`automicro.engine.compile.graph_breaks`, summed; the
+        # training search sets it): those the whole model's compile batch traced are said in its line.
+        self.breaks: Callable[[], int] = lambda: 0
+        self._breaks_at = 0
+        self.model_breaks = 0  # traced by the whole model's compile batch
         # Tests replace it to make one scope look faster or slower without depending on the machine.
         self.timing: Callable[[str, float], float] = lambda arm, seconds: seconds
 
@@ -108,6 +113,16 @@ class ScopeChoice:
     def rule_out(self, why: str) -> None:
         self.state = "blocks"
         self.info(f"compile: each block stays compiled, the whole model not timed: {why}")
+
+    def blocks_only(self, why: str) -> None:
+        """Each block compiled from now on, the whole model never again this run (`why`): back to the blocks where the
+        whole model runs or is being timed, the trial ruled out where it waits (`automicro.batch.floor_ladder`)."""
+        if self.state in ("compiling", "timing_model", "model"):
+            self.clock.stop()
+            self._back(f"undone: {why}")
+        elif self.state not in ("off", "blocks"):
+            self.clock.stop()
+            self.rule_out(why)
 
     def outcome(self) -> str:
         return {"model": "the whole model kept", "blocks": "each block kept"}.get(self.state, self.state)
@@ -147,6 +162,7 @@ class ScopeChoice:
         seconds = self.clock.stop()
         if self.state == "compiling":
             self.compile_s, self.state = seconds, "timing_model"
+            self.model_breaks = max(0, self.breaks() - self._breaks_at)
             if attempts != 1 or split != self.split:
                 self._back("undone: an OOM or a new split in the batch that compiled it")
             return
@@ -165,7 +181,8 @@ class ScopeChoice:
             return
         self.result, medians, _ = judged(self.consensus, "model", self.times["model"], self.times["blocks"], self.min_gain,
                                          "the whole model", "each block")
-        medians += f"; its compile batch {self.compile_s:.1f} s"
+        medians += f"; its compile batch {self.compile_s:.1f} s" + (
+            f" (dynamo broke its graph {self.model_breaks} time{'s' if self.model_breaks != 1 else ''})" if self.model_breaks else "")
         if self.result.kept:
             self.state = "model"
             self.info(f"compile: the whole model{self._whose()}: kept; {medians}")
@@ -179,7 +196,7 @@ class ScopeChoice:
         name, target = self._on
         assert target is not None
         target.compile_model()
-        self.state = "compiling"
+        self.state, self._breaks_at = "compiling", self.breaks()
         source = f"the one-rank trial's {len(self.times['blocks'])} batches" if self.reused else f"{len(self.times['blocks'])} batches"
         self.info(f"compile: the whole model{self._whose()} timed against each block compiled ({source}) at microbatch "
                   f"{max(self.split or (0,))}; the first batch with the whole model compiles it")

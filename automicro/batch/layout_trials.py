@@ -443,6 +443,18 @@ class LayoutTrials:
                    "with the plain head (where training reads the logits, head: plain says so from the start)")
         return True
 
+    def recompute_floor(self) -> Optional[str]:
+        """The ladder below size 1 (`automicro.batch.floor_ladder`): every block's checkpointing on, applied now
+        (between attempts); the trade changed, None where none could be (`LayoutSearch.recompute_floor`)."""
+        if self.engine is None:
+            return None
+        changed = self.search.recompute_floor(self.engine.can_recompute)
+        if changed is not None:
+            self.trial_batch, self._timing = False, False
+            self._clock.stop()
+            self._apply(self.search.current)
+        return changed
+
     # ---- evaluation --------------------------------------------------------------------------------
 
     def suspend(self) -> None:
@@ -464,6 +476,8 @@ class LayoutTrials:
         row = {f"automicro/layout_{t}": int(t in self.layout) for t in TRADES if t != FUSED_HEAD}
         row["automicro/head_fused"] = int(self.engine.head is not None and self.engine.head.fused)
         row["automicro/layout_trial"] = int(self.search.trial is not None)
+        # The ladder below size 1 stepped (`floor_ladder`): the blocks checkpoint because size 1 did not fit without.
+        row["automicro/floor_ladder"] = len(self.search.floor)
         return row
 
     def _apply(self, layout: tuple[str, ...]) -> None:

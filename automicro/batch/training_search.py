@@ -33,12 +33,16 @@ from automicro.core.metrics import AttemptRecord, BatchFigures, history_from_sta
 from automicro.core.optimizer_memory import pending_state_bytes
 from automicro.core.policy import HookReason
 from automicro.core.thrash import ThrashDetector
-from automicro.engine.compile import compile_seconds, compiled_graphs
+from automicro.engine.compile import compile_seconds, compiled_graphs, graph_breaks
 from automicro.batch.batch_host import BatchHost
 from automicro.batch.batch_step import BatchStep
 from automicro.batch.compile_scope import ScopeChoice
 from automicro.batch.compile_shapes import StaticShapes
+from automicro.batch.floor_ladder import FloorLadder
 from automicro.batch.packing_choice import PackingChoice
+from automicro.batch.compile_watch import CompileWatch
+from automicro.batch.forward_state import ForwardState
+from automicro.batch.routing import RoutingWatch
 from automicro.batch.sharding_choice import ShardingChoice
 from automicro.batch.trial_plan import TrialPlan
 from automicro.batch.layout_trials import LayoutTrials
@@ -96,6 +100,13 @@ class TrainingSearch:
         self.packing_choice: Optional[PackingChoice] = None  # packed or padded, measured (`packing_choice`)
         self.sharding_choice: Optional[ShardingChoice] = None  # one rank: FSDP2 or unsharded (`sharding_choice`)
         self.plan: Optional[TrialPlan] = None  # which trial holds the next batch (`trial_plan`)
+        self.ladder: Optional[FloorLadder] = None  # below size 1 (`floor_ladder`), made at the first batch
+        # A routed model's routers, watched (`routing`): made at the first batch; False for a model without one.
+        self.routing: Any = None
+        # Graph breaks and graphs compiled after the configuration is final (`compile_watch`): made with the plan.
+        self.compile_watch: Optional[CompileWatch] = None
+        # The model's buffers a failed attempt wrote, undone in its wipe (`forward_state`): made at the first batch.
+        self.forward_state: Optional[ForwardState] = None
         self._plan_steady = False  # the batch in progress was given to the trials with the size settled
         # The one-rank trial's times of the configuration that won: (split, agreed times, configuration).
         self._reuse: Optional[tuple[tuple[int, ...], list[float], tuple[Any, ...]]] = None
@@ -203,6 +214,8 @@ class TrainingSearch:
         head = getattr(self.runtime.sharded, "head", None)
         if head is not None:
             tail += f"; head: {head.describe()}"
+        if self.ladder is not None and self.ladder.summary():
+            tail += f"; {self.ladder.summary()}"
         if self.plan is not None and self.plan.summary():
             tail += f"; {self.plan.summary()}"
         return self.kind.summary(self.policy, per_rank_batch, layout, self.used_split, tail)
@@ -233,10 +246,12 @@ class TrainingSearch:
         trainer through `ComposerHost`, a plain loop through `automicro.AutoStep`'s host)."""
         rt = self.runtime
         assert rt.fence is not None and rt.sharded is not None and rt.consensus is not None, "attach() was not called"
+        if self.forward_state is None:
+            self.forward_state = ForwardState(rt.sharded.module, rt.info)
         step = BatchStep(
             host, rt.fence, rt.dispatcher, rt.memory, rt.consensus, rt.sharded, rt.rank,
             pipeline=rt.pipeline, tokens=self.kind.tokens, all_reduce=rt.all_reduce_sum,
-            layout=None if self.layout is None else self.layout.engine,
+            layout=None if self.layout is None else self.layout.engine, forward_state=self.forward_state,
         )
         self._step = step
         packing = self._packing_choice()
@@ -278,6 +293,11 @@ class TrainingSearch:
             self.apply_hooks(decision.hooks, decision.reason, "a layout trade undone")
             rt.info(decision.event)
         static, scope = self._static_shapes(), self._compile_scope()
+        engine = self.layout.engine
+        if scope.pending and engine is not None and engine.recomputes:
+            # Checkpointing switched on inside a whole-model graph recomputes other values than its forward saved
+            # (torch 2.11 and 2.15): each block stays compiled while the blocks checkpoint.
+            scope.rule_out("the blocks checkpoint their activations, which a whole-model graph cannot recompute")
         steady = self._steady()
         settled_split = tuple(self.policy.current_split())
         static.before_batch(turn == "static" and steady, settled_split)
@@ -295,6 +315,9 @@ class TrainingSearch:
             split, budget, track = self.kind.next_attempt(self.policy, self.layout, self.config.probes)
             if rt.watchdog is not None:
                 rt.watchdog.beat()
+            routing = self._routing()
+            if routing is not None:
+                routing.begin_attempt()
             try:
                 attempt = step.attempt(split, budget, hooks_on, track_peaks=track)
             except FatalRecoveryError as lost:
@@ -369,10 +392,23 @@ class TrainingSearch:
                 )
                 decision = self.policy.observe(failed)
             except search.CannotFitError as error:
+                line = self._floor_ladder().step(batch_index, verdict, self._compile_scope(), sharding)
+                if line is not None:
+                    # Below the floor, a rung instead of the end: the size is searched again in this batch.
+                    self._search_again()
+                    self._record(batch_index, sizes, "oom", verdict, self.policy.state.size, seconds,
+                                 "size 1 did not fit: activation checkpointing on, the size searched again", hooks=hooks_on)
+                    rt.info(line)
+                    continue
                 self._record(batch_index, sizes, "oom", verdict, 0, seconds, hooks=hooks_on)
                 self.agreed_error = MicrobatchSizeError(self._cannot_fit_message(verdict))
                 raise self._ends_run(self.agreed_error) from error
             note = decision.event
+            if routing is not None:
+                # Every rank is here after the agreed failure: one round says whether routing moved the memory.
+                moved = routing.moved(rt.consensus.agree_max)
+                if moved is not None:
+                    note += f"; {moved}"
             if result.replayed:
                 note += f"; {result.replayed} collectives replayed to get the ranks back in step"
             self._record(batch_index, sizes, "oom", verdict, decision.next_size, seconds, note, hooks=hooks_on)
@@ -388,6 +424,8 @@ class TrainingSearch:
             # shares: `CudaMemory.empty_cache`).
             self.runtime.memory.empty_cache()
         self.used_split = sizes
+        if self.routing:
+            self.routing.after_clean()
         self._last_peak, self.last_capacity = verdict.peak_bytes, verdict.capacity_bytes
         self._last_outside = verdict.outside_bytes
         peaks = self._agreed_peaks(step)
@@ -411,8 +449,11 @@ class TrainingSearch:
         packing = self._packing_choice()
         if packing is not None and self.kind.tokens is not None and self.kind.tokens.plan is not None:
             packing.after_batch(step.attempts, self.kind.batch_weight(), self.kind.tokens.plan.most_real)
-        self._trial_plan().after_batch(step.attempts if self._plan_steady else 0, self.layout.started_now,
-                                       retried=self.batch_retries, split=sizes)
+        plan = self._trial_plan()
+        plan.after_batch(step.attempts if self._plan_steady else 0, self.layout.started_now, retried=self.batch_retries,
+                         split=sizes)
+        if self.compile_watch is not None:
+            self.compile_watch.after_batch(batch_index, plan.final_at)
         return attempt.total_loss_dict
 
     # ---- the trials' plan ------------------------------------------------------------------------
@@ -443,6 +484,7 @@ class TrainingSearch:
             trials = [self._static_shapes(), self._packing_choice(), self._sharding_choice(), self._compile_scope(), self.layout]
             self.plan = TrialPlan([t for t in trials if t is not None], rt.consensus, rt.info, rt.sharded.device,
                                   bound=rt.settings.bound_trials, enabled=rt.settings.trials)
+            self.compile_watch = CompileWatch(rt.info)  # before the first batch compiles anything
             layout, plan = self.layout, self.plan
             layout.priced = lambda label, kind, facts: plan.admit(label, kind, layout.min_gain, **facts)
             layout.order = plan.by_value
@@ -464,6 +506,7 @@ class TrainingSearch:
                 return self._reuse[1]
 
             scope.target, scope.reusable = target, reusable
+            scope.breaks = lambda: sum(graph_breaks().values())
             compiled = getattr(rt.sharded, "compiled", None)
             plan.split_now = lambda: tuple(self.policy.current_split()) if self.policy is not None else ()
             plan.compile_s = self._graph_compile_s
@@ -493,6 +536,30 @@ class TrainingSearch:
             assert rt.sharded is not None and rt.consensus is not None
             self.packing_choice = PackingChoice(self.kind.tokens, rt.consensus, rt.info, rt.sharded.device)
         return self.packing_choice
+
+    def _floor_ladder(self) -> FloorLadder:
+        if self.ladder is None:
+            self.ladder = FloorLadder(self.layout, self.runtime.info, pipeline=self.runtime.pipeline is not None)
+        return self.ladder
+
+    def _routing(self) -> Optional[RoutingWatch]:
+        if self.routing is None:
+            assert self.runtime.sharded is not None
+            self.routing = RoutingWatch.of(self.runtime.sharded.module) or False
+        return self.routing or None
+
+    def _search_again(self) -> None:
+        """After the ladder's step: the size policy starts again (a batch's memory is another one now), from the probe
+        where the search can take it (two sizes in one attempt: the size the memory line predicts next), else from
+        where the run's search starts; the sync hooks on."""
+        assert self.policy is not None
+        config = self.config
+        probe = dataclasses.replace(config, probe=True, start_size=None)
+        if probe.probes and search.probe_split(self.policy.state.batch_size, probe.min_size) is not None:
+            self.config = config = probe
+        self.policy = search.SearchPolicy(config, self.policy.state.batch_size)
+        self._settling_peaks, self._headroom_checked = [], set()
+        self.apply_hooks(True, HookReason.SEARCHING, "the size searched again with activation checkpointing on")
 
     def _head_failed(self, error: Optional[BaseException]) -> bool:
         """A non-OOM error in a batch that ran with the fused head `head: auto` put on: the plain head for the rest
@@ -617,11 +684,13 @@ class TrainingSearch:
             f"allocated {r.allocated_bytes / 2**20:.1f} MiB, capacity {r.capacity_bytes / 2**20:.1f} MiB"
             for r in verdict.reports if r.failed
         ]
+        ladder = self._floor_ladder()
+        checkpointing = "" if ladder.stepped else "activation_checkpointing, "
         return (
-            f"automicro: {self.kind.cannot_fit()}; "
+            f"automicro: {self.kind.cannot_fit()}{ladder.tried()}; "
             + "; ".join(rows)
-            + ". Reduce the model or sequence length, shard more (more ranks, reshard_after_forward, "
-            "activation_checkpointing, cpu_offload) or raise the memory limit."
+            + f". Reduce the model or sequence length, shard more (more ranks, reshard_after_forward, {checkpointing}"
+            "cpu_offload) or raise the memory limit."
         )
 
     def _agreed_peaks(self, step: BatchStep) -> tuple[tuple[int, int], ...]:

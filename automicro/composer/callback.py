@@ -226,10 +226,6 @@ class AutoMicrobatching(Callback):
 
     # ---- wiring ------------------------------------------------------------------------------
 
-    def searches_layout(self, device_type: str) -> bool:
-        """Whether the layout is searched on this device (``layout: auto``, the default on a GPU)."""
-        return self.settings.searches_layout(device_type)
-
     def attach(
         self,
         sharded: ShardedModel,

@@ -259,13 +259,14 @@ class Trainer(composer.Trainer):
                 if checkpoint_format == "sharded":
                     callback_list.append(ShardedCheckpointing(pipeline=True))
             else:
-                # Checkpointing on every block, switched off, where the layout search may switch it on
-                # (`recompute`, `automicro.core.layout`); not under compile (a switch in a compiled
-                # region recompiles it, and compiled checkpointing is not tested here).
-                switch = (
-                    automicro is not None and automicro.searches_layout(shard_device.type)
-                    and compile_config is None and kwargs.get("compile_config") is None
-                )
+                # Checkpointing on every block, switched off, under `auto`: the ladder below the floor switches it on
+                # where microbatch size 1 runs out without it (`automicro.batch.floor_ladder`), the layout search's
+                # upsize trial where it pays (`recompute`, eager blocks only). Compiled blocks carry it too (its hooks
+                # sit on the block's call, outside the compiled forward); not where the whole model is compiled
+                # (`compile.scope: model`, Composer's `compile_config`: checkpointing switched on inside a
+                # whole-model graph recomputes other values than the forward saved, torch 2.11 and 2.15).
+                whole_model = (compile_config is not None and not compile_config.compiles_blocks) or kwargs.get("compile_config") is not None
+                switch = automicro is not None and not whole_model
                 if compile_config is not None and compile_config.compiles_blocks:
                     line = packed_input.no_cache_in_training(model)
                     if line is not None and composer_dist.get_global_rank() == 0:

@@ -314,6 +314,10 @@ def judge(trade: str, on: Sequence[float], off: Sequence[float], min_gain: float
     return TrialResult(trade, kept, median_on, median_off, spread)
 
 
+# Why the ladder below size 1 undid a kept ``no_recompute`` (`LayoutSearch.recompute_floor`, and after a resume).
+_FLOOR_WHY = "microbatch size 1 did not fit without activation checkpointing"
+
+
 class LayoutSearch:
     """The trials of one run. The callback asks `layout_for_batch` before each batch (and
     `trial_size` for the split of a downsize trial's batch), reports each batch that succeeded with
@@ -364,6 +368,9 @@ class LayoutSearch:
         self.priced_out_at: dict[str, Optional[int]] = {}
         # The sizes found from which the fused head was tried, or priced out: never again from those.
         self.head_from: list[int] = []
+        # The trades the ladder below the floor changed (`recompute_floor`): RECOMPUTE kept, or NO_RECOMPUTE undone. In
+        # any mode, for the rest of the run and after a resume.
+        self.floor: list[str] = []
         self._found: Optional[int] = None
 
     @property
@@ -578,6 +585,36 @@ class LayoutSearch:
             return Trial((), size=target, from_size=found, unit=unit)
         self._no_smaller = (found, largest)
         return None
+
+    def recompute_floor(self, can_switch_on: bool) -> Optional[str]:
+        """Microbatch size 1 ran out of memory again (`automicro.batch.floor_ladder`): every block's activation
+        checkpointing on, where it is off. ``no_recompute`` kept: undone, and never tried again this run; else
+        ``recompute`` kept where the blocks carry checkpointing switched off (`can_switch_on`). Any trial ends. Returns
+        the trade changed; None where checkpointing is on already or cannot be switched on. In any mode (a fixed or
+        pinned layout too: it changes what fits, not the numbers); never undone this run (`relieve`, `reconsider`:
+        it is in neither's reach); checkpointed (``floor``)."""
+        self.trial = None
+        if NO_RECOMPUTE in self.kept:
+            self.kept.remove(NO_RECOMPUTE)
+            self.rejected[NO_RECOMPUTE] = _FLOOR_WHY
+            self.too_big_at.pop(NO_RECOMPUTE, None)
+            self.floor.append(NO_RECOMPUTE)
+            return NO_RECOMPUTE
+        if can_switch_on and RECOMPUTE not in self.kept:
+            self.kept.append(RECOMPUTE)
+            self.floor.append(RECOMPUTE)
+            return RECOMPUTE
+        return None
+
+    def _apply_floor(self) -> None:
+        """A checkpoint's floor (`recompute_floor`) on this run's layout."""
+        for trade in self.floor:
+            if trade == NO_RECOMPUTE and NO_RECOMPUTE in self.kept:
+                self.kept.remove(NO_RECOMPUTE)
+            if trade == NO_RECOMPUTE:
+                self.rejected[NO_RECOMPUTE] = _FLOOR_WHY
+            if trade == RECOMPUTE and RECOMPUTE not in self.kept:
+                self.kept.append(RECOMPUTE)
 
     def reconsider(self, capacity: int) -> tuple[Optional[int], list[str]]:
         """A trade in UPSIZE was kept under less memory than the capacity read now (`capacity`; another
@@ -882,10 +919,14 @@ class LayoutSearch:
             **({"failed_under": dict(self.failed_under)} if self.failed_under else {}),
             **({"kept_under": {t: list(v) for t, v in self.kept_under.items()}} if self.kept_under else {}),
             **({"head_from": list(self.head_from)} if self.head_from else {}),
+            **({"floor": list(self.floor)} if self.floor else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        # The ladder's step holds in any mode: without it, size 1 did not fit.
+        self.floor = [t for t in state.get("floor", []) if t in (NO_RECOMPUTE, RECOMPUTE)]
         if self.config.mode != "auto":
+            self._apply_floor()
             return  # a pinned or fixed layout wins over what a checkpoint chose
         self.kept = [t for t in state.get("kept", []) if t in self.candidates]
         self.rejected = {t: str(w) for t, w in state.get("rejected", {}).items() if t in TRADES}
@@ -917,6 +958,7 @@ class LayoutSearch:
         for trade in state.get("tried", []):  # checkpoints before "slower_on": every trade tried
             if trade in TRADES and trade not in self.kept and trade not in self.rejected:
                 self.rejected[trade] = "tried before the checkpoint"
+        self._apply_floor()
         self.trial = None
 
 __all__ = [

@@ -147,15 +147,33 @@ def left_after_wipe(memory: MemorySource, mark: AttemptMark) -> tuple[int, int]:
     return mark.allocated, memory.allocated_bytes()
 
 
+def drain_autograd_queue() -> None:
+    """Drop what a backward that raised left in this thread's autograd ready queue.
+
+    When a backward raises (an OOM in a kernel or in a hook: FSDP2's pre-backward all-gather, a sync point), the
+    autograd engine returns at once and leaves the node tasks that were ready beside the failed one in the calling
+    thread's ready queue. Each holds its node, and so the activations the branch below it saved: a routed block's
+    experts are such branches, one per expert hit, and a failed backward of two routed blocks left 42.6 MiB of a
+    74.4 MiB cap held (transformers' Qwen3-MoE and OLMoE on 2 CPU ranks; torch 2.7, 2.11, 2.15). They are dropped
+    only when the next backward on this thread pops them, and a rerun that runs out in its forward never gets there:
+    the search took each rerun's OOM for the size's and stepped down to the ladder. A backward of one scalar pops them
+    (`tests/test_capacity.py` shows the engine's behaviour and the drain). A GPU's device threads keep popping their
+    own queues; what runs on this thread is drained here the same way."""
+    with torch.enable_grad():
+        torch.zeros((), requires_grad=True).backward()
+
+
 def release_after_failure(memory: MemorySource) -> None:
-    """After a failed attempt, before its rerun: free what only Python reference cycles still hold,
-    then hand the allocator's unused blocks back (`empty_cache`, where the source allows it).
+    """After a failed attempt, before its rerun: drop the node tasks a failed backward left queued
+    (`drain_autograd_queue`), free what only Python reference cycles still hold, then hand the
+    allocator's unused blocks back (`empty_cache`, where the source allows it).
 
     Tensors in reference cycles outlive their last use until the cyclic collector runs, and the
     caching allocator cannot free them: `torch.save` (every checkpoint) leaves its storages in one,
     and llm-foundry's `scheduled_gc` turns the automatic collector off for thousands of batches. A
     size that ran clean then runs out for memory no batch uses; collecting first lets the rerun at
     that size find it (a full collection: tens to hundreds of milliseconds, on failures only)."""
+    drain_autograd_queue()
     gc.collect()
     memory.empty_cache()
 

@@ -652,6 +652,8 @@ def transition(state: SearchState, outcome: Outcome, config: PolicyConfig) -> tu
         _check_size(state, outcome.size)
         new, decision = _on_failure(replace(state, attempts=state.attempts + 1), outcome, config)
         reason = HookReason.OOM if isinstance(outcome, OOM) else HookReason.THRASH
+        if new.phase == Phase.STEADY:  # thrashing at the floor counted toward the clean batches (`_on_failure`)
+            reason = HookReason.STEADY if state.phase == Phase.STEADY else HookReason.STABLE
     elif isinstance(outcome, Rearm):
         new, decision = _on_rearm(state, outcome, config)
         reason = HookReason.REARM
@@ -845,7 +847,13 @@ def _on_failure(state: SearchState, outcome: Union[OOM, Thrash], config: PolicyC
     if m <= floor:
         if oom:
             raise CannotFitError(m)
-        # Thrashing at the smallest size: it still runs, there is nowhere lower to go.
+        # Thrashing at the smallest size: it still runs, there is nowhere lower to go. Settled there, the batch counts
+        # as a clean one toward the hooks coming off (allocator retries every other batch otherwise kept them on
+        # for a whole run: one H200, Llama-3.2 1B's shape at 65,536 tokens a sample, the thrashing batches as fast).
+        if state.found == floor and state.phase != Phase.SEARCHING:
+            state, decision = _on_success(state, Success(m), config)
+            more = f"; {decision.event}" if decision.event else ""
+            return state, replace(decision, event=f"thrash at {m}: cannot go lower, staying at {floor}{more}")
         state = _settle(replace(state, stable_count=0), config, floor)
         return state, _decide(state, config, False, f"thrash at {m}: cannot go lower, staying at {floor}")
 

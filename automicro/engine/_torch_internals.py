@@ -32,6 +32,8 @@ automicro's protocol (callers pass what they need as arguments).
 
 from __future__ import annotations
 
+import itertools
+
 import threading
 import types
 from collections.abc import Callable
@@ -223,6 +225,23 @@ def reset_param_group(group: Any) -> None:
     group._training_state = TrainingState.IDLE
     # `_to_sharded` frees the unsharded storage from SHARDED_POST_FORWARD or UNSHARDED alike.
     group._to_sharded()
+    _free_partial_unshard(group)
+
+
+def _free_partial_unshard(group: Any) -> None:
+    """An OOM in the middle of a group's unshard (its parameters' all-gather outputs grown one after the other, the
+    group still SHARDED) leaves what was grown so far: `_to_sharded` frees nothing from SHARDED (seen on torch 2.7:
+    2.5 MiB of a routed block's experts held after the wipe, FSDP2 over one rank). Every all-gather output and
+    unsharded inner tensor of the group is freed here (a resize to 0, as FSDP2's own `free_storage`), never the
+    sharded data."""
+    for fsdp_param in group.fsdp_params:
+        local = getattr(fsdp_param, "_sharded_param_data", None)
+        keep = None if local is None else local.untyped_storage().data_ptr()
+        for tensor in itertools.chain(getattr(fsdp_param, "all_gather_outputs", ()) or (),
+                                      getattr(fsdp_param, "_unsharded_inner_tensors", ()) or ()):
+            storage = tensor.untyped_storage()
+            if storage.size() != 0 and storage.data_ptr() != keep:
+                storage.resize_(0)
 
 
 def reset_fsdp_states(modules: list[FSDPModule]) -> None:
@@ -1053,12 +1072,41 @@ def release_stage(stage: Any) -> None:
         module.set_requires_gradient_sync(True)
 
 
+def tensor_version(tensor: torch.Tensor) -> int:
+    """The tensor's in-place write counter (``Tensor._version``: every in-place op on it or a view of it bumps it; read
+    on the host, nothing runs on the device). Checked on torch 2.7.0, 2.11.0 and 2.15.0."""
+    return int(tensor._version)
+
+
 def compiled_graph_count() -> int:
     """Graphs dynamo compiled in this process (first compiles and recompiles alike): its
     ``counters["stats"]["unique_graphs"]``, the same on torch 2.7, 2.11 and 2.15."""
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def graph_breaks() -> dict[str, int]:
+    """Why dynamo broke a graph, or gave up on one, in this process so far, and how often: its
+    ``counters["graph_break"]`` and ``counters["unimplemented"]`` (where a backend's failure adds the break: torch 2.11
+    and 2.15 count it there only), keyed by the reason's first line, with the failing operator where a backend failed
+    (its ``Exception:`` line). The keys differ by version (torch 2.7: "Dynamic shape operator"; 2.11 and 2.15: a
+    paragraph whose first line is the reason); one break counted in both counters is counted once (the larger count).
+    Checked on torch 2.7.0, 2.11.0 and 2.15.0."""
+    from torch._dynamo.utils import counters
+
+    out: dict[str, int] = {}
+    for group in ("graph_break", "unimplemented"):
+        seen: dict[str, int] = {}
+        for key, count in counters[group].items():
+            lines = [line.strip() for line in str(key).splitlines() if line.strip()]
+            reason = lines[0] if lines else str(key)
+            failed = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("Exception:")), "")
+            reason = f"{reason}: {failed}" if failed else reason
+            seen[reason] = seen.get(reason, 0) + int(count)
+        for reason, count in seen.items():
+            out[reason] = max(out.get(reason, 0), count)
+    return out
 
 
 def compile_seconds() -> list[float]:

@@ -20,7 +20,8 @@ Recompilation under the search: every size the search visits is a new batch dime
 sees, recompiles once with that dimension dynamic; further sizes reuse it. ``dynamic: true``
 compiles dynamic from the start (one compile, maybe slower kernels); ``dynamic: false`` compiles
 once per size (bounded by dynamo's cache limit, after which it runs eager: not advised with
-``auto``). `compiled_graphs()` counts the graphs compiled so far in the process.
+``auto``). `compiled_graphs()` counts the graphs compiled so far in the process, `graph_breaks()` why dynamo broke
+one (`automicro.batch.compile_watch` says both once the run trains).
 
 Owns: the ``compile`` keys and their checks, compiling blocks in place, the arguments handed to
 Composer. May not touch: Composer (the Trainer hands ``compile_config`` over), the search.
@@ -236,6 +237,13 @@ def compiled_graphs() -> int:
     return internals.compiled_graph_count()
 
 
+def graph_breaks() -> dict[str, int]:
+    """Why dynamo broke a graph (or a backend gave one up) in this process so far, by reason, and how often."""
+    from automicro.engine import _torch_internals as internals
+
+    return internals.graph_breaks()
+
+
 def compile_seconds() -> list[float]:
     """The seconds each graph dynamo compiled in this process took (its own timings; empty where not kept)."""
     from automicro.engine import _torch_internals as internals
@@ -244,4 +252,4 @@ def compile_seconds() -> list[float]:
 
 
 __all__ = ["CompileConfig", "CompileConfigError", "CompiledBlocks", "SCOPES", "MODES", "compile_blocks", "compile_seconds",
-           "compiled_graphs"]
+           "compiled_graphs", "graph_breaks"]

@@ -10,7 +10,10 @@
 - ``no_recompute``: the blocks' activation checkpointing (applied at build time where
   ``activation_checkpointing: true``) is switched off, and back on, between batches.
 - ``recompute``: the blocks' checkpointing applied switched off at build time (`shard`'s
-  ``checkpoint_switch``, where ``activation_checkpointing: false``) is switched on between batches.
+  ``checkpoint_switch``, where ``activation_checkpointing: false``) is switched on between batches: by the layout
+  search's upsize trial (not where the blocks are compiled), or by the ladder below the floor
+  (`automicro.batch.floor_ladder`, compiled blocks included: the switch sits in the block's hooks, outside its
+  compiled forward, so switching it compiles nothing again).
 - ``fused_head``: the vocabulary head's switch (`automicro.engine.head.HeadSwitch`, put on the model under
   ``head: auto``) is turned to the fused head between batches.
 
@@ -58,9 +61,21 @@ class LayoutEngine:
             found.append(GRAD_SYNC_ONCE)
         if self._blocks and self.sharded.config.reshard_after_forward is True:
             found.append(NO_RESHARD)
-        if self._checkpointed:
+        if self._checkpointed and (self._asked or self.sharded.compiled is None):
+            # ``recompute`` as a trial only with eager blocks (as before the ladder put the switch on compiled ones).
             found.append(NO_RECOMPUTE if self._asked else RECOMPUTE)
         return found
+
+    @property
+    def can_recompute(self) -> bool:
+        """The blocks carry checkpointing switched off at build time (`shard`'s ``checkpoint_switch``): the ladder
+        below the floor can switch it on."""
+        return bool(self._checkpointed) and not self._asked
+
+    @property
+    def recomputes(self) -> bool:
+        """The blocks checkpoint their activations in the layout applied."""
+        return bool(self._checkpointed) and (NO_RECOMPUTE not in self.layout if self._asked else RECOMPUTE in self.layout)
 
     @property
     def head(self) -> Any:

@@ -3,6 +3,7 @@
 - `FaultInjector`: raise at an exact site / module / rank / microbatch / size (a Composer callback).
 - `MemoryCap`: CPU emulation of a per-rank allocator limit, and `MemoryCapCallback` (with its
   `CapMemory` memory source) to put one on a whole Composer fit.
+- `RoutingSkew`: a routed model's routers biased so that most tokens of chosen batches go to one expert.
 - `CheckpointFault`: break one checkpoint save (SIGKILL at a point of the save, a truncated file, a
   deleted shard, a full disk); YAML `callbacks.checkpoint_fault`.
 - `run_multiprocess`: run a function on N local ranks under a hang watchdog.
@@ -24,6 +25,7 @@ _LAZY = {
     "InjectedFault": "automicro.testing.faults",
     "MemoryCap": "automicro.testing.memory_cap",
     "MultiprocessFailure": "automicro.testing.multiprocess",
+    "RoutingSkew": "automicro.testing.routing",
     "run_multiprocess": "automicro.testing.multiprocess",
 }
 
@@ -44,5 +46,6 @@ __all__ = [
     "MemoryCap",
     "MemoryCapCallback",
     "MultiprocessFailure",
+    "RoutingSkew",
     "run_multiprocess",
 ]

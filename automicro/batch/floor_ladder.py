@@ -1,0 +1,112 @@
+"""Below the floor: where microbatch size 1 runs out of memory again (the repeat that used to end the run), `auto`
+steps a ladder of trades that change memory and not the numbers, and searches the size again in the same batch
+(DESIGN.md, "What the search searches": its floor).
+
+The rung: every block's activation checkpointing on (`automicro.core.layout.LayoutSearch.recompute_floor`: the
+``recompute`` trade kept, or a kept ``no_recompute`` undone). The blocks carry checkpointing switched off from the
+start under `auto` (`automicro.engine.sharding.shard`'s ``checkpoint_switch``, which `automicro.Trainer` sets), so
+the switch costs nothing until the ladder turns it on, between two attempts (after the wipe), on every rank alike: the
+decision is taken from the agreed verdict. With the blocks compiled, the switch sits in each block's hooks, outside its
+compiled forward: nothing compiles again, and the backward runs each block's compiled forward once more. The whole
+model compiled (`compile.scope: model` or Composer's `compile_config`) carries no switch: checkpointing switched on
+inside a whole-model graph recomputes other values than its forward saved (torch 2.11 and 2.15), so where the compile
+scope trial had kept the whole model, the blocks are compiled again first, and the trial is not run after the step.
+The one-rank trial of the model unsharded (no blocks to checkpoint) is not run after it either.
+
+After the step the size policy starts again (`automicro.core.policy.SearchPolicy`, a fresh state: the memory of a
+batch is another one now) from the probe where the search can take it (two microbatch sizes in one attempt, the size
+the memory line predicts next), else from where the run's search starts. Only where size 1 runs out again with the
+blocks checkpointing does the run end, its message naming what was tried.
+
+Not on the ladder: a pipeline stage (its stages are built with their checkpointing: set
+``parallelism_config.fsdp2.activation_checkpointing: true``), a model without FSDP2 blocks, a model sharded without
+the switch (a plain loop's own `fully_shard`: ``automicro.engine.shard(..., checkpoint_switch=True)`` gives it one).
+Offloading to the CPU (FSDP2's ``cpu_offload``) is set at build time: not a rung yet.
+
+Owns: whether a rung is left, stepping it (the layout's floor, the scope and one-rank trials held off), its line,
+the words of the message that ends a run with nothing left. May not touch: the size policy (the training search starts
+it again), torch, Composer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Optional
+
+from automicro.core.consensus import Verdict
+from automicro.core.layout import NO_RECOMPUTE, RECOMPUTE
+from automicro.batch.layout_trials import LayoutTrials
+
+# What the rung is called in lines, the summary and the run-ending message.
+RUNG = "activation checkpointing on"
+WHY_OFF = "the blocks checkpoint their activations (the ladder below size 1 switched it on)"
+
+
+def _rows(verdict: Verdict) -> str:
+    return "; ".join(
+        f"rank {r.rank} at {r.site}: peak {r.peak_bytes / 2**20:.1f} MiB of {r.capacity_bytes / 2**20:.1f} MiB"
+        for r in verdict.reports if r.failed
+    )
+
+
+class FloorLadder:
+    """One run's ladder. `layout`: the run's layout trials (None or without an engine: nothing to switch);
+    `pipeline`: the run is a pipeline stage."""
+
+    def __init__(self, layout: Optional[LayoutTrials], info: Callable[[str], None], pipeline: bool = False) -> None:
+        self.layout, self.info, self.pipeline = layout, info, pipeline
+        self.stepped_at: Optional[int] = None  # the batch the rung was stepped in (this launch)
+
+    @property
+    def stepped(self) -> bool:
+        """The rung is on (this launch, or the checkpoint this run resumed from)."""
+        return self.layout is not None and bool(self.layout.search.floor)
+
+    def why_not(self) -> Optional[str]:
+        """Why no rung is left (None: one is)."""
+        if self.pipeline:
+            return ("a pipeline stage's checkpointing is set when it is built: set "
+                    "parallelism_config.fsdp2.activation_checkpointing: true")
+        layout = self.layout
+        if layout is None or layout.engine is None:
+            return "the model has no FSDP2 blocks to checkpoint"
+        if NO_RECOMPUTE in layout.search.kept or (layout.engine.can_recompute and RECOMPUTE not in layout.search.kept):
+            return None
+        if layout.engine.recomputes:
+            return "activation checkpointing is on already"
+        return ("the blocks carry no checkpointing switch (the whole model is compiled, or the model was sharded "
+                "without automicro.engine.shard(..., checkpoint_switch=True))")
+
+    def step(self, batch_index: int, verdict: Verdict, scope: Any = None, sharding: Any = None) -> Optional[str]:
+        """Size 1 ran out again in batch `batch_index` (`verdict`: the agreed failure): the next rung, on every rank
+        alike, and its line; None where none is left (`why_not`). `scope`, `sharding`: the run's compile scope and
+        one-rank trials (held off after the step)."""
+        if self.why_not() is not None:
+            return None
+        assert self.layout is not None
+        if scope is not None:
+            scope.blocks_only(WHY_OFF)
+        changed = self.layout.recompute_floor()
+        if changed is None:
+            return None
+        if sharding is not None and sharding.pending:
+            sharding.rule_out(WHY_OFF)
+        self.stepped_at = batch_index
+        how = "kept activation checkpointing off undone" if changed == NO_RECOMPUTE else "every block's activation checkpointing switched on"
+        return (f"recompute on: size 1 did not fit without it ({_rows(verdict)}); {how}, the size searched again in "
+                f"batch {batch_index} (the same numbers, a forward per block again in backward)")
+
+    def tried(self) -> str:
+        """What the run-ending message says was tried below size 1."""
+        if self.stepped:
+            at = f" by auto at batch {self.stepped_at}" if self.stepped_at is not None else " by auto before the checkpoint this run resumed from"
+            return f" with {RUNG} (switched on{at}: size 1 did not fit without it)"
+        why = self.why_not()
+        return f" ({RUNG} not tried: {why})" if why else ""
+
+    def summary(self) -> str:
+        """The summary line's part ("" where the ladder did not step)."""
+        return f"ladder: {RUNG} (size 1 did not fit without it)" if self.stepped else ""
+
+
+__all__ = ["FloorLadder", "RUNG"]

@@ -1,0 +1,128 @@
+"""Routed (mixture-of-experts) models from transformers, built from a config: `automicro.batch.routing` finds their
+routers and watches the busiest expert's share; `automicro.testing.RoutingSkew` biases them; what the skew does to a
+forward and backward's peak under the CPU emulation. One process, no launch (the families of tests/moe_cases.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from automicro.batch.routing import MOVED, RoutingWatch, find_routers
+from automicro.testing.memory_cap import MemoryCap
+from automicro.testing.routing import RoutingSkew
+from tests import moe_cases
+
+
+def _model(family: str) -> torch.nn.Module:
+    import warnings
+
+    import transformers
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.AutoModelForCausalLM.from_config(moe_cases.config(family))
+
+
+def _tokens(size: int) -> torch.Tensor:
+    return torch.randint(0, moe_cases.VOCAB, (size, moe_cases.SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def _step(model: torch.nn.Module, tokens: torch.Tensor) -> int:
+    """One forward and backward under an unbounded cap: its peak bytes."""
+    cap = MemoryCap(1 << 40)
+    with cap:
+        model(input_ids=tokens, labels=tokens).loss.backward()
+    model.zero_grad(set_to_none=True)
+    return int(cap.stats()["peak_bytes"])
+
+
+@pytest.mark.parametrize("family", moe_cases.FAMILIES)
+def test_the_routers_of_each_family_are_found_with_their_experts_and_top_k_and_a_dense_model_has_none(family):
+    routers = find_routers(_model(family))
+    assert len(routers) == 2 and all((r.num_experts, r.top_k) == (16, 2) for r in routers), routers
+    assert all(r.name.endswith(".gate") and ".layers.0." in routers[0].name for r in routers[:1]), routers
+    import transformers
+
+    dense = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
+    assert find_routers(dense) == [] and RoutingWatch.of(dense) is None
+
+
+@pytest.mark.parametrize("family", moe_cases.FAMILIES)
+def test_the_watch_reads_the_busiest_share_and_says_routing_moved_only_past_the_clean_maximum(family):
+    model = _model(family)
+    skew = RoutingSkew([1], expert=3, share=0.9)
+    skew.install(model)  # before the watch, as a callback's fit_start comes before auto's first batch: it sees the skew
+    watch = RoutingWatch.of(model)
+    tokens = _tokens(2)
+    watch.begin_attempt()
+    _step(model, tokens)  # batch None: routed as the model routes
+    even = float(watch._shares().max())
+    watch.after_clean()
+    # One round of agree_max over one rank is the identity.
+    assert watch.moved(lambda values: tuple(values)) is None  # the same routing again: nothing moved
+    watch.begin_attempt()
+    skew.set_batch(1)
+    _step(model, tokens)
+    skewed = float(watch._shares().max())
+    assert even < 0.5 and skewed >= 0.9, (even, skewed)  # 2 of 16 experts a token: 1/8 when even
+    line = watch.moved(lambda values: tuple(values))
+    assert line is not None and line.startswith("routing moved the memory: the busiest expert took ") and \
+        f"at most {round(even * 100)}% in the batches that ran" in line and ".gate)" in line, line
+    assert skewed >= MOVED * even and skew.skewed_calls == 2
+    # Nothing of the watch's enters the checkpoint.
+    assert not [k for k in model.state_dict() if "automicro" in k]
+    watch.close()
+    skew.remove()
+
+
+@pytest.mark.parametrize("family", moe_cases.FAMILIES)
+def test_a_skewed_batch_holds_more_at_its_peak_where_the_expert_loop_keeps_the_busiest_experts_temporaries(family):
+    """transformers 4.x's expert loop: the skewed batch's peak above the even one's (the busiest expert's temporaries
+    in backward); 5.x's experts: the same peak (what they hold does not depend on the routing)."""
+    model = _model(family)
+    skew = RoutingSkew([1], expert=0, share=0.9)
+    skew.install(model)
+    tokens = _tokens(4)
+    even = _step(model, tokens)
+    assert _step(model, tokens) == even  # the emulation is exact run to run
+    skew.set_batch(1)
+    skewed = _step(model, tokens)
+    if moe_cases.moves_with_routing():
+        assert skewed > 1.04 * even, (skewed, even)
+    else:
+        assert abs(skewed - even) < 0.001 * even, (skewed, even)
+
+
+def test_the_skew_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="share"):
+        RoutingSkew([1], share=0.0)
+    with pytest.raises(ValueError, match="has 16 experts"):
+        RoutingSkew([1], expert=16).install(_model("mixtral"))
+    import transformers
+
+    dense = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
+    with pytest.raises(ValueError, match="no routed block"):
+        RoutingSkew([1]).install(dense)
+
+
+def test_the_batch_profile_counts_each_familys_expert_products_as_products():
+    """The operators a routed model's forward and backward run on this torch (transformers 5 on torch >= 2.9:
+    `aten::_grouped_mm`; 4.x: a product per expert) are products in the batch profile, never eager work a compile
+    could fuse (which would raise the whole-model compile trial's bound by the experts' time)."""
+    import transformers
+
+    from automicro.batch.batch_profile import MATMUL, OPERATOR
+    from automicro.engine._torch_internals import profiler_events
+
+    model = _model("qwen3moe")
+    tokens = _tokens(2)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        model(input_ids=tokens, labels=tokens).loss.backward()
+    names = {e.name for e in profiler_events(profile) if OPERATOR.match(e.name) and e.name.endswith("mm")}
+    assert names and all(MATMUL.search(name) for name in names), sorted(n for n in names if not MATMUL.search(n))
+    grouped = int(transformers.__version__.split(".")[0]) >= 5 and hasattr(torch, "_grouped_mm") and \
+        tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 9)
+    assert ("aten::_grouped_mm" in names) == grouped, sorted(names)
