@@ -19,7 +19,7 @@ DEMO_ARGS ?=
 # rank of a launch) compiles torch, Composer and transformers from source (import torch 4.1-5.2 s against 2.5-3.1 s).
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: demo demo-pp demo-varlen foundry-demo docs test test-full test-full-cores test-quick test-211 test-215 venv venv-211 venv-215 wheelhouse clean-venv
+.PHONY: demo demo-pp demo-varlen foundry-demo docs test test-every test-repeat test-full test-full-cores test-quick test-211 test-215 venv venv-211 venv-215 wheelhouse clean-venv
 
 # The default environment, Composer 0.32.1's own pin (torch 2.7.0), installed by uv (the same resolution as pip's,
 # in about 30 s where pip took 220 s on CI's 2 cores: most of it torch's download).
@@ -88,6 +88,20 @@ docs: $(VENVDOCS)/.installed
 
 test: $(VENV)/.installed $(VENV)/.foundry
 	$(VENV)/bin/python $(PYTEST) $(PYTEST_ARGS)
+
+# Every draw the gate can make, on its three legs (`.ci/run` with AUTOMICRO_EVERY=1: every fault-matrix cell, every 4-rank
+# launch, every launch of every file on each torch; the full tier left out): green before a change to the tests or to a
+# multi-rank path lands, since each CI run draws a share of them (CONTRIBUTING.md, "Before a change lands").
+test-every:
+	AUTOMICRO_EVERY=1 bash .ci/run
+
+# The flake hunt: the gate's launches (every draw) N times over beside HOGS busy processes, each test's passes and
+# failures (scripts/test_repeat.py; REPEAT_ARGS: more pytest arguments, e.g. one file).
+N ?= 3
+HOGS ?= 2
+REPEAT_ARGS ?=
+test-repeat: $(VENV)/.installed $(VENV)/.foundry
+	$(PYTHON) scripts/test_repeat.py --python $(VENV)/bin/python --rounds $(N) --hogs $(HOGS) -- $(REPEAT_ARGS)
 
 # The full tier: the gate (`make test`) and the tests tests/gate.py leaves out of it, every cell of the
 # fault matrices (`make test` draws a seeded sample that covers every site: tests/matrix.py;

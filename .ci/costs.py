@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The gate's costs as data, and the prediction that sizes a run. Standard library only.
 
+    python3 .ci/costs.py seed [COMMIT]                 # the run's seed, from the commit under test (HEAD)
     python3 .ci/costs.py predict SECONDS [BUDGET_S]    # SECONDS: this machine's calibration (.ci/calibrate.py);
                                                       # prints the speed factor against the recorded one, the
                                                       # prediction of the whole .ci/run, and the share of each
@@ -38,7 +39,9 @@ BUDGET_S = 2400.0  # 40 minutes, CI's budget: a run predicted over it draws a sm
 RECORDED_BUDGET_S = 1800.0
 MIN_SHARE = 0.25  # at the recorded machine's speed the gate draws at least this share within it: tests added are paid for
 EVERY_TEST_LEG = "leg1"  # the leg that runs every test of the gate (torch 2.7); the others, the newer torch's share
-SHARES = tuple(round(0.05 * k, 2) for k in range(20, 0, -1))  # the launch shares a prediction chooses from
+# The launch shares a prediction chooses from: a few fixed steps, so that a calibration a few percent off (a busy
+# machine, another CI host) draws the same share, and with the commit's seed the same launches, as the run before it.
+SHARES = (1.0, 0.5, 0.25)
 STEPS = "steps.json"
 SPEED = "speed.json"
 # Steps whose time is not tests: the docs build, the leg-1 venvs, the calibration, the wait for the newer
@@ -53,6 +56,22 @@ def _leg_doc(doc: dict[str, Any]) -> tuple[dict[str, float], dict[str, dict[str,
         return files, {k: {"": v} for k, v in files.items()}
     return ({k: float(v) for k, v in doc["files"].items()},
             {f: {g: float(v) for g, v in groups.items()} for f, groups in doc.get("launches", {}).items()})
+
+
+def seed_of(commit: str) -> int:
+    """The seed of a run of `commit` (40 or fewer hex digits): its first 8 digits as an int below 2**31, so two runs
+    of one commit draw the same fault-matrix cells and launches (`tests/matrix.py`) on any machine."""
+    digits = commit.strip()[:8]
+    try:
+        return int(digits, 16) % 2**31
+    except ValueError:
+        raise ValueError(f"{commit!r} is not a commit (hex digits, as `git rev-parse HEAD` prints)") from None
+
+
+def head_commit() -> str:
+    import subprocess
+
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()
 
 
 def read_run(folder: str) -> dict[str, Any]:
@@ -208,6 +227,14 @@ def main(argv: list[str]) -> int:
             return 2
         print("\n".join(deal(file_costs(test_files(), _read(RECORDED_FULL), recorded()), part, parts)))
         return 0
+    if argv[:1] == ["seed"] and len(argv) <= 2:
+        commit = argv[1] if len(argv) == 2 else head_commit()
+        try:
+            print(seed_of(commit))
+        except ValueError as e:
+            print(f"costs: {e}", file=sys.stderr)
+            return 2
+        return 0
     if argv[:1] == ["predict"] and len(argv) in (2, 3):
         doc = recorded()
         factor = speed_factor(doc, float(argv[1]))
@@ -242,7 +269,12 @@ def main(argv: list[str]) -> int:
         if not run["legs"]:
             print(f"costs: no leg files in {argv[1]}: nothing recorded", file=sys.stderr)
             return 1
-        share = float(_read(os.path.join(argv[1], SPEED)).get("share", 1.0))
+        speed = _read(os.path.join(argv[1], SPEED))
+        share = float(speed.get("share", 1.0))
+        if speed.get("every"):
+            print(f"costs: {argv[1]} is a run of every draw (--every: every fault-matrix cell and 4-rank launch), more "
+                  "than the gate runs; record a run of every launch (AUTOMICRO_LAUNCH_SHARE=1 .ci/run)", file=sys.stderr)
+            return 1
         if share < 1.0:
             print(f"costs: {argv[1]} is a run of launch share {share:g}: the launches it did not draw would drop out "
                   "of the record; record a run of every launch (AUTOMICRO_LAUNCH_SHARE=1 .ci/run)", file=sys.stderr)

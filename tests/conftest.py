@@ -101,6 +101,7 @@ def pytest_collection_modifyitems(config, items):
         if MANY_RANK_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.many_ranks)
     _leave_the_full_tier(config, items)
+    _keep_the_launches(config, items)
     _sample_many_rank_launches(config, items)
     _share_version_launches(config, items)
     _draw_launch_share(config, items)
@@ -139,6 +140,12 @@ def _leave_the_full_tier(config, items):
         item.add_marker(pytest.mark.full_tier)
     if not config.getoption("--full"):
         _deselect(config, items, full)
+
+
+def _keep_the_launches(config, items):
+    """`--launches-only` (`make test-repeat`): the tests that start processes, nothing else."""
+    if config.getoption("--launches-only"):
+        _deselect(config, items, [item for item in items if launch_of(item) is None])
 
 
 def _sample_many_rank_launches(config, items):
@@ -247,6 +254,16 @@ def pytest_addoption(parser):
         help="run every cell of the fault matrices (tests/matrix.py); without it each run draws a seeded sample",
     )
     parser.addoption(
+        "--every", action="store_true", default=False,
+        help="every draw the gate can make: every fault-matrix cell, every 4-rank launch, every launch of each file "
+        "(launch share 1); the full tier stays out (`make test-every`: what must pass before a change to the tests or "
+        "a multi-rank path lands)",
+    )
+    parser.addoption(
+        "--launches-only", action="store_true", default=False,
+        help="only the tests that start processes (`make test-repeat`: the gate's launches, repeated under load)",
+    )
+    parser.addoption(
         "--versions-share", default=None, metavar="K/N",
         help="CI's torch 2.11 / 2.15 legs: this leg's share (1/2, 2/2) of the torch_versions tests' launches, dealt "
         "per file with the run's seed (tests/matrix.shares); --full takes every launch",
@@ -256,7 +273,7 @@ def pytest_addoption(parser):
     parser.addoption(
         "--launch-share", default="1", metavar="S",
         help="each test file runs a seeded share S (0 < S <= 1) of its launches, at least one; the tests that launch "
-        "nothing all run (.ci/run lowers it on a slow machine: .ci/costs.py predict); --full takes every launch",
+        "nothing all run (.ci/run: one of a few fixed steps, .ci/costs.py predict); --full and --every take every launch",
     )
 
 
@@ -273,9 +290,10 @@ def pytest_report_header(config):
 
 
 def pytest_runtest_logreport(report):
-    from tests import costs
+    from tests import costs, failures
 
     costs.record(report)
+    failures.record(report)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -285,4 +303,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if line:
         terminalreporter.write_line(line)
     for line in costs.summary_lines():
+        terminalreporter.write_line(line)
+    from tests import failures
+
+    for line in failures.summary_lines(config):
         terminalreporter.write_line(line)

@@ -32,7 +32,7 @@ FULL_ENV = "AUTOMICRO_FULL_MATRIX"
 
 
 def full() -> bool:
-    """Whether every cell runs (`pytest --full`, `make test-full`, or AUTOMICRO_FULL_MATRIX=1)."""
+    """Whether every cell runs (`pytest --full` or `--every`, `make test-full`, or AUTOMICRO_FULL_MATRIX=1)."""
     return os.environ.get(FULL_ENV, "") not in ("", "0")
 
 
@@ -163,13 +163,13 @@ def summary() -> str:
     """One line: the seed, and what each matrix ran of its cells."""
     if not DRAWN:
         return ""
-    how = "every cell (--full)" if full() else f"seed {seed()} ({SEED_ENV}={seed()} repeats it; --full runs every cell)"
+    how = "every cell (--full or --every)" if full() else f"seed {seed()} ({SEED_ENV}={seed()} repeats it; --full runs every cell)"
     parts = ", ".join(f"{name} {ran}/{total}" for name, (ran, total) in sorted(DRAWN.items()))
     return f"fault matrices: {how}: {parts}"
 
 
 def configure(config: Any) -> None:
-    """From `tests/conftest.py`'s pytest_configure: `--full`, and the seed fixed for the run."""
-    if config.getoption("--full", default=False):
+    """From `tests/conftest.py`'s pytest_configure: `--full` or `--every`, and the seed fixed for the run."""
+    if config.getoption("--full", default=False) or config.getoption("--every", default=False):
         os.environ[FULL_ENV] = "1"
     seed()
