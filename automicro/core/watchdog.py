@@ -123,19 +123,23 @@ def _write(text: str) -> None:
 
 class Watchdog:
     """One process's progress watchdog. `context()`: what automicro is doing, in words (the batch, attempt,
-    split, site, the trial holding the batch); `rank` names the lines."""
+    split, site, the trial holding the batch); `rank` names the lines. `clock`: the seconds every limit and
+    batch is measured in (`time.monotonic`; a test sets its own, `automicro.testing.VirtualClock`, so that no
+    outcome depends on how long the machine took), read on every beat and poll; the poll itself sleeps `poll_s`
+    of real time."""
 
     def __init__(
         self, rank: int, report_s: Optional[float] = None, end_s: Optional[float] = None,
         context: Callable[[], str] = lambda: "", poll_s: Optional[float] = None,
-        exit: Callable[[int], Any] = os._exit,
+        exit: Callable[[int], Any] = os._exit, clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.rank, self.report_s, self.end_s, self.context = rank, report_s, end_s, context
         self.poll_s = poll_s if poll_s is not None else max(0.05, min(1.0, (report_s or 60.0) / 4))
         self._exit = exit
+        self.clock = clock
         self.phase = "starting"  # what the loop said it is doing (set by `batch`, `enter`)
         self.settled = False  # the batch in progress is a settled one (the tight bound)
-        self._last = time.monotonic()
+        self._last = clock()
         self._batch_started: Optional[float] = None
         self._durations: deque[float] = deque(maxlen=SETTLED_WINDOW)
         self._reported_at: Optional[float] = None  # the beat the report was written for
@@ -148,7 +152,7 @@ class Watchdog:
 
     def arm(self) -> None:
         """Watch from now on (the thread starts where none runs)."""
-        self._last = time.monotonic()
+        self._last = self.clock()
         self.armed = True
         with _LOCK:
             if self._thread is None:
@@ -162,24 +166,24 @@ class Watchdog:
         self.armed = False
 
     def beat(self) -> None:
-        self._last = time.monotonic()
+        self._last = self.clock()
 
     def batch(self, index: int, settled: bool, phase: str) -> None:
         """A training batch starts: `settled` ones should take the settled median."""
         self._end_batch()
-        now = time.monotonic()
+        now = self.clock()
         self._batch_started, self.settled, self.phase, self._last = now, settled, phase, now
 
     def enter(self, phase: str, settled: bool = False) -> None:
         """Something else holds the loop now (the batch's end: callbacks, a checkpoint save; an evaluation): its bound
         is generous."""
         self._end_batch()
-        self.phase, self.settled, self._last = phase, settled, time.monotonic()
+        self.phase, self.settled, self._last = phase, settled, self.clock()
 
     def _end_batch(self) -> None:
         """The training batch in progress, if any, ended: a settled one's seconds count in the median."""
         if self._batch_started is not None and self.settled:
-            self._durations.append(time.monotonic() - self._batch_started)
+            self._durations.append(self.clock() - self._batch_started)
         self._batch_started = None
 
     # ---- the limits ------------------------------------------------------------------------------
@@ -217,7 +221,7 @@ class Watchdog:
                 continue
             idle_since = None
             last = self._last
-            waited = time.monotonic() - last
+            waited = self.clock() - last
             report, end, why = self.limits()
             if waited >= report and self._reported_at != last:
                 self._reported_at = last
