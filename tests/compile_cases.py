@@ -29,6 +29,7 @@ from tests.automicro_cases import (
     max_error,
     reference_params,
 )
+from tests.timings import arm_seconds
 from tests.toy_models import Block, ComposerStack, full_state
 
 COMPILE = {"backend": "aot_eager"}
@@ -179,15 +180,16 @@ STATIC_BATCHES = 16
 
 
 class SlowArm:
-    """A Composer callback that makes arms of the static recompile and of the scope trial look slower
+    """A Composer callback that makes arms of the static recompile and of the scope trial slower
     (`StaticShapes.timing`, `ScopeChoice.timing`): `slow` maps an arm ("search", "static", "batch";
-    "blocks", "model") to a factor on its batch times."""
+    "blocks", "model") to a factor; every batch of an arm takes 1 s times it, whatever was measured
+    (`tests/timings.py`)."""
 
     def __init__(self, auto: AutoMicrobatching, slow: dict[str, float]) -> None:
         self.auto, self.slow = auto, slow
 
     def run_event(self, event: Any, state: Any, logger: Any) -> None:
-        timing = lambda arm, seconds: seconds * self.slow.get(arm, 1.0) + 0.05 * (self.slow.get(arm, 1.0) - 1.0)  # noqa: E731
+        timing = arm_seconds(self.slow)
         for trial in (self.auto.search.static_shapes, self.auto.search.compile_scope):
             if trial is not None:
                 trial.timing = timing
