@@ -9,8 +9,11 @@ data for tests/test_steady_state.py; a case that breaks is returned as {"crash":
 from __future__ import annotations
 
 import os
+import tempfile
+import threading
 import time
 import traceback
+import uuid
 from typing import Any, Optional
 
 import torch
@@ -78,11 +81,43 @@ class GradHookOOM(Callback):
 
 
 class SlowForwardOOM(GradHookOOM):
-    """An OOM in the forward of block 1 that the failing rank raises only after `delay_s`: by then
-    every other rank has gone on and is waiting inside a collective this rank never issues (gloo:
-    its host blocked in it; NCCL: its stream), so it can only be brought back by a replay."""
+    """An OOM in the forward of block 1 that the failing rank raises only once every other rank has gone on and
+    committed a collective this rank never issues (gloo: its host blocked in it; NCCL: its stream), so it can only be
+    brought back by a replay. Decided by the ranks' collective ledgers, not by a clock: the failing rank writes how
+    many collectives it committed in this attempt; each other rank's thread writes back once its own ledger committed
+    more (`automicro.core.ledger`), in a folder rank 0 names at fit start."""
 
-    delay_s = 0.5
+    HANG_S = 300.0  # a bound on the wait for the other ranks (each is milliseconds): only a broken case reaches it
+
+    def __init__(self, ranks: Optional[list[int]], batch: int, microbatch_index: int) -> None:
+        super().__init__(ranks, batch, microbatch_index)
+        self.folder, self.name = "", "fault"
+        self.auto: Any = None  # set by `_run`: its ledger
+
+    def fit_start(self, state: State, logger: Logger) -> None:
+        super().fit_start(state, logger)
+        named = [os.path.join(tempfile.gettempdir(), f"automicro-slow-forward-{uuid.uuid4().hex}") if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(named, src=0)  # before any attempt: every rank's collectives stay in step
+        self.folder = named[0]
+        os.makedirs(self.folder, exist_ok=True)
+        if self.ranks is not None and dist.get_rank() not in self.ranks:
+            threading.Thread(target=self._say_when_ahead, name="test-ahead", daemon=True).start()
+
+    def _path(self, what: str, rank: Optional[int] = None) -> str:
+        return os.path.join(self.folder, f"{self.name}-{what}" + ("" if rank is None else f"-rank{rank}"))
+
+    def _say_when_ahead(self) -> None:
+        """A rank that does not fail: once the failing one said how far it got, wait for this rank's ledger to have
+        committed more in the same attempt, then say so."""
+        failing = self._path("committed")
+        while not os.path.exists(failing):
+            time.sleep(0.01)
+        with open(failing, encoding="utf-8") as handle:
+            theirs = int(handle.read())
+        ledger = self.auto.runtime.ledger
+        while ledger.committed <= theirs:
+            time.sleep(0.01)
+        open(self._path("ahead", dist.get_rank()), "w").close()
 
     def _on_output(self, module: nn.Module, args: Any, output: torch.Tensor) -> None:
         context = self._sites.context
@@ -95,7 +130,15 @@ class SlowForwardOOM(GradHookOOM):
             and self.fired == 0
         ):
             self.fired += 1
-            time.sleep(self.delay_s)
+            with open(self._path("committed") + ".tmp", "w", encoding="utf-8") as out:
+                out.write(str(self.auto.runtime.ledger.committed))
+            os.replace(self._path("committed") + ".tmp", self._path("committed"))
+            others = [r for r in range(dist.get_world_size()) if r not in (self.ranks or [])]
+            deadline = time.monotonic() + self.HANG_S
+            while not all(os.path.exists(self._path("ahead", r)) for r in others):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"test: ranks {others} never committed a collective past this rank's in {self.HANG_S:g} s")
+                time.sleep(0.01)
             raise torch.OutOfMemoryError(f"CUDA out of memory (test: late, in forward on rank {dist.get_rank()})")
 
 
@@ -111,6 +154,8 @@ def _run(world: int, fault: Optional[Callback], transport: str = "auto", timeout
          batches: int = BATCHES, dropout: bool = False, extra: tuple = (), above: int = ABOVE) -> dict[str, Any]:
     """`above`: the search driver's limit (the size it settles on)."""
     auto = AutoMicrobatching(log_attempts=False, consensus_transport=transport, unguarded_timeout_s=timeout_s)
+    if isinstance(fault, SlowForwardOOM):
+        fault.auto = auto
     driver = FaultInjector("forward", above=above)
     callbacks = (auto, driver) + ((fault,) if fault is not None else ()) + extra
     trainer = build_trainer(world, batches, callbacks=callbacks, dropout=dropout)

@@ -107,7 +107,7 @@ def test_catch_up_gives_up_after_the_bound_naming_the_late_rank():
     started = time.monotonic()
     with pytest.raises(FatalRecoveryError, match=r"rank\(s\) \[1\] did not stop within 0.5 s"):
         ledger.catch_up(0.5, "forward", 3)
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 30  # the bound (0.5 s), not for ever: at 60 times it, a loaded machine passes
     assert board.fatal_record() is not None, "the job is declared lost for the other ranks"
 
 

@@ -103,7 +103,7 @@ def test_unrecoverable_oom_on_gloo_nodes_stops_every_rank_within_the_bound_namin
     replay it. Rank 1 gives up after the bound and rings the job-lost alarm, which ends rank 0."""
     with pytest.raises(MultiprocessFailure) as failure:
         run_multiprocess(
-            steady_cases.run_unrecoverable, world_size=2, nodes=2, args=(TIMEOUT_S,), timeout_s=150,
+            steady_cases.run_unrecoverable, world_size=2, nodes=2, args=(TIMEOUT_S,), timeout_s=300,
             failure_grace_s=40, start_method="spawn",  # spawn: the workers' stderr reaches capfd
         )
     info = failure.value
@@ -114,9 +114,10 @@ def test_unrecoverable_oom_on_gloo_nodes_stops_every_rank_within_the_bound_namin
     message = failing["exception"]["message"]
     assert "rank 1" in message and "loss" in message and f"batch {steady_cases.FAULT_BATCH}" in message, message
     assert "did not stop within" in message, message
-    # The bound: unguarded_timeout_s for the catch-up, plus the leaders' grace of the hierarchical round.
+    # The bound: unguarded_timeout_s for the catch-up, plus the leaders' grace of the hierarchical round, and what the
+    # stop costs beyond them (a second or two on CI's loaded 2 cores: 60 s holds at ten times that), not the hang bound.
     spent = failing["total_seconds"] - sum(r["seconds"] for r in failing["history"] if r["outcome"] == "ok")
-    assert spent < TIMEOUT_S + LEADER_GRACE_S + 15, failing
+    assert spent < TIMEOUT_S + LEADER_GRACE_S + 60, failing
     assert info.exitcodes.get(0) == 3, (info.exitcodes, info.errors)
     err = capfd.readouterr().err
     assert "rank 0 stops: automicro: rank 1 cannot recover in-process from the failure at loss" in err, err[-3000:]

@@ -24,14 +24,16 @@ def _where(site: str) -> tuple[str, ...]:
 
 
 # Sampled (tests/matrix.py): every site in every run, who and where drawn; `--full` runs all 34.
-# In every run: one rank out before its all-gather while the other waits in it (the ledger's
-# replay: `test_some_steady_failure_needed_a_replay`), and the cell
+# In every run: one rank out before its all-gather while the other may wait in it, and the cell
 # `test_a_single_steady_oom_reruns_the_same_split_and_keeps_the_size` reads.
 ALWAYS = (("forward_pre", "one", "first"), ("forward", "one", "first"))
+# And in every run, the rank that fails raising its OOM only once the other committed a collective it never issues
+# (`steady_cases.SlowForwardOOM`, decided by the ledgers, not a clock): the replay, every time.
+REPLAYED = ("slow_forward", "one", "first")
 WORLD2_CASES = matrix.sample(
     "steady 2 ranks", [(site, who, where) for site in cases.SITES for who in ("one", "every") for where in _where(site)],
     always=lambda cell: cell in ALWAYS,
-)
+) + [REPLAYED]
 WORLD2_ONE_RANK = 1
 WORLD4_SITES = ("forward_pre", "backward", "unshard_alloc", "reduce_scatter_alloc", "grad_hook")
 # One rank (rank 2: neither the first nor the last) at every site in the first microbatch, and in
@@ -117,10 +119,11 @@ def test_a_single_steady_oom_reruns_the_same_split_and_keeps_the_size(steady_two
 
 
 @pytest.mark.multiproc
-def test_some_steady_failure_needed_a_replay(steady_two_ranks, steady_four_ranks):
-    """The replay path is exercised, not only the cases where the ranks stopped in step."""
-    replayed = sum(per_rank[key]["replayed"] for res in (steady_two_ranks, steady_four_ranks) for per_rank in res for key in per_rank if key != "torch")
-    assert replayed > 0
+def test_a_steady_failure_the_other_rank_ran_past_is_replayed(steady_two_ranks):
+    """The replay path is exercised, not only the cases where the ranks stopped in step: rank 1 fails once rank 0
+    committed a collective rank 1 never issues, and rank 1 replays it."""
+    key = "/".join(REPLAYED)
+    assert steady_two_ranks[WORLD2_ONE_RANK][key]["replayed"] >= 1, steady_two_ranks[WORLD2_ONE_RANK][key]
 
 
 @pytest.mark.multiproc
@@ -208,7 +211,7 @@ def test_unrecoverable_failure_stops_every_rank_within_the_bound_naming_rank_sit
     """Rank 0 sits in an all-reduce of the model's own code that rank 1 never reaches: nothing can
     replay it. Rank 1 gives up after the bound; rank 0's watcher ends it with the same story."""
     with pytest.raises(MultiprocessFailure) as failure:
-        run_multiprocess(cases.run_unrecoverable, world_size=2, args=(UNRECOVERABLE_TIMEOUT_S,), timeout_s=120,
+        run_multiprocess(cases.run_unrecoverable, world_size=2, args=(UNRECOVERABLE_TIMEOUT_S,), timeout_s=300,
                          failure_grace_s=30, start_method="spawn")  # spawn: the workers' stderr reaches capfd
     info = failure.value
     rank1 = info.results.get(1)
@@ -218,7 +221,9 @@ def test_unrecoverable_failure_stops_every_rank_within_the_bound_naming_rank_sit
     assert "rank 1" in message and "loss" in message and f"batch {cases.FAULT_BATCH}" in message, message
     assert "did not stop within" in message
     failed_attempt = rank1["total_seconds"] - sum(r["seconds"] for r in rank1["history"] if r["outcome"] == "ok")
-    assert failed_attempt < UNRECOVERABLE_TIMEOUT_S + 15, rank1
+    # The bound and what the stop costs beyond it (under a second on CI's loaded 2 cores: 60 s holds at ten times
+    # that and more), not the runner's hang bound.
+    assert UNRECOVERABLE_TIMEOUT_S <= failed_attempt < UNRECOVERABLE_TIMEOUT_S + 60, rank1
     assert info.exitcodes.get(0) == 3, info.exitcodes
     err = capfd.readouterr().err
     assert "rank 0 stops: failure on rank 1 at loss in batch 7" in err, err[-3000:]
@@ -228,7 +233,7 @@ def test_unrecoverable_failure_stops_every_rank_within_the_bound_naming_rank_sit
 def test_after_an_unrecoverable_failure_autoresume_starts_below_the_size_that_failed(tmp_path):
     folder = str(tmp_path / "checkpoints")
     with pytest.raises(MultiprocessFailure) as failure:
-        run_multiprocess(cases.run_unrecoverable, world_size=2, args=(UNRECOVERABLE_TIMEOUT_S, folder), timeout_s=120,
+        run_multiprocess(cases.run_unrecoverable, world_size=2, args=(UNRECOVERABLE_TIMEOUT_S, folder), timeout_s=300,
                          failure_grace_s=30)
     assert failure.value.results[1]["fatal"], failure.value.results
     per_rank = run_multiprocess(cases.run_resume, world_size=2, args=(folder,), timeout_s=200)
