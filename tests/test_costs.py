@@ -213,3 +213,103 @@ def test_the_full_suite_deals_the_files_costliest_first_into_parts_of_about_equa
     (tmp_path / "run.json").write_text(json.dumps({"tests/a.py": 12.5}))
     assert ci.main(["update-full", str(tmp_path / "run.json")]) == 0
     assert json.loads((tmp_path / "costs_full.json").read_text())["files"] == {"tests/a.py": 12.5}
+
+
+# ---- the run CI makes is the run anyone can make first; a failure says itself last -----------------------------
+
+
+def test_a_commit_gives_one_seed_on_every_machine_and_another_commit_another():
+    ci = _ci_costs()
+    commit = "61b4c25a9d0e0c7f1f3d3a2b4c5d6e7f8a9b0c1d"
+    assert ci.seed_of(commit) == ci.seed_of(commit + "\n") == int("61b4c25a", 16) % 2**31
+    assert ci.seed_of(commit) != ci.seed_of("0c4068d" + commit[7:])
+    assert 0 <= ci.seed_of("f" * 40) < 2**31
+    with pytest.raises(ValueError, match="is not a commit"):
+        ci.seed_of("HEAD")
+
+
+def test_the_share_moves_in_three_fixed_steps_so_a_calibration_a_little_off_draws_the_same():
+    """The recorded gate drawn at a step (0.5 here): a machine 10% faster or slower draws the same step, so a run of
+    a commit here draws what CI draws there; only a machine far slower moves it down a step."""
+    ci = _ci_costs()
+    assert ci.SHARES == (1.0, 0.5, 0.25)
+    doc = _recorded_gate()  # 2,550 s at every launch; 2,350 s at half of test_a.py's; 2,250 s at one launch a file
+    drawn = {ci.choose_share(doc, factor, budget_s=2600, recorded_s=2400)[0] for factor in (0.9, 0.95, 1.0, 1.05, 1.1)}
+    assert drawn == {0.5}
+    assert ci.choose_share(doc, 1.15, budget_s=2600, recorded_s=2400)[0] == 0.25
+
+
+def test_the_draw_of_one_seed_and_share_is_the_same_every_time(monkeypatch):
+    from tests import matrix
+
+    monkeypatch.setattr(matrix, "DRAWN", {})
+    launches = {"test_a.py": [f"launch {i}" for i in range(9)], "test_b.py": ["x", "y", "z"]}
+    monkeypatch.setenv(matrix.SEED_ENV, "1639236187")
+    first = matrix.share_of("launch share", launches, 0.25)
+    cells = matrix.sample("a matrix", [(site, who) for site in "abc" for who in (0, 1)])
+    for _ in range(3):
+        assert matrix.share_of("launch share", launches, 0.25) == first
+        assert matrix.sample("a matrix", [(site, who) for site in "abc" for who in (0, 1)]) == cells
+
+
+def test_a_failing_test_is_said_last_with_its_line_its_error_and_the_command_that_repeats_it(tmp_path, monkeypatch):
+    """`tests/failures.py` keeps each failed phase with the place in the test's own file it failed; `.ci/failures.py`
+    prints every leg's, the repeat command and the seed as `.ci/run`'s last lines."""
+    import subprocess
+    import sys
+
+    from tests import failures
+
+    monkeypatch.setattr(failures, "_failed", [])
+    out = tmp_path / "failures-leg1.jsonl"
+    monkeypatch.setenv("AUTOMICRO_FAILURES_OUT", str(out))
+    monkeypatch.setenv("AUTOMICRO_TEST_SEED", "12345")
+    entry = SimpleNamespace(reprfileloc=SimpleNamespace(path="tests/test_x.py", lineno=42, message="AssertionError"))
+    deeper = SimpleNamespace(reprfileloc=SimpleNamespace(path="automicro/core/x.py", lineno=7, message="AssertionError"))
+    longrepr = SimpleNamespace(reprcrash=SimpleNamespace(message="AssertionError: (['a consensus round'], 'the line')\nmore",
+                                                         path="automicro/core/x.py", lineno=7),
+                               reprtraceback=SimpleNamespace(reprentries=[entry, deeper]))
+    failures.record(SimpleNamespace(failed=True, nodeid="tests/test_x.py::test_y[compile]", when="call", longrepr=longrepr))
+    failures.record(SimpleNamespace(failed=False, nodeid="tests/test_x.py::test_z", when="call", longrepr=None))
+    config = SimpleNamespace(getoption=lambda name: name == "--every")
+    lines = failures.summary_lines(config)
+    assert lines[0] == ("FAILED tests/test_x.py::test_y[compile] (call) at tests/test_x.py:42: "
+                        "AssertionError: (['a consensus round'], 'the line')"), lines
+    assert lines[1] == "failed: 1 test(s); seed 12345", lines
+    assert lines[2].startswith("repeat: AUTOMICRO_TEST_SEED=12345 ") and lines[2].endswith(
+        " -m pytest --every 'tests/test_x.py::test_y[compile]'"), lines
+    printed = subprocess.run([sys.executable, os.path.join(ROOT, ".ci", "failures.py"), str(tmp_path), "12345", "leg1"],
+                             capture_output=True, text=True, check=True).stdout.splitlines()
+    assert printed[0] == ("=== FAILED [leg1] tests/test_x.py::test_y[compile] (call) at tests/test_x.py:42: "
+                          "AssertionError: (['a consensus round'], 'the line')"), printed
+    assert printed[1].startswith("=== repeat leg1's failures: AUTOMICRO_TEST_SEED=12345 "), printed
+    assert printed[-2:] == ["=== .ci/run failed in step leg1: 1 failing test(s) above",
+                            "=== AUTOMICRO_TEST_SEED=12345 (AUTOMICRO_TEST_SEED=12345 .ci/run repeats this run's draws)"]
+    quiet = subprocess.run([sys.executable, os.path.join(ROOT, ".ci", "failures.py"), str(tmp_path / "none"), "7", ""],
+                           capture_output=True, text=True, check=True).stdout.splitlines()
+    assert quiet == ["=== AUTOMICRO_TEST_SEED=7 (AUTOMICRO_TEST_SEED=7 .ci/run repeats this run's draws)"]
+
+
+def test_the_flake_hunt_counts_each_tests_passes_and_failures_over_its_rounds(tmp_path):
+    """scripts/test_repeat.py reads each round's JUnit file: a failure or an error in any phase fails the test in that
+    round; the table lists the tests that failed in some round."""
+    spec = importlib.util.spec_from_file_location("test_repeat", os.path.join(ROOT, "scripts", "test_repeat.py"))
+    repeat = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(repeat)
+    rounds = []
+    for index, bad in enumerate(("failure", None, "error")):
+        xml = tmp_path / f"round-{index}.xml"
+        fault = f"<{bad} message='x'/>" if bad else ""
+        xml.write_text("<testsuites><testsuite>"
+                       f"<testcase classname='tests.test_w' name='test_stall[compile]'>{fault}</testcase>"
+                       "<testcase classname='tests.test_w.TestC' name='test_ok'/>"
+                       "<testcase classname='tests.test_w' name='test_skipped'><skipped/></testcase>"
+                       "</testsuite></testsuites>")
+        rounds.append(repeat.outcomes(str(xml)))
+    counts = repeat.tally(rounds)
+    assert counts["tests/test_w.py::test_stall[compile]"] == {"passed": 1, "failed": 2, "skipped": 0, "missing": 0}
+    assert counts["tests/test_w.py::TestC::test_ok"] == {"passed": 3, "failed": 0, "skipped": 0, "missing": 0}
+    table = repeat.table(counts, 3, 2, [10.0, 11.0, 12.0])
+    assert table[1].split() == ["1", "2", "tests/test_w.py::test_stall[compile]"], table
+    assert table[-1].startswith("repeat: 2 tests that launch processes, 3 round(s) each beside 2 busy process(es)") and \
+        table[-1].endswith(": 1 failed in some round; 1 skipped in every round"), table
