@@ -124,9 +124,8 @@ def _write(text: str) -> None:
 class Watchdog:
     """One process's progress watchdog. `context()`: what automicro is doing, in words (the batch, attempt,
     split, site, the trial holding the batch); `rank` names the lines. `clock`: the seconds every limit and
-    batch is measured in (`time.monotonic`; a test sets its own, `automicro.testing.VirtualClock`, so that no
-    outcome depends on how long the machine took), read on every beat and poll; the poll itself sleeps `poll_s`
-    of real time."""
+    batch is measured in (`time.monotonic`; a test sets its own, so that no outcome depends on how long the
+    machine took), read on every beat and poll; the poll itself sleeps `poll_s` of real time."""
 
     def __init__(
         self, rank: int, report_s: Optional[float] = None, end_s: Optional[float] = None,
