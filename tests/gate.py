@@ -4,8 +4,9 @@ to `make test-full`.
 The gate is every test except the full tier's. It has a budget: on the recording machine (`tests/costs.json`, the
 last recorded `.ci/run` on 2 cores with nothing else running: the docs and venv builds, the calibration, the three
 legs, every file and launch) it draws at least a quarter of each file's launches within 30 minutes (so that a
-machine 1.33x slower fits ``GATE_BUDGET_S``, CI's 40 minutes), and its floor (one launch a file) fits them too; a
-slower machine draws less (`.ci/costs.py predict`). `tests/test_gate.py` checks the budget against the recorded costs, and that every guarantee
+machine 1.33x slower fits ``GATE_BUDGET_S``, CI's 40 minutes), and its floor (one launch a file) fits them too; what
+a run draws is the commit's (its seed, and the share its recorded costs give), a machine far slower drawing a step
+less (`.ci/costs.py predict`). `tests/test_gate.py` checks the budget against the recorded costs, and that every guarantee
 below keeps at least one test in the gate: a change that adds gate tests fits them in the budget in
 the same change, by making something cheaper or by moving something to the full tier (``FULL_TIER``,
 with what still covers its path in the gate).
@@ -119,6 +120,12 @@ GUARANTEES: dict[str, list[str]] = {
     "CI fits its budget: a slow machine draws fewer launches, never none": [
         "test_costs.py",
         "test_gate.py::test_the_recorded_gate_fits_its_budget",
+    ],
+    "CI draws the commit's launches: the run before a merge is the run after it, its failures said last": [
+        "test_costs.py::test_a_commit_gives_one_seed_on_every_machine_and_another_commit_another",
+        "test_costs.py::test_the_share_moves_in_three_fixed_steps_and_not_with_a_calibrations_noise",
+        "test_costs.py::test_the_draw_of_one_seed_and_share_is_the_same_every_time",
+        "test_costs.py::test_a_failing_test_is_said_last_with_its_line_its_error_and_the_command_that_repeats_it",
     ],
     "a run that stops making progress says where and ends; SIGTERM ends it within seconds": [
         "test_watchdog.py::test_a_stall_is_named_on_every_rank_with_its_stacks_and_ends_the_run",

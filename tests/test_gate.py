@@ -64,7 +64,8 @@ def test_the_recorded_gate_fits_its_budget():
     recorded = json.loads((TESTS / "costs.json").read_text(encoding="utf-8"))
     assert recorded.get("steps") and recorded.get("calibration_s"), (
         "tests/costs.json records no steps or calibration: record a whole .ci/run (python3 .ci/costs.py update .ci-costs)")
-    share, predicted = ci.choose_share(recorded, 1.0)
+    share = ci.commit_share(recorded)
+    predicted = ci.predicted_s(recorded, share)
     floor = ci.predicted_s(recorded, ci.SHARES[-1])
     what = (f"every launch {ci.predicted_s(recorded):.0f} s, share {share:g} {predicted:.0f} s, the floor {floor:.0f} s "
             f"(steps: {recorded['steps']}); make something cheaper or move tests to FULL_TIER (tests/gate.py), then record "
