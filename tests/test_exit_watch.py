@@ -91,21 +91,23 @@ def test_exit_timeout_s_must_be_a_positive_number(value):
 def test_every_rank_of_a_run_ended_by_a_non_oom_error_exits_though_its_exit_hangs():
     """2 ranks under torchrun, rank 1 raises at its backward in batch 1, each process's exit then waits
     for ever (an atexit handler, as inductor's compile-worker shutdown can): torchrun returns with the
-    error on rank 1, the other rank naming it, and each rank's line instead of a hang."""
+    error on rank 1, the other rank naming it, and rank 0's exit ended by its watch after its 10 s, not a hang; rank 1
+    (its watch at 600 s) is then ended by torchrun, which stops every worker once one exits with an error. Each rank
+    printed its error long before: rank 1's as it raised, rank 0's at least 10 s before its exit ended."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "tests/exit_watch_run.py", "backward"]
     started = time.perf_counter()
-    done = run(command, timeout_s=180, env={"PYTHONPATH": python_path(), "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1",
-                                             **{k: v for k, v in __import__("os").environ.items() if k == "PATH"}})
+    done = run(command, timeout_s=HANG_S, env={"PYTHONPATH": python_path(), "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1",
+                                                **{k: v for k, v in __import__("os").environ.items() if k == "PATH"}})
     seconds = time.perf_counter() - started
     out = done.stdout
     assert done.returncode != 0, out[-3000:]
     assert "[test] rank 0 starts" in out and "[test] rank 1 starts" in out and "trained on" not in out, out[-3000:]
     assert "InjectedFault: injected error at backward on rank 1" in out, out[-3000:]
     assert "FailedOnOtherRank" in out and "rank(s) [1] failed with a non-OOM error at ['backward']" in out, out[-3000:]
-    for rank in (0, 1):
-        assert f"[automicro] rank {rank}: the process is still exiting 3 s after the run ended with" in out, (rank, out[-3000:])
-    assert seconds < ENDED_WITHIN_S, seconds  # about 12 s on CI; the exits would wait for ever
+    assert "[automicro] rank 0: the process is still exiting 10 s after the run ended with" in out, out[-3000:]
+    assert "[automicro] rank 1: the process is still exiting" not in out, out[-3000:]
+    assert seconds < ENDED_WITHIN_S, seconds  # about 25 s on CI; the exits would wait for ever
 
 
 def test_a_finished_run_whose_exit_hangs_is_ended_with_exit_code_0_and_what_held_it():
