@@ -146,6 +146,7 @@ def test_the_launch_share_is_drawn_per_file_at_least_one_each_and_over_seeds_eve
     from tests import matrix
 
     monkeypatch.setattr(matrix, "DRAWN", {})  # this run's own draws stay as they were (its summary line)
+    monkeypatch.delenv(matrix.FULL_ENV, raising=False)  # a draw, also where this run takes every cell (--full, --every)
     launches = {"test_a.py": [f"launch {i}" for i in range(8)], "test_b.py": ["only"]}
     seen = set()
     for seed in range(40):
@@ -161,6 +162,7 @@ def test_on_a_newer_torch_leg_a_file_leg_1_runs_may_draw_none_each_launch_with_t
     from tests import matrix
 
     monkeypatch.setattr(matrix, "DRAWN", {})
+    monkeypatch.delenv(matrix.FULL_ENV, raising=False)
     launches = {"test_a.py": [f"launch {i}" for i in range(3)], "test_b.py": ["only"], "test_titan.py": ["t"]}
     counts, seen = {"test_a.py": 0, "test_b.py": 0}, set()
     for seed in range(400):
@@ -246,6 +248,7 @@ def test_the_draw_of_one_seed_and_share_is_the_same_every_time(monkeypatch):
     from tests import matrix
 
     monkeypatch.setattr(matrix, "DRAWN", {})
+    monkeypatch.delenv(matrix.FULL_ENV, raising=False)
     launches = {"test_a.py": [f"launch {i}" for i in range(9)], "test_b.py": ["x", "y", "z"]}
     monkeypatch.setenv(matrix.SEED_ENV, "1639236187")
     first = matrix.share_of("launch share", launches, 0.25)
