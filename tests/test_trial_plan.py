@@ -209,9 +209,10 @@ class _Trial:
     price's (`trial_price.KINDS`); `profiled`: priced from a batch profile."""
 
     def __init__(self, name: str, kind: str, batches: int = 2, profiled: bool = True, waits_for: tuple = (),
-                 facts: Optional[dict] = None) -> None:
+                 facts: Optional[dict] = None, wins: float = 0.0) -> None:
         self.name, self.kind, self.batches, self.profiled, self.waits_for = name, kind, batches, profiled, waits_for
         self.facts = facts or {}
+        self.wins = wins  # what its kept arm wins a batch, as timed, once it is decided
         self.min_gain = 0.01
         self.state = "pending"
         self.left = batches
@@ -233,6 +234,10 @@ class _Trial:
 
     def outcome(self):
         return "kept" if self.state == "done" else self.state
+
+    @property
+    def won_s(self):
+        return self.wins if self.state == "done" else 0.0
 
     def begin(self, turn):
         """Given the batch: it runs (its label holds the batch)."""
@@ -399,12 +404,6 @@ def _layout(candidates=(GRAD_SYNC_ONCE, NO_RESHARD)):
     return LayoutSearch(LayoutConfig("auto", (), 3, 0.01), list(candidates))
 
 
-
-
-def _layout(candidates=(GRAD_SYNC_ONCE, NO_RESHARD)):
-    return LayoutSearch(LayoutConfig("auto", (), 3, 0.01), list(candidates))
-
-
 def test_the_layout_search_asks_each_trade_and_size_trial_its_price_and_passes_over_what_does_not_pay():
     search = _layout()
     asked = []
@@ -443,3 +442,89 @@ def test_once_the_price_is_said_only_the_recent_batches_figures_are_kept(monkeyp
     assert plan.price is not None
     assert len(plan.seconds) <= 2 * 64 and min(plan.seconds) >= 400 - 2 * 64, (len(plan.seconds), min(plan.seconds))
     assert len(plan.held) <= 2 * 64
+
+
+def test_what_a_kept_trial_won_raises_the_budget_by_half_and_the_spend_stays_under_one_percent_plus_the_win():
+    budget = Budget(planned_s=1000.0)
+    assert budget.total_s == pytest.approx(10.0) and budget.basis() == "1% of the run's planned seconds"
+    budget.win("layout", 40.0)
+    assert budget.total_s == pytest.approx(10.0 + trial_price.WON_SHARE * 40.0) and trial_price.WON_SHARE <= 1.0
+    assert budget.basis() == "1% of the run's planned seconds and 50% of the 40.0 s the trials kept won over the batches left (layout)"
+    budget.win("layout", -40.0)  # the trade it kept was undone: it wins nothing any more
+    assert budget.total_s == pytest.approx(10.0) and budget.won_s == 0.0
+
+
+def _twin_after_static(wins: float, monkeypatch):
+    """The static recompile (its compile of 2 s fits a budget of 10 s), then a twin whose 8 graphs of 2 s do not fit
+    what is left of 1% of 1,000 one-second batches: only what the recompile won can pay for it."""
+    static = _Trial("static", "static", batches=3, profiled=False, wins=wins)
+    twin = _Trial("one_rank", "one_rank", facts={"graphs": 8.0})
+    plan, turns, lines = _run([static, twin], planned=1000, monkeypatch=monkeypatch)
+    return plan, twin, turns, lines
+
+
+def test_a_trial_refused_only_for_the_budget_runs_once_what_a_kept_trial_won_has_raised_it(monkeypatch):
+    plan, twin, turns, lines = _twin_after_static(0.0, monkeypatch)
+    assert "one_rank" not in turns and twin.state == "ruled out" and "does not fit" in twin.ruled_out[0], twin.ruled_out
+
+    plan, twin, turns, lines = _twin_after_static(0.05, monkeypatch)
+    text = "\n".join(lines)
+    # Kept at batch 5 (batches 2-4 held it): 0.05 s a batch over the 995 batches left.
+    assert ("trials: static ended (kept): cost 0.00 s over 3 batch(es) against the batch before it, predicted 2.56 s; it won "
+            "0.05 s a batch as timed, 49.8 s over the 995 batches left: the budget grows by 50% of it") in text, text
+    assert turns.count("one_rank") == 2 and twin.state == "done"
+    assert "trials: one_rank runs: expected +9.6% a batch" in text
+    assert plan.budget.total_s == pytest.approx(0.01 * 1000 + 0.5 * 0.05 * 995)
+    # Never a net loss: what the trials spend stays under 1% of the run and what they won.
+    assert plan.budget.spent_s + sum(plan.budget.running.values()) <= 0.01 * 1000 + 0.05 * 995
+    assert plan.price.endswith("; the budget 34.9 s: 1% of the run's planned seconds and 50% of the 49.8 s the trials kept won "
+                               "over the batches left (static)"), plan.price
+
+
+def test_what_a_trial_won_is_its_kept_arms_timed_gain_and_nothing_once_undone_or_level():
+    from automicro.batch.compile_shapes import StaticShapes
+    from automicro.core.layout import TrialResult, judge
+
+    assert judge(NO_RESHARD, [0.90, 0.91, 0.90], [1.00, 1.01, 1.00], 0.01).won_s == pytest.approx(0.10)
+    assert judge(NO_RESHARD, [0.999, 1.0, 0.999], [1.00, 1.00, 1.00], 0.01).won_s == 0.0  # level: not kept, won nothing
+    search = _layout()
+    search.results = [TrialResult(NO_RESHARD, True, 0.9, 1.0, 0.0), TrialResult(GRAD_SYNC_ONCE, False, 0.99, 1.0, 0.0),
+                      TrialResult("smaller_microbatch", True, 0.95, 1.0, 0.0, size=4)]
+    search.kept = [NO_RESHARD]
+    assert search.won_s() == pytest.approx(0.10 + 0.05)
+    search.kept = []  # no_reshard undone under memory pressure: its win is gone
+    assert search.won_s() == pytest.approx(0.05)
+    # The static recompile is kept unless beaten: it wins only what it won by the rule for keeping.
+    shapes = StaticShapes(None, _Consensus(), lambda line: None, torch.device("cpu"))
+    shapes.times = {"search": [1.0, 1.0, 1.01], "static": [0.95, 0.95, 0.96], "batch": []}
+    shapes.state = "static"
+    assert shapes.won_s == pytest.approx(0.05)
+    shapes.times["static"] = [0.999, 1.0, 1.0]
+    assert shapes.won_s == 0.0
+
+
+class _SlowerRank(_Consensus):
+    """Two ranks: the other one timed every kept arm's win at half this one's."""
+
+    def agree_max(self, values):
+        self.rounds += 1
+        if len(values) == 2:  # a trial ended: its cost and what it won (negated, offset)
+            from automicro.batch.trial_plan import _OFFSET_US
+
+            other = [values[0], _OFFSET_US - (_OFFSET_US - values[1]) // 2]
+            return [max(a, b) for a, b in zip(values, other)]
+        return list(values)
+
+
+def test_every_rank_credits_the_least_any_rank_timed_a_trial_winning(monkeypatch):
+    monkeypatch.setattr("automicro.batch.trial_plan.time.perf_counter", lambda: 0.0)
+    static = _Trial("static", "static", batches=3, profiled=False, wins=0.05)
+    plan = TrialPlan([static], _SlowerRank(), lambda line: None, torch.device("cpu"), bound=False)
+    plan.planned_batches = 1000
+    for batch in range(8):
+        turn = plan.before_batch(batch, batch >= 2, ("configuration",))
+        static.begin(turn)
+        plan.hold(static.label, turn)
+        static.end(turn)
+        plan.after_batch(1, split=(8, 8))
+    assert plan.budget.won == {"static": pytest.approx(0.025 * 995)}

@@ -127,6 +127,11 @@ class ScopeChoice:
     def outcome(self) -> str:
         return {"model": "the whole model kept", "blocks": "each block kept"}.get(self.state, self.state)
 
+    @property
+    def won_s(self) -> float:
+        """What the whole model compiled won a batch against each block compiled, as timed, while it is kept."""
+        return self.result.won_s if self.result is not None and self.state == "model" else 0.0
+
     def projection(self) -> str:
         return f"a whole-model compile and up to {2 * self.batches} timed batches"
 

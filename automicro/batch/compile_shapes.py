@@ -118,6 +118,15 @@ class StaticShapes:
             return "compiled again, dynamic in the batch: kept"
         return "not compiled again" if self.state == "off" else self.state
 
+    @property
+    def won_s(self) -> float:
+        """What the graphs kept won a batch against the search's, as timed, where they won by the rule for keeping (the
+        static recompile is kept unless beaten: a level one won nothing)."""
+        kept, search = self.times.get(self.state) if self.state in ("static", "batch") else None, self.times.get("search")
+        if not kept or not search or self.state == "search":
+            return 0.0
+        return judge(self.state, kept, search, self.min_gain).won_s
+
     def projection(self) -> str:
         return f"a compile of the blocks and up to {2 * self.batches} timed batches (one more compile and {self.batches} where the search's graphs win)"
 

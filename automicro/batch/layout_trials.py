@@ -174,6 +174,11 @@ class LayoutTrials:
     def outcome(self) -> str:
         return self._outcome
 
+    @property
+    def won_s(self) -> float:
+        """What the trades and sizes it kept (and still keeps) won a batch, as timed."""
+        return 0.0 if self.engine is None else self.search.won_s()
+
     def rule_out(self, why: str) -> None:
         self._quiet = self._key
         self._info(f"layout: no trade nor smaller microbatch tried: {why}")

@@ -94,6 +94,11 @@ class PackingChoice:
     def outcome(self) -> str:
         return {"packed": "packed rows kept", "padded": "padded batches kept"}.get(self.state, self.state)
 
+    @property
+    def won_s(self) -> float:
+        """What packed rows won a batch against padded ones, as timed, while they are kept (0 otherwise)."""
+        return self.result.won_s if self.result is not None and self.state == "packed" else 0.0
+
     def projection(self) -> str:
         done = sum(len(t) for t in self.times.values())
         return f"up to {2 * self.batches - done} batch(es) alternating packed and padded"

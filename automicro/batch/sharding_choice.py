@@ -124,6 +124,11 @@ class ShardingChoice:
     def outcome(self) -> str:
         return {"unsharded": "the model unsharded kept", "sharded": "FSDP2 kept"}.get(self.state, self.state)
 
+    @property
+    def won_s(self) -> float:
+        """What the model unsharded won a batch against FSDP2, as timed, while it is kept (0 otherwise)."""
+        return self.result.won_s if self.result is not None and self.state == "unsharded" else 0.0
+
     def projection(self) -> str:
         if self.state == "waiting":
             return f"the twin's first batch (each block compiled where compile is on), then up to {2 * self.batches} timed batches"

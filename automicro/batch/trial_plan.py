@@ -9,7 +9,9 @@ module owns how it times its arms and what it keeps; this plan owns *when*, and 
 - every trial is priced before it runs (`automicro.batch.trial_price`): its expected win per batch from what this
   run has measured, and its predicted cost (compiles, its arms' batches); it runs only where the win over the
   batches left is `MARGIN` times the cost, where it is expected to clear its own rule for keeping, and where its
-  cost fits what is left of the trials' budget (1% of the run's planned seconds); what does not run says why;
+  cost fits what is left of the trials' budget (1% of the run's planned seconds, raised by half of what the trials
+  kept have won as their arms were timed, over the batches left when each was kept: `trial_price.WON_SHARE`); what
+  does not run says why; one refused only for the budget is priced again once a kept trial has raised it;
 - a trial that changes what fits goes before every other (`goes_first`: the fused vocabulary head under
   ``head: auto``, `automicro.core.layout`'s ``fused_head``): the size it settles on is the one the others are timed
   at; it is priced from the first profile;
@@ -21,7 +23,8 @@ module owns how it times its arms and what it keeps; this plan owns *when*, and 
   trades and size trials last); a kept trial changes the configuration, so the next prices come from a new
   profile;
 - each trial's batches are clocked by the loop (start to start); when it ends one line says its real cost against
-  the settled batch and its predicted one, and a record of it goes to the dashboards (`take_records`);
+  the settled batch and its predicted one (and what it won, where it kept a faster configuration: the budget grows),
+  and a record of it goes to the dashboards (`take_records`);
 - by batch `TARGET_BATCH` the configuration should be final: where a trial is still pending or running then, one
   line says in seconds what is left and why;
 - once nothing is left, one line says the price: the seconds the trials cost against the settled configuration
@@ -93,6 +96,9 @@ class PlannedTrial(Protocol):
     def outcome(self) -> str:
         """What its last trial decided, in a few words (for its cost line and the dashboards)."""
 
+    # Optional: ``won_s``, what the configurations it kept (and still keeps) won a batch, as its arms were timed
+    # (agreed); a trial without it raises no budget.
+
 
 _OFFSET_US = 10**12  # added to a signed figure for its agreement (a maximum of non-negative ints), then taken off
 
@@ -145,6 +151,8 @@ class TrialPlan:
         self.budget = Budget()
         self.allowed: dict[str, Price] = {}  # labels the budget went to at the last allocation
         self.refused: dict[str, str] = {}  # labels that do not run, and why
+        self.over_budget: set[str] = set()  # refused labels that paid but did not fit the budget: priced again once it grew
+        self._won_seen: dict[str, float] = {}  # {trial: its `won_s` as last credited to the budget}
         self.admitted: dict[str, Price] = {}  # labels let run and not ended, with their price
         self.predicted_s = 0.0  # the predicted costs of every trial let run
         self.costs: dict[str, float] = {}  # {label: its real cost (agreed) once it ended}
@@ -319,7 +327,11 @@ class TrialPlan:
         if label in self.admitted:
             return None
         if label in self.refused:
-            return self.refused.pop(label)
+            why = self.refused.pop(label)
+            if label not in self.over_budget or self.budget.won_s <= 0:
+                self.over_budget.discard(label)
+                return why
+            self.over_budget.discard(label)  # refused for the budget alone: priced again against the budget grown since
         measured = self._snapshot()
         price = self.allowed.pop(label, None)
         self.budget.set_aside_s = sum(p.cost_s for p in self.allowed.values())
@@ -355,8 +367,9 @@ class TrialPlan:
         if self.budget.left_s() >= need:
             return None
         whose = "this run's" if measured.planned_known else "a run of"
+        won = f" and {100 * trial_price.WON_SHARE:g}% of the {seconds(self.budget.won_s)} the trials kept won" if self.budget.won_s > 0 else ""
         return (f"the trials' budget, {self.budget.total_s:.2f} s (1% of {whose} {measured.planned:,} batches of "
-                f"{measured.batch_s:.4f} s) with {max(0.0, self.budget.left_s()):.2f} s left, cannot hold a profiled batch "
+                f"{measured.batch_s:.4f} s{won}) with {max(0.0, self.budget.left_s()):.2f} s left, cannot hold a profiled batch "
                 f"and a trial ({need:.2f} s)")
 
     def _allocate(self) -> None:
@@ -370,7 +383,7 @@ class TrialPlan:
                 continue
             for label, kind, facts in trial.candidates():
                 price = trial_price.price(label, kind, measured, **facts)
-                if price is not None and label not in self.admitted and label not in self.refused:
+                if price is not None and label not in self.admitted and (label not in self.refused or label in self.over_budget):
                     prices.append(price)
                     mins[label] = trial.min_gain
         chosen, refused = [], {}
@@ -383,7 +396,11 @@ class TrialPlan:
             refused.update(why)
         self.allowed = {p.label: p for p in chosen}
         self.budget.set_aside_s = sum(p.cost_s for p in chosen)
+        for price in chosen:
+            self.refused.pop(price.label, None)
+            self.over_budget.discard(price.label)
         self.refused.update(refused)
+        self.over_budget |= {p.label for p in prices if p.label in refused and trial_price.worth(p, measured, mins[p.label]) is None}
 
     # ---- after the batch ---------------------------------------------------------------------------
 
@@ -439,17 +456,34 @@ class TrialPlan:
         if last is None or (last == PROFILE and self._profiling) or last in self._running_labels():
             return
         local = self._cost_now.pop(last, 0.0)
-        # A kept trade's batches can be faster than the reference: a cost below zero, agreed offset to stay >= 0.
-        cost = (self.consensus.agree_max([int(round(local * 1e6)) + _OFFSET_US])[0] - _OFFSET_US) / 1e6
+        trial = self._trial_of(last) if last != PROFILE else None
+        name = trial.name if trial is not None else last
+        won_local = max(0.0, float(getattr(trial, "won_s", 0.0) or 0.0))
+        # A kept trade's batches can be faster than the reference: a cost below zero, agreed offset to stay >= 0. What
+        # the trial's kept configurations win a batch: the least over ranks (the max of its negation).
+        cost_us, won_us = self.consensus.agree_max([int(round(local * 1e6)) + _OFFSET_US, _OFFSET_US - int(round(won_local * 1e6))])
+        cost, won = (cost_us - _OFFSET_US) / 1e6, (_OFFSET_US - won_us) / 1e6
         self.costs[last] = self.costs.get(last, 0.0) + cost
         self.budget.settle(last, cost)
+        left = max(0, (self.planned_batches or DEFAULT_PLANNED) - batch)
+        gained = won - self._won_seen.get(name, 0.0)
+        if last != PROFILE and abs(gained) > 1e-6:
+            self._won_seen[name] = won
+            self.budget.win(name, gained * left)
         batches = self._batches_of.pop(last, [])
         predicted = self.admitted.pop(last, None)
         outcome = "" if last == PROFILE else self._outcome(last)
         if last != PROFILE:
+            grew = ""
+            if gained > 1e-6:
+                grew = (f"; it won {seconds(gained)} a batch as timed, {seconds(gained * left)} over the {left:,} batches left: "
+                        f"the budget grows by {100 * trial_price.WON_SHARE:g}% of it")
+            elif gained < -1e-6:
+                grew = f"; what it had kept won {seconds(-gained)} a batch less now: the budget shrinks by {100 * trial_price.WON_SHARE:g}% of {seconds(-gained * left)}"
             self.info(f"trials: {last} ended ({outcome}): cost {seconds(cost)} over {len(batches)} batch(es) against the "
-                      "batch before it" + (f", predicted {seconds(predicted.cost_s)}; {seconds(max(0.0, self.budget.left_s()))} "
-                                           f"of the {seconds(self.budget.total_s)} budget left" if predicted is not None else ""))
+                      "batch before it" + (f", predicted {seconds(predicted.cost_s)}" if predicted is not None else "") + grew
+                      + (f"; {seconds(max(0.0, self.budget.left_s()))} of the {seconds(self.budget.total_s)} budget left"
+                         if predicted is not None or grew else ""))
         self.records.append({
             "trial": last, "kind": self.kinds.get(last, last), "first": batches[0] if batches else batch - 1,
             "last": batches[-1] if batches else batch - 1, "outcome": outcome, "cost_s": round(cost, 4),
@@ -459,10 +493,13 @@ class TrialPlan:
     def _running_labels(self) -> set[str]:
         return {t.label for t in self.trials if t.running and t.label is not None}
 
-    def _outcome(self, label: str) -> str:
+    def _trial_of(self, label: str) -> Optional[PlannedTrial]:
         kind = self.kinds.get(label, label)
         names = {t.name: t for t in self.trials}
-        trial = names.get(kind) or names.get("layout")
+        return names.get(kind) or names.get("layout")
+
+    def _outcome(self, label: str) -> str:
+        trial = self._trial_of(label)
         return trial.outcome() if trial is not None else ""
 
     def _agree(self, profile: Optional[BatchProfile]) -> None:
@@ -525,9 +562,12 @@ class TrialPlan:
         predicted = self.predicted_s + (trial_price.PROFILE_BATCHES * median if PROFILE in self.costs else 0.0)
         what = (f"{len(ran)} ran ({', '.join(ran)}), predicted {seconds(predicted)}" if ran
                 else "none ran" + (f" ({', '.join(dict.fromkeys(self.ruled_out))} priced out)" if self.ruled_out else ""))
+        grown = ""
+        if self.budget.won_s > 0:
+            grown = (f"; the budget {seconds(self.budget.total_s)}: {self.budget.basis()}")
         self.price = (f"trials: the configuration was final at batch {self.final_at}; the trials cost {seconds(cost)} against the "
                       f"settled configuration ({median:.4f} s a batch, the median of the {SETTLED_BATCHES} batches after), "
-                      f"{100.0 * share:.1f}% of {whose} {planned:,} batches; {what}")
+                      f"{100.0 * share:.1f}% of {whose} {planned:,} batches; {what}{grown}")
         self.info(self.price)
 
     def _target_line(self, batch: int) -> None:

@@ -17,9 +17,11 @@ its **predicted cost** is what it spends before it can keep anything: its compil
 the expected difference (at least `NOISE` of a batch: a trial that decides level still moves its batches).
 
 `Budget` keeps them all within `BUDGET_SHARE` of the run's planned seconds (planned batches x the settled
-batch): a trial runs only where its expected win over the batches left is at least `MARGIN` times its
+batch), raised by `WON_SHARE` of what the trials kept have won as timed (their arms' medians) over the batches left
+when each was kept: a trial runs only where its expected win over the batches left is at least `MARGIN` times its
 predicted cost, where it is expected to clear its own rule for keeping, and where its cost fits what is left
-of the budget, the best expected value first (`allocate`).
+of the budget, the best expected value first (`allocate`). What the trials spend stays under 1% of the run plus
+what they won: never a net loss over the run.
 
 Owns: the estimates, their calibration, the costs and the budget. May not touch: which trial holds the batch
 (`trial_plan`), how a trial times its arms, torch.
@@ -37,6 +39,9 @@ from automicro.batch.batch_profile import BatchProfile
 
 # ---- the rules of the price ---------------------------------------------------------------------------
 BUDGET_SHARE = 0.01  # all trials together: 1% of the run's planned seconds
+# ... raised by this share of what the trials kept have won, as timed, over the batches left when each was kept: the
+# trials spend at most 1% of the run and half of what they already won (never a net loss over the run).
+WON_SHARE = 0.5
 MARGIN = 2.0  # a trial's expected win over the batches left must be this many times its predicted cost
 NOISE = 0.02  # the least a trial's arm batches cost, as a share of a batch (trials that decide level move this much)
 ARM_BATCHES = 3  # the batches of a trial's losing arm (3 a side at most; 2 where the spread is tiny)
@@ -292,18 +297,38 @@ def worth(price_: Price, m: Measured, min_gain: float) -> Optional[str]:
 
 @dataclass
 class Budget:
-    """The trials' seconds: `BUDGET_SHARE` of the run's planned seconds. `running`: the predicted cost of each trial
-    let run that has not ended; `spent_s`: the real cost of those that ended (the plan's clock)."""
+    """The trials' seconds: `BUDGET_SHARE` of the run's planned seconds and `WON_SHARE` of what the trials kept have
+    won (`won_s`). `running`: the predicted cost of each trial let run that has not ended; `spent_s`: the real cost of
+    those that ended (the plan's clock)."""
 
     share: float = BUDGET_SHARE
     running: dict[str, float] = field(default_factory=dict)
     spent_s: float = 0.0
     planned_s: float = 0.0  # the run's planned seconds, as last measured
     set_aside_s: float = 0.0  # what the last allocation set aside for trials worth more, still to start
+    # What the trials kept won, as timed, over the batches left when each was kept, by trial (`win`).
+    won: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def won_s(self) -> float:
+        return max(0.0, sum(self.won.values()))
 
     @property
     def total_s(self) -> float:
-        return self.share * self.planned_s
+        return self.share * self.planned_s + WON_SHARE * self.won_s
+
+    def win(self, trial: str, seconds_: float) -> None:
+        """Trial `trial`'s kept configuration wins `seconds_` over the run (as timed: its win a batch times the batches
+        left); a later figure for the same trial adds to it (negative: a trade it kept was undone)."""
+        self.won[trial] = self.won.get(trial, 0.0) + seconds_
+
+    def basis(self) -> str:
+        """What the budget is, in words."""
+        words = f"{100 * self.share:g}% of the run's planned seconds"
+        if self.won_s > 0:
+            who = ", ".join(name for name, s in self.won.items() if s > 0)
+            words += f" and {100 * WON_SHARE:g}% of the {seconds(self.won_s)} the trials kept won over the batches left ({who})"
+        return words
 
     def left_s(self) -> float:
         """What is left for another trial: the budget less what ended, what runs and what is set aside."""
@@ -313,7 +338,7 @@ class Budget:
         if price_.cost_s <= self.left_s():
             return None
         return (f"its predicted cost of {seconds(price_.cost_s)} ({price_.costs}) is more than the {seconds(max(0.0, self.left_s()))} "
-                f"left of the trials' budget ({seconds(self.total_s)}: {100 * self.share:g}% of the run's planned seconds)")
+                f"left of the trials' budget ({seconds(self.total_s)}: {self.basis()})")
 
     def commit(self, price_: Price) -> None:
         self.running[price_.label] = price_.cost_s
@@ -354,5 +379,5 @@ def allocate(prices: Sequence[Price], m: Measured, budget: Budget, min_gain: flo
 
 __all__ = [
     "ARM_BATCHES", "BUDGET_SHARE", "Budget", "KINDS", "MARGIN", "Measured", "NOISE", "PROFILE_BATCHES", "Price",
-    "allocate", "fit_microbatch_cost", "price", "seconds", "worth",
+    "WON_SHARE", "allocate", "fit_microbatch_cost", "price", "seconds", "worth",
 ]

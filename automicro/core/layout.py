@@ -285,6 +285,16 @@ class TrialResult:
     size: Optional[int] = None  # a downsize trial's microbatch
     heading: str = ""
 
+    @property
+    def won_s(self) -> float:
+        """What the arm kept won a batch against the other, as they were timed (0 where it was not kept by its gain)."""
+        return max(0.0, self.median_off - self.median_on) if self.kept else 0.0
+
+    @property
+    def trade_names(self) -> list[str]:
+        """The layout trades it tried (none for a size trial)."""
+        return [t for t in self.trade.split("+") if t in TRADES]
+
     def line(self) -> str:
         if self.trade == FUSED_HEAD:
             gain = 0.0 if self.median_off <= 0 else 100.0 * (1.0 - self.median_on / self.median_off)
@@ -835,6 +845,11 @@ class LayoutSearch:
     def local_times(self) -> list[float]:
         assert self.trial is not None
         return self.trial.on + self.trial.off
+
+    def won_s(self) -> float:
+        """What the trials kept and still keep won a batch, as each was timed (`TrialResult.won_s`): a trade undone
+        since (under memory pressure, by the ladder below the floor) wins nothing any more."""
+        return sum(r.won_s for r in self.results if all(t in self.kept for t in r.trade_names))
 
     def decide(self, agreed: Sequence[float], capacity: int = 0) -> TrialResult:
         """`agreed`: `local_times()` after the max over ranks. Ends the trial. A kept downsize trial
