@@ -291,6 +291,51 @@ def test_the_profile_counts_what_the_heads_ranges_launch_and_its_eager_part():
     assert agreed.head_bytes == 123 and "holding 0.00 MiB a sample" in agreed.head_line(262144)
 
 
+def _head_operators(run) -> dict[str, set[str]]:
+    """The operators `run` ran inside the head's host ranges (forward, backward), as the profiled batch reads them."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run()
+    events = list(prof.events())
+    found: dict[str, set[str]] = {}
+    for span in (e for e in events if e.name.startswith(head_module.HEAD_RANGE)):
+        inside = found.setdefault(span.name, set())
+        inside.update(e.name.removeprefix("aten::") for e in events if e.name.startswith("aten::") and e.thread == span.thread
+                      and span.time_range.start <= e.time_range.start and e.time_range.end <= span.time_range.end)
+    return found
+
+
+@pytest.mark.parametrize("family, through", [(f, "model") for f in sorted(cases.TINY_FAMILIES)]
+                         + [(f, "composer") for f in ("llama", "gemma2", "granite")])
+def test_the_heads_ranges_hold_its_projection_its_softcap_or_scale_and_its_loss_forward_and_backward(family, through):
+    """What the meter counts as the head (`HeadMeter`): the projection, the soft-capping (Gemma 2/3) or scaling
+    (Granite), the loss and their backward, called as the model's own forward or through Composer's
+    HuggingFaceModel (the main job's path)."""
+    model = cases.tiny_causal_lm(family).train()
+    switch = HeadSwitch(mode="auto", family=family, vocab=cases.VOCAB)
+    torch.manual_seed(0)
+    ids = torch.randint(0, cases.VOCAB, (2, 12))
+    if through == "composer":  # as the main job builds it: Composer's wrapper first, the head put on the model inside
+        from composer.models import HuggingFaceModel
+
+        wrapped = HuggingFaceModel(model, use_logits=True)
+        install_head(wrapped, switch)
+        batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
+        run = lambda: wrapped.loss(wrapped(batch), batch).backward()  # noqa: E731
+    else:
+        install_head(model, switch)
+        run = lambda: model(input_ids=ids, labels=ids).loss.backward()  # noqa: E731
+    switch.meter.on = True
+    ranges = _head_operators(run)
+    forward, backward = ranges.get(head_module.HEAD_RANGE, set()), ranges.get(head_module.HEAD_RANGE + "_backward", set())
+    assert {"log_softmax", "nll_loss"} <= forward, forward
+    assert "mm" in forward or "addmm" in forward, forward
+    assert {"nll_loss_backward", "_log_softmax_backward_data"} <= backward and "mm" in backward, backward
+    if FAMILIES[family].softcap:
+        assert "tanh" in forward and "tanh_backward" in backward, (forward, backward)
+    if FAMILIES[family].divisor:
+        assert "div" in forward or "mul" in forward, forward
+
+
 # ---- on ranks: FSDP2, the search, the trial -------------------------------------------------------------
 
 
