@@ -148,6 +148,9 @@ NUMERICS_CONFIGS = {
     "async_unshard_prefetch2_ac": FSDP2Config(unshard_async_op=True, forward_prefetch=2, backward_prefetch=2, activation_checkpointing=True),
     "sync_unshard_ac": FSDP2Config(unshard_async_op=False, forward_prefetch=1, activation_checkpointing=True),
     "buffers_on_fsdp_streams": FSDP2Config(compute_stream_buffers=False),
+    # The recompute dial's rungs below full (`automicro.engine.recompute`): the same numbers.
+    "recompute_op": FSDP2Config(activation_checkpointing="op"),
+    "recompute_first_block": FSDP2Config(activation_checkpointing=1),
 }
 
 FAIL_POINTS = ["pre_forward", "mid_forward", "forward_all_gather", "pre_backward", "mid_backward", "post_backward_reduce_scatter"]
@@ -213,6 +216,8 @@ KEEP_LAYOUTS = {
     "all": (("no_reshard", "grad_sync_once", "no_recompute"), True),
     # "switch": checkpointing carried switched off (`shard`'s checkpoint_switch); "recompute" turns it on.
     "recompute": (("recompute", "grad_sync_once"), "switch"),
+    # The user's ``op`` rung: no_recompute switches it off, undone it is ``op`` again (not full).
+    "op_no_recompute": (("no_recompute",), "op"),
 }
 ACCUM = 3
 
@@ -229,7 +234,8 @@ def keep_between_microbatches(rank: int, world: int, layout: tuple[str, ...], fa
 
     torch.manual_seed(0)
     model = Stack()
-    sharded = shard(model, FSDP2Config(activation_checkpointing=ac is True), checkpoint_switch=ac == "switch")
+    asked = ac if ac in (True, "op") else False
+    sharded = shard(model, FSDP2Config(activation_checkpointing=asked), checkpoint_switch=ac == "switch")
     engine = LayoutEngine(sharded)
     engine.apply(layout)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -283,6 +289,7 @@ def keep_between_microbatches(rank: int, world: int, layout: tuple[str, ...], fa
         opt.step()
         engine.reset()
     report["clean_at_end"] = sharded.is_clean()
+    report["rung_at_end"] = sharded.recompute.rung.kind if sharded.recompute is not None else None
     report["error"] = max_error(full_state(model), _reference_accum())
     return report
 

@@ -94,6 +94,12 @@ def _replicate(mesh: Any) -> int:
     )
 
 
+def _rung(value: Any) -> Any:
+    """A checkpointing value as the engine takes it: a rung by name or block count as given
+    (`automicro.engine.recompute`), anything else true or false."""
+    return value if isinstance(value, (str, int)) and not isinstance(value, bool) else bool(value)
+
+
 def fsdp2_from_composer(config: ComposerFSDP2Config, precision: Any, device: Any) -> tuple[FSDP2Config, str]:
     """Composer's `FSDP2Config` -> (automicro's `FSDP2Config`, the checkpoint format it asks for)."""
     where = f"{_WHERE}.fsdp2 (composer.utils.FSDP2Config)"
@@ -107,7 +113,7 @@ def fsdp2_from_composer(config: ComposerFSDP2Config, precision: Any, device: Any
     engine = FSDP2Config(
         reshard_after_forward=config.reshard_after_forward,
         mixed_precision=_mixed_precision(config.mixed_precision, precision, device),
-        activation_checkpointing=bool(config.activation_checkpointing),
+        activation_checkpointing=_rung(config.activation_checkpointing),
         replicate=_replicate(config.device_mesh),
     )
     return engine, config.state_dict_type
@@ -224,7 +230,7 @@ def fsdp2_from_fsdp1(
     engine = FSDP2Config(
         reshard_after_forward=strategy in ("FULL_SHARD", "HYBRID_SHARD"),
         mixed_precision=_mixed_precision(mixed, precision, device, where=f"{where}.mixed_precision={mixed!r}"),
-        activation_checkpointing=bool(cfg["activation_checkpointing"]),
+        activation_checkpointing=_rung(cfg["activation_checkpointing"]),
         replicate=replicate,
         cpu_offload=bool(cfg["cpu_offload"]),
         forward_prefetch=max(2, int(cfg["forward_prefetch_limit"])) if cfg["forward_prefetch"] else 2,

@@ -537,11 +537,16 @@ def attach_oom_observer(observer: Callable[[int, int, int, int], None]) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
-def apply_activation_checkpointing(module: nn.Module) -> None:
-    """Composable (hook-based) checkpointing: parameter names stay unchanged."""
+def apply_activation_checkpointing(module: nn.Module, context_fn: Any = None) -> None:
+    """Composable (hook-based) checkpointing: parameter names stay unchanged. `context_fn`: called at each forward
+    for the forward's and the recompute's contexts (`automicro.engine.recompute`'s selective ones), as
+    `torch.utils.checkpoint.checkpoint`'s own."""
     from torch.distributed._composable import checkpoint
 
-    checkpoint(module)
+    if context_fn is None:
+        checkpoint(module)
+    else:
+        checkpoint(module, context_fn=context_fn)
 
 
 def has_activation_checkpointing(module: nn.Module) -> bool:
@@ -550,6 +555,14 @@ def has_activation_checkpointing(module: nn.Module) -> bool:
     from torch.distributed._composable import checkpoint
 
     return checkpoint.state(module) is not None
+
+
+def checkpoint_enabled(module: nn.Module) -> bool:
+    """Whether a checkpointed module's recomputation is on now (`set_activation_checkpointing`)."""
+    from torch.distributed._composable import checkpoint
+
+    state = checkpoint.state(module)
+    return bool(state is not None and getattr(state, "enable_hook", False))
 
 
 def set_activation_checkpointing(module: nn.Module, on: bool) -> None:

@@ -149,6 +149,10 @@ class CompiledBlocks:
         self._root_forward: Any = None  # the root's own `forward` entry, if it had one, under `model`
         self._blocks_form: tuple[list[Any], Optional[bool], bool] = ([], None, False)  # the blocks before `compile_model`
         self.dynamic, self.batch_dynamic, self.scope = config.dynamic, False, "blocks"
+        # The blocks (by index) whose forward is compiled with the ``op`` recompute inside (`set_selective`), and each
+        # block's compiled forwards of the current compile, plain and selective (the other kept for a switch back).
+        self.selective: set[int] = set()
+        self._forms: dict[tuple[int, bool], Any] = {}
         self._compile(config.dynamic, False)
 
     @property
@@ -176,11 +180,11 @@ class CompiledBlocks:
 
     def back_to_blocks(self) -> None:
         """Undo `compile_model`: the root eager, each block's compiled forward as it was (its graphs kept)."""
-        forwards, dynamic, batch_dynamic = self._blocks_form
+        _, dynamic, batch_dynamic = self._blocks_form
         self._eager_root()
-        for block, forward in zip(self.blocks, forwards):
-            block.forward = forward
         self.scope, self.dynamic, self.batch_dynamic = "blocks", dynamic, batch_dynamic
+        for index, block in enumerate(self.blocks):
+            block.forward = self._form(index, index in self.selective)  # the forms compiled before: kept
 
     def _eager_root(self) -> None:
         if self._root_forward is None:
@@ -192,13 +196,38 @@ class CompiledBlocks:
         self._root_forward = None
 
     def _compile(self, dynamic: Optional[bool], batch_dynamic: bool) -> None:
+        self._forms = {}
+        self.dynamic, self.batch_dynamic, self.scope = dynamic, batch_dynamic, "blocks"
+        for index, block in enumerate(self.blocks):
+            block.forward = self._form(index, index in self.selective)
+
+    def _form(self, index: int, selective: bool) -> Any:
+        """Block `index`'s compiled forward of the current compile (plain, or with the ``op`` recompute inside),
+        made at its first use: dynamo compiles it at its first call."""
         import torch
 
-        kwargs = {**self.config.torch_kwargs(), "dynamic": dynamic}
-        for block, eager in zip(self.blocks, self._eager):
-            compiled = torch.compile(eager, **kwargs)
-            block.forward = _batch_dynamic(compiled) if batch_dynamic else compiled
-        self.dynamic, self.batch_dynamic, self.scope = dynamic, batch_dynamic, "blocks"
+        from automicro.engine.recompute import selective as checkpointed
+
+        key = (index, selective)
+        if key not in self._forms:
+            eager = self._eager[index]
+            kwargs = {**self.config.torch_kwargs(), "dynamic": self.dynamic}
+            compiled = torch.compile(checkpointed(eager) if selective else eager, **kwargs)
+            self._forms[key] = _batch_dynamic(compiled) if self.batch_dynamic else compiled
+        return self._forms[key]
+
+    def set_selective(self, indices: set[int]) -> None:
+        """The blocks `indices` compiled with the ``op`` recompute inside their graph, the others plain
+        (`automicro.engine.recompute.BlockDial`; between batches). A form used before is reused: nothing compiles
+        again. Under the ``model`` scope the blocks are eager: nothing to swap (kept for `back_to_blocks`)."""
+        indices = set(indices)
+        if indices == self.selective:
+            return
+        self.selective = indices
+        if self.scope != "blocks":
+            return  # the blocks run eager inside the whole model's graph: `back_to_blocks` puts their forms back
+        for index, block in enumerate(self.blocks):
+            block.forward = self._form(index, index in indices)
 
 
 _NONE = object()  # the root had no `forward` of its own (its class's)

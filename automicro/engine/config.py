@@ -47,7 +47,9 @@ class FSDP2Config:
             ``k`` ranks (must divide the shard group size).
         mixed_precision: ``FULL`` (fp32 everywhere), ``DEFAULT`` (bf16 params, fp32 reduce),
             ``PURE`` (bf16 params and bf16 reduce).
-        activation_checkpointing: recompute every wrapped block's activations in backward.
+        activation_checkpointing: what the wrapped blocks recompute in backward (`automicro.engine.recompute`):
+            ``True`` every block's forward, ``False`` nothing, ``"op"`` each block's cheap work (its matrix
+            products' and attention's outputs saved), an int ``k`` the first ``k`` blocks' forward.
         replicate: HSDP replicate degree; the world is a ``replicate x shard`` mesh.
         cpu_offload: keep sharded parameters, gradients and optimizer state on the host.
         wrap: ``None`` follows Composer's conventions (a module's ``_fsdp_wrap`` attribute or
@@ -91,7 +93,7 @@ class FSDP2Config:
 
     reshard_after_forward: Union[bool, int] = True
     mixed_precision: str = "FULL"
-    activation_checkpointing: bool = False
+    activation_checkpointing: Union[bool, str, int] = False
     replicate: int = 1
     cpu_offload: bool = False
     wrap: Optional[list[str]] = None
@@ -118,7 +120,13 @@ class FSDP2Config:
                 f"parallelism_config.fsdp2.mixed_precision={self.mixed_precision!r}: "
                 f"must be one of {', '.join(MIXED_PRECISION_CHOICES)}"
             )
-        for name in ("activation_checkpointing", "cpu_offload", "unshard_async_op"):
+        from automicro.engine.recompute import RecomputeConfigError, parse
+
+        try:
+            parse(self.activation_checkpointing)
+        except RecomputeConfigError as error:
+            raise FSDP2ConfigError(str(error)) from None
+        for name in ("cpu_offload", "unshard_async_op"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise FSDP2ConfigError(f"parallelism_config.fsdp2.{name}={value!r}: must be true or false")
@@ -157,6 +165,13 @@ class FSDP2Config:
             from automicro.engine import _torch_internals as internals
 
             self.use_compute_stream_buffers(internals.TORCH_VERSION, internals.HAS_CUSTOM_COMMS)
+
+    @property
+    def rung(self) -> Any:
+        """The recompute rung ``activation_checkpointing`` sets (`automicro.engine.recompute.Rung`)."""
+        from automicro.engine.recompute import parse
+
+        return parse(self.activation_checkpointing)
 
     def compute_stream_buffers_blocker(self, torch_version: tuple[int, int], has_api: bool) -> Optional[str]:
         """Why `compute_stream_buffers` cannot be on here, or None when it can."""

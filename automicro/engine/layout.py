@@ -33,6 +33,7 @@ from typing import Any, Optional
 
 from automicro.core.layout import FUSED_HEAD, GRAD_SYNC_ONCE, NO_RECOMPUTE, NO_RESHARD, RECOMPUTE
 from automicro.engine import _torch_internals as internals
+from automicro.engine.recompute import FULL, OFF, Rung
 from automicro.engine.sharding import ShardedModel
 
 
@@ -111,8 +112,12 @@ class LayoutEngine:
             for block in self._blocks:
                 internals.set_block_reshard_after_forward(block, NO_RESHARD not in layout)
         on = NO_RECOMPUTE not in layout if self._asked else RECOMPUTE in layout
-        for block in self._checkpointed:
-            internals.set_activation_checkpointing(block, on)
+        dial = getattr(self.sharded, "recompute", None)
+        if dial is not None:  # the engine's blocks: the rung asked for (``op``, ``k`` blocks, full), or full, or off
+            dial.set(self.sharded.config.rung if on and self._asked else Rung(FULL) if on else Rung(OFF))
+        else:  # a model sharded by its own `fully_shard`, its checkpointing its own: on or off
+            for block in self._checkpointed:
+                internals.set_activation_checkpointing(block, on)
         if self.head is not None:
             self.head.set_fused(FUSED_HEAD in layout)
         self.layout = layout

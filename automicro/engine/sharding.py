@@ -27,6 +27,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from automicro.engine import _torch_internals as internals
 from automicro.engine.compile import CompileConfig, CompiledBlocks, compile_blocks
 from automicro.engine.config import FSDP2Config, FSDP2ConfigError
+from automicro.engine.recompute import BlockDial
 
 log = logging.getLogger(__name__)
 
@@ -262,6 +263,9 @@ class ShardedModel:
     # The vocabulary head's switch (`automicro.engine.head.HeadSwitch`), where the model's head can be fused and the
     # run asked for it (`automicro.batch.head_choice`); None: the model's own head, untouched.
     head: Optional[Any] = None
+    # The blocks' recompute dial (`automicro.engine.recompute.BlockDial`), where they carry checkpointing (the
+    # config's rung, or ``checkpoint_switch``); None otherwise.
+    recompute: Optional[Any] = None
 
     @property
     def compute_stream_buffers(self) -> bool:
@@ -478,11 +482,11 @@ def shard(
     compiled = None
     if compile is not None and compile.compiles_blocks:
         compiled = compile_blocks([named[name] for name in wrapped] or [model], compile, root=model)
+    rung = config.rung
+    dial = None
+    if wrapped and (rung.on or checkpoint_switch):
+        dial = BlockDial.install([named[name] for name in wrapped], compiled)
     for name in wrapped:
-        if config.activation_checkpointing or checkpoint_switch:
-            internals.apply_activation_checkpointing(named[name])
-            if not config.activation_checkpointing:
-                internals.set_activation_checkpointing(named[name], False)
         fully_shard(named[name], reshard_after_forward=config.reshard_after_forward, **kwargs)
     # The root keeps its parameters unsharded between forward and backward (FSDP2 does the same
     # for the root by default), so no reshard_after_forward here.
@@ -494,6 +498,9 @@ def shard(
     )
     sharded.expandable_segments_set_by_engine = expandable_set
     sharded.compiled = compiled
+    sharded.recompute = dial
+    if dial is not None:
+        dial.set(rung)
     if config.unshard_async_op:
         for module in sharded.fsdp_modules:
             internals.set_unshard_async_op(module, True)
@@ -515,7 +522,7 @@ def shard(
         config.backward_prefetch,
         config.unshard_async_op,
         sharded.compute_stream_buffers,
-        config.activation_checkpointing,
+        rung.describe(len(wrapped)),
     )
     return sharded
 
