@@ -528,3 +528,24 @@ def test_every_rank_credits_the_least_any_rank_timed_a_trial_winning(monkeypatch
         static.end(turn)
         plan.after_batch(1, split=(8, 8))
     assert plan.budget.won == {"static": pytest.approx(0.025 * 995)}
+
+
+def test_a_trial_the_allocation_refused_for_the_budget_runs_when_its_turn_comes_after_a_kept_trial_won(monkeypatch):
+    """Both priced from one profile: the layout trade (cheap, first) fits 1% of 1,000 one-second batches, the twin's
+    8 graphs of 2 s do not fit beside it. The trade wins 0.05 s a batch; when the twin's turn comes it is priced
+    again against the budget that win raised, and runs."""
+    twin = _Trial("one_rank", "one_rank", facts={"graphs": 8.0})
+    allocated = []
+    monkeypatch.setattr(TrialPlan, "_allocate", lambda self, _a=TrialPlan._allocate: (_a(self), allocated.append(set(self.over_budget))))
+    plan, turns, lines = _run([_Trial("layout", "no_reshard", wins=0.05), twin], planned=1000, monkeypatch=monkeypatch)
+    assert allocated == [{"one_rank"}]  # refused by the allocation: it did not fit beside the trade
+    assert any(line.startswith("trials: one_rank runs: ") and line.endswith("of the 34.9 s budget left") for line in lines), lines
+    assert turns.count("layout") == 2 and turns.count("one_rank") == 2 and twin.state == "done", (turns, twin.ruled_out)
+    assert turns.index("layout") < turns.index("one_rank")
+    assert not plan.over_budget
+
+    # Without the win the refusal stands.
+    layout = _Trial("layout", "no_reshard", wins=0.0)
+    twin = _Trial("one_rank", "one_rank", facts={"graphs": 8.0})
+    plan, turns, lines = _run([layout, twin], planned=1000, monkeypatch=monkeypatch)
+    assert "one_rank" not in turns and "does not fit" in twin.ruled_out[0], twin.ruled_out
