@@ -128,13 +128,12 @@ def test_a_slow_path_in_fsdp2_is_measured_as_idle_and_the_twin_timed_and_kept(to
     result = _ok(toy["slow_fsdp2"])
     profiled = [line for line in result["plan_lines"] if line.startswith("a batch profiled")]
     # The sleep in every FSDP2 block's forward (3 blocks x 200 ms, one microbatch) is host time in FSDP2's ranges with
-    # no operator running: the profile's idle under FSDP2's host code holds it, and the twin is priced to win it. That
-    # idle is capped by the batch's (the clocked batch's wall less the profiled batch's operators, which the profiler
-    # slows): the profiled operators took 10-20 ms on a quiet machine and 317 ms beside two busy processes (the idle
-    # then 0.39 s of 0.71 s); at one of the three sleeps the assertion holds with them 40 times slower than quiet.
+    # no operator running: the profile's idle under FSDP2's host code holds it whole (a sleep lasts at least as asked),
+    # and the twin is priced to win it. It no longer hangs on the clocked batch's wall less the profiled operators:
+    # beside two test runs and two busy processes the profiled operators outlasted that wall and the idle read 0.
     wall = float(re.search(r"profiled: ([0-9.]+) s", profiled[0]).group(1))
     idle = float(re.search(r"idle under its host code ([0-9.]+)%", profiled[0]).group(1)) / 100.0
-    assert wall * idle >= cases.SLOW_FSDP2_S, profiled
+    assert wall * idle >= 3 * cases.SLOW_FSDP2_S * 0.99, profiled  # the three sleeps, to the line's rounding
     assert any(line.startswith("trials: one_rank runs: expected +") for line in result["plan_lines"]), result["plan_lines"]
     assert result["state"] == "unsharded" and "the model unsharded kept" in result["lines"][-1], result["lines"]
     assert _kept_from(_through(result), first=6) is not None, result["through"]  # priced: batches 4 and 5 profile

@@ -223,6 +223,18 @@ def test_raising_rank_reported_fast_while_other_blocks_in_collective():
     assert elapsed < 40, elapsed  # not the 120 s timeout
 
 
+def test_failures_are_ordered_by_when_each_rank_failed_not_by_which_report_arrived_first():
+    """Rank 1 raised; rank 0 failed after it (its collective lost rank 1) and its report reached the parent first, as
+    on a loaded machine (what the flake hunt saw): rank 1 is the first failure. A rank with no time (its report could
+    not be read) comes last."""
+    from automicro.testing.multiprocess import failures_in_order
+
+    arrived = {0: "RuntimeError: Connection closed by peer", 1: "ValueError: deliberate failure on rank 1"}
+    assert list(failures_in_order(arrived, {0: 105.2, 1: 105.1})) == [1, 0]
+    assert list(failures_in_order(arrived, {1: 105.1})) == [1, 0]
+    assert list(failures_in_order({2: "x", 0: "y", 1: "z"}, {0: 3.0})) == [0, 2, 1]
+
+
 @pytest.mark.multiproc
 def test_raising_rank_others_get_grace_then_stack_dump():
     t0 = time.monotonic()

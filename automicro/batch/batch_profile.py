@@ -294,9 +294,11 @@ def figures(events: Sequence[Any], wall_s: float, device: str) -> BatchProfile:
             "head_eager": _length(_minus(heads, products)) / 1e9,
         }
         names = ()
-        idle = max(0.0, wall_s - busy / 1e9)
-        # FSDP2's host code with no operator running: its own host time.
-        fsdp_idle = min(idle, _length(_minus(fsdp.all(), spans)) / 1e9)
+        # FSDP2's host code with no operator running: its own host time, as this batch shows it (a sleep or a lock
+        # in FSDP2's path is seen whole here). The batch's idle is the clocked batch's wall less these operators
+        # (which the profiler slows), and at least that: two batches' figures must not hide what one of them shows.
+        fsdp_idle = _length(_minus(fsdp.all(), spans)) / 1e9
+        idle = max(0.0, wall_s - busy / 1e9, fsdp_idle)
     return BatchProfile(wall_s, idle, seconds["fsdp"], seconds["comm"], seconds["fusable"], seconds["unattributed"], device, names,
                         fsdp_idle, seconds["head"], seconds["head_eager"])
 

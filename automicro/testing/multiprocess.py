@@ -128,8 +128,8 @@ def _preload(extra: Sequence[str], fn_module: Optional[str]) -> list[str]:
 class MultiprocessFailure(RuntimeError):
     """A rank raised, died, or did not finish in time.
 
-    Attributes: `errors` (rank -> formatted traceback or exit description, in order of
-    detection), `hung` (ranks that did not finish), `stacks` (rank -> stack dump text of the
+    Attributes: `errors` (rank -> formatted traceback or exit description, in the order the
+    ranks failed: each rank's own time of failure, not the order its report arrived), `hung` (ranks that did not finish), `stacks` (rank -> stack dump text of the
     hung ranks), `exitcodes` (rank -> exit code after the kill), `results` (rank -> return value,
     for the ranks that returned)."""
 
@@ -176,6 +176,13 @@ def _bindable(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def failures_in_order(errors: dict[int, str], failed_at: dict[int, float]) -> dict[int, str]:
+    """`errors` ordered by when each rank failed (`failed_at`, the host's monotonic clock; a rank with no time last,
+    in the order seen): the first is the one that failed first, whichever report reached the parent first."""
+    seen = list(errors)
+    return dict(sorted(errors.items(), key=lambda item: (failed_at.get(item[0], float("inf")), seen.index(item[0]))))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -309,7 +316,11 @@ def _worker(rank, world_size, payload, port, backend, env, base_env, conn, dump_
             ) from e
         ok = True
     except BaseException:
-        msg = pickle.dumps(("error", traceback.format_exc()))
+        # When it failed, on the host's monotonic clock (one clock for every process of the host): the parent orders
+        # the failures by it, not by which report reached it first (a rank that fails because another died reports
+        # after that one failed, though its report can arrive first on a loaded machine).
+        failed_at = time.monotonic()
+        msg = pickle.dumps(("error", traceback.format_exc(), failed_at))
     try:
         conn.send_bytes(msg)
     except Exception:
@@ -498,7 +509,8 @@ def run_multiprocess(
         start = time.monotonic()
         started: set[int] = set()
         results: dict[int, Any] = {}
-        errors: dict[int, str] = {}  # insertion order = order of detection
+        errors: dict[int, str] = {}  # ordered by when each rank failed (`failed_at`) once the run is over
+        failed_at: dict[int, float] = {}  # rank -> when it failed: its own stamp, else when its death was seen
         run_deadline: Optional[float] = None
         first_failure_at: Optional[float] = None
         open_conns = {conns[r]: r for r in range(world_size)}
@@ -517,12 +529,13 @@ def run_multiprocess(
             r = open_conns[conn]
             while conn in open_conns and conn.poll(0):
                 try:
-                    kind, value = pickle.loads(conn.recv_bytes())
+                    kind, value, *stamp = pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError):
                     open_conns.pop(conn, None)
                     return
                 except Exception:
                     errors.setdefault(r, f"rank {r}: could not unpickle its message:\n{traceback.format_exc()}")
+                    failed_at.setdefault(r, time.monotonic())
                     open_conns.pop(conn, None)
                     return
                 if kind == "started":
@@ -532,6 +545,7 @@ def run_multiprocess(
                     open_conns.pop(conn, None)
                 else:
                     errors[r] = value
+                    failed_at[r] = stamp[0] if stamp else time.monotonic()
                     open_conns.pop(conn, None)
 
         while pending():
@@ -552,6 +566,7 @@ def run_multiprocess(
                     drain(conns[r])
                 if r in pending():
                     procs[r].join(0.1)
+                    failed_at[r] = time.monotonic()
                     errors[r] = (
                         f"rank {r} died without returning a result: {_describe_exit(procs[r].exitcode)} "
                         f"(its stderr may say why)\n"
@@ -595,6 +610,7 @@ def run_multiprocess(
             p.join(5)
         exitcodes = {r: procs[r].exitcode for r in range(world_size)}
 
+        errors = failures_in_order(errors, failed_at)
         summary = []
         if errors:
             summary.append(f"ranks {sorted(errors)} failed (first: rank {next(iter(errors))})")
