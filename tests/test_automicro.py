@@ -309,9 +309,10 @@ def test_oom_even_at_size1_on_rank0_raises_microbatch_size_error_on_every_rank(m
         assert result["exception"]["type"] == "MicrobatchSizeError", (rank, result["exception"])
         message = result["exception"]["message"]
         assert "device_train_microbatch_size=1" in message and "rank 0 at forward_pre" in message, message
-        # The ladder below size 1 switched checkpointing on at the first repeat; the probe's split (2) and 1 again.
-        assert "with activation checkpointing on (switched on by auto at batch 0" in message, message
-        assert [r["size"] for r in result["history"]] == [8, 4, 2, 1, 2, 1]
+        # The ladder below size 1: at the first repeat the selective rung, the probe's split (2) and 1 again; at the
+        # next repeat full recompute, 2 and 1 again.
+        assert "with selective recompute on, then activation checkpointing on (switched on by auto at batch 0" in message, message
+        assert [r["size"] for r in result["history"]] == [8, 4, 2, 1, 2, 1, 2, 1]
         assert all(r["outcome"] == "oom" and r["failed_ranks"] == [0] for r in result["history"])
         assert result["seconds"] < 60
         assert result["clean"]

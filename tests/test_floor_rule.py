@@ -17,6 +17,7 @@ from tests import steady_cases as steady
 
 TOLERANCE = 1e-5
 SIZE_1_MESSAGE = "out of memory even with device_train_microbatch_size=1"
+SELECTIVE = "selective recompute on (matrix products and attention kept)"  # the ladder's first rung, as the layout says it
 
 
 @pytest.fixture(scope="module")
@@ -60,19 +61,20 @@ def test_a_one_off_oom_at_size_1_reruns_the_batch_at_size_1_and_trains_like_the_
 @pytest.mark.multiproc
 @pytest.mark.parametrize("key", ["steady/forward/one/twice", "steady/backward/every/twice"])
 def test_a_repeated_oom_at_size_1_switches_checkpointing_on_and_the_run_trains_on_like_the_run_without_it(plain, key):
-    """The ladder below size 1: the repeat switches the blocks' checkpointing on, the size is searched again in the same
-    batch (the probe's split: its microbatches of 2 run out under the search driver, then 1 fits), every rank alike,
-    and the parameters end as the run that never ran out (fp32, 1e-5)."""
+    """The ladder below size 1: the repeat switches the blocks' first rung on (selective recompute: size 1 fits with
+    it here, so full recompute is not taken), the size is searched again in the same batch (the probe's split: its
+    microbatches of 2 run out under the search driver, then 1 fits), every rank alike, and the parameters end as the
+    run that never ran out (fp32, 1e-5)."""
     for rank, per_rank in enumerate(plain):
         result = _result(per_rank, key)
         assert "exception" not in result, (rank, key, result["exception"])
         assert result["batches"] == steady.BATCHES and result["adam_steps"] == [steady.BATCHES], (rank, key)
         assert result["error"] <= TOLERANCE, (rank, key, result["error"])
-        assert result["found_size"] == 1 and result["clean"] and result["layout"] == "activation checkpointing on", result
+        assert result["found_size"] == 1 and result["clean"] and result["layout"] == SELECTIVE, result
         batch = [(r["attempt"], r["size"], r["outcome"]) for r in result["history"] if r["batch"] == cases.STEADY_BATCH]
         assert batch == [(1, 1, "oom"), (2, 1, "oom"), (3, 2, "oom"), (4, 1, "ok")], (rank, batch)
         step = next(r for r in result["history"] if r["batch"] == cases.STEADY_BATCH and r["attempt"] == 2)
-        assert "activation checkpointing on, the size searched again" in step["note"], step
+        assert "selective recompute on, the size searched again" in step["note"], step
     # Every rank alike; a rank that replayed collectives to get back in step (hooks off) says so in its own note.
     steps = [[(r["batch"], r["attempt"], r["size"], r["outcome"], r["note"].split("; ")[0]) for r in per_rank[key]["history"]]
              for per_rank in plain]
@@ -85,10 +87,12 @@ def test_a_repeated_oom_at_size_1_with_checkpointing_on_ends_the_run_on_every_ra
         result = _result(per_rank, "steady/forward/one/always")
         assert result["exception"]["type"] == "MicrobatchSizeError", (rank, result["exception"])
         message = result["exception"]["message"]
-        assert SIZE_1_MESSAGE in message and f"with activation checkpointing on (switched on by auto at batch {cases.STEADY_BATCH}" in message, message
+        # Both rungs tried, the cheaper first, before the run ends.
+        assert SIZE_1_MESSAGE in message and (f"with selective recompute on, then activation checkpointing on (switched on by auto "
+                                              f"at batch {cases.STEADY_BATCH}") in message, message
         assert "shard more (more ranks, reshard_after_forward, cpu_offload)" in message, message
         batch = [(r["attempt"], r["outcome"]) for r in result["history"] if r["batch"] == cases.STEADY_BATCH]
-        assert batch == [(1, "oom"), (2, "oom"), (3, "oom"), (4, "oom")], (rank, batch)
+        assert batch == [(n, "oom") for n in range(1, 7)], (rank, batch)
         assert result["batches"] == cases.STEADY_BATCH, "nothing of the failed batch was stepped"
 
 

@@ -35,17 +35,22 @@ def _gap(run: dict, reference: dict) -> float:
 
 def test_where_size_1_runs_out_without_checkpointing_auto_switches_it_on_and_trains_as_the_hand_set_run(two_ranks):
     """The issue's command (tiny-cpu at 1,024 tokens a sample): rank 0 runs out at 1, the ladder steps in batch 0 on
-    both ranks alike, and every batch's loss is the hand-set run's (fp32, 1e-5); its line, the dashboards' key and the
-    summary say so. A one-off OOM on rank 1 in a later batch, checkpointing on, costs one rerun of that batch."""
+    both ranks alike (selective recompute first: size 1 still runs out with it under rank 0's cap; then full), and
+    every batch's loss is the hand-set run's (fp32, 1e-5); its lines, the dashboards' keys and the summary say so. A
+    one-off OOM on rank 1 in a later batch, checkpointing on, costs one rerun of that batch."""
     for rank, per_rank in enumerate(two_ranks):
         auto, handset = _ok(per_rank["auto"]), _ok(per_rank["handset"])
         assert auto["batches"] == handset["batches"] == cases.BATCHES
         assert auto["found"] == 1 and auto["layout"] == "activation checkpointing on", auto
         assert _gap(auto, handset) < 1e-5, (auto["losses"], handset["losses"])
+        rungs = [h[5].split(": ", 1)[1].split(", the size")[0] for h in auto["history"] if "the size searched again" in h[5]]
+        assert rungs == ["selective recompute on", "activation checkpointing on"], auto["history"]
         step = [h for h in auto["history"] if "activation checkpointing on, the size searched again" in h[5]]
         assert len(step) == 1 and step[0][:4] == (0, step[0][1], 1, "oom") and step[0][4] == [0], auto["history"]
-        assert auto["metrics"]["automicro/floor_ladder"] == 1 and auto["metrics"]["automicro/layout_recompute"] == 1
-        assert "ladder: activation checkpointing on (size 1 did not fit without it)" in auto["summary"], auto["summary"]
+        assert auto["metrics"]["automicro/floor_ladder"] == 2 and auto["metrics"]["automicro/layout_recompute"] == 1
+        assert auto["metrics"]["automicro/layout_recompute_op"] == 0
+        assert ("ladder: selective recompute on, then activation checkpointing on (size 1 did not fit without it)"
+                in auto["summary"]), auto["summary"]
         later = [h[1:5] for h in auto["history"] if h[0] == cases.LATER]
         assert later[0][2:] == ("oom", [1]) and later[-1][2] == "ok" and len(later) == 2 and later[0][1] == later[1][1] == 1, later
         if rank == 0:
@@ -59,7 +64,8 @@ def test_where_size_1_runs_out_with_checkpointing_on_too_the_run_ends_on_every_r
         assert "crash" not in tight, tight["crash"]
         assert tight["exception"]["type"] == "MicrobatchSizeError", tight["exception"]
         message = tight["exception"]["message"]
-        assert "out of memory even with device_train_microbatch_size=1 with activation checkpointing on (switched on by auto at batch 0" in message, message
+        assert ("out of memory even with device_train_microbatch_size=1 with selective recompute on, then activation checkpointing "
+                "on (switched on by auto at batch 0") in message, message
         assert tight["batches"] == 0
 
 
@@ -74,26 +80,29 @@ def test_a_run_resumed_after_the_step_starts_with_checkpointing_on_and_trains_as
 
 
 def test_compiled_blocks_take_the_step_without_compiling_again_and_train_as_the_eager_run(two_ranks):
-    """Each block compiled (aot_eager) with its checkpointing switched on by the ladder: the same losses as eager, the
-    whole-model scope trial ruled out (the blocks checkpoint)."""
+    """Each block compiled (aot_eager) with its recompute switched on by the ladder: the same losses as eager, the
+    whole-model scope trial ruled out (the blocks checkpoint). Compiled, size 1 fits at the first rung already (the
+    selective recompute compiled inside each block's graph: one graph more, for every block; eager it takes full)."""
     if "compiled" not in two_ranks[0]:
         pytest.skip(f"torch {two_ranks[0]['torch']} does not compile under the memory cap (the newer torch legs run it)")
     for per_rank in two_ranks:
         compiled, auto = _ok(per_rank["compiled"]), _ok(per_rank["auto"])
-        assert compiled["graphs"] > 0 and compiled["layout"] == "activation checkpointing on", compiled
+        assert compiled["graphs"] > 0 and compiled["layout"] == "selective recompute on (matrix products and attention kept)", compiled
         assert _gap(compiled, auto) < 1e-5, (compiled["losses"], auto["losses"])
 
 
 def test_on_one_rank_and_in_a_plain_loop_sharded_with_the_switch():
-    """FSDP2 over one rank (the whole model on it) under a cap where size 1 does not fit without checkpointing: the
-    Trainer, and `AutoStep` on a model sharded by `automicro.engine.shard(..., checkpoint_switch=True)`, each as its
-    hand-set run (checkpointing on)."""
+    """FSDP2 over one rank (the whole model on it) under a cap where size 1 does not fit without checkpointing and fits
+    with the ladder's first rung (selective recompute): the Trainer, and `AutoStep` on a model sharded by
+    `automicro.engine.shard(..., checkpoint_switch=True)`, each as its hand-set run (full checkpointing: the same
+    numbers)."""
     result = run_multiprocess(cases.one_rank, world_size=1, timeout_s=300)[0]
     auto, handset = _ok(result["auto"]), _ok(result["handset"])
-    assert auto["found"] == 1 and auto["layout"] == "activation checkpointing on", auto
-    assert any("activation checkpointing on, the size searched again" in h[5] for h in auto["history"]), auto["history"]
+    assert auto["found"] == 1 and auto["layout"] == "selective recompute on (matrix products and attention kept)", auto
+    assert any("selective recompute on, the size searched again" in h[5] for h in auto["history"]), auto["history"]
+    assert not any("activation checkpointing on, the size searched again" in h[5] for h in auto["history"]), auto["history"]
     assert auto["batches"] == handset["batches"] == 3 and _gap(auto, handset) < 1e-5, (auto["losses"], handset["losses"])
     loop, loop_handset = _ok(result["plain_loop"]), _ok(result["plain_loop_handset"])
     assert loop["splits"] == loop_handset["splits"] == [[1, 1]] * 3, (loop["splits"], loop_handset["splits"])
-    assert "ladder: activation checkpointing on" in loop["summary"] and "ladder" not in loop_handset["summary"], loop["summary"]
+    assert "ladder: selective recompute on (" in loop["summary"] and "ladder" not in loop_handset["summary"], loop["summary"]
     assert _gap(loop, loop_handset) < 1e-5, (loop["losses"], loop_handset["losses"])

@@ -2,10 +2,13 @@
 steps a ladder of trades that change memory and not the numbers, and searches the size again in the same batch
 (DESIGN.md, "What the search searches": its floor).
 
-The rung: every block's activation checkpointing on (`automicro.core.layout.LayoutSearch.recompute_floor`: the
-``recompute`` trade kept, or a kept ``no_recompute`` undone). The blocks carry checkpointing switched off from the
-start under `auto` (`automicro.engine.sharding.shard`'s ``checkpoint_switch``, which `automicro.Trainer` sets), so
-the switch costs nothing until the ladder turns it on, between two attempts (after the wipe), on every rank alike: the
+The rungs, the cheapest first (`automicro.core.layout.LayoutSearch.recompute_floor`): a kept ``no_recompute`` undone
+(back to the checkpointing asked for); then, where the blocks recompute nothing, the selective rung
+(``recompute_op``: each block keeps its matrix products' and attention's outputs and recomputes the rest,
+`automicro.engine.recompute`'s ``op``); then every block's forward recomputed (``recompute``: full). Each rung is taken
+only where size 1 ran out on the one before. The blocks carry the engine's recompute dial switched off from the start
+under `auto` (`automicro.engine.sharding.shard`'s ``checkpoint_switch``, which `automicro.Trainer` sets), so the
+switch costs nothing until the ladder turns it, between two attempts (after the wipe), on every rank alike: the
 decision is taken from the agreed verdict. With the blocks compiled, the switch sits in each block's hooks, outside its
 compiled forward: nothing compiles again, and the backward runs each block's compiled forward once more. The whole
 model compiled (`compile.scope: model` or Composer's `compile_config`) carries no switch: checkpointing switched on
@@ -34,11 +37,12 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 from automicro.core.consensus import Verdict
-from automicro.core.layout import NO_RECOMPUTE, RECOMPUTE
+from automicro.core.layout import NO_RECOMPUTE, RECOMPUTE, RECOMPUTE_OP
 from automicro.batch.layout_trials import LayoutTrials
 
-# What the rung is called in lines, the summary and the run-ending message.
+# What each rung is called in lines, the summary and the run-ending message.
 RUNG = "activation checkpointing on"
+RUNGS = {NO_RECOMPUTE: "the checkpointing asked for back on", RECOMPUTE_OP: "selective recompute on", RECOMPUTE: RUNG}
 WHY_OFF = "the blocks checkpoint their activations (the ladder below size 1 switched it on)"
 
 
@@ -56,6 +60,7 @@ class FloorLadder:
     def __init__(self, layout: Optional[LayoutTrials], info: Callable[[str], None], pipeline: bool = False) -> None:
         self.layout, self.info, self.pipeline = layout, info, pipeline
         self.stepped_at: Optional[int] = None  # the batch the rung was stepped in (this launch)
+        self.last = ""  # the last rung stepped, in words (`RUNGS`)
 
     @property
     def stepped(self) -> bool:
@@ -73,7 +78,7 @@ class FloorLadder:
         if NO_RECOMPUTE in layout.search.kept or (layout.engine.can_recompute and RECOMPUTE not in layout.search.kept):
             return None
         if layout.engine.recomputes:
-            return "activation checkpointing is on already"
+            return "every block recomputes its forward already"
         return ("the blocks carry no checkpointing switch (the whole model is compiled, or the model was sharded "
                 "without automicro.engine.shard(..., checkpoint_switch=True))")
 
@@ -91,22 +96,30 @@ class FloorLadder:
             return None
         if sharding is not None and sharding.pending:
             sharding.rule_out(WHY_OFF)
-        self.stepped_at = batch_index
-        how = "kept activation checkpointing off undone" if changed == NO_RECOMPUTE else "every block's activation checkpointing switched on"
+        self.stepped_at, self.last = batch_index, RUNGS[changed]
+        how = {NO_RECOMPUTE: "kept activation checkpointing off undone",
+               RECOMPUTE_OP: "each block's selective recompute switched on (its matrix products' and attention's outputs kept, "
+                             "the rest recomputed in backward; full recompute is the next rung)",
+               RECOMPUTE: "every block's activation checkpointing switched on"}[changed]
+        cost = "the cheap work of each block again in backward" if changed == RECOMPUTE_OP else "a forward per block again in backward"
         return (f"recompute on: size 1 did not fit without it ({_rows(verdict)}); {how}, the size searched again in "
-                f"batch {batch_index} (the same numbers, a forward per block again in backward)")
+                f"batch {batch_index} (the same numbers, {cost})")
+
+    def _rungs(self) -> str:
+        assert self.layout is not None
+        return ", then ".join(RUNGS[t] for t in self.layout.search.floor if t in RUNGS)
 
     def tried(self) -> str:
         """What the run-ending message says was tried below size 1."""
         if self.stepped:
             at = f" by auto at batch {self.stepped_at}" if self.stepped_at is not None else " by auto before the checkpoint this run resumed from"
-            return f" with {RUNG} (switched on{at}: size 1 did not fit without it)"
+            return f" with {self._rungs()} (switched on{at}: size 1 did not fit without it)"
         why = self.why_not()
         return f" ({RUNG} not tried: {why})" if why else ""
 
     def summary(self) -> str:
         """The summary line's part ("" where the ladder did not step)."""
-        return f"ladder: {RUNG} (size 1 did not fit without it)" if self.stepped else ""
+        return f"ladder: {self._rungs()} (size 1 did not fit without it)" if self.stepped else ""
 
 
 __all__ = ["FloorLadder", "RUNG"]

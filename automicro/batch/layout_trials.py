@@ -453,7 +453,7 @@ class LayoutTrials:
         (between attempts); the trade changed, None where none could be (`LayoutSearch.recompute_floor`)."""
         if self.engine is None:
             return None
-        changed = self.search.recompute_floor(self.engine.can_recompute)
+        changed = self.search.recompute_floor(self.engine.can_recompute, selective=getattr(self.engine, "can_select", False))
         if changed is not None:
             self.trial_batch, self._timing = False, False
             self._clock.stop()

@@ -392,12 +392,13 @@ class TrainingSearch:
                 )
                 decision = self.policy.observe(failed)
             except search.CannotFitError as error:
-                line = self._floor_ladder().step(batch_index, verdict, self._compile_scope(), sharding)
+                ladder = self._floor_ladder()
+                line = ladder.step(batch_index, verdict, self._compile_scope(), sharding)
                 if line is not None:
                     # Below the floor, a rung instead of the end: the size is searched again in this batch.
                     self._search_again()
                     self._record(batch_index, sizes, "oom", verdict, self.policy.state.size, seconds,
-                                 "size 1 did not fit: activation checkpointing on, the size searched again", hooks=hooks_on)
+                                 f"size 1 did not fit: {ladder.last}, the size searched again", hooks=hooks_on)
                     rt.info(line)
                     continue
                 self._record(batch_index, sizes, "oom", verdict, 0, seconds, hooks=hooks_on)

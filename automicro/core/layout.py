@@ -109,7 +109,10 @@ GRAD_SYNC_ONCE = "grad_sync_once"
 NO_RESHARD = "no_reshard"
 NO_RECOMPUTE = "no_recompute"
 RECOMPUTE = "recompute"
-TRADES = (FUSED_HEAD, GRAD_SYNC_ONCE, NO_RESHARD, NO_RECOMPUTE, RECOMPUTE)  # also the order they are tried in
+# The ladder's first rung below size 1 where the blocks recompute nothing (`automicro.engine.recompute`'s ``op``): each
+# block keeps its matrix products' and attention's outputs and recomputes the rest. Never a trial: the ladder's only.
+RECOMPUTE_OP = "recompute_op"
+TRADES = (FUSED_HEAD, GRAD_SYNC_ONCE, NO_RESHARD, NO_RECOMPUTE, RECOMPUTE, RECOMPUTE_OP)  # also the order they are tried in
 # Trades whose bytes grow with the microbatch and are measured, not projected from the model.
 MEASURED = (NO_RECOMPUTE,)
 # Trades that save bytes per sample at a cost in time: tried only at a larger microbatch (an upsize
@@ -119,13 +122,14 @@ UPSIZE = (RECOMPUTE,)
 # microbatch they fit (else at the size found); never undone under pressure.
 GROWS = (FUSED_HEAD,)
 # What a pinned layout may name: checkpointing on is `activation_checkpointing: true`, the fused head `head: fused`.
-PINNABLE = tuple(t for t in TRADES if t not in UPSIZE and t not in GROWS)
+PINNABLE = tuple(t for t in TRADES if t not in UPSIZE and t not in GROWS and t != RECOMPUTE_OP)
 DESCRIPTIONS = {
     FUSED_HEAD: "the vocabulary head fused (the loss without the whole logits)",
     GRAD_SYNC_ONCE: "gradients reduced once per batch",
     NO_RESHARD: "no resharding after forward, nor between microbatches",
     NO_RECOMPUTE: "activation checkpointing off",
     RECOMPUTE: "activation checkpointing on",
+    RECOMPUTE_OP: "selective recompute on (matrix products and attention kept)",
 }
 MODES = ("auto", "fixed")
 # A trial's price (`automicro.batch.trial_price`), asked before it starts: ``priced(label, kind, facts)`` returns why
@@ -335,7 +339,7 @@ class LayoutSearch:
 
     def __init__(self, config: LayoutConfig, candidates: Sequence[str]) -> None:
         self.config = config
-        self.candidates = [t for t in TRADES if t in candidates]
+        self.candidates = [t for t in TRADES if t in candidates and t != RECOMPUTE_OP]  # the ladder's rung, never a trial
         self.kept: list[str] = list(config.pinned)
         self.rejected: dict[str, str] = {}
         # For a trade rejected for memory: the largest microbatch it did not fit at (undone under
@@ -596,13 +600,14 @@ class LayoutSearch:
         self._no_smaller = (found, largest)
         return None
 
-    def recompute_floor(self, can_switch_on: bool) -> Optional[str]:
-        """Microbatch size 1 ran out of memory again (`automicro.batch.floor_ladder`): every block's activation
-        checkpointing on, where it is off. ``no_recompute`` kept: undone, and never tried again this run; else
-        ``recompute`` kept where the blocks carry checkpointing switched off (`can_switch_on`). Any trial ends. Returns
-        the trade changed; None where checkpointing is on already or cannot be switched on. In any mode (a fixed or
-        pinned layout too: it changes what fits, not the numbers); never undone this run (`relieve`, `reconsider`:
-        it is in neither's reach); checkpointed (``floor``)."""
+    def recompute_floor(self, can_switch_on: bool, selective: bool = False) -> Optional[str]:
+        """Microbatch size 1 ran out of memory again (`automicro.batch.floor_ladder`): the next rung of recompute, the
+        cheapest first. ``no_recompute`` kept: undone (back to the checkpointing asked for), and never tried again
+        this run; else, where the blocks can recompute more (`can_switch_on`): ``recompute_op`` (`selective`: the
+        blocks recompute nothing now and carry the selective rung), then ``recompute`` (every block's forward, in
+        place of ``recompute_op``). Any trial ends. Returns the trade changed; None where every block recomputes
+        already. In any mode (a fixed or pinned layout too: it changes what fits, not the numbers); never undone this
+        run (`relieve`, `reconsider`: it is in neither's reach); checkpointed (``floor``)."""
         self.trial = None
         if NO_RECOMPUTE in self.kept:
             self.kept.remove(NO_RECOMPUTE)
@@ -610,11 +615,17 @@ class LayoutSearch:
             self.too_big_at.pop(NO_RECOMPUTE, None)
             self.floor.append(NO_RECOMPUTE)
             return NO_RECOMPUTE
-        if can_switch_on and RECOMPUTE not in self.kept:
-            self.kept.append(RECOMPUTE)
-            self.floor.append(RECOMPUTE)
-            return RECOMPUTE
-        return None
+        if not can_switch_on or RECOMPUTE in self.kept:
+            return None
+        if selective and RECOMPUTE_OP not in self.kept and RECOMPUTE_OP not in self.floor:
+            self.kept.append(RECOMPUTE_OP)
+            self.floor.append(RECOMPUTE_OP)
+            return RECOMPUTE_OP
+        if RECOMPUTE_OP in self.kept:
+            self.kept.remove(RECOMPUTE_OP)
+        self.kept.append(RECOMPUTE)
+        self.floor.append(RECOMPUTE)
+        return RECOMPUTE
 
     def _apply_floor(self) -> None:
         """A checkpoint's floor (`recompute_floor`) on this run's layout."""
@@ -623,7 +634,11 @@ class LayoutSearch:
                 self.kept.remove(NO_RECOMPUTE)
             if trade == NO_RECOMPUTE:
                 self.rejected[NO_RECOMPUTE] = _FLOOR_WHY
+            if trade == RECOMPUTE_OP and RECOMPUTE_OP not in self.kept and RECOMPUTE not in self.floor:
+                self.kept.append(RECOMPUTE_OP)
             if trade == RECOMPUTE and RECOMPUTE not in self.kept:
+                if RECOMPUTE_OP in self.kept:
+                    self.kept.remove(RECOMPUTE_OP)
                 self.kept.append(RECOMPUTE)
 
     def reconsider(self, capacity: int) -> tuple[Optional[int], list[str]]:
@@ -939,7 +954,7 @@ class LayoutSearch:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # The ladder's step holds in any mode: without it, size 1 did not fit.
-        self.floor = [t for t in state.get("floor", []) if t in (NO_RECOMPUTE, RECOMPUTE)]
+        self.floor = [t for t in state.get("floor", []) if t in (NO_RECOMPUTE, RECOMPUTE, RECOMPUTE_OP)]
         if self.config.mode != "auto":
             self._apply_floor()
             return  # a pinned or fixed layout wins over what a checkpoint chose
@@ -978,7 +993,7 @@ class LayoutSearch:
 
 __all__ = [
     "DESCRIPTIONS", "FUSED_HEAD", "GROWS", "GRAD_SYNC_ONCE", "LayoutConfig", "LayoutConfigError", "LayoutSearch", "MEASURED", "NO_RECOMPUTE",
-    "NO_RESHARD", "PINNABLE", "RECOMPUTE", "SIZE_FRACTIONS", "SIZE_TRIAL",
+    "NO_RESHARD", "PINNABLE", "RECOMPUTE", "RECOMPUTE_OP", "SIZE_FRACTIONS", "SIZE_TRIAL",
     "TRADES", "UPSIZE",
     "TrialResult", "describe", "judge",
 ]

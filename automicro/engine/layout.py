@@ -31,9 +31,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from automicro.core.layout import FUSED_HEAD, GRAD_SYNC_ONCE, NO_RECOMPUTE, NO_RESHARD, RECOMPUTE
+from automicro.core.layout import FUSED_HEAD, GRAD_SYNC_ONCE, NO_RECOMPUTE, NO_RESHARD, RECOMPUTE, RECOMPUTE_OP
 from automicro.engine import _torch_internals as internals
-from automicro.engine.recompute import FULL, OFF, Rung
+from automicro.engine.recompute import FULL, OFF, OP, Rung
 from automicro.engine.sharding import ShardedModel
 
 
@@ -69,14 +69,39 @@ class LayoutEngine:
 
     @property
     def can_recompute(self) -> bool:
-        """The blocks carry checkpointing switched off at build time (`shard`'s ``checkpoint_switch``): the ladder
-        below the floor can switch it on."""
+        """The ladder below the floor can make the blocks recompute more: they carry the engine's dial below full
+        (checkpointing switched off at build time, `shard`'s ``checkpoint_switch``, or a rung below full asked for),
+        or, sharded by the model's own `fully_shard`, checkpointing it switched off."""
+        if self._dial is not None:
+            return self.rung_of(self.layout).kind != FULL
         return bool(self._checkpointed) and not self._asked
 
     @property
+    def can_select(self) -> bool:
+        """The ladder's cheapest rung is left: the blocks carry the engine's dial and recompute nothing now."""
+        return self._dial is not None and not self.rung_of(self.layout).on
+
+    @property
     def recomputes(self) -> bool:
-        """The blocks checkpoint their activations in the layout applied."""
+        """The blocks checkpoint their activations (some of them, or some of their work) in the layout applied."""
+        if self._dial is not None:
+            return self.rung_of(self.layout).on
         return bool(self._checkpointed) and (NO_RECOMPUTE not in self.layout if self._asked else RECOMPUTE in self.layout)
+
+    def rung_of(self, layout: Sequence[str]) -> Rung:
+        """The recompute rung `layout` puts on the blocks: full (``recompute``), ``op`` (``recompute_op``), the one
+        asked for (``activation_checkpointing``) unless ``no_recompute``, else off."""
+        if RECOMPUTE in layout:
+            return Rung(FULL)
+        if RECOMPUTE_OP in layout:
+            return Rung(OP)
+        if self._asked and NO_RECOMPUTE not in layout:
+            return self.sharded.config.rung
+        return Rung(OFF)
+
+    @property
+    def _dial(self) -> Any:
+        return getattr(self.sharded, "recompute", None)
 
     @property
     def head(self) -> Any:
@@ -96,7 +121,7 @@ class LayoutEngine:
         (``no_reshard``) or unsharded gradients less the sharded ones the engine's own layout holds
         (``grad_sync_once``); None for ``no_recompute`` and ``recompute``
         (the activations depend on the layers and the microbatch: not projected)."""
-        if trade in (NO_RECOMPUTE, RECOMPUTE, FUSED_HEAD):
+        if trade in (NO_RECOMPUTE, RECOMPUTE, RECOMPUTE_OP, FUSED_HEAD):
             return None
         if not self._extra:
             param_bytes, grad_bytes, sharded_grad_bytes = internals.unsharded_param_bytes(self._blocks)
@@ -111,11 +136,10 @@ class LayoutEngine:
         if self.sharded.config.reshard_after_forward is True:
             for block in self._blocks:
                 internals.set_block_reshard_after_forward(block, NO_RESHARD not in layout)
-        on = NO_RECOMPUTE not in layout if self._asked else RECOMPUTE in layout
-        dial = getattr(self.sharded, "recompute", None)
-        if dial is not None:  # the engine's blocks: the rung asked for (``op``, ``k`` blocks, full), or full, or off
-            dial.set(self.sharded.config.rung if on and self._asked else Rung(FULL) if on else Rung(OFF))
+        if self._dial is not None:  # the engine's blocks: the rung the layout puts on them
+            self._dial.set(self.rung_of(layout))
         else:  # a model sharded by its own `fully_shard`, its checkpointing its own: on or off
+            on = NO_RECOMPUTE not in layout if self._asked else RECOMPUTE in layout
             for block in self._checkpointed:
                 internals.set_activation_checkpointing(block, on)
         if self.head is not None:
