@@ -83,10 +83,11 @@ def run(family: str, microbatch: Any = "auto", *, aux_loss: bool = False, batche
     torch.manual_seed(0)
     net = model(family, aux_loss)
     callbacks: list[Any] = list(extra)
-    auto = None
+    auto = cap = None
     if microbatch == "auto":
         auto = automicro.AutoMicrobatching(log_attempts=True)
-        callbacks += [auto, MemoryCapCallback(limit_bytes=limits(caps), retry_band=RETRY_BAND)]
+        cap = MemoryCapCallback(limit_bytes=limits(caps), retry_band=RETRY_BAND)
+        callbacks += [auto, cap]
     losses: dict[int, float] = {}
     lines: list[str] = []
 
@@ -122,6 +123,8 @@ def run(family: str, microbatch: Any = "auto", *, aux_loss: bool = False, batche
         log.removeHandler(handler)
         log.setLevel(level)
     out.update(losses=losses, lines=lines)
+    if cap is not None:  # counted buffers gloo's worker thread freed (not the program): 0, or the sizes move run to run
+        out.update(foreign_frees=cap.cap.stats()["foreign_frees"])
     if auto is not None:
         out.update(found=auto.found_size, history=[(r.batch, r.attempt, r.size, list(r.split), r.outcome, r.failed_ranks, r.note)
                                                    for r in auto.history])

@@ -837,6 +837,31 @@ def storage_key(storage: Any) -> int:
     return storage._cdata
 
 
+def collective_work(op: Any, out: Any) -> Any:
+    """The `Work` of a c10d collective op (`c10d.allreduce_`, `c10d._allgather_base_`, ...: what
+    `torch.distributed`'s collectives dispatch, async or not) from the op's outputs, where the
+    dispatcher returns it boxed as a `ScriptObject`; None for any other op. Checked on torch 2.7.0,
+    2.11.0 and 2.15.0 (`Work.unbox`)."""
+    if getattr(op, "namespace", None) != "c10d":
+        return None
+    from torch.utils._pytree import tree_leaves
+
+    for leaf in tree_leaves(out):
+        if isinstance(leaf, torch.ScriptObject):
+            try:
+                return torch._C._distributed_c10d.Work.unbox(leaf)
+            except (AttributeError, RuntimeError, TypeError):
+                return None
+    return None
+
+
+def tensor_use_count(tensor: torch.Tensor) -> int:
+    """The references to a tensor's C++ object (`TensorImpl`): its Python object holds one, and so
+    does each C++ holder, such as a c10d `Work` that keeps its inputs and outputs until it is
+    destroyed (`Tensor._use_count`, torch 2.7.0-2.15.0)."""
+    return tensor._use_count()
+
+
 def _observed_resize_(storage: Any, size: int) -> Any:
     observers = list(_resize_observers)
     for observer in observers:

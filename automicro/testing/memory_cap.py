@@ -43,8 +43,17 @@ How it counts:
   the same program would OOM on one run and not on the next. If it then fits, it counts one
   retry; if not, it raises and counts one retry and one `num_ooms` (CUDA also retries before it
   gives up).
-- Live bytes read between ops (stats()) can still include such a buffer for a few milliseconds
-  after its collective finished: compare them across ranks or runs with that margin.
+- A collective's buffers are freed where the program lets go of them, never when gloo's worker
+  thread happens to: a c10d collective's `Work` keeps its tensors until it is destroyed, and the
+  worker thread drops its reference to the work just after the collective completes. Where that
+  reference is the last one, the tensors died on the worker thread when it next took the GIL, an op
+  or two later or earlier from run to run, and the peaks and retries of one program moved by a
+  whole buffer (the routed-model tests' sizes 3, 4 or 5 under one cap). So the cap holds each
+  collective's tensors (and its work) itself: once the work completed and the worker let go of
+  it, or at the first check after the program dropped them (waiting there for the worker, at most
+  `collective_wait_s`), the cap drops them on its own thread. The checks run before every counted
+  allocation or resize and in `stats()`, so what a peak or a retry sees is a function of the
+  program's order alone. (`torch.distributed._functional_collectives`' ops are not held.)
 
 An op that would cross the limit still ran (the check happens on its outputs), but its outputs
 are never returned and never counted: they are freed as the exception unwinds.
@@ -57,6 +66,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import threading
 import time
 import weakref
@@ -67,7 +77,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-from automicro.engine._torch_internals import add_storage_resize_observer, compiles_under, storage_key
+from automicro.engine._torch_internals import (
+    add_storage_resize_observer,
+    collective_work,
+    compiles_under,
+    storage_key,
+    tensor_use_count,
+)
 
 __all__ = ["MemoryCap", "current_rank"]
 
@@ -139,6 +155,22 @@ def _tensor_storages(t: torch.Tensor, out: list) -> None:
     out.append(st)
 
 
+class _Collective:
+    """A c10d collective's plain tensors, held by the cap until the collective's work is gone or the
+    program dropped them (`MemoryCap._release_collectives`). `held`: the references the op took on
+    each (its tensor use count after the op less before: the work's); `after_work`: each one's use
+    count once the work completed, the work still alive (the cap held it): where one of the held
+    ones falls below it, the work is destroyed."""
+
+    __slots__ = ("work", "tensors", "held", "after_work")
+
+    def __init__(self, work: Any, tensors: list, held: list[int]):
+        self.work = work
+        self.tensors = tensors
+        self.held = held
+        self.after_work: Optional[list[int]] = None
+
+
 class _Entry:
     __slots__ = ("nbytes", "ref")
 
@@ -158,6 +190,8 @@ class _CapMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         # The mode is popped while we run: neither the op nor our bookkeeping re-enters it.
+        if getattr(func, "namespace", None) == "c10d":
+            return self.cap._collective_op(func, args, kwargs)
         out = func(*args, **kwargs)
         if not self.cap.paused:
             self.cap._after_op(func, args, kwargs, out)
@@ -196,6 +230,9 @@ class MemoryCap:
             times for `settle_s` each, so that frees pending in other threads land first (gloo
             worker threads release finished collectives' buffers asynchronously). Costs nothing
             unless an allocation is over the limit; 0 disables it.
+        collective_wait_s: how long a check waits for gloo's worker to let go of a completed
+            collective whose tensors the program dropped (microseconds as a rule; where the
+            program itself still holds the work it waits this long once, then lets go).
     """
 
     def __init__(
@@ -206,6 +243,7 @@ class MemoryCap:
         rank: Optional[int] = None,
         settle_attempts: int = 3,
         settle_s: float = 0.001,
+        collective_wait_s: float = 0.5,
     ):
         if not 0 <= retry_band < 1:
             raise ValueError(f"retry_band must be in [0, 1), got {retry_band}")
@@ -221,9 +259,14 @@ class MemoryCap:
         self._num_alloc_retries = 0
         self._num_ooms = 0
         self._num_allocs = 0
+        self._foreign_frees = 0
+        self._threads: set[int] = set()  # the threads that entered the cap
         self._limit: Optional[float] = None
         self._limit_resolved = False
         self._tls = threading.local()
+        self._collective_wait_s = collective_wait_s
+        self._collectives: list[_Collective] = []
+        self._releasing = threading.Lock()
 
     # ---- configuration -------------------------------------------------------------------------
 
@@ -262,6 +305,7 @@ class MemoryCap:
     def __enter__(self) -> "MemoryCap":
         depth = getattr(self._tls, "depth", 0)
         if depth == 0:
+            self._threads.add(threading.get_ident())
             self._resolve_limit()
             self.resync()
             mode = _CapMode(self)
@@ -324,7 +368,9 @@ class MemoryCap:
 
     def stats(self) -> dict:
         """live_bytes, peak_bytes, limit_bytes, num_alloc_retries, num_ooms (+ num_allocs,
-        num_tracked_storages, rank)."""
+        num_tracked_storages, rank, and foreign_frees: counted storages freed on a thread where the
+        cap was never entered, such as gloo's worker; 0 where the counts follow the program alone)."""
+        self._release_collectives()
         self.resync()
         with self._lock:
             return dict(
@@ -335,6 +381,7 @@ class MemoryCap:
                 num_ooms=self._num_ooms,
                 num_allocs=self._num_allocs,
                 num_tracked_storages=len(self._entries),
+                foreign_frees=self._foreign_frees,
                 rank=self.rank,
             )
 
@@ -369,18 +416,21 @@ class MemoryCap:
         """Let frees pending in other threads land (`settle_attempts` GIL releases of `settle_s`):
         before a peak window starts, a buffer gloo's worker has not dropped yet would otherwise
         count in the next window's peak, where on a GPU it is gone."""
+        self._release_collectives()
         for _ in range(self._settle_attempts):
             self._settle()
 
     def mark(self) -> dict[int, tuple["_Entry", int]]:
         """A mark to count what is allocated from now on (`held_since`): each counted storage and
         its size now. O(number of counted storages)."""
+        self._release_collectives()
         with self._lock:
             return {key: (entry, entry.nbytes) for key, entry in self._entries.items()}
 
     def held_since(self, mark: dict[int, tuple["_Entry", int]]) -> int:
         """Live bytes allocated since `mark`: storages counted after it, and what storages counted
         then have grown by (an FSDP2 unsharded parameter's storage is resized up, not allocated)."""
+        self._release_collectives()
         with self._lock:
             held = 0
             for key, entry in self._entries.items():
@@ -475,6 +525,8 @@ class MemoryCap:
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None and entry.ref is ref:
+                if threading.get_ident() not in self._threads:  # gloo's worker, an offload thread
+                    self._foreign_frees += 1
                 del self._entries[key]
                 self._live_bytes -= entry.nbytes
 
@@ -494,6 +546,7 @@ class MemoryCap:
         """Limit check for a counted storage growing by `delta` bytes (resize_)."""
         if delta <= 0 or not self.active:
             return
+        self._release_collectives()
         for attempt in range(self._settle_attempts + 1):
             with self._lock:
                 limit = self._limit
@@ -537,7 +590,75 @@ class MemoryCap:
         in_keys = {storage_key(st) for st in ins}
         new = [st for st in unknown if storage_key(st) not in in_keys]
         if new:
+            self._release_collectives()
             self._allocate(new, func, self._limit)  # func: named only in an OOM message
+
+    # ---- collectives: their buffers freed in the program's order, not the gloo worker's ----------
+
+    def _collective_op(self, func, args, kwargs) -> Any:
+        """Run a c10d collective op; count its outputs as any op's and hold its tensors and work
+        (`_Collective`) until `_release_collectives` lets go of them on this thread."""
+        tensors: list = []
+        seen: set[int] = set()
+        for leaf in tree_flatten((args, kwargs))[0]:
+            if type(leaf) in (torch.Tensor, torch.nn.Parameter) and id(leaf) not in seen:
+                seen.add(id(leaf))
+                tensors.append(leaf)
+        before = [tensor_use_count(t) for t in tensors]
+        out = func(*args, **kwargs)
+        if not self.paused:
+            self._after_op(func, args, kwargs, out)
+        work = collective_work(func, out)
+        if work is not None and tensors:
+            held = [max(0, tensor_use_count(t) - b) for t, b in zip(tensors, before)]
+            if any(held):
+                self._collectives.append(_Collective(work, tensors, held))
+        return out
+
+    def _release_collectives(self) -> None:
+        """Let go of the collectives' tensors the program is done with (see the module docstring):
+        a work that completed is dropped at once; its tensors once it is destroyed (the worker let go
+        of it), or, where the program no longer holds them, after waiting here for the worker (at
+        most `collective_wait_s`). Where the program dropped the tensors of a work still in flight
+        (a collective one rank never joined), they are let go of as they are. Never under the lock:
+        the worker's frees of other storages take it."""
+        if not self._collectives or not self._releasing.acquire(blocking=False):
+            return  # nothing held, or another thread is at it
+        try:
+            self._release_held_collectives()
+        finally:
+            self._releasing.release()
+
+    def _release_held_collectives(self) -> None:
+        ours: dict[int, int] = {}  # the references the cap holds to each tensor (no local name may hold one)
+        for key in [id(t) for c in self._collectives for t in c.tensors]:
+            ours[key] = ours.get(key, 0) + 1
+        kept: list[_Collective] = []
+        pending, self._collectives = self._collectives, []  # what is held from now on is added there
+        for c in pending:
+            if c.work is not None and c.work.is_completed():
+                c.after_work = [tensor_use_count(t) for t in c.tensors]  # the work alive: the cap holds it
+                c.work = None
+            dropped = all(sys.getrefcount(t) - 2 <= ours[id(t)] for t in c.tensors)
+            if c.after_work is None:  # in flight
+                if not dropped:
+                    kept.append(c)
+                continue
+            if self._work_gone(c):
+                continue
+            if dropped:
+                deadline = time.monotonic() + self._collective_wait_s
+                while not self._work_gone(c) and time.monotonic() < deadline:
+                    time.sleep(0.0001)  # the GIL released: the worker drops the work
+                continue
+            kept.append(c)
+        del pending
+        self._collectives = kept + self._collectives
+
+    @staticmethod
+    def _work_gone(c: "_Collective") -> bool:
+        assert c.after_work is not None
+        return any(tensor_use_count(t) < n for t, n, h in zip(c.tensors, c.after_work, c.held) if h)
 
     def __repr__(self) -> str:
         return (
