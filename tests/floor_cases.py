@@ -37,9 +37,9 @@ def run_plain(rank: int, world: int) -> dict[str, Any]:
     reference = steady._reference(world, above=FLOOR)
     last = world - 1
 
-    def one(site: str, ranks: Optional[list[int]], batch: int, times: int) -> dict[str, Any]:
+    def one(site: str, ranks: Optional[list[int]], batch: int, times: int, extra: tuple = ()) -> dict[str, Any]:
         fault = FaultInjector(site, ranks=ranks, microbatch_index=-1 if site == "backward" else 0, batch=batch, times=times)
-        result = steady._run(world, fault, above=FLOOR)
+        result = steady._run(world, fault, above=FLOOR, extra=extra)
         params = result.pop("params")
         result["error"] = None if params is None else max_error(params, reference)
         return result
@@ -51,6 +51,9 @@ def run_plain(rank: int, world: int) -> dict[str, Any]:
     run_case(out, "steady/forward/one/twice", lambda: one("forward", [last], STEADY_BATCH, 2))
     run_case(out, "steady/backward/every/twice", lambda: one("backward", None, STEADY_BATCH, 2))
     run_case(out, "steady/forward/one/always", lambda: one("forward", [last], STEADY_BATCH, 99))
+    # the ladder's first rung taken at STEADY_BATCH, then a one-off on it in the batch after (on the other rank)
+    run_case(out, "steady/forward/one/twice/then-once", lambda: one(
+        "forward", [last], STEADY_BATCH, 2, extra=(FaultInjector("forward", ranks=[0], batch=STEADY_BATCH + 1, times=1),)))
     run_case(out, "eval/one/once", lambda: _eval_at_floor(world, times=1))
     run_case(out, "eval/one/twice", lambda: _eval_at_floor(world, times=2))
     return out

@@ -82,6 +82,24 @@ def test_a_repeated_oom_at_size_1_switches_checkpointing_on_and_the_run_trains_o
 
 
 @pytest.mark.multiproc
+def test_a_one_off_oom_on_the_rung_the_ladder_took_reruns_the_batch_at_1_and_keeps_the_rung(plain):
+    """After the ladder took selective recompute (a repeat at size 1 on the last rank), a one-off at size 1 on rank 0
+    in the next batch is a one-off like any other: that batch reruns once at 1 on the same rung (full recompute is not
+    taken), and the parameters end as the run that never ran out (fp32, 1e-5)."""
+    key = "steady/forward/one/twice/then-once"
+    for rank, per_rank in enumerate(plain):
+        result = _result(per_rank, key)
+        assert "exception" not in result, (rank, result["exception"])
+        assert result["batches"] == steady.BATCHES and result["adam_steps"] == [steady.BATCHES], rank
+        assert result["error"] <= TOLERANCE, (rank, result["error"])
+        assert result["found_size"] == 1 and result["layout"] == SELECTIVE, result
+        after = [(r["attempt"], r["size"], r["outcome"]) for r in result["history"] if r["batch"] == cases.STEADY_BATCH + 1]
+        assert after == [(1, 1, "oom"), (2, 1, "ok")], (rank, after)
+    steps = [[(r["batch"], r["attempt"], r["size"], r["outcome"]) for r in per_rank[key]["history"]] for per_rank in plain]
+    assert steps[0] == steps[1], steps
+
+
+@pytest.mark.multiproc
 def test_a_repeated_oom_at_size_1_with_checkpointing_on_ends_the_run_on_every_rank_naming_what_was_tried(plain):
     for rank, per_rank in enumerate(plain):
         result = _result(per_rank, "steady/forward/one/always")
