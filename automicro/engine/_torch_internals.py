@@ -837,6 +837,13 @@ def storage_key(storage: Any) -> int:
     return storage._cdata
 
 
+# Whether a gloo collective's `Work` says it completed once gloo's worker ran it (torch 2.7.0 and 2.11.0), or only once
+# the program waited on it (2.15.0: `is_completed()` and its future stay False until `wait()`; FSDP2 there leaves some
+# of its works unwaited). `automicro.testing.MemoryCap` holds a collective's buffers until its work is gone only where
+# it can tell that it completed.
+GLOO_WORK_COMPLETES_UNWAITED = _torch_version() < (2, 15)
+
+
 def collective_work(op: Any, out: Any) -> Any:
     """The `Work` of a c10d collective op (`c10d.allreduce_`, `c10d._allgather_base_`, ...: what
     `torch.distributed`'s collectives dispatch, async or not) from the op's outputs, where the

@@ -53,7 +53,8 @@ How it counts:
   it, or at the first check after the program dropped them (waiting there for the worker, at most
   `collective_wait_s`), the cap drops them on its own thread. The checks run before every counted
   allocation or resize and in `stats()`, so what a peak or a retry sees is a function of the
-  program's order alone. (`torch.distributed._functional_collectives`' ops are not held.)
+  program's order alone. (`torch.distributed._functional_collectives`' ops are not held; nor is anything on torch
+  2.15, whose gloo work says it completed only once waited on: `MemoryCap.holds_collectives`.)
 
 An op that would cross the limit still ran (the check happens on its outputs), but its outputs
 are never returned and never counted: they are freed as the exception unwinds.
@@ -78,6 +79,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from automicro.engine._torch_internals import (
+    GLOO_WORK_COMPLETES_UNWAITED,
     add_storage_resize_observer,
     collective_work,
     compiles_under,
@@ -162,13 +164,17 @@ class _Collective:
     count once the work completed, the work still alive (the cap held it): where one of the held
     ones falls below it, the work is destroyed."""
 
-    __slots__ = ("work", "tensors", "held", "after_work")
+    __slots__ = ("work", "tensors", "held", "after_work", "issued")
 
-    def __init__(self, work: Any, tensors: list, held: list[int]):
+    def __init__(self, work: Any, tensors: list, held: list[int], issued: int):
         self.work = work
         self.tensors = tensors
         self.held = held
         self.after_work: Optional[list[int]] = None
+        self.issued = issued  # the cap's count of collectives when this one was issued
+
+
+_STALE = 16  # a collective not seen complete is let go of once this many came after it
 
 
 class _Entry:
@@ -190,7 +196,7 @@ class _CapMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         # The mode is popped while we run: neither the op nor our bookkeeping re-enters it.
-        if getattr(func, "namespace", None) == "c10d":
+        if MemoryCap.holds_collectives and getattr(func, "namespace", None) == "c10d":
             return self.cap._collective_op(func, args, kwargs)
         out = func(*args, **kwargs)
         if not self.cap.paused:
@@ -218,6 +224,10 @@ class _ResizeWatch:
 class MemoryCap:
     """Emulated per-rank device memory limit on live tensor bytes (see module docstring).
 
+    `MemoryCap.holds_collectives`: whether the cap holds collectives' buffers until their work is gone (torch 2.7 and
+    2.11; on 2.15 a gloo work says it completed only once waited on, so the cap counts as before, and a buffer may
+    still be freed by gloo's worker thread: `stats()["foreign_frees"]`).
+
     Args:
         limit_bytes: the limit for this process; or a mapping global rank -> limit (the rank is
             read when the cap is entered: torch.distributed if initialized, else env RANK, else
@@ -234,6 +244,8 @@ class MemoryCap:
             collective whose tensors the program dropped (microseconds as a rule; where the
             program itself still holds the work it waits this long once, then lets go).
     """
+
+    holds_collectives = GLOO_WORK_COMPLETES_UNWAITED
 
     def __init__(
         self,
@@ -267,6 +279,7 @@ class MemoryCap:
         self._collective_wait_s = collective_wait_s
         self._collectives: list[_Collective] = []
         self._releasing = threading.Lock()
+        self._issued = 0
 
     # ---- configuration -------------------------------------------------------------------------
 
@@ -609,10 +622,11 @@ class MemoryCap:
         if not self.paused:
             self._after_op(func, args, kwargs, out)
         work = collective_work(func, out)
+        self._issued += 1
         if work is not None and tensors:
             held = [max(0, tensor_use_count(t) - b) for t, b in zip(tensors, before)]
             if any(held):
-                self._collectives.append(_Collective(work, tensors, held))
+                self._collectives.append(_Collective(work, tensors, held, self._issued))
         return out
 
     def _release_collectives(self) -> None:
@@ -639,14 +653,20 @@ class MemoryCap:
             if c.work is not None and c.work.is_completed():
                 c.after_work = [tensor_use_count(t) for t in c.tensors]  # the work alive: the cap holds it
                 c.work = None
-            dropped = all(sys.getrefcount(t) - 2 <= ours[id(t)] for t in c.tensors)
-            if c.after_work is None:  # in flight
-                if not dropped:
+            dropped = [sys.getrefcount(t) - 2 <= ours[id(t)] for t in c.tensors]
+            if c.after_work is None:
+                # Not seen complete (in flight; or torch 2.15's gloo, whose work says so only once waited on):
+                # what the program dropped goes at once, and the rest once `_STALE` collectives came after it.
+                for key in [id(t) for t, gone in zip(c.tensors, dropped) if gone]:
+                    ours[key] -= 1
+                c.held = [h for h, gone in zip(c.held, dropped) if not gone]
+                c.tensors = [t for t, gone in zip(c.tensors, dropped) if not gone]
+                if c.tensors and self._issued - c.issued <= _STALE:
                     kept.append(c)
                 continue
             if self._work_gone(c):
                 continue
-            if dropped:
+            if all(dropped):
                 deadline = time.monotonic() + self._collective_wait_s
                 while not self._work_gone(c) and time.monotonic() < deadline:
                     time.sleep(0.0001)  # the GIL released: the worker drops the work
