@@ -242,7 +242,8 @@ class MemoryCap:
             unless an allocation is over the limit; 0 disables it.
         collective_wait_s: how long a check waits for gloo's worker to let go of a completed
             collective whose tensors the program dropped (microseconds as a rule; where the
-            program itself still holds the work it waits this long once, then lets go).
+            program itself still holds the work it waits this long once, then lets go:
+            `stats()["slow_releases"]`).
     """
 
     holds_collectives = GLOO_WORK_COMPLETES_UNWAITED
@@ -255,7 +256,7 @@ class MemoryCap:
         rank: Optional[int] = None,
         settle_attempts: int = 3,
         settle_s: float = 0.001,
-        collective_wait_s: float = 0.5,
+        collective_wait_s: float = 0.1,
     ):
         if not 0 <= retry_band < 1:
             raise ValueError(f"retry_band must be in [0, 1), got {retry_band}")
@@ -280,6 +281,7 @@ class MemoryCap:
         self._collectives: list[_Collective] = []
         self._releasing = threading.Lock()
         self._issued = 0
+        self._slow_releases = 0
 
     # ---- configuration -------------------------------------------------------------------------
 
@@ -382,7 +384,8 @@ class MemoryCap:
     def stats(self) -> dict:
         """live_bytes, peak_bytes, limit_bytes, num_alloc_retries, num_ooms (+ num_allocs,
         num_tracked_storages, rank, and foreign_frees: counted storages freed on a thread where the
-        cap was never entered, such as gloo's worker; 0 where the counts follow the program alone)."""
+        cap was never entered, such as gloo's worker; 0 where the counts follow the program alone; and
+        slow_releases: collectives let go of after `collective_wait_s` without seeing their work go)."""
         self._release_collectives()
         self.resync()
         with self._lock:
@@ -395,6 +398,7 @@ class MemoryCap:
                 num_allocs=self._num_allocs,
                 num_tracked_storages=len(self._entries),
                 foreign_frees=self._foreign_frees,
+                slow_releases=self._slow_releases,
                 rank=self.rank,
             )
 
@@ -655,13 +659,10 @@ class MemoryCap:
                 c.work = None
             dropped = [sys.getrefcount(t) - 2 <= ours[id(t)] for t in c.tensors]
             if c.after_work is None:
-                # Not seen complete (in flight; or torch 2.15's gloo, whose work says so only once waited on):
-                # what the program dropped goes at once, and the rest once `_STALE` collectives came after it.
-                for key in [id(t) for t, gone in zip(c.tensors, dropped) if gone]:
-                    ours[key] -= 1
-                c.held = [h for h, gone in zip(c.held, dropped) if not gone]
-                c.tensors = [t for t, gone in zip(c.tensors, dropped) if not gone]
-                if c.tensors and self._issued - c.issued <= _STALE:
+                # In flight: kept whole (a tensor the work holds is what tells when it is gone, and an output the
+                # program dropped may live on in views the work holds) until the program dropped all of it, or
+                # `_STALE` collectives came after it (one a peer never joined).
+                if not all(dropped) and self._issued - c.issued <= _STALE:
                     kept.append(c)
                 continue
             if self._work_gone(c):
@@ -670,6 +671,8 @@ class MemoryCap:
                 deadline = time.monotonic() + self._collective_wait_s
                 while not self._work_gone(c) and time.monotonic() < deadline:
                     time.sleep(0.0001)  # the GIL released: the worker drops the work
+                if not self._work_gone(c):
+                    self._slow_releases += 1  # the program itself still held the work: let go of it anyway
                 continue
             kept.append(c)
         del pending
@@ -678,7 +681,9 @@ class MemoryCap:
     @staticmethod
     def _work_gone(c: "_Collective") -> bool:
         assert c.after_work is not None
-        return any(tensor_use_count(t) < n for t, n, h in zip(c.tensors, c.after_work, c.held) if h)
+        held = [(t, n) for t, n, h in zip(c.tensors, c.after_work, c.held) if h]
+        # gone where a held count fell; nothing to wait for where the work holds none of what is left
+        return not held or any(tensor_use_count(t) < n for t, n in held)
 
     def __repr__(self) -> str:
         return (
