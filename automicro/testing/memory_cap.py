@@ -419,6 +419,7 @@ class MemoryCap:
 
     @property
     def live_bytes(self) -> int:
+        self._release_collectives()
         return self._live_bytes
 
     @property
