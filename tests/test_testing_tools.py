@@ -106,7 +106,44 @@ def _fsdp_mlp_under_cap(rank, world_size, limits, steps):
     except torch.OutOfMemoryError as e:
         return dict(oom=str(e), stats=cap.stats())
     return dict(oom=None, stats=cap.stats(), phases=phases, tracked=tracked,
-                sharded_param_bytes=sharded_param_bytes, resize_patched="resize_" in torch.UntypedStorage.__dict__)
+                sharded_param_bytes=sharded_param_bytes, resize_patched="resize_" in torch.UntypedStorage.__dict__,
+                completes=_gloo_works_say_they_completed())
+
+
+def _gloo_works_say_they_completed() -> dict:
+    """For each collective FSDP2 and the consensus run, whether its gloo work said it completed once waited on, and
+    whether `_torch_internals.work_reports_completion` (which the cap's holding follows) says it does."""
+    import time
+
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from automicro.engine._torch_internals import collective_work, work_reports_completion
+
+    class Works(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.last = (func, collective_work(func, out))
+            return out
+
+    x = torch.ones(64)
+    runs = {
+        "all_reduce": lambda: dist.all_reduce(x, async_op=True),
+        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(torch.empty(128), x, async_op=True),
+        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(torch.empty(32), x, async_op=True),
+        "broadcast": lambda: dist.broadcast(x, 0, async_op=True),
+    }
+    out = {}
+    for name, run in runs.items():
+        with Works() as mode:
+            work = run()
+        work.wait()
+        func, seen = mode.last
+        deadline = time.monotonic() + 5.0  # gloo's worker marks it a moment after wait() returns
+        while not seen.is_completed() and time.monotonic() < deadline and work_reports_completion(func):
+            time.sleep(0.001)
+        out[name] = (seen.is_completed(), work_reports_completion(func))
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -270,6 +307,9 @@ def test_memory_cap_under_fully_shard_two_ranks():
         # every counted buffer freed on the program's thread, none by gloo's worker (where the cap can tell: 2.7, 2.11)
         assert s["foreign_frees"] == 0 or not MemoryCap.holds_collectives
         assert not res["resize_patched"]  # UntypedStorage.resize_ restored on exit
+        # which gloo works say they completed (the cap holds only those): as `work_reports_completion` says
+        assert all(said == told for said, told in res["completes"].values()), res["completes"]
+        assert res["completes"]["reduce_scatter_tensor"] == (False, False) and res["completes"]["all_reduce"] == (True, True)
         (_, step1), (_, fwd2), (_, bwd2), (_, step2) = res["phases"][2:]
         assert fwd2 > step1 and bwd2 > step1  # activations, then sharded grads
         # after the step: params + Adam's two states, grads freed by zero_grad. Exact, so the

@@ -53,8 +53,11 @@ How it counts:
   it, or at the first check after the program dropped them (waiting there for the worker, at most
   `collective_wait_s`), the cap drops them on its own thread. The checks run before every counted
   allocation or resize and in `stats()`, so what a peak or a retry sees is a function of the
-  program's order alone. (`torch.distributed._functional_collectives`' ops are not held; nor is anything on torch
-  2.15, whose gloo work says it completed only once waited on: `MemoryCap.holds_collectives`.)
+  program's order alone. (`torch.distributed._functional_collectives`' ops are not held; nor are gloo's
+  reduce-scatters, whose work never says it completed (`_torch_internals.work_reports_completion`: held, a
+  reduce-scatter's input stayed counted long after FSDP2 was done with it, and the torch 2.11 runs ran out of memory
+  early); nor is anything on torch 2.15, where the cap still saw a gloo worker free a buffer:
+  `MemoryCap.holds_collectives`.)
 
 An op that would cross the limit still ran (the check happens on its outputs), but its outputs
 are never returned and never counted: they are freed as the exception unwinds.
@@ -79,12 +82,13 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from automicro.engine._torch_internals import (
-    GLOO_WORK_COMPLETES_UNWAITED,
+    CAP_HOLDS_GLOO_COLLECTIVES,
     add_storage_resize_observer,
     collective_work,
     compiles_under,
     storage_key,
     tensor_use_count,
+    work_reports_completion,
 )
 
 __all__ = ["MemoryCap", "current_rank"]
@@ -162,7 +166,8 @@ class _Collective:
     program dropped them (`MemoryCap._release_collectives`). `held`: the references the op took on
     each (its tensor use count after the op less before: the work's); `after_work`: each one's use
     count once the work completed, the work still alive (the cap held it): where one of the held
-    ones falls below it, the work is destroyed."""
+    ones falls below it, the work is destroyed. Only works that say when they completed are held
+    (`_torch_internals.work_reports_completion`)."""
 
     __slots__ = ("work", "tensors", "held", "after_work", "issued")
 
@@ -225,8 +230,8 @@ class MemoryCap:
     """Emulated per-rank device memory limit on live tensor bytes (see module docstring).
 
     `MemoryCap.holds_collectives`: whether the cap holds collectives' buffers until their work is gone (torch 2.7 and
-    2.11; on 2.15 a gloo work says it completed only once waited on, so the cap counts as before, and a buffer may
-    still be freed by gloo's worker thread: `stats()["foreign_frees"]`).
+    2.11; on 2.15, holding, a buffer was still freed by gloo's worker thread in a routed-model case, so the cap counts
+    as before there, and such frees show in `stats()["foreign_frees"]`).
 
     Args:
         limit_bytes: the limit for this process; or a mapping global rank -> limit (the rank is
@@ -246,7 +251,7 @@ class MemoryCap:
             `stats()["slow_releases"]`).
     """
 
-    holds_collectives = GLOO_WORK_COMPLETES_UNWAITED
+    holds_collectives = CAP_HOLDS_GLOO_COLLECTIVES
 
     def __init__(
         self,
@@ -630,7 +635,7 @@ class MemoryCap:
         self._issued += 1
         if work is not None and tensors:
             held = [max(0, tensor_use_count(t) - b) for t, b in zip(tensors, before)]
-            if any(held):
+            if any(held) and work_reports_completion(func):
                 self._collectives.append(_Collective(work, tensors, held, self._issued))
         return out
 
