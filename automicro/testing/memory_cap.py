@@ -49,9 +49,10 @@ How it counts:
   reference is the last one, the tensors died on the worker thread when it next took the GIL, an op
   or two later or earlier from run to run, and the peaks and retries of one program moved by a
   whole buffer (the routed-model tests' sizes 3, 4 or 5 under one cap). So the cap holds each
-  collective's tensors (and its work) itself: once the work completed and the worker let go of
-  it, or at the first check after the program dropped them (waiting there for the worker, at most
-  `collective_wait_s`), the cap drops them on its own thread. The checks run before every counted
+  collective's tensors (and its work) itself: once the work completed and the program let go of
+  its handle, the cap lets go of the work and waits for the worker to (at most `collective_wait_s`),
+  then drops the tensors on its own thread; where the program dropped them first, at the first
+  check after. The checks run before every counted
   allocation or resize and in `stats()`, so what a peak or a retry sees is a function of the
   program's order alone. (`torch.distributed._functional_collectives`' ops are not held; nor are gloo's
   reduce-scatters, whose work never says it completed (`_torch_internals.work_reports_completion`: held, a
@@ -660,9 +661,19 @@ class MemoryCap:
         kept: list[_Collective] = []
         pending, self._collectives = self._collectives, []  # what is held from now on is added there
         for c in pending:
+            waited = False
             if c.work is not None and c.work.is_completed():
+                if sys.getrefcount(c.work) > 2:  # the program still holds the work (the cap's reference and the call's)
+                    kept.append(c)  # and the work its tensors: they stay counted until the program lets go of it
+                    continue
                 c.after_work = [tensor_use_count(t) for t in c.tensors]  # the work alive: the cap holds it
                 c.work = None
+                # Now only gloo's worker may hold the work, and it lets go of it just after the collective completed: wait
+                # for that here (microseconds as a rule), so that whether the tensors are let go of now or at a later check
+                # does not depend on when the worker thread last ran.
+                if self._wait_for_work(c):
+                    continue
+                waited = True
             dropped = [sys.getrefcount(t) - 2 <= ours[id(t)] for t in c.tensors]
             if c.after_work is None:
                 # In flight: kept whole (a tensor the work holds is what tells when it is gone, and an output the
@@ -674,15 +685,25 @@ class MemoryCap:
             if self._work_gone(c):
                 continue
             if all(dropped):
-                deadline = time.monotonic() + self._collective_wait_s
-                while not self._work_gone(c) and time.monotonic() < deadline:
-                    time.sleep(0.0001)  # the GIL released: the worker drops the work
-                if not self._work_gone(c):
-                    self._slow_releases += 1  # the program itself still held the work: let go of it anyway
+                if not waited:
+                    self._wait_for_work(c)  # where it timed out (now or above): let go of them anyway
                 continue
             kept.append(c)
         del pending
         self._collectives = kept + self._collectives
+
+    def _wait_for_work(self, c: "_Collective") -> bool:
+        """Wait (at most `collective_wait_s`, the GIL released) for a completed collective's work to be destroyed;
+        whether it was (a timeout counts in `slow_releases`)."""
+        if self._work_gone(c):
+            return True
+        deadline = time.monotonic() + self._collective_wait_s
+        while not self._work_gone(c) and time.monotonic() < deadline:
+            time.sleep(0.0001)  # the GIL released: the worker drops the work
+        if self._work_gone(c):
+            return True
+        self._slow_releases += 1
+        return False
 
     @staticmethod
     def _work_gone(c: "_Collective") -> bool:
