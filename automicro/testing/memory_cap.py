@@ -247,9 +247,9 @@ class MemoryCap:
             worker threads release finished collectives' buffers asynchronously). Costs nothing
             unless an allocation is over the limit; 0 disables it.
         collective_wait_s: how long a check waits for gloo's worker to let go of a completed
-            collective whose tensors the program dropped (microseconds as a rule; where the
-            program itself still holds the work it waits this long once, then lets go:
-            `stats()["slow_releases"]`).
+            collective's work once the program dropped its handle (microseconds as a rule; past
+            it the cap lets go anyway: `stats()["slow_releases"]`). While the program holds the
+            work, the cap keeps the work and its tensors counted and waits for nothing.
     """
 
     holds_collectives = CAP_HOLDS_GLOO_COLLECTIVES
