@@ -218,6 +218,8 @@ KEEP_LAYOUTS = {
     "recompute": (("recompute", "grad_sync_once"), "switch"),
     # The user's ``op`` rung: no_recompute switches it off, undone it is ``op`` again (not full).
     "op_no_recompute": (("no_recompute",), "op"),
+    # A full recompute asked for, tried down to ``op`` (``recompute_op``): undone it is full again.
+    "full_op": (("recompute_op",), True),
 }
 ACCUM = 3
 
@@ -272,7 +274,7 @@ def keep_between_microbatches(rank: int, world: int, layout: tuple[str, ...], fa
         opt.zero_grad(set_to_none=True)
         if ac and step == STEPS - 1:
             # Undone between batches: recomputation is back (no_recompute) or gone again (recompute).
-            engine.apply(tuple(t for t in layout if t not in ("no_recompute", "recompute")))
+            engine.apply(tuple(t for t in layout if t not in ("no_recompute", "recompute", "recompute_op")))
         if fail and step == 1:
             try:
                 run_step(x, y, raise_in=1)

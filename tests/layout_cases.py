@@ -302,9 +302,10 @@ def recompute_cases(oom: bool = True) -> dict[str, Any]:
     - ``recompute_oom``: the probe (two sizes for the memory model) and a cap between the whole
       batch's peak with checkpointing and without: the size settles at 4 with it, the trial's first
       batch runs out of memory, the trade is undone and the batch reruns at 4; never tried again at
-      4. Then one batch at size 1 without checkpointing measures its bytes per sample, and a
-      downsize trial runs the largest smaller size they fit at without checkpointing against 4
-      with it: timed faster, that size is adopted.
+      4. The full recompute asked for is then tried down to ``op`` at 4 (checkpointing off did not fit
+      there): out of memory too, undone the same way. Then one batch at size 1 without checkpointing
+      measures its bytes per sample, one more ``op``'s, and a downsize trial runs the largest smaller
+      size they fit at without checkpointing against 4 with it: timed faster, that size is adopted.
     Parameters against a fixed run with checkpointing at size 4 (recomputation changes no number).
     `oom=False` (4 ranks, to spare CI's time): ``recompute_kept`` only."""
     batches = BATCHES + 2  # settled after batch 3; the three trials in batches 4-9, one batch after
@@ -320,8 +321,8 @@ def recompute_cases(oom: bool = True) -> dict[str, Any]:
     return {
         "recompute_kept": kept,
         "recompute_oom": _strip(
-            fit("auto", batches + 5, limit=int(limit[0]), timing=faster, fsdp2=AC, start_size="probe"),
-            fit(4, batches + 5, layout="fixed", fsdp2=AC),
+            fit("auto", batches + 9, limit=int(limit[0]), timing=faster, fsdp2=AC, start_size="probe"),
+            fit(4, batches + 9, layout="fixed", fsdp2=AC),
         ),
         "limit": int(limit[0]),
     }

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from automicro.core.layout import (
-    GRAD_SYNC_ONCE, NO_RECOMPUTE, NO_RESHARD, RECOMPUTE, TRADES, LayoutConfig, LayoutConfigError, LayoutSearch, judge,
+    GRAD_SYNC_ONCE, NO_RECOMPUTE, NO_RESHARD, RECOMPUTE, RECOMPUTE_OP, TRADES, LayoutConfig, LayoutConfigError, LayoutSearch,
+    judge,
 )
 from automicro.testing.multiprocess import run_multiprocess
 from tests import layout_cases as cases
@@ -437,10 +438,11 @@ def test_checkpointing_on_is_measured_then_kept_at_the_larger_microbatch_it_admi
 def test_activation_checkpointing_off_is_a_trade_kept_when_faster_undone_by_an_oom_then_measured_and_downsized(world):
     """``no_recompute`` on 1 and 2 ranks, the blocks checkpointed: tried after the other trades, last; kept
     when timed faster; under a cap it cannot meet, its trial's first batch runs out of memory, the
-    trade is undone, the batch reruns at the same size and it is not tried again at that size. Then
-    one batch at size 1 measures its bytes, and the downsize trial runs it at the largest smaller
-    size they fit at: faster, that size is adopted with no other OOM. Parameters equal a fixed run
-    with checkpointing at size 4."""
+    trade is undone, the batch reruns at the same size and it is not tried again at that size. The
+    full recompute asked for is tried down to ``op`` there next: out of memory too, undone. Then one
+    batch at size 1 measures checkpointing off's bytes, one more ``op``'s (fewer), and the downsize
+    trial runs off at the largest smaller size they fit at: faster, that size is adopted with no
+    other OOM. Parameters equal a fixed run with checkpointing at size 4."""
     for rank in range(world):
         kept, oom = _suite(world)[rank]["recompute_kept"], _suite(world)[rank]["recompute_oom"]
         for run in (kept, oom):
@@ -452,20 +454,24 @@ def test_activation_checkpointing_off_is_a_trade_kept_when_faster_undone_by_an_o
         assert kept["results"] == [[NO_RESHARD, False], [NO_RECOMPUTE, True], [NO_RESHARD, False]], kept
         assert kept["settled"] == [NO_RECOMPUTE] and kept["layouts"][-1] == [NO_RECOMPUTE]
         assert "layout: activation checkpointing off" in kept["summary"] and kept["found"] == 4
-        [(batch, size, note)] = [(r[0], r[1], r[3]) for r in oom["history"] if r[2] == "oom"]
-        assert size == 4 and note == "layout undone first; rerun at the same size, now default", oom["history"]
+        [(batch, size, note), (op_batch, op_size, op_note)] = [(r[0], r[1], r[3]) for r in oom["history"] if r[2] == "oom"]
+        undone = "layout undone first; rerun at the same size, now default"
+        assert size == op_size == 4 and note == op_note == undone, oom["history"]
         assert oom["layouts"][batch] == [NO_RECOMPUTE] and oom["splits"][batch] == [4]
-        # Undone; three clean batches at 4 (sync hooks off again), then the measuring batch
-        # at the probe's split, then the downsize trial (with: 2 + 2 without checkpointing; without: 4 with it).
-        assert [x for x in oom["layouts"][batch + 1 : batch + 6]] == [[], [], [NO_RECOMPUTE], [NO_RECOMPUTE], []], oom
-        assert oom["splits"][batch + 3 : batch + 6] == [[1, 1, 2], [2, 2], [4]], oom["splits"]
-        per_sample = oom["state"]["per_sample"][NO_RECOMPUTE]
-        assert 0 < per_sample and 2 * per_sample < _suite(world)[rank]["limit"], oom["state"]
+        # Undone; three clean batches at 4 (sync hooks off again), then ``op`` in place of full at 4: out of memory.
+        assert op_batch == batch + 3 and oom["layouts"][batch + 1 : op_batch + 1] == [[], [], [RECOMPUTE_OP]], oom
+        # Undone; three clean batches, then the measuring batches at the probe's split (off, then ``op``), then the
+        # downsize trial (with: 2 + 2 without checkpointing; without: 4 with it).
+        assert oom["layouts"][op_batch + 1 : op_batch + 7] == [[], [], [NO_RECOMPUTE], [RECOMPUTE_OP], [NO_RECOMPUTE], []], oom
+        assert oom["splits"][op_batch + 3 : op_batch + 7] == [[1, 1, 2], [1, 1, 2], [2, 2], [4]], oom["splits"]
+        per_sample = oom["state"]["per_sample"]
+        assert 0 < per_sample[RECOMPUTE_OP] < per_sample[NO_RECOMPUTE], oom["state"]  # ``op`` keeps less than off
+        assert 2 * per_sample[NO_RECOMPUTE] < _suite(world)[rank]["limit"], oom["state"]
         # At the size adopted, two microbatches: gradients reduced once is tried there, not kept.
         assert oom["results"] == [[NO_RESHARD, False], [NO_RECOMPUTE, True], [GRAD_SYNC_ONCE, False]], oom
         assert oom["found"] == 3 and oom["splits"][-1] == [2, 2] and oom["settled"] == [NO_RECOMPUTE]
         assert oom["state"]["too_big_at"] == {} and oom["state"]["downsized_from"] == [4]
-        assert "OOMs 1" in oom["summary"]
+        assert "OOMs 2" in oom["summary"]
 
 
 # ---- the downsize trial: a smaller microbatch with the trades that did not fit ---------------------
@@ -576,6 +582,91 @@ def test_pressure_in_the_measuring_batch_or_no_measure_ends_it_for_good():
     nowhere.observe(nowhere.current, 5.0)
     nowhere.measured(2**30)
     assert nowhere.layout_for_batch(True, lambda t: None, 4, 4, lambda trades: None, 1) == ((), [])
+
+
+# ---- a full recompute asked for, tried down to the ``op`` rung -------------------------------------------------
+
+DOWN = [NO_RECOMPUTE, RECOMPUTE_OP]  # the candidates where the user asked for full recompute (`LayoutEngine.candidates`)
+
+
+def _off_did_not_fit(found: int = 4) -> LayoutSearch:
+    """Full recompute asked for: ``no_recompute`` tried first at the size found, out of memory there."""
+    search = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), DOWN)
+    layout, lines = search.layout_for_batch(True, lambda t: None, found, found)
+    assert layout == (NO_RECOMPUTE,) and [line.split(" (")[0] for line in lines] == ["layout trial no_recompute"]
+    assert search.relieve(layout, f"out of memory at size {found}", found) == NO_RECOMPUTE
+    return search
+
+
+def test_a_full_recompute_asked_for_is_tried_down_to_op_where_off_did_not_fit_and_op_kept_when_faster():
+    search = _off_did_not_fit()
+    layout, lines = search.layout_for_batch(True, lambda t: None, 4, 4)
+    assert layout == (RECOMPUTE_OP,) and search.trial_size is None  # at the size found
+    assert lines == ["recompute: op (matrix products and attention kept) against full at the size found: "
+                     "1 batches with it, as many without"]
+    search.observe(layout, 1.5)
+    layout, _ = search.layout_for_batch(True, lambda t: None, 4, 4)
+    assert layout == ()  # the "without" arm: the full recompute asked for
+    search.observe(layout, 2.0)
+    result = search.decide(search.local_times())
+    assert result.kept and search.settled == (RECOMPUTE_OP,)
+    assert result.line() == ("recompute: op (matrix products and attention kept) against full at the size found: op kept; "
+                             "median batch 1.5000 s op, 2.0000 s full (+25.0%; spread 0.0000 s)")
+    assert search.layout_for_batch(True, lambda t: None, 4, 4) == ((RECOMPUTE_OP,), [])  # nothing left to try
+    restored = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), DOWN)
+    restored.load_state_dict(search.state_dict())
+    assert restored.settled == (RECOMPUTE_OP,) and restored.layout_for_batch(True, lambda t: None, 4, 4)[0] == (RECOMPUTE_OP,)
+    # Under pressure at the settled size it is undone first: back to full, which holds less.
+    assert search.relieve((RECOMPUTE_OP,), "out of memory at size 4", 4) == RECOMPUTE_OP and search.settled == ()
+    # A smaller size later: off comes back first, and kept it takes ``op``'s place (two rungs of one dial).
+    search.kept.append(RECOMPUTE_OP)
+    search.too_big_at.pop(RECOMPUTE_OP)
+    search.rejected.pop(RECOMPUTE_OP)
+    layout, lines = search.layout_for_batch(True, lambda t: None, 2, 2)
+    assert layout == (NO_RECOMPUTE, RECOMPUTE_OP) and search.trial.trades == (NO_RECOMPUTE,), lines
+    _run_trial(search, 1.0, 2.0)
+    assert search.settled == (NO_RECOMPUTE,)
+
+
+def test_op_is_not_tried_where_off_fitted_whether_kept_or_slower():
+    for off_s, kept in ((1.0, True), (3.0, False)):
+        search = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), DOWN)
+        search.layout_for_batch(True, lambda t: None, 4, 4)
+        _run_trial(search, off_s, 2.0)
+        assert search.settled == ((NO_RECOMPUTE,) if kept else ())
+        assert search.layout_for_batch(True, lambda t: None, 4, 4) == (search.settled, []) and search.trial is None
+    # Nor without ``no_recompute`` beside it (no full recompute asked for): the ladder's rung only.
+    assert LayoutSearch(LayoutConfig.parse("auto"), [RECOMPUTE, RECOMPUTE_OP]).candidates == [RECOMPUTE]
+
+
+def test_where_neither_fits_at_the_size_found_both_are_measured_and_downsized_alone_never_together():
+    search = _off_did_not_fit()
+    search.layout_for_batch(True, lambda t: None, 4, 4)
+    assert search.relieve((RECOMPUTE_OP,), "out of memory at size 4", 4) == RECOMPUTE_OP
+    assert search.too_big_at == {NO_RECOMPUTE: 4, RECOMPUTE_OP: 4}
+    sizes = {(NO_RECOMPUTE,): None, (RECOMPUTE_OP,): 3}  # off fits nowhere smaller; op at 3
+    asked: list[tuple[str, ...]] = []
+
+    def smaller(trades):
+        asked.append(trades)
+        return sizes.get(trades)
+
+    measured = []
+    for _ in range(2):  # one measuring batch each, off first
+        layout, lines = search.layout_for_batch(True, lambda t: None, 4, 4, smaller, 1)
+        assert search.trial.measure and search.trial.size == 1 and len(layout) == 1, lines
+        measured.append((layout[0], lines))
+        search.observe(layout, 5.0)
+        search.measured(2**20 if layout == (NO_RECOMPUTE,) else 2**19)
+    assert [trade for trade, _ in measured] == [NO_RECOMPUTE, RECOMPUTE_OP]
+    assert measured[1][1] == ["recompute: op's bytes measured in one batch at microbatches 1 and 2 (found 4 with full): "
+                              "it did not fit at 4"]
+    assert search.per_sample == {NO_RECOMPUTE: 2**20, RECOMPUTE_OP: 2**19}
+    layout, lines = search.layout_for_batch(True, lambda t: None, 4, 4, smaller, 1)
+    assert asked == [(NO_RECOMPUTE,), (RECOMPUTE_OP,)]  # never the two together
+    assert layout == (RECOMPUTE_OP,) and (search.trial.size, search.trial.from_size) == (3, 4)
+    assert lines == ["recompute: op (matrix products and attention kept) at microbatch 3 against full at 4, the size found: "
+                     "1 batches with it at 3, as many without at 4"]
 
 
 def test_over_tokens_the_size_policy_adopts_only_a_smaller_budget():

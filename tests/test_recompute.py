@@ -112,3 +112,31 @@ def test_compiled_blocks_take_every_rung_with_the_same_gradients_and_compile_eac
     # Under ``op`` a compiled block checkpoints inside its graph: its hooks are off.
     dial.set(Rung(OP))
     assert not any(internals.checkpoint_enabled(block) for block in model.blocks)
+
+
+def test_a_full_recompute_asked_for_can_be_tried_down_to_op_and_off_wins_over_op_where_both_are_in_a_layout():
+    """`LayoutEngine`'s side of the ``recompute_op`` trade (the search's: tests/test_layout.py; under FSDP2 on two
+    ranks: tests/test_engine.py's ``full_op``): a candidate only where full recompute was asked for and the blocks
+    carry the dial; the rung each layout puts on the blocks, and the gradients unchanged."""
+    from types import SimpleNamespace
+
+    from automicro.engine.layout import LayoutEngine
+
+    def engine_for(asked):
+        model, dial = _model()
+        named = [("", model)] + [(f"blocks.{i}", block) for i, block in enumerate(model.blocks)]
+        config = FSDP2Config(activation_checkpointing=asked, reshard_after_forward=False)
+        sharded = SimpleNamespace(named_fsdp_modules=named, fsdp_modules=[], config=config, recompute=dial, compiled=None)
+        dial.set(config.rung)
+        return model, dial, LayoutEngine(sharded)
+
+    model, dial, engine = engine_for(True)
+    assert engine.candidates() == ["no_recompute", "recompute_op"]
+    reference, _ = _step(engine_for(False)[0])
+    for layout, kind in (((), FULL), (("recompute_op",), OP), (("no_recompute",), OFF), (("no_recompute", "recompute_op"), OFF)):
+        engine.apply(layout)
+        assert engine.rung_of(layout).kind == kind and dial.rung.kind == kind, layout
+        grads, _ = _step(model)
+        assert all(torch.allclose(g, r, atol=1e-5) for g, r in zip(grads, reference)), layout
+    for asked in ("op", 2, False):  # no full recompute asked for: nothing to try down from
+        assert "recompute_op" not in engine_for(asked)[2].candidates(), asked

@@ -58,6 +58,7 @@ def test_a_gpu_batchs_kernels_are_placed_by_the_range_that_launched_them():
     assert profile.fsdp_s == pytest.approx(40e-6)
     assert profile.comm_s == pytest.approx(20e-6)
     assert profile.fusable_s == pytest.approx(30e-6)  # the elementwise kernel and the loss's, not the GEMM nor the optimizer
+    assert profile.products_s == pytest.approx(50e-6)  # the GEMM: what the ``op`` rung of recompute keeps
     assert profile.unattributed_s == pytest.approx(10e-6) and profile.unattributed_names == ("mystery_kernel",)
     # Every bound holds the unattributed work: it is never smaller than the truth.
     assert profile.can_win(batch_profile.UNSHARDED) == pytest.approx(profile.idle_s + 40e-6 + 10e-6)
@@ -78,6 +79,7 @@ def test_a_cpu_batchs_operators_are_its_device_work():
     profile = figures(events, wall_s=0.001, device="cpu")
     assert profile.fsdp_s == pytest.approx(40e-6) and profile.comm_s == pytest.approx(20e-6)
     assert profile.fusable_s == pytest.approx(40e-6)
+    assert profile.products_s == pytest.approx(200e-6)
     assert profile.idle_s == pytest.approx(0.001 - (40 + 240 + 70 + 20) * 1e-6)
 
 
@@ -90,6 +92,7 @@ def test_a_routed_models_grouped_expert_products_are_products_not_eager_work_a_c
     cpu = figures([_event("aten::_grouped_mm", False, 0, 200), _event("aten::_scaled_grouped_mm", False, 200, 260),
                    _event("aten::silu", False, 260, 300)], wall_s=0.0003, device="cpu")
     assert cpu.fusable_s == pytest.approx(40e-6)  # the activation only
+    assert cpu.products_s == pytest.approx(260e-6)
     gpu = figures([_event("cudaLaunchKernel", False, 0, 1, correlation=1), _event("cudaLaunchKernel", False, 2, 3, correlation=2),
                    _event("cudaLaunchKernel", False, 4, 5, correlation=3),
                    _event("triton_tem_fused__grouped_mm_0", True, 10, 110, correlation=1),
@@ -99,7 +102,7 @@ def test_a_routed_models_grouped_expert_products_are_products_not_eager_work_a_c
 
 
 def test_a_profile_travels_between_ranks_as_micros_and_bounds_each_kind_from_above():
-    profile = BatchProfile(wall_s=2.0, idle_s=0.004, fsdp_s=0.006, comm_s=0.1, fusable_s=0.5, device="cuda")
+    profile = BatchProfile(wall_s=2.0, idle_s=0.004, fsdp_s=0.006, comm_s=0.1, fusable_s=0.5, device="cuda", products_s=1.2)
     assert BatchProfile.from_micros(profile.to_micros(), "cuda") == profile
     assert profile.can_win(batch_profile.UNSHARDED) == pytest.approx(0.010)
     assert profile.can_win(batch_profile.TRADE) == pytest.approx(0.110)
@@ -158,6 +161,24 @@ def test_a_whole_model_compile_is_priced_from_the_compiles_this_run_timed_and_ru
     assert "does not fit" in allocate([unsharded], long_run, Budget(planned_s=1000.0), 0.01)[1]["scope"]
     # Under FSDP2, little eager work to fuse: expected to lose (its hooks break the graph at every block).
     assert price("scope", "scope", _measured()).win_s < 0
+
+
+def test_a_full_recompute_tried_down_to_op_is_priced_by_the_matrix_products_it_no_longer_runs_twice():
+    """``recompute_op`` (full recompute asked for by hand): a quarter of the products' and attention's device time (the
+    forward's share of the busy time, `RECOMPUTE_OF_BUSY`), a compile of the blocks' selective graph where the blocks
+    compile, and one batch an OOM may rerun; in a downsize trial its estimate is a gain as ``no_recompute``'s is."""
+    products = BatchProfile(1.0, idle_s=0.02, fsdp_s=0.03, comm_s=0.02, fusable_s=0.05, device="cuda", products_s=0.6)
+    compiled = _measured(profile=products)
+    op = price("recompute_op", "recompute_op", compiled)
+    assert op.win_s == pytest.approx(0.25 * 0.6)
+    assert op.cost_s == pytest.approx(4.0 + 3 * 0.15 + 1.0) and "selective graph" in op.costs
+    assert worth(op, compiled, 0.01) is None and "not recomputed, 0.25 x their device time (60.0%)" in op.basis
+    eager = price("recompute_op", "recompute_op", _measured(profile=products, graph_compile_s=0.0))
+    assert eager.cost_s == pytest.approx(3 * 0.15 + 1.0) and "selective graph" not in eager.costs
+    # Nothing measured in matrix products: nothing to win, not tried.
+    assert "under the 1% it must win" in worth(price("recompute_op", "recompute_op", _measured()), _measured(), 0.01)
+    down = price("recompute_op at 3", "downsize", compiled, trades="recompute_op", microbatches=3)
+    assert down.win_s == pytest.approx(0.15 - 1 * compiled.microbatch_s()[0])
 
 
 def test_the_budget_goes_to_the_trials_worth_most_and_keeps_within_one_percent():

@@ -19,7 +19,10 @@ work is issued, so what they can win is bounded by what a batch already shows:
 - the vocabulary head (where the run put its switch on the model: `automicro.engine.head`): what its forward and
   backward launch inside their host ranges (``automicro::head``), all of it and its eager part (not a matrix
   product), and the bytes per sample its forward holds until its backward (the logits and what the loss keeps of
-  them): the fused head's price reads them (`trial_price`). On its own line.
+  them): the fused head's price reads them (`trial_price`). On its own line;
+- matrix products and attention outside the head and the optimizer (`products_s`): what a block's forward run again
+  under full recompute costs beyond the ``op`` rung (`automicro.engine.recompute`), which keeps their outputs and
+  recomputes the rest: the ``recompute_op`` trade's price reads it.
 
 So: the model unsharded can win at most idle + FSDP2's work; a layout trade idle + FSDP2's work +
 collectives; the whole model compiled idle + fusable work; a smaller microbatch of fixed-length samples
@@ -88,6 +91,9 @@ class BatchProfile:
     head_s: float = 0.0  # device work of the vocabulary head's forward and backward (0: not measured)
     head_eager_s: float = 0.0  # of it, what is not a matrix product (the upcast, the softmax, the loss, their backward)
     head_bytes: int = 0  # bytes per sample the head's forward holds until its backward (0: not measured)
+    # device work in matrix products and attention outside the head (what the ``op`` rung of recompute keeps, not runs
+    # again; 0: not measured)
+    products_s: float = 0.0
 
     def can_win(self, kind: str) -> float:
         """The most a trial of `kind` can save from a batch, in seconds."""
@@ -132,13 +138,15 @@ class BatchProfile:
     def to_micros(self) -> list[int]:
         """The figures as ints for their agreement (seconds in microseconds; the head's bytes as they are)."""
         return [int(round(v * 1e6)) for v in (self.wall_s, self.idle_s, self.fsdp_s, self.comm_s, self.fusable_s,
-                                              self.unattributed_s, self.fsdp_idle_s, self.head_s, self.head_eager_s)] + [int(self.head_bytes)]
+                                              self.unattributed_s, self.fsdp_idle_s, self.head_s, self.head_eager_s)] + [
+            int(self.head_bytes), int(round(self.products_s * 1e6))]
 
     @classmethod
     def from_micros(cls, values: Sequence[int], device: str, names: tuple[str, ...] = ()) -> "BatchProfile":
         wall, idle, fsdp, comm, fusable, unattributed, fsdp_idle, head, head_eager = (v / 1e6 for v in values[:9])
+        products = values[10] / 1e6 if len(values) > 10 else 0.0
         return cls(wall, idle, fsdp, comm, fusable, unattributed, device, names if unattributed else (), min(idle, fsdp_idle),
-                   head, min(head, head_eager), int(values[9]))
+                   head, min(head, head_eager), int(values[9]), products)
 
 
 # ---- intervals ------------------------------------------------------------------------------------
@@ -242,7 +250,7 @@ def figures(events: Sequence[Any], wall_s: float, device: str) -> BatchProfile:
         # clock pays).
         extent = max(k.end_ns for k in kernels) - min(k.start_ns for k in kernels)
         parts: dict[str, list[Interval]] = {"fsdp": [], "comm": [], "fusable": [], "unattributed": [], "optimizer": [],
-                                            "head": [], "head_eager": []}
+                                            "head": [], "head_eager": [], "products": []}
         lost: dict[str, int] = {}
         for k in kernels:
             span = (k.start_ns, k.end_ns)
@@ -254,6 +262,8 @@ def figures(events: Sequence[Any], wall_s: float, device: str) -> BatchProfile:
                 parts["head"].append(span)
                 if not MATMUL.search(k.name):
                     parts["head_eager"].append(span)
+            elif MATMUL.search(k.name) and (anchor is None or not optimizer.holds(anchor.thread, anchor.start_ns)):
+                parts["products"].append(span)
             if anchor is None:
                 parts["unattributed"].append(span)
                 lost[k.name] = lost.get(k.name, 0) + k.end_ns - k.start_ns
@@ -292,6 +302,7 @@ def figures(events: Sequence[Any], wall_s: float, device: str) -> BatchProfile:
             "unattributed": 0.0,
             "head": _length(heads) / 1e9,
             "head_eager": _length(_minus(heads, products)) / 1e9,
+            "products": _length(_minus(products, head.all() + optimizer.all())) / 1e9,
         }
         names = ()
         # FSDP2's host code with no operator running: its own host time, as this batch shows it (a sleep or a lock
@@ -300,7 +311,7 @@ def figures(events: Sequence[Any], wall_s: float, device: str) -> BatchProfile:
         fsdp_idle = _length(_minus(fsdp.all(), spans)) / 1e9
         idle = max(0.0, wall_s - busy / 1e9, fsdp_idle)
     return BatchProfile(wall_s, idle, seconds["fsdp"], seconds["comm"], seconds["fusable"], seconds["unattributed"], device, names,
-                        fsdp_idle, seconds["head"], seconds["head_eager"])
+                        fsdp_idle, seconds["head"], seconds["head_eager"], products_s=seconds["products"])
 
 
 class BatchProfiler:

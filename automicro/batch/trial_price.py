@@ -92,7 +92,9 @@ HEAD_MEASURE_BATCHES = 4.0
 
 # What a kind of trial is expected to win from, for the words of its line.
 KINDS = ("static", "packing", "one_rank", "scope", "grad_sync_once", "no_reshard", "together", "no_recompute",
-         "smaller", "downsize", "upsize", "fused_head")
+         "recompute_op", "smaller", "downsize", "upsize", "fused_head")
+# The recompute trades a downsize trial may carry (their own estimates are its gains).
+RECOMPUTE_TRADES = ("no_recompute", "recompute_op")
 
 
 @dataclass(frozen=True)
@@ -234,6 +236,15 @@ def price(label: str, kind: str, m: Measured, **facts: float) -> Optional[Price]
         win = RECOMPUTE_OF_BUSY * (p.wall_s - p.idle_s)
         return Price(label, kind, win, _arms(win, m) + w, f"the forward recomputed, {RECOMPUTE_OF_BUSY:g} x the device's busy time",
                      "its arms' batches and one batch an OOM may rerun")
+    if kind == "recompute_op":
+        # Full recompute asked for by hand, tried down to ``op``: the blocks' matrix products and attention no longer run
+        # twice (their share of the recomputed forward: of the batch's, as the profile shows them); a compiled block
+        # compiles its selective graph once.
+        win = RECOMPUTE_OF_BUSY * p.products_s
+        return Price(label, kind, win, graph + _arms(win, m) + w,
+                     f"the matrix products and attention not recomputed, {RECOMPUTE_OF_BUSY:g} x their device time "
+                     f"({_pct(p.products_s, m)})",
+                     ("a compile of the blocks' selective graph, " if graph else "") + "its arms' batches and one batch an OOM may rerun")
     if kind == "fused_head":
         # Fewer microbatches where the size it fits (predicted from the plain head's measured bytes) is larger, and
         # part of the head's eager work; its measuring batch runs at the probe's split.
@@ -264,7 +275,7 @@ def price(label: str, kind: str, m: Measured, **facts: float) -> Optional[Price]
                  + (f", less padding ({100 * m.padding_share:.1f}% of the tokens)" if padding else ""))
         return Price(label, kind, win, graph + _arms(win, m), basis, "a compile at the new size and its arms' batches" if graph else "its arms' batches")
     if kind == "downsize":
-        gains = sum(price(label, t, m).win_s for t in str(facts.get("trades", "")).split("+") if t in TRADE_OF_FSDP_AND_COMM or t == "no_recompute")
+        gains = sum(price(label, t, m).win_s for t in str(facts.get("trades", "")).split("+") if t in TRADE_OF_FSDP_AND_COMM or t in RECOMPUTE_TRADES)
         win = gains - (count - n) * a
         return Price(label, kind, win, graph + _arms(win, m) + w,
                      f"its trades' estimates less {count - n} more microbatch(es) at {_pct(a, m)} each ({a_from})",

@@ -109,12 +109,13 @@ GRAD_SYNC_ONCE = "grad_sync_once"
 NO_RESHARD = "no_reshard"
 NO_RECOMPUTE = "no_recompute"
 RECOMPUTE = "recompute"
-# The ladder's first rung below size 1 where the blocks recompute nothing (`automicro.engine.recompute`'s ``op``): each
-# block keeps its matrix products' and attention's outputs and recomputes the rest. Never a trial: the ladder's only.
+# `automicro.engine.recompute`'s ``op`` rung: each block keeps its matrix products' and attention's outputs and recomputes
+# the rest. The ladder's first rung below size 1 where the blocks recompute nothing; where the user asked for full
+# recompute, a trade down from it (tried after ``no_recompute``, measured as it is: fewer bytes than none, more than full).
 RECOMPUTE_OP = "recompute_op"
 TRADES = (FUSED_HEAD, GRAD_SYNC_ONCE, NO_RESHARD, NO_RECOMPUTE, RECOMPUTE, RECOMPUTE_OP)  # also the order they are tried in
 # Trades whose bytes grow with the microbatch and are measured, not projected from the model.
-MEASURED = (NO_RECOMPUTE,)
+MEASURED = (NO_RECOMPUTE, RECOMPUTE_OP)
 # Trades that save bytes per sample at a cost in time: tried only at a larger microbatch (an upsize
 # trial), measured first, never undone under pressure.
 UPSIZE = (RECOMPUTE,)
@@ -263,6 +264,13 @@ class Trial:
             if self.size is None:
                 return "head: fused against plain at the size found"
             return f"head: fused at microbatch {self.size} against plain at {self.from_size}, the size found"
+        if self.trades == (RECOMPUTE_OP,):  # a full recompute asked for, tried down to the ``op`` rung
+            found = f" (found {self.from_size} with full)" if self.from_size is not None else ""
+            if self.measure:
+                return f"recompute: op's bytes measured in one batch at microbatches {self.size} and {self.size + 1}{found}"
+            if self.size is None:
+                return "recompute: op (matrix products and attention kept) against full at the size found"
+            return f"recompute: op (matrix products and attention kept) at microbatch {self.size} against full at {self.from_size}, the size found"
         if self.sized and self.unit == "tokens":
             return f"size trial: budget {self.size} tokens against {self.from_size}, the budget found"
         if self.sized:
@@ -304,6 +312,10 @@ class TrialResult:
             gain = 0.0 if self.median_off <= 0 else 100.0 * (1.0 - self.median_on / self.median_off)
             return (f"{self.heading or 'head: fused against plain'}: {'fused kept' if self.kept else 'plain kept'}; median "
                     f"batch {self.median_on:.4f} s fused, {self.median_off:.4f} s plain ({gain:+.1f}%; spread {self.spread:.4f} s)")
+        if self.trade == RECOMPUTE_OP:
+            gain = 0.0 if self.median_off <= 0 else 100.0 * (1.0 - self.median_on / self.median_off)
+            return (f"{self.heading or 'recompute: op against full'}: {'op kept' if self.kept else 'full kept'}; median "
+                    f"batch {self.median_on:.4f} s op, {self.median_off:.4f} s full ({gain:+.1f}%; spread {self.spread:.4f} s)")
         verdict = "kept" if self.kept else "not kept"
         gain = 0.0 if self.median_off <= 0 else 100.0 * (1.0 - self.median_on / self.median_off)
         heading = self.heading or f"layout trial {self.trade} ({describe(self.trade.split('+'))})"
@@ -339,7 +351,8 @@ class LayoutSearch:
 
     def __init__(self, config: LayoutConfig, candidates: Sequence[str]) -> None:
         self.config = config
-        self.candidates = [t for t in TRADES if t in candidates and t != RECOMPUTE_OP]  # the ladder's rung, never a trial
+        # ``recompute_op`` is a trial only down from a full recompute asked for (with ``no_recompute``); else the ladder's.
+        self.candidates = [t for t in TRADES if t in candidates and (t != RECOMPUTE_OP or NO_RECOMPUTE in candidates)]
         self.kept: list[str] = list(config.pinned)
         self.rejected: dict[str, str] = {}
         # For a trade rejected for memory: the largest microbatch it did not fit at (undone under
@@ -413,6 +426,10 @@ class LayoutSearch:
         slower = {t for t, bases in self.slower_on.items() if self.settled in bases}
         priced_out = {t for t, at in self.priced_out_at.items() if at == self._found}
         done = set(self.kept) | set(self.rejected) | slower | set(UPSIZE) | set(GROWS) | priced_out
+        if NO_RECOMPUTE not in self.too_big_at or RECOMPUTE in self.kept:
+            # ``op`` holds more than no recompute and recomputes more: it can pay only where checkpointing off did not
+            # fit at this size (kept, slower or priced out, ``op`` would not win more); nor once the ladder put full on.
+            done.add(RECOMPUTE_OP)
         return [t for t in self.candidates if t not in done]
 
     def _readmit(self, size: Optional[int]) -> list[str]:
@@ -456,8 +473,8 @@ class LayoutSearch:
             else:
                 return Trial((unmeasured[0],), size=measure_at, from_size=found, measure=True)
         for trades in [waiting] + ([(t,) for t in waiting] if len(waiting) > 1 else []):
-            if not trades:
-                continue
+            if not trades or (NO_RECOMPUTE in trades and RECOMPUTE_OP in trades):
+                continue  # off and ``op`` are two rungs of one dial, never tried together
             target = smaller(trades)
             if target is not None and target < found:
                 return Trial(trades, size=target, from_size=found)
@@ -877,6 +894,8 @@ class LayoutSearch:
         result = replace(result, size=trial.size, heading=trial.heading())
         self.results.append(result)
         if result.kept:
+            if NO_RECOMPUTE in trial.trades and RECOMPUTE_OP in self.kept:
+                self.kept.remove(RECOMPUTE_OP)  # checkpointing off in place of the ``op`` rung
             for trade in trial.trades:
                 self.kept.append(trade)
                 self.rejected.pop(trade, None)

@@ -49,7 +49,9 @@ class FSDP2Config:
             ``PURE`` (bf16 params and bf16 reduce).
         activation_checkpointing: what the wrapped blocks recompute in backward (`automicro.engine.recompute`):
             ``True`` every block's forward, ``False`` nothing, ``"op"`` each block's cheap work (its matrix
-            products' and attention's outputs saved), an int ``k`` the first ``k`` blocks' forward.
+            products' and attention's outputs saved), an int ``k`` the first ``k`` blocks' forward. Under
+            ``layout: auto`` what is set is tried down as well: off (``no_recompute``), and ``True`` to ``"op"``
+            where off does not fit (``recompute_op``), each kept only where timed faster.
         replicate: HSDP replicate degree; the world is a ``replicate x shard`` mesh.
         cpu_offload: keep sharded parameters, gradients and optimizer state on the host.
         wrap: ``None`` follows Composer's conventions (a module's ``_fsdp_wrap`` attribute or

@@ -53,8 +53,9 @@ class LayoutEngine:
         """The trades this model can take: ``no_reshard`` where blocks reshard after forward
         (``reshard_after_forward: true``, the default), ``grad_sync_once`` wherever it is sharded,
         ``no_recompute`` where the blocks checkpoint their activations, ``recompute`` where they
-        carry checkpointing switched off (`shard`'s ``checkpoint_switch``); ``fused_head`` where the head's switch
-        is the trials' (``head: auto``)."""
+        carry checkpointing switched off (`shard`'s ``checkpoint_switch``); ``recompute_op`` where the user asked for
+        full recompute and the blocks carry the engine's dial (the ``op`` rung in its place); ``fused_head`` where the
+        head's switch is the trials' (``head: auto``)."""
         found = []
         if self.head is not None and self.head.switchable:
             found.append(FUSED_HEAD)
@@ -65,6 +66,9 @@ class LayoutEngine:
         if self._checkpointed and (self._asked or self.sharded.compiled is None):
             # ``recompute`` as a trial only with eager blocks (as before the ladder put the switch on compiled ones).
             found.append(NO_RECOMPUTE if self._asked else RECOMPUTE)
+        if self._dial is not None and self._asked and self.sharded.config.rung.kind == FULL:
+            # Full recompute asked for by hand: tried down to ``op`` as well as off.
+            found.append(RECOMPUTE_OP)
         return found
 
     @property
@@ -89,13 +93,16 @@ class LayoutEngine:
         return bool(self._checkpointed) and (NO_RECOMPUTE not in self.layout if self._asked else RECOMPUTE in self.layout)
 
     def rung_of(self, layout: Sequence[str]) -> Rung:
-        """The recompute rung `layout` puts on the blocks: full (``recompute``), ``op`` (``recompute_op``), the one
-        asked for (``activation_checkpointing``) unless ``no_recompute``, else off."""
+        """The recompute rung `layout` puts on the blocks: full (``recompute``), off where the user asked for
+        checkpointing and ``no_recompute`` switches it off, ``op`` (``recompute_op``: the ladder's rung, or a hand-set
+        full recompute tried down), the one asked for (``activation_checkpointing``), else off."""
         if RECOMPUTE in layout:
             return Rung(FULL)
+        if self._asked and NO_RECOMPUTE in layout:
+            return Rung(OFF)
         if RECOMPUTE_OP in layout:
             return Rung(OP)
-        if self._asked and NO_RECOMPUTE not in layout:
+        if self._asked:
             return self.sharded.config.rung
         return Rung(OFF)
 
