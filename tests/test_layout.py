@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from automicro.core.layout import (
-    GRAD_SYNC_ONCE, NO_RECOMPUTE, NO_RESHARD, RECOMPUTE, RECOMPUTE_OP, TRADES, LayoutConfig, LayoutConfigError, LayoutSearch,
+    FUSED_HEAD, GRAD_SYNC_ONCE, NO_RECOMPUTE, NO_RESHARD, RECOMPUTE, RECOMPUTE_OP, TRADES, LayoutConfig, LayoutConfigError, LayoutSearch,
     judge,
 )
 from automicro.testing.multiprocess import run_multiprocess
@@ -667,6 +667,31 @@ def test_where_neither_fits_at_the_size_found_both_are_measured_and_downsized_al
     assert layout == (RECOMPUTE_OP,) and (search.trial.size, search.trial.from_size) == (3, 4)
     assert lines == ["recompute: op (matrix products and attention kept) at microbatch 3 against full at 4, the size found: "
                      "1 batches with it at 3, as many without at 4"]
+
+
+def test_below_size_1_the_fused_head_is_the_ladders_first_rung_where_it_is_the_trials_and_pressure_never_undoes_a_rung():
+    """``head: auto``, checkpointing not asked for: size 1 out of memory with the plain head steps the fused head on
+    first (no trial of it after: it is kept), then ``op``, then full; a checkpoint (any mode) keeps the rungs. Pressure
+    at a settled size later undoes neither the head nor the ladder's ``op`` (size 1 did not fit without them: the size
+    shrinks instead). With a full recompute asked for and off kept, the head still goes first, then off is undone."""
+    search = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), [FUSED_HEAD])
+    assert search.head_rung_left
+    assert [search.recompute_floor(True, selective=True) for _ in range(2)] == [FUSED_HEAD, RECOMPUTE_OP]
+    assert search.settled == (FUSED_HEAD, RECOMPUTE_OP) and not search.head_rung_left
+    assert search.layout_for_batch(True, lambda t: None, 1, 1) == ((FUSED_HEAD, RECOMPUTE_OP), [])  # no head trial
+    assert search.relieve(search.settled, "out of memory at size 2", 2) is None and search.settled == (FUSED_HEAD, RECOMPUTE_OP)
+    for mode in ("auto", "fixed"):
+        restored = LayoutSearch(LayoutConfig.parse(mode, trial_batches=1), [FUSED_HEAD])
+        restored.load_state_dict(search.state_dict())
+        assert restored.settled == (FUSED_HEAD, RECOMPUTE_OP) and restored.floor == [FUSED_HEAD, RECOMPUTE_OP], mode
+    assert search.recompute_floor(True, selective=True) == RECOMPUTE and search.settled == (FUSED_HEAD, RECOMPUTE)
+
+    asked = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), [FUSED_HEAD, *DOWN])
+    asked.kept.append(NO_RECOMPUTE)
+    assert [asked.recompute_floor(False) for _ in range(3)] == [FUSED_HEAD, NO_RECOMPUTE, None]
+    assert asked.settled == (FUSED_HEAD,)
+    plain = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), [])  # the head not the trials' (plain or fused)
+    assert not plain.head_rung_left and plain.recompute_floor(True, selective=True) == RECOMPUTE_OP
 
 
 def test_over_tokens_the_size_policy_adopts_only_a_smaller_budget():

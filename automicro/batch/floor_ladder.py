@@ -2,10 +2,14 @@
 steps a ladder of trades that change memory and not the numbers, and searches the size again in the same batch
 (DESIGN.md, "What the search searches": its floor).
 
-The rungs, the cheapest first (`automicro.core.layout.LayoutSearch.recompute_floor`): a kept ``no_recompute`` undone
-(back to the checkpointing asked for); then, where the blocks recompute nothing, the selective rung
-(``recompute_op``: each block keeps its matrix products' and attention's outputs and recomputes the rest,
-`automicro.engine.recompute`'s ``op``); then every block's forward recomputed (``recompute``: full). Each rung is taken
+The rungs, the cheapest first (`automicro.core.layout.LayoutSearch.recompute_floor`): the fused head, where ``head:
+auto`` made it the trials' and it is not on yet (the plain head's logits, their fp32 copy and gradient gone: at long
+sequences on a large vocabulary they are what does not fit, and the fused head was faster on each of the five families
+timed, `automicro.batch.trial_price`'s HEAD_EAGER_SAVED; one H100, Llama-3.2 1B's shape at 65,536 tokens a sample: size
+1 ran out with full recompute and the plain head, `benchmarks/RESULTS.md`); then a kept ``no_recompute`` undone (back
+to the checkpointing asked for); then, where the blocks recompute nothing, the selective rung (``recompute_op``: each
+block keeps its matrix products' and attention's outputs and recomputes the rest, `automicro.engine.recompute`'s
+``op``); then every block's forward recomputed (``recompute``: full). Each rung is taken
 only where size 1 ran out on the one before. The blocks carry the engine's recompute dial switched off from the start
 under `auto` (`automicro.engine.sharding.shard`'s ``checkpoint_switch``, which `automicro.Trainer` sets), so the
 switch costs nothing until the ladder turns it, between two attempts (after the wipe), on every rank alike: the
@@ -37,12 +41,12 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 from automicro.core.consensus import Verdict
-from automicro.core.layout import NO_RECOMPUTE, RECOMPUTE, RECOMPUTE_OP
+from automicro.core.layout import FUSED_HEAD, NO_RECOMPUTE, RECOMPUTE, RECOMPUTE_OP
 from automicro.batch.layout_trials import LayoutTrials
 
 # What each rung is called in lines, the summary and the run-ending message.
 RUNG = "activation checkpointing on"
-RUNGS = {NO_RECOMPUTE: "the checkpointing asked for back on", RECOMPUTE_OP: "selective recompute on", RECOMPUTE: RUNG}
+RUNGS = {FUSED_HEAD: "the fused head on", NO_RECOMPUTE: "the checkpointing asked for back on", RECOMPUTE_OP: "selective recompute on", RECOMPUTE: RUNG}
 WHY_OFF = "the blocks checkpoint their activations (the ladder below size 1 switched it on)"
 
 
@@ -75,6 +79,8 @@ class FloorLadder:
         layout = self.layout
         if layout is None or layout.engine is None:
             return "the model has no FSDP2 blocks to checkpoint"
+        if layout.search.head_rung_left:
+            return None
         if NO_RECOMPUTE in layout.search.kept or (layout.engine.can_recompute and RECOMPUTE not in layout.search.kept):
             return None
         if layout.engine.recomputes:
@@ -89,14 +95,19 @@ class FloorLadder:
         if self.why_not() is not None:
             return None
         assert self.layout is not None
-        if scope is not None:
+        head = self.layout.search.head_rung_left
+        if scope is not None and not head:
             scope.blocks_only(WHY_OFF)
         changed = self.layout.recompute_floor()
         if changed is None:
             return None
+        self.stepped_at, self.last = batch_index, RUNGS[changed]
+        if changed == FUSED_HEAD:
+            return (f"head: fused below size 1: size 1 did not fit with the plain head ({_rows(verdict)}); the loss from the "
+                    f"hidden states in chunks, the whole logits never held (recompute is the next rung), the size searched "
+                    f"again in batch {batch_index} (the same loss, the head's eager work less)")
         if sharding is not None and sharding.pending:
             sharding.rule_out(WHY_OFF)
-        self.stepped_at, self.last = batch_index, RUNGS[changed]
         how = {NO_RECOMPUTE: "kept activation checkpointing off undone",
                RECOMPUTE_OP: "each block's selective recompute switched on (its matrix products' and attention's outputs kept, "
                              "the rest recomputed in backward; full recompute is the next rung)",

@@ -617,15 +617,26 @@ class LayoutSearch:
         self._no_smaller = (found, largest)
         return None
 
+    @property
+    def head_rung_left(self) -> bool:
+        """The ladder's first rung is left: the fused head is the trials' and not on (`recompute_floor`)."""
+        return FUSED_HEAD in self.candidates and FUSED_HEAD not in self.kept
+
     def recompute_floor(self, can_switch_on: bool, selective: bool = False) -> Optional[str]:
-        """Microbatch size 1 ran out of memory again (`automicro.batch.floor_ladder`): the next rung of recompute, the
-        cheapest first. ``no_recompute`` kept: undone (back to the checkpointing asked for), and never tried again
-        this run; else, where the blocks can recompute more (`can_switch_on`): ``recompute_op`` (`selective`: the
-        blocks recompute nothing now and carry the selective rung), then ``recompute`` (every block's forward, in
-        place of ``recompute_op``). Any trial ends. Returns the trade changed; None where every block recomputes
-        already. In any mode (a fixed or pinned layout too: it changes what fits, not the numbers); never undone this
-        run (`relieve`, `reconsider`: it is in neither's reach); checkpointed (``floor``)."""
+        """Microbatch size 1 ran out of memory again (`automicro.batch.floor_ladder`): the next rung, the cheapest first.
+        The fused head where it is the trials' (``head: auto``) and not on yet: the plain head's logits (and their fp32
+        copy and gradient) are gone, the loss the same and the batch faster (it is one of the trials' trades, kept here
+        without its trial: at size 1 the plain head did not fit). Then ``no_recompute`` kept: undone (back to the
+        checkpointing asked for), and never tried again this run; else, where the blocks can recompute more
+        (`can_switch_on`): ``recompute_op`` (`selective`: the blocks recompute nothing now and carry the selective
+        rung), then ``recompute`` (every block's forward, in place of ``recompute_op``). Any trial ends. Returns the
+        trade changed; None where none is left. In any mode (a fixed or pinned layout too: it changes what fits, not the
+        numbers); never undone this run (`relieve`, `reconsider`: it is in neither's reach); checkpointed (``floor``)."""
         self.trial = None
+        if self.head_rung_left:
+            self.kept.append(FUSED_HEAD)
+            self.floor.append(FUSED_HEAD)
+            return FUSED_HEAD
         if NO_RECOMPUTE in self.kept:
             self.kept.remove(NO_RECOMPUTE)
             self.rejected[NO_RECOMPUTE] = _FLOOR_WHY
@@ -647,6 +658,8 @@ class LayoutSearch:
     def _apply_floor(self) -> None:
         """A checkpoint's floor (`recompute_floor`) on this run's layout."""
         for trade in self.floor:
+            if trade == FUSED_HEAD and FUSED_HEAD in self.candidates and FUSED_HEAD not in self.kept:
+                self.kept.append(FUSED_HEAD)
             if trade == NO_RECOMPUTE and NO_RECOMPUTE in self.kept:
                 self.kept.remove(NO_RECOMPUTE)
             if trade == NO_RECOMPUTE:
@@ -943,7 +956,10 @@ class LayoutSearch:
                 for trade in trial.trades:
                     self._reject_for_memory(trade, f"trial stopped: {why} without it", size)
         # A trade in UPSIZE or GROWS stays: the size it admitted would not fit without it (the size shrinks).
-        undoable = [t for t in self.kept if t not in UPSIZE and t not in GROWS]
+        # Nor the ladder's ``op`` (size 1 did not fit without it: `recompute_floor`; a full recompute asked for and
+        # tried down to ``op`` goes back to full).
+        floor_op = RECOMPUTE_OP if RECOMPUTE_OP in self.floor else None
+        undoable = [t for t in self.kept if t not in UPSIZE and t not in GROWS and t != floor_op]
         if undoable and self.config.mode == "auto":
             trade = undoable[-1]
             self.kept.remove(trade)
@@ -973,7 +989,7 @@ class LayoutSearch:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # The ladder's step holds in any mode: without it, size 1 did not fit.
-        self.floor = [t for t in state.get("floor", []) if t in (NO_RECOMPUTE, RECOMPUTE, RECOMPUTE_OP)]
+        self.floor = [t for t in state.get("floor", []) if t in (FUSED_HEAD, NO_RECOMPUTE, RECOMPUTE, RECOMPUTE_OP)]
         if self.config.mode != "auto":
             self._apply_floor()
             return  # a pinned or fixed layout wins over what a checkpoint chose
