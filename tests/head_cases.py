@@ -187,7 +187,8 @@ def main_job(head: str, batches: int, more: tuple[str, ...] = (), fused_faster: 
         switch = getattr(trainer.sharded_model, "head", None)
         return {
             "found": auto.found_size, "splits": splits, "lines": lines, "losses": losses,
-            "metrics": metrics, "head_fused": bool(switch is not None and switch.fused),
+            "metrics": metrics, "head_fused": bool(switch is not None and switch.fused), "summary": auto.summary_line(2),
+            "floor": None if auto.layout is None else list(auto.layout.search.floor),
         }
     finally:
         trainer.close()
@@ -197,7 +198,9 @@ def suite(rank: int, world: int) -> dict[str, Any]:
     """- ``main_plain``, ``main_fused``: the main job for 16 and 10 batches with `head: plain` and `head: fused`;
     - ``auto``: `head: auto` with the layout trials (`layout: auto`, the probe, unpriced: `bound_trials: false`, one
       batch a side, no size trials), the fused head timed faster, 16 batches;
-    - ``reads_logits``: the same for 10 batches with a callback that reads every forward's logits."""
+    - ``reads_logits``: the same for 10 batches with a callback that reads every forward's logits;
+    - ``below_one``: `head: auto` under caps of 30 and 35 MB, where size 1 does not fit with the plain head even with
+      full recompute (`head: plain` ends the run there), 4 batches."""
     plain = main_job("plain", 16)
     fused = main_job("fused", 10)
     auto = main_job("auto", 16, ("callbacks.auto_microbatching.layout=auto", "callbacks.auto_microbatching.start_size=probe",
@@ -207,7 +210,10 @@ def suite(rank: int, world: int) -> dict[str, Any]:
                                   "callbacks.auto_microbatching.bound_trials=false", "callbacks.auto_microbatching.layout_trial_batches=1",
                                   "callbacks.auto_microbatching.layout_size_trials=false"), fused_faster=True,
                      extra=(ReadsLogits(),))
-    return {"main_plain": plain, "main_fused": fused, "auto": auto, "reads_logits": reads}
+    below_one = main_job("auto", 4, ("callbacks.auto_microbatching.layout=auto", "callbacks.memory_cap.limit_bytes={0: 30000000, 1: 35000000}",
+                                     "callbacks.auto_microbatching.layout_trial_batches=1",
+                                     "callbacks.auto_microbatching.layout_size_trials=false"))
+    return {"main_plain": plain, "main_fused": fused, "auto": auto, "reads_logits": reads, "below_one": below_one}
 
 
 def loss_gap(run: dict[str, Any], reference: dict[str, Any]) -> float:

@@ -403,3 +403,21 @@ def test_a_batch_that_reads_the_logits_of_the_fused_head_auto_put_on_is_rerun_wi
                    for line in run["lines"]), run["lines"]
         assert not run["head_fused"] and len(run["losses"]) == 10
         assert cases.loss_gap(run, result["main_plain"]) < 1e-5, (run["losses"], result["main_plain"]["losses"])
+
+
+@pytest.mark.multiproc
+def test_where_size_1_does_not_fit_with_the_plain_head_the_ladder_fuses_it_first_and_trains_with_no_recompute(two_ranks):
+    """`head: auto` under caps where one sample does not fit with the plain head, even with every block recomputed (at
+    32,768 and 65,536 tokens on one H100, Llama-3.2 1B's shape: `benchmarks/RESULTS.md`): the ladder below size 1 takes
+    the fused head as its first rung, on both ranks alike, size 1 fits with it and no recompute, and every batch's loss
+    is the plain run's."""
+    for result in two_ranks:
+        run = result["below_one"]
+        assert run["found"] == 1 and run["head_fused"] and run["floor"] == ["fused_head"], run
+        assert any(line.startswith("head: fused below size 1: size 1 did not fit with the plain head (rank 0 at ")
+                   for line in run["lines"]), run["lines"]
+        assert not any(line.startswith("recompute on:") for line in run["lines"]), run["lines"]
+        assert "ladder: the fused head on (size 1 did not fit without it)" in run["summary"], run["summary"]
+        assert len(run["losses"]) == 4 and cases.loss_gap(run, result["main_plain"]) < 1e-5, (run["losses"], result["main_plain"]["losses"])
+    assert two_ranks[0]["below_one"]["splits"] == two_ranks[1]["below_one"]["splits"]
+    assert two_ranks[0]["below_one"]["lines"] == two_ranks[1]["below_one"]["lines"]
