@@ -124,7 +124,8 @@ def run(family: str, microbatch: Any = "auto", *, aux_loss: bool = False, batche
         log.setLevel(level)
     out.update(losses=losses, lines=lines)
     if cap is not None:  # counted buffers gloo's worker thread freed (not the program): 0, or the sizes move run to run
-        out.update(foreign_frees=cap.cap.stats()["foreign_frees"])
+        stats = cap.cap.stats()
+        out.update(foreign_frees=stats["foreign_frees"], foreign_ops=stats["foreign_ops"], slow_releases=stats["slow_releases"])
     if auto is not None:
         out.update(found=auto.found_size, history=[(r.batch, r.attempt, r.size, list(r.split), r.outcome, r.failed_ranks, r.note)
                                                    for r in auto.history])

@@ -184,11 +184,12 @@ _STALE = 16  # a collective not seen complete is let go of once this many came a
 
 
 class _Entry:
-    __slots__ = ("nbytes", "ref")
+    __slots__ = ("nbytes", "ref", "what")
 
-    def __init__(self, nbytes: int, ref: "weakref.ref"):
+    def __init__(self, nbytes: int, ref: "weakref.ref", what: Any = None):
         self.nbytes = nbytes
         self.ref = ref
+        self.what = what  # the op that made it: named where another thread frees it (`stats()["foreign_ops"]`)
 
 
 @compiles_under  # `torch.compile` compiles under the cap, which counts the compiled code's ops
@@ -279,6 +280,7 @@ class MemoryCap:
         self._num_ooms = 0
         self._num_allocs = 0
         self._foreign_frees = 0
+        self._foreign_ops: list[str] = []  # what each foreign free was (the op that made it, its bytes, the thread)
         self._threads: set[int] = set()  # the threads that entered the cap
         self._limit: Optional[float] = None
         self._limit_resolved = False
@@ -390,8 +392,9 @@ class MemoryCap:
     def stats(self) -> dict:
         """live_bytes, peak_bytes, limit_bytes, num_alloc_retries, num_ooms (+ num_allocs,
         num_tracked_storages, rank, and foreign_frees: counted storages freed on a thread where the
-        cap was never entered, such as gloo's worker; 0 where the counts follow the program alone; and
-        slow_releases: collectives let go of after `collective_wait_s` without seeing their work go)."""
+        cap was never entered, such as gloo's worker; 0 where the counts follow the program alone; foreign_ops: the
+        first 8 of those, each the op that made it, its bytes and the thread; and slow_releases: collectives let go of
+        after `collective_wait_s` without seeing their work go)."""
         self._release_collectives()
         self.resync()
         with self._lock:
@@ -404,6 +407,7 @@ class MemoryCap:
                 num_allocs=self._num_allocs,
                 num_tracked_storages=len(self._entries),
                 foreign_frees=self._foreign_frees,
+                foreign_ops=list(self._foreign_ops[:8]),
                 slow_releases=self._slow_releases,
                 rank=self.rank,
             )
@@ -533,7 +537,7 @@ class MemoryCap:
                 else:
                     for key, st, nbytes in new:
                         ref = weakref.ref(st, functools.partial(self._on_free, key))
-                        self._entries[key] = _Entry(nbytes, ref)
+                        self._entries[key] = _Entry(nbytes, ref, what)
                     added = running - self._live_bytes
                     self._live_bytes = running
                     self._num_allocs += len(new)
@@ -551,6 +555,7 @@ class MemoryCap:
             if entry is not None and entry.ref is ref:
                 if threading.get_ident() not in self._threads:  # gloo's worker, an offload thread
                     self._foreign_frees += 1
+                    self._foreign_ops.append(f"{entry.what} ({entry.nbytes} B, {threading.current_thread().name})")
                 del self._entries[key]
                 self._live_bytes -= entry.nbytes
 
