@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 
 from automicro.testing import run_multiprocess
-from automicro.testing.memory_cap import MemoryCap
 from tests import moe_cases
 
 TOLERANCE = 1e-5  # fp32: the same numbers to rounding (a split only reorders the sums)
@@ -28,8 +27,7 @@ def _ok(result: dict[str, Any]) -> dict[str, Any]:
             assert "exception" not in run, run["exception"]
             # the emulated cap's counts follow the program alone (`MemoryCap`: a collective's buffers freed in the
             # program's order): where gloo's worker freed them, the sizes found moved from run to run (3, 4 or 5)
-            assert run.get("foreign_frees", 0) == 0 or not MemoryCap.holds_collectives, (
-                run["foreign_frees"], run.get("foreign_ops"), run.get("slow_releases"))
+            assert run.get("foreign_frees", 0) == 0, (run["foreign_frees"], run.get("foreign_ops"), run.get("slow_releases"))
     return result
 
 

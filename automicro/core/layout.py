@@ -308,21 +308,17 @@ class TrialResult:
         return [t for t in self.trade.split("+") if t in TRADES]
 
     def line(self) -> str:
-        if self.trade == FUSED_HEAD:
-            gain = 0.0 if self.median_off <= 0 else 100.0 * (1.0 - self.median_on / self.median_off)
-            return (f"{self.heading or 'head: fused against plain'}: {'fused kept' if self.kept else 'plain kept'}; median "
-                    f"batch {self.median_on:.4f} s fused, {self.median_off:.4f} s plain ({gain:+.1f}%; spread {self.spread:.4f} s)")
-        if self.trade == RECOMPUTE_OP:
-            gain = 0.0 if self.median_off <= 0 else 100.0 * (1.0 - self.median_on / self.median_off)
-            return (f"{self.heading or 'recompute: op against full'}: {'op kept' if self.kept else 'full kept'}; median "
-                    f"batch {self.median_on:.4f} s op, {self.median_off:.4f} s full ({gain:+.1f}%; spread {self.spread:.4f} s)")
-        verdict = "kept" if self.kept else "not kept"
         gain = 0.0 if self.median_off <= 0 else 100.0 * (1.0 - self.median_on / self.median_off)
+        times = f"({gain:+.1f}%; spread {self.spread:.4f} s)"
+        if self.trade == FUSED_HEAD:
+            return (f"{self.heading or 'head: fused against plain'}: {'fused kept' if self.kept else 'plain kept'}; median "
+                    f"batch {self.median_on:.4f} s fused, {self.median_off:.4f} s plain {times}")
+        if self.trade == RECOMPUTE_OP:
+            return (f"{self.heading or 'recompute: op against full'}: {'op kept' if self.kept else 'full kept'}; median "
+                    f"batch {self.median_on:.4f} s op, {self.median_off:.4f} s full {times}")
         heading = self.heading or f"layout trial {self.trade} ({describe(self.trade.split('+'))})"
-        return (
-            f"{heading}: {verdict}; median batch {self.median_on:.4f} s "
-            f"with it, {self.median_off:.4f} s without ({gain:+.1f}%; spread {self.spread:.4f} s)"
-        )
+        return (f"{heading}: {'kept' if self.kept else 'not kept'}; median batch {self.median_on:.4f} s "
+                f"with it, {self.median_off:.4f} s without {times}")
 
 
 def _mad(values: Sequence[float]) -> float:

@@ -837,11 +837,6 @@ def storage_key(storage: Any) -> int:
     return storage._cdata
 
 
-# Where `automicro.testing.MemoryCap` holds a collective's buffers until its work is gone: torch 2.7.0 and 2.11.0. On
-# 2.15.0, holding, gloo's worker thread still freed a buffer in a routed-model case (not understood yet), so the cap
-# counts there as it did before it held anything.
-CAP_HOLDS_GLOO_COLLECTIVES = _torch_version() < (2, 15)
-
 # The c10d ops whose gloo `Work` never says it completed, waited on or not (`is_completed()` stays False, `get_future()`
 # raises "not implemented"): the reduce-scatters (seen on torch 2.7.0, 2.11.0 and 2.15.0; FSDP2 reduces its gradients
 # with `_reduce_scatter_base_`). Checked by tests/test_testing_tools.py on every supported torch.
@@ -870,13 +865,6 @@ def collective_work(op: Any, out: Any) -> Any:
             except (AttributeError, RuntimeError, TypeError):
                 return None
     return None
-
-
-def tensor_use_count(tensor: torch.Tensor) -> int:
-    """The references to a tensor's C++ object (`TensorImpl`): its Python object holds one, and so
-    does each C++ holder, such as a c10d `Work` that keeps its inputs and outputs until it is
-    destroyed (`Tensor._use_count`, torch 2.7.0-2.15.0)."""
-    return tensor._use_count()
 
 
 def _observed_resize_(storage: Any, size: int) -> Any:

@@ -48,17 +48,20 @@ How it counts:
   worker thread drops its reference to the work just after the collective completes. Where that
   reference is the last one, the tensors died on the worker thread when it next took the GIL, an op
   or two later or earlier from run to run, and the peaks and retries of one program moved by a
-  whole buffer (the routed-model tests' sizes 3, 4 or 5 under one cap). So the cap holds each
-  collective's tensors (and its work) itself: once the work completed and the program let go of
-  its handle, the cap lets go of the work and waits for the worker to (at most `collective_wait_s`),
-  then drops the tensors on its own thread; where the program dropped them first, at the first
-  check after. The checks run before every counted
-  allocation or resize and in `stats()`, so what a peak or a retry sees is a function of the
-  program's order alone. (`torch.distributed._functional_collectives`' ops are not held; nor are gloo's
-  reduce-scatters, whose work never says it completed (`_torch_internals.work_reports_completion`: held, a
-  reduce-scatter's input stayed counted long after FSDP2 was done with it, and the torch 2.11 runs ran out of memory
-  early); nor is anything on torch 2.15, where the cap still saw a gloo worker free a buffer:
-  `MemoryCap.holds_collectives`.)
+  whole buffer (the routed-model tests' sizes 3, 4 or 5 under one cap). So the cap runs each
+  collective on aliases of its tensors (`detach()`: the same storages, objects of their own, which
+  only the work and what gloo's worker makes of them hold) and keeps the program's tensors itself
+  until every alias died: then nothing but the program holds the storages. Once the work completed
+  and the program let go of its handle, the cap drops its own and waits for the worker (at most
+  `collective_wait_s`), so that the tensors are let go of at that check, not at one a worker's
+  timing picks; a collective in flight whose tensors and work the program dropped stays counted
+  until its work is gone. The checks run before every counted allocation or resize and in
+  `stats()`, so what a peak or a retry sees is a function of the program's order alone.
+  (`torch.distributed._functional_collectives`' ops are not held; nor are gloo's reduce-scatters,
+  whose work never says it completed (`_torch_internals.work_reports_completion`: held, a
+  reduce-scatter's input stayed counted long after FSDP2 was done with it, and the torch 2.11 runs
+  ran out of memory early).) A use count cannot tell when the work is gone: gloo's worker drops
+  temporaries of its own after the work said it completed, so a count falls while the work lives.
 
 An op that would cross the limit still ran (the check happens on its outputs), but its outputs
 are never returned and never counted: they are freed as the exception unwinds.
@@ -80,15 +83,13 @@ from typing import Any, Optional, Union
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from automicro.engine._torch_internals import (
-    CAP_HOLDS_GLOO_COLLECTIVES,
     add_storage_resize_observer,
     collective_work,
     compiles_under,
     storage_key,
-    tensor_use_count,
     work_reports_completion,
 )
 
@@ -163,24 +164,26 @@ def _tensor_storages(t: torch.Tensor, out: list) -> None:
 
 
 class _Collective:
-    """A c10d collective's plain tensors, held by the cap until the collective's work is gone or the
-    program dropped them (`MemoryCap._release_collectives`). `held`: the references the op took on
-    each (its tensor use count after the op less before: the work's); `after_work`: each one's use
-    count once the work completed, the work still alive (the cap held it): where one of the held
-    ones falls below it, the work is destroyed. Only works that say when they completed are held
-    (`_torch_internals.work_reports_completion`)."""
+    """A c10d collective the cap holds (`MemoryCap._release_collectives`): `tensors`, the program's tensors the op
+    got, which the cap keeps (so that their storages cannot die on gloo's worker thread); `aliases`, a weak reference
+    to each alias the op got in their place (`Tensor.detach()`: the same storage, a `TensorImpl` of its own), the
+    set emptied by their callbacks as they die. The work keeps its aliases, and whatever gloo's worker makes of them
+    (views, temporaries), until every one of them is gone, so an empty set says the work is destroyed and nothing
+    but the program and the cap holds the storages; a use count can say no such thing (the worker lets go of
+    temporaries after the work said it completed, and a count falls while the work lives). `work`: the cap's
+    reference, dropped once the work completed and the program let go of its handle. Only works that say when they
+    completed are held (`_torch_internals.work_reports_completion`)."""
 
-    __slots__ = ("work", "tensors", "held", "after_work", "issued")
+    __slots__ = ("work", "tensors", "aliases", "issued")
 
-    def __init__(self, work: Any, tensors: list, held: list[int], issued: int):
+    def __init__(self, work: Any, tensors: list, aliases: set, issued: int):
         self.work = work
         self.tensors = tensors
-        self.held = held
-        self.after_work: Optional[list[int]] = None
+        self.aliases = aliases
         self.issued = issued  # the cap's count of collectives when this one was issued
 
 
-_STALE = 16  # a collective not seen complete is let go of once this many came after it
+_STALE = 16  # a collective whose work is not gone is let go of once this many came after it (a peer never joined it)
 
 
 class _Entry:
@@ -203,7 +206,7 @@ class _CapMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         # The mode is popped while we run: neither the op nor our bookkeeping re-enters it.
-        if MemoryCap.holds_collectives and getattr(func, "namespace", None) == "c10d":
+        if getattr(func, "namespace", None) == "c10d":
             return self.cap._collective_op(func, args, kwargs)
         out = func(*args, **kwargs)
         if not self.cap.paused:
@@ -231,10 +234,6 @@ class _ResizeWatch:
 class MemoryCap:
     """Emulated per-rank device memory limit on live tensor bytes (see module docstring).
 
-    `MemoryCap.holds_collectives`: whether the cap holds collectives' buffers until their work is gone (torch 2.7 and
-    2.11; on 2.15, holding, a buffer was still freed by gloo's worker thread in a routed-model case, so the cap counts
-    as before there, and such frees show in `stats()["foreign_frees"]`).
-
     Args:
         limit_bytes: the limit for this process; or a mapping global rank -> limit (the rank is
             read when the cap is entered: torch.distributed if initialized, else env RANK, else
@@ -249,11 +248,10 @@ class MemoryCap:
             unless an allocation is over the limit; 0 disables it.
         collective_wait_s: how long a check waits for gloo's worker to let go of a completed
             collective's work once the program dropped its handle (microseconds as a rule; past
-            it the cap lets go anyway: `stats()["slow_releases"]`). While the program holds the
-            work, the cap keeps the work and its tensors counted and waits for nothing.
+            it the tensors stay counted until a later check finds the work gone:
+            `stats()["slow_releases"]`). While the program holds the work, the cap keeps the
+            work and its tensors counted and waits for nothing.
     """
-
-    holds_collectives = CAP_HOLDS_GLOO_COLLECTIVES
 
     def __init__(
         self,
@@ -280,7 +278,7 @@ class MemoryCap:
         self._num_ooms = 0
         self._num_allocs = 0
         self._foreign_frees = 0
-        self._foreign_ops: list[str] = []  # what each foreign free was (the op that made it, its bytes, the thread)
+        self._foreign_ops: list[str] = []  # what the first 8 foreign frees were (the op that made it, its bytes, the thread)
         self._threads: set[int] = set()  # the threads that entered the cap
         self._limit: Optional[float] = None
         self._limit_resolved = False
@@ -393,8 +391,8 @@ class MemoryCap:
         """live_bytes, peak_bytes, limit_bytes, num_alloc_retries, num_ooms (+ num_allocs,
         num_tracked_storages, rank, and foreign_frees: counted storages freed on a thread where the
         cap was never entered, such as gloo's worker; 0 where the counts follow the program alone; foreign_ops: the
-        first 8 of those, each the op that made it, its bytes and the thread; and slow_releases: collectives let go of
-        after `collective_wait_s` without seeing their work go)."""
+        first 8 of those, each the op that made it, its bytes and the thread; and slow_releases: waits for gloo's worker
+        past `collective_wait_s`, each collective's tensors let go of at a later check)."""
         self._release_collectives()
         self.resync()
         with self._lock:
@@ -407,7 +405,7 @@ class MemoryCap:
                 num_allocs=self._num_allocs,
                 num_tracked_storages=len(self._entries),
                 foreign_frees=self._foreign_frees,
-                foreign_ops=list(self._foreign_ops[:8]),
+                foreign_ops=list(self._foreign_ops),
                 slow_releases=self._slow_releases,
                 rank=self.rank,
             )
@@ -555,7 +553,8 @@ class MemoryCap:
             if entry is not None and entry.ref is ref:
                 if threading.get_ident() not in self._threads:  # gloo's worker, an offload thread
                     self._foreign_frees += 1
-                    self._foreign_ops.append(f"{entry.what} ({entry.nbytes} B, {threading.current_thread().name})")
+                    if len(self._foreign_ops) < 8:
+                        self._foreign_ops.append(f"{entry.what} ({entry.nbytes} B, {threading.current_thread().name})")
                 del self._entries[key]
                 self._live_bytes -= entry.nbytes
 
@@ -625,33 +624,38 @@ class MemoryCap:
     # ---- collectives: their buffers freed in the program's order, not the gloo worker's ----------
 
     def _collective_op(self, func, args, kwargs) -> Any:
-        """Run a c10d collective op; count its outputs as any op's and hold its tensors and work
-        (`_Collective`) until `_release_collectives` lets go of them on this thread."""
-        tensors: list = []
-        seen: set[int] = set()
-        for leaf in tree_flatten((args, kwargs))[0]:
-            if type(leaf) in (torch.Tensor, torch.nn.Parameter) and id(leaf) not in seen:
-                seen.add(id(leaf))
-                tensors.append(leaf)
-        before = [tensor_use_count(t) for t in tensors]
+        """Run a c10d collective op on aliases of its tensors; count its outputs as any op's and hold its tensors and
+        work (`_Collective`) until `_release_collectives` lets go of them on this thread."""
+        originals: dict[int, torch.Tensor] = {}  # alias id -> the program's tensor
+        aliases: set = set()
+
+        def alias(leaf: Any) -> Any:
+            if type(leaf) not in (torch.Tensor, torch.nn.Parameter):
+                return leaf
+            a = leaf.detach()  # not a view of it: what the worker makes of `a` keeps `a` itself alive
+            originals[id(a)] = leaf
+            aliases.add(weakref.ref(a, aliases.discard))  # set.discard: one step under the GIL, on any thread
+            return a
+
+        args, kwargs = tree_map(alias, (args, kwargs))
         out = func(*args, **kwargs)
         if not self.paused:
             self._after_op(func, args, kwargs, out)
         work = collective_work(func, out)
+        out = tree_map(lambda leaf: originals.get(id(leaf), leaf) if isinstance(leaf, torch.Tensor) else leaf, out)
+        del args, kwargs  # the aliases: from here on only the work (and what the worker made of them) holds them
         self._issued += 1
-        if work is not None and tensors:
-            held = [max(0, tensor_use_count(t) - b) for t, b in zip(tensors, before)]
-            if any(held) and work_reports_completion(func):
-                self._collectives.append(_Collective(work, tensors, held, self._issued))
+        if work is not None and originals and work_reports_completion(func):
+            tensors = list({id(t): t for t in originals.values()}.values())
+            self._collectives.append(_Collective(work, tensors, aliases, self._issued))
         return out
 
     def _release_collectives(self) -> None:
-        """Let go of the collectives' tensors the program is done with (see the module docstring):
-        a work that completed is dropped at once; its tensors once it is destroyed (the worker let go
-        of it), or, where the program no longer holds them, after waiting here for the worker (at
-        most `collective_wait_s`). Where the program dropped the tensors of a work still in flight
-        (a collective one rank never joined), they are let go of as they are. Never under the lock:
-        the worker's frees of other storages take it."""
+        """Let go of the collectives' tensors whose work is gone (see the module docstring): once the work completed
+        and the program let go of its handle, the cap drops its own and waits here (at most `collective_wait_s`) for
+        gloo's worker to drop the last, so that whether the tensors are let go of now or at a later check does not
+        depend on when the worker thread last ran. A collective whose work is not gone after `_STALE` more (one a
+        peer never joined) is let go of as it is. Never under the lock: the worker's frees of other storages take it."""
         if not self._collectives or not self._releasing.acquire(blocking=False):
             return  # nothing held, or another thread is at it
         try:
@@ -660,62 +664,28 @@ class MemoryCap:
             self._releasing.release()
 
     def _release_held_collectives(self) -> None:
-        ours: dict[int, int] = {}  # the references the cap holds to each tensor (no local name may hold one)
-        for key in [id(t) for c in self._collectives for t in c.tensors]:
-            ours[key] = ours.get(key, 0) + 1
         kept: list[_Collective] = []
         pending, self._collectives = self._collectives, []  # what is held from now on is added there
         for c in pending:
-            waited = False
-            if c.work is not None and c.work.is_completed():
-                if sys.getrefcount(c.work) > 2:  # the program still holds the work (the cap's reference and the call's)
-                    kept.append(c)  # and the work its tensors: they stay counted until the program lets go of it
-                    continue
-                c.after_work = [tensor_use_count(t) for t in c.tensors]  # the work alive: the cap holds it
-                c.work = None
-                # Now only gloo's worker may hold the work, and it lets go of it just after the collective completed: wait
-                # for that here (microseconds as a rule), so that whether the tensors are let go of now or at a later check
-                # does not depend on when the worker thread last ran.
-                if self._wait_for_work(c):
-                    continue
-                waited = True
-            dropped = [sys.getrefcount(t) - 2 <= ours[id(t)] for t in c.tensors]
-            if c.after_work is None:
-                # In flight: kept whole (a tensor the work holds is what tells when it is gone, and an output the
-                # program dropped may live on in views the work holds) until the program dropped all of it, or
-                # `_STALE` collectives came after it (one a peer never joined).
-                if not all(dropped) and self._issued - c.issued <= _STALE:
-                    kept.append(c)
-                continue
-            if self._work_gone(c):
-                continue
-            if all(dropped):
-                if not waited:
-                    self._wait_for_work(c)  # where it timed out (now or above): let go of them anyway
-                continue
-            kept.append(c)
-        del pending
+            # `sys.getrefcount(c.work) > 2`: the program still holds the work (besides the cap's reference and the call's)
+            if c.aliases and c.work is not None and c.work.is_completed() and sys.getrefcount(c.work) <= 2:
+                c.work = None  # where gloo's worker let go of it already, the aliases die here, on this thread
+                self._wait_for_work(c)
+            if c.aliases and self._issued - c.issued <= _STALE:
+                kept.append(c)
+        del pending  # the tensors of what was let go of: freed here where the program dropped them too
         self._collectives = kept + self._collectives
 
-    def _wait_for_work(self, c: "_Collective") -> bool:
-        """Wait (at most `collective_wait_s`, the GIL released) for a completed collective's work to be destroyed;
-        whether it was (a timeout counts in `slow_releases`)."""
-        if self._work_gone(c):
-            return True
+    def _wait_for_work(self, c: "_Collective") -> None:
+        """Wait (at most `collective_wait_s`, the GIL released) for gloo's worker to drop a completed collective's work
+        (a timeout counts in `slow_releases`: the tensors are then let go of at a later check, once the work is gone)."""
+        if not c.aliases:
+            return
         deadline = time.monotonic() + self._collective_wait_s
-        while not self._work_gone(c) and time.monotonic() < deadline:
+        while c.aliases and time.monotonic() < deadline:
             time.sleep(0.0001)  # the GIL released: the worker drops the work
-        if self._work_gone(c):
-            return True
-        self._slow_releases += 1
-        return False
-
-    @staticmethod
-    def _work_gone(c: "_Collective") -> bool:
-        assert c.after_work is not None
-        held = [(t, n) for t, n, h in zip(c.tensors, c.after_work, c.held) if h]
-        # gone where a held count fell; nothing to wait for where the work holds none of what is left
-        return not held or any(tensor_use_count(t) < n for t, n in held)
+        if c.aliases:
+            self._slow_releases += 1
 
     def __repr__(self) -> str:
         return (
