@@ -159,16 +159,16 @@ def _in_flight_collective_dropped(rank, world_size):
         if rank == 0:
             del out, inp, work
             torch.empty(1)  # a check with the collective in flight
-            time.sleep(2.0)  # the GIL free, off any collective, while rank 1 joins and gloo's worker completes it
+            time.sleep(2.0)  # the GIL free, off any collective: where rank 1 joins by then, the worker completes it here
         else:
             work.wait()
             del out, inp, work
-        for _ in range(1000):  # checks until the work is gone (at once as a rule)
+        dist.barrier()  # the all-gather completed on both ranks (gloo's barrier waits for the work before it)
+        for _ in range(3000):  # checks until gloo's worker dropped the work (at once as a rule; bounded, not timed)
             torch.empty(1)
             if not cap._collectives:
                 break
             time.sleep(0.01)
-        dist.barrier()
         s = cap.stats()
     return dict(live=s["live_bytes"], foreign=s["foreign_frees"], ops=s["foreign_ops"])
 

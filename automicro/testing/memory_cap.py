@@ -679,8 +679,6 @@ class MemoryCap:
     def _wait_for_work(self, c: "_Collective") -> None:
         """Wait (at most `collective_wait_s`, the GIL released) for gloo's worker to drop a completed collective's work
         (a timeout counts in `slow_releases`: the tensors are then let go of at a later check, once the work is gone)."""
-        if not c.aliases:
-            return
         deadline = time.monotonic() + self._collective_wait_s
         while c.aliases and time.monotonic() < deadline:
             time.sleep(0.0001)  # the GIL released: the worker drops the work
