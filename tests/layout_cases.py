@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 
 import automicro
-from automicro.core.layout import GRAD_SYNC_ONCE, NO_RECOMPUTE, NO_RESHARD, RECOMPUTE
+from automicro.core.layout import GRAD_SYNC_ONCE, NO_RECOMPUTE, NO_RESHARD, RECOMPUTE, RECOMPUTE_OP
 from automicro.data import SyntheticTokens, build_dataloader
 from automicro.engine._torch_internals import has_activation_checkpointing
 from automicro.engine.layout import LayoutEngine
@@ -318,14 +318,33 @@ def recompute_cases(oom: bool = True) -> dict[str, Any]:
     assert with_ac["peak"] < without["peak"], (with_ac["peak"], without["peak"])
     limit = torch.tensor([(with_ac["peak"] + without["peak"]) // 2], dtype=torch.int64)
     torch.distributed.broadcast(limit, 0)
+    reference = fit(4, batches + 9, layout="fixed", fsdp2=AC)
     return {
         "recompute_kept": kept,
         "recompute_oom": _strip(
-            fit("auto", batches + 9, limit=int(limit[0]), timing=faster, fsdp2=AC, start_size="probe"),
-            fit(4, batches + 9, layout="fixed", fsdp2=AC),
+            fit("auto", batches + 9, limit=int(limit[0]), timing=faster, fsdp2=AC, start_size="probe"), reference,
         ),
         "limit": int(limit[0]),
+        **op_kept_case(without["peak"], batches + 9, reference),
     }
+
+
+def op_kept_case(without4: int, batches: int, reference: dict[str, Any]) -> dict[str, Any]:
+    """``recompute_op_kept``: full recompute asked for, the probe, and a cap between the whole batch's peak with
+    ``op`` and without checkpointing: the size settles at 4 with full, checkpointing off runs out at 4 (undone),
+    ``op`` fits at 4 and is timed faster than full (kept: the size policy's samples now mix full's and ``op``'s
+    peaks); then one batch at the probe's split measures checkpointing off on top of ``op`` (its own line, not the
+    policy's) and the downsize trial runs off at the largest smaller size that line fits at, timed faster: adopted,
+    with no other OOM. `without4`: the peak at 4 without checkpointing."""
+    with_op = fit(4, 2, layout="fixed", fsdp2={"activation_checkpointing": "op"})
+    assert with_op["peak"] < without4, (with_op["peak"], without4)
+    limit = torch.tensor([(with_op["peak"] + without4) // 2], dtype=torch.int64)
+    torch.distributed.broadcast(limit, 0)
+    faster = seconds_where(faster=(NO_RECOMPUTE, RECOMPUTE_OP))
+    run = fit("auto", batches, limit=int(limit[0]), timing=faster, fsdp2=AC, start_size="probe")
+    # What a sample adds without checkpointing, from two fixed runs at the probe's sizes (1 and 2).
+    slope = fit(2, 2, layout="fixed")["peak"] - fit(1, 2, layout="fixed")["peak"]
+    return {"recompute_op_kept": _strip(run, reference), "op_limit": int(limit[0]), "off_per_sample": slope}
 
 
 def downsize_case(rank: int, world: int) -> dict[str, Any]:

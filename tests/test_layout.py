@@ -10,6 +10,7 @@ import pytest
 
 from automicro.core.layout import (
     FUSED_HEAD, GRAD_SYNC_ONCE, NO_RECOMPUTE, NO_RESHARD, RECOMPUTE, RECOMPUTE_OP, TRADES, LayoutConfig, LayoutConfigError, LayoutSearch,
+    MeasuredLine,
     judge,
 )
 from automicro.testing.multiprocess import run_multiprocess
@@ -464,14 +465,44 @@ def test_activation_checkpointing_off_is_a_trade_kept_when_faster_undone_by_an_o
         # downsize trial (with: 2 + 2 without checkpointing; without: 4 with it).
         assert oom["layouts"][op_batch + 1 : op_batch + 7] == [[], [], [NO_RECOMPUTE], [RECOMPUTE_OP], [NO_RECOMPUTE], []], oom
         assert oom["splits"][op_batch + 3 : op_batch + 7] == [[1, 1, 2], [1, 1, 2], [2, 2], [4]], oom["splits"]
-        per_sample = oom["state"]["per_sample"]
-        assert 0 < per_sample[RECOMPUTE_OP] < per_sample[NO_RECOMPUTE], oom["state"]  # ``op`` keeps less than off
-        assert 2 * per_sample[NO_RECOMPUTE] < _suite(world)[rank]["limit"], oom["state"]
+        lines = {t: MeasuredLine.from_list(v) for t, v in oom["state"]["lines"].items()}
+        # ``op`` keeps less a sample than off, each line measured on top of the layout settled then (the full recompute)
+        assert 0 < lines[RECOMPUTE_OP].per_sample < lines[NO_RECOMPUTE].per_sample, oom["state"]
+        assert lines[RECOMPUTE_OP].on == lines[NO_RECOMPUTE].on == (), oom["state"]
+        assert lines[NO_RECOMPUTE].peak(2) < _suite(world)[rank]["limit"], oom["state"]
         # At the size adopted, two microbatches: gradients reduced once is tried there, not kept.
         assert oom["results"] == [[NO_RESHARD, False], [NO_RECOMPUTE, True], [GRAD_SYNC_ONCE, False]], oom
         assert oom["found"] == 3 and oom["splits"][-1] == [2, 2] and oom["settled"] == [NO_RECOMPUTE]
         assert oom["state"]["too_big_at"] == {} and oom["state"]["downsized_from"] == [4]
         assert "OOMs 2" in oom["summary"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world", [1, 2])
+def test_checkpointing_off_measured_after_op_was_kept_is_measured_on_its_own_line_and_downsized_with_it(world):
+    """Full recompute asked for; off runs out at the size found, ``op`` fits there and is kept (the size policy's
+    samples then mix full's and ``op``'s peaks, as a GPU run's did once the head was fused: its line could not tell
+    off's bytes). Off's measuring batch gives its own line on top of ``op``: its bytes a sample are those two fixed
+    runs without checkpointing show, and the downsize trial runs off at the largest smaller size that line fits,
+    faster: adopted, no other OOM, the same parameters as a fixed run with checkpointing at 4."""
+    for rank in range(world):
+        run = _suite(world)[rank]["recompute_op_kept"]
+        assert run["diff"] < 1e-5, run["diff"]
+        [(batch, size, note)] = [(r[0], r[1], r[3]) for r in run["history"] if r[2] == "oom"]
+        assert size == 4 and run["layouts"][batch] == [NO_RECOMPUTE], run["history"]
+        assert [NO_RECOMPUTE, True] in run["results"] and [RECOMPUTE_OP, True] in run["results"], run["results"]
+        assert run["results"].index([RECOMPUTE_OP, True]) < run["results"].index([NO_RECOMPUTE, True])
+        line = MeasuredLine.from_list(run["state"]["lines"][NO_RECOMPUTE])
+        assert line.on == (RECOMPUTE_OP,), run["state"]
+        off = _suite(world)[rank]["off_per_sample"]
+        assert abs(line.per_sample - off) < 0.05 * off, (line, off)
+        measured = run["layouts"].index([NO_RECOMPUTE, RECOMPUTE_OP])
+        assert run["splits"][measured] == [1, 1, 2], run["splits"]
+        # The downsize trial next: off at 2 + 2 against ``op`` at 4; kept, the size found 3.
+        assert run["layouts"][measured + 1 : measured + 3] == [[NO_RECOMPUTE, RECOMPUTE_OP], [RECOMPUTE_OP]], run["layouts"]
+        assert run["splits"][measured + 1 : measured + 3] == [[2, 2], [4]], run["splits"]
+        assert run["found"] == 3 and run["settled"] == [NO_RECOMPUTE] and run["splits"][-1] == [2, 2]
+        assert "OOMs 1" in run["summary"], run["summary"]
 
 
 # ---- the downsize trial: a smaller microbatch with the trades that did not fit ---------------------
@@ -549,8 +580,8 @@ def test_no_recompute_is_measured_in_one_batch_at_the_smallest_size_then_downsiz
     assert search.measuring is None and not search.needs_agreement
     search.observe(layout, 5.0)
     assert search.measuring is trial and not search.needs_agreement
-    assert "3.00 MiB per sample" in search.measured(3 * 2**20)
-    assert search.trial is None and search.per_sample == {NO_RECOMPUTE: 3 * 2**20}
+    assert "3.00 MiB per sample with it, 10.0 MiB besides" in search.measured((10 * 2**20, 3 * 2**20))
+    assert search.trial is None and search.lines == {NO_RECOMPUTE: MeasuredLine(10 * 2**20, 3 * 2**20, ())}
     # Next batch: the downsize trial, at the size `smaller` gives with those bytes.
     asked: list[tuple[str, ...]] = []
     layout, lines = search.layout_for_batch(True, lambda t: None, 4, 4, lambda trades: asked.append(trades) or 2, 1)
@@ -558,14 +589,14 @@ def test_no_recompute_is_measured_in_one_batch_at_the_smallest_size_then_downsiz
     assert (search.trial.size, search.trial.from_size, search.downsized_from) == (2, 4, [4])
     restored = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), [NO_RECOMPUTE])
     restored.load_state_dict(search.state_dict())
-    assert restored.per_sample == {NO_RECOMPUTE: 3 * 2**20} and restored.too_big_at == {NO_RECOMPUTE: 4}
+    assert restored.lines == search.lines and restored.too_big_at == {NO_RECOMPUTE: 4}
 
 
 def test_pressure_in_the_measuring_batch_or_no_measure_ends_it_for_good():
     pressed = _recompute_rejected_at()
     pressed.layout_for_batch(True, lambda t: None, 4, 4, lambda trades: 2, 1)
     assert pressed.relieve(pressed.current, "out of memory at size 1", 1) == NO_RECOMPUTE
-    assert pressed.trial is None and pressed.per_sample == {NO_RECOMPUTE: None}
+    assert pressed.trial is None and pressed.lines == {NO_RECOMPUTE: None}
     # Never measured again, nor downsized; the checkpoint keeps it so.
     assert pressed.layout_for_batch(True, lambda t: None, 4, 4, lambda trades: 2, 1) == ((), [])
     restored = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), [NO_RECOMPUTE])
@@ -574,13 +605,13 @@ def test_pressure_in_the_measuring_batch_or_no_measure_ends_it_for_good():
     unknown = _recompute_rejected_at()
     unknown.layout_for_batch(True, lambda t: None, 4, 4, lambda trades: 2, 1)
     unknown.observe(unknown.current, 5.0)
-    assert "could not be measured" in unknown.measured(None) and unknown.per_sample == {NO_RECOMPUTE: None}
+    assert "could not be measured" in unknown.measured(None) and unknown.lines == {NO_RECOMPUTE: None}
     assert unknown.layout_for_batch(True, lambda t: None, 4, 4, lambda trades: 2, 1) == ((), [])
     # A measured trade that fits nowhere smaller: no downsize trial.
     nowhere = _recompute_rejected_at()
     nowhere.layout_for_batch(True, lambda t: None, 4, 4, lambda trades: None, 1)
     nowhere.observe(nowhere.current, 5.0)
-    nowhere.measured(2**30)
+    nowhere.measured((0.0, 2**30))
     assert nowhere.layout_for_batch(True, lambda t: None, 4, 4, lambda trades: None, 1) == ((), [])
 
 
@@ -657,11 +688,11 @@ def test_where_neither_fits_at_the_size_found_both_are_measured_and_downsized_al
         assert search.trial.measure and search.trial.size == 1 and len(layout) == 1, lines
         measured.append((layout[0], lines))
         search.observe(layout, 5.0)
-        search.measured(2**20 if layout == (NO_RECOMPUTE,) else 2**19)
+        search.measured((0.0, 2**20 if layout == (NO_RECOMPUTE,) else 2**19))
     assert [trade for trade, _ in measured] == [NO_RECOMPUTE, RECOMPUTE_OP]
     assert measured[1][1] == ["recompute: op's bytes measured in one batch at microbatches 1 and 2 (found 4 with full): "
                               "it did not fit at 4"]
-    assert search.per_sample == {NO_RECOMPUTE: 2**20, RECOMPUTE_OP: 2**19}
+    assert search.lines == {NO_RECOMPUTE: MeasuredLine(0.0, 2**20), RECOMPUTE_OP: MeasuredLine(0.0, 2**19)}
     layout, lines = search.layout_for_batch(True, lambda t: None, 4, 4, smaller, 1)
     assert asked == [(NO_RECOMPUTE,), (RECOMPUTE_OP,)]  # never the two together
     assert layout == (RECOMPUTE_OP,) and (search.trial.size, search.trial.from_size) == (3, 4)

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from automicro.core.consensus import Consensus
 from automicro.core.layout import (
-    FUSED_HEAD, GRAD_SYNC_ONCE, GROWS, SIZE_FRACTIONS, TRADES, UPSIZE, LayoutConfig, LayoutSearch, Priced, describe,
+    FUSED_HEAD, GRAD_SYNC_ONCE, GROWS, MEASURED, SIZE_FRACTIONS, TRADES, UPSIZE, LayoutConfig, LayoutSearch, Priced, describe,
 )
 from automicro.core.policy import SAFETY_MARGIN, near_split, predict_max_size
 from automicro.engine.layout import LayoutEngine
@@ -244,30 +244,41 @@ class LayoutTrials:
                 f"capacity {capacity_bytes / 2**20:.1f} MiB"
             )
 
-        per_sample = self.search.per_sample
+        search = self.search
 
-        def extra_at(trades: tuple[str, ...], largest: int) -> Optional[float]:
-            """The trades' bytes beside a microbatch of `largest`: a measured trade's grow with it
-            (bytes per sample), the others' do not. None: not projected."""
-            fixed = [engine.extra_bytes(t) for t in trades if per_sample.get(t) is None]
-            if any(e is None for e in fixed):
+        def projected(trades: tuple[str, ...], n: int) -> Optional[tuple[int, float]]:
+            """(The largest microbatch, the peak with `trades` on top of the settled layout) were the size found `n`.
+            A measured trade's own memory model (`MeasuredLine`, measured on top of the layout settled now) gives the
+            peak, else the size policy's; the other trades add their bytes (`LayoutEngine.extra_bytes`). None: not
+            projected."""
+            lines = [search.lines[t] for t in trades if t in MEASURED and search.measured_on_settled(t)]
+            if len(lines) != sum(t in MEASURED for t in trades) or len(lines) > 1:
                 return None
-            return sum(e for e in fixed if e is not None) + sum(per_sample.get(t) or 0.0 for t in trades) * largest
+            if lines:
+                if largest_at is None:
+                    return None
+                largest, peak = largest_at(n), lines[0].peak(largest_at(n))  # type: ignore[union-attr]
+            else:
+                at = None if peak_at is None else peak_at(n)
+                if at is None:
+                    return None
+                largest, peak = at
+            extras = [engine.extra_bytes(t) for t in trades if t not in MEASURED]
+            if any(e is None for e in extras):
+                return None
+            return largest, peak + sum(e for e in extras if e is not None)
 
         def smaller(trades: tuple[str, ...]) -> Optional[int]:
-            if found is None or peak_at is None or not capacity_bytes:
+            if found is None or not capacity_bytes:
                 return None
-            # A slope measured at the smallest sizes and extrapolated: under the policy's margin.
-            room = capacity_bytes * (SAFETY_MARGIN if any(per_sample.get(t) for t in trades) else 1.0)
+            # A measured slope (at the smallest sizes) is extrapolated: under the policy's margin.
+            room = capacity_bytes * (SAFETY_MARGIN if any(t in MEASURED for t in trades) else 1.0)
             for n in range(found - 1, 0, -1):
-                projected = peak_at(n)
-                if projected is None:
+                at = projected(trades, n)
+                if at is None:
                     return None
-                largest, peak = projected
-                extra = extra_at(trades, largest)
-                if extra is None:
-                    return None
-                if (size is None or largest < size) and peak + extra <= room:
+                largest, peak = at
+                if (size is None or largest < size) and peak <= room:
                     return n
             return None
 
@@ -291,14 +302,12 @@ class LayoutTrials:
         self.started_now = trial is not None and trial is not started
         if steady and trial is None:
             self._quiet = self._key
-        if trial is not None and trial is not started and trial.size is not None and not trial.measure and peak_at:
-            projected = peak_at(trial.size)
-            extra = None if projected is None else extra_at(trial.trades, projected[0])
-            if projected is not None and extra is not None:
-                peak = projected[1]
+        if trial is not None and trial is not started and trial.size is not None and not trial.measure:
+            at = projected(trial.trades, trial.size)
+            if at is not None:
                 lines.append(
                     f"layout trial {trial.trade} at microbatch {trial.size}: projected peak "
-                    f"{(peak + extra) / 2**20:.1f} MiB, capacity {capacity_bytes / 2**20:.1f} MiB"
+                    f"{at[1] / 2**20:.1f} MiB, capacity {capacity_bytes / 2**20:.1f} MiB"
                 )
         for line in lines:
             self._info(line)
@@ -347,19 +356,16 @@ class LayoutTrials:
             self._apply(self.search.settled)
             return
         if trial is not None:
-            per_sample, how = None, ""
+            # The layout with the trade, its own memory model through its smallest and largest microbatch's peaks (the
+            # size policy's may mix layouts: a trade kept or the head fused since its samples were taken).
+            line, how = None, ""
             by_size = sorted(peaks_by_size)
-            if len(by_size) >= 2 and self._peak_at is not None:
+            if len(by_size) >= 2:
                 (s1, p1), (s2, p2) = by_size[0], by_size[-1]
-                on1, on2 = self._peak_at(s1), self._peak_at(s2)
-                if on1 is not None and on2 is not None and on1[0] == s1 and on2[0] == s2:
-                    with_it, without = (p2 - p1) / (s2 - s1), (on2[1] - on1[1]) / (s2 - s1)
-                    per_sample = with_it - without
-                    how = (
-                        f"{with_it / 2**20:.1f} MiB per sample with it at microbatches {s1} and {s2}, "
-                        f"{without / 2**20:.1f} MiB without"
-                    )
-            self._info(self.search.measured(per_sample, how))
+                per_sample = (p2 - p1) / (s2 - s1)
+                line = (p1 - s1 * per_sample, per_sample)
+                how = f"peaks {p1 / 2**20:.1f} MiB at microbatch {s1}, {p2 / 2**20:.1f} MiB at {s2}"
+            self._info(self.search.measured(line, how))
             self._apply(self.search.settled)
             return
         trial = self.search.trial

@@ -65,12 +65,14 @@ batches ends it as a trial's does.
 ``no_recompute``'s bytes are not projected from the model, so before its downsize trial one batch
 *measures* them: it runs with checkpointing off at the probe's split (the two smallest sizes,
 `automicro.core.policy.probe_split`), its microbatch peaks are tracked by size (after the first
-microbatch, before the optimizer step: activations, not the step's own peak), and the growth per
-sample there less the size policy's growth per sample (checkpointing on) is the trade's bytes per
-sample (`per_sample`, checkpointed). From then on they are projected like the others' (bytes per
-sample times the microbatch, under the policy's safety margin: a slope measured at the smallest
-sizes is extrapolated). Pressure in the measuring batch ends it, and the trade is never measured
-again (one OOM at most, at the smallest sizes).
+microbatch, before the optimizer step: activations, not the step's own peak), and the two peaks give the
+memory model of the layout with the trade (`MeasuredLine`: fixed bytes and bytes per sample, `lines`,
+checkpointed), the way the size policy's own model is made, but of that layout alone: the policy's model
+may mix layouts (a trade kept or the head fused since its samples were taken; it cannot tell then). The
+downsize trial's size is the largest that line fits under the policy's safety margin (a slope measured at the
+smallest sizes is extrapolated). A line holds for the layout it was measured on top of: once another is
+settled, the trade is measured again before a downsize. Pressure in the measuring batch ends it, and the
+trade is never measured again (one OOM at most, at the smallest sizes).
 
 Where the microbatch found is small, checkpointing can pay for its recomputation with a larger
 microbatch (a 3B model on one H100 settles on 1). So once nothing else is left to try at the size
@@ -213,6 +215,26 @@ class LayoutConfig:
 def describe(layout: Sequence[str]) -> str:
     """One phrase for the console: ``default`` or the trades in use."""
     return ", ".join(DESCRIPTIONS[t] for t in TRADES if t in layout) or "default"
+
+
+@dataclass(frozen=True)
+class MeasuredLine:
+    """A measured trade's memory model (`LayoutSearch.lines`): the peak of a microbatch of n samples is `fixed` +
+    `per_sample` x n with the trade on top of the layout `on` (the settled trades when it was measured)."""
+
+    fixed: float
+    per_sample: float
+    on: tuple[str, ...] = ()
+
+    def peak(self, size: int) -> float:
+        return self.fixed + self.per_sample * size
+
+    def to_list(self) -> list[Any]:
+        return [self.fixed, self.per_sample, list(self.on)]
+
+    @classmethod
+    def from_list(cls, value: Sequence[Any]) -> "MeasuredLine":
+        return cls(float(value[0]), float(value[1]), tuple(t for t in TRADES if t in value[2]))
 
 
 @dataclass
@@ -363,9 +385,9 @@ class LayoutSearch:
         # For a layout (kept trades): the trades that were faster on top of it, but not by enough.
         # Two or more are tried together once (each alone may gain less than `min_gain`, together more).
         self.near: dict[tuple[str, ...], list[str]] = {}
-        # For a trade in MEASURED: its bytes per sample, measured in one batch (None: that batch ran
-        # out of memory or could not be compared; never measured again).
-        self.per_sample: dict[str, Optional[float]] = {}
+        # For a trade in MEASURED: the memory model of the settled layout with it, measured in one batch (None: that
+        # batch ran out of memory or could not be read; never measured again).
+        self.lines: dict[str, Optional[MeasuredLine]] = {}
         # For a trade in UPSIZE: the largest microbatch its measured memory model fits under the
         # margin (None: its measuring batch ran out of memory or could not be read; never again).
         self.fits_up_to: dict[str, Optional[int]] = {}
@@ -460,9 +482,9 @@ class LayoutSearch:
             return None
         waiting = tuple(
             t for t in TRADES
-            if self.too_big_at.get(t) == size and t in self.candidates and (t not in MEASURED or self.per_sample.get(t, 0) is not None)
+            if self.too_big_at.get(t) == size and t in self.candidates and (t not in MEASURED or self.lines.get(t, 0) is not None)
         )
-        unmeasured = [t for t in waiting if t in MEASURED and t not in self.per_sample]
+        unmeasured = [t for t in waiting if t in MEASURED and not self.measured_on_settled(t)]
         if unmeasured:
             if measure_at is None or measure_at >= found:
                 waiting = tuple(t for t in waiting if t not in unmeasured)
@@ -848,13 +870,18 @@ class LayoutSearch:
         trial = self.trial
         return trial if trial is not None and trial.measure and trial.on else None
 
+    def measured_on_settled(self, trade: str) -> bool:
+        """`trade`'s line is measured, on top of the layout settled now."""
+        line = self.lines.get(trade)
+        return line is not None and line.on == self.settled
+
     def measured(
-        self, per_sample: Optional[float], how: str = "", fits_up_to: Optional[int] = None, capacity: int = 0,
+        self, line: Optional[tuple[float, float]], how: str = "", fits_up_to: Optional[int] = None, capacity: int = 0,
     ) -> str:
-        """The measuring batch's result (agreed): the trade's bytes per sample, or None where they
-        could not be told (`how`: the figures, for the console); for a trade in UPSIZE, the largest
-        microbatch its model fits (`fits_up_to`; None: could not be told). Ends the measurement;
-        returns its console line."""
+        """The measuring batch's result (agreed): for a trade in MEASURED, the memory model of the layout with it
+        (`line`: fixed bytes and bytes per sample; None where they could not be told; `how`: the figures, for the
+        console); for a trade in UPSIZE or GROWS, the largest microbatch its model fits (`fits_up_to`; None: could not
+        be told). Ends the measurement; returns its console line."""
         trial = self.trial
         assert trial is not None and trial.measure
         self.trial = None
@@ -874,13 +901,13 @@ class LayoutSearch:
                 f"layout trade {trade} ({DESCRIPTIONS[trade]}): fits microbatch {fits_up_to} at most"
                 f"{' (' + how + ')' if how else ''}"
             )
-        if per_sample is None:
-            self.per_sample[trade] = None
+        if line is None or not line[1] > 0:
+            self.lines[trade] = None
             return f"layout trade {trade}: its bytes could not be measured; not tried at a smaller microbatch"
-        self.per_sample[trade] = max(0.0, float(per_sample))
+        measured = self.lines[trade] = MeasuredLine(float(line[0]), float(line[1]), self.settled)
         return (
-            f"layout trade {trade} ({DESCRIPTIONS[trade]}): {per_sample / 2**20:.2f} MiB per sample more"
-            f"{' (' + how + ')' if how else ''}"
+            f"layout trade {trade} ({DESCRIPTIONS[trade]}): {measured.per_sample / 2**20:.2f} MiB per sample with it, "
+            f"{measured.fixed / 2**20:.1f} MiB besides{' (' + how + ')' if how else ''}"
         )
 
     def local_times(self) -> list[float]:
@@ -934,7 +961,7 @@ class LayoutSearch:
                 if trial.trades[0] in UPSIZE + GROWS:
                     self.fits_up_to[trial.trades[0]] = None
                 else:
-                    self.per_sample[trial.trades[0]] = None
+                    self.lines[trial.trades[0]] = None
             if set(trial.trades) <= set(failed_layout):
                 if trial.upsize and not trial.measure:
                     # Its model was wrong at that size: not tried again this run (each try that runs
@@ -972,7 +999,7 @@ class LayoutSearch:
             "downsized_from": list(self.downsized_from),
             "near": [[list(base), list(trades)] for base, trades in self.near.items()],
             # Only once measured: a run without checkpointing keeps the state (and its bytes) it had.
-            **({"per_sample": dict(self.per_sample)} if self.per_sample else {}),
+            **({"lines": {t: None if v is None else v.to_list() for t, v in self.lines.items()}} if self.lines else {}),
             **({"fits_up_to": dict(self.fits_up_to)} if self.fits_up_to else {}),
             **({"upsized_from": list(self.upsized_from)} if self.upsized_from else {}),
             **({"sized": [list(pair) for pair in self.sized]} if self.sized else {}),
@@ -1002,8 +1029,10 @@ class LayoutSearch:
         self.near = {
             tuple(t for t in TRADES if t in base): [t for t in trades if t in TRADES] for base, trades in state.get("near", [])
         }
-        self.per_sample = {
-            t: (None if v is None else float(v)) for t, v in state.get("per_sample", {}).items() if t in MEASURED
+        # (A checkpoint of an earlier version kept bytes per sample over the size policy's model, "per_sample": not
+        # read; such a trade is measured again, one batch.)
+        self.lines = {
+            t: (None if v is None else MeasuredLine.from_list(v)) for t, v in state.get("lines", {}).items() if t in MEASURED
         }
         self.fits_up_to = {
             t: (None if v is None else int(v)) for t, v in state.get("fits_up_to", {}).items() if t in UPSIZE + GROWS
@@ -1023,7 +1052,8 @@ class LayoutSearch:
         self.trial = None
 
 __all__ = [
-    "DESCRIPTIONS", "FUSED_HEAD", "GROWS", "GRAD_SYNC_ONCE", "LayoutConfig", "LayoutConfigError", "LayoutSearch", "MEASURED", "NO_RECOMPUTE",
+    "DESCRIPTIONS", "FUSED_HEAD", "GROWS", "GRAD_SYNC_ONCE", "LayoutConfig", "LayoutConfigError", "LayoutSearch", "MEASURED",
+    "MeasuredLine", "NO_RECOMPUTE",
     "NO_RESHARD", "PINNABLE", "RECOMPUTE", "RECOMPUTE_OP", "SIZE_FRACTIONS", "SIZE_TRIAL",
     "TRADES", "UPSIZE",
     "TrialResult", "describe", "judge",
