@@ -66,11 +66,12 @@ def fit(
     size_trials: bool = False,
     planned: Optional[int] = None,
     trials: bool = True,
+    compile: Any = None,
 ) -> dict[str, Any]:
     """`cap_args`: more `MemoryCapCallback` arguments (`limit_at_batch`). `size_trials`: off but in
     `size_case` (the other cases' batch sequences are the trades'). `planned`: the trials priced against a run of
     that many batches (`max_duration`), stopped after `batches`; else unpriced (`bound_trials: false`). `trials`:
-    the key."""
+    the key. `compile`: the Trainer's (each block compiled)."""
     from automicro.models import build_model
 
     torch.manual_seed(0)
@@ -92,6 +93,7 @@ def fit(
         optimizers=torch.optim.SGD(model.parameters(), lr=0.1), device="cpu",
         parallelism_config={"fsdp2": dict(fsdp2 or {})}, device_train_microbatch_size=microbatch,
         callbacks=[auto, cap, *(faults or []), *stop], loggers=[], progress_bar=False, log_to_console=False, seed=17,
+        compile=compile,
     )
     lines: list[str] = []
     auto.runtime.info = lines.append  # type: ignore[method-assign]
@@ -134,6 +136,7 @@ def fit(
             "final_at": None if auto.search.plan is None else auto.search.plan.final_at,
             "price": None if auto.search.plan is None else auto.search.plan.price,
             "batches": int(trainer.state.timestamp.batch),
+            "compile_lines": [line for line in lines if line.startswith("compile")],
         }
         result["extra"] = sum(result["extras"])
         return result
@@ -292,6 +295,32 @@ def upsize_cases(without2: int, without3: int) -> dict[str, Any]:
 
 
 AC = {"activation_checkpointing": True}
+
+
+def upsize_compiled_case() -> dict[str, Any]:
+    """`upsize_cases`' run with each block compiled (aot_eager, its shapes dynamic: no static nor scope trial; torch >=
+    2.8 compiles under the memory cap), its cap set the same way from compiled runs' peaks, checkpointing alone timed
+    faster: measured, then kept at 4 against 2 without (the switch's hooks outside each compiled forward). Parameters
+    against a compiled fixed run at 2 without checkpointing; the graphs each compiled (``graphs``, the fixed run's
+    ``fixed_graphs``) and the cap's figures (``limit``)."""
+    from automicro.engine.compile import compiled_graphs
+
+    backend = {"backend": "aot_eager", "scope": "blocks", "dynamic": True}
+    batches = 12
+    torch.compiler.reset()  # each counted run's graphs its own (not a run's before, cached)
+    before = compiled_graphs()
+    fixed = fit(2, batches, layout="fixed", compile=backend)
+    fixed_graphs = compiled_graphs() - before
+    without2, without3 = fixed["peak"], fit(3, 2, layout="fixed", compile=backend)["peak"]
+    with4 = fit(4, 2, layout="fixed", fsdp2=AC, compile=backend)["peak"]
+    cap = torch.tensor([(without3 + max(without2, int(with4 / 0.9))) // 2], dtype=torch.int64)
+    torch.distributed.broadcast(cap, 0)
+    limit = int(cap[0])
+    torch.compiler.reset()
+    before = compiled_graphs()
+    auto = fit("auto", batches, limit=limit, timing=seconds_where(faster=(RECOMPUTE,)), start_size="probe", compile=backend)
+    graphs = compiled_graphs() - before
+    return {**_strip(auto, fixed), "graphs": graphs, "fixed_graphs": fixed_graphs, "limit": [without2, without3, with4, limit]}
 
 
 def recompute_cases(oom: bool = True) -> dict[str, Any]:

@@ -38,6 +38,29 @@ def test_ooms_inside_compiled_forward_and_backward_are_searched_past_and_train_l
 
 
 @pytest.mark.multiproc
+def test_compiled_blocks_take_checkpointing_on_for_a_larger_microbatch_and_train_as_the_fixed_run(results):
+    """`layout: auto` on compiled blocks, checkpointing not asked for: the cap fits 2 without it, not 3, and 4 with it.
+    After the other trades (not faster), one batch measures checkpointing on, the upsize trial runs 4 with it against
+    2 without, timed faster: kept, no OOM, no graph for the switch (it sits outside each compiled forward), the
+    parameters of the fixed run at 2."""
+    from automicro.core.layout import GRAD_SYNC_ONCE, NO_RESHARD, RECOMPUTE
+
+    if "upsize/compiled" not in results[0]:
+        pytest.skip("torch 2.7 does not compile under the memory cap (the newer torch legs run it)")
+    for per_rank in results:
+        run = _ok(per_rank["upsize/compiled"])
+        without2, without3, with4, limit = run["limit"]
+        assert without2 <= limit < without3 and with4 < limit, run["limit"]
+        assert run["results"] == [[GRAD_SYNC_ONCE, False], [NO_RESHARD, False], [RECOMPUTE, True]], run["results"]
+        assert run["state"]["fits_up_to"] == {RECOMPUTE: 4} and run["state"]["upsized_from"] == [2], run["state"]
+        assert run["found"] == 4 and run["settled"] == [RECOMPUTE] and run["splits"][-1] == [4], run["splits"]
+        assert "OOMs 0" in run["summary"] and run["diff"] < 1e-5, (run["summary"], run["diff"])
+        # The fixed run at 2 compiles one graph (dynamic from the start); the auto run one more, for the probe's
+        # microbatch of 1 (torch specializes a dimension of size 1), and none for the switch or for 4.
+        assert run["fixed_graphs"] == 1 and run["graphs"] == 2, (run["graphs"], run["fixed_graphs"])
+
+
+@pytest.mark.multiproc
 def test_the_search_recompiles_each_block_once_whatever_sizes_it_visits(results):
     for per_rank in results:
         result = _ok(per_rank["gated/auto"])

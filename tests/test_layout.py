@@ -874,6 +874,20 @@ def _measure(search: LayoutSearch, found: int, fits_up_to) -> list[str]:
     return lines + [search.measured(None, "how", fits_up_to=fits_up_to)]
 
 
+def test_recompute_held_while_the_whole_model_is_compiled_is_neither_measured_nor_tried_until_let_go():
+    """`LayoutSearch.held` (the whole model compiled: `LayoutEngine.recompute_held`): no measuring batch, no upsize
+    trial, the size found not spent; once let go, measured and tried from the same size."""
+    search = _upsize_search()
+    search.held = {RECOMPUTE: "the whole model is compiled"}
+    for _ in range(3):
+        assert search.layout_for_batch(True, lambda t: None, 2, 2, None, 1) == ((), [])
+    assert search.trial is None and search.upsized_from == [] and RECOMPUTE not in search.fits_up_to
+    search.held = {}
+    _measure(search, 2, 4)
+    layout, _ = search.layout_for_batch(True, lambda t: None, 2, 2, None, 1)
+    assert layout == (RECOMPUTE,) and search.trial_size == 4 and search.upsized_from == [2]
+
+
 def test_recompute_is_measured_then_tried_at_the_larger_size_it_fits_and_never_undone_under_pressure():
     search = _upsize_search()
     # Without a size to measure at (no probe, no memory figures): nothing is tried.

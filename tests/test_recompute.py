@@ -140,3 +140,36 @@ def test_a_full_recompute_asked_for_can_be_tried_down_to_op_and_off_wins_over_op
         assert all(torch.allclose(g, r, atol=1e-5) for g, r in zip(grads, reference)), layout
     for asked in ("op", 2, False):  # no full recompute asked for: nothing to try down from
         assert "recompute_op" not in engine_for(asked)[2].candidates(), asked
+
+
+def test_compiled_blocks_carrying_the_dial_take_recompute_as_a_trade_but_never_inside_a_whole_model_graph():
+    """With no checkpointing asked for, blocks that carry the engine's dial offer ``recompute`` (the upsize trial's
+    trade) compiled as well as eager: switched on it gives the same gradients, its hooks outside each compiled
+    forward. While the whole model is compiled (the compile scope's trial, or kept) it is held
+    (`LayoutEngine.recompute_held`) and switching it on is refused, not run with other values."""
+    from types import SimpleNamespace
+
+    from automicro.engine.layout import LayoutEngine
+
+    reference, _ = _step(_model()[0])
+    for compiled in (False, True):
+        model, dial = _model(compiled=compiled)
+        named = [("", model)] + [(f"blocks.{i}", block) for i, block in enumerate(model.blocks)]
+        config = FSDP2Config(activation_checkpointing=False, reshard_after_forward=False)
+        scope = SimpleNamespace(scope="blocks")
+        sharded = SimpleNamespace(named_fsdp_modules=named, fsdp_modules=[], config=config, recompute=dial,
+                                  compiled=scope if compiled else None)
+        engine = LayoutEngine(sharded)
+        assert engine.candidates() == ["recompute"] and engine.recompute_held is None, compiled
+        engine.apply(("recompute",))
+        assert dial.rung.kind == FULL and all(internals.checkpoint_enabled(block) for block in model.blocks)
+        grads, _ = _step(model)
+        assert all(torch.allclose(g, r, atol=1e-5) for g, r in zip(grads, reference)), compiled
+        engine.apply(())
+        if compiled:
+            scope.scope = "model"
+            assert "whole model" in engine.recompute_held
+            with pytest.raises(RuntimeError, match="whole model is compiled"):
+                engine.apply(("recompute",))
+            assert dial.rung.kind == OFF
+            engine.apply(())  # off is always allowed

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from automicro.core.consensus import Consensus
 from automicro.core.layout import (
-    FUSED_HEAD, GRAD_SYNC_ONCE, GROWS, MEASURED, SIZE_FRACTIONS, TRADES, UPSIZE, LayoutConfig, LayoutSearch, Priced, describe,
+    FUSED_HEAD, GRAD_SYNC_ONCE, GROWS, MEASURED, RECOMPUTE, SIZE_FRACTIONS, TRADES, UPSIZE, LayoutConfig, LayoutSearch, Priced, describe,
 )
 from automicro.core.policy import SAFETY_MARGIN, near_split, predict_max_size
 from automicro.engine.layout import LayoutEngine
@@ -226,6 +226,8 @@ class LayoutTrials:
             return
         engine = self.engine
         self._capacity_read = capacity_read
+        held = engine.recompute_held
+        self.search.held = {RECOMPUTE: held} if held is not None else {}
         undone, lines = self.search.reconsider(capacity_read) if size is not None else (None, [])
         if undone is not None:
             self.undone, steady = undone, False  # the size is searched again first: no trial now

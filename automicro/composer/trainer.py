@@ -261,7 +261,7 @@ class Trainer(composer.Trainer):
             else:
                 # Checkpointing on every block, switched off, under `auto`: the ladder below the floor switches it on
                 # where microbatch size 1 runs out without it (`automicro.batch.floor_ladder`), the layout search's
-                # upsize trial where it pays (`recompute`, eager blocks only). Compiled blocks carry it too (its hooks
+                # upsize trial where it pays (`recompute`). Compiled blocks carry it too (its hooks
                 # sit on the block's call, outside the compiled forward); not where the whole model is compiled
                 # (`compile.scope: model`, Composer's `compile_config`: checkpointing switched on inside a
                 # whole-model graph recomputes other values than the forward saved, torch 2.11 and 2.15).

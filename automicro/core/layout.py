@@ -416,6 +416,8 @@ class LayoutSearch:
         # The trades the ladder below the floor changed (`recompute_floor`): RECOMPUTE kept, or NO_RECOMPUTE undone. In
         # any mode, for the rest of the run and after a resume.
         self.floor: list[str] = []
+        # Trades in UPSIZE that cannot be switched on now, and why (the caller's, each batch; not checkpointed).
+        self.held: dict[str, str] = {}
         self._found: Optional[int] = None
 
     @property
@@ -563,7 +565,7 @@ class LayoutSearch:
         if found is None or found in self.upsized_from:
             return None, lines
         for trade in UPSIZE:
-            if trade not in self.candidates or trade in self.kept:
+            if trade not in self.candidates or trade in self.kept or trade in self.held:
                 continue
             if whole_batch is not None and (largest_at(found) if largest_at is not None else found) >= whole_batch:
                 self.upsized_from.append(found)

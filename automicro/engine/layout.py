@@ -53,7 +53,8 @@ class LayoutEngine:
         """The trades this model can take: ``no_reshard`` where blocks reshard after forward
         (``reshard_after_forward: true``, the default), ``grad_sync_once`` wherever it is sharded,
         ``no_recompute`` where the blocks checkpoint their activations, ``recompute`` where they
-        carry checkpointing switched off (`shard`'s ``checkpoint_switch``); ``recompute_op`` where the user asked for
+        carry checkpointing switched off (`shard`'s ``checkpoint_switch``; compiled blocks too, held while the whole
+        model is compiled: `recompute_held`); ``recompute_op`` where the user asked for
         full recompute and the blocks carry the engine's dial (the ``op`` rung in its place); ``fused_head`` where the
         head's switch is the trials' (``head: auto``)."""
         found = []
@@ -63,8 +64,9 @@ class LayoutEngine:
             found.append(GRAD_SYNC_ONCE)
         if self._blocks and self.sharded.config.reshard_after_forward is True:
             found.append(NO_RESHARD)
-        if self._checkpointed and (self._asked or self.sharded.compiled is None):
-            # ``recompute`` as a trial only with eager blocks (as before the ladder put the switch on compiled ones).
+        if self._checkpointed and (self._asked or self.sharded.compiled is None or self._dial is not None):
+            # Compiled blocks take ``recompute`` where they carry the engine's dial: its hooks sit on each block's call,
+            # outside its compiled forward (not while the whole model is compiled: `recompute_held`).
             found.append(NO_RECOMPUTE if self._asked else RECOMPUTE)
         if self._dial is not None and self._asked and self.sharded.config.rung.kind == FULL:
             # Full recompute asked for by hand: tried down to ``op`` as well as off.
@@ -79,6 +81,16 @@ class LayoutEngine:
         if self._dial is not None:
             return self.rung_of(self.layout).kind != FULL
         return bool(self._checkpointed) and not self._asked
+
+    @property
+    def recompute_held(self) -> Optional[str]:
+        """Why the blocks' checkpointing cannot be switched on now (None: it can): the whole model is compiled (the
+        compile scope's trial, or kept), and checkpointing switched on inside a whole-model graph recomputes other
+        values than its forward saved (torch 2.11 and 2.15)."""
+        compiled = self.sharded.compiled
+        if compiled is not None and getattr(compiled, "scope", "blocks") != "blocks":
+            return "the whole model is compiled (checkpointing inside its graph would recompute other values)"
+        return None
 
     @property
     def can_select(self) -> bool:
@@ -144,7 +156,11 @@ class LayoutEngine:
             for block in self._blocks:
                 internals.set_block_reshard_after_forward(block, NO_RESHARD not in layout)
         if self._dial is not None:  # the engine's blocks: the rung the layout puts on them
-            self._dial.set(self.rung_of(layout))
+            rung = self.rung_of(layout)
+            if rung.on and not self._asked and self.recompute_held is not None:
+                # The callers hold the trade and the ladder compiles the blocks again first: a bug if it gets here.
+                raise RuntimeError(f"automicro: recompute switched on where {self.recompute_held}; layout {list(layout)}")
+            self._dial.set(rung)
         else:  # a model sharded by its own `fully_shard`, its checkpointing its own: on or off
             on = NO_RECOMPUTE not in layout if self._asked else RECOMPUTE in layout
             for block in self._checkpointed:
