@@ -418,6 +418,7 @@ class LayoutSearch:
         self.floor: list[str] = []
         # Trades in UPSIZE that cannot be switched on now, and why (the caller's, each batch; not checkpointed).
         self.held: dict[str, str] = {}
+        self._held_said: set[str] = set()  # the held trades whose line was printed (once a run)
         self._found: Optional[int] = None
 
     @property
@@ -565,7 +566,12 @@ class LayoutSearch:
         if found is None or found in self.upsized_from:
             return None, lines
         for trade in UPSIZE:
-            if trade not in self.candidates or trade in self.kept or trade in self.held:
+            if trade not in self.candidates or trade in self.kept:
+                continue
+            if trade in self.held:
+                if trade not in self._held_said:
+                    self._held_said.add(trade)
+                    lines.append(f"layout trade {trade} ({DESCRIPTIONS[trade]}) not tried for now: {self.held[trade]}")
                 continue
             if whole_batch is not None and (largest_at(found) if largest_at is not None else found) >= whole_batch:
                 self.upsized_from.append(found)
