@@ -259,7 +259,8 @@ class LayoutTrials:
             if lines:
                 if largest_at is None:
                     return None
-                largest, peak = largest_at(n), lines[0].peak(largest_at(n))  # type: ignore[union-attr]
+                largest = largest_at(n)
+                peak = lines[0].peak(largest)  # type: ignore[union-attr]
             else:
                 at = None if peak_at is None else peak_at(n)
                 if at is None:
