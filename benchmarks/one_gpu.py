@@ -570,6 +570,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama32": ("LlamaConfig", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                                     num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
                                     rope_theta=500000.0, tie_word_embeddings=True)),
+    # Llama-3.2 3B's shape: 3.2B parameters, whose fp32 weights, gradients and AdamW state (51 GB) leave an H100 too
+    # little for one sample of 131,072 tokens with every block recomputing (the host offload's case).
+    "llama32-3b": ("LlamaConfig", dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                                       num_attention_heads=24, num_key_value_heads=8, max_position_embeddings=131072,
+                                       rope_theta=500000.0, tie_word_embeddings=True)),
     "qwen25": ("Qwen2Config", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                                    num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
                                    rope_theta=1000000.0, tie_word_embeddings=True)),

@@ -51,7 +51,7 @@ TORCH_VERSION_FILES = {
     "test_automicro.py", "test_autostep.py", "test_capacity.py", "test_checkpoint.py", "test_checkpoint_commit.py", "test_compile.py",
     "test_control_sim.py", "test_engine.py", "test_sharding_choice.py",
     "test_fsdp_config.py", "test_head.py", "test_hf_models.py", "test_hf_trainer.py", "test_install.py", "test_ladder.py", "test_moe.py", "test_routing.py", "test_compile_watch.py", "test_forward_state.py", "test_ledger.py", "test_lightning.py", "test_local_step.py", "test_model.py",
-    "test_optimizer_memory.py", "test_packing.py", "test_pipeline.py", "test_pipeline_memory.py", "test_recompute.py", "test_steady_state.py",
+    "test_offload.py", "test_optimizer_memory.py", "test_packing.py", "test_pipeline.py", "test_pipeline_memory.py", "test_recompute.py", "test_steady_state.py",
     "test_testing_tools.py", "test_trainer.py", "test_trial_plan.py", "test_watchdog.py",
 }
 # Not in the set though they run on FSDP2: test_floor_rule.py (the size-1 rule of the policy, over

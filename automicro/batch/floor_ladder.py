@@ -25,10 +25,15 @@ batch is another one now) from the probe where the search can take it (two micro
 the memory line predicts next), else from where the run's search starts. Only where size 1 runs out again with the
 blocks checkpointing does the run end, its message naming what was tried.
 
+The last rung, only where the run asked for it (``offload: auto``, `automicro.batch.host_offload`): where size 1 still
+runs out with every block recomputing, FSDP2's CPU offload of the parameters, gradients and optimizer state, switched on
+between two attempts (`automicro.engine.offload`), and the size searched again. Without it, the message that ends the
+run says it was not asked for.
+
 Not on the ladder: a pipeline stage (its stages are built with their checkpointing: set
 ``parallelism_config.fsdp2.activation_checkpointing: true``), a model without FSDP2 blocks, a model sharded without
-the switch (a plain loop's own `fully_shard`: ``automicro.engine.shard(..., checkpoint_switch=True)`` gives it one).
-Offloading to the CPU (FSDP2's ``cpu_offload``) is set at build time: not a rung yet.
+the switch (a plain loop's own `fully_shard`: ``automicro.engine.shard(..., checkpoint_switch=True)`` gives it one);
+the host offload where the layout's rungs cannot be taken (it is the last).
 
 Owns: whether a rung is left, stepping it (the layout's floor, the scope and one-rank trials held off), its line,
 the words of the message that ends a run with nothing left. May not touch: the size policy (the training search starts
@@ -37,11 +42,13 @@ it again), torch, Composer.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 from automicro.core.consensus import Verdict
 from automicro.core.layout import FUSED_HEAD, NO_RECOMPUTE, RECOMPUTE, RECOMPUTE_OP
+from automicro.batch.host_offload import RUNG as OFFLOAD_RUNG
+from automicro.batch.host_offload import HostOffload
 from automicro.batch.layout_trials import LayoutTrials
 
 # What each rung is called in lines, the summary and the run-ending message.
@@ -59,20 +66,32 @@ def _rows(verdict: Verdict) -> str:
 
 class FloorLadder:
     """One run's ladder. `layout`: the run's layout trials (None or without an engine: nothing to switch);
-    `pipeline`: the run is a pipeline stage."""
+    `pipeline`: the run is a pipeline stage; `offload`: the host offload's rung (the last), where the run has one."""
 
-    def __init__(self, layout: Optional[LayoutTrials], info: Callable[[str], None], pipeline: bool = False) -> None:
-        self.layout, self.info, self.pipeline = layout, info, pipeline
+    def __init__(self, layout: Optional[LayoutTrials], info: Callable[[str], None], pipeline: bool = False,
+                 offload: Optional[HostOffload] = None) -> None:
+        self.layout, self.info, self.pipeline, self.offload = layout, info, pipeline, offload
         self.stepped_at: Optional[int] = None  # the batch the rung was stepped in (this launch)
         self.last = ""  # the last rung stepped, in words (`RUNGS`)
 
     @property
     def stepped(self) -> bool:
         """The rung is on (this launch, or the checkpoint this run resumed from)."""
-        return self.layout is not None and bool(self.layout.search.floor)
+        return (self.layout is not None and bool(self.layout.search.floor)) or self._offloaded
+
+    @property
+    def _offloaded(self) -> bool:
+        return self.offload is not None and self.offload.on
 
     def why_not(self) -> Optional[str]:
         """Why no rung is left (None: one is)."""
+        why = self._layout_why_not()
+        if why is not None and self.offload is not None and self.offload.left:
+            return None
+        return why
+
+    def _layout_why_not(self) -> Optional[str]:
+        """Why no rung of the layout's is left (None: one is)."""
         if self.pipeline:
             return ("a pipeline stage's checkpointing is set when it is built: set "
                     "parallelism_config.fsdp2.activation_checkpointing: true")
@@ -88,12 +107,15 @@ class FloorLadder:
         return ("the blocks carry no checkpointing switch (the whole model is compiled, or the model was sharded "
                 "without automicro.engine.shard(..., checkpoint_switch=True))")
 
-    def step(self, batch_index: int, verdict: Verdict, scope: Any = None, sharding: Any = None) -> Optional[str]:
+    def step(self, batch_index: int, verdict: Verdict, scope: Any = None, sharding: Any = None,
+             optimizers: Sequence[Any] = ()) -> Optional[str]:
         """Size 1 ran out again in batch `batch_index` (`verdict`: the agreed failure): the next rung, on every rank
         alike, and its line; None where none is left (`why_not`). `scope`, `sharding`: the run's compile scope and
-        one-rank trials (held off after the step)."""
+        one-rank trials (held off after the step); `optimizers`: the run's (their state follows the host offload)."""
         if self.why_not() is not None:
             return None
+        if self._layout_why_not() is not None:
+            return self._step_offload(batch_index, verdict, scope, sharding, optimizers)
         assert self.layout is not None
         head = self.layout.search.head_rung_left
         if scope is not None and not head:
@@ -116,9 +138,29 @@ class FloorLadder:
         return (f"recompute on: size 1 did not fit without it ({_rows(verdict)}); {how}, the size searched again in "
                 f"batch {batch_index} (the same numbers, {cost})")
 
-    def _rungs(self) -> str:
-        assert self.layout is not None
+    def _step_offload(self, batch_index: int, verdict: Verdict, scope: Any, sharding: Any, optimizers: Sequence[Any]) -> str:
+        assert self.offload is not None
+        why = "the parameters, gradients and optimizer state live on the host (the ladder's last rung switched it on)"
+        if scope is not None:
+            scope.blocks_only(why)
+        if sharding is not None and sharding.state not in ("off", "sharded"):
+            sharding.rule_out(why)  # the twin shares the parameters' old storage: let go of it, never run it
+        self.offload.step(batch_index, optimizers)
+        self.stepped_at, self.last = batch_index, OFFLOAD_RUNG
+        return (f"host offload on: size 1 did not fit with {self._layout_rungs() or 'what the blocks recompute'} "
+                f"({_rows(verdict)}); FSDP2's CPU offload of the sharded parameters, their gradients and the optimizer "
+                f"state switched on (offload: auto){self.offload.said()}, the size searched again in batch {batch_index} "
+                "(the same numbers; each block's parameters copied to the device for its all-gather, the optimizer "
+                "stepping on the host)")
+
+    def _layout_rungs(self) -> str:
+        if self.layout is None:
+            return ""
         return ", then ".join(RUNGS[t] for t in self.layout.search.floor if t in RUNGS)
+
+    def _rungs(self) -> str:
+        rungs = [r for r in (self._layout_rungs(), OFFLOAD_RUNG if self._offloaded else "") if r]
+        return ", then ".join(rungs)
 
     def tried(self) -> str:
         """What the run-ending message says was tried below size 1."""
@@ -127,6 +169,16 @@ class FloorLadder:
             return f" with {self._rungs()} (switched on{at}: size 1 did not fit without it)"
         why = self.why_not()
         return f" ({RUNG} not tried: {why})" if why else ""
+
+    def unasked(self) -> str:
+        """Where the run ends with no rung left and the host offload was not asked for: what would have been tried."""
+        if self.offload is None or self.offload.mode is not None or self.pipeline or self._offloaded:
+            return ""
+        sharded = self.offload.sharded
+        if sharded is None or sharded.device.type != "cuda" or sharded.config.cpu_offload:
+            return ""
+        return ("; offload: auto would have tried FSDP2's CPU offload of the parameters, gradients and optimizer state "
+                "as the last rung")
 
     def summary(self) -> str:
         """The summary line's part ("" where the ladder did not step)."""

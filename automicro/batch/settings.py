@@ -17,6 +17,7 @@ from automicro.core.transport import TRANSPORTS
 from automicro.engine.head import HEAD_MODES
 from automicro.engine.hooks import SYNC_POINTS
 from automicro.batch.batch_kinds import BatchKind, batch_kind
+from automicro.batch.host_offload import check_mode
 from automicro.batch.loss_normalization import LossNormalization
 
 BUDGETS = ("samples", "tokens")
@@ -61,6 +62,8 @@ class Settings:
     # The vocabulary head (`automicro.batch.head_choice`): None (auto on a GPU where the layout is searched, plain
     # elsewhere), "auto", "fused" or "plain".
     head: Optional[str] = None
+    # The ladder's last rung below size 1 (`automicro.batch.host_offload`): None (off) or "auto".
+    offload: Optional[str] = None
 
     def searches_layout(self, device_type: str) -> bool:
         """The layout trials run on this device (``layout: auto``, the default on a GPU; an OOM in a trial must be
@@ -100,6 +103,7 @@ class Settings:
         signal_exit_s: float = 30.0,
         trials: bool = True,
         head: Optional[str] = None,
+        offload: Union[str, bool, None] = None,
     ) -> "Settings":
         # None: the probe on a GPU, the whole batch on CPU (resolved at attach, as the layout).
         start = _start(start_size, search, use_prediction, budget)
@@ -250,6 +254,7 @@ class Settings:
             stall_end_s=None if stall_end_s is None else float(stall_end_s),
             signal_exit_s=float(signal_exit_s),
             head=head,
+            offload=check_mode(offload),
         )
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import statistics
+import time
 import traceback
 from typing import Any, Optional, TypeVar
 
@@ -39,6 +40,7 @@ from automicro.batch.batch_step import BatchStep
 from automicro.batch.compile_scope import ScopeChoice
 from automicro.batch.compile_shapes import StaticShapes
 from automicro.batch.floor_ladder import FloorLadder
+from automicro.batch.host_offload import HostOffload
 from automicro.batch.packing_choice import PackingChoice
 from automicro.batch.compile_watch import CompileWatch
 from automicro.batch.forward_state import ForwardState
@@ -101,6 +103,8 @@ class TrainingSearch:
         self.sharding_choice: Optional[ShardingChoice] = None  # one rank: FSDP2 or unsharded (`sharding_choice`)
         self.plan: Optional[TrialPlan] = None  # which trial holds the next batch (`trial_plan`)
         self.ladder: Optional[FloorLadder] = None  # below size 1 (`floor_ladder`), made at the first batch
+        # The ladder's last rung (``offload: auto``, `host_offload`): checked at attach.
+        self.offload = HostOffload(settings.offload, runtime.info)
         # A routed model's routers, watched (`routing`): made at the first batch; False for a model without one.
         self.routing: Any = None
         # Graph breaks and graphs compiled after the configuration is final (`compile_watch`): made with the plan.
@@ -115,6 +119,7 @@ class TrainingSearch:
         """At attach: how the search starts on this device, and a pipeline's sizes."""
         if pipeline is not None:
             self.kind.check_pipeline()
+        self.offload.check(device_type, pipeline is not None, self.runtime.sharded)
         if self.start == "auto" and device_type == "cuda":
             self.config = dataclasses.replace(self.config, probe=True)
         if pipeline is not None and self.start == "probe":
@@ -159,6 +164,7 @@ class TrainingSearch:
             "tokens": self.kind.state_dict(),
             "layout": None if self.layout is None else self.layout.state_dict(),
             "one_rank": None if self.sharding_choice is None else self.sharding_choice.state_dict(),
+            "offload": self.offload.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -170,6 +176,7 @@ class TrainingSearch:
         self.kind.load_state_dict(state.get("tokens"))
         self._layout_state = state.get("layout")
         self._one_rank_state = state.get("one_rank")
+        self.offload.load_state_dict(state.get("offload"))
 
     # ---- the dashboards' figures -----------------------------------------------------------------
 
@@ -194,8 +201,9 @@ class TrainingSearch:
         )
 
     def trial_metrics(self) -> dict[str, float]:
-        """`automicro/trial` and `automicro/trials_s` of the batch that just trained (`TrialPlan.metrics`)."""
-        return {} if self.plan is None else self.plan.metrics()
+        """`automicro/trial` and `automicro/trials_s` of the batch that just trained (`TrialPlan.metrics`), and
+        `automicro/host_offload` where ``offload: auto``."""
+        return {**({} if self.plan is None else self.plan.metrics()), **self.offload.metrics()}
 
     def trial_traces(self) -> list[dict[str, Any]]:
         """One `automicro/trial` trace per trial that ended since the last call: its label, kind, batches, outcome,
@@ -271,6 +279,7 @@ class TrainingSearch:
                               + ("settled" if watchdog.settled else f"{'the ' + turn + ' trial' if turn else 'the size search'}") + ")")
         if packing is not None:  # before the batch's domain is agreed (`step.begin`)
             packing.before_batch(turn == "packing" and self._steady(), self._steady())
+        self.offload.resume(host.optimizers())  # a checkpoint's: before the first attempt
         self._optimizer_pending = self._pending_optimizer_bytes(host.optimizers())
         self._ensure_policy(step.begin(), host)
         assert self.policy is not None and self.layout is not None
@@ -393,10 +402,12 @@ class TrainingSearch:
                 decision = self.policy.observe(failed)
             except search.CannotFitError as error:
                 ladder = self._floor_ladder()
-                line = ladder.step(batch_index, verdict, self._compile_scope(), sharding)
+                line = ladder.step(batch_index, verdict, self._compile_scope(), sharding, host.optimizers())
                 if line is not None:
                     # Below the floor, a rung instead of the end: the size is searched again in this batch.
                     self._search_again()
+                    if self.offload.on:  # the first step's optimizer state is the host's now, not the device's
+                        self._optimizer_pending = self._pending_optimizer_bytes(host.optimizers())
                     self._record(batch_index, sizes, "oom", verdict, self.policy.state.size, seconds,
                                  f"size 1 did not fit: {ladder.last}, the size searched again", hooks=hooks_on)
                     rt.info(line)
@@ -417,7 +428,9 @@ class TrainingSearch:
 
     def _trained(self, step: BatchStep, attempt: Any, verdict: Verdict, batch_index: int, sizes: tuple[int, ...], seconds: float) -> dict[str, torch.Tensor]:
         assert self.policy is not None and self.layout is not None
+        started = time.perf_counter()
         step.step_optimizers()
+        self.offload.batch_trained(batch_index, seconds, time.perf_counter() - started)
         if self._optimizer_pending:
             # The first step just made the optimizer state among the blocks batch 0's attempts left
             # cached: batch 1 starts from an emptied cache, as a rerun does, so the size chosen with
@@ -540,7 +553,8 @@ class TrainingSearch:
 
     def _floor_ladder(self) -> FloorLadder:
         if self.ladder is None:
-            self.ladder = FloorLadder(self.layout, self.runtime.info, pipeline=self.runtime.pipeline is not None)
+            self.ladder = FloorLadder(self.layout, self.runtime.info, pipeline=self.runtime.pipeline is not None,
+                                      offload=self.offload)
         return self.ladder
 
     def _routing(self) -> Optional[RoutingWatch]:
@@ -673,7 +687,8 @@ class TrainingSearch:
         for an optimizer `optimizer_memory` does not know; then nothing is projected)."""
         if self._optimizer_state_known or not self.config.use_prediction:
             return 0
-        pending = pending_state_bytes(optimizers)
+        sharded = self.runtime.sharded
+        pending = pending_state_bytes(optimizers, None if sharded is None else sharded.device.type)
         if not pending:
             self._optimizer_state_known = True
             return 0
@@ -688,7 +703,7 @@ class TrainingSearch:
         ladder = self._floor_ladder()
         checkpointing = "" if ladder.stepped else "activation_checkpointing, "
         return (
-            f"automicro: {self.kind.cannot_fit()}{ladder.tried()}; "
+            f"automicro: {self.kind.cannot_fit()}{ladder.tried()}{ladder.unasked()}; "
             + "; ".join(rows)
             + f". Reduce the model or sequence length, shard more (more ranks, reshard_after_forward, {checkpointing}"
             "cpu_offload) or raise the memory limit."

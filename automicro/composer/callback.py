@@ -130,6 +130,11 @@ class AutoMicrobatching(Callback):
             computed from the hidden states in chunks, never the whole logits: the size is searched with it) or
             ``plain`` (the model's own head; the default elsewhere). automicro's Llama and transformers' Llama,
             Mistral, Qwen2/3, Gemma 1/2/3, OLMo-2, Phi-3, GPT-2, StableLM and Granite causal LMs.
+        offload: ``auto``: where microbatch size 1 still runs out with every block recomputing, FSDP2's CPU offload of
+            the sharded parameters, their gradients and the optimizer state is switched on as the ladder's last rung
+            (the same numbers as ``parallelism_config.fsdp2.cpu_offload: true``, slower: the optimizer steps on the
+            host) and the size searched again; a GPU job with FSDP2 only. Left out or ``off`` (the default): the run
+            ends there, its message saying so.
 
     The rooms that own the behaviour: `settings` (the checked keys), `runtime` (what attach builds:
     consensus, ledger, fence, sync hooks, memory source), `search` (the training batch under `auto`
@@ -170,13 +175,14 @@ class AutoMicrobatching(Callback):
         signal_exit_s: float = 30.0,
         trials: bool = True,
         head: Optional[str] = None,
+        offload: Union[str, bool, None] = None,
     ) -> None:
         self.settings = Settings.parse(
             stable_batches, thrash_batches, search, use_prediction, start_size, cpu_sync_group, memory_fraction,
             log_attempts, unguarded_timeout_s, sync_points, consensus_transport, steady_recovery, budget,
             fixed_tokens, eval_oom, layout, layout_trial_batches, layout_min_gain, layout_size_trials,
             loss_normalization, label_shift, packing, exit_timeout_s, rerun_target, bound_trials, stall_report_s,
-            stall_end_s, signal_exit_s, trials, head,
+            stall_end_s, signal_exit_s, trials, head, offload,
         )
         self.runtime = Runtime(self.settings)
         self.search = TrainingSearch(self.settings, self.runtime)

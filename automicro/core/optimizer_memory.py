@@ -47,9 +47,11 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else tensor
 
 
-def pending_state_bytes(optimizers: Iterable[Any]) -> Optional[int]:
+def pending_state_bytes(optimizers: Iterable[Any], device_type: Optional[str] = None) -> Optional[int]:
     """Bytes this rank's optimizers will allocate for the state of parameters that have none yet
-    (0 once every parameter has state). None when an optimizer's kind is not in `STATE_TENSORS`."""
+    (0 once every parameter has state). None when an optimizer's kind is not in `STATE_TENSORS`.
+    `device_type`: count only parameters on that device (the host offload's live on the host, and
+    so will their state)."""
     total = 0
     for optimizer in optimizers:
         per_param = STATE_TENSORS.get(type(optimizer).__name__)
@@ -63,6 +65,8 @@ def pending_state_bytes(optimizers: Iterable[Any]) -> Optional[int]:
                 if not param.requires_grad or optimizer.state.get(param):
                     continue
                 local = _local(param)
+                if device_type is not None and local.device.type != device_type:
+                    continue
                 total += tensors * local.numel() * local.element_size()
     return total
 

@@ -808,6 +808,91 @@ def reduce_scatter_comm(module: FSDPModule) -> Any:
 
 
 # --------------------------------------------------------------------------------------------
+# Host offload switched on at run time (checked on torch 2.7.0, 2.11.0 and 2.15.0)
+# --------------------------------------------------------------------------------------------
+#
+# `fully_shard(..., offload_policy=CPUOffloadPolicy())` decides at build time where each sharded parameter lives:
+# `FSDPParam._init_sharded_param` copies the padded shard to the host (pinned) and wraps it in the sharded
+# parameter's DTensor; from then on the all-gather copies it to the device first (`all_gather_inputs`), the
+# reduce-scatter's output goes to the host (`foreach_reduce`, `grad_offload_event`), and the optimizer steps on the
+# host. What reads the choice at run time is `FSDPParam.offload_to_cpu` / `pin_memory` and the group's
+# `offload_policy` (the lazy init's check only). So switching it on between two batches is: those flags, the padded
+# shard copied to the host, and the sharded parameter's DTensor rebuilt over it, swapped into the same Python object
+# (`torch.utils.swap_tensors`) so that the module, the optimizer and every other holder keep their parameter.
+
+
+def offload_sharded_params(modules: list[FSDPModule], pin_memory: bool) -> int:
+    """Switch every parameter of `modules` to FSDP2's CPU offload, as `CPUOffloadPolicy(pin_memory)` at build time
+    would have placed it. Between batches only: every group idle and sharded, no gradient held. Returns the bytes
+    moved to the host (parameters already there are left)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    moved = 0
+    for module in modules:
+        group = param_group(module)
+        if group is None:
+            continue
+        if group._training_state != TrainingState.IDLE:
+            raise RuntimeError("automicro: the host offload is switched on between batches (a module is mid-step)")
+        group.offload_policy = CPUOffloadPolicy(pin_memory=pin_memory)
+        for fsdp_param in group.fsdp_params:
+            if fsdp_param.offload_to_cpu:
+                continue
+            if fsdp_param.sharded_state != ShardedState.SHARDED:
+                raise RuntimeError(f"automicro: {fsdp_param._param_fqn} is not sharded; the host offload needs every module resharded")
+            param = fsdp_param.sharded_param
+            if param.grad is not None:
+                raise RuntimeError(f"automicro: {fsdp_param._param_fqn} holds a gradient; the host offload is switched on with none")
+            data = fsdp_param._sharded_param_data
+            if type(data) is not torch.Tensor:
+                raise RuntimeError(
+                    f"automicro: {fsdp_param._param_fqn} is a tensor subclass ({type(data).__name__}) FSDP2 gathers with its own "
+                    "hooks; the host offload is not switched on at run time there (set cpu_offload: true by hand)"
+                )
+            host = data.to("cpu", copy=True)
+            if pin_memory:
+                host = host.pin_memory()
+            dim = fsdp_param.fsdp_placement.dim
+            local = param._local_tensor
+            length = local.size(dim) if local.numel() > 0 else 0
+            shard = host.view(fsdp_param.padded_sharded_param_size).narrow(dim, 0, length)
+            fresh = nn.Parameter(fsdp_param.to_sharded_dtensor(shard), requires_grad=param.requires_grad)
+            fresh.__dict__.update(param.__dict__)
+            torch.utils.swap_tensors(param, fresh)  # `param` (every holder's object) is the host one now
+            fsdp_param._sharded_param_data = host.view(-1)
+            fsdp_param.offload_to_cpu, fsdp_param.pin_memory = True, pin_memory
+            fsdp_param.grad_offload_event = None
+            moved += host.numel() * host.element_size()
+    return moved
+
+
+def offloaded(modules: list[FSDPModule]) -> bool:
+    """Every parameter of `modules` lives on the host (FSDP2's CPU offload, set at build time or switched on)."""
+    params = [p for m in modules if param_group(m) is not None for p in param_group(m).fsdp_params]
+    return bool(params) and all(p.offload_to_cpu for p in params)
+
+
+def tensor_to_host(value: torch.Tensor) -> torch.Tensor:
+    """`value` (an optimizer's state: a DTensor over a sharded parameter, or a plain tensor) copied to the host; a
+    DTensor keeps its mesh and placements, its local tensor on the host as FSDP2's offloaded parameters have it
+    (`_from_local_no_grad`: `DTensor.from_local` would move it back to the mesh's device)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _from_local_no_grad
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return _from_local_no_grad(value._local_tensor.to("cpu"), value._spec)
+    return value.to("cpu")
+
+
+def reset_reduce_scatter_comm(module: FSDPModule) -> None:
+    """FSDP2's own reduce-scatter comm back on `module` (torch >= 2.9; the engine's compute-stream one is not used
+    with the host offload: `install_compute_stream_comms`)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    module.set_custom_reduce_scatter(DefaultReduceScatter())
+
+
+# --------------------------------------------------------------------------------------------
 # Storage resize observers (checked on torch 2.7.0, 2.11.0 and 2.15.0)
 # --------------------------------------------------------------------------------------------
 #
