@@ -105,6 +105,19 @@ def _max_gap(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
 
+def _dtensor_like() -> dict[str, Any]:
+    """The local step's state made over a parameter (`_torch_internals.dtensor_like`): the local tensor kept as it is
+    (on the host under the offload; `DTensor.from_local` would copy it to the mesh's device)."""
+    from automicro.engine import _torch_internals as internals
+
+    model, _ = _build("engine")
+    param = next(model.parameters())
+    local = torch.zeros_like(param.to_local(), dtype=torch.float64)
+    made = internals.dtensor_like(local, param)
+    return {"same_local": made.to_local().data_ptr() == local.data_ptr() and made.to_local().device == local.device, "placements": made.placements == param.placements,
+            "shape": tuple(made.shape) == tuple(param.shape), "dtype": made.dtype == torch.float64}
+
+
 def _mid_step_refused() -> dict[str, Any]:
     """A forward without its backward leaves the root unsharded: the switch refuses it, and runs after `recover()`."""
     from automicro.engine.offload import offload_to_host
@@ -188,6 +201,7 @@ def everything(rank: int, world: int) -> dict[str, Any]:
             "switch": runs["switched"]["switch"], "same_objects": runs["switched"]["same_objects"],
             "local_step": runs["switched"]["local_step"],
         }
+    out["dtensor_like"] = _dtensor_like()
     out["mid_step"] = _mid_step_refused()
     out["ladder"] = _ladder()
     out["errors"] = _config_errors()

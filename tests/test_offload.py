@@ -36,6 +36,11 @@ def test_switched_on_mid_run_every_parameter_is_the_run_built_with_the_offload_a
             assert row["local_step"] is None, row["local_step"]  # installed: the local step over host shards
 
 
+def test_the_local_steps_state_over_a_host_parameter_keeps_its_local_tensor(two_ranks):
+    for out in two_ranks:
+        assert out["dtensor_like"] == {"same_local": True, "placements": True, "shape": True, "dtype": True}
+
+
 def test_a_module_mid_step_is_refused_and_switched_after_recovery(two_ranks):
     for out in two_ranks:
         assert "between batches" in out["mid_step"]["refused"], out["mid_step"]

@@ -884,6 +884,18 @@ def tensor_to_host(value: torch.Tensor) -> torch.Tensor:
     return value.to("cpu")
 
 
+def dtensor_like(local: torch.Tensor, like: Any) -> torch.Tensor:
+    """A DTensor over `local` with `like`'s mesh, placements, shape and stride, `local` kept where it is: on the host
+    under FSDP2's CPU offload, where `DTensor.from_local` would copy it to the mesh's device (an optimizer's state
+    made by a step on local shards, `automicro.engine.local_step`)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _from_local_no_grad
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    spec = like._spec
+    meta = TensorMeta(like.shape, like.stride(), local.dtype)
+    return _from_local_no_grad(local, DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta))
+
+
 def reset_reduce_scatter_comm(module: FSDPModule) -> None:
     """FSDP2's own reduce-scatter comm back on `module` (torch >= 2.9; the engine's compute-stream one is not used
     with the host offload: `install_compute_stream_comms`)."""

@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.distributed.tensor import DTensor
 
+from automicro.engine import _torch_internals as internals
 from automicro.engine.config import FSDP2ConfigError
 
 # Optimizers whose update is element-wise, by exact class (module and qualified name, so none is
@@ -165,9 +166,14 @@ def _swap_out(optimizer: torch.optim.Optimizer, swapped: list[_Swap]) -> None:
             if isinstance(before, DTensor) and value is s.locals_before.get(key):
                 restored[key] = before  # updated in place: the DTensor holds the new numbers
             elif isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == s.local.shape and value.dim() > 0:
-                restored[key] = DTensor.from_local(
-                    value, s.param.device_mesh, s.param.placements, run_check=False, shape=s.param.shape, stride=s.param.stride()
-                )
+                if value.device.type != s.param.device_mesh.device_type:
+                    # On the host (FSDP2's CPU offload): kept there, as the parameter is.
+                    restored[key] = internals.dtensor_like(value, s.param)
+                else:
+                    restored[key] = DTensor.from_local(
+                        value, s.param.device_mesh, s.param.placements, run_check=False, shape=s.param.shape,
+                        stride=s.param.stride(),
+                    )
             else:
                 restored[key] = value  # a step count, a scalar: as the DTensor step keeps it
         optimizer.state[s.param] = restored
