@@ -67,6 +67,21 @@ def _composer_device(device: Any) -> Device:
     raise ValueError(f"automicro.Trainer: device={device!r}: use 'cpu', 'gpu' or a composer Device")
 
 
+class _PlacedModelGPU(DeviceGPU):
+    """Composer's GPU device for a model sharded with ``cpu_offload: true``. Composer moves the model it is given to
+    its device where its own parallelism config is None (as `Trainer` passes it: the engine shards), which would copy
+    the shards FSDP2 keeps on the host back to the GPU (FSDP2's first forward then refuses them: "FSDP parameters
+    should be materialized on CPU"). The engine placed this model: it is left where it is; every other module
+    (metrics) moves as before."""
+
+    def __init__(self, placed: torch.nn.Module) -> None:
+        super().__init__()
+        self._placed = placed
+
+    def module_to_device(self, module: Any) -> Any:
+        return module if module is self._placed else super().module_to_device(module)
+
+
 def _rebind_optimizers(optimizers: Any, names_before: dict[int, str], model: torch.nn.Module) -> None:
     """`fully_shard` replaces every parameter by a new (DTensor) one: point the optimizers, built on
     the unsharded model, at those (as Composer's own FSDP2 path does); parameter names do not change.
@@ -271,6 +286,8 @@ class Trainer(composer.Trainer):
                     line = packed_input.no_cache_in_training(model)
                     if line is not None and composer_dist.get_global_rank() == 0:
                         print(f"[automicro] {line}", flush=True)
+                if fsdp2.cpu_offload and type(composer_device) is DeviceGPU and (device is None or device == "gpu"):
+                    composer_device = _PlacedModelGPU(model)
                 twin = self._unsharded_twin(model, fsdp2, automicro, shard_device, compile_config, kwargs)
                 self._automicro_sharded = shard(
                     model, fsdp2, device=shard_device, compile=compile_config, checkpoint_switch=switch,
