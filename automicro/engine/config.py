@@ -53,7 +53,9 @@ class FSDP2Config:
             ``layout: auto`` what is set is tried down as well: off (``no_recompute``), and ``True`` to ``"op"``
             where off does not fit (``recompute_op``), each kept only where timed faster.
         replicate: HSDP replicate degree; the world is a ``replicate x shard`` mesh.
-        cpu_offload: keep sharded parameters, gradients and optimizer state on the host.
+        cpu_offload: keep sharded parameters, gradients and optimizer state on the host from the start (FSDP2's
+            ``CPUOffloadPolicy``, pinned). Under ``auto``, ``offload: auto`` (the callback's key) switches the same
+            on only where microbatch size 1 does not fit with every block recomputing (`automicro.engine.offload`).
         wrap: ``None`` follows Composer's conventions (a module's ``_fsdp_wrap`` attribute or
             the model's ``fsdp_wrap_fn``) and, where the model has neither, the block classes a
             Hugging Face model names in ``_no_split_modules``; a list of class names wraps every
