@@ -405,7 +405,7 @@ class TrainingSearch:
                 line = ladder.step(batch_index, verdict, self._compile_scope(), sharding, host.optimizers())
                 if line is not None:
                     # Below the floor, a rung instead of the end: the size is searched again in this batch.
-                    self._search_again()
+                    self._search_again(ladder.last)
                     if self.offload.on:  # the first step's optimizer state is the host's now, not the device's
                         self._optimizer_pending = self._pending_optimizer_bytes(host.optimizers())
                     self._record(batch_index, sizes, "oom", verdict, self.policy.state.size, seconds,
@@ -563,7 +563,7 @@ class TrainingSearch:
             self.routing = RoutingWatch.of(self.runtime.sharded.module) or False
         return self.routing or None
 
-    def _search_again(self) -> None:
+    def _search_again(self, rung: str) -> None:
         """After the ladder's step: the size policy starts again (a batch's memory is another one now), from the probe
         where the search can take it (two sizes in one attempt: the size the memory line predicts next), else from
         where the run's search starts; the sync hooks on."""
@@ -574,7 +574,7 @@ class TrainingSearch:
             self.config = config = probe
         self.policy = search.SearchPolicy(config, self.policy.state.batch_size)
         self._settling_peaks, self._headroom_checked = [], set()
-        self.apply_hooks(True, HookReason.SEARCHING, "the size searched again with activation checkpointing on")
+        self.apply_hooks(True, HookReason.SEARCHING, f"the size searched again with {rung}")
 
     def _head_failed(self, error: Optional[BaseException]) -> bool:
         """A non-OOM error in a batch that ran with the fused head `head: auto` put on: the plain head for the rest
