@@ -12,8 +12,10 @@
 #   head  Qwen2.5 0.5B's shape (a 151,936-token vocabulary), 2,048 x 32 a rank: `blocks-auto` (`head: auto`), the size
 #         it found and half of it set by hand (`blocks-fixed-found`, `blocks-fixed-half`), Composer's own `auto`
 #         (`composercompile-auto`: DDP, torch.compile of the whole model; Composer refuses `auto` under FSDP2).
-#   moe   Qwen3-30B-A3B's blocks, 6 of 48 (128 experts, 8 a token), 4,096 x 32 a rank: `blocks-auto` and the two sizes
-#         set by hand (the routing watch on; its skew on settled batches in the log).
+#   moe   Qwen3-30B-A3B's blocks, 6 of 48 (128 experts, 8 a token), 4,096 x 32 a rank: `blocks-auto`, the two sizes
+#         set by hand and Composer's own `auto` (the routing watch on; its skew on settled batches in the log).
+#   olmoe, mixtral  the same with OLMoE-1B-7B's blocks (12 of 16) and Mixtral-8x7B's (3 of 32) (one_gpu.py's FAMILIES);
+#         not in the default CASES. The routed models' table on one GPU: CASES="moe olmoe mixtral" ... several_gpus.sh 1.
 #   long  Llama-3.2 1B's shape at 32,768 x 2 a rank, where size 1 needs recompute: `blocks-auto` (the floor's ladder)
 #         against `acblocks-fixed-1` (every block checkpointed by hand, microbatch 1).
 #   late  the head case under `auto` with another process taking LATE_GIB GiB (default 40) of GPU 1 only, once batch 20
@@ -80,7 +82,9 @@ EOF
 for case in ${CASES:-head moe long late}; do
   case $case in
     head) run head qwen25 2048 32 blocks-auto,blocks-fixed-found,blocks-fixed-half,composercompile-auto ;;
-    moe) run moe qwen3moe 4096 32 blocks-auto,blocks-fixed-found,blocks-fixed-half ;;
+    moe) run moe qwen3moe 4096 32 blocks-auto,blocks-fixed-found,blocks-fixed-half,composercompile-auto ;;
+    olmoe) run olmoe olmoe 4096 32 blocks-auto,blocks-fixed-found,blocks-fixed-half,composercompile-auto ;;
+    mixtral) run mixtral mixtral 4096 32 blocks-auto,blocks-fixed-found,blocks-fixed-half,composercompile-auto ;;
     long) run long llama32 32768 2 blocks-auto,acblocks-fixed-1 ;;
     late)
       if [ "$dry" = 1 ]; then
@@ -88,7 +92,7 @@ for case in ${CASES:-head moe long late}; do
       else
         run late qwen25 2048 32 blocks-auto --hog-later "b20:${LATE_GIB:-40}:b30" --hog-device 1
       fi ;;
-    *) echo "unknown case $case (head, moe, long, late)"; failed=1 ;;
+    *) echo "unknown case $case (head, moe, olmoe, mixtral, long, late)"; failed=1 ;;
   esac
 done
 exit $failed
