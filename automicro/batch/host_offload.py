@@ -125,7 +125,7 @@ class HostOffload:
         return RUNG if self.on else ""
 
     def metrics(self) -> dict[str, int]:
-        return {"automicro/host_offload": int(self.on)} if self.mode is not None else {}
+        return {"automicro/host_offload": int(self.on)}
 
     def state_dict(self) -> dict[str, Any]:
         return {"on": self.on}

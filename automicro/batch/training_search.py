@@ -202,7 +202,7 @@ class TrainingSearch:
 
     def trial_metrics(self) -> dict[str, float]:
         """`automicro/trial` and `automicro/trials_s` of the batch that just trained (`TrialPlan.metrics`), and
-        `automicro/host_offload` where ``offload: auto``."""
+        `automicro/host_offload` (the ladder's last rung: 0 unless it was stepped)."""
         return {**({} if self.plan is None else self.plan.metrics()), **self.offload.metrics()}
 
     def trial_traces(self) -> list[dict[str, Any]]:
