@@ -145,7 +145,7 @@ class FloorLadder:
             scope.blocks_only(why)
         if sharding is not None and sharding.state not in ("off", "sharded"):
             sharding.rule_out(why)  # the twin shares the parameters' old storage: let go of it, never run it
-        self.offload.step(batch_index, optimizers)
+        self.offload.step(optimizers)
         self.stepped_at, self.last = batch_index, OFFLOAD_RUNG
         return (f"host offload on: size 1 did not fit with {self._layout_rungs() or 'what the blocks recompute'} "
                 f"({_rows(verdict)}); FSDP2's CPU offload of the sharded parameters, their gradients and the optimizer "

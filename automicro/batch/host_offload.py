@@ -25,7 +25,6 @@ from typing import Any, Optional
 
 from automicro.engine.offload import Offloaded, is_offloaded, offload_to_host
 
-OFFLOAD_MODES = ("auto", "off")
 RUNG = "the host offload on"
 
 
@@ -52,7 +51,6 @@ class HostOffload:
     def __init__(self, mode: Optional[str], info: Callable[[str], None]) -> None:
         self.mode, self.info = mode, info
         self.sharded: Any = None  # the engine's model, given at `check`
-        self.at: Optional[int] = None  # the batch it was switched on in (this launch)
         self.on = False
         self.moved: Optional[Offloaded] = None
         self._pending = False  # a checkpoint's: switched on before the first batch (`resume`)
@@ -86,11 +84,10 @@ class HostOffload:
         """The rung can still be stepped."""
         return self.mode == "auto" and not self.on and self.sharded is not None
 
-    def step(self, batch_index: int, optimizers: Sequence[Any]) -> Offloaded:
+    def step(self, optimizers: Sequence[Any]) -> None:
         """Switch it on now (between attempts, after the failed one's wipe; every rank alike: the agreed verdict)."""
         self.moved = offload_to_host(self.sharded, optimizers)
-        self.on, self.at = True, batch_index
-        return self.moved
+        self.on = True
 
     def said(self) -> str:
         """What the step moved, for its line."""
@@ -138,4 +135,4 @@ class HostOffload:
                       "offload: auto: the run goes on without it (set offload: auto to have it back)")
 
 
-__all__ = ["HostOffload", "OFFLOAD_MODES", "OffloadConfigError", "RUNG", "check_mode"]
+__all__ = ["HostOffload", "OffloadConfigError", "RUNG", "check_mode"]

@@ -868,19 +868,19 @@ def offload_sharded_params(modules: list[FSDPModule], pin_memory: bool) -> int:
 
 def offloaded(modules: list[FSDPModule]) -> bool:
     """Every parameter of `modules` lives on the host (FSDP2's CPU offload, set at build time or switched on)."""
-    params = [p for m in modules if param_group(m) is not None for p in param_group(m).fsdp_params]
+    groups = [param_group(m) for m in modules]
+    params = [p for g in groups if g is not None for p in g.fsdp_params]
     return bool(params) and all(p.offload_to_cpu for p in params)
 
 
 def tensor_to_host(value: torch.Tensor) -> torch.Tensor:
     """`value` (an optimizer's state: a DTensor over a sharded parameter, or a plain tensor) copied to the host; a
     DTensor keeps its mesh and placements, its local tensor on the host as FSDP2's offloaded parameters have it
-    (`_from_local_no_grad`: `DTensor.from_local` would move it back to the mesh's device)."""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import _from_local_no_grad
+    (`dtensor_like`)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, DTensor):
-        return _from_local_no_grad(value._local_tensor.to("cpu"), value._spec)
+        return dtensor_like(value._local_tensor.to("cpu"), value)
     return value.to("cpu")
 
 
