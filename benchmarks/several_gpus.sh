@@ -5,6 +5,7 @@
 #   OUT=... bash benchmarks/several_gpus.sh GPUS [BATCHES]            # GPUS 2, 4 or 8; BATCHES 60
 #   OUT=... CASES="head late" bash benchmarks/several_gpus.sh 2       # some of the cases
 #   bash benchmarks/several_gpus.sh GPUS --dry-run                    # CPU ranks (gloo), aot_eager, 2-layer models
+#   VARIANTS=blocks-auto,composercompile-auto RES=$OUT/res ...         # other variants; results straight under OUT
 #
 # Each case is benchmarks/one_gpu.py on GPUS ranks (`--nproc`: torchrun's standalone rendezvous, the composer launcher's
 # environment), each block compiled, whole cards, per-rank batch as given, `max_duration` 1,000 batches stopped after
@@ -48,7 +49,7 @@ failed=0
 # run CASE MODEL SEQ BATCH "VARIANTS" [more one_gpu.py arguments]: one launch of one_gpu.py over the variants (fixed-found
 # and fixed-half read the auto run before them in the same launch).
 run() {
-  local case=$1 model=$2 seq=$3 batch=$4 variants=$5
+  local case=$1 model=$2 seq=$3 batch=$4 variants=${VARIANTS:-$5}
   shift 5
   local skip=$((batches / 2))
   if [ "$dry" = 1 ]; then
