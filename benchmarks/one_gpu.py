@@ -292,6 +292,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--planned", type=int, default=0,
                    help="each run's max_duration in batches (a run that long as far as automicro and Composer know), "
                         "stopped after --batches (0: max_duration is --batches)")
+    p.add_argument("--layers", type=int, default=0,
+                   help="a --model family's blocks cut to this many (0: as FAMILIES has it; a routed shape on an H100)")
     p.add_argument("--model", choices=("automicro", *FAMILIES), default="automicro",
                    help="automicro.models' Llama (the preset), or a transformers model built from its config (FAMILIES)")
     if argv is None and sys.argv[1:2] == ["--hog"]:
@@ -342,7 +344,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         script = os.path.abspath(__file__) if stock else os.path.join(harness.REPO_ROOT, "scripts", "train.py")
         rest = [*(["--stock"] if stock else []), "configs/tiny-gpu.yaml", *overrides(variant, args, run_dir)]
         if args.model != "automicro":
-            script, rest = os.path.abspath(__file__), [f"--hf={args.model}", *rest, *(["--tiny-hf"] if args.dry_run else [])]
+            family = args.model + (f":{args.layers}" if args.layers else "")
+            script, rest = os.path.abspath(__file__), [f"--hf={family}", *rest, *(["--tiny-hf"] if args.dry_run else [])]
         if (args.torch_fraction or args.profile or args.planned) and script != os.path.abspath(__file__):
             script, rest = os.path.abspath(__file__), ["--train", *rest]  # scripts/train.py, run from this file's process
         if args.torch_fraction:
@@ -623,9 +626,10 @@ _TINY = {"LlamaConfig": dict(vocab_size=1000, hidden_size=64, num_hidden_layers=
                                intermediate_size=128)}
 
 
-def _use_hf(name: str, tiny: bool) -> None:
-    """Replace the YAML's model builder, in this process, with the transformers model `name` of
-    `FAMILIES` (`tiny`: 2 layers, for the CPU dry run)."""
+def _use_hf(family: str, tiny: bool) -> None:
+    """Replace the YAML's model builder, in this process, with the transformers model `family` of
+    `FAMILIES` (`NAME:LAYERS`: its blocks cut to LAYERS; `tiny`: 2 layers, for the CPU dry run)."""
+    name, _, layers = family.partition(":")
     from automicro.composer import builders
     def build(cfg: Any) -> Any:
         import warnings
@@ -635,6 +639,8 @@ def _use_hf(name: str, tiny: bool) -> None:
 
         config_name, shape = FAMILIES[name]
         shape = {**shape, **(_TINY[config_name] if tiny else {})}
+        if layers and not tiny:
+            shape[next(k for k in ("num_hidden_layers", "n_layer") if k in shape)] = int(layers)
         if name == "hf":
             shape["max_position_embeddings"] = max(cfg.data.seq_len, 128)
         config = getattr(transformers, config_name)(**shape)

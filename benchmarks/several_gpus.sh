@@ -6,6 +6,7 @@
 #   OUT=... CASES="head late" bash benchmarks/several_gpus.sh 2       # some of the cases
 #   bash benchmarks/several_gpus.sh GPUS --dry-run                    # CPU ranks (gloo), aot_eager, 2-layer models
 #   VARIANTS=blocks-auto,composercompile-auto RES=$OUT/res ...         # other variants; results straight under OUT
+#   ONE_GPU_ARGS="--layers 3 --skip 26" ...                            # more one_gpu.py arguments (fewer blocks: an H100)
 #
 # Each case is benchmarks/one_gpu.py on GPUS ranks (`--nproc`: torchrun's standalone rendezvous, the composer launcher's
 # environment), each block compiled, whole cards, per-rank batch as given, `max_duration` 1,000 batches stopped after
@@ -60,7 +61,7 @@ run() {
   TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-$case TRITON_CACHE_DIR=/tmp/triton-$case timeout -k 10 $((limit * 4 + 60)) \
     "$python" benchmarks/one_gpu.py --out "$res/$case" --model "$model" --seq "$seq" --batch "$batch" --nproc "$gpus" \
     --variants "$variants" --batches "$batches" --skip "$skip" --planned 1000 --timeout "$limit" --memory-fraction 0 \
-    "$@" > "$res/$case.out" 2>&1
+    ${ONE_GPU_ARGS:-} "$@" > "$res/$case.out" 2>&1
   local rc=$?
   echo "== $case: $model $seq x $batch a rank on $gpus ranks (rc $rc)"
   grep '^\[one_gpu\] |' "$res/$case.out" | tail -n +1
