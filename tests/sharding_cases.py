@@ -100,8 +100,9 @@ class Through(Callback):
     first forward through the twin at or after that batch runs out of memory."""
 
     def __init__(self, auto: AutoMicrobatching, oom_at: Optional[int] = None, error: Any = False,
-                 retries_from: Optional[int] = None) -> None:
+                 retries_from: Optional[int] = None, retries_in: tuple[int, ...] = ()) -> None:
         self.auto, self.oom_at, self.error, self.retries_from = auto, oom_at, error, retries_from
+        self.retries_in = retries_in  # batches whose every forward, through either, makes retries
         self.batches: dict[int, bool] = {}
         self.fired = 0
         self.retries = 0  # allocator retries made up in forwards through the twin from batch `retries_from` on
@@ -112,6 +113,8 @@ class Through(Callback):
         batch = int(state.timestamp.batch)
         self.batches[batch] = through
         if through and self.retries_from is not None and batch >= self.retries_from:
+            self.retries += 1
+        if batch in self.retries_in:
             self.retries += 1
         if self.error == "everywhere" and self.oom_at is not None and batch >= self.oom_at:
             self.fired += 1
@@ -124,7 +127,7 @@ class Through(Callback):
 
 
 def _toy(on_one_rank: Optional[str], slow: Optional[dict[str, float]] = None, oom_at: Optional[int] = None,
-         retries_from: Optional[int] = None,
+         retries_from: Optional[int] = None, retries_in: tuple[int, ...] = (),
          microbatch: Any = "auto", compile: Any = None, batches: int = BATCHES, data_batches: Optional[int] = None,
          profile: Any = None, slow_scope: Optional[dict[str, float]] = None, slow_fsdp2_s: float = 0.0,
          bound: bool = False, planned: Optional[int] = None, **more: Any) -> dict[str, Any]:
@@ -137,7 +140,7 @@ def _toy(on_one_rank: Optional[str], slow: Optional[dict[str, float]] = None, oo
     callbacks: list[Any] = []
     through = seams = None
     if auto is not None:
-        through = Through(auto, oom_at, retries_from=retries_from)
+        through = Through(auto, oom_at, retries_from=retries_from, retries_in=retries_in)
         seams = PlanSeams(auto, profile, slow_scope)
         callbacks = [auto, through, seams] + ([SlowArm(auto, slow)] if slow else [])
         callbacks += [SlowFSDP2Path(auto, slow_fsdp2_s)] if slow_fsdp2_s else []
@@ -153,7 +156,7 @@ def _toy(on_one_rank: Optional[str], slow: Optional[dict[str, float]] = None, oo
     )
     if auto is not None:
         auto.runtime.info = lambda message: lines.append(message)  # type: ignore[method-assign]
-    if retries_from is not None:  # the allocator's retry count, as the twin's batches made it grow
+    if retries_from is not None or retries_in:  # the allocator's retry count, as the batches made it grow
         assert auto is not None and through is not None
         memory, counted = auto.runtime.memory, auto.runtime.memory.alloc_retries
         memory.alloc_retries = lambda: counted() + through.retries  # type: ignore[method-assign]
@@ -191,6 +194,8 @@ def toy_cases(rank: int, world: int) -> dict[str, Any]:
         "oom_trial": dict(on_one_rank="auto", slow={"sharded": 3.0}, oom_at=0),
         "oom_kept": dict(on_one_rank="auto", slow={"sharded": 3.0}, oom_at=15),
         "thrash_kept": dict(on_one_rank="auto", slow={"sharded": 3.0}, retries_from=14),
+        # Retries in the twin's first batch (4) and FSDP2's after it (5), as one H100 showed on a routed model.
+        "thrash_trial": dict(on_one_rank="auto", slow={"sharded": 3.0}, retries_in=(4, 5)),
         "default_cpu": dict(on_one_rank=None),
         "compiled": dict(on_one_rank="auto", slow={"sharded": 3.0}, compile={"backend": "aot_eager", "scope": "blocks", "dynamic": False}),
         # Priced, over a run of 1,000 batches: a profile that leaves the model unsharded too little to win: not timed,

@@ -103,6 +103,19 @@ def test_thrashing_through_the_kept_twin_hands_the_next_batches_to_fsdp2_and_the
 
 
 @pytest.mark.multiproc
+def test_thrashing_in_the_twins_trial_on_fsdp2s_batch_ends_the_trial_and_the_size_stays(toy):
+    """Retries in the twin's first batch and the FSDP2 batch after it (a routed model on one H100: the size fell from
+    3 to 2 for good, and the twin was then timed at 2): the trial's, not the size's."""
+    result = _ok(toy["thrash_trial"])
+    thrash = [h for h in result["history"] if h[2] == "thrash"]
+    assert [h[0] for h in thrash] == [5] and "in the unsharded model's trial" in thrash[0][3], result["history"]
+    assert result["state"] == "sharded" and not result["twin"] and result["split"] == [8], result
+    assert "in the trial of the model unsharded (FSDP2's batch" in result["lines"][-1], result["lines"]
+    assert _through(result) == [FIRST], result["through"]
+    assert result["error_fsdp2"] < 1e-6, result
+
+
+@pytest.mark.multiproc
 def test_the_default_on_cpu_builds_no_twin_and_compile_compiles_each_block_of_the_twin(toy):
     quiet = _ok(toy["default_cpu"])
     assert quiet["state"] == "off" and not quiet["twin"] and quiet["lines"] == [] and _through(quiet) == []

@@ -200,17 +200,22 @@ class ShardingChoice:
 
     def relieve(self, why: str = "out of memory", rerun: bool = True) -> bool:
         """Memory pressure in a batch through the twin (an OOM; thrashing, `rerun` False): FSDP2 from
-        now on, the batch rerun through it where it failed. True where that was done."""
-        if not self.through_twin:
+        now on, the batch rerun through it where it failed. Thrashing in any batch of the trial, FSDP2's arm
+        too, is the trial's: the twin's batches (its compile first) leave the allocator's pool fragmented for the
+        FSDP2 batch after them (measured on one H100, a routed model: retries in the twin's first batch and the FSDP2
+        batch after it). True where that was done."""
+        in_trial = not rerun and self.timing_now
+        if not self.through_twin and not in_trial:
             return False
-        was = self.state
+        was, arm = self.state, self.arm
         self._keep_fsdp2()
         self.clock.stop()
         then = "the batch is rerun through FSDP2, and FSDP2 stays" if rerun else "FSDP2 from the next batch on"
-        self.info(
-            f"one rank: {why} through the model unsharded ({'kept' if was == 'unsharded' else 'during its trial'}); "
-            f"{then} for the rest of the run"
-        )
+        if was == "trial" and arm == "sharded":
+            where = "in the trial of the model unsharded (FSDP2's batch, after the twin's)"
+        else:
+            where = f"through the model unsharded ({'kept' if was == 'unsharded' else 'during its trial'})"
+        self.info(f"one rank: {why} {where}; {then} for the rest of the run")
         return True
 
     def _compiles(self) -> str:

@@ -730,11 +730,13 @@ class TrainingSearch:
         self.kind.trained()
         if self.thrash.observe(retried_clean_batch):
             twin_ran = self._step is not None and self._step.twin is not None
-            if twin_ran and self.sharding_choice is not None and self.sharding_choice.relieve("thrashing", rerun=False):
-                # Through the twin first, as an OOM there: FSDP2 from the next batch, the size stays.
+            twin_timed = self.sharding_choice is not None and self.sharding_choice.timing_now
+            if (twin_ran or twin_timed) and self.sharding_choice is not None and self.sharding_choice.relieve("thrashing", rerun=False):
+                # Through the twin, or in any batch of its trial, as an OOM there: FSDP2 from the next batch, the size stays.
                 self.runtime.memory.empty_cache()
+                through = "through the unsharded model" if twin_ran else "in the unsharded model's trial"
                 self._record(batch_index, sizes, "thrash", verdict, max(sizes), seconds,
-                             "allocator retries through the unsharded model: FSDP2 from the next batch, the size stays")
+                             f"allocator retries {through}: FSDP2 from the next batch, the size stays")
                 return
             # Retries in a layout trial's batches are the trial's (a trade's batch leaves the pool
             # fragmented for the next one too, with the trade off): the trial ends, its trade is not
