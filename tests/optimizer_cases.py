@@ -181,3 +181,21 @@ def shared_card(peaks: dict[int, list[int]], limit: int) -> dict[str, Any]:
         "moving": {k: v for k, v in moving.items() if k != "params"},
         "held": {k: v for k, v in held.items() if k != "params"},
     }
+
+
+def state_over(rank: int, world: int) -> dict[str, Any]:
+    """A cap on rank 1 only that holds the parameters and a microbatch's activations but not the gradients and AdamW's
+    state beside them (3.5x this rank's parameter bytes: 1 + 1 + 2 copies pass it): both ranks end before any
+    attempt with the same cause, and rank 0 (no limit) does not wait for rank 1 in a collective."""
+    from automicro.models import build_model
+    from automicro.batch.training_search import MicrobatchSizeError
+
+    local = sum(p.numel() * p.element_size() for p in build_model("tiny", **MODEL).parameters()) // world
+    limit = {0: 10**12, 1: int(3.5 * local)}
+    try:
+        fit("auto", limit, 3)
+    except MicrobatchSizeError as error:
+        return {"error": str(error), "kind": "MicrobatchSizeError", "local": local}
+    except Exception as error:  # noqa: BLE001 - the test says what else ended the run
+        return {"error": f"{type(error).__name__}: {error}"[:2000], "kind": type(error).__name__, "local": local}
+    return {"error": None, "kind": None, "local": local}

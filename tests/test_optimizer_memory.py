@@ -110,3 +110,16 @@ def test_two_ranks_under_a_cap_that_fits_size_8_only_before_adam_s_state_find_th
         # also before 2026-11-29; under 1e-5 on CI's). A leaked failed attempt moves them by ~lr (1e-3).
         assert out["diff"] < 5e-5, out["diff"]
 
+
+
+@pytest.mark.multiproc
+def test_a_training_state_that_does_not_fit_on_one_rank_ends_the_run_on_every_rank_before_any_attempt():
+    """Parameters, gradients and AdamW's first-step state over rank 1's cap (OLMoE's blocks on one H100: the first
+    step ran out inside the optimizer, a raw OOM after a batch trained): the cause, on both ranks, before batch 0."""
+    ranks = run_multiprocess(cases.state_over, world_size=2, timeout_s=300)
+    for out in ranks:
+        assert out["kind"] == "MicrobatchSizeError", out
+        assert "training state does not fit on rank 1" in out["error"], out["error"]
+        assert "whatever the microbatch size" in out["error"] and "optimizer state the first step makes" in out["error"]
+        # On CPU there is no host offload to offer.
+        assert "offload" not in out["error"], out["error"]

@@ -41,6 +41,7 @@ from automicro.batch.compile_scope import ScopeChoice
 from automicro.batch.compile_shapes import StaticShapes
 from automicro.batch.floor_ladder import FloorLadder
 from automicro.batch.host_offload import HostOffload
+from automicro.batch.state_fit import StateFit, measure
 from automicro.batch.packing_choice import PackingChoice
 from automicro.batch.compile_watch import CompileWatch
 from automicro.batch.forward_state import ForwardState
@@ -105,6 +106,8 @@ class TrainingSearch:
         self.ladder: Optional[FloorLadder] = None  # below size 1 (`floor_ladder`), made at the first batch
         # The ladder's last rung (``offload: auto``, `host_offload`): checked at attach.
         self.offload = HostOffload(settings.offload, runtime.info)
+        # Parameters, gradients and the first step's optimizer state against the capacity, once a launch (`state_fit`).
+        self.state_fit = StateFit(runtime.info)
         # A routed model's routers, watched (`routing`): made at the first batch; False for a model without one.
         self.routing: Any = None
         # Graph breaks and graphs compiled after the configuration is final (`compile_watch`): made with the plan.
@@ -283,6 +286,8 @@ class TrainingSearch:
         self._optimizer_pending = self._pending_optimizer_bytes(host.optimizers())
         self._ensure_policy(step.begin(), host)
         assert self.policy is not None and self.layout is not None
+        if not self.state_fit.checked:
+            self._check_state_fits(host)
         if self._layout_state is not None:
             self.layout.load_state_dict(self._layout_state)
             self._layout_state = None
@@ -556,6 +561,21 @@ class TrainingSearch:
             self.ladder = FloorLadder(self.layout, self.runtime.info, pipeline=self.runtime.pipeline is not None,
                                       offload=self.offload)
         return self.ladder
+
+    def _check_state_fits(self, host: Any) -> None:
+        """Before a launch's first attempt, on every rank: the training state fits, or the host offload is on (its
+        line), or the run ends here with what it needs (`state_fit`)."""
+        rt = self.runtime
+        assert rt.consensus is not None
+        optimizers = host.optimizers()
+        device_type = None if rt.sharded is None else rt.sharded.device.type
+        need = measure(optimizers, rt.memory.allocated_bytes(), rt.memory.capacity_bytes(), device_type)
+        message = self.state_fit.before_first_attempt(need, rt.consensus.agree_max, rt.consensus.rank, self.offload, optimizers)
+        if message is not None:  # every rank, after the same round
+            self.agreed_error = MicrobatchSizeError(message)
+            raise self._ends_run(self.agreed_error)
+        if self.offload.on:  # the first step's optimizer state is the host's now
+            self._optimizer_pending = self._pending_optimizer_bytes(optimizers)
 
     def _routing(self) -> Optional[RoutingWatch]:
         if self.routing is None:
