@@ -77,6 +77,16 @@ def test_the_watch_reads_the_busiest_share_and_says_routing_moved_only_past_the_
     skew.remove()
 
 
+def test_the_watch_counts_on_the_device_it_is_given_not_where_the_routers_parameters_are():
+    """The host offload leaves the routers' parameters on the host while the GPU computes (OLMoE's blocks on one H100:
+    the counts made beside them, on the host, failed the compiled block's first forward)."""
+    model = _model(moe_cases.FAMILIES[0])
+    watch = RoutingWatch.of(model, torch.device("meta"))
+    assert watch is not None and {getattr(r.module, "_automicro_busiest").device.type for r in watch.routers} == {"meta"}
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    watch.close()
+
+
 @pytest.mark.parametrize("family", moe_cases.FAMILIES)
 def test_a_skewed_batch_holds_more_at_its_peak_where_the_expert_loop_keeps_the_busiest_experts_temporaries(family):
     """transformers 4.x's expert loop: the skewed batch's peak above the even one's (the busiest expert's temporaries

@@ -113,21 +113,25 @@ def _hook(router: Router) -> Callable[..., None]:
 class RoutingWatch:
     """The routers' busiest shares, per attempt and over the clean ones (see the module's docstring)."""
 
-    def __init__(self, routers: list[Router]) -> None:
+    def __init__(self, routers: list[Router], device: Optional[torch.device] = None) -> None:
+        """`device`: where the counts live, the device the model computes on (the router's parameters may be the
+        host's: the host offload, switched on before a launch's first batch where the training state does not fit;
+        measured on one H100, OLMoE's blocks); None: the router's parameters' device."""
         self.routers = routers
         self._handles: list[Any] = []
         self._clean: Optional[torch.Tensor] = None
         for router in routers:
-            device = next((p.device for p in router.module.parameters()), torch.device("cpu"))
+            device = device or next((p.device for p in router.module.parameters()), torch.device("cpu"))
             if _BUFFER not in dict(router.module.named_buffers(recurse=False)):
                 router.module.register_buffer(_BUFFER, torch.zeros(1, device=device), persistent=False)
             self._handles.append(router.module.register_forward_hook(_hook(router)))
 
     @classmethod
-    def of(cls, model: nn.Module) -> Optional["RoutingWatch"]:
-        """A watch on `model`'s routers, or None where it has none (a dense model: nothing installed)."""
+    def of(cls, model: nn.Module, device: Optional[torch.device] = None) -> Optional["RoutingWatch"]:
+        """A watch on `model`'s routers (its counts on `device`), or None where it has none (a dense model: nothing
+        installed)."""
         routers = find_routers(model)
-        return cls(routers) if routers else None
+        return cls(routers, device) if routers else None
 
     def _shares(self) -> torch.Tensor:
         return torch.cat([getattr(r.module, _BUFFER).reshape(1) for r in self.routers])

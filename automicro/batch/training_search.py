@@ -580,7 +580,8 @@ class TrainingSearch:
     def _routing(self) -> Optional[RoutingWatch]:
         if self.routing is None:
             assert self.runtime.sharded is not None
-            self.routing = RoutingWatch.of(self.runtime.sharded.module) or False
+            sharded = self.runtime.sharded
+            self.routing = RoutingWatch.of(sharded.module, sharded.device) or False
         return self.routing or None
 
     def _search_again(self, rung: str) -> None:
