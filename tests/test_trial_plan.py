@@ -212,6 +212,26 @@ def test_the_static_recompile_is_kept_unless_beaten_so_it_is_priced_on_its_expec
     assert price("one_rank", "one_rank", _measured(profile=None)) is None
 
 
+def test_a_compile_of_the_blocks_again_costs_at_least_what_their_first_compile_took():
+    """A routed model's blocks on one H100 broke their graphs (18 graphs): one graph's median (8.8 s) priced the twin's
+    compile, which took 27 s, as the launch's first batch had (31.5 s beyond a settled batch)."""
+    plain = _measured(profile=PROFILED, graph_compile_s=2.0)
+    first = _measured(profile=PROFILED, graph_compile_s=2.0, first_compile_s=30.0)
+    twin, twin_first = price("one_rank", "one_rank", plain), price("one_rank", "one_rank", first)
+    assert twin_first.cost_s == pytest.approx(twin.cost_s - 2.0 + 30.0)
+    assert "the twin's compile (30.0 s, as their first compile took)" in twin_first.costs, twin_first.costs
+    assert "the twin's compile (1 graph(s) of 2.00 s)" in twin.costs, twin.costs
+    static, static_first = price("static", "static", plain), price("static", "static", first)
+    assert static_first.cost_s == pytest.approx(static.cost_s + (30.0 - 2.0) * 1.25)
+    assert "a compile of the blocks (30.0 s, as their first compile took)" in static_first.costs
+    # Where nothing compiles in the trial (the twin compiled already), nothing is charged for it.
+    assert price("one_rank", "one_rank", first, compiles=0.0).cost_s == pytest.approx(
+        price("one_rank", "one_rank", plain, compiles=0.0).cost_s)
+    # A first compile shorter than the graphs the trial compiles changes nothing.
+    assert price("one_rank", "one_rank", _measured(profile=PROFILED, graph_compile_s=2.0, first_compile_s=1.0),
+                 graphs=4).cost_s == pytest.approx(price("one_rank", "one_rank", plain, graphs=4).cost_s)
+
+
 # ---- the plan ----------------------------------------------------------------------------------------
 
 

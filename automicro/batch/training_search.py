@@ -108,6 +108,8 @@ class TrainingSearch:
         self.offload = HostOffload(settings.offload, runtime.info)
         # Parameters, gradients and the first step's optimizer state against the capacity, once a launch (`state_fit`).
         self.state_fit = StateFit(runtime.info)
+        # The launch's first batch's seconds where it trained in one attempt (its compile: the trials' price), else 0.
+        self._first_batch_s: Optional[float] = None
         # A routed model's routers, watched (`routing`): made at the first batch; False for a model without one.
         self.routing: Any = None
         # Graph breaks and graphs compiled after the configuration is final (`compile_watch`): made with the plan.
@@ -433,6 +435,8 @@ class TrainingSearch:
 
     def _trained(self, step: BatchStep, attempt: Any, verdict: Verdict, batch_index: int, sizes: tuple[int, ...], seconds: float) -> dict[str, torch.Tensor]:
         assert self.policy is not None and self.layout is not None
+        if self._first_batch_s is None:
+            self._first_batch_s = seconds if step.attempts == 1 else 0.0
         started = time.perf_counter()
         step.step_optimizers()
         self.offload.batch_trained(batch_index, seconds, time.perf_counter() - started)
@@ -529,6 +533,7 @@ class TrainingSearch:
             compiled = getattr(rt.sharded, "compiled", None)
             plan.split_now = lambda: tuple(self.policy.current_split()) if self.policy is not None else ()
             plan.compile_s = self._graph_compile_s
+            plan.first_batch_s = lambda: self._first_batch_s if compiled is not None else 0.0
             plan.blocks = lambda: 0 if compiled is None else len(compiled.blocks)
             plan.graphs = compiled_graphs if compiled is not None or getattr(rt.sharded, "twin", None) is not None else (lambda: 0)
             plan.padding_share = self.kind.padding_share

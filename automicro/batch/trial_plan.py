@@ -165,6 +165,8 @@ class TrialPlan:
         # padding's share of the tokens.
         self.split_now: Callable[[], tuple[int, ...]] = lambda: ()
         self.compile_s: Callable[[], float] = lambda: 0.0
+        # The launch's first batch's seconds where it compiled the blocks in one attempt (0: unknown).
+        self.first_batch_s: Callable[[], float] = lambda: 0.0
         self.blocks: Callable[[], int] = lambda: 0
         self.padding_share: Callable[[], float] = lambda: 0.0
         self.graphs: Callable[[], int] = lambda: 0  # graphs dynamo compiled in the process so far
@@ -281,9 +283,9 @@ class TrialPlan:
         steady = [b for b in self.retried if self.held.get(b) is None]
         retried = sum(1 for b in steady if self.retried[b]) / len(steady) if steady else 0.0
         local = [self._local_reference(), float(fit is not None), max(0.0, fit or 0.0), retried, self.compile_s(),
-                 self.padding_share()]
+                 self.padding_share(), self.first_batch_s()]
         agreed = [v / 1e6 for v in self.consensus.agree_max([int(round(max(0.0, v) * 1e6)) for v in local])]
-        batch_s, has_fit, fit_s, retried_share, compile_s, padding = agreed
+        batch_s, has_fit, fit_s, retried_share, compile_s, padding, first_s = agreed
         fit_s = fit_s if has_fit else None
         profile = self.profile if self.profile is not None and self.profiled_for is not None else None
         self._reference_s = batch_s or 0.0
@@ -295,6 +297,7 @@ class TrialPlan:
             batch_s=batch_s, left=max(0, planned - self._batch), planned=planned, planned_known=bool(self.planned_batches),
             profile=profile, microbatches=max(1, len(split)), microbatch_fit_s=fit_s, retried_share=retried_share or 0.0,
             graph_compile_s=compile_s or 0.0, blocks=self.blocks(), padding_share=padding or 0.0,
+            first_compile_s=max(0.0, first_s - (self._reference_s or batch_s)) if first_s and compile_s else 0.0,
         )
 
     def _local_reference(self) -> float:
