@@ -133,8 +133,9 @@ class AutoMicrobatching(Callback):
         offload: ``auto``: where microbatch size 1 still runs out with every block recomputing, FSDP2's CPU offload of
             the sharded parameters, their gradients and the optimizer state is switched on as the ladder's last rung
             (the same numbers as ``parallelism_config.fsdp2.cpu_offload: true``, slower: the optimizer steps on the
-            host) and the size searched again; a GPU job with FSDP2 only. Left out or ``off`` (the default): the run
-            ends there, its message saying so.
+            host) and the size searched again; also before the first batch where the parameters, gradients and the
+            first step's optimizer state alone pass the device's capacity. A GPU job with FSDP2 only. Left out or
+            ``off`` (the default): the run ends there, its message saying so.
 
     The rooms that own the behaviour: `settings` (the checked keys), `runtime` (what attach builds:
     consensus, ledger, fence, sync hooks, memory source), `search` (the training batch under `auto`
