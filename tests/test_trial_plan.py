@@ -342,6 +342,23 @@ def test_the_device_work_trials_run_first_then_one_profile_prices_the_rest_which
     assert any(line.startswith("trials: the configuration was final at batch 13; the trials cost ") for line in lines), lines
 
 
+def test_a_batch_given_to_a_trial_that_starts_nothing_is_the_final_configurations_first(monkeypatch):
+    """The layout given a batch whose trades its price then rules out (8,192 tokens a sample on one H100: final at batch
+    26, the batch after the layout's last decisions, where 25 ran the final configuration already)."""
+
+    class Empty(_Trial):
+        def begin(self, turn):  # its turn: nothing left worth trying, nothing starts
+            if turn == self.name:
+                self.state = "ruled out"
+
+    static = _Trial("static", "static", batches=3, profiled=False)
+    layout = Empty("layout", "no_reshard")
+    plan, turns, lines = _run([static, layout], monkeypatch=monkeypatch)
+    assert turns[2:8] == ["static"] * 3 + [PROFILE, PROFILE, "layout"], turns
+    assert plan.final_at == 7 and turns[8:] == [None] * (40 - 8), (plan.final_at, turns)
+    assert any(line.startswith("trials: the configuration was final at batch 7; ") for line in lines), lines
+
+
 def test_a_trial_its_price_rules_out_never_runs_and_says_why(monkeypatch):
     one_rank = _Trial("one_rank", "one_rank")
     layout = _Trial("layout", "no_reshard")

@@ -429,7 +429,10 @@ class TrialPlan:
                 self._profiling = ""
                 self._agree(self.profiler.stop(self._wall))
             return
-        nothing_left = self.turn is None and not layout_started and not self.running_or_pending()
+        # A batch given to a trial that started nothing in it (the layout, its last trades priced out at its turn) ran
+        # the settled configuration: it is the final one's first batch where nothing is left (not the batch after).
+        idle = self.turn is None or (self.turn != PROFILE and self.label is None)
+        nothing_left = idle and not layout_started and not self.running_or_pending()
         if nothing_left and self.final_at is None and self.first_steady is not None:
             self.final_at = batch
 
