@@ -136,3 +136,60 @@ def test_the_batch_profile_counts_each_familys_expert_products_as_products():
     grouped = int(transformers.__version__.split(".")[0]) >= 5 and hasattr(torch, "_grouped_mm") and \
         tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 9)
     assert ("aten::_grouped_mm" in names) == grouped, sorted(names)
+
+
+class _RoutedBlock(torch.nn.Module):
+    """A routed block whose shapes do not depend on the routing (every expert runs on every token, weighted by the
+    router's top-k): what compiles in it is the router's hooks and nothing of the tokens' routes."""
+
+    num_experts, top_k = 4, 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(8, self.num_experts, bias=False)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(self.num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)
+        weights, chosen = torch.topk(logits.softmax(-1), self.top_k, dim=-1)
+        mask = torch.zeros_like(logits).scatter(-1, chosen, weights)
+        return sum(mask[..., e:e + 1] * expert(x) for e, expert in enumerate(self.experts))
+
+
+def test_a_skewed_batch_compiles_nothing_again_in_a_compiled_block():
+    """The skew's batch, rank and forward passes are counted outside the compiled blocks; the routers' hooks read one
+    switch (a tensor): each block compiles once, the skewed batch routes to the expert and the next one does not."""
+    from automicro.engine.compile import compiled_graphs
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_RoutedBlock(), _RoutedBlock())
+    skew = RoutingSkew([2], expert=3, share=1.0)
+    skew.install(model)
+    watch = RoutingWatch.of(model)
+    for block in model:
+        block.compile(backend="eager")
+    graphs, busiest = [], []
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
+    for batch in range(5):
+        skew.set_batch(batch)
+        before = compiled_graphs()
+        watch.begin_attempt()
+        model(x).sum().backward()
+        graphs.append(compiled_graphs() - before)
+        busiest.append(float(watch._shares().max()))
+    assert graphs[0] > 0 and graphs[1:] == [0, 0, 0, 0], graphs
+    assert busiest[2] == 1.0 and busiest[1] < 1.0 and busiest[3] == busiest[1], busiest  # every token to expert 3
+    watch.close()
+    skew.remove()
+    torch._dynamo.reset()
+
+
+def test_a_config_names_the_skew_as_a_callback():
+    """`callbacks.routing_skew` in a run's YAML (the GPU benchmarks' `--extra`): the same callback."""
+    from automicro.composer import builders
+    from automicro.config import load_config
+
+    cfg = load_config("configs/tiny-cpu.yaml", ["callbacks.routing_skew={batches: [30], share: 0.9, forwards: 1}"])
+    skew = next(c for c in builders.build_callbacks(cfg) if isinstance(c, RoutingSkew))
+    assert skew.batches == frozenset({30}) and skew.share == 0.9 and skew.forwards == 1

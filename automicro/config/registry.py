@@ -24,6 +24,7 @@ CALLBACK_REGISTRY: Mapping[str, str] = MappingProxyType(
         "fault_injector": "automicro.testing.faults:FaultInjector",
         "memory_cap": "automicro.testing.callbacks:MemoryCapCallback",
         "checkpoint_fault": "automicro.testing.checkpoint_faults:CheckpointFault",
+        "routing_skew": "automicro.testing.routing:RoutingSkew",
     }
 )
 """Callback name (the YAML key under ``callbacks:``) -> ``"module:attribute"`` of its class."""
