@@ -5,7 +5,7 @@
 #   OUT=... bash benchmarks/several_gpus.sh GPUS [BATCHES]            # GPUS 2, 4 or 8; BATCHES 60
 #   OUT=... CASES="head late" bash benchmarks/several_gpus.sh 2       # some of the cases
 #   bash benchmarks/several_gpus.sh GPUS --dry-run                    # CPU ranks (gloo), aot_eager, 2-layer models
-#   VARIANTS=blocks-auto,composercompile-auto RES=$OUT/res ...         # other variants; results straight under OUT
+#   VARIANTS=blocks-auto,composercompile-auto ...                      # other variants
 #   ONE_GPU_ARGS="--layers 3 --skip 26" ...                            # more one_gpu.py arguments (fewer blocks: an H100)
 #
 # Each case is benchmarks/one_gpu.py on GPUS ranks (`--nproc`: torchrun's standalone rendezvous, the composer launcher's
@@ -46,6 +46,14 @@ fi
 res=${RES:-/tmp/res}
 mkdir -p "$res"
 failed=0
+# The device tool returns only a few files a call: everything travels in OUT/results.tgz, written after each case and
+# every minute meanwhile (a call cut at its limit still returns what had run). Keep RES outside OUT.
+if [ "$dry" = 0 ]; then
+  ( while sleep 60; do tar czf "$OUT/results.tgz.part" -C "$(dirname "$res")" "$(basename "$res")" 2>/dev/null \
+      && mv "$OUT/results.tgz.part" "$OUT/results.tgz"; done ) &
+  snapshots=$!
+  trap 'kill $snapshots 2>/dev/null' EXIT
+fi
 
 # run CASE MODEL SEQ BATCH "VARIANTS" [more one_gpu.py arguments]: one launch of one_gpu.py over the variants (fixed-found
 # and fixed-half read the auto run before them in the same launch).

@@ -23,33 +23,12 @@ Owns: the bytes, the round, the line and the message. May not touch: the offload
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
-import torch
-
-from automicro.core.optimizer_memory import pending_state_bytes
+from automicro.core.optimizer_memory import local_shard, pending_grad_bytes, pending_state_bytes
 
 GIB = 2**30
 RANKS = 1 << 20  # a rank index below it, the MiB over above it, in one int
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(tensor, "to_local", None)  # an FSDP2 DTensor: this rank's shard
-    return to_local() if callable(to_local) else tensor
-
-
-def pending_grad_bytes(params: Iterable[torch.nn.Parameter], device_type: Optional[str] = None) -> int:
-    """Bytes the gradients of `params` that have none yet will take on this rank (the local shard's, in the
-    parameter's dtype, as FSDP2 keeps a sharded gradient); `device_type`: only parameters on that device."""
-    total = 0
-    for param in params:
-        if not param.requires_grad or param.grad is not None:
-            continue
-        local = _local(param)
-        if device_type is not None and local.device.type != device_type:
-            continue
-        total += local.numel() * local.element_size()
-    return total
 
 
 @dataclass(frozen=True)
@@ -118,7 +97,7 @@ class StateFit:
 
 
 def _cuda(optimizers: Sequence[Any]) -> bool:
-    return any(_local(p).device.type == "cuda" for o in optimizers for g in o.param_groups for p in g["params"])
+    return any(local_shard(p).device.type == "cuda" for o in optimizers for g in o.param_groups for p in g["params"])
 
 
-__all__ = ["StateFit", "StateNeed", "measure", "pending_grad_bytes"]
+__all__ = ["StateFit", "StateNeed", "measure"]

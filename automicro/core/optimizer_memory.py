@@ -12,7 +12,8 @@ Known kinds (torch's and Composer's classes, matched by name so Composer is not 
 table `STATE_TENSORS`. Any other optimizer gives None: nothing is projected, the search works as
 before (an OOM at batch 1 is then a one-off rerun, then a step down).
 
-Owns: the per-kind state sizes. May not touch: the policy, Composer, collectives.
+Owns: the per-kind state sizes, and the gradients a first backward makes (`pending_grad_bytes`, for the check that
+the training state fits at all: `automicro.batch.state_fit`). May not touch: the policy, Composer, collectives.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ STATE_TENSORS: dict[str, Callable[[dict[str, Any]], int]] = {
 }
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     to_local = getattr(tensor, "to_local", None)  # an FSDP2 DTensor: this rank's shard
     return to_local() if callable(to_local) else tensor
 
@@ -64,11 +65,25 @@ def pending_state_bytes(optimizers: Iterable[Any], device_type: Optional[str] = 
             for param in group["params"]:
                 if not param.requires_grad or optimizer.state.get(param):
                     continue
-                local = _local(param)
+                local = local_shard(param)
                 if device_type is not None and local.device.type != device_type:
                     continue
                 total += tensors * local.numel() * local.element_size()
     return total
 
 
-__all__ = ["STATE_TENSORS", "pending_state_bytes"]
+def pending_grad_bytes(params: Iterable[torch.nn.Parameter], device_type: Optional[str] = None) -> int:
+    """Bytes the gradients of `params` that have none yet will take on this rank (the local shard's, in the
+    parameter's dtype, as FSDP2 keeps a sharded gradient); `device_type`: only parameters on that device."""
+    total = 0
+    for param in params:
+        if not param.requires_grad or param.grad is not None:
+            continue
+        local = local_shard(param)
+        if device_type is not None and local.device.type != device_type:
+            continue
+        total += local.numel() * local.element_size()
+    return total
+
+
+__all__ = ["STATE_TENSORS", "local_shard", "pending_grad_bytes", "pending_state_bytes"]
