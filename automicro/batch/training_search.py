@@ -533,7 +533,7 @@ class TrainingSearch:
             compiled = getattr(rt.sharded, "compiled", None)
             plan.split_now = lambda: tuple(self.policy.current_split()) if self.policy is not None else ()
             plan.compile_s = self._graph_compile_s
-            plan.first_batch_s = lambda: self._first_batch_s if compiled is not None else 0.0
+            plan.first_batch_s = lambda: (self._first_batch_s or 0.0) if compiled is not None else 0.0
             plan.blocks = lambda: 0 if compiled is None else len(compiled.blocks)
             plan.graphs = compiled_graphs if compiled is not None or getattr(rt.sharded, "twin", None) is not None else (lambda: 0)
             plan.padding_share = self.kind.padding_share
