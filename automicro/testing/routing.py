@@ -41,7 +41,16 @@ _SWITCH = "_automicro_skew"  # each router's switch: 1.0 while a forward pass is
 
 
 class RoutingSkew(Callback):
-    """Route `share` of each microbatch's tokens to `expert` in `batches` (Composer's ``timestamp.batch``) on `ranks`."""
+    """Route `share` of each microbatch's tokens to `expert` in `batches` (Composer's ``timestamp.batch``) on `ranks`.
+
+    Args:
+        batches: The batches skewed (Composer's batch count when each starts: 0 is the first).
+        expert: The expert that gets the tokens (an index below every routed layer's expert count).
+        share: The share of each microbatch's tokens sent to it, in (0, 1].
+        ranks: Only on these ranks (null: every rank).
+        forwards: Only the first N forward passes of a skewed batch on a rank (a microbatch is one; null: all of them,
+            so a rerun of the batch meets the skew again; 1: memory that moved once).
+    """
 
     def __init__(self, batches: Iterable[int], expert: int = 0, share: float = 0.9, ranks: Optional[Iterable[int]] = None,
                  forwards: Optional[int] = None) -> None:
