@@ -80,6 +80,16 @@ def find_routers(model: nn.Module) -> list[Router]:
     return found
 
 
+def router_buffer(router: Router, name: str, device: Optional[torch.device] = None) -> torch.Tensor:
+    """`router`'s one-element non-persistent buffer `name` (made at zero where it has none: nothing enters the
+    checkpoint), on `device`, the device the model computes on (None: the router's parameters'; they may be the host's
+    under the host offload while the GPU computes)."""
+    if name not in dict(router.module.named_buffers(recurse=False)):
+        where = device or next((p.device for p in router.module.parameters()), torch.device("cpu"))
+        router.module.register_buffer(name, torch.zeros(1, device=where), persistent=False)
+    return getattr(router.module, name)
+
+
 def _indices(output: Any, top_k: int, num_experts: int) -> Optional[torch.Tensor]:
     """The experts each token was sent to, from a router's output: an integer tensor of the output tuple, or the top-k
     of its logits (the last dimension the expert count)."""
@@ -121,9 +131,7 @@ class RoutingWatch:
         self._handles: list[Any] = []
         self._clean: Optional[torch.Tensor] = None
         for router in routers:
-            device = device or next((p.device for p in router.module.parameters()), torch.device("cpu"))
-            if _BUFFER not in dict(router.module.named_buffers(recurse=False)):
-                router.module.register_buffer(_BUFFER, torch.zeros(1, device=device), persistent=False)
+            router_buffer(router, _BUFFER, device)
             self._handles.append(router.module.register_forward_hook(_hook(router)))
 
     @classmethod
@@ -166,4 +174,4 @@ class RoutingWatch:
         self._handles.clear()
 
 
-__all__ = ["MOVED", "Router", "RoutingWatch", "find_routers"]
+__all__ = ["MOVED", "Router", "RoutingWatch", "find_routers", "router_buffer"]

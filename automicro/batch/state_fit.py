@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from automicro.core.optimizer_memory import local_shard, pending_grad_bytes, pending_state_bytes
+from automicro.core.optimizer_memory import pending_grad_bytes, pending_state_bytes
 
 GIB = 2**30
 RANKS = 1 << 20  # a rank index below it, the MiB over above it, in one int
@@ -39,6 +39,7 @@ class StateNeed:
     grads: int
     state: int
     capacity: int
+    device_type: Optional[str] = None  # where the model computes (None: not known)
 
     @property
     def total(self) -> int:
@@ -58,7 +59,7 @@ def measure(optimizers: Sequence[Any], allocated: int, capacity: int, device_typ
     """This rank's need: `allocated` held now, the gradients and state of the optimizers' parameters to come."""
     state = pending_state_bytes(optimizers, device_type) or 0
     params = {id(p): p for o in optimizers for g in o.param_groups for p in g["params"]}
-    return StateNeed(allocated, pending_grad_bytes(params.values(), device_type), state, capacity)
+    return StateNeed(allocated, pending_grad_bytes(params.values(), device_type), state, capacity, device_type)
 
 
 class StateFit:
@@ -67,7 +68,6 @@ class StateFit:
     def __init__(self, info: Callable[[str], None]) -> None:
         self.info = info
         self.checked = False
-        self.need: Optional[StateNeed] = None
 
     def before_first_attempt(self, need: StateNeed, agree_max: Callable[[Sequence[int]], tuple[int, ...]],
                              rank: int, offload: Any, optimizers: Sequence[Any]) -> Optional[str]:
@@ -76,7 +76,6 @@ class StateFit:
         if self.checked:
             return None
         self.checked = True
-        self.need = need
         # The rank that is most over names itself: (its excess, its rank) in one int, as the consensus carries ints.
         excess_mib = (need.total - need.capacity) // (1 << 20) + 1 if need.over else 0
         worst, = agree_max([excess_mib * RANKS + rank if need.over else 0])
@@ -90,14 +89,10 @@ class StateFit:
                       f"needs {need.describe()}{offload.said()}")
             return None
         hint = ("set offload: auto (the parameters, gradients and optimizer state kept on the host while the GPU "
-                "computes)" if offload.mode is None and need.capacity and _cuda(optimizers) else "")
+                "computes)" if offload.mode is None and need.device_type == "cuda" else "")
         return (f"automicro: the model's training state does not fit on {where}, whatever the microbatch size: this rank "
                 f"needs {need.describe()}. Shard over more ranks, use a smaller model or an optimizer with less state"
                 + (f", or {hint}" if hint else "") + ".")
-
-
-def _cuda(optimizers: Sequence[Any]) -> bool:
-    return any(local_shard(p).device.type == "cuda" for o in optimizers for g in o.param_groups for p in g["params"])
 
 
 __all__ = ["StateFit", "StateNeed", "measure"]

@@ -756,8 +756,7 @@ class TrainingSearch:
         self.kind.trained()
         if self.thrash.observe(retried_clean_batch):
             twin_ran = self._step is not None and self._step.twin is not None
-            twin_timed = self.sharding_choice is not None and self.sharding_choice.timing_now
-            if (twin_ran or twin_timed) and self.sharding_choice is not None and self.sharding_choice.relieve("thrashing", rerun=False):
+            if self.sharding_choice is not None and self.sharding_choice.relieve("thrashing", rerun=False):
                 # Through the twin, or in any batch of its trial, as an OOM there: FSDP2 from the next batch, the size stays.
                 self.runtime.memory.empty_cache()
                 through = "through the unsharded model" if twin_ran else "in the unsharded model's trial"

@@ -199,13 +199,12 @@ def price(label: str, kind: str, m: Measured, **facts: float) -> Optional[Price]
     graph = m.graph_compile_s if compiles else 0.0
     # The blocks compiled again: at least what their first compile took (`first_compile_s`).
     blocks_again = max(graph, m.first_compile_s if compiles else 0.0)
-    again = "as their first compile took" if blocks_again > graph else "one graph"
     if kind == "static":
         win = STATIC_WIN * w
         cost = blocks_again * (1.0 + STATIC_LOSES) + _arms(win, m)
         return Price(label, kind, win, cost, f"{100 * STATIC_WIN:.1f}% of a batch (what recompiles at the settled size "
                      "won, on average)", f"a compile of the blocks ({seconds(blocks_again)}"
-                     + (f", {again}" if blocks_again > graph else "") + ") and its arms' batches", keeps_on_gain=False)
+                     + (", as their first compile took" if blocks_again > graph else "") + ") and its arms' batches", keeps_on_gain=False)
     if kind == "packing":
         win = PACKING_OF_PADDING * m.padding_share * w
         return Price(label, kind, win, _arms(win, m), f"the padding, {100 * m.padding_share:.1f}% of the tokens", "its arms' batches")
@@ -218,7 +217,7 @@ def price(label: str, kind: str, m: Measured, **facts: float) -> Optional[Price]
         win = UNSHARDED_OF_FSDP * max(0.0, own - UNSHARDED_FLOOR * w)
         graphs = facts.get("graphs", 1.0)
         compile_s = max(graphs * graph, blocks_again)
-        twin = (f"the twin's compile ({seconds(compile_s)}, {again})" if compile_s > graphs * graph
+        twin = (f"the twin's compile ({seconds(compile_s)}, as their first compile took)" if compile_s > graphs * graph
                 else f"the twin's compile ({graphs:g} graph(s) of {seconds(graph)})")
         return Price(label, kind, win, compile_s + _arms(win, m),
                      f"{UNSHARDED_OF_FSDP:g} x FSDP2's own work beyond {100 * UNSHARDED_FLOOR:g}% of a batch ({_pct(own, m)}"

@@ -43,7 +43,7 @@ STATE_TENSORS: dict[str, Callable[[dict[str, Any]], int]] = {
 }
 
 
-def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+def _local(tensor: torch.Tensor) -> torch.Tensor:
     to_local = getattr(tensor, "to_local", None)  # an FSDP2 DTensor: this rank's shard
     return to_local() if callable(to_local) else tensor
 
@@ -65,7 +65,7 @@ def pending_state_bytes(optimizers: Iterable[Any], device_type: Optional[str] = 
             for param in group["params"]:
                 if not param.requires_grad or optimizer.state.get(param):
                     continue
-                local = local_shard(param)
+                local = _local(param)
                 if device_type is not None and local.device.type != device_type:
                     continue
                 total += tensors * local.numel() * local.element_size()
@@ -79,11 +79,11 @@ def pending_grad_bytes(params: Iterable[torch.nn.Parameter], device_type: Option
     for param in params:
         if not param.requires_grad or param.grad is not None:
             continue
-        local = local_shard(param)
+        local = _local(param)
         if device_type is not None and local.device.type != device_type:
             continue
         total += local.numel() * local.element_size()
     return total
 
 
-__all__ = ["STATE_TENSORS", "local_shard", "pending_grad_bytes", "pending_state_bytes"]
+__all__ = ["STATE_TENSORS", "pending_grad_bytes", "pending_state_bytes"]

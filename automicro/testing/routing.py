@@ -34,7 +34,7 @@ import torch
 from composer.core import Callback, State
 from composer.loggers import Logger
 
-from automicro.batch.routing import Router, find_routers
+from automicro.batch.routing import Router, find_routers, router_buffer
 
 BIAS = 1e4  # added to the skewed expert's logit: its softmax weight is 1 to within float precision
 _SWITCH = "_automicro_skew"  # each router's switch: 1.0 while a forward pass is skewed (a non-persistent buffer)
@@ -85,9 +85,7 @@ class RoutingSkew(Callback):
             if self.expert >= router.num_experts:
                 raise ValueError(f"RoutingSkew expert={self.expert}: {router.name} has {router.num_experts} experts")
         for router in self.routers:
-            where = device or next((p.device for p in router.module.parameters()), torch.device("cpu"))
-            if _SWITCH not in dict(router.module.named_buffers(recurse=False)):
-                router.module.register_buffer(_SWITCH, torch.zeros(1, device=where), persistent=False)
+            router_buffer(router, _SWITCH, device)
             self._handles.append(router.module.register_forward_hook(self._hook(router)))
         if by_hand:
             self._handles.append(model.register_forward_pre_hook(lambda module, args: self.next_forward()))
