@@ -138,6 +138,8 @@ def overrides(variant: str, args: argparse.Namespace, run_dir: str) -> list[str]
     elif kind != "eager":
         raise SystemExit(f"unknown variant {variant!r}")
     common += [o for o in args.extra.split(",") if o]
+    if mode == "auto" and not kind.startswith("composer"):
+        common += [o for o in getattr(args, "auto_extra", "").split(",") if o]
     if mode.startswith("fixed-"):
         size = mode.split("-")[1]
         if not size.isdigit():
@@ -282,6 +284,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="seconds for the whole command: no variant starts after it, each one's timeout ends there (0: none)")
     p.add_argument("--preset", default="1b")
     p.add_argument("--extra", default="", help="more YAML overrides for every variant, comma-separated")
+    p.add_argument("--auto-extra", default="",
+                   help="more YAML overrides for automicro's `auto` variants only (a RoutingSkew Composer's own `auto` is not given)")
     p.add_argument("--seq", type=int, default=SEQ)
     p.add_argument("--batch", type=int, default=PER_RANK_BATCH, help="per-rank batch (samples)")
     p.add_argument("--nproc", type=int, default=1, help="GPUs (ranks) of this host per variant; per-rank batch stays 32")

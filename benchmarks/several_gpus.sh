@@ -7,6 +7,8 @@
 #   bash benchmarks/several_gpus.sh GPUS --dry-run                    # CPU ranks (gloo), aot_eager, 2-layer models
 #   VARIANTS=blocks-auto,composercompile-auto ...                      # other variants
 #   ONE_GPU_ARGS="--layers 3 --skip 26" ...                            # more one_gpu.py arguments (fewer blocks: an H100)
+#   ROUTED_BATCH=16 SKIP=24 ...                                        # the routed cases' per-rank batch; steady from SKIP
+#   ONE_GPU_ARGS="--auto-extra callbacks.routing_skew.batches=[36],callbacks.routing_skew.forwards=1" ...  # skew auto only
 #
 # Each case is benchmarks/one_gpu.py on GPUS ranks (`--nproc`: torchrun's standalone rendezvous, the composer launcher's
 # environment), each block compiled, whole cards, per-rank batch as given, `max_duration` 1,000 batches stopped after
@@ -60,7 +62,7 @@ fi
 run() {
   local case=$1 model=$2 seq=$3 batch=$4 variants=${VARIANTS:-$5}
   shift 5
-  local skip=$((batches / 2))
+  local skip=${SKIP:-$((batches / 2))}
   if [ "$dry" = 1 ]; then
     seq=128; batch=4; skip=1
     variants=$(echo "$variants" | tr ',' '\n' | grep -v '^composer' | paste -sd, -)
@@ -92,9 +94,9 @@ EOF
 for case in ${CASES:-head moe long late}; do
   case $case in
     head) run head qwen25 2048 32 blocks-auto,blocks-fixed-found,blocks-fixed-half,composercompile-auto ;;
-    moe) run moe qwen3moe 4096 32 blocks-auto,blocks-fixed-found,blocks-fixed-half,composercompile-auto ;;
-    olmoe) run olmoe olmoe 4096 32 blocks-auto,blocks-fixed-found,blocks-fixed-half,composercompile-auto ;;
-    mixtral) run mixtral mixtral 4096 32 blocks-auto,blocks-fixed-found,blocks-fixed-half,composercompile-auto ;;
+    moe) run moe qwen3moe 4096 "${ROUTED_BATCH:-32}" blocks-auto,blocks-fixed-found,blocks-fixed-half,composercompile-auto ;;
+    olmoe) run olmoe olmoe 4096 "${ROUTED_BATCH:-32}" blocks-auto,blocks-fixed-found,blocks-fixed-half,composercompile-auto ;;
+    mixtral) run mixtral mixtral 4096 "${ROUTED_BATCH:-32}" blocks-auto,blocks-fixed-found,blocks-fixed-half,composercompile-auto ;;
     long) run long llama32 32768 2 blocks-auto,acblocks-fixed-1 ;;
     late)
       if [ "$dry" = 1 ]; then

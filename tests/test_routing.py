@@ -50,7 +50,7 @@ def test_the_routers_of_each_family_are_found_with_their_experts_and_top_k_and_a
 
 
 @pytest.mark.parametrize("family", moe_cases.FAMILIES)
-def test_the_watch_reads_the_busiest_share_and_says_routing_moved_only_past_the_clean_maximum(family):
+def test_the_watch_reads_the_busiest_share_and_says_routing_moved_only_past_the_clean_maximum(family, capsys):
     model = _model(family)
     skew = RoutingSkew([1], expert=3, share=0.9)
     skew.install(model)  # before the watch, as a callback's fit_start comes before auto's first batch: it sees the skew
@@ -71,6 +71,11 @@ def test_the_watch_reads_the_busiest_share_and_says_routing_moved_only_past_the_
     assert line is not None and line.startswith("routing moved the memory: the busiest expert took ") and \
         f"at most {round(even * 100)}% in the batches that ran" in line and ".gate)" in line, line
     assert skewed >= MOVED * even and skew.skewed_calls == 2
+    skew.batch_end(None, None)  # the skewed batch says so in the run's log (a GPU run's proof that it fired)
+    assert "[automicro] routing skew: batch 1, 1 forward pass(es) sent 90% of their tokens to expert 3" in capsys.readouterr().out
+    skew.set_batch(2)
+    skew.batch_end(None, None)  # a batch not skewed says nothing
+    assert "routing skew" not in capsys.readouterr().out
     # Nothing of the watch's enters the checkpoint.
     assert not [k for k in model.state_dict() if "automicro" in k]
     watch.close()

@@ -119,6 +119,17 @@ class RoutingSkew(Callback):
 
     def batch_end(self, state: State, logger: Logger) -> None:
         self._switch(False)  # an evaluation after the batch routes as the model does
+        skewed = self._skewed_forwards()
+        if skewed:
+            print(f"[automicro] routing skew: batch {self._batch}, {skewed} forward pass(es) sent {self.share:.0%} of "
+                  f"their tokens to expert {self.expert}", flush=True)
+
+    def _skewed_forwards(self) -> int:
+        """The forward passes of the current batch the skew reached on this rank (0 where it skewed none)."""
+        if self._batch not in self._forwards:
+            return 0
+        counted = self._forwards[self._batch]
+        return counted if self.forwards is None else min(counted, self.forwards)
 
     def fit_end(self, state: State, logger: Logger) -> None:
         self.remove()
