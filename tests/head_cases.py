@@ -31,12 +31,17 @@ def _config(family: str) -> Any:
         "stablelm": lambda: transformers.StableLmConfig(**_COMMON),
         "granite": lambda: transformers.GraniteConfig(**_COMMON, logits_scaling=4.0),
         "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64),
+        # The routed families: each config's default ``output_router_logits`` (false), 4 experts, 2 a token.
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**_COMMON, head_dim=8, moe_intermediate_size=32, num_experts=4,
+                                                         num_experts_per_tok=2),
+        "olmoe": lambda: transformers.OlmoeConfig(**_COMMON, num_experts=4, num_experts_per_tok=2),
+        "mixtral": lambda: transformers.MixtralConfig(**_COMMON, num_local_experts=4, num_experts_per_tok=2),
     }
     return make[family]()
 
 
 TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "phi3", "stablelm",
-                 "granite", "gpt2")
+                 "granite", "gpt2", "qwen3_moe", "olmoe", "mixtral")
 
 
 def tiny_causal_lm(family: str) -> torch.nn.Module:

@@ -105,6 +105,24 @@ def test_every_transformers_family_it_fuses_gives_the_plain_heads_loss_and_gradi
     assert worst < 1e-5, (family, worst)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "mixtral"])
+def test_a_routed_forward_that_asks_for_its_routers_load_balancing_loss_runs_the_plain_head(family):
+    """The fused head computes the language model's loss alone: a forward asking for ``output_router_logits`` (the
+    load-balancing loss added to the loss) runs the model's own forward, its loss and logits the plain model's."""
+    torch.manual_seed(0)
+    model = cases.tiny_causal_lm(family)
+    ids = torch.randint(0, cases.VOCAB, (2, 10))
+    fused_model = copy.deepcopy(model)
+    install_head(fused_model, HeadSwitch(mode="fused", fused=True))
+    model.train()
+    fused_model.train()
+    plain = model(input_ids=ids, labels=ids, output_router_logits=True)
+    out = fused_model(input_ids=ids, labels=ids, output_router_logits=True)
+    assert out.logits is not None and out.aux_loss is not None and abs(float(out.loss - plain.loss)) <= 1e-6 * abs(float(plain.loss))
+    assert float(plain.loss) != float(model(input_ids=ids, labels=ids).loss)  # the aux loss is in it
+    assert fused_model(input_ids=ids, labels=ids).logits is None  # without it: fused
+
+
 def test_a_transformers_model_takes_num_items_in_batch_and_returns_no_logits_fused_and_its_own_in_evaluation():
     """The Hugging Face Trainer's `num_items_in_batch` (the loss summed over the batch's loss tokens); a fused
     training forward returns the loss without logits; in evaluation, or without labels, the model's own forward."""
@@ -152,10 +170,17 @@ def test_a_fused_output_names_the_key_to_set_when_its_logits_are_read():
 
 
 def test_a_model_whose_head_it_does_not_fuse_is_named_with_why():
-    config = transformers.MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=2)
+    config = transformers.PhiConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                    num_attention_heads=2)
     family, why = find_head(transformers.AutoModelForCausalLM.from_config(config))
-    assert family is None and "MixtralForCausalLM (model_type 'mixtral') is not one of the families" in why
+    assert family is None and "PhiForCausalLM (model_type 'phi') is not one of the families" in why
+    # A routed family whose loss adds its routers' load-balancing loss: not fused, and why.
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
+                                        output_router_logits=True)
+    family, why = find_head(transformers.AutoModelForCausalLM.from_config(config))
+    assert family is None and "MixtralForCausalLM's loss adds its routers' load-balancing loss (output_router_logits: " \
+        "true)" in why, why
     family, why = find_head(torch.nn.Linear(4, 4))
     assert family is None and "Linear has no head automicro knows" in why
     assert set(cases.TINY_FAMILIES) == set(FAMILIES)

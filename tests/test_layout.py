@@ -666,8 +666,11 @@ def test_op_is_not_tried_where_off_fitted_whether_kept_or_slower():
         _run_trial(search, off_s, 2.0)
         assert search.settled == ((NO_RECOMPUTE,) if kept else ())
         assert search.layout_for_batch(True, lambda t: None, 4, 4) == (search.settled, []) and search.trial is None
-    # Nor without ``no_recompute`` beside it (no full recompute asked for): the ladder's rung only.
-    assert LayoutSearch(LayoutConfig.parse("auto"), [RECOMPUTE, RECOMPUTE_OP]).candidates == [RECOMPUTE]
+    # Beside ``recompute`` (no recompute asked for) it is tried up, before full; alone it is the ladder's rung only.
+    up = LayoutSearch(LayoutConfig.parse("auto"), [RECOMPUTE, RECOMPUTE_OP])
+    assert up.candidates == [RECOMPUTE, RECOMPUTE_OP] and up.upsize == (RECOMPUTE, RECOMPUTE_OP) and up._untried() == []
+    assert LayoutSearch(LayoutConfig.parse("auto"), [RECOMPUTE_OP]).candidates == []
+    assert LayoutSearch(LayoutConfig.parse("auto"), DOWN).upsize == ()
 
 
 def test_where_neither_fits_at_the_size_found_both_are_measured_and_downsized_alone_never_together():
@@ -807,11 +810,14 @@ def test_a_smaller_microbatch_with_the_trades_is_adopted_when_faster_and_paramet
             assert run["layouts"][steady + 1 : steady + 3] == [[GRAD_SYNC_ONCE, NO_RESHARD], []], run["layouts"]
         assert auto["found"] == 1 and auto["settled"] == [GRAD_SYNC_ONCE, NO_RESHARD], auto
         # Checkpointing on (the engine carries it switched off) is measured after that and tried at a
-        # larger size where its split has a larger microbatch; timed no faster, it is not kept.
+        # larger size where its split has a larger microbatch; timed no faster, it is not kept; then the
+        # ``op`` rung (the engine's dial) likewise, measured and tried up, not kept.
         def without_recompute(run, start):
-            return [s for s, x in zip(run["splits"][start:], run["layouts"][start:]) if RECOMPUTE not in x]
+            return [s for s, x in zip(run["splits"][start:], run["layouts"][start:]) if RECOMPUTE not in x and RECOMPUTE_OP not in x]
 
         assert [RECOMPUTE, False] in auto["results"] and [RECOMPUTE, True] not in slower["results"]
+        assert [RECOMPUTE_OP, False] in auto["results"] and auto["results"].index([RECOMPUTE_OP, False]) > \
+            auto["results"].index([RECOMPUTE, False]), auto["results"]
         assert set(map(tuple, without_recompute(auto, steady + 3))) == {(1, 1, 1, 1)} and "microbatch size found: 1" in auto["summary"]
         assert slower["found"] == 2 and slower["settled"] == [] and set(map(tuple, without_recompute(slower, steady + 2))) == {(2, 2)}
 
@@ -924,6 +930,92 @@ def test_recompute_is_measured_then_tried_at_the_larger_size_it_fits_and_never_u
     restored = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), [GRAD_SYNC_ONCE, RECOMPUTE])
     restored.load_state_dict(search.state_dict())
     assert restored.settled == (RECOMPUTE,) and restored.fits_up_to == {RECOMPUTE: 4} and restored.upsized_from == [2]
+
+
+def _measure_up(search: LayoutSearch, trade: str, found: int, fits_up_to, base: tuple = ()) -> list[str]:
+    layout, lines = search.layout_for_batch(True, lambda t: None, found, found, None, 1)
+    trial = search.trial
+    assert trial is not None and trial.measure and trial.trades == (trade,) and (trial.size, trial.from_size) == (1, found), lines
+    assert layout == tuple(t for t in (RECOMPUTE, RECOMPUTE_OP) if t in (trade, *base)) or layout == (trade,), layout
+    search.observe(layout, 9.0)
+    return lines + [search.measured(None, "how", fits_up_to=fits_up_to)]
+
+
+def test_op_is_tried_up_where_full_recompute_did_not_pay_and_full_then_from_the_size_op_admitted():
+    """No recompute asked for, the blocks carrying the engine's dial (`LayoutEngine.candidates`: ``recompute`` and
+    ``recompute_op``): full is measured and timed at the larger size it fits first; slower, the ``op`` rung is measured
+    and timed at the size it fits against none at the size found (priced as a selective upsize); kept, full is tried
+    again from there against ``op`` and, kept, takes its place (one dial), undone under more memory back to none at
+    the first size found. Neither is undone under pressure; the state survives a checkpoint."""
+    config = LayoutConfig.parse("auto", trial_batches=1, size_trials=False)
+    search = LayoutSearch(config, [RECOMPUTE, RECOMPUTE_OP])
+    prices: list[tuple[str, str, dict]] = []
+
+    def priced(label, kind, facts):
+        prices.append((label, kind, dict(facts)))
+        return None
+
+    def step(found: int, on: float, off: float):
+        lines = []
+        while not search.needs_agreement:
+            layout, more = search.layout_for_batch(True, lambda t: None, found, found, None, 1, priced=priced, capacity=100)
+            lines += more
+            search.observe(layout, on if search.trial.trades[0] in layout else off)
+        return search.decide(search.local_times(), capacity=100), lines
+
+    assert _measure_up(search, RECOMPUTE, 2, 6)[-1] == \
+        "layout trade recompute (activation checkpointing on): fits microbatch 6 at most (how)"
+    result, _ = step(2, 3.0, 2.0)  # full at 6 slower than none at 2
+    assert not result.kept and result.size == 6 and search.settled == () and search.upsized_from == [2]
+    lines = _measure_up(search, RECOMPUTE_OP, 2, 4)
+    assert lines == [
+        "recompute: op's bytes measured in one batch at microbatches 1 and 2 (found 2 with none): a larger microbatch "
+        "may fit with it",
+        "layout trade recompute_op (selective recompute on (matrix products and attention kept)): fits microbatch 4 at "
+        "most (how)",
+    ], lines
+    result, lines = step(2, 1.0, 2.0)  # op at 4 faster than none at 2
+    assert lines[0] == ("recompute: op (matrix products and attention kept) at microbatch 4 against none at 2, the size "
+                        "found: 1 batches with it at 4, as many without at 2"), lines
+    assert prices[-1] == ("recompute_op at 4", "upsize", {"microbatches": 1.0, "selective": 1.0}), prices
+    assert result.kept and result.size == 4 and search.settled == (RECOMPUTE_OP,) and search.op_upsized_from == [2]
+    assert result.line().startswith("recompute: op (matrix products and attention kept) at microbatch 4 against none at "
+                                    "2, the size found: op kept; median batch 1.0000 s op, 2.0000 s none"), result.line()
+    # Pressure: ``op`` stays (the size shrinks instead).
+    assert search.relieve(search.current, "out of memory at size 4", 4) is None and search.settled == (RECOMPUTE_OP,)
+    restored = LayoutSearch(config, [RECOMPUTE, RECOMPUTE_OP])
+    restored.load_state_dict(search.state_dict())
+    assert restored.settled == (RECOMPUTE_OP,) and restored.op_upsized_from == [2] and restored.fits_up_to == search.fits_up_to
+    assert restored.kept_under == {RECOMPUTE_OP: (100, 2)}
+    # From 4 (adopted with op): full at 6 (measured already) against op at 4; kept, in op's place.
+    layout, lines = search.layout_for_batch(True, lambda t: None, 4, 4, None, 1, priced=priced, capacity=100)
+    assert layout == (RECOMPUTE, RECOMPUTE_OP) and search.trial.size == 6 and not search.trial.up, lines
+    search.observe(layout, 1.0)
+    search.observe(search.layout_for_batch(True, lambda t: None, 4, 4, None, 1, priced=priced, capacity=100)[0], 2.0)
+    result = search.decide(search.local_times(), capacity=100)
+    assert result.kept and search.settled == (RECOMPUTE,) and search.kept_under == {RECOMPUTE: (100, 2)}
+    assert search.layout_for_batch(True, lambda t: None, 6, 6, None, 1, capacity=100) == ((RECOMPUTE,), [])
+    # More memory: full undone, back to none, the size searched again from 2 (the size found without either).
+    assert search.reconsider(200)[0] == 2 and search.settled == () and search.op_upsized_from == []
+
+
+def test_op_tried_up_where_it_fits_no_larger_split_and_not_where_full_was_kept():
+    search = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1, size_trials=False), [RECOMPUTE, RECOMPUTE_OP])
+    _measure_up(search, RECOMPUTE, 2, 2)  # full fits no more than the size found: not tried, op measured next
+    lines = _measure_up(search, RECOMPUTE_OP, 2, 2)
+    assert lines[0].startswith("layout trade recompute (activation checkpointing on) not tried: it fits microbatch 2 at "
+                               "most"), lines
+    assert search.layout_for_batch(True, lambda t: None, 2, 2, None, 1) == ((), [
+        "layout trade recompute_op (selective recompute on (matrix products and attention kept)) not tried: it fits "
+        "microbatch 2 at most, no larger microbatch than at 2 found"])
+    assert search.trial is None and search.upsized_from == [2] and search.op_upsized_from == [2]
+    kept = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1, size_trials=False), [RECOMPUTE, RECOMPUTE_OP])
+    _measure_up(kept, RECOMPUTE, 2, 4)
+    kept.layout_for_batch(True, lambda t: None, 2, 2, None, 1)
+    kept.observe((RECOMPUTE,), 1.0)
+    kept.observe(kept.layout_for_batch(True, lambda t: None, 2, 2, None, 1)[0], 2.0)
+    assert kept.decide(kept.local_times()).kept and kept.settled == (RECOMPUTE,)
+    assert kept.layout_for_batch(True, lambda t: None, 4, 4, None, 1) == ((RECOMPUTE,), []) and kept.trial is None
 
 
 def test_recompute_not_kept_or_not_fitting_larger_is_not_tried_again_from_that_size():

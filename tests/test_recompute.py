@@ -138,8 +138,10 @@ def test_a_full_recompute_asked_for_can_be_tried_down_to_op_and_off_wins_over_op
         assert engine.rung_of(layout).kind == kind and dial.rung.kind == kind, layout
         grads, _ = _step(model)
         assert all(torch.allclose(g, r, atol=1e-5) for g, r in zip(grads, reference)), layout
-    for asked in ("op", 2, False):  # no full recompute asked for: nothing to try down from
+    for asked in ("op", 2):  # a rung below full asked for: nothing to try down from, nor up
         assert "recompute_op" not in engine_for(asked)[2].candidates(), asked
+    # None asked for: ``op`` is tried up (at a larger microbatch) beside full.
+    assert engine_for(False)[2].candidates() == ["recompute", "recompute_op"]
 
 
 def test_compiled_blocks_carrying_the_dial_take_recompute_as_a_trade_but_never_inside_a_whole_model_graph():
@@ -160,16 +162,21 @@ def test_compiled_blocks_carrying_the_dial_take_recompute_as_a_trade_but_never_i
         sharded = SimpleNamespace(named_fsdp_modules=named, fsdp_modules=[], config=config, recompute=dial,
                                   compiled=scope if compiled else None)
         engine = LayoutEngine(sharded)
-        assert engine.candidates() == ["recompute"] and engine.recompute_held is None, compiled
+        assert engine.candidates() == ["recompute", "recompute_op"] and engine.recompute_held is None, compiled
         engine.apply(("recompute",))
         assert dial.rung.kind == FULL and all(internals.checkpoint_enabled(block) for block in model.blocks)
+        grads, _ = _step(model)
+        assert all(torch.allclose(g, r, atol=1e-5) for g, r in zip(grads, reference)), compiled
+        engine.apply(("recompute_op",))  # ``op`` tried up from none: the selective rung, the same gradients
+        assert dial.rung.kind == OP
         grads, _ = _step(model)
         assert all(torch.allclose(g, r, atol=1e-5) for g, r in zip(grads, reference)), compiled
         engine.apply(())
         if compiled:
             scope.scope = "model"
             assert "whole model" in engine.recompute_held
-            with pytest.raises(RuntimeError, match="whole model is compiled"):
-                engine.apply(("recompute",))
+            for rung in (("recompute",), ("recompute_op",)):
+                with pytest.raises(RuntimeError, match="whole model is compiled"):
+                    engine.apply(rung)
             assert dial.rung.kind == OFF
             engine.apply(())  # off is always allowed

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from automicro.core.consensus import Consensus
 from automicro.core.layout import (
-    FUSED_HEAD, GRAD_SYNC_ONCE, GROWS, MEASURED, RECOMPUTE, SIZE_FRACTIONS, TRADES, UPSIZE, LayoutConfig, LayoutSearch, Priced, describe,
+    FUSED_HEAD, GRAD_SYNC_ONCE, GROWS, MEASURED, SIZE_FRACTIONS, TRADES, LayoutConfig, LayoutSearch, Priced, describe,
 )
 from automicro.core.policy import SAFETY_MARGIN, near_split, predict_max_size
 from automicro.engine.layout import LayoutEngine
@@ -227,7 +227,7 @@ class LayoutTrials:
         engine = self.engine
         self._capacity_read = capacity_read
         held = engine.recompute_held
-        self.search.held = {RECOMPUTE: held} if held is not None else {}
+        self.search.held = {t: held for t in self.search.upsize} if held is not None else {}
         undone, lines = self.search.reconsider(capacity_read) if size is not None else (None, [])
         if undone is not None:
             self.undone, steady = undone, False  # the size is searched again first: no trial now
@@ -354,7 +354,7 @@ class LayoutTrials:
         trial = self.search.measuring
         if trial is not None:
             self._outcome = "measured"
-        if trial is not None and trial.trades[0] in UPSIZE + GROWS:
+        if trial is not None and trial.trades[0] in self.search.upsize + GROWS:
             self._info(self._measured_upsize(sorted(peaks_by_size)))
             self._apply(self.search.settled)
             return

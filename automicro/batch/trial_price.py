@@ -294,11 +294,20 @@ def price(label: str, kind: str, m: Measured, **facts: float) -> Optional[Price]
     if kind == "upsize":
         # Checkpointing on for a larger microbatch: fewer microbatches, the forward recomputed. Before its bytes are
         # measured the largest microbatch is not known: priced at the whole batch in one (the most it can win).
-        win = (n - count) * a - RECOMPUTE_OF_BUSY * (p.wall_s - p.idle_s)
-        return Price(label, kind, win, graph + _arms(win, m) + 2 * w,
-                     f"{n - count} fewer microbatch(es) at {_pct(a, m)} each ({a_from}), less the forward recomputed "
-                     f"({RECOMPUTE_OF_BUSY:g} x the device's busy time)",
-                     "a measuring batch, a compile at the new size and its arms' batches")
+        # ``selective`` (the ``op`` rung, up from none): only the work outside the matrix products and attention runs
+        # again; a compiled block compiles its selective graph at the measuring split and at the new size.
+        selective = bool(facts.get("selective"))
+        busy = p.wall_s - p.idle_s
+        recomputed = RECOMPUTE_OF_BUSY * (max(0.0, busy - p.products_s) if selective else busy)
+        win = (n - count) * a - recomputed
+        compile_s = graph * (2.0 if selective else 1.0)
+        what = (f"the work outside the matrix products and attention recomputed ({RECOMPUTE_OF_BUSY:g} x the device's busy "
+                f"time beyond them, {_pct(max(0.0, busy - p.products_s), m)})" if selective else
+                f"the forward recomputed ({RECOMPUTE_OF_BUSY:g} x the device's busy time)")
+        return Price(label, kind, win, compile_s + _arms(win, m) + 2 * w,
+                     f"{n - count} fewer microbatch(es) at {_pct(a, m)} each ({a_from}), less {what}",
+                     "a measuring batch, " + ("a compile of the blocks' selective graph at two sizes" if selective else "a compile at the new size")
+                     + " and its arms' batches")
     raise ValueError(f"unknown kind of trial {kind!r}; known: {KINDS}")
 
 

@@ -119,7 +119,9 @@ TRADES = (FUSED_HEAD, GRAD_SYNC_ONCE, NO_RESHARD, NO_RECOMPUTE, RECOMPUTE, RECOM
 # Trades whose bytes grow with the microbatch and are measured, not projected from the model.
 MEASURED = (NO_RECOMPUTE, RECOMPUTE_OP)
 # Trades that save bytes per sample at a cost in time: tried only at a larger microbatch (an upsize
-# trial), measured first, never undone under pressure.
+# trial), measured first, never undone under pressure. Where the blocks recompute nothing and carry the engine's dial,
+# ``recompute_op`` is one too, tried first (`LayoutSearch.upsize`): it saves fewer bytes than full and recomputes only the
+# cheap work.
 UPSIZE = (RECOMPUTE,)
 # Trades that save bytes per sample and may be faster at any size: tried first, measured, then at the largest
 # microbatch they fit (else at the size found); never undone under pressure.
@@ -252,6 +254,8 @@ class Trial:
     measure: bool = False
     # What a size trial's sizes count: "samples" (a microbatch) or "tokens" (a budget).
     unit: str = "samples"
+    # ``recompute_op`` tried up from no recompute (at a larger microbatch, against none), not down from a full recompute.
+    up: bool = False
 
     @property
     def trade(self) -> str:
@@ -276,7 +280,7 @@ class Trial:
         return len(self.on) <= len(self.off)
 
     def restarted(self) -> "Trial":
-        return Trial(self.trades, size=self.size, from_size=self.from_size, measure=self.measure, unit=self.unit)
+        return Trial(self.trades, size=self.size, from_size=self.from_size, measure=self.measure, unit=self.unit, up=self.up)
 
     def heading(self) -> str:
         if self.trades == (FUSED_HEAD,):
@@ -286,13 +290,15 @@ class Trial:
             if self.size is None:
                 return "head: fused against plain at the size found"
             return f"head: fused at microbatch {self.size} against plain at {self.from_size}, the size found"
-        if self.trades == (RECOMPUTE_OP,):  # a full recompute asked for, tried down to the ``op`` rung
-            found = f" (found {self.from_size} with full)" if self.from_size is not None else ""
+        if self.trades == (RECOMPUTE_OP,):  # a full recompute asked for, tried down to the ``op`` rung; or up from none
+            base = "none" if self.up else "full"
+            found = f" (found {self.from_size} with {base})" if self.from_size is not None else ""
             if self.measure:
                 return f"recompute: op's bytes measured in one batch at microbatches {self.size} and {self.size + 1}{found}"
             if self.size is None:
-                return "recompute: op (matrix products and attention kept) against full at the size found"
-            return f"recompute: op (matrix products and attention kept) at microbatch {self.size} against full at {self.from_size}, the size found"
+                return f"recompute: op (matrix products and attention kept) against {base} at the size found"
+            return (f"recompute: op (matrix products and attention kept) at microbatch {self.size} against {base} at "
+                    f"{self.from_size}, the size found")
         if self.sized and self.unit == "tokens":
             return f"size trial: budget {self.size} tokens against {self.from_size}, the budget found"
         if self.sized:
@@ -318,6 +324,7 @@ class TrialResult:
     spread: float
     size: Optional[int] = None  # a downsize trial's microbatch
     heading: str = ""
+    against: str = "full"  # ``recompute_op``'s other arm: full (tried down from it) or none (tried up)
 
     @property
     def won_s(self) -> float:
@@ -336,8 +343,9 @@ class TrialResult:
             return (f"{self.heading or 'head: fused against plain'}: {'fused kept' if self.kept else 'plain kept'}; median "
                     f"batch {self.median_on:.4f} s fused, {self.median_off:.4f} s plain {times}")
         if self.trade == RECOMPUTE_OP:
-            return (f"{self.heading or 'recompute: op against full'}: {'op kept' if self.kept else 'full kept'}; median "
-                    f"batch {self.median_on:.4f} s op, {self.median_off:.4f} s full {times}")
+            other = self.against
+            return (f"{self.heading or 'recompute: op against ' + other}: {'op kept' if self.kept else other + ' kept'}; "
+                    f"median batch {self.median_on:.4f} s op, {self.median_off:.4f} s {other} {times}")
         heading = self.heading or f"layout trial {self.trade} ({describe(self.trade.split('+'))})"
         return (f"{heading}: {'kept' if self.kept else 'not kept'}; median batch {self.median_on:.4f} s "
                 f"with it, {self.median_off:.4f} s without {times}")
@@ -369,8 +377,17 @@ class LayoutSearch:
 
     def __init__(self, config: LayoutConfig, candidates: Sequence[str]) -> None:
         self.config = config
-        # ``recompute_op`` is a trial only down from a full recompute asked for (with ``no_recompute``); else the ladder's.
-        self.candidates = [t for t in TRADES if t in candidates and (t != RECOMPUTE_OP or NO_RECOMPUTE in candidates)]
+        # ``recompute_op`` is a trial down from a full recompute asked for (with ``no_recompute``), or up from none (with
+        # ``recompute``: the blocks carry the engine's dial and recompute nothing); else the ladder's alone.
+        self.candidates = [
+            t for t in TRADES if t in candidates and (t != RECOMPUTE_OP or NO_RECOMPUTE in candidates or RECOMPUTE in candidates)
+        ]
+        # The trades tried at a larger microbatch: ``recompute`` (full), then, where full did not pay (not kept, or not
+        # tried) and the blocks recompute nothing, ``recompute_op``: fewer bytes saved, only the cheap work recomputed.
+        self.upsize: tuple[str, ...] = tuple(
+            t for t in (RECOMPUTE, RECOMPUTE_OP)
+            if t in self.candidates and (t != RECOMPUTE_OP or (RECOMPUTE in self.candidates and NO_RECOMPUTE not in self.candidates))
+        )
         self.kept: list[str] = list(config.pinned)
         self.rejected: dict[str, str] = {}
         # For a trade rejected for memory: the largest microbatch it did not fit at (undone under
@@ -391,8 +408,10 @@ class LayoutSearch:
         # For a trade in UPSIZE: the largest microbatch its measured memory model fits under the
         # margin (None: its measuring batch ran out of memory or could not be read; never again).
         self.fits_up_to: dict[str, Optional[int]] = {}
-        # The sizes found from which an upsize trial ran or was passed over: never again from those.
+        # The sizes found from which an upsize trial ran or was passed over: never again from those (``op``'s own list:
+        # passed over at a size found, full is still tried from it).
         self.upsized_from: list[int] = []
+        self.op_upsized_from: list[int] = []
         # (size found, smaller size) pairs a size trial ran (kept or not): never again.
         self.sized: list[tuple[int, int]] = []
         # (size found, its largest microbatch) where no size trial was left: asked each steady batch
@@ -446,7 +465,7 @@ class LayoutSearch:
     def _untried(self) -> list[str]:
         slower = {t for t, bases in self.slower_on.items() if self.settled in bases}
         priced_out = {t for t, at in self.priced_out_at.items() if at == self._found}
-        done = set(self.kept) | set(self.rejected) | slower | set(UPSIZE) | set(GROWS) | priced_out
+        done = set(self.kept) | set(self.rejected) | slower | set(UPSIZE) | set(self.upsize) | set(GROWS) | priced_out
         if NO_RECOMPUTE not in self.too_big_at or RECOMPUTE in self.kept:
             # ``op`` holds more than no recompute and recomputes more: it can pay only where checkpointing off did not
             # fit at this size (kept, slower or priced out, ``op`` would not win more); nor once the ladder put full on.
@@ -559,14 +578,16 @@ class LayoutSearch:
                 self.fits_up_to.pop(trade, None)
                 self.fits_capacity.pop(trade, None)
                 self.upsized_from.clear()
+                self.op_upsized_from.clear()
                 lines.append(
                     f"layout trade {trade} ({DESCRIPTIONS[trade]}) may be tried again: the memory capacity grew "
                     f"past the {ran_out_under / 2**20:.1f} MiB its trial ran out under"
                 )
-        if found is None or found in self.upsized_from:
+        if found is None:
             return None, lines
-        for trade in UPSIZE:
-            if trade not in self.candidates or trade in self.kept:
+        for trade in self.upsize:
+            if trade not in self.candidates or trade in self.kept or found in self._upsized_list(trade) or (
+                    trade == RECOMPUTE_OP and RECOMPUTE in self.kept):
                 continue
             if trade in self.held:
                 if trade not in self._held_said:
@@ -574,7 +595,9 @@ class LayoutSearch:
                     lines.append(f"layout trade {trade} ({DESCRIPTIONS[trade]}) not tried for now: {self.held[trade]}")
                 continue
             if whole_batch is not None and (largest_at(found) if largest_at is not None else found) >= whole_batch:
-                self.upsized_from.append(found)
+                self._upsized(trade, found)
+                if trade == RECOMPUTE_OP:
+                    continue  # full's line says it
                 lines.append(
                     f"layout trade {trade} ({DESCRIPTIONS[trade]}) not tried: the size found runs the whole batch "
                     "in one microbatch, no larger microbatch exists"
@@ -592,13 +615,14 @@ class LayoutSearch:
                     )
                 continue
             self.shared_said = False
+            up = trade == RECOMPUTE_OP
             if trade not in self.fits_up_to:
                 if measure_at is None:
                     continue
-                trial = Trial((trade,), size=measure_at, from_size=found, measure=True)
+                trial = Trial((trade,), size=measure_at, from_size=found, measure=True, up=up)
                 lines.append(f"{trial.heading()}: a larger microbatch may fit with it")
                 return trial, lines
-            self.upsized_from.append(found)
+            self._upsized(trade, found)
             target = self.fits_up_to[trade]
             if target is None:
                 continue
@@ -608,12 +632,22 @@ class LayoutSearch:
                     f"no larger microbatch than at {found} found"
                 )
                 continue
-            trial = Trial((trade,), size=target, from_size=found)
+            trial = Trial((trade,), size=target, from_size=found, up=up)
             lines.append(
                 f"{trial.heading()}: {self.config.trial_batches} batches with it at {target}, as many without at {found}"
             )
             return trial, lines
         return None, lines
+
+    def _upsized_list(self, trade: str) -> list[int]:
+        """The sizes found from which `trade`'s upsize is decided."""
+        return self.op_upsized_from if trade == RECOMPUTE_OP else self.upsized_from
+
+    def _upsized(self, trade: str, found: int) -> None:
+        """`trade`'s upsize from the size found `found` is decided (its trial started, or it was passed over)."""
+        done = self._upsized_list(trade)
+        if found not in done:
+            done.append(found)
 
     def _smaller(
         self, found: Optional[int], largest_at: Optional[Callable[[int], int]], fractions: Sequence[float] = SIZE_FRACTIONS,
@@ -705,7 +739,7 @@ class LayoutSearch:
         `reopen`) and the console lines; (None, []) where nothing is undone, or a trial is running."""
         if not self.searching or self.trial is not None or not capacity:
             return None, []
-        for trade in UPSIZE:
+        for trade in self.upsize:
             if trade not in self.kept or trade not in self.kept_under:
                 continue
             kept_under, from_size = self.kept_under[trade]
@@ -716,6 +750,7 @@ class LayoutSearch:
             for table in (self.fits_up_to, self.fits_capacity, self.failed_under):
                 table.pop(trade, None)
             self.upsized_from.clear()
+            self.op_upsized_from.clear()
             return from_size, [
                 f"layout trade {trade} ({DESCRIPTIONS[trade]}) undone: the memory capacity grew past the "
                 f"{kept_under / 2**20:.1f} MiB it was kept under; the size is searched again from {from_size} "
@@ -824,11 +859,12 @@ class LayoutSearch:
                 if self.trial is not None:
                     trial = self.trial
                     count = 1 if trial.measure else (count_at(trial.size) if count_at and trial.size else 1)
-                    why = priced(trial.label, "upsize", {"microbatches": float(count)})
+                    facts = {"microbatches": float(count), **({"selective": 1.0} if trial.up else {})}
+                    why = priced(trial.label, "upsize", facts)
                     if why is not None:
                         lines.append(f"{trial.heading()}: not tried: {why}")
-                        if found is not None and found not in self.upsized_from:
-                            self.upsized_from.append(found)
+                        if found is not None:
+                            self._upsized(trial.trades[0], found)
                         self.trial = None
             if self.trial is None and not head_only:
                 self.trial = self._smaller(found, largest_at, size_fractions, size_unit)
@@ -899,7 +935,7 @@ class LayoutSearch:
             if fits_up_to is None:
                 return "head: the fused head's bytes could not be measured; plain kept"
             return f"head: fused fits microbatch {fits_up_to} at most{' (' + how + ')' if how else ''}"
-        if trade in UPSIZE:
+        if trade in self.upsize:
             self.fits_up_to[trade] = fits_up_to
             if capacity:
                 self.fits_capacity[trade] = int(capacity)
@@ -935,17 +971,24 @@ class LayoutSearch:
         assert trial is not None and len(agreed) == len(trial.on) + len(trial.off)
         on, off = list(agreed[: len(trial.on)]), list(agreed[len(trial.on) :])
         result = judge(trial.trade, on, off, self.config.min_gain)
-        result = replace(result, size=trial.size, heading=trial.heading())
+        result = replace(result, size=trial.size, heading=trial.heading(), against="none" if trial.up else "full")
         self.results.append(result)
         if result.kept:
             if NO_RECOMPUTE in trial.trades and RECOMPUTE_OP in self.kept:
                 self.kept.remove(RECOMPUTE_OP)  # checkpointing off in place of the ``op`` rung
+            from_size = trial.from_size
+            if RECOMPUTE in trial.trades and RECOMPUTE_OP in self.kept:
+                # Full in place of an ``op`` kept by its own upsize trial: undone under more memory, back to none at the
+                # size found without either.
+                self.kept.remove(RECOMPUTE_OP)
+                below = self.kept_under.pop(RECOMPUTE_OP, None)
+                from_size = below[1] if below is not None else from_size
             for trade in trial.trades:
                 self.kept.append(trade)
                 self.rejected.pop(trade, None)
                 self.too_big_at.pop(trade, None)
-                if trial.upsize and trade in UPSIZE and capacity and trial.from_size is not None:
-                    self.kept_under[trade] = (int(capacity), int(trial.from_size))
+                if trial.upsize and trade in self.upsize and capacity and from_size is not None:
+                    self.kept_under[trade] = (int(capacity), int(from_size))
         elif trial.size is None:
             self.slower_on.setdefault(trial.trade, []).append(self.settled)
             if len(trial.trades) == 1 and result.median_on < result.median_off:
@@ -966,7 +1009,7 @@ class LayoutSearch:
             trial, self.trial = self.trial, None
             if trial.measure:
                 # Even the smallest microbatch did not fit with it: never measured again.
-                if trial.trades[0] in UPSIZE + GROWS:
+                if trial.trades[0] in self.upsize + GROWS:
                     self.fits_up_to[trial.trades[0]] = None
                 else:
                     self.lines[trial.trades[0]] = None
@@ -977,7 +1020,7 @@ class LayoutSearch:
                     # (`capacity`, read when it ran out) grows.
                     for trade in trial.trades:
                         self.fits_up_to[trade] = None
-                        if capacity and trade in UPSIZE:
+                        if capacity and trade in self.upsize:
                             self.failed_under[trade] = int(capacity)
                 if trial.size is None:
                     for trade in trial.trades:
@@ -990,7 +1033,7 @@ class LayoutSearch:
         # Nor the ladder's ``op`` (size 1 did not fit without it: `recompute_floor`; a full recompute asked for and
         # tried down to ``op`` goes back to full).
         floor_op = RECOMPUTE_OP if RECOMPUTE_OP in self.floor else None
-        undoable = [t for t in self.kept if t not in UPSIZE and t not in GROWS and t != floor_op]
+        undoable = [t for t in self.kept if t not in self.upsize and t not in GROWS and t != floor_op]
         if undoable and self.config.mode == "auto":
             trade = undoable[-1]
             self.kept.remove(trade)
@@ -1010,6 +1053,7 @@ class LayoutSearch:
             **({"lines": {t: None if v is None else v.to_list() for t, v in self.lines.items()}} if self.lines else {}),
             **({"fits_up_to": dict(self.fits_up_to)} if self.fits_up_to else {}),
             **({"upsized_from": list(self.upsized_from)} if self.upsized_from else {}),
+            **({"op_upsized_from": list(self.op_upsized_from)} if self.op_upsized_from else {}),
             **({"sized": [list(pair) for pair in self.sized]} if self.sized else {}),
             **({"fits_capacity": dict(self.fits_capacity)} if self.fits_capacity else {}),
             **({"failed_under": dict(self.failed_under)} if self.failed_under else {}),
@@ -1043,15 +1087,16 @@ class LayoutSearch:
             t: (None if v is None else MeasuredLine.from_list(v)) for t, v in state.get("lines", {}).items() if t in MEASURED
         }
         self.fits_up_to = {
-            t: (None if v is None else int(v)) for t, v in state.get("fits_up_to", {}).items() if t in UPSIZE + GROWS
+            t: (None if v is None else int(v)) for t, v in state.get("fits_up_to", {}).items() if t in self.upsize + GROWS
         }
         self.head_from = [int(n) for n in state.get("head_from", [])]
         self.upsized_from = [int(n) for n in state.get("upsized_from", [])]
+        self.op_upsized_from = [int(n) for n in state.get("op_upsized_from", [])]
         self.sized = [(int(a), int(b)) for a, b in state.get("sized", [])]
-        self.fits_capacity = {t: int(c) for t, c in state.get("fits_capacity", {}).items() if t in UPSIZE}
-        self.failed_under = {t: int(c) for t, c in state.get("failed_under", {}).items() if t in UPSIZE}
+        self.fits_capacity = {t: int(c) for t, c in state.get("fits_capacity", {}).items() if t in self.upsize}
+        self.failed_under = {t: int(c) for t, c in state.get("failed_under", {}).items() if t in self.upsize}
         self.kept_under = {
-            t: (int(c), int(n)) for t, (c, n) in state.get("kept_under", {}).items() if t in UPSIZE and t in self.kept
+            t: (int(c), int(n)) for t, (c, n) in state.get("kept_under", {}).items() if t in self.upsize and t in self.kept
         }
         for trade in state.get("tried", []):  # checkpoints before "slower_on": every trade tried
             if trade in TRADES and trade not in self.kept and trade not in self.rejected:

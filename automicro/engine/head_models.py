@@ -17,8 +17,13 @@ Where it applies:
   Gemma 2/3's ``final_logit_softcapping``, Granite's ``logits_scaling``; labels shifted as transformers'
   ``ForCausalLMLoss`` shifts them (or ``shift_labels`` where given), ``num_items_in_batch`` honoured.
 
+The routed families (Qwen3-MoE, OLMoE, Mixtral) too, where their loss is the language model's alone: their config's
+``output_router_logits`` false (each one's default) and no forward asking for it; with it, the model adds its routers'
+load-balancing loss to the loss, which the fused head does not compute (`find_head` says so; a forward that asks for it
+runs the plain head).
+
 Elsewhere (`find_head` says why): another family (its forward may do more between the hidden states and the
-loss: a router's auxiliary loss, a multimodal head), a pipeline stage, a head that is not one linear layer.
+loss: a multimodal head), a pipeline stage, a head that is not one linear layer.
 
 Owns: the families and the wrapping. May not touch: the switch's state (the trials'), Composer,
 transformers' privates (the batch step reads a transformers model only through its public attributes; the
@@ -48,6 +53,7 @@ class Family:
     base: str = "model"
     softcap: Optional[str] = None
     divisor: Optional[str] = None
+    routed: bool = False  # its loss may add the routers' load-balancing loss (``output_router_logits``)
 
 
 # transformers' `config.model_type` -> its family. Each is checked against its plain head (tests/test_head.py).
@@ -64,6 +70,9 @@ FAMILIES: dict[str, Family] = {
     "stablelm": Family(),
     "granite": Family(divisor="logits_scaling"),
     "gpt2": Family(base="transformer"),
+    "qwen3_moe": Family(routed=True),
+    "olmoe": Family(routed=True),
+    "mixtral": Family(routed=True),
 }
 
 
@@ -189,7 +198,8 @@ def _install_transformers(model: nn.Module, family: Family, switch: HeadSwitch) 
             kwargs["input_ids"] = args[0]
         labels = kwargs.get("labels")
         keep = kwargs.get("logits_to_keep", kwargs.get("num_logits_to_keep", 0))
-        if not head.fuses(model.training, labels) or not (isinstance(keep, int) and keep == 0):
+        aux = family.routed and bool(kwargs.get("output_router_logits", getattr(config, "output_router_logits", False)))
+        if not head.fuses(model.training, labels) or not (isinstance(keep, int) and keep == 0) or aux:
             out = plain_forward(**kwargs)
             switch.finished(out.get("loss") if isinstance(out, dict) else (out[0] if isinstance(out, tuple) and out else None))
             return out
@@ -257,6 +267,9 @@ def find_head(model: nn.Module) -> tuple[Optional[str], str]:
                       f"fuses ({', '.join(sorted(FAMILIES))})")
     if not isinstance(lm.lm_head, nn.Linear):
         return None, f"{_name(lm)}'s lm_head is a {_name(lm.lm_head)}, not one linear layer"
+    if family.routed and getattr(lm.config, "output_router_logits", False):
+        return None, (f"{_name(lm)}'s loss adds its routers' load-balancing loss (output_router_logits: true), which the "
+                      "fused head does not compute")
     if not isinstance(getattr(lm, family.base, None), nn.Module):
         return None, f"{_name(lm)} has no {family.base!r} base model"
     return model_type, ""

@@ -54,8 +54,8 @@ class LayoutEngine:
         (``reshard_after_forward: true``, the default), ``grad_sync_once`` wherever it is sharded,
         ``no_recompute`` where the blocks checkpoint their activations, ``recompute`` where they
         carry checkpointing switched off (`shard`'s ``checkpoint_switch``; compiled blocks too, held while the whole
-        model is compiled: `recompute_held`); ``recompute_op`` where the user asked for
-        full recompute and the blocks carry the engine's dial (the ``op`` rung in its place); ``fused_head`` where the
+        model is compiled: `recompute_held`); ``recompute_op`` where the blocks carry the engine's dial and the user asked
+        for full recompute (the ``op`` rung in its place) or none (``op`` tried up before full); ``fused_head`` where the
         head's switch is the trials' (``head: auto``)."""
         found = []
         if self.head is not None and self.head.switchable:
@@ -70,6 +70,9 @@ class LayoutEngine:
             found.append(NO_RECOMPUTE if self._asked else RECOMPUTE)
         if self._dial is not None and self._asked and self.sharded.config.rung.kind == FULL:
             # Full recompute asked for by hand: tried down to ``op`` as well as off.
+            found.append(RECOMPUTE_OP)
+        elif self._dial is not None and RECOMPUTE in found:
+            # No recompute now: ``op`` tried up (at a larger microbatch) before full, the cheaper recompute.
             found.append(RECOMPUTE_OP)
         return found
 
