@@ -181,6 +181,21 @@ def test_a_full_recompute_tried_down_to_op_is_priced_by_the_matrix_products_it_n
     assert down.win_s == pytest.approx(0.15 - 1 * compiled.microbatch_s()[0])
 
 
+def test_op_tried_up_is_priced_by_the_work_it_recomputes_outside_the_matrix_products_and_two_selective_compiles():
+    """An upsize trial: the microbatches it saves less what it recomputes. Full: a quarter of the busy time; the ``op``
+    rung tried up from none (``selective``): a quarter of the busy time beyond the matrix products and attention, and
+    its selective graph compiled at the measuring split and at the new size."""
+    products = BatchProfile(1.0, idle_s=0.02, fsdp_s=0.03, comm_s=0.02, fusable_s=0.05, device="cuda", products_s=0.6)
+    m = _measured(profile=products, microbatches=4)
+    a = m.microbatch_s()[0]
+    full = price("recompute at 8", "upsize", m, microbatches=2)
+    op = price("recompute_op at 6", "upsize", m, microbatches=2, selective=1)
+    assert full.win_s == pytest.approx(2 * a - 0.25 * 0.98) and op.win_s == pytest.approx(2 * a - 0.25 * (0.98 - 0.6))
+    assert op.cost_s - full.cost_s == pytest.approx(4.0 + 3 * (abs(op.win_s) - abs(full.win_s))), (op.cost_s, full.cost_s)
+    assert "outside the matrix products and attention recomputed" in op.basis and "selective graph at two sizes" in op.costs
+    assert "the forward recomputed" in full.basis and "selective" not in full.costs
+
+
 def test_the_budget_goes_to_the_trials_worth_most_and_keeps_within_one_percent():
     measured = _measured(profile=BatchProfile(1.0, idle_s=0.0, fsdp_s=0.20, comm_s=0.05, fusable_s=0.0, device="cuda"))
     budget = Budget(planned_s=1000.0)  # 10 s
