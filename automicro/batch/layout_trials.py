@@ -253,14 +253,15 @@ class LayoutTrials:
             A measured trade's own memory model (`MeasuredLine`, measured on top of the layout settled now) gives the
             peak, else the size policy's; the other trades add their bytes (`LayoutEngine.extra_bytes`). None: not
             projected."""
-            lines = [search.lines[t] for t in trades if t in MEASURED and search.measured_on_settled(t)]
-            if len(lines) != sum(t in MEASURED for t in trades) or len(lines) > 1:
-                return None
-            if lines:
-                if largest_at is None:
+            measured = [t for t in trades if t in MEASURED]
+            if len(measured) > 1 or (measured and not search.measured_on_settled(measured[0])):
+                return None  # two measured trades (two rungs of one dial), or one not measured on this layout
+            if measured:
+                line = search.lines[measured[0]]
+                if largest_at is None or line is None:
                     return None
                 largest = largest_at(n)
-                peak = lines[0].peak(largest)  # type: ignore[union-attr]
+                peak = line.peak(largest)
             else:
                 at = None if peak_at is None else peak_at(n)
                 if at is None:
