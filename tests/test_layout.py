@@ -999,16 +999,29 @@ def test_op_is_tried_up_where_full_recompute_did_not_pay_and_full_then_from_the_
     assert search.reconsider(200)[0] == 2 and search.settled == () and search.op_upsized_from == []
 
 
-def test_op_tried_up_where_it_fits_no_larger_split_and_not_where_full_was_kept():
+def test_op_is_not_measured_where_full_fits_no_larger_split_nor_tried_where_full_was_kept():
     search = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1, size_trials=False), [RECOMPUTE, RECOMPUTE_OP])
-    _measure_up(search, RECOMPUTE, 2, 2)  # full fits no more than the size found: not tried, op measured next
-    lines = _measure_up(search, RECOMPUTE_OP, 2, 2)
-    assert lines[0].startswith("layout trade recompute (activation checkpointing on) not tried: it fits microbatch 2 at "
-                               "most"), lines
-    assert search.layout_for_batch(True, lambda t: None, 2, 2, None, 1) == ((), [
+    _measure_up(search, RECOMPUTE, 2, 2)  # full fits no more than the size found: op, which keeps more, neither
+    layout, lines = search.layout_for_batch(True, lambda t: None, 2, 2, None, 1)
+    assert layout == () and search.trial is None and lines == [
+        "layout trade recompute (activation checkpointing on) not tried: it fits microbatch 2 at most, no larger "
+        "microbatch than at 2 found",
+        "layout trade recompute_op (selective recompute on (matrix products and attention kept)) not tried: full "
+        "recompute fits no larger microbatch than at 2, and op keeps more bytes than full"], lines
+    assert search.upsized_from == [2] and search.op_upsized_from == [2] and RECOMPUTE_OP not in search.fits_up_to
+    assert search.layout_for_batch(True, lambda t: None, 2, 2, None, 1) == ((), [])
+    # Full fits a larger size but op's own measurement does not: op not tried, said once.
+    other = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1, size_trials=False), [RECOMPUTE, RECOMPUTE_OP])
+    _measure_up(other, RECOMPUTE, 2, 4)
+    other.layout_for_batch(True, lambda t: None, 2, 2, None, 1)
+    other.observe((RECOMPUTE,), 3.0)
+    other.observe(other.layout_for_batch(True, lambda t: None, 2, 2, None, 1)[0], 2.0)
+    assert not other.decide(other.local_times()).kept
+    _measure_up(other, RECOMPUTE_OP, 2, 2)
+    assert other.layout_for_batch(True, lambda t: None, 2, 2, None, 1) == ((), [
         "layout trade recompute_op (selective recompute on (matrix products and attention kept)) not tried: it fits "
         "microbatch 2 at most, no larger microbatch than at 2 found"])
-    assert search.trial is None and search.upsized_from == [2] and search.op_upsized_from == [2]
+    assert other.trial is None and other.op_upsized_from == [2]
     kept = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1, size_trials=False), [RECOMPUTE, RECOMPUTE_OP])
     _measure_up(kept, RECOMPUTE, 2, 4)
     kept.layout_for_batch(True, lambda t: None, 2, 2, None, 1)

@@ -616,6 +616,17 @@ class LayoutSearch:
                 continue
             self.shared_said = False
             up = trade == RECOMPUTE_OP
+            if up and RECOMPUTE in self.fits_up_to:
+                full = self.fits_up_to[RECOMPUTE]
+                if full is None or full <= found or (largest_at is not None and largest_at(full) <= largest_at(found)):
+                    # ``op`` keeps more bytes than full: where full fits no larger split, neither does it (its measuring
+                    # batch would compile its selective graph for nothing).
+                    self._upsized(trade, found)
+                    lines.append(
+                        f"layout trade {trade} ({DESCRIPTIONS[trade]}) not tried: full recompute fits no larger "
+                        f"microbatch than at {found}, and op keeps more bytes than full"
+                    )
+                    continue
             if trade not in self.fits_up_to:
                 if measure_at is None:
                     continue
