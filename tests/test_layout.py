@@ -1007,7 +1007,7 @@ def test_op_is_not_measured_where_full_fits_no_larger_split_nor_tried_where_full
         "layout trade recompute (activation checkpointing on) not tried: it fits microbatch 2 at most, no larger "
         "microbatch than at 2 found",
         "layout trade recompute_op (selective recompute on (matrix products and attention kept)) not tried: full "
-        "recompute fits no larger microbatch than at 2, and op keeps more bytes than full"], lines
+        "recompute did not pay (it fits no larger microbatch than at 2), and op keeps more bytes than full"], lines
     assert search.upsized_from == [2] and search.op_upsized_from == [2] and RECOMPUTE_OP not in search.fits_up_to
     assert search.layout_for_batch(True, lambda t: None, 2, 2, None, 1) == ((), [])
     # Full fits a larger size but op's own measurement does not: op not tried, said once.

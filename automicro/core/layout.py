@@ -616,15 +616,19 @@ class LayoutSearch:
                 continue
             self.shared_said = False
             up = trade == RECOMPUTE_OP
+            if up and found not in self.upsized_from:
+                continue  # full first: ``op`` only once full's upsize from this size found is decided
             if up and RECOMPUTE in self.fits_up_to:
                 full = self.fits_up_to[RECOMPUTE]
                 if full is None or full <= found or (largest_at is not None and largest_at(full) <= largest_at(found)):
                     # ``op`` keeps more bytes than full: where full fits no larger split, neither does it (its measuring
                     # batch would compile its selective graph for nothing).
                     self._upsized(trade, found)
+                    what = ("its bytes could not be measured, or its trial ran out" if full is None else
+                            f"it fits no larger microbatch than at {found}")
                     lines.append(
-                        f"layout trade {trade} ({DESCRIPTIONS[trade]}) not tried: full recompute fits no larger "
-                        f"microbatch than at {found}, and op keeps more bytes than full"
+                        f"layout trade {trade} ({DESCRIPTIONS[trade]}) not tried: full recompute did not pay ({what}), "
+                        "and op keeps more bytes than full"
                     )
                     continue
             if trade not in self.fits_up_to:
