@@ -42,6 +42,8 @@ _SWITCH = "_automicro_skew"  # each router's switch: 1.0 while a forward pass is
 
 class RoutingSkew(Callback):
     """Route `share` of each microbatch's tokens to `expert` in `batches` (Composer's ``timestamp.batch``) on `ranks`.
+    As a Composer callback it prints one line at the end of each batch it skewed on a rank (``[automicro] routing skew:
+    batch N, ...``).
 
     Args:
         batches: The batches skewed (Composer's batch count when each starts: 0 is the first).
