@@ -144,6 +144,35 @@ def fit(
         trainer.close()
 
 
+class _RetriesWithTrades:
+    """Allocator retries in every batch from `from_batch` on whose layout holds a trade: a card near its limit where
+    each kept trade's bytes leave the pool retrying (Qwen3-MoE's blocks on one H100, `benchmarks/RESULTS.md`
+    2026-12-07: no_reshard and grad_sync_once kept at microbatch 3, the peak at 96% of the card)."""
+
+    def __new__(cls, from_batch: int) -> Any:
+        from composer.core import Callback
+
+        class RetriesWithTrades(Callback):
+            def __init__(self) -> None:
+                self.cap: Any = None
+                self.auto: Any = None
+                self.counted = 0
+
+            def fit_start(self, state: Any, logger: Any) -> None:
+                for callback in state.callbacks:
+                    if isinstance(callback, MemoryCapCallback):
+                        self.cap = callback.cap
+                    elif isinstance(callback, automicro.AutoMicrobatching):
+                        self.auto = callback
+
+            def before_forward(self, state: Any, logger: Any) -> None:
+                if int(state.timestamp.batch) >= from_batch and self.auto.layout.layout:
+                    self.cap.count_retries()
+                    self.counted += 1
+
+        return RetriesWithTrades()
+
+
 class _StopAfter:
     """Ends the run after `batches` batches of a longer `max_duration` (the run its trials are priced against)."""
 
@@ -185,6 +214,7 @@ def _strip(result: dict[str, Any], fixed: dict[str, Any]) -> dict[str, Any]:
 
 
 BATCHES = 9  # settled after batch 3, a trial of each trade in batches 4-7, one batch after
+THRASH_BATCHES = 14  # then retries with a trade on in batches 8-11, none in 12-13
 
 
 def suite(rank: int, world: int) -> dict[str, Any]:
@@ -206,6 +236,10 @@ def suite(rank: int, world: int) -> dict[str, Any]:
         fault = FaultInjector(site="backward_pre", ranks=[0], batch=8, times=1)
         faster = seconds_where(faster=(GRAD_SYNC_ONCE, NO_RESHARD))
         out["pressure"] = _strip(fit("auto", BATCHES, limit=room, timing=faster, faults=[fault]), fixed)
+        # Both kept, then allocator retries in every batch with a trade on from batch 8: each thrash undoes a trade
+        # (the second in the settling the first one's rearm began), the size stays.
+        out["thrash_pressure"] = _strip(fit("auto", THRASH_BATCHES, limit=room, timing=faster,
+                                            faults=[_RetriesWithTrades(BATCHES - 1)]), fit(2, THRASH_BATCHES, layout="fixed"))
         no_room = fit("auto", 5, limit=tight, timing=faster)  # settled after batch 3: batch 4 would try one
         out["no_room"] = {k: v for k, v in no_room.items() if k != "params"}
         # Checkpointing is carried (switched off) under auto, where the layout is pinned too (the ladder below size 1).

@@ -344,6 +344,24 @@ def test_an_oom_at_the_settled_size_undoes_the_last_trade_and_the_size_stays():
 
 
 @pytest.mark.multiproc
+def test_thrashing_at_the_settled_size_undoes_each_kept_trade_before_the_size_shrinks():
+    """Qwen3-MoE's blocks on one H100 (benchmarks/RESULTS.md 2026-12-07): a thrash undid grad_sync_once and began the
+    settling; the next thrash in it shrank the size 3 -> 2 (-18% a batch) with no_reshard (+8.7%) still kept."""
+    world, results = 2, _suite(2)
+    for rank in range(world):
+        auto = results[rank]["thrash_pressure"]
+        assert auto["found"] == 2, auto["history"]
+        thrash = [r for r in auto["history"] if r[2] == "thrash"]
+        assert [(r[1], r[3]) for r in thrash] == [
+            (2, "layout now gradients reduced once per batch"), (2, "layout now default"),
+        ], auto["history"]
+        assert auto["settled"] == [] and set(auto["rejected"]) == {GRAD_SYNC_ONCE, NO_RESHARD}, auto
+        assert all(r[1] == 2 for r in auto["history"] if r[0] >= 2), auto["history"]  # never shrank
+        assert auto["layouts"][-2:] == [[], []] and all(max(split) == 2 for split in auto["splits"][2:]), auto
+        assert auto["diff"] < 1e-5
+
+
+@pytest.mark.multiproc
 def test_trades_whose_bytes_do_not_fit_are_not_tried():
     world, results = 2, _suite(2)
     for rank in range(world):

@@ -467,6 +467,12 @@ class MemoryCap:
                     held += max(0, entry.nbytes - then[1])
             return held
 
+    def count_retries(self, retries: int = 1) -> None:
+        """Count `retries` allocator retries now, whatever the bytes (a pool another layout left
+        fragmented, as a card near its limit shows: the test says when)."""
+        with self._lock:
+            self._num_alloc_retries += int(retries)
+
     def reset_counters(self) -> None:
         """Zero num_alloc_retries / num_ooms / num_allocs (live bytes are kept)."""
         with self._lock:
