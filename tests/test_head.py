@@ -105,6 +105,43 @@ def test_every_transformers_family_it_fuses_gives_the_plain_heads_loss_and_gradi
     assert worst < 1e-5, (family, worst)
 
 
+def _block_calls(model: torch.nn.Module, run: Any) -> list[tuple[str, ...]]:
+    """The keyword arguments each decoder block is called with in `run(model)`: their names, and the values that are
+    not tensors (what a compiled block's guards check)."""
+    calls: list[tuple[str, ...]] = []
+    blocks = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))
+
+    def hook(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        calls.append(tuple(sorted(f"{k}={v!r}" if not isinstance(v, (torch.Tensor, tuple)) and "Cache" not in type(v).__name__
+                                  else k for k, v in kwargs.items())))
+
+    handles = [block.register_forward_pre_hook(hook, with_kwargs=True) for block in blocks]
+    try:
+        run(model)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls
+
+
+@pytest.mark.parametrize("family", sorted(cases.TINY_FAMILIES))
+def test_the_blocks_are_called_alike_under_either_head_so_a_compiled_block_compiles_once(family):
+    """On one H100 (transformers 5.17) Qwen3-MoE's fused head called its blocks without the ``output_router_logits``
+    the model's own forward passes them: every compiled block compiled again for the fused head (12 s, and once a
+    graph that inductor refused, run eager)."""
+    torch.manual_seed(0)
+    model = cases.tiny_causal_lm(family)
+    fused_model = copy.deepcopy(model)
+    install_head(fused_model, HeadSwitch(mode="fused", fused=True))
+    ids = torch.randint(0, cases.VOCAB, (2, 10))
+    for one in (model, fused_model):
+        one.train()
+    plain = _block_calls(model, lambda m: m(input_ids=ids, labels=ids))
+    fused = _block_calls(fused_model, lambda m: m(input_ids=ids, labels=ids))
+    assert plain and fused == plain, (family, plain[0], fused[0])
+    assert fused_model(input_ids=ids, labels=ids).logits is None  # the fused head ran
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "mixtral"])
 def test_a_routed_forward_that_asks_for_its_routers_load_balancing_loss_runs_the_plain_head(family):
     """The fused head computes the language model's loss alone: a forward asking for ``output_router_logits`` (the

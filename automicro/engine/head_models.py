@@ -211,6 +211,10 @@ def _install_transformers(model: nn.Module, family: Family, switch: HeadSwitch) 
         return_dict = kwargs.pop("return_dict", None)
         if family.base == "transformer":  # GPT-2's base takes return_dict; the others' do not in transformers 5
             kwargs["return_dict"] = True
+        if family.routed:
+            # As the model's own forward passes it (resolved: false here): transformers 5 hands it on to every block,
+            # whose compiled graph guards on its keyword arguments (without it, each block compiles again).
+            kwargs["output_router_logits"] = False
         outputs = base(**kwargs)
         hidden = outputs[0]
         if shift_labels is not None:
