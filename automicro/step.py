@@ -64,7 +64,7 @@ SETTINGS = (
     "log_attempts", "unguarded_timeout_s", "sync_points", "consensus_transport", "steady_recovery", "budget",
     "fixed_tokens", "layout", "layout_trial_batches", "layout_min_gain", "layout_size_trials", "loss_normalization",
     "label_shift", "exit_timeout_s", "rerun_target", "bound_trials", "stall_report_s", "stall_end_s", "signal_exit_s",
-    "trials", "head", "offload",
+    "trials", "head", "offload", "watch_routing",
 )
 
 

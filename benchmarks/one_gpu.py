@@ -178,6 +178,10 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
     return rows
 
 
+def _spread_mib(peaks: list[int]) -> Optional[float]:
+    return round((max(peaks) - min(peaks)) / 2**20, 1) if peaks else None
+
+
 def summarize(variant: str, rows: list[dict[str, Any]], console: list[str], skip: int, gpu: str, seq: int,
               nproc: int = 1, batch: int = PER_RANK_BATCH) -> dict[str, Any]:
     train_h: dict[int, float] = {}
@@ -189,6 +193,7 @@ def summarize(variant: str, rows: list[dict[str, Any]], console: list[str], skip
     capacity: dict[int, int] = {}
     sizes: dict[int, int] = {}  # the microbatch size each batch ran at (its last attempt)
     losses: dict[int, float] = {}
+    batch_peaks: dict[int, int] = {}  # each batch's peak, the most over ranks (automicro's `auto` runs only)
     for row in rows:
         step = int(row.get("step", 0))
         if "time/train" in row:
@@ -210,6 +215,8 @@ def summarize(variant: str, rows: list[dict[str, Any]], console: list[str], skip
                 sizes[step] = int(value)
             if key == "loss/train/total":
                 losses[step] = float(value)
+            if key == "automicro/peak_bytes" and value:
+                batch_peaks[step] = int(value)
     steps = sorted(train_h)
     seconds = {s: (train_h[s] - train_h.get(s - 1, 0.0)) * 3600 for s in steps}
     steady = [seconds[s] for s in steps if s > skip]
@@ -229,6 +236,8 @@ def summarize(variant: str, rows: list[dict[str, Any]], console: list[str], skip
         "variant": variant, "tokens_per_s": tokens_per_s, "step_s": step_s, "mfu": mfu,
         "first_batch_s": seconds.get(steps[0]) if steps else None, "graphs": graphs, "ooms": ooms,
         "found": found if not fixed else int(fixed.group(1)), "peak_reserved_gib": peak or None,
+        # The steady batches' peaks (automicro's own, per batch): how far they spread from batch to batch.
+        "peak_spread_mib": _spread_mib([batch_peaks[s] for s in sorted(batch_peaks) if s > skip]),
         "steady_batches": len(steady), "found_at_batch": found_at, "search_attempts": attempts,
         # Memory no batch uses shows as allocated bytes that grow between batches at the same split.
         "allocated_gib_by_batch": [allocated[s] for s in sorted(allocated)],
@@ -407,14 +416,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             r["variant"], harness.fmt(r.get("tokens_per_s"), ",.0f"), harness.fmt(r.get("mfu"), ".3f"),
             harness.fmt(auto["tokens_per_s"] / r["tokens_per_s"], ".3f") if r.get("tokens_per_s") and auto else "–",
             r.get("found", "–"), r.get("ooms", "–"), r.get("found_at_batch", "–"), harness.fmt(r.get("first_batch_s"), ".1f"), r.get("graphs", "–"),
-            harness.fmt(r.get("peak_reserved_gib"), ".1f"),
+            harness.fmt(r.get("peak_reserved_gib"), ".1f"), harness.fmt(r.get("peak_spread_mib"), ",.0f"),
             harness.fmt(r["e2e_1000_s"] / auto["e2e_1000_s"], ".3f") if r.get("e2e_1000_s") and auto and auto.get("e2e_1000_s") else "–",
             harness.fmt(r.get("trials_s"), ".1f"),
             f"{harness.fmt(r.get('trials_share_1000'), '.1%')} / {harness.fmt(r.get('trials_share_10000'), '.2%')}" if r.get("trials_s") is not None else "–",
             r.get("final_at", "–"), (r.get("error") or "")[:80],
         ])
     header = ["variant", "tokens/s", "MFU", "auto ÷ this", "size", "OOMs", "found at batch", "first batch s", "graphs", "peak GiB",
-              "auto ÷ this, 1,000 batches end to end", "trials s", "trials % of 1,000 / 10,000", "final at", "error"]
+              "peak spread MiB", "auto ÷ this, 1,000 batches end to end", "trials s", "trials % of 1,000 / 10,000", "final at", "error"]
     for line in harness.table_lines(header, rows):
         print(f"[one_gpu] | {line}", flush=True)
     harness.write_json(os.path.join(args.out, f"one_gpu{args.tag}.json"), {"args": vars(args), "gpu": gpu, "results": results})

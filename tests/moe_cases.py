@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import torch
 
+from automicro.batch import routing
 from tests.case_runs import run_case
 
 SEQ, VOCAB = 128, 128
@@ -68,9 +69,11 @@ def model(family: str, aux_loss: bool = False) -> Any:
 
 
 def run(family: str, microbatch: Any = "auto", *, aux_loss: bool = False, batches: int = BATCHES, extra: tuple[Any, ...] = (),
-        save_folder: Optional[str] = None, load_path: Optional[str] = None, caps: str = "search") -> dict[str, Any]:
-    """`family` for `batches` batches at `microbatch` ("auto": `AutoMicrobatching` under `limits(caps)`): the losses, the
-    lines, the search's history, the parameters (gathered)."""
+        save_folder: Optional[str] = None, load_path: Optional[str] = None, caps: str = "search",
+        auto_args: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """`family` for `batches` batches at `microbatch` ("auto": `AutoMicrobatching(**auto_args)` under `limits(caps)`):
+    the losses, the lines, the search's history, the parameters (gathered), the routers the watch counts in
+    (``watched``)."""
     from composer.core import Callback
 
     import automicro
@@ -85,7 +88,7 @@ def run(family: str, microbatch: Any = "auto", *, aux_loss: bool = False, batche
     callbacks: list[Any] = list(extra)
     auto = cap = None
     if microbatch == "auto":
-        auto = automicro.AutoMicrobatching(log_attempts=True)
+        auto = automicro.AutoMicrobatching(log_attempts=True, **(auto_args or {}))
         cap = MemoryCapCallback(limit_bytes=limits(caps), retry_band=RETRY_BAND)
         callbacks += [auto, cap]
     losses: dict[int, float] = {}
@@ -122,7 +125,7 @@ def run(family: str, microbatch: Any = "auto", *, aux_loss: bool = False, batche
     finally:
         log.removeHandler(handler)
         log.setLevel(level)
-    out.update(losses=losses, lines=lines)
+    out.update(losses=losses, lines=lines, watched=sum(hasattr(m, routing._BUFFER) for m in net.modules()))
     if cap is not None:  # counted buffers gloo's worker thread freed (not the program): 0, or the sizes move run to run
         stats = cap.cap.stats()
         out.update(foreign_frees=stats["foreign_frees"], foreign_ops=stats["foreign_ops"], slow_releases=stats["slow_releases"])
@@ -194,4 +197,5 @@ def one_rank(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
     run_case(out, "qwen3moe", lambda: _pair("qwen3moe", batches=3))
+    run_case(out, "unwatched", lambda: run("qwen3moe", batches=2, auto_args={"watch_routing": False}))
     return out

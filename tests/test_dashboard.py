@@ -169,6 +169,9 @@ def test_wandb_offline_run_holds_automicro_and_throughput_metrics(demo):
     assert last["automicro/microbatch_size"] == 4 and last["automicro/num_microbatches"] == 2
     assert last["automicro/ooms_total"] == 2 and last["automicro/found_size"] == 5
     assert last["automicro/last_oom_rank"] == 0
+    # The batch's peak: reached under the cap the size was searched against, every batch its own.
+    peaks = [row["automicro/peak_bytes"] for _, row in sorted(steps.items()) if "automicro/peak_bytes" in row]
+    assert len(peaks) == BATCHES and 0 < last["automicro/peak_bytes"] <= last["automicro/capacity_bytes"], peaks
     from automicro.core.sites import ALL_SITES
 
     assert ALL_SITES[last["automicro/last_oom_site"]] == "forward"

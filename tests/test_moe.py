@@ -99,8 +99,12 @@ def test_a_routed_model_resumed_from_a_checkpoint_trains_on_as_the_run_that_neve
 
 
 @pytest.mark.multiproc
-def test_a_routed_model_on_one_rank():
-    result = _ok(run_multiprocess(moe_cases.one_rank, world_size=1, timeout_s=300)[0]["qwen3moe"])
+def test_a_routed_model_on_one_rank_and_its_routers_unwatched_where_asked():
+    out = run_multiprocess(moe_cases.one_rank, world_size=1, timeout_s=300)[0]
+    result = _ok(out["qwen3moe"])
     auto = result["auto"]
+    assert auto["watched"] == moe_cases.config("qwen3moe").num_hidden_layers and result["fixed"]["watched"] == 0
+    unwatched = _ok(out["unwatched"])
+    assert unwatched["watched"] == 0 and unwatched["found"] == auto["found"], unwatched["history"]
     assert 1 <= auto["found"] < moe_cases.PER_RANK and not _left_or_ladder(auto), auto["history"]
     assert result["param_gap"] < TOLERANCE, (result["param_gap"], auto["history"])

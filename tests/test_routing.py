@@ -198,3 +198,11 @@ def test_a_config_names_the_skew_as_a_callback():
     cfg = load_config("configs/tiny-cpu.yaml", ["callbacks.routing_skew={batches: [30], share: 0.9, forwards: 1}"])
     skew = next(c for c in builders.build_callbacks(cfg) if isinstance(c, RoutingSkew))
     assert skew.batches == frozenset({30}) and skew.share == 0.9 and skew.forwards == 1
+
+
+def test_watch_routing_takes_a_bool_and_says_what_each_means():
+    import automicro
+
+    with pytest.raises(ValueError, match="watch_routing='no': must be true .* or false"):
+        automicro.AutoMicrobatching(watch_routing="no")
+    assert automicro.AutoMicrobatching(watch_routing=False).settings.watch_routing is False

@@ -64,6 +64,8 @@ class Settings:
     head: Optional[str] = None
     # The ladder's last rung below size 1 (`automicro.batch.host_offload`): None (off) or "auto".
     offload: Optional[str] = None
+    # A routed model's routers watched (`automicro.batch.routing`): an OOM at a settled size says whether routing moved it.
+    watch_routing: bool = True
 
     def searches_layout(self, device_type: str) -> bool:
         """The layout trials run on this device (``layout: auto``, the default on a GPU; an OOM in a trial must be
@@ -104,6 +106,7 @@ class Settings:
         trials: bool = True,
         head: Optional[str] = None,
         offload: Union[str, bool, None] = None,
+        watch_routing: bool = True,
     ) -> "Settings":
         # None: the probe on a GPU, the whole batch on CPU (resolved at attach, as the layout).
         start = _start(start_size, search, use_prediction, budget)
@@ -180,6 +183,11 @@ class Settings:
                 f"bound_trials={bound_trials!r}: must be true (each trial is priced before it runs and runs only where "
                 "it pays) or false (every trial runs, unpriced)"
             )
+        if not isinstance(watch_routing, bool):
+            raise ValueError(
+                f"watch_routing={watch_routing!r}: must be true (a routed model's routers are watched, so that an OOM "
+                "at a settled size says whether routing moved the memory) or false (not watched: nothing installed)"
+            )
         if not isinstance(trials, bool):
             raise ValueError(
                 f"trials={trials!r}: must be true (once the size settles, trials that pay for themselves may change how "
@@ -255,6 +263,7 @@ class Settings:
             signal_exit_s=float(signal_exit_s),
             head=head,
             offload=check_mode(offload),
+            watch_routing=watch_routing,
         )
 
 

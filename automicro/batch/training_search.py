@@ -203,6 +203,7 @@ class TrainingSearch:
             budget_tokens=budget_tokens,
             padding_waste=padding_waste,
             capacity_bytes=self.last_capacity,
+            peak_bytes=int(self._last_peak or 0),
         )
 
     def trial_metrics(self) -> dict[str, float]:
@@ -586,7 +587,8 @@ class TrainingSearch:
         if self.routing is None:
             assert self.runtime.sharded is not None
             sharded = self.runtime.sharded
-            self.routing = RoutingWatch.of(sharded.module, sharded.device) or False
+            watched = self.runtime.settings.watch_routing and RoutingWatch.of(sharded.module, sharded.device)
+            self.routing = watched or False
         return self.routing or None
 
     def _search_again(self, rung: str) -> None:

@@ -136,6 +136,9 @@ class AutoMicrobatching(Callback):
             host) and the size searched again; also before the first batch where the parameters, gradients and the
             first step's optimizer state alone pass the device's capacity. A GPU job with FSDP2 only. Left out or
             ``off`` (the default): the run ends there, its message saying so.
+        watch_routing: A routed (mixture-of-experts) model's routers watched: each router's busiest expert share
+            counted on the device, read only after an OOM, so that an OOM at a settled size says whether routing
+            moved the memory (`automicro.batch.routing`); false: nothing installed.
 
     The rooms that own the behaviour: `settings` (the checked keys), `runtime` (what attach builds:
     consensus, ledger, fence, sync hooks, memory source), `search` (the training batch under `auto`
@@ -177,13 +180,14 @@ class AutoMicrobatching(Callback):
         trials: bool = True,
         head: Optional[str] = None,
         offload: Union[str, bool, None] = None,
+        watch_routing: bool = True,
     ) -> None:
         self.settings = Settings.parse(
             stable_batches, thrash_batches, search, use_prediction, start_size, cpu_sync_group, memory_fraction,
             log_attempts, unguarded_timeout_s, sync_points, consensus_transport, steady_recovery, budget,
             fixed_tokens, eval_oom, layout, layout_trial_batches, layout_min_gain, layout_size_trials,
             loss_normalization, label_shift, packing, exit_timeout_s, rerun_target, bound_trials, stall_report_s,
-            stall_end_s, signal_exit_s, trials, head, offload,
+            stall_end_s, signal_exit_s, trials, head, offload, watch_routing,
         )
         self.runtime = Runtime(self.settings)
         self.search = TrainingSearch(self.settings, self.runtime)

@@ -81,6 +81,7 @@ class BatchFigures:
     budget_tokens: int = 0  # budget="tokens": the token budget of the split in use (0: samples)
     padding_waste: Optional[float] = None  # budget="tokens": padding share of the tokens trained
     capacity_bytes: int = 0  # the agreed capacity (min over ranks) of the batch's last attempt (0: unknown)
+    peak_bytes: int = 0  # the batch's peak (the most over ranks) in its last attempt (0: unknown)
 
 
 def batch_metrics(figures: BatchFigures, history: Sequence[AttemptRecord]) -> dict[str, Any]:
@@ -97,6 +98,7 @@ def batch_metrics(figures: BatchFigures, history: Sequence[AttemptRecord]) -> di
         "automicro/alloc_retries": int(figures.alloc_retries),
         "automicro/found_size": figures.found_size,
         "automicro/capacity_bytes": figures.capacity_bytes,
+        "automicro/peak_bytes": figures.peak_bytes,
         **last_oom_metrics(history),
         **token_metrics(figures),
     }
