@@ -14,7 +14,7 @@ import torch
 from automicro.batch.settings import Settings
 from automicro.batch.trial_price import HEAD_EAGER_SAVED, HEAD_MEASURE_BATCHES, Measured, price
 from automicro.batch.batch_profile import BatchProfile, figures
-from automicro.core.layout import FUSED_HEAD, LayoutConfig, LayoutConfigError, LayoutSearch
+from automicro.core.layout import FUSED_HEAD, NO_RESHARD, LayoutConfig, LayoutConfigError, LayoutSearch
 from automicro.engine import head as head_module
 from automicro.engine._torch_internals import ProfiledEvent
 from automicro.engine.head import HeadSwitch, fused_linear_cross_entropy, plain_linear_cross_entropy
@@ -320,6 +320,34 @@ def test_the_head_is_measured_near_the_size_found_where_a_split_gives_two_sizes_
     assert near_split(batch, largest) == split
     if split is not None:
         assert sum(split) == batch and max(split) == largest and len(set(split[1:])) >= 2
+
+
+def test_a_fused_head_or_trade_priced_out_for_the_budget_alone_is_priced_again_once_the_budget_grew():
+    """On one H100 (Qwen3-MoE's blocks, 16 x 4,096) the fused head, expected +29.7% a batch, did not fit the 8.6 s
+    budget at the size found; a kept trade then raised the budget to 45 s, but the head was never asked again there
+    (it ran only after the size shrank; kept at once, it won 40%)."""
+    search = _search(NO_RESHARD)
+    grown: set[str] = set()
+    search.repriceable = lambda label: label in grown
+    over = lambda label, kind, facts: "its predicted cost of 10.5 s does not fit the 8.58 s of the trials' budget"  # noqa: E731
+    layout, lines = _layout(search, priced=over)
+    assert layout == () and lines[0].startswith("head: plain kept, the fused head not tried: its predicted cost")
+    assert lines[1].startswith("layout trade no_reshard (no resharding after forward, nor between microbatches) not tried")
+    assert not search.reprices() and not search.head_open(4)
+    assert _layout(search, priced=over) == ((), [])  # not asked again while the budget stands
+    grown.update({FUSED_HEAD, NO_RESHARD})  # a kept trial won: the budget grew
+    assert search.reprices() and search.head_open(4)
+    layout, lines = _layout(search, priced=lambda label, kind, facts: None)
+    assert search.trial.trades == (FUSED_HEAD,) and search.trial.measure, lines
+    search.observe(layout, 1.0)
+    search.measured(None, "", fits_up_to=4)
+    for on in (True, False, True, False):  # timed at the size found
+        layout, _ = _layout(search, priced=lambda label, kind, facts: None)
+        search.observe(layout, 1.0 if on else 2.0)
+    assert search.decide(search.local_times()).kept
+    assert FUSED_HEAD in search.kept and not search.head_open(4)
+    layout, lines = _layout(search, priced=lambda label, kind, facts: None)
+    assert search.trial.trades == (NO_RESHARD,), lines  # and the trade it had priced out, priced again
 
 
 def test_the_fused_heads_price_is_its_eager_work_and_the_microbatches_it_saves_less_its_measuring_batch():

@@ -622,3 +622,9 @@ def test_a_trial_the_allocation_refused_for_the_budget_runs_when_its_turn_comes_
     twin = _Trial("one_rank", "one_rank", facts={"graphs": 8.0})
     plan, turns, lines = _run([layout, twin], planned=1000, monkeypatch=monkeypatch)
     assert "one_rank" not in turns and "does not fit" in twin.ruled_out[0], twin.ruled_out
+    # Asked again (a layout trade or the fused head the layout search priced out at this size found): only once the
+    # budget grew since, then priced against it.
+    assert not plan.reprices("one_rank") and not plan.reprices("no_reshard")
+    plan.budget.win("layout", 30.0)
+    assert plan.reprices("one_rank")
+    assert plan.admit("one_rank", "one_rank", 0.01, graphs=8.0) is None and not plan.reprices("one_rank")

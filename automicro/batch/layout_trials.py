@@ -82,6 +82,8 @@ class LayoutTrials:
         # A trial's price, asked before it starts (`automicro.batch.trial_plan.TrialPlan.admit`: None where it runs);
         # the training search sets it.
         self.priced: Priced = lambda label, kind, facts: None
+        # A trade priced out for the trials' budget alone, priced again once the budget grew (`trial_plan.reprices`).
+        self.repriceable: Callable[[str], bool] = lambda label: False
         self.order: Callable[[list[str]], list[str]] = list  # the untried trades in the order they are tried
         self._outcome = ""  # what the last trial decided (its cost line's and the dashboards' words)
         self._one_microbatch = False
@@ -112,7 +114,8 @@ class LayoutTrials:
         """Something may be left to try: searching, and not found idle at this size and layout (with the model
         unsharded for good, only the fused head)."""
         return (self.engine is not None and self.search.searching and self.search.trial is None
-                and (not self.held_off or self._head_pending()) and self._quiet != self._key)
+                and (not self.held_off or self._head_pending())
+                and (self._quiet != self._key or self.search.reprices()))
 
     @property
     def goes_first(self) -> bool:
@@ -121,9 +124,7 @@ class LayoutTrials:
         return self.engine is not None and self.search.searching and self._head_pending()
 
     def _head_pending(self) -> bool:
-        search = self.search
-        return (FUSED_HEAD in search.candidates and FUSED_HEAD not in search.kept
-                and (self._found is None or self._found not in search.head_from))
+        return self.search.head_open(self._found)
 
     def head_facts(self) -> dict[str, float]:
         """What the fused head's price needs (`automicro.batch.trial_price`, kind ``fused_head``): the microbatches at
@@ -296,6 +297,7 @@ class LayoutTrials:
         self._found, self._count_at, self._largest_at, self._microbatches = found, count_at, largest_at, microbatches
         self._probe_microbatches = len(measure_split) if measure_split and measure_at is not None else 0
         started = self.search.trial
+        self.search.repriceable = self.repriceable
         layout, lines = self.search.layout_for_batch(
             steady, fits, size, found, smaller, measure_at, largest_at, capacity_bytes,
             sum(measure_split) if measure_split else None, outside_bytes, size_fractions, size_unit, self.priced,

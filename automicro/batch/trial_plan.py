@@ -152,6 +152,9 @@ class TrialPlan:
         self.allowed: dict[str, Price] = {}  # labels the budget went to at the last allocation
         self.refused: dict[str, str] = {}  # labels that do not run, and why
         self.over_budget: set[str] = set()  # refused labels that paid but did not fit the budget: priced again once it grew
+        # {label: the budget's total when its price paid but did not fit it}: priced again where asked once it grew
+        # (`reprices`: a layout trade or the fused head the layout search ruled out at this size found).
+        self._over_budget_at: dict[str, float] = {}
         self._won_seen: dict[str, float] = {}  # {trial: its `won_s` as last credited to the budget}
         self.admitted: dict[str, Price] = {}  # labels let run and not ended, with their price
         self.predicted_s = 0.0  # the predicted costs of every trial let run
@@ -331,10 +334,13 @@ class TrialPlan:
             return None
         if label in self.refused:
             why = self.refused.pop(label)
-            if label not in self.over_budget or self.budget.won_s <= 0:
-                self.over_budget.discard(label)
+            over = label in self.over_budget
+            self.over_budget.discard(label)
+            if not over or self.budget.won_s <= 0:
+                if over:
+                    self._over_budget_at[label] = self.budget.total_s
                 return why
-            self.over_budget.discard(label)  # refused for the budget alone: priced again against the budget grown since
+            # refused for the budget alone: priced again against the budget grown since
         measured = self._snapshot()
         price = self.allowed.pop(label, None)
         self.budget.set_aside_s = sum(p.cost_s for p in self.allowed.values())
@@ -342,9 +348,14 @@ class TrialPlan:
             price = trial_price.price(label, kind, measured, **facts)
             if price is None:
                 return f"not priced: no batch profile ({self.no_profile or 'none was taken'})"
-            why = trial_price.worth(price, measured, min_gain) or self.budget.fits(price)
+            why = trial_price.worth(price, measured, min_gain)
+            if why is None:
+                why = self.budget.fits(price)
+                if why is not None:
+                    self._over_budget_at[label] = self.budget.total_s
             if why is not None:
                 return why
+        self._over_budget_at.pop(label, None)
         self.admitted[label] = price
         self.predicted_s += price.cost_s
         self.kinds.setdefault(label, kind)
@@ -354,6 +365,11 @@ class TrialPlan:
                   f"{seconds(price.cost_s)} ({price.costs}); {seconds(max(0.0, self.budget.left_s()))} of the "
                   f"{seconds(self.budget.total_s)} budget left")
         return None
+
+    def reprices(self, label: str) -> bool:
+        """`label`'s price paid but did not fit the budget, which has grown since (a kept trial won): ask again."""
+        at = self._over_budget_at.get(label)
+        return at is not None and self.budget.total_s > at + 1e-6
 
     def by_value(self, labels: list[str]) -> list[str]:
         """`labels` with those the budget went to first, the best expected value first (the rest as given)."""

@@ -430,8 +430,13 @@ class LayoutSearch:
         # For a trade its price ruled out (not worth its cost): the size found it was ruled out at (priced again
         # from another; not checkpointed: a resumed run prices again).
         self.priced_out_at: dict[str, Optional[int]] = {}
-        # The sizes found from which the fused head was tried, or priced out: never again from those.
+        # The sizes found from which the fused head was tried: never again from those.
         self.head_from: list[int] = []
+        # The size found at which its price ruled the fused head out (priced again from another, or where `repriceable`).
+        self.head_priced_out_at: Optional[int] = None
+        # A trade its price ruled out for the trials' budget alone may be priced again at the same size found: the
+        # budget grew since (a kept trial won). The caller's (`automicro.batch.trial_plan`); not checkpointed.
+        self.repriceable: Callable[[str], bool] = lambda label: False
         # The trades the ladder below the floor changed (`recompute_floor`): RECOMPUTE kept, or NO_RECOMPUTE undone. In
         # any mode, for the rest of the run and after a resume.
         self.floor: list[str] = []
@@ -464,13 +469,29 @@ class LayoutSearch:
 
     def _untried(self) -> list[str]:
         slower = {t for t, bases in self.slower_on.items() if self.settled in bases}
-        priced_out = {t for t, at in self.priced_out_at.items() if at == self._found}
+        priced_out = {t for t, at in self.priced_out_at.items() if at == self._found and not self.repriceable(t)}
         done = set(self.kept) | set(self.rejected) | slower | set(UPSIZE) | set(self.upsize) | set(GROWS) | priced_out
         if NO_RECOMPUTE not in self.too_big_at or RECOMPUTE in self.kept:
             # ``op`` holds more than no recompute and recomputes more: it can pay only where checkpointing off did not
             # fit at this size (kept, slower or priced out, ``op`` would not win more); nor once the ladder put full on.
             done.add(RECOMPUTE_OP)
         return [t for t in self.candidates if t not in done]
+
+    def head_open(self, found: Optional[int]) -> bool:
+        """The fused head is still to be decided from the size found `found` (None: not known yet)."""
+        trade = FUSED_HEAD
+        if trade not in self.candidates or trade in self.kept:
+            return False
+        if found is None:
+            return True
+        return found not in self.head_from and (found != self.head_priced_out_at or self.repriceable(trade))
+
+    def reprices(self) -> bool:
+        """A trade (the fused head included) its price ruled out at the size found may be priced again now."""
+        out = [t for t, at in self.priced_out_at.items() if at == self._found]
+        if self._found is not None and self.head_priced_out_at == self._found:
+            out.append(FUSED_HEAD)
+        return any(self.repriceable(t) for t in out)
 
     def _readmit(self, size: Optional[int]) -> list[str]:
         """Trades that did not fit at a larger microbatch than `size` may be tried again."""
@@ -530,23 +551,24 @@ class LayoutSearch:
         at the size found. Once per size found; not at a larger microbatch while another process holds memory on a
         rank's device (`outside`: as the upsize trial)."""
         trade = FUSED_HEAD
-        if trade not in self.candidates or trade in self.kept or found is None or found in self.head_from:
+        if found is None or not self.head_open(found):
             return None, []
         if trade not in self.fits_up_to and measure_at is not None:
             why = priced(trade, trade, facts)
             if why is not None:
-                self.head_from.append(found)
+                self.head_priced_out_at = found
                 return None, [f"head: plain kept, the fused head not tried: {why}"]
             # Measured near the size found's largest microbatch (`near_split`; the probe's split where there is none).
             trial = Trial((trade,), size=largest_at(found) if largest_at is not None else measure_at, from_size=found, measure=True)
             return trial, [f"{trial.heading()}: a larger microbatch may fit with it"]
-        self.head_from.append(found)
         target = self.fits_up_to.get(trade)
         if trade not in self.fits_up_to:  # nothing measured (no memory figures): at the size found, priced
             why = priced(trade, trade, {**facts, "measure": 0.0, "microbatches": facts.get("found_microbatches", 0.0)})
             if why is not None:
+                self.head_priced_out_at = found
                 return None, [f"head: plain kept, the fused head not tried: {why}"]
-        elif target is None:
+        self.head_from.append(found)
+        if target is None and trade in self.fits_up_to:
             return None, ["head: plain kept: the fused head's bytes could not be measured"]
         if target is not None and largest_at is not None and largest_at(target) > largest_at(found) and not outside:
             trial = Trial((trade,), size=target, from_size=found)
