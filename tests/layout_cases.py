@@ -147,7 +147,7 @@ def fit(
 class _RetriesWithTrades:
     """Allocator retries in every batch from `from_batch` on whose layout holds a trade: a card near its limit where
     each kept trade's bytes leave the pool retrying (Qwen3-MoE's blocks on one H100, `benchmarks/RESULTS.md`
-    2026-12-07: no_reshard and grad_sync_once kept at microbatch 3, the peak at 96% of the card)."""
+    2026-12-06, the fused head on Qwen3-MoE: no_reshard kept at microbatch 3, the peak at 96% of the card)."""
 
     def __new__(cls, from_batch: int) -> Any:
         from composer.core import Callback

@@ -345,8 +345,9 @@ def test_an_oom_at_the_settled_size_undoes_the_last_trade_and_the_size_stays():
 
 @pytest.mark.multiproc
 def test_thrashing_at_the_settled_size_undoes_each_kept_trade_before_the_size_shrinks():
-    """Qwen3-MoE's blocks on one H100 (benchmarks/RESULTS.md 2026-12-07): a thrash undid grad_sync_once and began the
-    settling; the next thrash in it shrank the size 3 -> 2 (-18% a batch) with no_reshard (+8.7%) still kept."""
+    """Qwen3-MoE's blocks on one H100 (benchmarks/RESULTS.md 2026-12-06, the fused head on Qwen3-MoE): a thrash undid
+    grad_sync_once and began the settling; the next thrash in it shrank the size 3 -> 2 (-18% a batch) with no_reshard
+    (+8.7%) still kept."""
     world, results = 2, _suite(2)
     for rank in range(world):
         auto = results[rank]["thrash_pressure"]
