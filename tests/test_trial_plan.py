@@ -628,3 +628,9 @@ def test_a_trial_the_allocation_refused_for_the_budget_runs_when_its_turn_comes_
     plan.budget.win("layout", 30.0)
     assert plan.reprices("one_rank")
     assert plan.admit("one_rank", "one_rank", 0.01, graphs=8.0) is None and not plan.reprices("one_rank")
+    # Another like it does not fit beside it: asked again only once the budget grows; priced again then and found not
+    # to pay (here: a rule of +500% to be kept), it is not asked again (each ask would say the same line).
+    assert "budget" in plan.admit("twin2", "one_rank", 0.01, graphs=8.0) and not plan.reprices("twin2")
+    plan.budget.win("layout", 100.0)
+    assert plan.reprices("twin2")
+    assert "under the 500% it must win" in plan.admit("twin2", "one_rank", 5.0, graphs=8.0) and not plan.reprices("twin2")

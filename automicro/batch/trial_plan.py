@@ -339,6 +339,8 @@ class TrialPlan:
             if not over or self.budget.won_s <= 0:
                 if over:
                     self._over_budget_at[label] = self.budget.total_s
+                else:
+                    self._over_budget_at.pop(label, None)
                 return why
             # refused for the budget alone: priced again against the budget grown since
         measured = self._snapshot()
@@ -353,6 +355,8 @@ class TrialPlan:
                 why = self.budget.fits(price)
                 if why is not None:
                     self._over_budget_at[label] = self.budget.total_s
+            else:
+                self._over_budget_at.pop(label, None)  # it does not pay: a larger budget changes nothing
             if why is not None:
                 return why
         self._over_budget_at.pop(label, None)
