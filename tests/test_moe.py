@@ -99,7 +99,8 @@ def test_a_routed_model_resumed_from_a_checkpoint_trains_on_as_the_run_that_neve
 
 
 @pytest.mark.multiproc
-def test_a_routed_model_on_one_rank_and_its_routers_unwatched_where_asked():
+def test_a_routed_model_on_one_rank():
+    """auto against a fixed run on one rank; and its routers watched under auto only, not where `watch_routing: false`."""
     out = run_multiprocess(moe_cases.one_rank, world_size=1, timeout_s=300)[0]
     result = _ok(out["qwen3moe"])
     auto = result["auto"]
