@@ -82,8 +82,6 @@ class LayoutTrials:
         # A trial's price, asked before it starts (`automicro.batch.trial_plan.TrialPlan.admit`: None where it runs);
         # the training search sets it.
         self.priced: Priced = lambda label, kind, facts: None
-        # A trade priced out for the trials' budget alone, priced again once the budget grew (`trial_plan.reprices`).
-        self.repriceable: Callable[[str], bool] = lambda label: False
         self.order: Callable[[list[str]], list[str]] = list  # the untried trades in the order they are tried
         self._outcome = ""  # what the last trial decided (its cost line's and the dashboards' words)
         self._one_microbatch = False
@@ -297,7 +295,6 @@ class LayoutTrials:
         self._found, self._count_at, self._largest_at, self._microbatches = found, count_at, largest_at, microbatches
         self._probe_microbatches = len(measure_split) if measure_split and measure_at is not None else 0
         started = self.search.trial
-        self.search.repriceable = self.repriceable
         layout, lines = self.search.layout_for_batch(
             steady, fits, size, found, smaller, measure_at, largest_at, capacity_bytes,
             sum(measure_split) if measure_split else None, outside_bytes, size_fractions, size_unit, self.priced,

@@ -511,7 +511,7 @@ class TrainingSearch:
             self.compile_watch = CompileWatch(rt.info)  # before the first batch compiles anything
             layout, plan = self.layout, self.plan
             layout.priced = lambda label, kind, facts: plan.admit(label, kind, layout.min_gain, **facts)
-            layout.repriceable = plan.reprices
+            layout.search.repriceable = plan.reprices
             layout.order = plan.by_value
             # The vocabulary head, where the run put its switch on the model: metered in the profiled batch, whose
             # figures price the fused head (`head_choice`).

@@ -151,10 +151,9 @@ class TrialPlan:
         self.budget = Budget()
         self.allowed: dict[str, Price] = {}  # labels the budget went to at the last allocation
         self.refused: dict[str, str] = {}  # labels that do not run, and why
-        self.over_budget: set[str] = set()  # refused labels that paid but did not fit the budget: priced again once it grew
         # {label: the budget's total when its price paid but did not fit it}: priced again where asked once it grew
-        # (`reprices`: a layout trade or the fused head the layout search ruled out at this size found).
-        self._over_budget_at: dict[str, float] = {}
+        # (`reprices`; a layout trade or the fused head the layout search ruled out at this size found asks then).
+        self.over_budget: dict[str, float] = {}
         self._won_seen: dict[str, float] = {}  # {trial: its `won_s` as last credited to the budget}
         self.admitted: dict[str, Price] = {}  # labels let run and not ended, with their price
         self.predicted_s = 0.0  # the predicted costs of every trial let run
@@ -334,13 +333,7 @@ class TrialPlan:
             return None
         if label in self.refused:
             why = self.refused.pop(label)
-            over = label in self.over_budget
-            self.over_budget.discard(label)
-            if not over or self.budget.won_s <= 0:
-                if over:
-                    self._over_budget_at[label] = self.budget.total_s
-                else:
-                    self._over_budget_at.pop(label, None)
+            if not self.reprices(label):
                 return why
             # refused for the budget alone: priced again against the budget grown since
         measured = self._snapshot()
@@ -354,12 +347,12 @@ class TrialPlan:
             if why is None:
                 why = self.budget.fits(price)
                 if why is not None:
-                    self._over_budget_at[label] = self.budget.total_s
+                    self.over_budget[label] = self.budget.total_s
             else:
-                self._over_budget_at.pop(label, None)  # it does not pay: a larger budget changes nothing
+                self.over_budget.pop(label, None)  # it does not pay: a larger budget changes nothing
             if why is not None:
                 return why
-        self._over_budget_at.pop(label, None)
+        self.over_budget.pop(label, None)
         self.admitted[label] = price
         self.predicted_s += price.cost_s
         self.kinds.setdefault(label, kind)
@@ -372,7 +365,7 @@ class TrialPlan:
 
     def reprices(self, label: str) -> bool:
         """`label`'s price paid but did not fit the budget, which has grown since (a kept trial won): ask again."""
-        at = self._over_budget_at.get(label)
+        at = self.over_budget.get(label)
         return at is not None and self.budget.total_s > at + 1e-6
 
     def by_value(self, labels: list[str]) -> list[str]:
@@ -421,9 +414,14 @@ class TrialPlan:
         self.budget.set_aside_s = sum(p.cost_s for p in chosen)
         for price in chosen:
             self.refused.pop(price.label, None)
-            self.over_budget.discard(price.label)
+            self.over_budget.pop(price.label, None)
         self.refused.update(refused)
-        self.over_budget |= {p.label for p in prices if p.label in refused and trial_price.worth(p, measured, mins[p.label]) is None}
+        for p in prices:
+            if p.label in refused:
+                if trial_price.worth(p, measured, mins[p.label]) is None:
+                    self.over_budget[p.label] = self.budget.total_s
+                else:
+                    self.over_budget.pop(p.label, None)
 
     # ---- after the batch ---------------------------------------------------------------------------
 
