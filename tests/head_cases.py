@@ -85,9 +85,10 @@ def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in b)
 
 
-def _fixed_run(build: Callable[[], Any], head: str, shifted: bool, vocab: int, batches: int = 3) -> dict[str, torch.Tensor]:
+def _fixed_run(build: Callable[[], Any], head: str, shifted: bool, vocab: int, batches: int = 3,
+               microbatch: Any = "auto") -> dict[str, torch.Tensor]:
     """`batches` batches of 4 samples a rank under FSDP2 with `head` (`AutoMicrobatching`, no trial: the whole batch
-    fits, one microbatch)."""
+    fits, one microbatch; `microbatch` a size: set by hand, the callback idle but for its head)."""
     from automicro.data import build_dataloader
 
     torch.manual_seed(0)
@@ -97,12 +98,12 @@ def _fixed_run(build: Callable[[], Any], head: str, shifted: bool, vocab: int, b
     auto = automicro.AutoMicrobatching(log_attempts=False, head=head, trials=False)
     trainer = automicro.Trainer(
         model=model, train_dataloader=data, max_duration=f"{batches}ba", optimizers=torch.optim.SGD(model.parameters(), lr=0.5),
-        device="cpu", parallelism_config={"fsdp2": {}}, device_train_microbatch_size="auto", callbacks=[auto], loggers=[],
+        device="cpu", parallelism_config={"fsdp2": {}}, device_train_microbatch_size=microbatch, callbacks=[auto], loggers=[],
         progress_bar=False, log_to_console=False, seed=17,
     )
     try:
         trainer.fit()
-        assert auto.used_split == (4,), auto.used_split
+        assert auto.used_split == ((4,) if microbatch == "auto" else ()), auto.used_split
         assert (getattr(trainer.sharded_model, "head", None) is not None) == (head == "fused")
         return _params(model)
     finally:
@@ -118,6 +119,9 @@ def parity(rank: int, world: int) -> dict[str, float]:
     out = {}
     llama = lambda: build_model("tiny", vocab_size=512, tie_embeddings=True)  # noqa: E731
     out["automicro-llama, tied"] = _diff(_fixed_run(llama, "fused", True, 512), _fixed_run(llama, "plain", True, 512))
+    # The size set by hand (2: two microbatches a batch): the callback searches nothing, its head: fused is put on.
+    out["automicro-llama, tied, microbatch 2 set"] = _diff(_fixed_run(llama, "fused", True, 512, microbatch=2),
+                                                          _fixed_run(llama, "plain", True, 512, microbatch=2))
     for family in ("gemma2", "granite"):
         hf = lambda: HuggingFaceModel(tiny_causal_lm(family), tokenizer=None, use_logits=True)  # noqa: E731
         out[family] = _diff(_fixed_run(hf, "fused", False, VOCAB), _fixed_run(hf, "plain", False, VOCAB))

@@ -124,6 +124,7 @@ def fit(
             "splits": splits,
             "trial_lines": [r.line() for r in auto.layout.search.results] if auto.layout else [],
             "summary": auto.summary_line(),
+            "emptied": getattr(auto.runtime.memory, "emptied", None),  # the allocator's cache emptied (CapMemory's count)
             "state": auto.state_dict().get("layout"),
             "shared_said": bool(auto.layout.search.shared_said) if auto.layout else False,
             "peak": int(cap.cap.stats()["peak_bytes"]),

@@ -40,12 +40,14 @@ def _compute_dtype(sharded: ShardedModel, weight: torch.Tensor) -> torch.dtype:
 def attach_head(
     settings: Settings, sharded: ShardedModel, info: Callable[[str], None], *,
     allocated: Callable[[], int] = lambda: 0, logits_needed: str = "", pipeline: bool = False, also: str = "",
+    searched: bool = True,
 ) -> Optional[HeadSwitch]:
     """Resolve ``head`` for this run and put the switch on the model where it is fused or timed; returns it (also
     as ``sharded.head``), or None where the model keeps its own head. `allocated`: the memory source's allocated
     bytes (the meter's); `logits_needed`: why the loop reads a training batch's logits ("" where it does not);
     `pipeline`: the model is a pipeline stage; `also`: what else the fused head brings, for the line (the training
-    metrics it computes from its loss)."""
+    metrics it computes from its loss); `searched`: the size is searched with the head (False: the microbatch size is
+    set by hand, ``head: fused`` only)."""
     value = settings.head
     # ``head: auto`` is one of the layout trials: they must run here, on FSDP2's blocks.
     searches_layout = settings.searches_layout(sharded.device.type) and bool(sharded.fsdp_modules) and not pipeline
@@ -89,7 +91,7 @@ def attach_head(
     also = f"; {also}" if also else ""
     if mode == "fused":
         info(f"head: fused ({how}) on {family}'s head, a vocabulary of {switch.vocab:,}: the loss from the hidden states "
-             f"in chunks, never the whole logits; the size is searched with it{also}")
+             f"in chunks, never the whole logits; {'the size is searched with it' if searched else 'at the microbatch size set'}{also}")
     else:
         info(f"head: auto: {family}'s head (a vocabulary of {switch.vocab:,}) is priced fused ({how}) once the size "
              f"settles, from the profiled batch, and timed against the plain head at the size it fits{also}")

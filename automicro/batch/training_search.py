@@ -775,6 +775,9 @@ class TrainingSearch:
             in_trial = self.layout is not None and self.layout.trial_running
             if self._relieved_by_layout(f"thrashing at size {max(sizes)}", max(sizes)) is not None:
                 assert self.layout is not None
+                # The undone trade's shapes stay in the allocator's pool and the batches after it retry on (Qwen3-MoE's
+                # blocks on one H100: two more retrying batches after grad_sync_once's undo undid no_reshard too).
+                self.runtime.memory.empty_cache()
                 self._record(batch_index, sizes, "thrash", verdict, max(sizes), seconds, f"layout now {self.layout.describe()}")
                 return
             if in_trial and self.policy.phase == search.Phase.STEADY:

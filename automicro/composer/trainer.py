@@ -232,12 +232,14 @@ class Trainer(composer.Trainer):
             automicro = AutoMicrobatching()
             automicro.bind_trainer()
             callback_list.append(automicro)
+        idle: Optional[AutoMicrobatching] = None  # configured under a set size: searches nothing, puts head: fused on
         if automicro is not None and not auto:
             log.warning(
-                "automicro: AutoMicrobatching is configured but device_train_microbatch_size=%r; the callback stays idle",
+                "automicro: AutoMicrobatching is configured but device_train_microbatch_size=%r; the callback stays idle%s",
                 device_train_microbatch_size,
+                " (its head: fused is put on the model)" if automicro.settings.head == "fused" else "",
             )
-            automicro = None
+            idle, automicro = automicro, None
 
         if automicro is not None and automicro.tokens is not None:
             _check_compile_under_token_budget(compile_config, kwargs.get("compile_config"))
@@ -300,6 +302,8 @@ class Trainer(composer.Trainer):
                 _route_eval_forward_through_fsdp(model)
                 callback_list.append(_ReshardRootAfterEval(self._automicro_sharded))
                 callback_list.append(ShardedCheckpointing() if checkpoint_format == "sharded" else FullCheckpointLoading())
+        if idle is not None:
+            idle.attach_fixed(self._automicro_sharded, device_train_microbatch_size, pipeline=pipeline is not None)
         self._automicro = automicro
         # One attempt context per trainer: the callback fires its sites, the fault injectors
         # (any callback with `attach_sites`) listen there.

@@ -558,6 +558,7 @@ class LayoutSearch:
             if why is not None:
                 self.head_priced_out_at = found
                 return None, [f"head: plain kept, the fused head not tried: {why}"]
+            self.head_priced_out_at = None  # priced again and admitted: measured, then timed (the plan asks no more)
             # Measured near the size found's largest microbatch (`near_split`; the probe's split where there is none).
             trial = Trial((trade,), size=largest_at(found) if largest_at is not None else measure_at, from_size=found, measure=True)
             return trial, [f"{trial.heading()}: a larger microbatch may fit with it"]
@@ -845,6 +846,7 @@ class LayoutSearch:
                     self.priced_out_at[trade] = found
                     lines.append(f"layout trade {trade} ({DESCRIPTIONS[trade]}) not tried: {why}")
                     continue
+                self.priced_out_at.pop(trade, None)
                 if problem is None:
                     self.trial = Trial((trade,))
                     lines.append(f"{self.trial.heading()}: {self.config.trial_batches} batches with it, as many without")
