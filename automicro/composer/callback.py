@@ -130,7 +130,9 @@ class AutoMicrobatching(Callback):
             measured, timed against the plain one at the size it fits and kept where faster), ``fused`` (the loss
             computed from the hidden states in chunks, never the whole logits: the size is searched with it) or
             ``plain`` (the model's own head; the default elsewhere). automicro's Llama and transformers' Llama,
-            Mistral, Qwen2/3, Gemma 1/2/3, OLMo-2, Phi-3, GPT-2, StableLM and Granite causal LMs.
+            Mistral, Qwen2/3, Gemma 1/2/3, OLMo-2, Phi-3, GPT-2, StableLM and Granite causal LMs, and their routed
+            kin (Qwen3-MoE, OLMoE, Mixtral). With ``device_train_microbatch_size`` set to a number the callback
+            searches nothing, but ``fused`` is still put on the model (FSDP2 needed) and ``auto`` is refused.
         offload: ``auto``: where microbatch size 1 still runs out with every block recomputing, FSDP2's CPU offload of
             the sharded parameters, their gradients and the optimizer state is switched on as the ladder's last rung
             (the same numbers as ``parallelism_config.fsdp2.cpu_offload: true``, slower: the optimizer steps on the
