@@ -98,4 +98,28 @@ def attach_head(
     return switch
 
 
-__all__ = ["attach_head"]
+def attach_head_at_set_size(
+    settings: Settings, sharded: Optional[ShardedModel], size: object, info: Callable[[str], None], *,
+    logits_needed: str = "", pipeline: bool = False, also: str = "",
+) -> Optional[HeadSwitch]:
+    """``device_train_microbatch_size`` set to `size` (not ``auto``): the search stays idle, but ``head: fused`` changes
+    the model, not the search: it is put on as set (a size and head `auto` found, pinned by hand; before, the plain
+    head ran and no line said so). ``head: auto`` has no trials to time it in, and a run without FSDP2 (`sharded`
+    None) nothing to put it on: both refused with what to set. The rest as `attach_head`."""
+    if settings.head is None or settings.head == "plain":
+        return None
+    if settings.head == "auto":
+        raise HeadConfigError(
+            f"head='auto' times the fused head against the plain one in the trials of device_train_microbatch_size: "
+            f"auto, and this run sets it to {size!r}: set head: fused (the fused head at that size) or head: plain, "
+            "or device_train_microbatch_size: auto"
+        )
+    if sharded is None:
+        raise HeadConfigError(
+            f"head='fused' with device_train_microbatch_size={size!r} is put on the sharded model, and this run has "
+            "none: pass parallelism_config={'fsdp2': {}} (FSDP2, on one rank too), or set head: plain"
+        )
+    return attach_head(settings, sharded, info, logits_needed=logits_needed, pipeline=pipeline, also=also, searched=False)
+
+
+__all__ = ["attach_head", "attach_head_at_set_size"]

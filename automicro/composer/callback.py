@@ -46,7 +46,6 @@ from automicro.core.memory import MemorySource
 from automicro.core.metrics import AttemptRecord, batch_metrics, event_traces
 from automicro.core.policy import HookReason
 from automicro.core.sites import AttemptContext, SiteDispatcher
-from automicro.engine.head import HeadConfigError
 from automicro.engine.sharding import ShardedModel
 from automicro.composer import _composer_internals as composer_internals
 from automicro.composer import head_metrics, loss_counting
@@ -279,35 +278,6 @@ class AutoMicrobatching(Callback):
             memory=lambda: rt.memory,
             after_failure=lambda left_behind, what: self.search.memory_truth.after_failure(left_behind, what, "eval"),
         )
-
-    def attach_fixed(self, sharded: Optional[ShardedModel], size: Any, pipeline: bool = False) -> None:
-        """Called by `automicro.Trainer` where `device_train_microbatch_size` is set (`size`): the callback searches
-        nothing and stays idle, but ``head: fused`` changes the model, not the search: it is put on as set (the fused
-        head at a size found by `auto` and then pinned by hand). ``head: auto`` has nothing to time it in: refused."""
-        head = self.settings.head
-        if head is None or head == "plain":
-            return
-        if head == "auto":
-            raise HeadConfigError(
-                f"head='auto' times the fused head against the plain one in the trials of device_train_microbatch_size: "
-                f"auto, and this run sets it to {size!r}: set head: fused (the fused head at that size) or head: plain, "
-                "or device_train_microbatch_size: auto"
-            )
-        if sharded is None:
-            raise HeadConfigError(
-                f"head='fused' with device_train_microbatch_size={size!r} is put on the sharded model, and this run has "
-                "none: pass parallelism_config={'fsdp2': {}} (FSDP2, on one rank too), or set head: plain"
-            )
-        import torch.distributed as dist
-
-        self.runtime.rank = dist.get_rank() if dist.is_initialized() else 0
-        model = sharded.module
-        switch = attach_head(
-            self.settings, sharded, self._info, logits_needed=head_metrics.logits_needed(model), pipeline=pipeline,
-            also=head_metrics.from_loss(model), searched=False,
-        )
-        if switch is not None:
-            head_metrics.install(model, switch)
 
     def set_memory_source(self, memory: MemorySource) -> None:
         self.runtime.memory = memory

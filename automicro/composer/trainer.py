@@ -50,6 +50,8 @@ from automicro.composer.checkpoint_commit import CommittedCheckpoints, check_sav
 from automicro.composer.checkpointing import FullCheckpointLoading, ShardedCheckpointing, check_checkpoint_format
 from automicro.composer.composer_config import from_composer_parallelism
 from automicro.batch import one_rank, packed_input
+from automicro.batch.head_choice import attach_head_at_set_size
+from automicro.composer import head_metrics
 from automicro.composer.pipeline_batch import PipelineBatch
 
 log = logging.getLogger(__name__)
@@ -303,7 +305,7 @@ class Trainer(composer.Trainer):
                 callback_list.append(_ReshardRootAfterEval(self._automicro_sharded))
                 callback_list.append(ShardedCheckpointing() if checkpoint_format == "sharded" else FullCheckpointLoading())
         if idle is not None:
-            idle.attach_fixed(self._automicro_sharded, device_train_microbatch_size, pipeline=pipeline is not None)
+            self._head_at_set_size(idle, device_train_microbatch_size, pipeline is not None)
         self._automicro = automicro
         # One attempt context per trainer: the callback fires its sites, the fault injectors
         # (any callback with `attach_sites`) listen there.
@@ -369,6 +371,24 @@ class Trainer(composer.Trainer):
                 # SpeedMonitor sums every rank's flops_per_batch; each stage would count the whole
                 # model's flops for the same samples: count them once, on the first stage.
                 model.flops_per_batch = lambda batch: 0
+
+    def _head_at_set_size(self, idle: AutoMicrobatching, size: Any, pipeline: bool) -> None:
+        """A set microbatch size: the idle callback's ``head: fused`` put on the model (`head_choice`), its line on rank 0."""
+        sharded = self._automicro_sharded
+
+        def info(line: str) -> None:
+            if composer_dist.get_global_rank() == 0 and idle.settings.log_attempts:
+                print(f"[automicro] {line}", flush=True)
+            log.info("automicro: %s", line)
+
+        model = None if sharded is None else sharded.module
+        switch = attach_head_at_set_size(
+            idle.settings, sharded, size, info, pipeline=pipeline,
+            logits_needed="" if model is None else head_metrics.logits_needed(model),
+            also="" if model is None else head_metrics.from_loss(model),
+        )
+        if switch is not None:
+            head_metrics.install(model, switch)
 
     @staticmethod
     def _unsharded_twin(model: Any, fsdp2: FSDP2Config, automicro: Optional[AutoMicrobatching], device: torch.device,
