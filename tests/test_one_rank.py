@@ -57,8 +57,10 @@ def test_an_unshard_pin_that_one_rank_cannot_honour_is_refused_naming_the_fix(se
     _choose(**{**setting, "world_size": 2})  # several ranks shard as configured: nothing to refuse
 
 
-def _twin(fsdp2=FSDP2Config(), *, world_size=1, pipeline=False, auto=True, device_type="cuda", precision="fp32"):
-    return twin_problem(fsdp2, world_size=world_size, pipeline=pipeline, auto=auto, device_type=device_type, precision=precision)
+def _twin(fsdp2=FSDP2Config(), *, world_size=1, pipeline=False, auto=True, device_type="cuda", precision="fp32",
+          grouped_experts=()):
+    return twin_problem(fsdp2, world_size=world_size, pipeline=pipeline, auto=auto, device_type=device_type, precision=precision,
+                        grouped_experts=grouped_experts)
 
 
 def test_one_gpu_under_auto_times_the_model_unsharded_unless_pinned_or_it_cannot():
@@ -72,6 +74,15 @@ def test_one_gpu_under_auto_times_the_model_unsharded_unless_pinned_or_it_cannot
     assert "cpu_offload=true" in _twin(FSDP2Config(cpu_offload=True))
     assert "activation_checkpointing=true" in _twin(FSDP2Config(activation_checkpointing=True))
     assert "precision: amp_bf16 lets" in _twin(FSDP2Config(mixed_precision="DEFAULT"), precision="fp32")
+    # Experts autocast does not cast (`routing.grouped_experts`): fp32 unsharded where FSDP2 computes them in bf16.
+    experts = ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    for mixed in ("DEFAULT", "PURE"):
+        why = _twin(FSDP2Config(mixed_precision=mixed), precision="amp_bf16", grouped_experts=experts)
+        assert why == (f"the experts' weights (model.layers.0.mlp.experts and 1 more) are 3-d, which autocast does not cast: "
+                       f"unsharded they would compute in fp32 where parallelism_config.fsdp2.mixed_precision={mixed} computes "
+                       "them in bf16"), why
+    assert _twin(grouped_experts=experts) is None  # FULL: fp32 both ways
+    assert _twin(FSDP2Config(mixed_precision="DEFAULT"), precision="amp_bf16", grouped_experts=experts, world_size=2) == ""
 
 
 def test_on_one_rank_takes_auto_keep_or_unshard():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from automicro.batch.routing import MOVED, RoutingWatch, find_routers
+from automicro.batch.routing import MOVED, RoutingWatch, find_routers, grouped_experts
 from automicro.testing.memory_cap import MemoryCap
 from automicro.testing.routing import RoutingSkew
 from tests import moe_cases
@@ -47,6 +47,44 @@ def test_the_routers_of_each_family_are_found_with_their_experts_and_top_k_and_a
     dense = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
         vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
     assert find_routers(dense) == [] and RoutingWatch.of(dense) is None
+    assert grouped_experts(dense) == []
+
+
+@pytest.mark.parametrize("family", moe_cases.FAMILIES)
+def test_grouped_experts_keep_the_model_unsharded_untimed_where_fsdp2_computes_them_in_bf16(family, capsys):
+    """transformers 5's experts are 3-d weights, which autocast does not cast: the twin would compute them in fp32 where
+    FSDP2 (mixed_precision DEFAULT) computes on bf16 copies. 4.x's experts are linear layers, cast as any: timed."""
+    import transformers
+
+    from automicro import Trainer
+    from automicro.engine.config import FSDP2Config
+    from automicro.engine.twin import UnshardedTwin
+
+    model = _model(family)
+    grouped = any(p.dim() >= 3 for n, p in model.named_parameters() if ".experts." in n)
+    assert grouped == (int(transformers.__version__.split(".")[0]) >= 5)
+    names = grouped_experts(model)
+    assert names == ([f"model.layers.{i}.{_mlp(model, i)}experts" for i in range(2)] if grouped else []), names
+
+    def twin(mixed_precision):
+        return Trainer._unsharded_twin(model, FSDP2Config(mixed_precision=mixed_precision), object(), torch.device("cuda"),
+                                       None, {"precision": "amp_bf16"})
+
+    bf16 = twin("DEFAULT")
+    lines = capsys.readouterr().out
+    if grouped:
+        assert bf16 is None and f"FSDP2 kept (the experts' weights ({names[0]} and 1 more) are 3-d" in lines, lines
+        assert "mixed_precision=DEFAULT computes them in bf16" in lines, lines
+    else:
+        assert isinstance(bf16, UnshardedTwin) and lines == "", lines
+    assert isinstance(twin("FULL"), UnshardedTwin)  # fp32 both ways: the same computation, timed
+    assert capsys.readouterr().out == ""
+
+
+def _mlp(model: torch.nn.Module, layer: int) -> str:
+    """The routed block's name under a decoder layer ("mlp." or Mixtral's "block_sparse_moe.", as the version has it)."""
+    decoder = model.model.layers[layer]
+    return next(f"{name}." for name, child in decoder.named_children() if hasattr(child, "experts"))
 
 
 @pytest.mark.parametrize("family", moe_cases.FAMILIES)

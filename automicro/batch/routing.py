@@ -42,12 +42,15 @@ _LAYERS = 1 << 16  # ... with the layer index below them
 
 @dataclass(frozen=True)
 class Router:
-    """One routed block's router: its name, module, expert count and experts per token."""
+    """One routed block's router: its name, module, expert count and experts per token, and the block's experts
+    (the module and its name)."""
 
     name: str
     module: nn.Module
     num_experts: int
     top_k: int
+    experts: Optional[nn.Module] = None
+    experts_name: str = ""
 
 
 def _int_attr(*owners: Any, names: Sequence[str]) -> Optional[int]:
@@ -76,8 +79,19 @@ def find_routers(model: nn.Module) -> list[Router]:
         top_k = _int_attr(block, router, config, names=("top_k", "num_experts_per_tok"))
         if num is None or top_k is None or top_k > num:
             continue
-        found.append(Router(f"{name}.{router_name}" if name else router_name, router, num, top_k))
+        found.append(Router(f"{name}.{router_name}" if name else router_name, router, num, top_k, experts,
+                            f"{name}.experts" if name else "experts"))
     return found
+
+
+def grouped_experts(model: nn.Module) -> list[str]:
+    """The names of `model`'s routed blocks' expert modules that hold their experts as weights of 3 or more
+    dimensions (transformers 5's grouped experts: one ``[experts, in, out]`` tensor a projection, multiplied by
+    ``grouped_mm``); [] for a dense model and for experts kept as a list of linear layers (transformers 4.x). Autocast
+    casts no such weight (``grouped_mm`` is not one of its operators): under autocast these experts compute in the
+    weights' own dtype, where FSDP2's mixed precision computes them on bf16 copies (`automicro.batch.one_rank`)."""
+    return [r.experts_name for r in find_routers(model)
+            if r.experts is not None and any(p.dim() >= 3 for p in r.experts.parameters())]
 
 
 def router_buffer(router: Router, name: str, device: Optional[torch.device] = None) -> torch.Tensor:
@@ -174,4 +188,4 @@ class RoutingWatch:
         self._handles.clear()
 
 
-__all__ = ["MOVED", "Router", "RoutingWatch", "find_routers", "router_buffer"]
+__all__ = ["MOVED", "Router", "RoutingWatch", "find_routers", "grouped_experts", "router_buffer"]

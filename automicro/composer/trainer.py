@@ -49,12 +49,19 @@ from automicro.composer.callback import AutoMicrobatching
 from automicro.composer.checkpoint_commit import CommittedCheckpoints, check_save_failure
 from automicro.composer.checkpointing import FullCheckpointLoading, ShardedCheckpointing, check_checkpoint_format
 from automicro.composer.composer_config import from_composer_parallelism
-from automicro.batch import one_rank, packed_input
+from automicro.batch import one_rank, packed_input, routing
 from automicro.batch.head_choice import attach_head_at_set_size
 from automicro.composer import head_metrics
 from automicro.composer.pipeline_batch import PipelineBatch
 
 log = logging.getLogger(__name__)
+
+
+def _say(line: str, console: bool = True) -> None:
+    """One of the Trainer's own lines: on rank 0's console (where `console`), and to the log on every rank."""
+    if console and composer_dist.get_global_rank() == 0:
+        print(f"[automicro] {line}", flush=True)
+    log.info("automicro: %s", line)
 
 
 def _composer_device(device: Any) -> Device:
@@ -198,8 +205,7 @@ class Trainer(composer.Trainer):
         )
         fsdp2, compile = choice.fsdp2, choice.compile
         if choice.line:
-            print(f"[automicro] {choice.line}", flush=True)
-            log.info("automicro: %s", choice.line)
+            _say(choice.line)
         if pipeline is not None:
             problem = pipeline_problem(
                 eval_interval=kwargs.get("eval_dataloader"), save_folder=kwargs.get("save_folder"),
@@ -288,8 +294,8 @@ class Trainer(composer.Trainer):
                 switch = automicro is not None and not whole_model
                 if compile_config is not None and compile_config.compiles_blocks:
                     line = packed_input.no_cache_in_training(model)
-                    if line is not None and composer_dist.get_global_rank() == 0:
-                        print(f"[automicro] {line}", flush=True)
+                    if line is not None:
+                        _say(line)
                 if fsdp2.cpu_offload and type(composer_device) is DeviceGPU and (device is None or device == "gpu"):
                     composer_device = _PlacedModelGPU(model)
                 twin = self._unsharded_twin(model, fsdp2, automicro, shard_device, compile_config, kwargs)
@@ -377,9 +383,7 @@ class Trainer(composer.Trainer):
         sharded = self._automicro_sharded
 
         def info(line: str) -> None:
-            if composer_dist.get_global_rank() == 0 and idle.settings.log_attempts:
-                print(f"[automicro] {line}", flush=True)
-            log.info("automicro: %s", line)
+            _say(line, console=idle.settings.log_attempts)
 
         model = None if sharded is None else sharded.module
         switch = attach_head_at_set_size(
@@ -397,7 +401,7 @@ class Trainer(composer.Trainer):
         to time against FSDP2 (`one_rank.twin_problem` says where not; the console says why where asked)."""
         why = one_rank.twin_problem(
             fsdp2, world_size=composer_dist.get_world_size(), pipeline=False, auto=automicro is not None,
-            device_type=device.type, precision=kwargs.get("precision"),
+            device_type=device.type, precision=kwargs.get("precision"), grouped_experts=routing.grouped_experts(model),
         )
         if why is None:
             compile_kwargs = compile_config.torch_kwargs() if compile_config is not None else kwargs.get("compile_config")
@@ -407,9 +411,7 @@ class Trainer(composer.Trainer):
             except TwinError as error:
                 why = str(error)
         if why:
-            line = f"one rank: FSDP2 kept ({why}); the model unsharded is not timed against it"
-            print(f"[automicro] {line}", flush=True)
-            log.info("automicro: %s", line)
+            _say(f"one rank: FSDP2 kept ({why}); the model unsharded is not timed against it")
         return None
 
     @staticmethod
