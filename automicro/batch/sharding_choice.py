@@ -31,7 +31,8 @@ not): the batch reruns through FSDP2, the error and its traceback go to the log,
 model's own, met again through FSDP2, ends the run as any error does. Not
 measured (FSDP2 stays, one line says why): several ranks; a pipeline; ``cpu_offload`` or
 ``activation_checkpointing`` (FSDP2-only); a model the twin cannot copy; a ``mixed_precision`` whose
-compute autocast does not give (the twin computes under Composer's precision); on CPU unless
+compute autocast does not give (the twin computes under Composer's precision), routed experts held as 3-d weights
+among them (`automicro.batch.routing.grouped_experts`: autocast does not cast them); on CPU unless
 ``on_one_rank: auto`` (as the layout trials: a CPU's time says nothing of a GPU's). The choice is in
 the checkpoint (`state_dict`): a resumed run keeps it without timing again (the twin compiles in its
 first batch); one stopped mid-trial times again. The size found under FSDP2 is the size the twin runs

@@ -416,14 +416,22 @@ def probe_split(batch_size: int, floor: int = 1) -> Optional[tuple[int, ...]]:
 
 def near_split(batch_size: int, largest: int) -> Optional[tuple[int, ...]]:
     """A split that runs two microbatch sizes near `largest` after its first microbatch: `largest`, then
-    `largest` - 1, then chunks of `largest` (e.g. (32, 8) -> (8, 7, 8, 8, 1); (32, 16) -> (16, 15, 1)), so a trade's
-    bytes are measured at about the settled microbatches' efficiency (the probe's split runs microbatches of 1 and 2).
-    None where that is not two sizes after the first (a batch too small, `largest` 1)."""
-    if not _is_int(largest) or largest < 2 or batch_size - (2 * largest - 1) < 1:
+    `largest` - 1, then chunks of `largest` (e.g. (32, 8) -> (8, 7, 8, 8, 1); (32, 16) -> (16, 15, 1)); where those
+    chunks leave one size after the first, `largest` then chunks of `largest` (e.g. (16, 6) -> (6, 6, 4), not
+    (6, 5, 5)). So a trade's bytes are measured at about the settled microbatches' efficiency: the probe's split runs
+    microbatches of 1 and 2, and on one H100 (Mixtral's blocks, the fused head) its line said 5,377 MiB a sample and
+    "fits 4 at most" where 8 fitted by hand (`benchmarks/RESULTS.md` 2026-12-06, the twin and the fixed sweeps).
+    None where no split gives two sizes after the first (a batch too small, `largest` 1)."""
+    if not _is_int(largest) or largest < 2 or batch_size - largest < 2:
         return None
-    rest = batch_size - 2 * largest + 1
-    split = (largest, largest - 1) + chunk_split(rest, min(largest, rest))
-    return split if len(set(split[1:])) >= 2 else None
+    if batch_size - (2 * largest - 1) >= 1:
+        rest = batch_size - 2 * largest + 1
+        split = (largest, largest - 1) + chunk_split(rest, min(largest, rest))
+        if len(set(split[1:])) >= 2:
+            return split
+    rest = batch_size - largest
+    tail = chunk_split(rest, min(largest, rest))
+    return (largest,) + tail if len(set(tail)) >= 2 else None
 
 
 def _check_split_args(batch_size: int, size: int) -> None:
