@@ -343,6 +343,20 @@ def test_the_head_is_measured_near_the_size_found_where_a_split_gives_two_sizes_
         assert sum(split) == batch and max(split) == largest and len(set(split[1:])) >= 2
 
 
+@pytest.mark.parametrize("batch,largest,split", [
+    (16, 6, (6, 6, 3, 1)), (32, 8, (8, 8, 8, 7, 1)), (14, 6, (6, 6, 1, 1)), (8, 2, (2, 2, 2, 1, 1)),
+    (16, 8, None), (12, 6, None), (5, 2, None), (32, 1, None),
+])
+def test_with_gradients_reduced_once_the_head_is_measured_at_two_sizes_before_the_last_microbatch(batch, largest, split):
+    """The last microbatch's peak holds the batch's gradient reduction (`MicrobatchPeaks`, last apart): two sizes
+    between the first and the last, `largest` among them."""
+    from automicro.core.policy import near_split
+
+    assert near_split(batch, largest, last_apart=True) == split
+    if split is not None:
+        assert sum(split) == batch and max(split) == largest and len(set(split[1:-1])) == 2 and largest in split[1:-1]
+
+
 def test_a_fused_head_or_trade_priced_out_for_the_budget_alone_is_priced_again_once_the_budget_grew():
     """On one H100 (Qwen3-MoE's blocks, 16 x 4,096) the fused head, expected +29.7% a batch, did not fit the 8.6 s
     budget at the size found; a kept trade then raised the budget to 45 s, but the head was never asked again there

@@ -1256,3 +1256,49 @@ def test_pressure_in_a_size_trial_ends_it_and_undoes_the_last_kept_trade():
     assert search.relieve(layout, "out of memory", 16) == GRAD_SYNC_ONCE
     assert search.trial is None and search.settled == ()
     assert (26, 8) in search.sized  # not tried again from 26
+
+
+class _Peaks:
+    """A memory source whose peak the test sets, one microbatch at a time."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+
+    def reset_peak(self) -> None:
+        self.peak = 0
+
+    def peak_bytes(self) -> int:
+        return self.peak
+
+
+def _by_size(sizes, reduction, last_apart):
+    """Microbatch peaks 40,000 + 2,700 a sample, the last one `reduction` more (gradients reduced once per batch)."""
+    from automicro.core.memory import MicrobatchPeaks
+
+    source = _Peaks()
+    peaks = MicrobatchPeaks(source, sizes, last_apart)
+    for index, size in enumerate(sizes):
+        peaks.start(index)
+        source.peak = 40_000 + 2_700 * size + (reduction if index == len(sizes) - 1 else 0)
+    peaks.end()
+    return peaks.by_size()
+
+
+@pytest.mark.parametrize("sizes", [(1, 1, 2, 2, 2, 2, 2, 2, 2), (6, 6, 3, 1), (8, 8, 8, 7, 1)])
+def test_with_gradients_reduced_once_the_last_microbatch_raises_the_measured_line_and_sets_no_slope(sizes):
+    """Mixtral's blocks on one H100, gradients reduced once per batch: the line through the probe's sizes (the last
+    microbatch a 2, its peak holding the reduction) was twice as steep as the model allows (`MicrobatchPeaks`)."""
+    (a, pa), (b, pb) = _by_size(sizes, 2_600, last_apart=True)
+    assert (pb - pa) / (b - a) == 2_700  # the slope of the microbatches between the first and the last
+    assert pa == 40_000 + 2_700 * a + 2_600  # raised by what the last one holds above it: it bounds every microbatch
+    (a, pa), (b, pb) = _by_size(sizes, 0, last_apart=True)
+    assert pa == 40_000 + 2_700 * a and (pb - pa) / (b - a) == 2_700  # a last microbatch like the others: nothing moves
+    if sizes[-1] == max(sizes[1:-1]):
+        # Not apart, the last one's peak sets its size's (the line the probe's split measured before).
+        (a, pa), (b, pb) = _by_size(sizes, 2_600, last_apart=False)
+        assert (pb - pa) / (b - a) == 2_700 + 2_600
+
+
+def test_with_the_last_microbatch_apart_and_one_size_before_it_the_last_counts_as_any_other():
+    assert _by_size((6, 5, 5), 2_600, last_apart=True) == ((5, 40_000 + 2_700 * 5 + 2_600),)
+    assert _by_size((2, 1, 2), 0, last_apart=True) == ((1, 42_700), (2, 45_400))

@@ -73,8 +73,8 @@ class SampleBatches:
         split = policy.current_split() if downsized is None else policy.split_for(downsized)
         if layout.measure_split_next:
             # A layout trade's bytes, measured at the probe's split, the fused head's near the size found
-            # (`automicro.core.layout`).
-            near = policy.near_split(layout.measure_near) if layout.measure_near else None
+            # (`automicro.core.layout`); with gradients reduced once per batch, two sizes before the last microbatch.
+            near = policy.near_split(layout.measure_near, layout.reduces_once) if layout.measure_near else None
             split, track = near or policy.probe_split() or split, True
         return tuple(split), None, track
 

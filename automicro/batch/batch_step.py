@@ -115,12 +115,14 @@ class BatchStep:
     # ---- run -------------------------------------------------------------------------------------
 
     def attempt(
-        self, split: Optional[tuple[int, ...]], budget: Optional[int], hooks_on: bool, track_peaks: bool = False
+        self, split: Optional[tuple[int, ...]], budget: Optional[int], hooks_on: bool, track_peaks: bool = False,
+        last_apart: bool = False,
     ) -> Attempt:
         """One attempt at `split` (samples per microbatch) or, with a token budget, at `budget`.
         Every retry starts from the random state the batch started with, so a retry at the same
         split computes exactly what the first attempt would have. `track_peaks`: measure each
-        microbatch's peak (`self.peaks`; Composer's microbatch loop only, not a pipeline's)."""
+        microbatch's peak (`self.peaks`; Composer's microbatch loop only, not a pipeline's); `last_apart`: the last
+        microbatch's peak apart (gradients reduced once per batch: `MicrobatchPeaks`)."""
         assert self._random_state is not None, "begin() first"
         self.attempts += 1
         if self.attempts > 1:
@@ -134,7 +136,7 @@ class BatchStep:
         # A site of an earlier attempt must not be blamed for a failure before any site fires.
         context.last_site, context.last_module = "other", ""
         self.memory.reset_peak()
-        self.peaks = MicrobatchPeaks(self.memory, sizes) if track_peaks and self.pipeline is None else None
+        self.peaks = MicrobatchPeaks(self.memory, sizes, last_apart) if track_peaks and self.pipeline is None else None
         # Retries are counted per attempt: a failed attempt's retries say nothing about thrashing.
         self.retries_before = self.memory.alloc_retries()
 

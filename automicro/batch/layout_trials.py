@@ -131,7 +131,8 @@ class LayoutTrials:
         found, count_at, peak_at = self._found, self._count_at, self._peak_at
         head = self.head_bytes()
         # Its measuring batch: near the size found's largest microbatch, else at the probe's split.
-        near = near_split(self._batch_size, self._largest_at(found)) if found and self._largest_at and self._batch_size else None
+        near = (near_split(self._batch_size, self._largest_at(found), self.reduces_once)
+                if found and self._largest_at and self._batch_size else None)
         facts = {"found_microbatches": float(self._microbatches), "measure": 1.0 if self._probe_microbatches else 0.0,
                  "measure_microbatches": float(len(near) if near else self._probe_microbatches), "near": float(near is not None),
                  "microbatches": float(self._microbatches)}
@@ -329,6 +330,12 @@ class LayoutTrials:
         head's), None where it runs the probe's split."""
         trial = None if self.engine is None else self.search.trial
         return trial.size if trial is not None and trial.measure and trial.trades == (FUSED_HEAD,) else None
+
+    @property
+    def reduces_once(self) -> bool:
+        """The layout in effect reduces the gradients once per batch (``grad_sync_once``): in the last microbatch's
+        backward, whose peak then holds the reduction's buffers (`automicro.core.memory.MicrobatchPeaks`)."""
+        return GRAD_SYNC_ONCE in self.layout
 
     @property
     def measure_split_next(self) -> bool:

@@ -336,7 +336,7 @@ class TrainingSearch:
             if routing is not None:
                 routing.begin_attempt()
             try:
-                attempt = step.attempt(split, budget, hooks_on, track_peaks=track)
+                attempt = step.attempt(split, budget, hooks_on, track_peaks=track, last_apart=track and self.layout.reduces_once)
             except FatalRecoveryError as lost:
                 self._ends_run(lost)
                 raise

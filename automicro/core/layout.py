@@ -65,7 +65,8 @@ batches ends it as a trial's does.
 ``no_recompute``'s bytes are not projected from the model, so before its downsize trial one batch
 *measures* them: it runs with checkpointing off at the probe's split (the two smallest sizes,
 `automicro.core.policy.probe_split`), its microbatch peaks are tracked by size (after the first
-microbatch, before the optimizer step: activations, not the step's own peak), and the two peaks give the
+microbatch, before the optimizer step: activations, not the step's own peak; with ``grad_sync_once`` kept, the last
+microbatch's peak, which holds the batch's gradient reduction, only raises the line: `automicro.core.memory.MicrobatchPeaks`), and the two peaks give the
 memory model of the layout with the trade (`MeasuredLine`: fixed bytes and bytes per sample, `lines`,
 checkpointed), the way the size policy's own model is made, but of that layout alone: the policy's model
 may mix layouts (a trade kept or the head fused since its samples were taken; it cannot tell then). The

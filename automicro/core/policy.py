@@ -414,16 +414,28 @@ def probe_split(batch_size: int, floor: int = 1) -> Optional[tuple[int, ...]]:
     return (floor, floor) + chunk_split(batch_size - 2 * floor, floor + 1)
 
 
-def near_split(batch_size: int, largest: int) -> Optional[tuple[int, ...]]:
+def near_split(batch_size: int, largest: int, last_apart: bool = False) -> Optional[tuple[int, ...]]:
     """A split that runs two microbatch sizes near `largest` after its first microbatch: `largest`, then
     `largest` - 1, then chunks of `largest` (e.g. (32, 8) -> (8, 7, 8, 8, 1); (32, 16) -> (16, 15, 1)); where those
     chunks leave one size after the first, `largest` then chunks of `largest` (e.g. (16, 6) -> (6, 6, 4), not
     (6, 5, 5)). So a trade's bytes are measured at about the settled microbatches' efficiency: the probe's split runs
     microbatches of 1 and 2, and on one H100 (Mixtral's blocks, the fused head) its line said 5,377 MiB a sample and
     "fits 4 at most" where 8 fitted by hand (`benchmarks/RESULTS.md` 2026-12-06, the twin and the fixed sweeps).
+    `last_apart`: the last microbatch's peak sets no size's (gradients reduced once per batch:
+    `automicro.core.memory.MicrobatchPeaks`): two sizes between the first and the last, `largest` and the rest less
+    one, then a last of 1 (e.g. (16, 6) -> (6, 6, 3, 1); (32, 8) -> (8, 8, 8, 7, 1)).
     None where no split gives two sizes after the first (a batch too small, `largest` 1)."""
     if not _is_int(largest) or largest < 2 or batch_size - largest < 2:
         return None
+    if last_apart:
+        rest = batch_size - 2 * largest
+        if rest < 2:
+            return None
+        middle = [largest]
+        while rest - 1 >= largest:
+            middle.append(largest)
+            rest -= largest
+        return (largest, *middle, rest - 1, 1)
     if batch_size - (2 * largest - 1) >= 1:
         rest = batch_size - 2 * largest + 1
         split = (largest, largest - 1) + chunk_split(rest, min(largest, rest))
@@ -1067,9 +1079,9 @@ class SearchPolicy:
         small): a layout trade's bytes are measured with it (`automicro.core.layout`)."""
         return probe_split(self.state.batch_size, _min_size(self.config, self.state.batch_size))
 
-    def near_split(self, largest: int) -> Optional[tuple[int, ...]]:
+    def near_split(self, largest: int, last_apart: bool = False) -> Optional[tuple[int, ...]]:
         """`near_split` of this batch (None where it has no two sizes after its first microbatch)."""
-        return near_split(self.state.batch_size, largest)
+        return near_split(self.state.batch_size, largest, last_apart)
 
     def split_for(self, found: int) -> tuple[int, ...]:
         """The split a settled search at `found` would run (the found size's own split rule)."""
