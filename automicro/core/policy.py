@@ -418,9 +418,8 @@ def near_split(batch_size: int, largest: int, last_apart: bool = False) -> Optio
     """A split that runs two microbatch sizes near `largest` after its first microbatch: `largest`, then
     `largest` - 1, then chunks of `largest` (e.g. (32, 8) -> (8, 7, 8, 8, 1); (32, 16) -> (16, 15, 1)); where those
     chunks leave one size after the first, `largest` then chunks of `largest` (e.g. (16, 6) -> (6, 6, 4), not
-    (6, 5, 5)). So a trade's bytes are measured at about the settled microbatches' efficiency: the probe's split runs
-    microbatches of 1 and 2, and on one H100 (Mixtral's blocks, the fused head) its line said 5,377 MiB a sample and
-    "fits 4 at most" where 8 fitted by hand (`benchmarks/RESULTS.md` 2026-12-06, the twin and the fixed sweeps).
+    (6, 5, 5)). So a trade's bytes are measured at about the settled microbatches' efficiency (the probe's split runs
+    microbatches of 1 and 2).
     `last_apart`: the last microbatch's peak sets no size's (gradients reduced once per batch:
     `automicro.core.memory.MicrobatchPeaks`): two sizes between the first and the last, `largest` and the rest less
     one, then a last of 1 (e.g. (16, 6) -> (6, 6, 3, 1); (32, 8) -> (8, 8, 8, 7, 1)).
