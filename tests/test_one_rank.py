@@ -59,8 +59,17 @@ def test_an_unshard_pin_that_one_rank_cannot_honour_is_refused_naming_the_fix(se
 
 def _twin(fsdp2=FSDP2Config(), *, world_size=1, pipeline=False, auto=True, device_type="cuda", precision="fp32",
           grouped_experts=()):
-    return twin_problem(fsdp2, world_size=world_size, pipeline=pipeline, auto=auto, device_type=device_type, precision=precision,
-                        grouped_experts=grouped_experts)
+    walked = []
+
+    def experts():
+        walked.append(True)
+        return grouped_experts
+
+    why = twin_problem(fsdp2, world_size=world_size, pipeline=pipeline, auto=auto, device_type=device_type,
+                       precision=precision, grouped_experts=experts)
+    # The model is walked for its experts only where the twin would be built and FSDP2 computes in bf16.
+    assert bool(walked) == (why is None and fsdp2.mixed_precision != "FULL" or "experts' weights" in (why or "")), (why, walked)
+    return why
 
 
 def test_one_gpu_under_auto_times_the_model_unsharded_unless_pinned_or_it_cannot():

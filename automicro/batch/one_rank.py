@@ -29,7 +29,7 @@ Owns: that decision and the line that says it. May not touch: the model, Compose
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from automicro.engine.compile import CompileConfig, CompileConfigError
 from automicro.engine.config import FSDP2_KEY, FSDP2Config, FSDP2ConfigError
@@ -114,12 +114,12 @@ def _same_compute(fsdp2: FSDP2Config, precision: Any) -> bool:
 
 
 def twin_problem(fsdp2: Optional[FSDP2Config], *, world_size: int, pipeline: bool, auto: bool, device_type: str,
-                 precision: Any, grouped_experts: Sequence[str] = ()) -> Optional[str]:
+                 precision: Any, grouped_experts: Callable[[], Sequence[str]] = tuple) -> Optional[str]:
     """Why this job does not time the model unsharded against FSDP2 (`automicro.batch.sharding_choice`):
     "" where it is not asked for at all (a pin, several ranks, no ``auto``, the default on CPU), a reason
     for the console where it is asked for and cannot be, None where the trainer builds the twin.
-    `grouped_experts`: the model's expert modules whose weights autocast does not cast
-    (`automicro.batch.routing.grouped_experts`): where FSDP2 computes on bf16 copies, the twin would compute those
+    `grouped_experts`: called only where the twin would be built, the model's expert modules whose weights autocast
+    does not cast (`automicro.batch.routing.grouped_experts`, a walk of the model): where FSDP2 computes on bf16 copies, the twin would compute those
     experts in fp32, another computation (and, compiled, transformers' per-expert fallback: on one H100, Qwen3-MoE's
     twin took 31.5 s in its first batch where FSDP2's blocks had compiled in 3.1 s, 3.3% of a 1,000-batch run,
     `benchmarks/RESULTS.md` 2026-12-06)."""
@@ -133,9 +133,10 @@ def twin_problem(fsdp2: Optional[FSDP2Config], *, world_size: int, pipeline: boo
     if not _same_compute(fsdp2, precision):
         return (f"{FSDP2_KEY}.mixed_precision={fsdp2.mixed_precision} computes in bf16, precision={_precision_name(precision)} would not: "
                 "precision: amp_bf16 lets the model unsharded be timed")
-    if grouped_experts and fsdp2.mixed_precision != "FULL":
-        more = f" and {len(grouped_experts) - 1} more" if len(grouped_experts) > 1 else ""
-        return (f"the experts' weights ({grouped_experts[0]}{more}) are 3-d, which autocast does not cast: unsharded "
+    experts = grouped_experts() if fsdp2.mixed_precision != "FULL" else ()
+    if experts:
+        more = f" and {len(experts) - 1} more" if len(experts) > 1 else ""
+        return (f"the experts' weights ({experts[0]}{more}) are 3-d, which autocast does not cast: unsharded "
                 f"they would compute in fp32 where {FSDP2_KEY}.mixed_precision={fsdp2.mixed_precision} computes them "
                 "in bf16")
     return None

@@ -401,7 +401,7 @@ class Trainer(composer.Trainer):
         to time against FSDP2 (`one_rank.twin_problem` says where not; the console says why where asked)."""
         why = one_rank.twin_problem(
             fsdp2, world_size=composer_dist.get_world_size(), pipeline=False, auto=automicro is not None,
-            device_type=device.type, precision=kwargs.get("precision"), grouped_experts=routing.grouped_experts(model),
+            device_type=device.type, precision=kwargs.get("precision"), grouped_experts=lambda: routing.grouped_experts(model),
         )
         if why is None:
             compile_kwargs = compile_config.torch_kwargs() if compile_config is not None else kwargs.get("compile_config")
