@@ -24,6 +24,8 @@ LONG = ["data.seq_len=1024", "model.overrides.max_seq_len=1024", "global_train_b
 BATCHES = 4
 SAVE_AT = 2
 LATER = 3  # the batch of the one-off OOM in ``auto``
+PROJECTED_CAP = "callbacks.memory_cap.limit_bytes={0: 14000000, 1: 18000000}"
+PROJECTED_BATCHES = 2
 ONE_RANK_CAP = "callbacks.memory_cap.limit_bytes={0: 16000000}"  # one rank holds every parameter: a larger cap
 
 
@@ -87,7 +89,8 @@ def main_job(more: tuple[str, ...] = (), batches: int = BATCHES, microbatch: Any
 
 def suite(rank: int, world: int, folder: str) -> dict[str, Any]:
     """``auto`` (no key added), ``handset`` (checkpointing on, microbatch 1), ``tight`` (rank 0's cap too small even
-    with checkpointing at 1), ``saved`` / ``resumed`` (the first two batches with a checkpoint at 2, then a new trainer
+    with checkpointing at 1), ``projected`` (size 1 runs in batch 0 with selective recompute, but not with the
+    optimizer state its step adds), ``saved`` / ``resumed`` (the first two batches with a checkpoint at 2, then a new trainer
     from it to 4), ``compiled`` (compile: true, aot_eager; torch >= 2.8 only)."""
     torch.set_num_threads(1)
     out: dict[str, Any] = {"torch": torch.__version__}
@@ -97,6 +100,8 @@ def suite(rank: int, world: int, folder: str) -> dict[str, Any]:
     run_case(out, "auto", lambda: main_job(extra=(FaultInjector("backward", ranks=[1], batch=LATER, times=1),)))
     run_case(out, "handset", lambda: main_job(("parallelism_config.fsdp2.activation_checkpointing=true",), microbatch=1))
     run_case(out, "tight", lambda: main_job(("callbacks.memory_cap.limit_bytes={0: 7000000, 1: 18000000}",), batches=1))
+    # Rank 0's cap where size 1 runs with selective recompute in batch 0, but not with the optimizer state its step adds.
+    run_case(out, "projected", lambda: main_job((PROJECTED_CAP,), batches=PROJECTED_BATCHES))
     saved = f"{folder}/saved"
     run_case(out, "saved", lambda: main_job(batches=SAVE_AT, save_folder=saved))
     run_case(out, "resumed", lambda: main_job(load_path=f"{saved}/ep0-ba{SAVE_AT}-rank0.pt"))

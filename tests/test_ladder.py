@@ -58,6 +58,30 @@ def test_where_size_1_runs_out_without_checkpointing_auto_switches_it_on_and_tra
     assert two_ranks[0]["auto"]["history"] == two_ranks[1]["auto"]["history"]
 
 
+def test_where_size_1_ran_but_will_not_fit_with_the_optimizer_state_the_ladder_steps_before_the_next_batch(two_ranks):
+    """Rank 0's cap (14 MB) where size 1 runs in batch 0 with selective recompute, but its peak with the AdamW state the
+    first step adds does not fit: the ladder's next rung (full recompute) between batches 0 and 1, on both ranks alike,
+    no OOM at size 1 after it (before, batch 1 ran out at size 1, was rerun and ran out again: the GPU's pattern at
+    196,608 tokens); the losses are the hand-set run's."""
+    for rank, per_rank in enumerate(two_ranks):
+        run, handset = _ok(per_rank["projected"]), _ok(per_rank["handset"])
+        assert run["batches"] == cases.PROJECTED_BATCHES and run["layout"] == "activation checkpointing on", run
+        assert _gap(run, handset) < 1e-5, (run["losses"], handset["losses"])
+        history = run["history"]
+        stepped = [h for h in history if h[3] == "ok" and "does not fit with the optimizer state" in h[5]]
+        assert len(stepped) == 1 and stepped[0][0] == 0 and stepped[0][2] == 1, history
+        assert stepped[0][5].startswith("size 1 does not fit with the optimizer state: activation checkpointing on"), history
+        assert not [h for h in history if h[0] >= 1 and h[3] == "oom" and h[2] == 1], history
+        assert run["metrics"]["automicro/layout_recompute"] == 1 and run["metrics"]["automicro/floor_ladder"] == 2, run["metrics"]
+        if rank == 0:
+            line = next(line for line in run["lines"] if "optimizer state the first step added" in line)
+            assert line.startswith("recompute on: size 1 ran without it, but its peak with the optimizer state the first "
+                                   "step added does not fit (rank 0: peak "), line
+            assert line.endswith("every block's activation checkpointing switched on, the size searched again from batch "
+                                 "1 (the same numbers, a forward per block again in backward)"), line
+    assert two_ranks[0]["projected"]["history"] == two_ranks[1]["projected"]["history"]
+
+
 def test_where_size_1_runs_out_with_checkpointing_on_too_the_run_ends_on_every_rank_naming_what_was_tried(two_ranks):
     for per_rank in two_ranks:
         tight = per_rank["tight"]

@@ -64,6 +64,14 @@ def _rows(verdict: Verdict) -> str:
     )
 
 
+def _short(verdict: Verdict, projected: str, without: str) -> str:
+    """How size 1 fell short: an OOM (the failed ranks' figures), or a peak that does not fit with the optimizer
+    state the first step added (`projected`: the ranks' figures)."""
+    if projected:
+        return f"ran {without}, but its peak with the optimizer state the first step added does not fit ({projected})"
+    return f"did not fit {without} ({_rows(verdict)})"
+
+
 class FloorLadder:
     """One run's ladder. `layout`: the run's layout trials (None or without an engine: nothing to switch);
     `pipeline`: the run is a pipeline stage; `offload`: the host offload's rung (the last), where the run has one."""
@@ -107,14 +115,24 @@ class FloorLadder:
         return ("the blocks carry no checkpointing switch (the whole model is compiled, or the model was sharded "
                 "without automicro.engine.shard(..., checkpoint_switch=True))")
 
+    @property
+    def next_is_offload(self) -> bool:
+        """The next rung is the host offload (no layout rung is left)."""
+        return self.why_not() is None and self._layout_why_not() is not None
+
     def step(self, batch_index: int, verdict: Verdict, scope: Any = None, sharding: Any = None,
-             optimizers: Sequence[Any] = ()) -> Optional[str]:
+             optimizers: Sequence[Any] = (), projected: str = "") -> Optional[str]:
         """Size 1 ran out again in batch `batch_index` (`verdict`: the agreed failure): the next rung, on every rank
         alike, and its line; None where none is left (`why_not`). `scope`, `sharding`: the run's compile scope and
-        one-rank trials (held off after the step); `optimizers`: the run's (their state follows the host offload)."""
+        one-rank trials (held off after the step); `optimizers`: the run's (their state follows the host offload).
+        `projected`: size 1 ran in that batch, but its peak with the optimizer state the first step added does not fit
+        (the ranks' figures, for the line): a layout rung between batches, no OOM spent, the size searched again from
+        the next batch (not the host offload: it moves no gradient a finished step still holds)."""
         if self.why_not() is not None:
             return None
         if self._layout_why_not() is not None:
+            if projected:
+                return None
             return self._step_offload(batch_index, verdict, scope, sharding, optimizers)
         assert self.layout is not None
         head = self.layout.search.head_rung_left
@@ -124,10 +142,11 @@ class FloorLadder:
         if changed is None:
             return None
         self.stepped_at, self.last = batch_index, RUNGS[changed]
+        again = f"from batch {batch_index + 1}" if projected else f"in batch {batch_index}"
         if changed == FUSED_HEAD:
-            return (f"head: fused below size 1: size 1 did not fit with the plain head ({_rows(verdict)}); the loss from the "
-                    f"hidden states in chunks, the whole logits never held (recompute is the next rung), the size searched "
-                    f"again in batch {batch_index} (the same loss, the head's eager work less)")
+            return (f"head: fused below size 1: size 1 {_short(verdict, projected, 'with the plain head')}; the loss from "
+                    f"the hidden states in chunks, the whole logits never held (recompute is the next rung), the size "
+                    f"searched again {again} (the same loss, the head's eager work less)")
         if sharding is not None and sharding.pending:
             sharding.rule_out(WHY_OFF)
         how = {NO_RECOMPUTE: "kept activation checkpointing off undone",
@@ -135,8 +154,8 @@ class FloorLadder:
                              "the rest recomputed in backward; full recompute is the next rung)",
                RECOMPUTE: "every block's activation checkpointing switched on"}[changed]
         cost = "the cheap work of each block again in backward" if changed == RECOMPUTE_OP else "a forward per block again in backward"
-        return (f"recompute on: size 1 did not fit without it ({_rows(verdict)}); {how}, the size searched again in "
-                f"batch {batch_index} (the same numbers, {cost})")
+        return (f"recompute on: size 1 {_short(verdict, projected, 'without it')}; {how}, the size searched again "
+                f"{again} (the same numbers, {cost})")
 
     def _step_offload(self, batch_index: int, verdict: Verdict, scope: Any, sharding: Any, optimizers: Sequence[Any]) -> str:
         assert self.offload is not None

@@ -20,7 +20,7 @@ import logging
 import statistics
 import time
 import traceback
-from typing import Any, Optional, TypeVar
+from typing import Any, Optional, Sequence, TypeVar
 
 import torch
 
@@ -459,7 +459,8 @@ class TrainingSearch:
         if adopted is not None:
             self.runtime.info(self.policy.observe(search.Adopt(adopted)).event)
         # A layout trial's "with" batch does not feed the memory model (its trade's bytes are in it).
-        self._after_success(verdict, batch_index, sizes, seconds, () if trial_batch else peaks, trial_batch)
+        if trial_batch or not self._ladder_on_projection(verdict, batch_index, sizes, seconds, step.host.optimizers()):
+            self._after_success(verdict, batch_index, sizes, seconds, () if trial_batch else peaks, trial_batch)
         self._optimizer_pending = 0  # the step created the state: evals and later batches hold it
         self._static_shapes().after_batch(step.attempts, sizes)
         self._compile_scope().after_batch(step.attempts, sizes)
@@ -702,6 +703,38 @@ class TrainingSearch:
             decision = self.policy.observe(search.Rearm("layout undone"))
             self.apply_hooks(decision.hooks, decision.reason, "layout undone")
         return undone
+
+    def _ladder_on_projection(self, verdict: Verdict, batch_index: int, sizes: tuple[int, ...], seconds: float,
+                              optimizers: Sequence[Any]) -> bool:
+        """Size 1 ran, but on some rank its peak with the optimizer state the first step added does not fit: above the
+        floor the policy searches below (`policy._projected_to_fail`); at it there is nowhere lower, and the next batch
+        would run out at size 1, be rerun once and run out again before the ladder stepped (one H100, Llama-3.2 3B's
+        shape at 196,608 tokens a sample: batch 1 ran out twice). The ladder's next layout rung now, between batches,
+        every rank alike (the agreed verdict), and the size searched again from the next batch; True where it stepped.
+        Not the host offload (`FloorLadder.step`): that rung stays on the OOM's path."""
+        assert self.policy is not None
+        if not self._optimizer_pending or not self.config.use_prediction or self.config.unit != "samples":
+            return False
+        if max(sizes) > self.policy.floor:
+            return False
+        # Against the capacity read, not the lower ceiling an OOM showed usable (`SearchPolicy.usable_bytes`): that one
+        # came from another split's failed allocation, and a rung taken here is kept for the run (FSDP2 over one rank
+        # under a 16 MB cap: peak 14.7 MiB with the state over a ceiling of 14.6, and the next batches fit at 15.3).
+        over = [r for r in verdict.reports if r.capacity_bytes and r.peak_bytes > r.capacity_bytes]
+        ladder = self._floor_ladder()
+        if not over or ladder.why_not() is not None or ladder.next_is_offload:
+            return False
+        figures = "; ".join(f"rank {r.rank}: peak {r.peak_bytes / 2**20:.1f} MiB with it, capacity "
+                            f"{r.capacity_bytes / 2**20:.1f} MiB" for r in over)
+        line = ladder.step(batch_index, verdict, self._compile_scope(), self._sharding_choice(), optimizers,
+                           projected=figures)
+        if line is None:
+            return False
+        self._search_again(ladder.last)
+        self._record(batch_index, sizes, "ok", verdict, self.policy.state.size, seconds,
+                     f"size 1 does not fit with the optimizer state: {ladder.last}, the size searched again from the next batch")
+        self.runtime.info(line)
+        return True
 
     def _peak_at(self, found: int) -> Optional[tuple[int, int]]:
         """(The largest microbatch, the memory model's peak at it) were the size found `found`;

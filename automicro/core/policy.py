@@ -1107,6 +1107,11 @@ class SearchPolicy:
         return self.state.batch_size
 
     @property
+    def floor(self) -> int:
+        """The smallest size this batch allows (below it the run ends, or the ladder steps)."""
+        return _min_size(self.config, self.state.batch_size)
+
+    @property
     def found_size(self) -> Optional[int]:
         return self.state.found
 
