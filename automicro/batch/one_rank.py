@@ -119,8 +119,8 @@ def twin_problem(fsdp2: Optional[FSDP2Config], *, world_size: int, pipeline: boo
     "" where it is not asked for at all (a pin, several ranks, no ``auto``, the default on CPU), a reason
     for the console where it is asked for and cannot be, None where the trainer builds the twin.
     `grouped_experts`: called only where the twin would be built, the model's expert modules whose weights autocast
-    does not cast (`automicro.batch.routing.grouped_experts`, a walk of the model): where FSDP2 computes on bf16 copies, the twin would compute those
-    experts in fp32, another computation (and, compiled, transformers' per-expert fallback: on one H100, Qwen3-MoE's
+    does not cast (`automicro.batch.routing.grouped_experts`, a walk of the model): where FSDP2 computes on bf16
+    copies, the twin would compute those experts in fp32, another computation (and, compiled, transformers' per-expert fallback: on one H100, Qwen3-MoE's
     twin took 31.5 s in its first batch where FSDP2's blocks had compiled in 3.1 s, 3.3% of a 1,000-batch run,
     `benchmarks/RESULTS.md` 2026-12-06)."""
     if fsdp2 is None or world_size != 1 or pipeline or not auto or fsdp2.on_one_rank in ("keep", "unshard"):

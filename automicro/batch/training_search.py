@@ -708,10 +708,11 @@ class TrainingSearch:
                               optimizers: Sequence[Any]) -> bool:
         """Size 1 ran, but on some rank its peak with the optimizer state the first step added does not fit: above the
         floor the policy searches below (`policy._projected_to_fail`); at it there is nowhere lower, and the next batch
-        would run out at size 1, be rerun once and run out again before the ladder stepped (one H100, Llama-3.2 3B's
-        shape at 196,608 tokens a sample: batch 1 ran out twice). The ladder's next layout rung now, between batches,
-        every rank alike (the agreed verdict), and the size searched again from the next batch; True where it stepped.
-        Not the host offload (`FloorLadder.step`): that rung stays on the OOM's path."""
+        would run out at size 1, be rerun once and run out again before the ladder stepped (tests/test_ladder.py's
+        14 MB cap, tests/test_head.py's head rung). The ladder's next layout rung now, between batches, every rank
+        alike (the agreed verdict), and the size searched again from the next batch; True where it stepped. Not the
+        host offload (`FloorLadder.step`): that rung stays on the OOM's path (one H100, Llama-3.2 3B's shape at 196,608
+        tokens a sample: batch 1 ran out twice before it, `benchmarks/RESULTS.md` "the host offload")."""
         assert self.policy is not None
         if not self._optimizer_pending or not self.config.use_prediction or self.config.unit != "samples":
             return False
