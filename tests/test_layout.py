@@ -955,8 +955,8 @@ def test_recompute_is_measured_then_tried_at_the_larger_size_it_fits_and_never_u
     assert restored.settled == (RECOMPUTE,) and restored.fits_up_to == {RECOMPUTE: 4} and restored.upsized_from == [2]
 
 
-def _measure_up(search: LayoutSearch, trade: str, found: int, fits_up_to, base: tuple = ()) -> list[str]:
-    layout, lines = search.layout_for_batch(True, lambda t: None, found, found, None, 1)
+def _measure_up(search: LayoutSearch, trade: str, found: int, fits_up_to, base: tuple = (), priced=None) -> list[str]:
+    layout, lines = search.layout_for_batch(True, lambda t: None, found, found, None, 1, priced=priced)
     trial = search.trial
     assert trial is not None and trial.measure and trial.trades == (trade,) and (trial.size, trial.from_size) == (1, found), lines
     assert layout == tuple(t for t in (RECOMPUTE, RECOMPUTE_OP) if t in (trade, *base)) or layout == (trade,), layout
@@ -990,7 +990,9 @@ def test_op_is_tried_up_where_full_recompute_did_not_pay_and_full_then_from_the_
         "layout trade recompute (activation checkpointing on): fits microbatch 6 at most (how)"
     result, _ = step(2, 3.0, 2.0)  # full at 6 slower than none at 2
     assert not result.kept and result.size == 6 and search.settled == () and search.upsized_from == [2]
-    lines = _measure_up(search, RECOMPUTE_OP, 2, 4)
+    lines = _measure_up(search, RECOMPUTE_OP, 2, 4, priced=priced)
+    # Its measuring batch is priced with the whole sequence (that batch, both compiles, the arms): not ``measured``.
+    assert prices[-1][1:] == ("upsize", {"microbatches": 1.0, "selective": 1.0}), prices
     assert lines == [
         "recompute: op's bytes measured in one batch at microbatches 1 and 2 (found 2 with none): a larger microbatch "
         "may fit with it",
@@ -1000,7 +1002,9 @@ def test_op_is_tried_up_where_full_recompute_did_not_pay_and_full_then_from_the_
     result, lines = step(2, 1.0, 2.0)  # op at 4 faster than none at 2
     assert lines[0] == ("recompute: op (matrix products and attention kept) at microbatch 4 against none at 2, the size "
                         "found: 1 batches with it at 4, as many without at 2"), lines
-    assert prices[-1] == ("recompute_op at 4", "upsize", {"microbatches": 1.0, "selective": 1.0}), prices
+    # Priced after its measuring batch: that batch and its compile are spent (`trial_price`'s ``measured``).
+    assert prices[-1] == ("recompute_op at 4", "upsize", {"microbatches": 1.0, "selective": 1.0, "measured": 1.0}), prices
+    assert prices[0] == ("recompute at 6", "upsize", {"microbatches": 1.0, "measured": 1.0}), prices
     assert result.kept and result.size == 4 and search.settled == (RECOMPUTE_OP,) and search.op_upsized_from == [2]
     assert result.line().startswith("recompute: op (matrix products and attention kept) at microbatch 4 against none at "
                                     "2, the size found: op kept; median batch 1.0000 s op, 2.0000 s none"), result.line()

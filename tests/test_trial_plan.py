@@ -184,7 +184,8 @@ def test_a_full_recompute_tried_down_to_op_is_priced_by_the_matrix_products_it_n
 def test_op_tried_up_is_priced_by_the_work_it_recomputes_outside_the_matrix_products_and_two_selective_compiles():
     """An upsize trial: the microbatches it saves less what it recomputes. Full: a quarter of the busy time; the ``op``
     rung tried up from none (``selective``): a quarter of the busy time beyond the matrix products and attention, and
-    its selective graph compiled at the measuring split and at the new size."""
+    its selective graph compiled at the measuring split and at the new size; after its measuring batch (``measured``)
+    only the compile at the new size, the arms and one OOM's rerun are left to price."""
     products = BatchProfile(1.0, idle_s=0.02, fsdp_s=0.03, comm_s=0.02, fusable_s=0.05, device="cuda", products_s=0.6)
     m = _measured(profile=products, microbatches=4)
     a = m.microbatch_s()[0]
@@ -194,6 +195,15 @@ def test_op_tried_up_is_priced_by_the_work_it_recomputes_outside_the_matrix_prod
     assert op.cost_s - full.cost_s == pytest.approx(4.0 + 3 * (abs(op.win_s) - abs(full.win_s))), (op.cost_s, full.cost_s)
     assert "outside the matrix products and attention recomputed" in op.basis and "selective graph at two sizes" in op.costs
     assert "the forward recomputed" in full.basis and "selective" not in full.costs
+    # After its measuring batch, the trial at the size the measured bytes fit: that batch and the selective graph's first
+    # compile are spent; one compile (at the new size), its arms and one batch an OOM may rerun are left.
+    op_after = price("recompute_op at 6", "upsize", m, microbatches=2, selective=1, measured=1)
+    full_after = price("recompute at 8", "upsize", m, microbatches=2, measured=1)
+    assert op_after.win_s == op.win_s and full_after.win_s == full.win_s
+    assert op.cost_s - op_after.cost_s == pytest.approx(4.0 + m.batch_s), (op.cost_s, op_after.cost_s)
+    assert full.cost_s - full_after.cost_s == pytest.approx(m.batch_s), (full.cost_s, full_after.cost_s)
+    assert op_after.costs == "a compile of the blocks' selective graph at the new size, its arms' batches and one batch an OOM may rerun"
+    assert "measuring" not in full_after.costs and "a compile at the new size" in full_after.costs
 
 
 def test_the_budget_goes_to_the_trials_worth_most_and_keeps_within_one_percent():

@@ -731,6 +731,8 @@ class TrainingSearch:
                            projected=figures)
         if line is None:
             return False
+        self.batch_retries = verdict.any_new_alloc_retries  # as `_after_success` keeps it (the dashboards, the plan)
+        self.kind.trained()
         self._search_again(ladder.last)
         self._record(batch_index, sizes, "ok", verdict, self.policy.state.size, seconds,
                      f"size 1 does not fit with the optimizer state: {ladder.last}, the size searched again from the next batch")

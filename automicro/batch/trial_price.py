@@ -191,7 +191,8 @@ def _pct(seconds: float, m: Measured) -> str:
 def price(label: str, kind: str, m: Measured, **facts: float) -> Optional[Price]:
     """The price of trial `label` of `kind` (`KINDS`), or None where it cannot be priced (no profile for a kind
     that needs one). `facts`: ``microbatches`` (the trial arm's count: a size trial's, a downsize or upsize
-    trial's), ``trades`` (a downsize trial's trades, joined by "+"), ``unsharded`` (1: the scope trial would
+    trial's), ``trades`` (a downsize trial's trades, joined by "+"), ``selective`` and ``measured`` (an upsize trial
+    of the ``op`` rung; one after its measuring batch), ``unsharded`` (1: the scope trial would
     compile the model's unsharded twin), ``compiles`` (0: the trial compiles nothing), ``fraction`` (a token budget's
     size trial: its share of the budget found)."""
     p, w = m.profile, m.batch_s
@@ -296,18 +297,26 @@ def price(label: str, kind: str, m: Measured, **facts: float) -> Optional[Price]
         # measured the largest microbatch is not known: priced at the whole batch in one (the most it can win).
         # ``selective`` (the ``op`` rung, up from none): only the work outside the matrix products and attention runs
         # again; a compiled block compiles its selective graph at the measuring split and at the new size.
+        # ``measured``: the trial at the size its measured bytes fit, after its measuring batch: that batch and the
+        # compile it made are spent (priced again, Mixtral's ``op`` on one H100 was refused 12.3 s short of its 19.8 s
+        # after its measuring batch had spent 17.4 s of it), the compile at the new size and its arms' batches are left.
         selective = bool(facts.get("selective"))
+        measured = bool(facts.get("measured"))
         busy = p.wall_s - p.idle_s
         recomputed = RECOMPUTE_OF_BUSY * (max(0.0, busy - p.products_s) if selective else busy)
         win = (n - count) * a - recomputed
-        compile_s = graph * (2.0 if selective else 1.0)
+        compile_s = graph * (2.0 if selective and not measured else 1.0)
         what = (f"the work outside the matrix products and attention recomputed ({RECOMPUTE_OF_BUSY:g} x the device's busy "
                 f"time beyond them, {_pct(max(0.0, busy - p.products_s), m)})" if selective else
                 f"the forward recomputed ({RECOMPUTE_OF_BUSY:g} x the device's busy time)")
-        return Price(label, kind, win, compile_s + _arms(win, m) + 2 * w,
-                     f"{n - count} fewer microbatch(es) at {_pct(a, m)} each ({a_from}), less {what}",
-                     "a measuring batch, " + ("a compile of the blocks' selective graph at two sizes" if selective else "a compile at the new size")
-                     + " and its arms' batches")
+        if measured:
+            costs = ("a compile of the blocks' selective graph at the new size" if selective else "a compile at the new size")
+            costs = (costs + ", " if graph else "") + "its arms' batches and one batch an OOM may rerun"
+        else:
+            costs = ("a measuring batch, " + ("a compile of the blocks' selective graph at two sizes" if selective else
+                                              "a compile at the new size") + " and its arms' batches")
+        return Price(label, kind, win, compile_s + _arms(win, m) + (1 if measured else 2) * w,
+                     f"{n - count} fewer microbatch(es) at {_pct(a, m)} each ({a_from}), less {what}", costs)
     raise ValueError(f"unknown kind of trial {kind!r}; known: {KINDS}")
 
 

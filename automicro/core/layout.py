@@ -899,7 +899,8 @@ class LayoutSearch:
                 if self.trial is not None:
                     trial = self.trial
                     count = 1 if trial.measure else (count_at(trial.size) if count_at and trial.size else 1)
-                    facts = {"microbatches": float(count), **({"selective": 1.0} if trial.up else {})}
+                    facts = {"microbatches": float(count), **({"selective": 1.0} if trial.up else {}),
+                             **({} if trial.measure else {"measured": 1.0})}
                     why = priced(trial.label, "upsize", facts)
                     if why is not None:
                         lines.append(f"{trial.heading()}: not tried: {why}")
