@@ -20,7 +20,7 @@ import logging
 import statistics
 import time
 import traceback
-from typing import Any, Optional, Sequence, TypeVar
+from typing import Any, Optional, TypeVar
 
 import torch
 
@@ -459,7 +459,7 @@ class TrainingSearch:
         if adopted is not None:
             self.runtime.info(self.policy.observe(search.Adopt(adopted)).event)
         # A layout trial's "with" batch does not feed the memory model (its trade's bytes are in it).
-        if trial_batch or not self._ladder_on_projection(verdict, batch_index, sizes, seconds, step.host.optimizers()):
+        if trial_batch or not self._ladder_on_projection(verdict, batch_index, sizes, seconds, step.host):
             self._after_success(verdict, batch_index, sizes, seconds, () if trial_batch else peaks, trial_batch)
         self._optimizer_pending = 0  # the step created the state: evals and later batches hold it
         self._static_shapes().after_batch(step.attempts, sizes)
@@ -705,7 +705,7 @@ class TrainingSearch:
         return undone
 
     def _ladder_on_projection(self, verdict: Verdict, batch_index: int, sizes: tuple[int, ...], seconds: float,
-                              optimizers: Sequence[Any]) -> bool:
+                              host: BatchHost) -> bool:
         """Size 1 ran, but on some rank its peak with the optimizer state the first step added does not fit: above the
         floor the policy searches below (`policy._projected_to_fail`); at it there is nowhere lower, and the next batch
         would run out at size 1, be rerun once and run out again before the ladder stepped (tests/test_ladder.py's
@@ -727,7 +727,7 @@ class TrainingSearch:
             return False
         figures = "; ".join(f"rank {r.rank}: peak {r.peak_bytes / 2**20:.1f} MiB with it, capacity "
                             f"{r.capacity_bytes / 2**20:.1f} MiB" for r in over)
-        line = ladder.step(batch_index, verdict, self._compile_scope(), self._sharding_choice(), optimizers,
+        line = ladder.step(batch_index, verdict, self._compile_scope(), self._sharding_choice(), host.optimizers(),
                            projected=figures)
         if line is None:
             return False
