@@ -306,6 +306,68 @@ def test_the_fused_head_goes_first_measured_then_timed_at_the_larger_size_it_fit
     assert FUSED_HEAD in resumed.kept and resumed.fits_up_to[FUSED_HEAD] == 12
 
 
+def test_a_fused_head_tried_past_the_margin_that_runs_out_is_tried_at_the_size_under_the_margin_once():
+    """Where the head's line puts a size under the capacity itself whose split runs fewer microbatches than the size
+    under the margin, its trial runs that size; out of memory there (or retrying the allocator), the batch is rerun
+    without it and the head is tried again from the same size found at the margin's size, once."""
+    search = _search()
+    _layout(search, found=7, size=6, largest_at=lambda n: min(n, 6) if n < 8 else n)
+    search.observe((FUSED_HEAD,), 1.0)
+    search.measured(None, "", fits_up_to=8, fallback=6)
+    layout, lines = _layout(search, found=7, size=6, largest_at=lambda n: min(n, 6) if n < 8 else n)
+    assert search.trial.size == 8 and layout == (FUSED_HEAD,), lines
+    resumed = _search()  # a checkpoint here keeps the size to fall back to
+    resumed.load_state_dict(search.state_dict())
+    assert resumed.fits_up_to[FUSED_HEAD] == 8 and resumed.fallback == {FUSED_HEAD: 6}
+    assert search.relieve((FUSED_HEAD,), "out of memory at size 8", 8) == FUSED_HEAD
+    assert search.fell_back == (FUSED_HEAD, 8, 6) and search.trial is None and search.fallback == {}
+    assert search.head_open(7) and search.fits_up_to[FUSED_HEAD] == 6
+    layout, lines = _layout(search, found=7, size=6, largest_at=lambda n: min(n, 6) if n < 8 else n)
+    assert search.trial.size is None and search.trial.trades == (FUSED_HEAD,), lines  # 6's split is 7's
+    assert lines == ["head: fused against plain at the size found (it fits microbatch 6 at most, no larger split than at "
+                     "7): 2 batches each"]
+    # Out of memory again (at the size found): the head is not tried a third time from there.
+    search.fell_back = None
+    assert search.relieve((FUSED_HEAD,), "out of memory at size 6", 6) == FUSED_HEAD
+    assert search.fell_back is None and not search.head_open(7)
+
+
+@pytest.mark.parametrize("family,peaks,capacity_mib,line", [
+    # Mixtral's 2 blocks on one H100 (16 x 4,096, gradients reduced once): (6, 6, 3, 1) measured, found 7 at (6, 5, 5).
+    ("mixtral", ((3, 72921.5 - 3 * 2433.92), (6, 72921.5)), 78036.1,
+     "head: fused fits microbatch 8 at most (2433.92 MiB per sample with it at microbatches 3 and 6, peak 72921.5 MiB at "
+     "6, capacity 78036.1 MiB; 6 under the 95% margin runs 3 microbatches, 8 under the capacity 2: tried at 8, at 6 if "
+     "it runs out)"),
+    # OLMoE's 6 blocks on one H100: measured at 1 and 4 on top of no_reshard; 10 ran at 93.2% of the card by hand.
+    ("olmoe", ((1, 63501.5 - 3 * 3456.08), (4, 63501.5)), 79086.6,
+     "head: fused fits microbatch 8 at most (3456.08 MiB per sample with it at microbatches 1 and 4, peak 63501.5 MiB at "
+     "4, capacity 79086.6 MiB; 7 under the 95% margin runs 3 microbatches, 8 under the capacity 2: tried at 8, at 7 if "
+     "it runs out)"),
+    # 5 is under the capacity itself, but its split runs as many microbatches as 4's: the margin's size alone.
+    ("margin", ((1, 1000.0), (2, 2000.0)), 5100.0, "head: fused fits microbatch 4 at most (1000.00 MiB per sample with "
+     "it at microbatches 1 and 2, peak 2000.0 MiB at 2, capacity 5100.0 MiB)"),
+])
+def test_the_head_line_names_a_size_past_the_margin_where_its_split_runs_fewer_microbatches(family, peaks, capacity_mib, line):
+    """The GPU's figures (`benchmarks/RESULTS.md`, 2026-12-07): the line under the margin stopped at 3 microbatches
+    where the card ran 2 (Mixtral 8 at 98% by hand, OLMoE 10 at 93%)."""
+    from automicro.batch.layout_trials import LayoutTrials
+    from automicro.core.layout import Trial
+    from automicro.core.policy import PolicyConfig, SearchPolicy
+    from automicro.engine.unsharded import UnshardedModel
+
+    trials = LayoutTrials(LayoutConfig.parse("auto"), UnshardedModel(module=torch.nn.Linear(2, 2), device=torch.device("cpu")),
+                          None, print, recoverable=True, pipeline=False)
+    trials.search = _search()
+    trials.search.trial = Trial((FUSED_HEAD,), size=6, from_size=7, measure=True)
+    policy = SearchPolicy(PolicyConfig(), 16)
+    trials._capacity, trials._batch_size = int(capacity_mib * 2**20), 16
+    trials._count_at = lambda n: len(policy.split_for(n))
+    assert trials._measured_upsize([(size, int(peak * 2**20)) for size, peak in peaks]) == line
+    fits = int(line.split("fits microbatch ")[1].split()[0])
+    assert trials.search.fits_up_to[FUSED_HEAD] == fits
+    assert trials.search.fallback == ({} if family == "margin" else {FUSED_HEAD: 6 if family == "mixtral" else 7})
+
+
 def test_a_fused_head_that_fits_no_larger_split_is_timed_at_the_size_found_and_one_its_price_rules_out_is_said():
     search = _search()
     _layout(search)

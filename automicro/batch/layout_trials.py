@@ -138,18 +138,37 @@ class LayoutTrials:
                  "microbatches": float(self._microbatches)}
         if found is None or count_at is None or peak_at is None or not head or not self._capacity or not self._batch_size:
             return facts
-        fits = found
+        fits = under = found
         for n in range(found + 1, self._batch_size + 1):
             projected = peak_at(n)
             if projected is None:
                 break
             largest, peak = projected
-            if peak - largest * head > self._capacity * SAFETY_MARGIN:
+            if peak - largest * head > self._capacity:
                 break
-            fits = n
+            under = n
+            if peak - largest * head <= self._capacity * SAFETY_MARGIN:
+                fits = n
+        fits = self._past_margin(fits, under) or fits  # as its trial will choose (`_measured_upsize`)
         facts["microbatches"] = float(count_at(fits))
         facts["fits"] = float(fits)
         return facts
+
+    def _past_margin(self, margin: int, capacity: Optional[int]) -> Optional[int]:
+        """A size past the policy's margin worth its risk: where the largest size a measured line puts under the
+        capacity itself (`capacity`) runs fewer microbatches than the largest under the margin (`margin`), the
+        smallest size that runs as few; None where there is none (or no split to count). The margin is there for a
+        line extrapolated past the sizes it was measured at; a microbatch more for it is a batch's fixed work again
+        (Mixtral's 2 blocks on one H100: the fused head's line put 6 under the margin, 3 microbatches, and 8 under the
+        capacity, 2; 8 ran at 98% of the card by hand, 4% faster). The trial at that size is the check: where it runs
+        out, its trade is tried at `margin` (`automicro.core.layout.LayoutSearch.relieve`)."""
+        count_at = self._count_at
+        if count_at is None or capacity is None or capacity <= margin:
+            return None
+        fewest = count_at(capacity)
+        if fewest >= count_at(margin):
+            return None
+        return next(n for n in range(margin + 1, capacity + 1) if count_at(n) == fewest)
 
     @property
     def running(self) -> bool:
@@ -398,17 +417,27 @@ class LayoutTrials:
         `automicro.core.policy.near_split`): its own memory model
         (fixed bytes and bytes per sample through the smallest and largest microbatch's peaks) gives
         the largest microbatch under the policy's margin, at most the batch."""
-        fits_up_to, how = None, ""
+        fits_up_to, how, fallback = None, "", None
         if len(by_size) >= 2 and self._capacity and self._batch_size:
             (s1, p1), (s2, p2) = by_size[0], by_size[-1]
-            largest = predict_max_size(((s1, p1, self._capacity), (s2, p2, self._capacity)), SAFETY_MARGIN)
+            samples = ((s1, p1, self._capacity), (s2, p2, self._capacity))
+            largest = predict_max_size(samples, SAFETY_MARGIN)
             if largest is not None and largest >= 1:
                 fits_up_to = min(largest, self._batch_size)
                 how = (
                     f"{(p2 - p1) / (s2 - s1) / 2**20:.2f} MiB per sample with it at microbatches {s1} and {s2}, "
                     f"peak {p2 / 2**20:.1f} MiB at {s2}, capacity {self._capacity / 2**20:.1f} MiB"
                 )
-        return self.search.measured(None, how, fits_up_to=fits_up_to, capacity=self._capacity)
+                under = predict_max_size(samples, 1.0)
+                past = self._past_margin(fits_up_to, None if under is None else min(under, self._batch_size))
+                if past is not None and self._count_at is not None:
+                    fallback, fits_up_to = fits_up_to, past
+                    how += (
+                        f"; {fallback} under the {100 * SAFETY_MARGIN:g}% margin runs {self._count_at(fallback)} "
+                        f"microbatches, {past} under the capacity {self._count_at(past)}: tried at {past}, at "
+                        f"{fallback} if it runs out"
+                    )
+        return self.search.measured(None, how, fits_up_to=fits_up_to, capacity=self._capacity, fallback=fallback)
 
     @property
     def trial_size(self) -> Optional[int]:
@@ -434,6 +463,7 @@ class LayoutTrials:
         if self.engine is None:
             return None
         running = self.search.trial is not None
+        self.search.fell_back = None
         undone = self.search.relieve(self.layout, why, size, self._capacity)
         self._timing = False
         if running:
@@ -441,6 +471,11 @@ class LayoutTrials:
         if undone is not None:
             self._apply(self.search.settled)
             self._info(f"layout: undid {undone} ({why}); layout now: {describe(self.layout)}")
+        if self.search.fell_back is not None:
+            trade, past, below = self.search.fell_back
+            what = "head: fused" if trade == FUSED_HEAD else f"layout trade {trade}"
+            self._info(f"{what} at microbatch {past}, past the margin, did not fit ({why}): tried at {below}, the "
+                       f"size under the {100 * SAFETY_MARGIN:g}% margin, next")
         return undone
 
     def head_failed(self, what: str) -> bool:

@@ -409,6 +409,12 @@ class LayoutSearch:
         # For a trade in UPSIZE: the largest microbatch its measured memory model fits under the
         # margin (None: its measuring batch ran out of memory or could not be read; never again).
         self.fits_up_to: dict[str, Optional[int]] = {}
+        # For a trade in UPSIZE or GROWS whose `fits_up_to` is past the margin (a size its model puts under the capacity
+        # itself, whose split runs fewer microbatches than the margin's): the size under the margin. Where its trial at
+        # the larger size runs out (or retries the allocator), the trade is tried again at this one, once.
+        self.fallback: dict[str, int] = {}
+        # (trade, the size that ran out, the size it falls back to) of the last `relieve` that fell back, for its line.
+        self.fell_back: Optional[tuple[str, int, int]] = None
         # The sizes found from which an upsize trial ran or was passed over: never again from those (``op``'s own list:
         # passed over at a size found, full is still tried from it).
         self.upsized_from: list[int] = []
@@ -601,6 +607,7 @@ class LayoutSearch:
                 del self.failed_under[trade]
                 self.fits_up_to.pop(trade, None)
                 self.fits_capacity.pop(trade, None)
+                self.fallback.pop(trade, None)
                 self.upsized_from.clear()
                 self.op_upsized_from.clear()
                 lines.append(
@@ -786,7 +793,7 @@ class LayoutSearch:
                 continue
             del self.kept_under[trade]
             self.kept.remove(trade)
-            for table in (self.fits_up_to, self.fits_capacity, self.failed_under):
+            for table in (self.fits_up_to, self.fits_capacity, self.failed_under, self.fallback):
                 table.pop(trade, None)
             self.upsized_from.clear()
             self.op_upsized_from.clear()
@@ -962,15 +969,22 @@ class LayoutSearch:
 
     def measured(
         self, line: Optional[tuple[float, float]], how: str = "", fits_up_to: Optional[int] = None, capacity: int = 0,
+        fallback: Optional[int] = None,
     ) -> str:
         """The measuring batch's result (agreed): for a trade in MEASURED, the memory model of the layout with it
         (`line`: fixed bytes and bytes per sample; None where they could not be told; `how`: the figures, for the
         console); for a trade in UPSIZE or GROWS, the largest microbatch its model fits (`fits_up_to`; None: could not
-        be told). Ends the measurement; returns its console line."""
+        be told) and, where that size is past the policy's margin, the size under it (`fallback`: tried where the
+        larger one runs out, `relieve`). Ends the measurement; returns its console line."""
         trial = self.trial
         assert trial is not None and trial.measure
         self.trial = None
         trade = trial.trades[0]
+        if trade in self.upsize + GROWS:
+            if fallback is not None and fits_up_to is not None and fallback < fits_up_to:
+                self.fallback[trade] = int(fallback)
+            else:
+                self.fallback.pop(trade, None)
         if trade in GROWS:
             self.fits_up_to[trade] = fits_up_to
             if fits_up_to is None:
@@ -1055,6 +1069,19 @@ class LayoutSearch:
                 else:
                     self.lines[trial.trades[0]] = None
             if set(trial.trades) <= set(failed_layout):
+                trade = trial.trades[0]
+                if (trial.upsize and not trial.measure and len(trial.trades) == 1 and trade in self.fallback
+                        and self.fits_up_to.get(trade) == trial.size):
+                    # Past the margin and it ran out: tried again at the size under the margin (its first try's one
+                    # batch rerun is what the larger size risked), from the same size found.
+                    below = self.fallback.pop(trade)
+                    self.fits_up_to[trade] = below
+                    assert trial.from_size is not None
+                    done = self.head_from if trade in GROWS else self._upsized_list(trade)
+                    if trial.from_size in done:
+                        done.remove(trial.from_size)
+                    self.fell_back = (trade, int(trial.size), below)
+                    return trial.trade
                 if trial.upsize and not trial.measure:
                     # Its model was wrong at that size: not tried again this run (each try that runs
                     # out costs memory other processes on the card may take), unless the capacity
@@ -1093,6 +1120,7 @@ class LayoutSearch:
             # Only once measured: a run without checkpointing keeps the state (and its bytes) it had.
             **({"lines": {t: None if v is None else v.to_list() for t, v in self.lines.items()}} if self.lines else {}),
             **({"fits_up_to": dict(self.fits_up_to)} if self.fits_up_to else {}),
+            **({"fallback": dict(self.fallback)} if self.fallback else {}),
             **({"upsized_from": list(self.upsized_from)} if self.upsized_from else {}),
             **({"op_upsized_from": list(self.op_upsized_from)} if self.op_upsized_from else {}),
             **({"sized": [list(pair) for pair in self.sized]} if self.sized else {}),
@@ -1129,6 +1157,9 @@ class LayoutSearch:
         }
         self.fits_up_to = {
             t: (None if v is None else int(v)) for t, v in state.get("fits_up_to", {}).items() if t in self.upsize + GROWS
+        }
+        self.fallback = {
+            t: int(n) for t, n in state.get("fallback", {}).items() if t in self.fits_up_to and self.fits_up_to[t] is not None
         }
         self.head_from = [int(n) for n in state.get("head_from", [])]
         self.upsized_from = [int(n) for n in state.get("upsized_from", [])]
