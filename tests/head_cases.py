@@ -9,6 +9,7 @@ from typing import Any, Callable
 import torch
 
 import automicro
+from automicro.testing.faults import FaultInjector
 
 VOCAB = 500
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -147,11 +148,13 @@ class ReadsLogits:
 
 
 def main_job(head: str, batches: int, more: tuple[str, ...] = (), fused_faster: bool = False,
-             extra: tuple[Any, ...] = ()) -> dict[str, Any]:
+             extra: tuple[Any, ...] = (), margin: float = 0.0) -> dict[str, Any]:
     """configs/tiny-cpu.yaml as `composer -n 2 -m automicro.train tiny-cpu` builds it (`automicro.composer.builders`),
     with `MAIN`, `callbacks.auto_microbatching.head=HEAD` and `more`, for `batches` batches. `fused_faster`: the
     layout trials' clock says a batch with the fused head takes 1 s, without it 2 s (a CPU's times say nothing of a
-    GPU's). `extra`: more callbacks."""
+    GPU's). `extra`: more callbacks. `margin`: the share of the capacity the fused head's measured line is read
+    under (0: the search's own, `SAFETY_MARGIN`), for this run."""
+    from automicro.batch import layout_trials
     from automicro.composer import builders
     from automicro.config import load_config
     from automicro.config.load import resolve_config
@@ -188,6 +191,8 @@ def main_job(head: str, batches: int, more: tuple[str, ...] = (), fused_faster: 
         original(state, logger)
 
     auto.batch_end = batch_end  # type: ignore[method-assign]
+    own_margin = layout_trials.SAFETY_MARGIN
+    layout_trials.SAFETY_MARGIN = margin or own_margin
     try:
         if fused_faster:
             assert auto.layout is not None
@@ -200,13 +205,16 @@ def main_job(head: str, batches: int, more: tuple[str, ...] = (), fused_faster: 
             "floor": None if auto.layout is None else list(auto.layout.search.floor),
         }
     finally:
+        layout_trials.SAFETY_MARGIN = own_margin
         trainer.close()
 
 
 def suite(rank: int, world: int) -> dict[str, Any]:
     """- ``main_plain``, ``main_fused``: the main job for 16 and 10 batches with `head: plain` and `head: fused`;
     - ``auto``: `head: auto` with the layout trials (`layout: auto`, the probe, unpriced: `bound_trials: false`, one
-      batch a side, no size trials), the fused head timed faster, 16 batches;
+      batch a side, no size trials), the fused head timed faster, 16 batches; its line read under 60% of the capacity
+      (the size there runs 2 microbatches, the whole batch fits under the capacity itself: the trial runs the whole
+      batch, past the margin), and rank 1 out of memory in the first microbatch of more than 7 samples (that trial's);
     - ``reads_logits``: the same for 10 batches with a callback that reads every forward's logits;
     - ``below_one``: `head: auto` under caps of 30 and 35 MB, where size 1 does not fit with the plain head even with
       full recompute (`head: plain` ends the run there), 4 batches."""
@@ -214,7 +222,8 @@ def suite(rank: int, world: int) -> dict[str, Any]:
     fused = main_job("fused", 10)
     auto = main_job("auto", 16, ("callbacks.auto_microbatching.layout=auto", "callbacks.auto_microbatching.start_size=probe",
                                  "callbacks.auto_microbatching.bound_trials=false", "callbacks.auto_microbatching.layout_trial_batches=1",
-                                 "callbacks.auto_microbatching.layout_size_trials=false"), fused_faster=True)
+                                 "callbacks.auto_microbatching.layout_size_trials=false"), fused_faster=True, margin=0.6,
+                    extra=(FaultInjector(site="forward", ranks=[1], above=7, times=1),))
     reads = main_job("auto", 10, ("callbacks.auto_microbatching.layout=auto", "callbacks.auto_microbatching.start_size=probe",
                                   "callbacks.auto_microbatching.bound_trials=false", "callbacks.auto_microbatching.layout_trial_batches=1",
                                   "callbacks.auto_microbatching.layout_size_trials=false"), fused_faster=True,

@@ -574,15 +574,27 @@ def test_the_main_job_with_a_large_vocabulary_finds_at_least_twice_the_microbatc
 def test_head_auto_measures_times_and_keeps_the_fused_head_at_the_larger_size_on_every_rank_alike(two_ranks):
     """`head: auto` (layout: auto, the probe, the fused head timed faster): measured in one batch, timed at the
     larger size it fits against the plain head at the size found, kept, the size adopted; every rank the same lines
-    and splits; every batch's loss the plain run's."""
+    and splits; every batch's loss the plain run's. Its line read under a margin where the size under it runs two
+    microbatches and the whole batch fits the capacity: tried at the whole batch first, out of memory there on rank 1
+    (injected: one batch rerun on both ranks), then tried and kept at the margin's size."""
     lines = [result["auto"]["lines"] for result in two_ranks]
     assert lines[0] == lines[1]
     run = two_ranks[0]["auto"]
     text = "\n".join(run["lines"])
     assert "head: auto: automicro-llama's head" in text and "head: the fused head's bytes measured in one batch" in text, text
+    measured = next(line for line in run["lines"] if line.startswith("head: fused fits microbatch "))
+    below = int(measured.split("% margin runs")[0].split("; ")[-1].split()[0])
+    assert measured.startswith("head: fused fits microbatch 8 at most (") and f"tried at 8, at {below} if it runs out" in measured
+    fell_back = next(line for line in run["lines"] if "past the margin, did not fit" in line)
+    assert fell_back.startswith("head: fused at microbatch 8, past the margin, did not fit (out of memory at size 8): tried "
+                                f"at {below}, the size under the 60% margin, next"), fell_back
     kept = next(line for line in run["lines"] if "fused kept; median batch" in line)
-    assert kept.startswith("head: fused at microbatch "), kept
-    assert run["found"] > two_ranks[0]["main_plain"]["found"] and run["head_fused"], run
+    assert kept.startswith(f"head: fused at microbatch {below} against plain at "), kept
+    assert 1 < below < 8 and [below] * (8 // below) + ([8 % below] if 8 % below else []) in run["splits"], run
+    rerun = next(line for line in run["lines"] if "-> oom on rank(s) [1]" in line)
+    plain_found = int(kept.split(" against plain at ")[1].split(",")[0])
+    assert rerun.endswith(f"(layout undone first; rerun at the size found, {plain_found}, now default)"), rerun
+    assert run["found"] == below > two_ranks[0]["main_plain"]["found"] and run["head_fused"], run
     assert run["splits"] == two_ranks[1]["auto"]["splits"]
     assert cases.loss_gap(run, two_ranks[0]["main_plain"]) < 1e-5, (run["losses"], two_ranks[0]["main_plain"]["losses"])
 

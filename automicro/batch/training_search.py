@@ -397,9 +397,12 @@ class TrainingSearch:
             undone = self._relieved_by_layout(f"out of memory at size {max(sizes)}", max(sizes))
             if undone is not None:
                 self.memory_truth.layout_undone(undone, max(sizes), batch_index)
+                # A trial's batch at its own size (an upsize or downsize trial's) is rerun at the size found.
+                rerun = max(self.policy.current_split()) if self.config.unit == "samples" else max(sizes)
+                where = "at the same size" if rerun == max(sizes) else f"at the size found, {rerun}"
                 self._record(
-                    batch_index, sizes, "oom", verdict, max(sizes), seconds,
-                    f"layout undone first; rerun at the same size, now {self.layout.describe()}", hooks=hooks_on,
+                    batch_index, sizes, "oom", verdict, rerun, seconds,
+                    f"layout undone first; rerun {where}, now {self.layout.describe()}", hooks=hooks_on,
                 )
                 continue
             try:
