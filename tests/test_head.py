@@ -585,9 +585,9 @@ def test_head_auto_measures_times_and_keeps_the_fused_head_at_the_larger_size_on
     measured = next(line for line in run["lines"] if line.startswith("head: fused fits microbatch "))
     below = int(measured.split("% margin runs")[0].split("; ")[-1].split()[0])
     assert measured.startswith("head: fused fits microbatch 8 at most (") and f"tried at 8, at {below} if it runs out" in measured
-    fell_back = next(line for line in run["lines"] if "past the margin, did not fit" in line)
-    assert fell_back.startswith("head: fused at microbatch 8, past the margin, did not fit (out of memory at size 8): tried "
-                                f"at {below}, the size under the 60% margin, next"), fell_back
+    fell_back = next(line for line in run["lines"] if ", past the margin: " in line)
+    assert fell_back == (f"head: fused at microbatch 8, past the margin: out of memory at size 8; tried at {below}, the "
+                         "size under the 60% margin, next"), fell_back
     kept = next(line for line in run["lines"] if "fused kept; median batch" in line)
     assert kept.startswith(f"head: fused at microbatch {below} against plain at "), kept
     assert 1 < below < 8 and [below] * (8 // below) + ([8 % below] if 8 % below else []) in run["splits"], run

@@ -474,8 +474,8 @@ class LayoutTrials:
         if self.search.fell_back is not None:
             trade, past, below = self.search.fell_back
             what = "head: fused" if trade == FUSED_HEAD else f"layout trade {trade}"
-            self._info(f"{what} at microbatch {past}, past the margin, did not fit ({why}): tried at {below}, the "
-                       f"size under the {100 * SAFETY_MARGIN:g}% margin, next")
+            self._info(f"{what} at microbatch {past}, past the margin: {why}; tried at {below}, the size under the "
+                       f"{100 * SAFETY_MARGIN:g}% margin, next")
         return undone
 
     def head_failed(self, what: str) -> bool:
