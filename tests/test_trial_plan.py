@@ -644,3 +644,55 @@ def test_a_trial_the_allocation_refused_for_the_budget_runs_when_its_turn_comes_
     plan.budget.win("layout", 100.0)
     assert plan.reprices("twin2")
     assert "under the 500% it must win" in plan.admit("twin2", "one_rank", 5.0, graphs=8.0) and not plan.reprices("twin2")
+
+
+def test_a_trial_at_a_new_size_is_priced_without_a_compile_once_the_last_new_size_compiled_nothing():
+    """Dynamo marks the blocks' batch dimension dynamic at the second size it sees: later sizes run the same graph.
+    Mixtral's fused head on one H100 was priced 10.2 s with a graph's compile (7-8 s) and cost 1.3 s; the opening
+    budget (9.2 s) refused it for that compile, and it ran 14 batches later. A new size 1 says nothing (dynamo
+    specializes it); the run's first batch neither (its first compile)."""
+    plan = TrialPlan([], _Consensus(), print, torch.device("cpu"))
+    graphs = [0]
+    plan.graphs = lambda: graphs[0]
+    plan.compile_s = lambda: 8.0
+
+    def batch(index: int, split: tuple[int, ...], compiled: int) -> None:
+        plan.before_batch(index, index > 1, ("configuration",))
+        graphs[0] += compiled
+        plan.after_batch(1, split=split)
+
+    assert plan._snapshot().sizes_compile  # nothing known: a new size compiles
+    for index, (split, compiled) in enumerate([((2, 2, 2, 2, 2, 2, 2, 2), 1), ((7, 7, 2), 1), ((7, 7, 2), 0)]):
+        batch(index, split, compiled)
+    plan.before_batch(3, True, ("configuration",))
+    assert plan._snapshot().sizes_compile  # 7 compiled (the graph made dynamic)
+    graphs[0] += 0
+    plan.after_batch(1, split=(6, 5, 5))
+    batch(4, (6, 6, 3, 1), 1)  # 3 and 1 new, 1's own graph compiled: no news of 3
+    plan.before_batch(5, True, ("configuration",))
+    measured = plan._snapshot()
+    assert not measured.sizes_compile and measured.graph_compile_s == 8.0
+    profile = BatchProfile(wall_s=1.0, idle_s=0.1, fsdp_s=0.02, comm_s=0.0, fusable_s=0.2, head_s=0.3, head_eager_s=0.2)
+    facts = dict(microbatches=2.0, measure_microbatches=4.0, measure=1.0, near=1.0)
+    for sizes_compile in (True, False):
+        m = Measured(batch_s=1.0, left=900, planned=1000, profile=profile, microbatches=3, graph_compile_s=8.0,
+                     sizes_compile=sizes_compile)
+        head = price("fused_head", "fused_head", m, **facts)
+        full = price("recompute", "upsize", m, microbatches=1.0)
+        op = price("recompute_op", "upsize", m, microbatches=1.0, selective=1.0)
+        smaller = price("size 4", "smaller", m, microbatches=4.0)
+        assert ("a compile at the new size" in head.costs) is sizes_compile, head.costs
+        assert ("a compile at the new size" in full.costs) is sizes_compile, full.costs
+        assert ("a compile at the new size" in smaller.costs) is sizes_compile, smaller.costs
+        assert "selective graph at two sizes" in op.costs  # its own graph, whatever the sizes do
+        if not sizes_compile:
+            assert head.cost_s == pytest.approx(with_compile[0].cost_s - 8.0)
+            assert full.cost_s == pytest.approx(with_compile[1].cost_s - 8.0) and op.cost_s == with_compile[2].cost_s
+            assert head.costs == "a measuring batch near the size found, its arms' batches"
+            assert full.costs == "a measuring batch, its arms' batches"
+        with_compile = (head, full, op)
+    # The next new size compiles (a guard failed, the graph specialized): priced with one again.
+    plan.after_batch(1, split=(8, 8))
+    graphs[0] += 1
+    plan.before_batch(6, True, ("configuration",))
+    assert plan._snapshot().sizes_compile

@@ -137,6 +137,10 @@ class TrialPlan:
         self.points: list[tuple[int, int, float, int]] = []  # (microbatches, samples, seconds, batch) of clean batches
         self.retried: dict[int, bool] = {}  # {steady batch: allocator retries in it}
         self._batch_split: dict[int, tuple[int, ...]] = {}
+        self._sizes_seen: set[int] = set()  # the microbatch sizes trained so far
+        # Whether the last batch that trained a microbatch size of 2 or more not trained before compiled a graph (None:
+        # none has yet): a trial at a new size compiles where it did (`trial_price.Measured.sizes_compile`).
+        self._new_size_compiled: Optional[bool] = None
         self._graphs_at = 0
         self._started: Optional[tuple[int, float]] = None
         self.first: Optional[int] = None  # this run's first batch
@@ -186,6 +190,7 @@ class TrialPlan:
         if self._started is not None and self._started[0] == batch - 1:
             self.seconds[batch - 1] = now - self._started[1]
             self.compiled[batch - 1] = max(0, graphs - self._graphs_at)
+            self._sizes_trained(batch - 1)
             self._clocked(batch - 1)
         self._started, self._batch, self._graphs_at = (batch, now), batch, graphs
         self.first = batch if self.first is None else self.first
@@ -285,9 +290,9 @@ class TrialPlan:
         steady = [b for b in self.retried if self.held.get(b) is None]
         retried = sum(1 for b in steady if self.retried[b]) / len(steady) if steady else 0.0
         local = [self._local_reference(), float(fit is not None), max(0.0, fit or 0.0), retried, self.compile_s(),
-                 self.padding_share(), self.first_batch_s()]
+                 self.padding_share(), self.first_batch_s(), float(self._new_size_compiled is not False)]
         agreed = [v / 1e6 for v in self.consensus.agree_max([int(round(max(0.0, v) * 1e6)) for v in local])]
-        batch_s, has_fit, fit_s, retried_share, compile_s, padding, first_s = agreed
+        batch_s, has_fit, fit_s, retried_share, compile_s, padding, first_s, sizes_compile = agreed
         fit_s = fit_s if has_fit else None
         profile = self.profile if self.profile is not None and self.profiled_for is not None else None
         self._reference_s = batch_s or 0.0
@@ -300,6 +305,7 @@ class TrialPlan:
             profile=profile, microbatches=max(1, len(split)), microbatch_fit_s=fit_s, retried_share=retried_share or 0.0,
             graph_compile_s=compile_s or 0.0, blocks=self.blocks(), padding_share=padding or 0.0,
             first_compile_s=max(0.0, first_s - (self._reference_s or batch_s)) if first_s and compile_s else 0.0,
+            sizes_compile=bool(sizes_compile),  # where any rank's last new size compiled
         )
 
     def _local_reference(self) -> float:
@@ -461,6 +467,16 @@ class TrialPlan:
             for old in [b for b in table if b < before]:
                 del table[old]
         self.points = [p for p in self.points if p[3] >= before]
+
+    def _sizes_trained(self, batch: int) -> None:
+        """Batch `batch`'s graphs are counted: where it trained a microbatch size not trained before, whether it
+        compiled one. Not the run's first batch (its first compile), nor one with a new size 1 (dynamo specializes 1:
+        it compiles where the other sizes share one graph)."""
+        split = self._batch_split.get(batch, ())
+        new = set(split) - self._sizes_seen
+        self._sizes_seen.update(split)
+        if new and batch != self.first and 1 not in new:
+            self._new_size_compiled = bool(self.compiled.get(batch))
 
     def _clocked(self, batch: int) -> None:
         """Batch `batch`'s seconds are in: a clean batch is a point of the microbatch cost model; a trial's batch adds

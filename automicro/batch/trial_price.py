@@ -10,6 +10,11 @@ priced instead, from what this run has already measured:
   FSDP2's own work and collectives spread over its microbatches (they repeat per microbatch);
 - the allocator's retries in the settled batches (a smaller microbatch wins mainly where the largest retries);
 - one graph's compile, as dynamo timed this run's compiles (`compile_s`), and the compiled blocks' count;
+- whether a microbatch size the run has not trained yet compiles a graph (`sizes_compile`): the last batch that
+  trained one (2 or more: dynamo specializes 1) compiled none once the blocks' graph is dynamic in the batch (dynamo
+  marks it so at the second size it sees); a trial at a new size then costs no compile. Mixtral's and OLMoE's fused
+  head on one H100 were priced 10.2 and 9.7 s with one (a graph's median compile, 7-8 s) and cost 1.3 and 0.7 s, and
+  the opening budget refused them for it;
 - the blocks' whole first compile, as this launch's first batch took it beyond a settled batch (`first_compile_s`):
   a compile that does it again (the static recompile, the twin's blocks) costs at least that. One graph's median
   under-prices a block whose graph breaks: a routed model's experts on one H100 (transformers 5.17, 18 graphs)
@@ -116,6 +121,7 @@ class Measured:
     graph_compile_s: float = 0.0  # one graph's compile as timed here (0: nothing compiled)
     blocks: int = 0  # compiled blocks (0: eager)
     first_compile_s: float = 0.0  # the first batch's seconds beyond a settled batch, where it ran in one attempt (0: unknown)
+    sizes_compile: bool = True  # a microbatch size not trained yet compiles a graph (False: the last one did not)
     padding_share: float = 0.0  # budget: tokens: share of the trained tokens that were padding
 
     def microbatch_s(self) -> tuple[float, str]:
@@ -198,6 +204,7 @@ def price(label: str, kind: str, m: Measured, **facts: float) -> Optional[Price]
     p, w = m.profile, m.batch_s
     compiles = facts.get("compiles", 1.0) and m.graph_compile_s > 0
     graph = m.graph_compile_s if compiles else 0.0
+    sized = graph if m.sizes_compile else 0.0  # the compile a trial at a new microbatch size makes (the same graph else)
     # The blocks compiled again: at least what their first compile took (`first_compile_s`).
     blocks_again = max(graph, m.first_compile_s if compiles else 0.0)
     if kind == "static":
@@ -270,7 +277,7 @@ def price(label: str, kind: str, m: Measured, **facts: float) -> Optional[Price]
             measure = max(0, measuring - n) * a + NOISE * w
         else:
             measure = HEAD_MEASURE_BATCHES * w
-        compile_s = graph if count != n else 0.0
+        compile_s = sized if count != n else 0.0
         basis = (f"{HEAD_EAGER_SAVED:g} x the head's eager work ({_pct(p.head_eager_s, m)})"
                  + (f" and {n - count} fewer microbatch(es) at {_pct(a, m)} each ({a_from})" if count != n else ""))
         where = "near the size found" if facts.get("near", 0.0) else "at the probe's split"
@@ -285,13 +292,13 @@ def price(label: str, kind: str, m: Measured, **facts: float) -> Optional[Price]
         basis = (f"{count - n} more microbatch(es) at {_pct(a, m)} each ({a_from})"
                  + (f", less the allocator's retries in {100 * m.retried_share:.0f}% of the settled batches (the idle, {_pct(p.idle_s, m)})" if retry else "; no allocator retries at the size found")
                  + (f", less padding ({100 * m.padding_share:.1f}% of the tokens)" if padding else ""))
-        return Price(label, kind, win, graph + _arms(win, m), basis, "a compile at the new size and its arms' batches" if graph else "its arms' batches")
+        return Price(label, kind, win, sized + _arms(win, m), basis, "a compile at the new size and its arms' batches" if sized else "its arms' batches")
     if kind == "downsize":
         gains = sum(price(label, t, m).win_s for t in str(facts.get("trades", "")).split("+") if t in TRADE_OF_FSDP_AND_COMM or t in RECOMPUTE_TRADES)
         win = gains - (count - n) * a
-        return Price(label, kind, win, graph + _arms(win, m) + w,
+        return Price(label, kind, win, sized + _arms(win, m) + w,
                      f"its trades' estimates less {count - n} more microbatch(es) at {_pct(a, m)} each ({a_from})",
-                     "a compile at the new size, its arms' batches and one batch an OOM may rerun")
+                     ("a compile at the new size, " if sized else "") + "its arms' batches and one batch an OOM may rerun")
     if kind == "upsize":
         # Checkpointing on for a larger microbatch: fewer microbatches, the forward recomputed. Before its bytes are
         # measured the largest microbatch is not known: priced at the whole batch in one (the most it can win).
@@ -305,16 +312,17 @@ def price(label: str, kind: str, m: Measured, **facts: float) -> Optional[Price]
         busy = p.wall_s - p.idle_s
         recomputed = RECOMPUTE_OF_BUSY * (max(0.0, busy - p.products_s) if selective else busy)
         win = (n - count) * a - recomputed
-        compile_s = graph * (2.0 if selective and not measured else 1.0)
+        # Full recompute's hooks sit outside the compiled forward: its new size is the size's compile alone.
+        compile_s = graph * (2.0 if not measured else 1.0) if selective else sized
         what = (f"the work outside the matrix products and attention recomputed ({RECOMPUTE_OF_BUSY:g} x the device's busy "
                 f"time beyond them, {_pct(max(0.0, busy - p.products_s), m)})" if selective else
                 f"the forward recomputed ({RECOMPUTE_OF_BUSY:g} x the device's busy time)")
         if measured:
             costs = ("a compile of the blocks' selective graph at the new size" if selective else "a compile at the new size")
-            costs = (costs + ", " if graph else "") + "its arms' batches and one batch an OOM may rerun"
+            costs = (costs + ", " if compile_s else "") + "its arms' batches and one batch an OOM may rerun"
         else:
-            costs = ("a measuring batch, " + ("a compile of the blocks' selective graph at two sizes" if selective else
-                                              "a compile at the new size") + " and its arms' batches")
+            costs = ("a measuring batch, " + ("a compile of the blocks' selective graph at two sizes and " if selective else
+                                              "a compile at the new size and " if compile_s else "") + "its arms' batches")
         return Price(label, kind, win, compile_s + _arms(win, m) + (1 if measured else 2) * w,
                      f"{n - count} fewer microbatch(es) at {_pct(a, m)} each ({a_from}), less {what}", costs)
     raise ValueError(f"unknown kind of trial {kind!r}; known: {KINDS}")
