@@ -463,7 +463,6 @@ class LayoutTrials:
         if self.engine is None:
             return None
         running = self.search.trial is not None
-        self.search.fell_back = None
         undone = self.search.relieve(self.layout, why, size, self._capacity)
         self._timing = False
         if running:

@@ -1057,7 +1057,9 @@ class LayoutSearch:
         """Memory pressure at the settled size in a batch run at `failed_layout` (largest microbatch
         `size`): undo the trade on trial if it was on, else the last kept trade but one in UPSIZE (a
         trial whose trade was off ends untried). Returns the trade undone; None when none is left
-        (the size policy acts then). A downsize or upsize trial's trades stay where they were."""
+        (the size policy acts then). A downsize or upsize trial's trades stay where they were. `fell_back` says
+        whether this call sent a trade tried past the margin back to the margin's size."""
+        self.fell_back = None
         if self.trial is not None and self.trial.sized:
             self.trial = None  # no trade to undo: the trial ends (its pair is not tried again)
         elif self.trial is not None:
