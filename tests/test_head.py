@@ -368,6 +368,41 @@ def test_the_head_line_names_a_size_past_the_margin_where_its_split_runs_fewer_m
     assert trials.search.fallback == ({} if family == "margin" else {FUSED_HEAD: 6 if family == "mixtral" else 7})
 
 
+def test_the_heads_price_counts_the_size_past_the_margin_and_the_batch_an_oom_there_may_rerun():
+    """Mixtral's 2 blocks on one H100 (`benchmarks/RESULTS.md`, 2026-12-07): found 7 at (6, 5, 5), the plain head
+    2,433.92 MiB a sample; the head's facts count the split its trial runs (8: two microbatches, past the margin) and
+    its price adds the one batch an OOM there may rerun; where the margin's size is the trial's, nothing is added."""
+    from automicro.batch.layout_trials import LayoutTrials
+    from automicro.core.policy import PolicyConfig, SearchPolicy
+    from automicro.engine.unsharded import UnshardedModel
+
+    policy = SearchPolicy(PolicyConfig(), 16)
+    head_mib, sample_mib = 1000.0, 2433.92  # the plain head's bytes a sample; a sample's with the fused head
+    base_mib = 72921.5 - 6 * sample_mib  # the fused head's peak at a largest microbatch of 6: 72,921.5 MiB
+    facts = {}
+    for capacity_mib in (78036.1, 66000.0):  # the H100's; one where 8 is over the capacity itself
+        trials = LayoutTrials(LayoutConfig.parse("auto"), UnshardedModel(module=torch.nn.Linear(2, 2), device=torch.device("cpu")),
+                              None, print, recoverable=True, pipeline=False)
+        trials._capacity, trials._batch_size, trials._found, trials._microbatches = int(capacity_mib * 2**20), 16, 7, 3
+        trials._count_at = lambda n: len(policy.split_for(n))
+        trials._largest_at = lambda n: max(policy.split_for(n))
+        trials._peak_at = lambda n: (max(policy.split_for(n)),
+                                     int((base_mib + max(policy.split_for(n)) * (sample_mib + head_mib)) * 2**20))
+        trials.head_bytes = lambda: int(head_mib * 2**20)
+        facts[capacity_mib] = trials.head_facts()
+    past, under = facts[78036.1], facts[66000.0]
+    assert (past["fits"], past["microbatches"], past.get("past_margin")) == (8.0, 2.0, 1.0), past
+    assert "past_margin" not in under and under["microbatches"] == 3.0, under
+    profile = BatchProfile(wall_s=1.0, idle_s=0.1, fsdp_s=0.02, comm_s=0.0, fusable_s=0.2, head_s=0.3, head_eager_s=0.2,
+                           head_bytes=3 << 30)
+    measured = Measured(batch_s=0.9, left=900, planned=1000, profile=profile, microbatches=3, microbatch_fit_s=0.05,
+                        sizes_compile=False)
+    at_margin = price(FUSED_HEAD, FUSED_HEAD, measured, microbatches=2.0, measure=0.0)
+    over = price(FUSED_HEAD, FUSED_HEAD, measured, microbatches=2.0, measure=0.0, past_margin=1.0)
+    assert over.win_s == at_margin.win_s and math.isclose(over.cost_s, at_margin.cost_s + 0.9)
+    assert over.costs == "its arms' batches and one batch an OOM past the margin may rerun" and at_margin.costs == "its arms' batches"
+
+
 def test_a_fused_head_that_fits_no_larger_split_is_timed_at_the_size_found_and_one_its_price_rules_out_is_said():
     search = _search()
     _layout(search)

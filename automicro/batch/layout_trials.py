@@ -149,7 +149,10 @@ class LayoutTrials:
             under = n
             if peak - largest * head <= self._capacity * SAFETY_MARGIN:
                 fits = n
-        fits = self._past_margin(fits, under) or fits  # as its trial will choose (`_measured_upsize`)
+        past = self._past_margin(fits, under)  # as its trial will choose (`_measured_upsize`)
+        if past is not None:
+            facts["past_margin"] = 1.0  # a size over the margin: one batch an OOM there may rerun
+        fits = past or fits
         facts["microbatches"] = float(count_at(fits))
         facts["fits"] = float(fits)
         return facts

@@ -278,11 +278,15 @@ def price(label: str, kind: str, m: Measured, **facts: float) -> Optional[Price]
         else:
             measure = HEAD_MEASURE_BATCHES * w
         compile_s = sized if count != n else 0.0
+        # Tried past the policy's margin (`automicro.batch.layout_trials.LayoutTrials._past_margin`): an OOM at that
+        # size reruns one batch, as an upsize's or a downsize's may.
+        rerun = w if facts.get("past_margin", 0.0) else 0.0
         basis = (f"{HEAD_EAGER_SAVED:g} x the head's eager work ({_pct(p.head_eager_s, m)})"
                  + (f" and {n - count} fewer microbatch(es) at {_pct(a, m)} each ({a_from})" if count != n else ""))
         where = "near the size found" if facts.get("near", 0.0) else "at the probe's split"
-        costs = (f"a measuring batch {where}, " if measuring else "") + ("a compile at the new size and " if compile_s else "") + "its arms' batches"
-        return Price(label, kind, win, measure + compile_s + _arms(win, m), basis, costs)
+        costs = ((f"a measuring batch {where}, " if measuring else "") + ("a compile at the new size and " if compile_s else "")
+                 + "its arms' batches" + (" and one batch an OOM past the margin may rerun" if rerun else ""))
+        return Price(label, kind, win, measure + compile_s + _arms(win, m) + rerun, basis, costs)
     fraction = facts.get("fraction")
     count = int(facts.get("microbatches", math.ceil(n / fraction) if fraction else n))
     if kind == "smaller":
