@@ -332,6 +332,47 @@ def test_a_fused_head_tried_past_the_margin_that_runs_out_is_tried_at_the_size_u
     assert search.fell_back is None and not search.head_open(7)
 
 
+@pytest.mark.parametrize("kept", [(), ("grad_sync_once",)])
+def test_a_head_tried_past_the_margin_falls_back_where_the_batch_without_it_shows_the_retries(kept):
+    """Its arms alternate: the allocator's retries the batch at the larger size starts are counted in the plain head's
+    batch after it (Mixtral's 2 blocks on one H100: the fused head at 8 retried, the plain head at 7 after it, and the
+    thrash ended the trial there, the head never tried again). The head is tried once more at the margin's size; a
+    kept trade is undone as in any thrash in a trial's batch without its trade."""
+    search = _search("grad_sync_once")
+    largest = lambda n: min(n, 6) if n < 8 else n  # noqa: E731
+    _layout(search, found=7, size=6, largest_at=largest)
+    search.observe((FUSED_HEAD,), 1.0)
+    search.measured(None, "", fits_up_to=8, fallback=6)
+    search.kept.extend(kept)
+    layout, lines = _layout(search, found=7, size=6, largest_at=largest)
+    assert search.trial.size == 8 and FUSED_HEAD in layout, lines
+    undone = search.relieve(tuple(kept), "thrashing at size 6", 6)  # the plain head's batch
+    assert undone == (kept[0] if kept else None) and search.trial is None
+    assert search.fell_back == (FUSED_HEAD, 8, 6) and search.fallback == {} and search.fits_up_to[FUSED_HEAD] == 6
+    assert search.head_open(7) and FUSED_HEAD not in search.kept
+    layout, lines = _layout(search, found=7, size=6, largest_at=largest)
+    assert search.trial.trades == (FUSED_HEAD,) and search.trial.size is None, lines  # at the size found: 6's split is 7's
+    assert search.relieve((), "thrashing at size 6", 6) is None and search.fell_back is None  # once
+    if kept:
+        return
+    # The line says which batch showed it (`LayoutTrials.relieve`; the engine stands in: nothing is undone).
+    from automicro.batch.layout_trials import LayoutTrials
+    from automicro.engine.unsharded import UnshardedModel
+
+    lines = []
+    trials = LayoutTrials(LayoutConfig.parse("auto"), UnshardedModel(module=torch.nn.Linear(2, 2), device=torch.device("cpu")),
+                          None, lines.append, recoverable=True, pipeline=False)
+    trials.engine, trials.search = object(), _search()
+    _layout(trials.search, found=7, size=6, largest_at=largest)
+    trials.search.observe((FUSED_HEAD,), 1.0)
+    trials.search.measured(None, "", fits_up_to=8, fallback=6)
+    _layout(trials.search, found=7, size=6, largest_at=largest)
+    trials.layout = ()  # the plain head's batch
+    assert trials.relieve("thrashing at size 6", 6) is None
+    assert lines[-1] == ("head: fused at microbatch 8, past the margin: thrashing at size 6 in the batch without it, after "
+                         "its own at 8; tried at 6, the size under the 95% margin, next")
+
+
 @pytest.mark.parametrize("family,peaks,capacity_mib,line", [
     # Mixtral's 2 blocks on one H100 (16 x 4,096, gradients reduced once): (6, 6, 3, 1) measured, found 7 at (6, 5, 5).
     ("mixtral", ((3, 72921.5 - 3 * 2433.92), (6, 72921.5)), 78036.1,

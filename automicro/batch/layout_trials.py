@@ -466,7 +466,8 @@ class LayoutTrials:
         if self.engine is None:
             return None
         running = self.search.trial is not None
-        undone = self.search.relieve(self.layout, why, size, self._capacity)
+        failed_layout = self.layout
+        undone = self.search.relieve(failed_layout, why, size, self._capacity)
         self._timing = False
         if running:
             self._outcome = f"ended: {why}"
@@ -476,7 +477,8 @@ class LayoutTrials:
         if self.search.fell_back is not None:
             trade, past, below = self.search.fell_back
             what = "head: fused" if trade == FUSED_HEAD else f"layout trade {trade}"
-            self._info(f"{what} at microbatch {past}, past the margin: {why}; tried at {below}, the size under the "
+            arm = "" if trade in failed_layout else f" in the batch without it, after its own at {past}"
+            self._info(f"{what} at microbatch {past}, past the margin: {why}{arm}; tried at {below}, the size under the "
                        f"{100 * SAFETY_MARGIN:g}% margin, next")
         return undone
 

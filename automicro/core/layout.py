@@ -1070,20 +1070,24 @@ class LayoutSearch:
                     self.fits_up_to[trial.trades[0]] = None
                 else:
                     self.lines[trial.trades[0]] = None
-            if set(trial.trades) <= set(failed_layout):
-                trade = trial.trades[0]
-                if (trial.upsize and not trial.measure and len(trial.trades) == 1 and trade in self.fallback
-                        and self.fits_up_to.get(trade) == trial.size):
-                    # Past the margin and it ran out: tried again at the size under the margin (its first try's one
-                    # batch rerun is what the larger size risked), from the same size found.
-                    below = self.fallback.pop(trade)
-                    self.fits_up_to[trade] = below
-                    assert trial.from_size is not None
-                    done = self.head_from if trade in GROWS else self._upsized_list(trade)
-                    if trial.from_size in done:
-                        done.remove(trial.from_size)
-                    self.fell_back = (trade, int(trial.size), below)
+            trade = trial.trades[0]
+            if (trial.upsize and not trial.measure and len(trial.trades) == 1 and trade in self.fallback
+                    and self.fits_up_to.get(trade) == trial.size):
+                # Past the margin and it ran out (or retried the allocator): tried again at the size under the margin
+                # (its first try's one batch rerun is what the larger size risked), from the same size found. Also
+                # where the batch that showed it ran without the trade: its arms alternate, and the larger size leaves
+                # the allocator's pool cut for it (Mixtral's 2 blocks on one H100: the fused head's batch at 8
+                # retried, then the plain head's at 7 after it, and the thrash was counted there).
+                below = self.fallback.pop(trade)
+                self.fits_up_to[trade] = below
+                assert trial.from_size is not None
+                done = self.head_from if trade in GROWS else self._upsized_list(trade)
+                if trial.from_size in done:
+                    done.remove(trial.from_size)
+                self.fell_back = (trade, int(trial.size), below)
+                if set(trial.trades) <= set(failed_layout):
                     return trial.trade
+            elif set(trial.trades) <= set(failed_layout):
                 if trial.upsize and not trial.measure:
                     # Its model was wrong at that size: not tried again this run (each try that runs
                     # out costs memory other processes on the card may take), unless the capacity
