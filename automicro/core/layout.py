@@ -1085,8 +1085,8 @@ class LayoutSearch:
                 if trial.from_size in done:
                     done.remove(trial.from_size)
                 self.fell_back = (trade, int(trial.size), below)
-                if set(trial.trades) <= set(failed_layout):
-                    return trial.trade
+                # In the batch without it, nothing kept is undone: the pool its own batch cut explains the pressure.
+                return trial.trade if set(trial.trades) <= set(failed_layout) else None
             elif set(trial.trades) <= set(failed_layout):
                 if trial.upsize and not trial.measure:
                     # Its model was wrong at that size: not tried again this run (each try that runs
