@@ -174,6 +174,28 @@ class _RetriesWithTrades:
         return RetriesWithTrades()
 
 
+class _RetriesAt:
+    """Allocator retries in the batches given (their indices): a trade's batch near the card's limit and the batches
+    after it, whose pool it left fragmented (Mixtral's blocks on one H100, `benchmarks/RESULTS.md` 2026-12-07, the
+    thrash after a trial: no_reshard's last batch and the plain batch after it retried)."""
+
+    def __new__(cls, batches: tuple[int, ...]) -> Any:
+        from composer.core import Callback
+
+        class RetriesAt(Callback):
+            def __init__(self) -> None:
+                self.cap: Any = None
+
+            def fit_start(self, state: Any, logger: Any) -> None:
+                self.cap = next(c.cap for c in state.callbacks if isinstance(c, MemoryCapCallback))
+
+            def before_forward(self, state: Any, logger: Any) -> None:
+                if int(state.timestamp.batch) in batches:
+                    self.cap.count_retries()
+
+        return RetriesAt()
+
+
 class _StopAfter:
     """Ends the run after `batches` batches of a longer `max_duration` (the run its trials are priced against)."""
 
@@ -232,6 +254,11 @@ def suite(rank: int, world: int) -> dict[str, Any]:
         room, tight = _limits(low, high)
         fixed = fit(2, BATCHES, layout="fixed")
         out["trades"] = _strip(fit("auto", BATCHES, limit=room, timing=seconds_where((GRAD_SYNC_ONCE,), (NO_RESHARD,))), fixed)
+    if world == 2:
+        # The same, with allocator retries in no_reshard's batch (6), the trial's last (7, without it) and the batch
+        # after (8): the streak starts again where the trial ends, so no thrash undoes grad_sync_once.
+        out["dropped_retries"] = _strip(fit("auto", BATCHES, limit=room, timing=seconds_where((GRAD_SYNC_ONCE,), (NO_RESHARD,)),
+                                            faults=[_RetriesAt((6, 7, 8))]), fixed)
     if world == 2:
         out["pinned"] = _strip(fit("auto", BATCHES, limit=room, layout=[GRAD_SYNC_ONCE, NO_RESHARD]), fixed)
         fault = FaultInjector(site="backward_pre", ranks=[0], batch=8, times=1)

@@ -75,6 +75,7 @@ class LayoutTrials:
         self._capacity = 0  # the agreed capacity the next batch was chosen under
         self._capacity_read = 0  # the capacity read (agreed), no ceiling applied: kept trades compare it
         self.undone: Optional[int] = None  # the size found without a kept upsize trade just undone (once)
+        self.dropped = False  # the batch just run ended a timed trial whose trade was not kept (once: `take_dropped`)
         self._batch_size = 0  # the probe split's samples (this rank's batch)
         # Turns each measured batch time into the one judged (the identity). Tests replace it to
         # make a trade look faster or slower without depending on the machine's timing.
@@ -407,6 +408,7 @@ class LayoutTrials:
             sides = min(len(trial.on), len(trial.off))
             result = self.search.decide(agreed_times(self._consensus, self.search.local_times()), self._capacity_read)
             self._outcome = "kept" if result.kept else "not kept"
+            self.dropped = not result.kept
             extended = (f" (over {sides} batches a side: at {self.config.trial_batches} its gain was under "
                         f"{CONCLUSIVE:g}x its spread)" if sides > self.config.trial_batches else "")
             self._info(result.line() + extended)
@@ -454,6 +456,12 @@ class LayoutTrials:
     def take_undone(self) -> Optional[int]:
         size, self.undone = self.undone, None
         return size
+
+    def take_dropped(self) -> bool:
+        """True once after the batch that ended a timed trial whose trade was not kept: the batches before were the
+        trial's, and the allocator's pool still holds the dropped trade's shapes."""
+        dropped, self.dropped = self.dropped, False
+        return dropped
 
     @property
     def trial_running(self) -> bool:

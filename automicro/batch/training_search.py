@@ -461,9 +461,18 @@ class TrainingSearch:
         adopted = self.layout.take_adopted()
         if adopted is not None:
             self.runtime.info(self.policy.observe(search.Adopt(adopted)).event)
+        dropped = self.layout.take_dropped()
+        if dropped:
+            # A trial ended in this batch and its trade was not kept: the allocator retries its batches showed were the
+            # trial's (a trade's batch leaves the pool fragmented for the batch after it too, with the trade off), and
+            # the pool still holds the trade's shapes. The streak starts again with the layout kept, from an emptied
+            # cache (Mixtral's blocks on one H100: no_reshard's last batch and the plain batch after it retried, the
+            # streak counted them as a thrash at the settled size and shrank it 6 -> 4, -7% a batch).
+            self.runtime.memory.empty_cache()
+            self.thrash.consecutive = 0
         # A layout trial's "with" batch does not feed the memory model (its trade's bytes are in it).
         if trial_batch or not self._ladder_on_projection(verdict, batch_index, sizes, seconds, step.host):
-            self._after_success(verdict, batch_index, sizes, seconds, () if trial_batch else peaks, trial_batch)
+            self._after_success(verdict, batch_index, sizes, seconds, () if trial_batch else peaks, trial_batch, dropped)
         self._optimizer_pending = 0  # the step created the state: evals and later batches hold it
         self._static_shapes().after_batch(step.attempts, sizes)
         self._compile_scope().after_batch(step.attempts, sizes)
@@ -791,12 +800,13 @@ class TrainingSearch:
 
     def _after_success(
         self, verdict: Verdict, batch_index: int, sizes: tuple[int, ...], seconds: float,
-        peaks_by_size: tuple[tuple[int, int], ...] = (), trial_batch: bool = False,
+        peaks_by_size: tuple[tuple[int, int], ...] = (), trial_batch: bool = False, trial_dropped: bool = False,
     ) -> None:
         assert self.policy is not None
         self.batch_retries = verdict.any_new_alloc_retries
-        # As in Composer's rule, a batch that already ran out of memory is not counted for thrashing.
-        retried_clean_batch = verdict.any_new_alloc_retries and self.batch_attempts == 1
+        # As in Composer's rule, a batch that already ran out of memory is not counted for thrashing; nor the batch
+        # that ended a trial whose trade was not kept (`_trained`: the streak starts again without it).
+        retried_clean_batch = verdict.any_new_alloc_retries and self.batch_attempts == 1 and not trial_dropped
         self.kind.trained()
         if self.thrash.observe(retried_clean_batch):
             twin_ran = self._step is not None and self._step.twin is not None
