@@ -272,15 +272,17 @@ class TradeRetries(NoMemory):
 
 def run_trial_retries(rank: int, world_size: int) -> dict[str, Any]:
     """Layout trials (layout: auto, forced on CPU) whose batches make the allocator retry: the
-    search size (5, the FaultInjector's bound) must not shrink for a trade's retries. The size trials
-    are off: they time a microbatch of 2 against 5 and keep the faster, which on a loaded CPU can be
-    2 (CI, stop 67) -- a measured choice, not what this case is about."""
+    search size (5, the FaultInjector's bound) must not shrink for a trade's retries, nor a trial end for them (its
+    arms are timed with them). Each trade is timed slower (the layout's timing hook: not the machine's clock), so
+    neither is kept. The size trials are off: they time a microbatch of 2 against 5 and keep the faster, which on a
+    loaded CPU can be 2 (CI, stop 67) -- a measured choice, not what this case is about."""
     model, optimizer = build()
     memory = TradeRetries()
     results = []
     with AutoStep(model, optimizer, mse, memory=memory, log_attempts=False, stable_batches=2, layout="auto",
                   layout_trial_batches=2, layout_size_trials=False) as auto:
         memory.auto = auto
+        auto.layout.timing = lambda layout, seconds: 2.0 if layout else 1.0
         auto.sites.add(memory.attempt_ends, 0, sites=("optimizer_step",))
         injector = FaultInjector("forward", above=5)
         injector.arm(auto.sites, model)
@@ -289,8 +291,9 @@ def run_trial_retries(rank: int, world_size: int) -> dict[str, Any]:
             results.append({"split": result.split, "layout": list(auto.layout.layout), "size": result.size})
         history = [dataclasses.asdict(r) for r in auto.history]
         rejected = dict(auto.layout.search.rejected)
+        tried = [[r.trade, r.kept] for r in auto.layout.search.results]
     injector.close_hooks()
-    return {"results": results, "history": history, "rejected": rejected, "retries": memory.retries}
+    return {"results": results, "history": history, "rejected": rejected, "retries": memory.retries, "tried": tried}
 
 
 def run_one_rank(rank: int, world_size: int) -> dict[str, Any]:

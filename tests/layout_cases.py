@@ -255,10 +255,9 @@ def suite(rank: int, world: int) -> dict[str, Any]:
         fixed = fit(2, BATCHES, layout="fixed")
         out["trades"] = _strip(fit("auto", BATCHES, limit=room, timing=seconds_where((GRAD_SYNC_ONCE,), (NO_RESHARD,))), fixed)
     if world == 2:
-        # The same, with allocator retries in no_reshard's batch (6), the trial's last (7, without it) and the batch
-        # after (8): the streak starts again where the trial ends, so no thrash undoes grad_sync_once.
+        # The same, with allocator retries in each trial's batches (4-7) and the batch after them (8): no thrash.
         out["dropped_retries"] = _strip(fit("auto", BATCHES, limit=room, timing=seconds_where((GRAD_SYNC_ONCE,), (NO_RESHARD,)),
-                                            faults=[_RetriesAt((6, 7, 8))]), fixed)
+                                            faults=[_RetriesAt((4, 5, 6, 7, 8))]), fixed)
     if world == 2:
         out["pinned"] = _strip(fit("auto", BATCHES, limit=room, layout=[GRAD_SYNC_ONCE, NO_RESHARD]), fixed)
         fault = FaultInjector(site="backward_pre", ranks=[0], batch=8, times=1)

@@ -130,15 +130,19 @@ def test_the_plain_loop_example_runs_on_two_cpu_ranks_under_a_memory_cap():
 
 
 @pytest.mark.multiproc
-def test_allocator_retries_in_a_layout_trials_batches_end_the_trial_not_the_size():
-    """Two H200s at a 0.3 memory fraction (`benchmarks/RESULTS.md` 2026-11-28, AutoStep): a trade's batch left the pool retrying in the
-    next batch too, thrash was blamed on the size, and the size went 7 -> 6 -> 5 over two trials."""
+def test_allocator_retries_in_a_layout_trials_batches_are_timed_not_a_thrash():
+    """Two H200s at a 0.3 memory fraction (`benchmarks/RESULTS.md` 2026-11-28, AutoStep): a trade's batch left the pool
+    retrying in the next batch too, thrash was blamed on the size, and the size went 7 -> 6 -> 5 over two trials. And
+    Mixtral's blocks on one H100 (2026-12-07, the thrash in a trial): the fused head at 8 retried in its trial's
+    batches, the trial ended for it, and the size that was fastest set by hand was never timed. The retries of a
+    trial's batches are its arms' to time: no thrash, each trade timed to its end (slower here: not kept), the size
+    stays; the batch after each trial retries once (the pool the trade left), and one is no thrash either."""
     for out in run_multiprocess(cases.run_trial_retries, world_size=2, timeout_s=300):
-        assert out["retries"] >= 2  # the trials' batches did retry
-        thrash = [h for h in out["history"] if h["outcome"] == "thrash"]
-        assert thrash and all("the trial ended, the size stays" in h["note"] for h in thrash), out["history"]
+        assert out["retries"] >= 4  # the trials' batches did retry
+        assert [h for h in out["history"] if h["outcome"] == "thrash"] == [], out["history"]
         assert [r["size"] for r in out["results"][1:]] == [5] * 15, out["results"]
-        assert set(out["rejected"]) == {"grad_sync_once", "no_reshard"}
+        assert out["tried"] == [["grad_sync_once", False], ["no_reshard", False]], out["tried"]
+        assert out["rejected"] == {}, out["rejected"]
 
 
 @pytest.mark.multiproc

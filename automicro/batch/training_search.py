@@ -457,22 +457,28 @@ class TrainingSearch:
         self._last_outside = verdict.outside_bytes
         peaks = self._agreed_peaks(step)
         trial_batch = self.layout.trial_batch
+        # Allocator retries in a layout trial's batches are the trial's to price, not a thrash: its arms are timed with
+        # them (a trade whose batches retry is kept only where it is faster still), and an OOM still ends it. A trade's
+        # batch leaves the pool fragmented for the arm after it too, and the card's pool settles over more batches
+        # than a trial holds: on Mixtral's blocks on one H100 the fused head at 8 (two microbatches, 7 under the
+        # margin runs three) retried in 10 of its first 12 batches set by hand, none after, and was the fastest size;
+        # counted as a thrash, the trial fell back to 7 and `auto` ended 2% behind it (`benchmarks/RESULTS.md`
+        # 2026-12-07, the thrash in a trial). The streak starts again after the trial, with the layout it kept.
+        in_trial = self.layout.trial_running
         self.layout.after_success(step.attempts, peaks, weight=self.kind.batch_weight())
         adopted = self.layout.take_adopted()
         if adopted is not None:
             self.runtime.info(self.policy.observe(search.Adopt(adopted)).event)
-        dropped = self.layout.take_dropped()
-        if dropped:
-            # A trial ended in this batch and its trade was not kept: the allocator retries its batches showed were the
-            # trial's (a trade's batch leaves the pool fragmented for the batch after it too, with the trade off), and
-            # the pool still holds the trade's shapes. The streak starts again with the layout kept, from an emptied
-            # cache (Mixtral's blocks on one H100: no_reshard's last batch and the plain batch after it retried, the
-            # streak counted them as a thrash at the settled size and shrank it 6 -> 4, -7% a batch).
-            self.runtime.memory.empty_cache()
+        if in_trial:
             self.thrash.consecutive = 0
+        if self.layout.take_dropped():
+            # The trial ended here with its trade not kept: the pool still holds the trade's shapes, and the plain batch
+            # after it would retry for them (Mixtral's blocks on one H100: no_reshard's last batch and the plain batch
+            # after it retried, and counted as a thrash at the settled size, shrank it 6 -> 4, -7% a batch).
+            self.runtime.memory.empty_cache()
         # A layout trial's "with" batch does not feed the memory model (its trade's bytes are in it).
         if trial_batch or not self._ladder_on_projection(verdict, batch_index, sizes, seconds, step.host):
-            self._after_success(verdict, batch_index, sizes, seconds, () if trial_batch else peaks, trial_batch, dropped)
+            self._after_success(verdict, batch_index, sizes, seconds, () if trial_batch else peaks, trial_batch, in_trial)
         self._optimizer_pending = 0  # the step created the state: evals and later batches hold it
         self._static_shapes().after_batch(step.attempts, sizes)
         self._compile_scope().after_batch(step.attempts, sizes)
@@ -800,13 +806,13 @@ class TrainingSearch:
 
     def _after_success(
         self, verdict: Verdict, batch_index: int, sizes: tuple[int, ...], seconds: float,
-        peaks_by_size: tuple[tuple[int, int], ...] = (), trial_batch: bool = False, trial_dropped: bool = False,
+        peaks_by_size: tuple[tuple[int, int], ...] = (), trial_batch: bool = False, in_layout_trial: bool = False,
     ) -> None:
         assert self.policy is not None
         self.batch_retries = verdict.any_new_alloc_retries
-        # As in Composer's rule, a batch that already ran out of memory is not counted for thrashing; nor the batch
-        # that ended a trial whose trade was not kept (`_trained`: the streak starts again without it).
-        retried_clean_batch = verdict.any_new_alloc_retries and self.batch_attempts == 1 and not trial_dropped
+        # As in Composer's rule, a batch that already ran out of memory is not counted for thrashing; nor a layout
+        # trial's batch (`_trained`: its retries are timed in its arms).
+        retried_clean_batch = verdict.any_new_alloc_retries and self.batch_attempts == 1 and not in_layout_trial
         self.kind.trained()
         if self.thrash.observe(retried_clean_batch):
             twin_ran = self._step is not None and self._step.twin is not None
@@ -817,22 +823,12 @@ class TrainingSearch:
                 self._record(batch_index, sizes, "thrash", verdict, max(sizes), seconds,
                              f"allocator retries {through}: FSDP2 from the next batch, the size stays")
                 return
-            # Retries in a layout trial's batches are the trial's (a trade's batch leaves the pool
-            # fragmented for the next one too, with the trade off): the trial ends, its trade is not
-            # tried at this size again, the cache is emptied, and the size stays. Retries again with
-            # no trial running shrink the size, as below.
-            in_trial = self.layout is not None and self.layout.trial_running
             if self._relieved_by_layout(f"thrashing at size {max(sizes)}", max(sizes)) is not None:
                 assert self.layout is not None
                 # The undone trade's shapes stay in the allocator's pool and the batches after it retry on (Qwen3-MoE's
                 # blocks on one H100: two more retrying batches after grad_sync_once's undo undid no_reshard too).
                 self.runtime.memory.empty_cache()
                 self._record(batch_index, sizes, "thrash", verdict, max(sizes), seconds, f"layout now {self.layout.describe()}")
-                return
-            if in_trial and self.policy.phase == search.Phase.STEADY:
-                self.runtime.memory.empty_cache()
-                self._record(batch_index, sizes, "thrash", verdict, max(sizes), seconds,
-                             "allocator retries in a layout trial's batches: the trial ended, the size stays")
                 return
             decision = self.policy.observe(search.Thrash(self.kind.outcome_size(self.policy, sizes, verdict, False)))
             self._record(batch_index, sizes, "thrash", verdict, decision.next_size, seconds, decision.event)
