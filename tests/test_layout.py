@@ -279,7 +279,10 @@ def test_retries_in_trials_and_the_batch_after_them_are_no_thrash():
         assert auto["results"] == [[GRAD_SYNC_ONCE, True], [NO_RESHARD, False]], auto
         assert [r for r in auto["history"] if r[2] == "thrash"] == [], auto["history"]
         assert auto["settled"] == [GRAD_SYNC_ONCE] and auto["found"] == 2 and auto["splits"] == plain["splits"], auto
-        assert auto["emptied"] == plain["emptied"] + 1, (auto["emptied"], plain["emptied"])  # after the trial's last batch
+        # The cache emptied after each OOM of the search and once after no_reshard's trial (not kept: the pool holds
+        # its shapes), here as in the same run without retries.
+        ooms = sum(r[2] == "oom" for r in auto["history"])
+        assert auto["emptied"] == plain["emptied"] == ooms + 1, (auto["emptied"], plain["emptied"], auto["history"])
         assert auto["diff"] < 1e-5
 
 
