@@ -411,15 +411,15 @@ def test_the_head_line_names_a_size_past_the_margin_where_its_split_runs_fewer_m
 
 
 def test_the_heads_price_counts_the_size_past_the_margin_and_the_batch_an_oom_there_may_rerun():
-    """Mixtral's 2 blocks on one H100 (`benchmarks/RESULTS.md`, 2026-12-07): found 7 at (6, 5, 5), the plain head
-    2,433.92 MiB a sample; the head's facts count the split its trial runs (8: two microbatches, past the margin) and
+    """Mixtral's 2 blocks on one H100 (`benchmarks/RESULTS.md`, 2026-12-07): found 7 at (6, 5, 5), a sample 2,433.92
+    MiB with the fused head (the plain head's 1,000 MiB a sample are made up here); the head's facts count the split its trial runs (8: two microbatches, past the margin) and
     its price adds the one batch an OOM there may rerun; where the margin's size is the trial's, nothing is added."""
     from automicro.batch.layout_trials import LayoutTrials
     from automicro.core.policy import PolicyConfig, SearchPolicy
     from automicro.engine.unsharded import UnshardedModel
 
     policy = SearchPolicy(PolicyConfig(), 16)
-    head_mib, sample_mib = 1000.0, 2433.92  # the plain head's bytes a sample; a sample's with the fused head
+    head_mib, sample_mib = 1000.0, 2433.92  # the plain head's bytes a sample (made up); a sample's with the fused head
     base_mib = 72921.5 - 6 * sample_mib  # the fused head's peak at a largest microbatch of 6: 72,921.5 MiB
     facts = {}
     for capacity_mib in (78036.1, 66000.0):  # the H100's; one where 8 is over the capacity itself
