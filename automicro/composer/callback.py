@@ -69,7 +69,8 @@ class AutoMicrobatching(Callback):
 
     Args:
         stable_batches: Clean batches at one split before the sync hooks come off.
-        thrash_batches: Batches with allocator retries in a row that count as an OOM.
+        thrash_batches: Batches with allocator retries in a row that count as an OOM (a layout trial's batches
+            are not counted: their retries are timed in its arms).
         search: ``bisect`` (the largest size that fits, between the bounds the attempts found) or
             ``halve`` (Composer's own policy, as a baseline).
         use_prediction: Predict the next size from the measured memory of the sizes tried.
