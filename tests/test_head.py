@@ -334,10 +334,11 @@ def test_a_fused_head_tried_past_the_margin_that_runs_out_is_tried_at_the_size_u
 
 @pytest.mark.parametrize("kept", [(), ("grad_sync_once",)])
 def test_a_head_tried_past_the_margin_falls_back_where_the_batch_without_it_shows_the_retries(kept):
-    """Its arms alternate: the allocator's retries the batch at the larger size starts are counted in the plain head's
-    batch after it (Mixtral's 2 blocks on one H100: the fused head at 8 retried, the plain head at 7 after it, and the
-    thrash ended the trial there, the head never tried again). The head is tried once more at the margin's size, and
-    nothing kept is undone (the pool the larger size cut explains the retries)."""
+    """Its arms alternate: the memory pressure the batch at the larger size starts shows in the plain head's batch after
+    it (Mixtral's 2 blocks on one H100: the fused head at 8 retried, the plain head at 7 after it, and the thrash ended
+    the trial there, the head never tried again). The head is tried once more at the margin's size, and nothing kept
+    is undone (the pool the larger size cut explains the pressure). A trial's allocator retries are timed since, not a
+    thrash (tests/test_layout.py): an OOM in the plain head's batch takes this path."""
     search = _search("grad_sync_once")
     largest = lambda n: min(n, 6) if n < 8 else n  # noqa: E731
     _layout(search, found=7, size=6, largest_at=largest)

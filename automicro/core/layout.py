@@ -18,7 +18,8 @@ A *layout* is the set of trades in use. The trades (the FSDP2 engine applies the
   the backward uses the activations the forward kept instead of running each block's forward
   again. Costs every block's activations at the microbatch size; those bytes are not projected
   (they depend on the model's layers), so this trade is tried last and its first batch is the
-  measurement: an OOM or thrashing in it undoes it (below).
+  measurement: an OOM in it undoes it (below; allocator retries in a trial's batches are timed, not
+  counted as thrashing).
 - ``recompute``: where the user did not ask for checkpointing, the engine checkpoints every block
   switched off (`automicro.engine.sharding.shard`'s ``checkpoint_switch``) and this trade switches
   it on: a forward per block again in backward, for activations that no longer grow with the
@@ -411,7 +412,7 @@ class LayoutSearch:
         self.fits_up_to: dict[str, Optional[int]] = {}
         # For a trade in UPSIZE or GROWS whose `fits_up_to` is past the margin (a size its model puts under the capacity
         # itself, whose split runs fewer microbatches than the margin's): the size under the margin. Where its trial at
-        # the larger size runs out (or retries the allocator), the trade is tried again at this one, once.
+        # the larger size runs out (in either arm's batch), the trade is tried again at this one, once.
         self.fallback: dict[str, int] = {}
         # (trade, the size that ran out, the size it falls back to) of the last `relieve` that fell back, for its line.
         self.fell_back: Optional[tuple[str, int, int]] = None
