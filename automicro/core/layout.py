@@ -1074,11 +1074,11 @@ class LayoutSearch:
             trade = trial.trades[0]
             if (trial.upsize and not trial.measure and len(trial.trades) == 1 and trade in self.fallback
                     and self.fits_up_to.get(trade) == trial.size):
-                # Past the margin and it ran out (or retried the allocator): tried again at the size under the margin
-                # (its first try's one batch rerun is what the larger size risked), from the same size found. Also
-                # where the batch that showed it ran without the trade: its arms alternate, and the larger size leaves
-                # the allocator's pool cut for it (Mixtral's 2 blocks on one H100: the fused head's batch at 8
-                # retried, then the plain head's at 7 after it, and the thrash was counted there).
+                # Past the margin and it ran out: tried again at the size under the margin (its first try's one batch
+                # rerun is what the larger size risked), from the same size found. Also where the batch that showed it
+                # ran without the trade: its arms alternate, and the larger size leaves the allocator's pool cut for it
+                # (Mixtral's 2 blocks on one H100: the fused head's batch at 8 retried, then the plain head's at 7
+                # after it; a trial's retries are timed since, not a thrash: `TrainingSearch._trained`).
                 below = self.fallback.pop(trade)
                 self.fits_up_to[trade] = below
                 assert trial.from_size is not None
