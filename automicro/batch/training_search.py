@@ -461,9 +461,10 @@ class TrainingSearch:
         # them (a trade whose batches retry is kept only where it is faster still), and an OOM still ends it. A trade's
         # batch leaves the pool fragmented for the arm after it too, and the card's pool settles over more batches
         # than a trial holds: on Mixtral's blocks on one H100 the fused head at 8 (two microbatches, 7 under the
-        # margin runs three) retried in 10 of its first 12 batches set by hand, none after, and was the fastest size;
-        # counted as a thrash, the trial fell back to 7 and `auto` ended 2% behind it (`benchmarks/RESULTS.md`
-        # 2026-12-07, the thrash in a trial). The streak starts again after the trial, with the layout it kept.
+        # margin runs three) retried in 9 of its first 12 batches set by hand, none after, and was the fastest size;
+        # counted as a thrash, the trial fell back to 7, and that run's 1,000 batches projected 1.9% longer than the
+        # same run timing the retries (`benchmarks/RESULTS.md` 2026-12-07, the thrash in a trial). The streak starts
+        # again after the trial, with the layout it kept.
         in_trial = self.layout.trial_running
         self.layout.after_success(step.attempts, peaks, weight=self.kind.batch_weight())
         adopted = self.layout.take_adopted()
