@@ -413,8 +413,9 @@ def test_the_head_line_names_a_size_past_the_margin_where_its_split_runs_fewer_m
 
 def test_the_heads_price_counts_the_size_past_the_margin_and_the_batch_an_oom_there_may_rerun():
     """Mixtral's 2 blocks on one H100 (`benchmarks/RESULTS.md`, 2026-12-07): found 7 at (6, 5, 5), a sample 2,433.92
-    MiB with the fused head (the plain head's 1,000 MiB a sample are made up here); the head's facts count the split its trial runs (8: two microbatches, past the margin) and
-    its price adds the one batch an OOM there may rerun; where the margin's size is the trial's, nothing is added."""
+    MiB with the fused head (the plain head's 1,000 MiB a sample are made up here); the head's facts count the split
+    its trial runs (8: two microbatches, past the margin) and its price adds the one batch an OOM there may rerun;
+    where the margin's size is the trial's, nothing is added."""
     from automicro.batch.layout_trials import LayoutTrials
     from automicro.core.policy import PolicyConfig, SearchPolicy
     from automicro.engine.unsharded import UnshardedModel

@@ -275,7 +275,6 @@ def test_retries_in_trials_and_the_batch_after_them_are_no_thrash():
     for rank in range(2):
         auto, plain = results[rank]["dropped_retries"], results[rank]["trades"]
         assert auto["layouts"][4:9] == [[GRAD_SYNC_ONCE], [], [GRAD_SYNC_ONCE, NO_RESHARD], [GRAD_SYNC_ONCE], [GRAD_SYNC_ONCE]], auto
-
         assert auto["results"] == [[GRAD_SYNC_ONCE, True], [NO_RESHARD, False]], auto
         assert [r for r in auto["history"] if r[2] == "thrash"] == [], auto["history"]
         assert auto["settled"] == [GRAD_SYNC_ONCE] and auto["found"] == 2 and auto["splits"] == plain["splits"], auto

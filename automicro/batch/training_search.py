@@ -463,15 +463,13 @@ class TrainingSearch:
         # than a trial holds: on Mixtral's blocks on one H100 the fused head at 8 (two microbatches, 7 under the
         # margin runs three) retried in 9 of its first 12 batches set by hand, none after, and was the fastest size;
         # counted as a thrash, the trial fell back to 7, and that run's 1,000 batches projected 1.9% longer than the
-        # same run timing the retries (`benchmarks/RESULTS.md` 2026-12-07, the thrash in a trial). The streak starts
-        # again after the trial, with the layout it kept.
+        # same run timing the retries (`benchmarks/RESULTS.md` 2026-12-07, the thrash in a trial). A trial's batch
+        # counts as one without retries (`_after_success`): the streak starts again after the trial.
         in_trial = self.layout.trial_running
         self.layout.after_success(step.attempts, peaks, weight=self.kind.batch_weight())
         adopted = self.layout.take_adopted()
         if adopted is not None:
             self.runtime.info(self.policy.observe(search.Adopt(adopted)).event)
-        if in_trial:
-            self.thrash.consecutive = 0
         if self.layout.take_dropped():
             # The trial ended here with its trade not kept: the pool still holds the trade's shapes, and the plain batch
             # after it would retry for them (Mixtral's blocks on one H100: no_reshard's last batch and the plain batch
