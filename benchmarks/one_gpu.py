@@ -6,7 +6,8 @@ Each variant is one `scripts/train.py configs/tiny-gpu.yaml` run (its own proces
 1B preset of `automicro.models` (seq 2048, per-rank batch 32, amp_bf16, AdamW, synthetic tokens),
 with the YAML overrides the variant names (`-auto` or `-fixed-N` for the microbatch size; `-fixed-found`
 and `-fixed-half`: the largest microbatch the same kind's `-auto` run (earlier in `--variants`) ran at
-most over its steady batches, and half of it, so the best hand-set sizes are timed in one command):
+most over its steady batches, and half of it, so the best hand-set sizes are timed in one command; `-fixed-found+K`:
+K above it, whether the size found is the largest that fits):
   eager-*        FSDP2 (the default config), no compile
   blocks-*       compile: true (each sharded block's forward, the default scope)
   model-*        compile: {scope: model} (Composer's whole-model compile)
@@ -152,11 +153,13 @@ def overrides(variant: str, args: argparse.Namespace, run_dir: str) -> list[str]
 
 def resolve_fixed(variant: str, results: list[dict[str, Any]], tag: str = "") -> Optional[str]:
     """`KIND-fixed-found` / `KIND-fixed-half` as `KIND-fixed-N`: N the largest microbatch `KIND-auto`
-    (run earlier in this command; `...@OTHER`: `OTHER-auto`) ran most over its steady batches, or half of it; None where that
+    (run earlier in this command; `...@OTHER`: `OTHER-auto`) ran most over its steady batches, or half of it (`+K`: K
+    more); None where that
     run left no steady size (it failed). Other variants come back as they are."""
     kind, _, mode = variant.partition("-")
     mode, _, source = mode.partition("@")  # `KIND-fixed-found@OTHER`: the size OTHER-auto ran at
-    if mode not in ("fixed-found", "fixed-half"):
+    mode, plus, more = mode.partition("+")  # `KIND-fixed-found+K`: K above it (is the size found the largest that fits?)
+    if mode not in ("fixed-found", "fixed-half") or (plus and not more.isdigit()):
         return variant
     auto = next((r for r in results if r.get("variant") == f"{source or kind}-auto{tag}"), None)
     if auto is None:
@@ -165,7 +168,7 @@ def resolve_fixed(variant: str, results: list[dict[str, Any]], tag: str = "") ->
     if not steady:
         return None
     found = statistics.mode(steady)  # the size trials' batches run smaller: the most common one is the size kept
-    return f"{kind}-fixed-{found if mode == 'fixed-found' else max(1, found // 2)}"
+    return f"{kind}-fixed-{(found if mode == 'fixed-found' else max(1, found // 2)) + int(more or 0)}"
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:

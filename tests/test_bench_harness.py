@@ -231,6 +231,7 @@ def test_one_gpu_fixed_sizes_come_from_the_same_kinds_auto_run_and_a_torch_cap_i
     assert one_gpu.resolve_fixed("eager-fixed-half", [{"variant": "eager-auto_x", "steady_sizes": [1]}], "_x") == "eager-fixed-1"
     assert one_gpu.resolve_fixed("eager-fixed-12", [], "_x") == "eager-fixed-12"
     assert one_gpu.resolve_fixed("unshardpin-fixed-found@eager", [auto], "_x") == "unshardpin-fixed-16"
+    assert one_gpu.resolve_fixed("fused-fixed-found+2@eager", [auto], "_x") == "fused-fixed-18"
     assert one_gpu.resolve_fixed("eager-fixed-found", [{"variant": "eager-auto_x", "error": "rc 1"}], "_x") is None
     with pytest.raises(SystemExit, match="blocks-auto earlier"):
         one_gpu.resolve_fixed("blocks-fixed-found", [auto], "_x")
