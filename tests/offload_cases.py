@@ -77,6 +77,8 @@ def _train(mode: str, optimizer_name: str) -> dict[str, Any]:
     if optimizer_name == "decoupled_adamw" and sharded is not None:
         out["local_step"] = local_step.install(optimizer, sharded.config.local_optimizer_step)
     for step in range(STEPS):
+        if mode == "projected" and step == AT:
+            out["projected"] = _taken_after_a_batch(sharded, optimizer, step)
         if mode == "switched" and step == AT:
             before = is_offloaded(sharded)
             moved = offload_to_host(sharded, [optimizer])
@@ -95,9 +97,36 @@ def _train(mode: str, optimizer_name: str) -> dict[str, Any]:
         for half in (slice(0, 2), slice(2, 4)):
             torch.nn.functional.cross_entropy(model(x[half]), y[half]).div(2).backward()
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if not (mode == "projected" and step == AT - 1):  # the step's gradients held into the next batch, as a host's
+            optimizer.zero_grad(set_to_none=True)
     out["same_objects"] = ids == [id(p) for p in model.parameters()]
     out["params"] = [p.full_tensor().detach().clone() for p in model.parameters()]
+    return out
+
+
+def _taken_after_a_batch(sharded: Any, optimizer: torch.optim.Optimizer, step: int) -> dict[str, Any]:
+    """The rung taken after batch `step - 1` trained (size 1 ran; its peak with the optimizer state its step added
+    does not fit: `TrainingSearch._ladder_on_projection`), with that step's gradients still held: nothing moves until
+    the next batch starts (what runs at a batch's end reads the gradients), then the gradients are dropped and the
+    offload switched on."""
+    from automicro.batch.floor_ladder import FloorLadder
+    from automicro.batch.host_offload import HostOffload
+    from automicro.core.consensus import RankReport, Verdict
+    from automicro.engine.offload import is_offloaded
+
+    lines: list[str] = []
+    offload = HostOffload("auto", lines.append)
+    offload.sharded = sharded  # `check` refuses a CPU job; the rung's logic is the same on a GPU
+    ladder = FloorLadder(None, lines.append, offload=offload)
+    verdict = Verdict(reports=(RankReport(0, 0, "ok", 0, 2**20, 2**20, 2**19),), rounds=1)
+    line = ladder.step(step - 1, verdict, optimizers=[optimizer], projected="rank 0: peak 1.5 MiB with it, capacity 1.0 MiB")
+    held = sum(p.grad is not None for p in sharded.module.parameters())
+    out = {"line": line, "last": ladder.last, "on_at_step": offload.on, "offloaded_at_step": is_offloaded(sharded),
+           "grads_held_at_step": held, "state": offload.state_dict(), "summary": ladder.summary(),
+           "tried": ladder.tried(), "left": ladder.why_not()}
+    offload.before_batch(step, [optimizer])
+    out.update(on=offload.on, offloaded=is_offloaded(sharded),
+               grads_after=sum(p.grad is not None for p in sharded.module.parameters()), lines=lines)
     return out
 
 
@@ -193,9 +222,11 @@ def _config_errors() -> dict[str, str]:
 def everything(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for optimizer_name in ("adamw", "decoupled_adamw"):
-        runs = {mode: _train(mode, optimizer_name) for mode in ("engine", "built", "switched")}
+        runs = {mode: _train(mode, optimizer_name) for mode in ("engine", "built", "switched", "projected")}
         out[optimizer_name] = {
             "switched_vs_built": _max_gap(runs["switched"]["params"], runs["built"]["params"]),
+            "projected_vs_built": _max_gap(runs["projected"]["params"], runs["built"]["params"]),
+            "projected": runs["projected"]["projected"],
             "switched_vs_engine": _max_gap(runs["switched"]["params"], runs["engine"]["params"]),
             "trained": _max_gap(runs["switched"]["params"], runs["switched"]["start"]),
             "switch": runs["switched"]["switch"], "same_objects": runs["switched"]["same_objects"],

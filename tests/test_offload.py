@@ -36,6 +36,30 @@ def test_switched_on_mid_run_every_parameter_is_the_run_built_with_the_offload_a
             assert row["local_step"] is None, row["local_step"]  # installed: the local step over host shards
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "decoupled_adamw"])
+def test_taken_after_a_batch_that_trained_it_is_switched_on_before_the_next_one_with_the_same_numbers(two_ranks, optimizer):
+    """Size 1 ran, but its peak with the optimizer state the step added does not fit, and the host offload is the rung
+    left: taken between batches (no OOM spent), the step's gradients left to what runs at the batch's end, switched on
+    before the next batch with them dropped; every parameter then is the run built with the offload's."""
+    for out in two_ranks:
+        row = out[optimizer]
+        assert row["projected_vs_built"] <= 1e-6, row
+        taken = row["projected"]
+        assert taken["line"].startswith(
+            "host offload on: size 1 ran with what the blocks recompute, but its peak with the optimizer state the first "
+            "step added does not fit (rank 0: peak 1.5 MiB with it, capacity 1.0 MiB); FSDP2's CPU offload of the sharded "
+            "parameters, their gradients and the optimizer state switched on before batch 3, the size searched again "
+            "from batch 3 ("), taken["line"]
+        assert taken["last"] == "the host offload on" and taken["left"] == "the model has no FSDP2 blocks to checkpoint"
+        # Nothing moved at the batch's end: its gradients still there for what reads them.
+        assert taken["on_at_step"] is False and taken["offloaded_at_step"] is False and taken["grads_held_at_step"] > 0, taken
+        assert taken["state"] == {"on": True}, taken  # a checkpoint taken now resumes with it on
+        assert taken["summary"] == "ladder: the host offload on (size 1 did not fit without it)", taken
+        assert taken["on"] is True and taken["offloaded"] is True and taken["grads_after"] == 0, taken
+        assert taken["lines"][-1].startswith("host offload: switched on before batch 3; ") and taken["lines"][-1].endswith(
+            "moved to the host on this rank (the last batch's gradients, stepped already, dropped first)"), taken["lines"]
+
+
 def test_the_local_steps_state_over_a_host_parameter_keeps_its_local_tensor(two_ranks):
     for out in two_ranks:
         assert out["dtensor_like"] == {"same_local": True, "placements": True, "shape": True, "dtype": True}

@@ -12,7 +12,7 @@ block keeps its matrix products' and attention's outputs and recomputes the rest
 ``op``); then every block's forward recomputed (``recompute``: full). Each rung is taken
 only where size 1 ran out on the one before, or where size 1 ran in the first batch but its peak with the optimizer
 state that batch's step added does not fit (`TrainingSearch._ladder_on_projection`: the rung between batches, no OOM
-spent; not the host offload, which stays on the OOM's path). The blocks carry the engine's recompute dial switched off
+spent; the host offload too, switched on before the next batch once the step's gradients are dropped). The blocks carry the engine's recompute dial switched off
 from the start under `auto` (`automicro.engine.sharding.shard`'s ``checkpoint_switch``, which `automicro.Trainer` sets), so the
 switch costs nothing until the ladder turns it, between two attempts (after the wipe), on every rank alike: the
 decision is taken from the agreed verdict. With the blocks compiled, the switch sits in each block's hooks, outside its
@@ -29,8 +29,9 @@ blocks checkpointing does the run end, its message naming what was tried.
 
 The last rung, only where the run asked for it (``offload: auto``, `automicro.batch.host_offload`): where size 1 still
 runs out with every block recomputing, FSDP2's CPU offload of the parameters, gradients and optimizer state, switched on
-between two attempts (`automicro.engine.offload`), and the size searched again. Without it, the message that ends the
-run says it was not asked for.
+between two attempts (`automicro.engine.offload`), and the size searched again; where size 1 ran with every block
+recomputing but will not fit with the optimizer state the step added, before the next batch. Without it, the message
+that ends the run says it was not asked for.
 
 Not on the ladder: a pipeline stage (its stages are built with their checkpointing: set
 ``parallelism_config.fsdp2.activation_checkpointing: true``), a model without FSDP2 blocks, a model sharded without
@@ -91,7 +92,7 @@ class FloorLadder:
 
     @property
     def _offloaded(self) -> bool:
-        return self.offload is not None and self.offload.on
+        return self.offload is not None and self.offload.taken
 
     def why_not(self) -> Optional[str]:
         """Why no rung is left (None: one is)."""
@@ -117,25 +118,18 @@ class FloorLadder:
         return ("the blocks carry no checkpointing switch (the whole model is compiled, or the model was sharded "
                 "without automicro.engine.shard(..., checkpoint_switch=True))")
 
-    @property
-    def next_is_offload(self) -> bool:
-        """The next rung is the host offload (no layout rung is left)."""
-        return self.why_not() is None and self._layout_why_not() is not None
-
     def step(self, batch_index: int, verdict: Verdict, scope: Any = None, sharding: Any = None,
              optimizers: Sequence[Any] = (), projected: str = "") -> Optional[str]:
         """Size 1 ran out again in batch `batch_index` (`verdict`: the agreed failure): the next rung, on every rank
         alike, and its line; None where none is left (`why_not`). `scope`, `sharding`: the run's compile scope and
         one-rank trials (held off after the step); `optimizers`: the run's (their state follows the host offload).
         `projected`: size 1 ran in that batch, but its peak with the optimizer state the first step added does not fit
-        (the ranks' figures, for the line): a layout rung between batches, no OOM spent, the size searched again from
-        the next batch (not the host offload: it moves no gradient a finished step still holds)."""
+        (the ranks' figures, for the line): the rung between batches, no OOM spent, the size searched again from the
+        next batch (the host offload switched on before it: `HostOffload.schedule`)."""
         if self.why_not() is not None:
             return None
         if self._layout_why_not() is not None:
-            if projected:
-                return None
-            return self._step_offload(batch_index, verdict, scope, sharding, optimizers)
+            return self._step_offload(batch_index, verdict, scope, sharding, optimizers, projected)
         assert self.layout is not None
         head = self.layout.search.head_rung_left
         if scope is not None and not head:
@@ -159,20 +153,26 @@ class FloorLadder:
         return (f"recompute on: size 1 {_short(verdict, projected, 'without it')}; {how}, the size searched again "
                 f"{again} (the same numbers, {cost})")
 
-    def _step_offload(self, batch_index: int, verdict: Verdict, scope: Any, sharding: Any, optimizers: Sequence[Any]) -> str:
+    def _step_offload(self, batch_index: int, verdict: Verdict, scope: Any, sharding: Any, optimizers: Sequence[Any],
+                      projected: str = "") -> str:
         assert self.offload is not None
         why = "the parameters, gradients and optimizer state live on the host (the ladder's last rung switched it on)"
         if scope is not None:
             scope.blocks_only(why)
         if sharding is not None and sharding.state not in ("off", "sharded"):
             sharding.rule_out(why)  # the twin shares the parameters' old storage: let go of it, never run it
-        self.offload.step(optimizers)
+        with_rungs = f"with {self._layout_rungs() or 'what the blocks recompute'}"
+        if projected:  # the step's gradients are still held: switched on before the next batch
+            self.offload.schedule()
+            when, short = f"before batch {batch_index + 1}", _short(verdict, projected, with_rungs)
+        else:
+            self.offload.step(optimizers)
+            when, short = f"(offload: auto){self.offload.said()}", f"did not fit {with_rungs} ({_rows(verdict)})"
         self.stepped_at, self.last = batch_index, OFFLOAD_RUNG
-        return (f"host offload on: size 1 did not fit with {self._layout_rungs() or 'what the blocks recompute'} "
-                f"({_rows(verdict)}); FSDP2's CPU offload of the sharded parameters, their gradients and the optimizer "
-                f"state switched on (offload: auto){self.offload.said()}, the size searched again in batch {batch_index} "
-                "(the same numbers; each block's parameters copied to the device for its all-gather, the optimizer "
-                "stepping on the host)")
+        again = f"from batch {batch_index + 1}" if projected else f"in batch {batch_index}"
+        return (f"host offload on: size 1 {short}; FSDP2's CPU offload of the sharded parameters, their gradients and "
+                f"the optimizer state switched on {when}, the size searched again {again} (the same numbers; each "
+                "block's parameters copied to the device for its all-gather, the optimizer stepping on the host)")
 
     def _layout_rungs(self) -> str:
         if self.layout is None:

@@ -53,7 +53,8 @@ class HostOffload:
         self.sharded: Any = None  # the engine's model, given at `check`
         self.on = False
         self.moved: Optional[Offloaded] = None
-        self._pending = False  # a checkpoint's: switched on before the first batch (`resume`)
+        self._pending = False  # a checkpoint's: switched on before the first batch (`before_batch`)
+        self.scheduled = False  # taken between batches (`schedule`): switched on before the next one
         self._said_cost = False
 
     def check(self, device_type: str, pipeline: bool, sharded: Any) -> None:
@@ -82,12 +83,24 @@ class HostOffload:
     @property
     def left(self) -> bool:
         """The rung can still be stepped."""
-        return self.mode == "auto" and not self.on and self.sharded is not None
+        return self.mode == "auto" and not self.taken and self.sharded is not None
+
+    @property
+    def taken(self) -> bool:
+        """The rung is the run's: on, or to be switched on before the next batch (`schedule`)."""
+        return self.on or self.scheduled
 
     def step(self, optimizers: Sequence[Any]) -> None:
         """Switch it on now (between attempts, after the failed one's wipe; every rank alike: the agreed verdict)."""
         self.moved = offload_to_host(self.sharded, optimizers)
         self.on = True
+
+    def schedule(self) -> None:
+        """Take the rung after a batch that trained (size 1 ran, but its peak with the optimizer state the first step
+        added does not fit): switched on before the next batch (`before_batch`), once what runs at the batch's end
+        (Composer's BATCH_END, a loop's own code: a gradient norm logged, a checkpoint) has seen the step's gradients.
+        Every rank alike: the agreed verdict."""
+        self.scheduled = True
 
     def said(self) -> str:
         """What the step moved, for its line."""
@@ -102,6 +115,20 @@ class HostOffload:
         self._said_cost = True
         self.info(f"host offload: batch {batch_index}'s forward and backward took {seconds:.2f} s with the parameters "
                   f"copied in and the gradients out, its optimizer step on the host {step_seconds:.2f} s")
+
+    def before_batch(self, batch_index: int, optimizers: Sequence[Any]) -> None:
+        """Before a batch's first attempt: a rung taken after the last batch (`schedule`) is switched on, the last
+        step's gradients dropped first (the step used them, and every host drops them before the batch's first
+        microbatch anyway; FSDP2's offload moves no gradient a rank still holds); a checkpoint's (`resume`)."""
+        if self.scheduled and not self.on:
+            self.scheduled = False
+            for param in self.sharded.module.parameters():
+                param.grad = None
+            self.step(optimizers)
+            self.info(f"host offload: switched on before batch {batch_index}{self.said()} (the last batch's gradients, "
+                      "stepped already, dropped first)")
+            return
+        self.resume(optimizers)
 
     def resume(self, optimizers: Sequence[Any]) -> None:
         """A checkpoint taken with the offload on: switched on before this launch's first batch."""
@@ -119,13 +146,13 @@ class HostOffload:
                   f"without it); {moved.describe()} moved to the host on this rank")
 
     def summary(self) -> str:
-        return RUNG if self.on else ""
+        return RUNG if self.taken else ""
 
     def metrics(self) -> dict[str, int]:
         return {"automicro/host_offload": int(self.on)}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"on": self.on}
+        return {"on": self.taken}  # taken after a batch, not yet on: a run resumed from here switches it on first
 
     def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
         if state and state.get("on") and self.mode is not None:

@@ -285,7 +285,7 @@ class TrainingSearch:
                               + ("settled" if watchdog.settled else f"{'the ' + turn + ' trial' if turn else 'the size search'}") + ")")
         if packing is not None:  # before the batch's domain is agreed (`step.begin`)
             packing.before_batch(turn == "packing" and self._steady(), self._steady())
-        self.offload.resume(host.optimizers())  # a checkpoint's: before the first attempt
+        self.offload.before_batch(step.batch_index, host.optimizers())  # taken after the last batch, or a checkpoint's
         self._optimizer_pending = self._pending_optimizer_bytes(host.optimizers())
         self._ensure_policy(step.begin(), host)
         assert self.policy is not None and self.layout is not None
@@ -727,9 +727,10 @@ class TrainingSearch:
         floor the policy searches below (`policy._projected_to_fail`); at it there is nowhere lower, and the next batch
         would run out at size 1, be rerun once and run out again before the ladder stepped (tests/test_ladder.py's
         14 MB cap, tests/test_head.py's head rung). The ladder's next layout rung now, between batches, every rank
-        alike (the agreed verdict), and the size searched again from the next batch; True where it stepped. Not the
-        host offload (`FloorLadder.step`): that rung stays on the OOM's path (one H100, Llama-3.2 3B's shape at 196,608
-        tokens a sample: batch 1 ran out twice before it, `benchmarks/RESULTS.md` "the host offload")."""
+        alike (the agreed verdict), and the size searched again from the next batch; True where it stepped. The host
+        offload too, where it is the rung left (``offload: auto``): switched on before the next batch, the step's
+        gradients dropped first (`HostOffload.schedule`; one H100, Llama-3.2 3B's shape at 196,608 tokens a sample:
+        batch 1 ran out twice before the OOM's path took it, `benchmarks/RESULTS.md` "the host offload")."""
         assert self.policy is not None
         if not self._optimizer_pending or not self.config.use_prediction or self.config.unit != "samples":
             return False
@@ -740,7 +741,7 @@ class TrainingSearch:
         # under a 16 MB cap: peak 14.7 MiB with the state over a ceiling of 14.6, and the next batches fit at 15.3).
         over = [r for r in verdict.reports if r.capacity_bytes and r.peak_bytes > r.capacity_bytes]
         ladder = self._floor_ladder()
-        if not over or ladder.why_not() is not None or ladder.next_is_offload:
+        if not over or ladder.why_not() is not None:
             return False
         figures = "; ".join(f"rank {r.rank}: peak {r.peak_bytes / 2**20:.1f} MiB with it, capacity "
                             f"{r.capacity_bytes / 2**20:.1f} MiB" for r in over)
