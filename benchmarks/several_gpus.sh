@@ -22,6 +22,12 @@
 #         not in the default CASES. The routed models' table on one GPU: CASES="moe olmoe mixtral" ... several_gpus.sh 1.
 #   long  Llama-3.2 1B's shape at 32,768 x 2 a rank, where size 1 needs recompute: `blocks-auto` (the floor's ladder)
 #         against `acblocks-fixed-1` (every block checkpointed by hand, microbatch 1).
+#   offload  a routed model where size 1 with every block recomputing does not fit: Mixtral-8x7B's blocks, OFFLOAD_LAYERS
+#         of 32 (default 3: 4.6B parameters, their fp32 weights, gradients and AdamW state 68.5 GiB, on an H100's 80 GB),
+#         OFFLOAD_BATCH (default 4) x 4,096 a rank: `auto` with `offload: auto` (the ladder ends at the host offload)
+#         against the hand-set run (`cpu_offload: true`, full recompute and the fused head from the start, the size
+#         searched, no trials). Not in the default CASES; GPU only. On an H200 (139 GiB) the state must near the card
+#         before size 1 runs out at 4,096 tokens, more than the machine's 128 GiB of host memory holds pinned.
 #   late  the head case under `auto` with another process taking LATE_GIB GiB (default 40) of GPU 1 only, once batch 20
 #         is logged, until batch 30: a late OOM on one rank in a settled batch (one rerun on every rank, no hang).
 # Per variant and rank 0: the size found, the trials' lines and price line, the final batch, peak reserved GiB, steady
@@ -98,13 +104,22 @@ for case in ${CASES:-head moe long late}; do
     olmoe) run olmoe olmoe 4096 "${ROUTED_BATCH:-32}" blocks-auto,blocks-fixed-found,blocks-fixed-half,composercompile-auto ;;
     mixtral) run mixtral mixtral 4096 "${ROUTED_BATCH:-32}" blocks-auto,blocks-fixed-found,blocks-fixed-half,composercompile-auto ;;
     long) run long llama32 32768 2 blocks-auto,acblocks-fixed-1 ;;
+    offload)
+      if [ "$dry" = 1 ]; then
+        echo "== offload: left out of the dry run (offload: auto is refused off a GPU)"
+      else
+        run offload-auto mixtral 4096 "${OFFLOAD_BATCH:-4}" blocks-auto --layers "${OFFLOAD_LAYERS:-3}" \
+          --extra callbacks.auto_microbatching.offload=auto
+        run offload-by-hand mixtral 4096 "${OFFLOAD_BATCH:-4}" fused-auto --layers "${OFFLOAD_LAYERS:-3}" \
+          --extra parallelism_config.fsdp2.activation_checkpointing=true,parallelism_config.fsdp2.cpu_offload=true,callbacks.auto_microbatching.layout=fixed,callbacks.auto_microbatching.trials=false
+      fi ;;
     late)
       if [ "$dry" = 1 ]; then
         echo "== late: left out of the dry run (another process holding GPU memory)"
       else
         run late qwen25 2048 32 blocks-auto --hog-later "b20:${LATE_GIB:-40}:b30" --hog-device 1
       fi ;;
-    *) echo "unknown case $case (head, moe, olmoe, mixtral, long, late)"; failed=1 ;;
+    *) echo "unknown case $case (head, moe, olmoe, mixtral, long, offload, late)"; failed=1 ;;
   esac
 done
 exit $failed
