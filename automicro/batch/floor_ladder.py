@@ -12,8 +12,8 @@ block keeps its matrix products' and attention's outputs and recomputes the rest
 ``op``); then every block's forward recomputed (``recompute``: full). Each rung is taken
 only where size 1 ran out on the one before, or where size 1 ran in the first batch but its peak with the optimizer
 state that batch's step added does not fit (`TrainingSearch._ladder_on_projection`: the rung between batches, no OOM
-spent; the host offload too, switched on before the next batch once the step's gradients are dropped). The blocks carry the engine's recompute dial switched off
-from the start under `auto` (`automicro.engine.sharding.shard`'s ``checkpoint_switch``, which `automicro.Trainer` sets), so the
+spent; the host offload too, switched on before the next batch once the step's gradients are dropped). The blocks
+carry the engine's recompute dial switched off from the start under `auto` (`automicro.engine.sharding.shard`'s ``checkpoint_switch``, which `automicro.Trainer` sets), so the
 switch costs nothing until the ladder turns it, between two attempts (after the wipe), on every rank alike: the
 decision is taken from the agreed verdict. With the blocks compiled, the switch sits in each block's hooks, outside its
 compiled forward: nothing compiles again, and the backward runs each block's compiled forward once more. The whole
