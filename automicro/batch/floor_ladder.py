@@ -161,15 +161,14 @@ class FloorLadder:
             scope.blocks_only(why)
         if sharding is not None and sharding.state not in ("off", "sharded"):
             sharding.rule_out(why)  # the twin shares the parameters' old storage: let go of it, never run it
-        with_rungs = f"with {self._layout_rungs() or 'what the blocks recompute'}"
         if projected:  # the step's gradients are still held: switched on before the next batch
             self.offload.schedule()
-            when, short = f"before batch {batch_index + 1}", _short(verdict, projected, with_rungs)
+            when, again = f"before batch {batch_index + 1}", f"from batch {batch_index + 1}"
         else:
             self.offload.step(optimizers)
-            when, short = f"(offload: auto){self.offload.said()}", f"did not fit {with_rungs} ({_rows(verdict)})"
+            when, again = f"(offload: auto){self.offload.said()}", f"in batch {batch_index}"
         self.stepped_at, self.last = batch_index, OFFLOAD_RUNG
-        again = f"from batch {batch_index + 1}" if projected else f"in batch {batch_index}"
+        short = _short(verdict, projected, f"with {self._layout_rungs() or 'what the blocks recompute'}")
         return (f"host offload on: size 1 {short}; FSDP2's CPU offload of the sharded parameters, their gradients and "
                 f"the optimizer state switched on {when}, the size searched again {again} (the same numbers; each "
                 "block's parameters copied to the device for its all-gather, the optimizer stepping on the host)")
