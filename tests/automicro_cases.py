@@ -84,6 +84,17 @@ class Probe(Callback):
         )
 
 
+class BatchesTrained(Callback):
+    """Records, at every `batch_end`, the split the batch trained at and whether the allocator retried in it (any rank)."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        auto = next(c for c in state.callbacks if isinstance(c, AutoMicrobatching))
+        self.rows.append({"split": list(auto.search.used_split), "retried": bool(auto.search.batch_retries)})
+
+
 class OOMAtBatch(Callback):
     """Raises a CUDA-style OOM at `after_loss` on every rank while `timestamp.batch == batch`,
     at most `times` times (the FaultInjector has no batch filter)."""
@@ -312,15 +323,32 @@ THRASH_BAND = 0.065
 THRASH_BATCHES = 6
 
 
-def thrash_case(world: int) -> dict[str, Any]:
+# The thrash timed (`automicro.batch.thrash_timing`, on by itself on a GPU only): seconds a batch by the size found
+# (8 retries), not the machine's clock. "below": the size below faster (the rule's shrink stands); "retrying": the
+# retrying size faster (back to 8, its retries accepted). Each past the timing's batches (the size below's settling).
+THRASH_TIMED = {"below": lambda size, measured: 3.0 if size == 8 else 1.0,
+                "retrying": lambda size, measured: 1.0 if size == 8 else 2.0}
+THRASH_TIMED_BATCHES = 12
+
+
+def thrash_case(world: int, timed: Optional[str] = None) -> dict[str, Any]:
     from automicro.testing import MemoryCapCallback
 
     auto = AutoMicrobatching(log_attempts=False, thrash_batches=2)
+    lines: list[str] = []
+    auto.runtime.info = lines.append  # type: ignore[method-assign]
+    if timed is not None:
+        auto.search.thrash_timing.enabled = True
+        auto.search.thrash_timing.timing = THRASH_TIMED[timed]
     cap = MemoryCapCallback(limit_bytes=THRASH_LIMIT, retry_band=THRASH_BAND)
-    trainer = build_trainer(world, THRASH_BATCHES, callbacks=(cap, auto), width=THRASH_WIDTH)
+    batches = THRASH_BATCHES if timed is None else THRASH_TIMED_BATCHES
+    trained = BatchesTrained()
+    trainer = build_trainer(world, batches, callbacks=(cap, auto, trained), width=THRASH_WIDTH)
     trainer.fit()
     stats = cap.cap.stats()
     result = {
+        "lines": [line for line in lines if line.startswith("thrash")],
+        "batches": trained.rows,
         "history": history(auto),
         "thrash_events": auto.thrash.events,
         "found_size": auto.found_size,
@@ -428,6 +456,8 @@ def run_misc_cases(rank: int, world: int, folder: str) -> dict[str, Any]:
         "hooks_after_oom": lambda: hooks_after_oom_case(world),
         "hooks_after_eval": lambda: hooks_after_eval_case(world),
         "thrash": lambda: thrash_case(world),
+        "thrash_timed_below": lambda: thrash_case(world, "below"),
+        "thrash_timed_retrying": lambda: thrash_case(world, "retrying"),
         "non_oom_error": lambda: non_oom_error_case(world),
         "oom_at_size_one": lambda: oom_at_size_one_case(world),
         "checkpoint": lambda: checkpoint_case(world, folder),

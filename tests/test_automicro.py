@@ -282,6 +282,42 @@ def test_allocator_retries_in_two_batches_at_size8_count_as_thrash_and_step_down
         assert result["listeners_after_close"] == 0 and result["collective_patch_after_close"] is False
 
 
+@pytest.mark.multiproc
+def test_a_thrash_timed_keeps_the_size_below_where_it_is_faster(misc):
+    for per_rank in misc:
+        result = _ok(per_rank["thrash_timed_below"])
+        thrash = [r for r in result["history"] if r["outcome"] == "thrash"]
+        assert len(thrash) == 1 and thrash[0]["size"] == 8, result["history"]
+        # The retrying batches (1, 2) against the size below's settled batches with the hooks on, the first at its
+        # split left out (5: after 4's (7, 1)).
+        assert result["lines"] == [
+            "thrash at 8 timed: median batch 3.0000 s at 8 with the allocator's retries (batches 1, 2), 1.0000 s at 7 "
+            "(batches 6, 7) (-200.0%; spread 0.0000 s): 7 kept, as the thrash rule had it"
+        ], result["lines"]
+        after = result["batches"][thrash[0]["batch"] + 1:]
+        assert after and all(max(b["split"]) < 8 and not b["retried"] for b in after), result["batches"]
+        assert result["found_size"] == 7 and result["thrash_events"] == 1 and result["ooms_total"] == 0
+
+
+@pytest.mark.multiproc
+def test_a_thrash_timed_goes_back_to_the_retrying_size_where_it_is_faster_and_counts_no_thrash_there(misc):
+    for per_rank in misc:
+        result = _ok(per_rank["thrash_timed_retrying"])
+        assert result["lines"] == [
+            "thrash at 8 timed: median batch 1.0000 s at 8 with the allocator's retries (batches 1, 2), 2.0000 s at 7 "
+            "(batches 6, 7) (+50.0%; spread 0.0000 s): 8 again from batch 9, its retries accepted (no thrash counted "
+            "there; an OOM there still shrinks the size)",
+            "thrash at 8 timed faster than 7: back to 8, split (8,)",
+        ], result["lines"]
+        splits = [b["split"] for b in result["batches"]]
+        assert splits[3:9] == [[4, 4], [7, 1], [4, 4], [4, 4], [4, 4], [4, 4]], splits
+        # Back at 8 from batch 9: every batch there retries (as 1 and 2 did), and none counts as a thrash.
+        assert result["batches"][9:] == [{"split": [8], "retried": True}] * 3, result["batches"]
+        assert [r["batch"] for r in result["history"] if r["outcome"] == "thrash"] == [2], result["history"]
+        assert result["found_size"] == 8 and result["thrash_events"] == 1 and result["ooms_total"] == 0
+        assert result["clean"]
+
+
 # ---- failures that must stop every rank -----------------------------------------------------------
 
 

@@ -355,6 +355,51 @@ def test_halve_thrash_halves(search):
     assert d.next_size == 8 and not d.rerun
 
 
+def test_a_thrash_timed_faster_than_the_size_below_takes_the_size_and_its_bound_back():
+    """`Retried` (`automicro.batch.thrash_timing`): back to the size that retried, its failure bound from before the
+    thrash restored, the phase and the memory model kept."""
+    policy = SearchPolicy(PolicyConfig(), 10)
+    drive(policy, threshold=4)  # found 4, split (4, 3, 3); 5 ran out
+    settle_to_steady(policy)
+    bound = policy.state.first_failure
+    assert bound == 5
+    policy.observe(Thrash(4))
+    policy.observe(Success(3))
+    settle_to_steady(policy)
+    assert policy.found_size == 3 and policy.state.first_failure == 4
+    before = policy.state
+    d = policy.observe(P.Retried(4, bound))
+    assert (d.phase, d.hooks, d.next_size, d.split, d.reason) == (Phase.STEADY, False, 4, (4, 3, 3), HookReason.STEADY)
+    assert d.event == "thrash at 4 timed faster than 3: back to 4, split (4, 3, 3)"
+    state = policy.state
+    assert (state.found, state.best_success, state.first_failure) == (4, 4, 5)
+    assert (state.samples, state.successes, state.stable_count) == (before.samples, before.successes, before.stable_count)
+    # Settling below: the count of clean batches is kept, the hooks stay on until it is reached.
+    policy = SearchPolicy(PolicyConfig(stable_batches=3), 10)
+    drive(policy, threshold=4)
+    settle_to_steady(policy)
+    policy.observe(Thrash(4))
+    policy.observe(Success(3))
+    policy.observe(Success(3))
+    d = policy.observe(P.Retried(4, None))
+    assert (d.phase, d.hooks, policy.state.stable_count, policy.state.first_failure) == (Phase.SETTLING, True, 1, None)
+    assert d.reason == HookReason.SETTLING
+
+
+@pytest.mark.parametrize("when", ["searching", "not above", "never ran", "tokens"])
+def test_a_thrash_timed_back_is_refused_where_the_policy_is_not_settled_below_a_size_that_ran(when):
+    config = PolicyConfig(unit="tokens") if when == "tokens" else PolicyConfig()
+    policy = SearchPolicy(config, 10)
+    if when != "tokens":
+        drive(policy, threshold=4)
+        settle_to_steady(policy)
+    if when == "searching":
+        policy.observe(Thrash(4))
+    size = {"searching": 4, "not above": 4, "never ran": 6, "tokens": 8}[when]
+    with pytest.raises(ValueError, match="needs a search over samples settled below"):
+        policy.observe(P.Retried(size))
+
+
 # ---- settling, steady, re-search, rearm ------------------------------------------------------
 
 
@@ -917,3 +962,123 @@ def test_success_at_or_above_the_failure_bound_lifts_the_stale_bound():
     d = policy.observe(Success(15))
     assert d.next_size == 16
     assert policy.observe(Success(16)).split == (16,)
+
+
+# ---- the thrash timed (`automicro.batch.thrash_timing`) -----------------------------------------
+
+
+class _TwoRanks:
+    """`agree_max` against another rank whose values `other(local)` gives (default: all 0)."""
+
+    def __init__(self, other=None):
+        self.other = other or (lambda values: [0] * len(values))
+        self.rounds = 0
+
+    def agree_max(self, values):
+        self.rounds += 1
+        return [max(a, b) for a, b in zip(values, self.other(list(values)))]
+
+
+def _thrash_timing(consensus, lines):
+    from automicro.batch.thrash_timing import ThrashTiming
+
+    return ThrashTiming(2, 0.01, lambda: consensus, lines.append, enabled=True)
+
+
+GiB = 2**30
+
+
+def _steady_thrash_at_8(timing, seconds):
+    """Batches 10 and 11 at 8 (settled, hooks off) retried: the thrash in 11; then 12 searched, 13-15 settled at 4
+    (hooks on), 16-19 steady (hooks off)."""
+    for b in (10, 11):
+        timing.after_batch(b, 8, (8,), False, True)
+        seconds[b] = 1.0
+    timing.thrash(11, 8, 8, 1, 9, 40 * GiB, searching=False, samples=True)
+    timing.after_batch(12, None, (4, 4), True, True)
+    seconds[12] = 5.0
+    for b in (13, 14, 15):
+        timing.after_batch(b, 4, (4, 4), True, True)
+        seconds[b] = 0.5  # with the hooks on: the retrying batches had them off
+    for b in (16, 17, 18, 19):
+        seconds[b] = 2.0
+
+
+def test_a_thrash_timed_judges_the_size_below_on_batches_with_the_hooks_as_the_retrying_ones_had_them():
+    lines, consensus, seconds = [], _TwoRanks(), {}
+    timing = _thrash_timing(consensus, lines)
+    _steady_thrash_at_8(timing, seconds)
+    assert timing.holding
+    decided = []
+    for b in (16, 17, 18):
+        timing.after_batch(b, 4, (4, 4), False, True)
+        decided.append(timing.decide(b, 4, 40 * GiB, {k: v for k, v in seconds.items() if k < b}, {}))
+    # 13-15 had the hooks on: left out; 16 and 17 known once 18 trained (the plan's clock: start to start); one round.
+    assert decided[:2] == [None, None]
+    assert decided[2] == P.Retried(8, 9) and not timing.holding and consensus.rounds == 1
+    assert lines == ["thrash at 8 timed: median batch 1.0000 s at 8 with the allocator's retries (batches 10, 11), "
+                     "2.0000 s at 4 (batches 16, 17) (+50.0%; spread 0.0000 s): 8 again from batch 19, its retries "
+                     "accepted (no thrash counted there; an OOM there still shrinks the size)"]
+    assert timing.accepts(8) and not timing.accepts(4)
+    timing.after_batch(19, 8, (8,), False, True)
+    assert timing.accepts(8)
+    # Checkpointed: a resumed run accepts them too; once the size found moves, they are timed again.
+    state = timing.state_dict()
+    timing.after_batch(20, 6, (6, 2), True, True)
+    assert not timing.accepts(8)
+    timing.load_state_dict(state)
+    assert timing.accepts(8)
+
+
+def test_a_thrash_timed_leaves_out_a_batch_that_compiled_on_another_rank_and_keeps_the_size_below_where_faster():
+    lines, seconds = [], {}
+    # The other rank compiled a graph in batch 16 (the third of the arms' batches: 10, 11, 16, 17).
+    rounds = []
+
+    def other(local):
+        rounds.append(local)
+        return [0] * 6 + ([10**6, 0] if len(rounds) == 1 else [0, 0])
+
+    consensus = _TwoRanks(other)
+    timing = _thrash_timing(consensus, lines)
+    _steady_thrash_at_8(timing, seconds)
+    for b in (16, 17, 18, 19):
+        seconds[b] = 0.8
+        timing.after_batch(b, 4, (4, 4), False, True)
+        got = timing.decide(b, 4, 40 * GiB, {k: v for k, v in seconds.items() if k < b}, {})
+        assert got is None
+        if b == 18:
+            assert timing.holding and not lines  # 16 left out: 17 and 18 next
+    assert not timing.holding and consensus.rounds == 2
+    assert lines == ["thrash at 8 timed: median batch 1.0000 s at 8 with the allocator's retries (batches 10, 11), "
+                     "0.8000 s at 4 (batches 17, 18) (-25.0%; spread 0.0000 s): 4 kept, as the thrash rule had it"]
+    assert not timing.accepts(8)
+
+
+@pytest.mark.parametrize("why", ["capacity", "above", "another thrash"])
+def test_a_thrash_timing_stops_where_the_memory_moved_or_the_search_went_above(why):
+    lines, seconds = [], {}
+    timing = _thrash_timing(_TwoRanks(), lines)
+    _steady_thrash_at_8(timing, seconds)
+    if why == "capacity":
+        assert timing.decide(16, 4, 36 * GiB, seconds, {}) is None
+        assert lines == ["thrash at 8: not timed against the size below (the memory capacity moved, 40960.0 -> "
+                         "36864.0 MiB); the size below stays"]
+    elif why == "above":
+        assert timing.decide(16, 8, 40 * GiB, seconds, {}) is None
+        assert lines == ["thrash at 8: not timed against the size below (the search went to 8); the size below stays"]
+    else:
+        timing.stop("another thrash came first, at the size below")
+    assert not timing.holding
+
+
+@pytest.mark.parametrize("case", ["floor", "searching", "tokens", "off", "mixed sizes"])
+def test_a_thrash_is_not_timed_at_the_floor_while_searching_over_tokens_or_off_a_gpu(case):
+    lines = []
+    timing = _thrash_timing(_TwoRanks(), lines)
+    timing.enabled = case != "off"
+    timing.after_batch(10, 6 if case == "mixed sizes" else 8, (8,), False, True)
+    timing.after_batch(11, 8, (8,), False, True)
+    timing.thrash(11, 8, 1 if case == "floor" else 8, 1, None, 40 * GiB, searching=case == "searching",
+                  samples=case != "tokens")
+    assert not timing.holding and not lines

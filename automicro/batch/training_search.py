@@ -47,6 +47,7 @@ from automicro.batch.compile_watch import CompileWatch
 from automicro.batch.forward_state import ForwardState
 from automicro.batch.routing import RoutingWatch
 from automicro.batch.sharding_choice import ShardingChoice
+from automicro.batch.thrash_timing import ThrashTiming
 from automicro.batch.trial_plan import TrialPlan
 from automicro.batch.layout_trials import LayoutTrials
 from automicro.batch.memory_truth import MemoryTruth, reached_bytes
@@ -77,6 +78,9 @@ class TrainingSearch:
         self.start = settings.start
         self.runtime = runtime
         self.thrash = ThrashDetector(settings.thrash_batches)
+        # A thrash's retrying batches timed against the size below it (`thrash_timing`): on at configure, on a GPU.
+        self.thrash_timing = ThrashTiming(settings.thrash_batches, settings.layout_config.min_gain,
+                                          lambda: runtime.consensus, lambda line: runtime.info(line))
         self.layout: Optional[LayoutTrials] = None  # set at attach
         self.policy: Optional[search.SearchPolicy] = None
         self.history: list[AttemptRecord] = []
@@ -127,6 +131,8 @@ class TrainingSearch:
         self.offload.check(device_type, pipeline is not None, self.runtime.sharded)
         if self.start == "auto" and device_type == "cuda":
             self.config = dataclasses.replace(self.config, probe=True)
+        timing = self.thrash_timing
+        timing.enabled = (timing.enabled or device_type == "cuda") and self.config.search == "bisect"
         if pipeline is not None and self.start == "probe":
             raise ValueError(
                 "AutoMicrobatching(start_size='probe') cannot run pipeline stages (a pipeline runs equal microbatches, "
@@ -170,6 +176,7 @@ class TrainingSearch:
             "layout": None if self.layout is None else self.layout.state_dict(),
             "one_rank": None if self.sharding_choice is None else self.sharding_choice.state_dict(),
             "offload": self.offload.state_dict(),
+            "thrash_timing": self.thrash_timing.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -182,6 +189,7 @@ class TrainingSearch:
         self._layout_state = state.get("layout")
         self._one_rank_state = state.get("one_rank")
         self.offload.load_state_dict(state.get("offload"))
+        self.thrash_timing.load_state_dict(state.get("thrash_timing"))
 
     # ---- the dashboards' figures -----------------------------------------------------------------
 
@@ -278,7 +286,8 @@ class TrainingSearch:
         watchdog = rt.watchdog
         if watchdog is not None:  # what the batch should cost is known once the plan has given it (below)
             watchdog.batch(step.batch_index, False, f"training batch {step.batch_index}")
-        turn = plan.before_batch(step.batch_index, self._steady(), self._configuration)
+        # While a thrash's size below is timed (`thrash_timing`), its batches are no trial's.
+        turn = plan.before_batch(step.batch_index, self._steady() and not self.thrash_timing.holding, self._configuration)
         if watchdog is not None:  # a settled batch should take the settled median (`core.watchdog`)
             watchdog.settled = self._steady() and turn is None
             watchdog.phase = (f"training batch {step.batch_index} ("
@@ -812,10 +821,17 @@ class TrainingSearch:
         self.batch_retries = verdict.any_new_alloc_retries
         # As in Composer's rule, a batch that already ran out of memory is not counted for thrashing; nor a layout
         # trial's batch (`_trained`: its retries are timed in its arms).
-        retried_clean_batch = verdict.any_new_alloc_retries and self.batch_attempts == 1 and not in_layout_trial
+        # Nor one at a size whose retries were timed faster than the size below (`thrash_timing`).
+        retried_clean_batch = (verdict.any_new_alloc_retries and self.batch_attempts == 1 and not in_layout_trial
+                               and not self.thrash_timing.accepts(self.policy.found_size))
         self.kind.trained()
+        timing = self.thrash_timing
+        timing.after_batch(batch_index, self.policy.found_size, sizes, self.runtime.hooks_active,
+                           self.batch_attempts == 1 and not in_layout_trial and not trial_batch and self._trial_plan().turn is None)
         if self.thrash.observe(retried_clean_batch):
             twin_ran = self._step is not None and self._step.twin is not None
+            if timing.holding:
+                timing.stop("another thrash came first, at the size below")
             if self.sharding_choice is not None and self.sharding_choice.relieve("thrashing", rerun=False):
                 # Through the twin, or in any batch of its trial, as an OOM there: FSDP2 from the next batch, the size stays.
                 self.runtime.memory.empty_cache()
@@ -830,6 +846,9 @@ class TrainingSearch:
                 self.runtime.memory.empty_cache()
                 self._record(batch_index, sizes, "thrash", verdict, max(sizes), seconds, f"layout now {self.layout.describe()}")
                 return
+            state = self.policy.state
+            timing.thrash(batch_index, state.found, max(sizes), self.policy.floor, state.first_failure, verdict.capacity_bytes,
+                          state.phase == search.Phase.SEARCHING, self.config.unit == "samples")
             decision = self.policy.observe(search.Thrash(self.kind.outcome_size(self.policy, sizes, verdict, False)))
             self._record(batch_index, sizes, "thrash", verdict, decision.next_size, seconds, decision.event)
             self.apply_hooks(decision.hooks, decision.reason)
@@ -855,6 +874,13 @@ class TrainingSearch:
             self.runtime.info(found_line)
         self.apply_hooks(decision.hooks, decision.reason)
         self._headroom(phase_before, decision, verdict, found, trial_batch)
+        if timing.holding:
+            plan = self._trial_plan()
+            retried = timing.decide(batch_index, self.policy.found_size, verdict.capacity_bytes, plan.seconds, plan.compiled)
+            if retried is not None:
+                decision = self.policy.observe(retried)
+                self.runtime.info(decision.event)
+                self.apply_hooks(decision.hooks, decision.reason)
 
     def _headroom(self, phase_before: search.Phase, decision: Any, verdict: Verdict, found: Optional[int], trial_batch: bool) -> None:
         """Collect every rank's peak over the settling batches; once the size is steady, keep the

@@ -221,7 +221,19 @@ class Adopt:
     capacity_bytes: Optional[int] = None
 
 
-Outcome = Union[Success, OOM, Thrash, Rearm, BatchSizeChanged, DomainGrew, Adopt]
+@dataclass(frozen=True)
+class Retried:
+    """A thrash at `size` was timed (`automicro.batch.thrash_timing`): its batches, the allocator's retries and all,
+    were faster than those at the size the search settled on below it. The size found is `size` again, in the phase
+    the policy is in (its count of clean batches kept); the thrash's failure bound at `size` goes and `bound` (the
+    failure bound before the thrash; None: there was none) comes back; the memory model stays (the same layout ran
+    both sizes). Only while SETTLING or STEADY on a smaller size, over samples, where `size` ran clean."""
+
+    size: int
+    bound: Optional[int] = None
+
+
+Outcome = Union[Success, OOM, Thrash, Rearm, BatchSizeChanged, DomainGrew, Adopt, Retried]
 
 
 # ---- config, state, decision -----------------------------------------------------------------
@@ -682,6 +694,10 @@ def transition(state: SearchState, outcome: Outcome, config: PolicyConfig) -> tu
         reason = HookReason.STEADY if new.phase == Phase.STEADY else (
             HookReason.SEARCHING if new.phase == Phase.SEARCHING else HookReason.SETTLING
         )
+    elif isinstance(outcome, Retried):
+        _check_size(state, outcome.size)
+        new, decision = _on_retried(state, outcome, config)
+        reason = HookReason.STEADY if new.phase == Phase.STEADY else HookReason.SETTLING
     elif isinstance(outcome, BatchSizeChanged):
         new, decision = _on_batch_size(state, outcome, config)
         reason = HookReason.BATCH_SIZE_CHANGED
@@ -982,6 +998,22 @@ def _on_adopt(state: SearchState, outcome: Adopt, config: PolicyConfig) -> tuple
     return state, _decide(state, config, False, f"layout: microbatch now {outcome.size}, {_in_use(state, config)}")
 
 
+def _on_retried(state: SearchState, outcome: Retried, config: PolicyConfig) -> tuple[SearchState, Decision]:
+    size, found = outcome.size, state.found
+    if (
+        state.phase == Phase.SEARCHING or found is None or size <= found or size not in state.successes
+        or config.unit != "samples"
+    ):
+        raise ValueError(
+            f"Retried({size}) needs a search over samples settled below {size}, where {size} ran clean (state {state})"
+        )
+    bound = outcome.bound if outcome.bound is not None and outcome.bound > size else None
+    state = replace(state, found=size, best_success=max(state.best_success, size), first_failure=bound,
+                    retrying=None, retrying_ranks=())
+    state = replace(state, size=max(current_split(state, config)))
+    return state, _decide(state, config, False, f"thrash at {size} timed faster than {found}: back to {size}, {_in_use(state, config)}")
+
+
 def _on_reopen(
     state: SearchState, size: int, capacity: Optional[int], config: PolicyConfig,
 ) -> tuple[SearchState, Decision]:
@@ -1141,6 +1173,7 @@ __all__ = [
     "Phase",
     "PolicyConfig",
     "Rearm",
+    "Retried",
     "SearchPolicy",
     "SearchState",
     "Success",
