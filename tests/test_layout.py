@@ -76,6 +76,43 @@ def test_pressure_undoes_the_trade_on_trial_then_the_last_kept_then_leaves_it_to
     assert search.layout_for_batch(True, lambda t: None) == ((), [])
 
 
+def test_a_kept_trade_whose_batches_peaked_lower_than_those_without_it_is_not_undone_under_pressure():
+    """One H100, Qwen3-MoE's blocks on one rank: grad_sync_once's batches peaked at 72.8 GiB against 77.2 without it
+    (bf16 gradients held unsharded, against fp32 ones reduced every microbatch); undone for a thrash, the size ran out
+    at 6 and at 4. A trade that saves memory stays; one that costs it goes first, as before."""
+    search = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), [GRAD_SYNC_ONCE, NO_RESHARD])
+    peaks = {GRAD_SYNC_ONCE: -4 * 2**30, NO_RESHARD: 2 * 2**30}
+    for _ in range(2):
+        while not search.needs_agreement:
+            layout, _ = search.layout_for_batch(True, lambda trade: None)
+            trade = search.trial.trade
+            search.observe(layout, 1.0 if trade in layout else 2.0, 77 * 2**30 + (peaks[trade] if trade in layout else 0))
+        assert search.decide(search.local_times()).kept
+    assert search.settled == (GRAD_SYNC_ONCE, NO_RESHARD)
+    assert search.saves == {GRAD_SYNC_ONCE: (73 * 2**30, 77 * 2**30)}
+    assert search.relieve(search.settled, "thrashing at size 6", 6) == NO_RESHARD
+    assert search.relieve(search.settled, "thrashing at size 6", 6) is None  # the size policy acts
+    assert search.settled == (GRAD_SYNC_ONCE,)
+    restored = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), [GRAD_SYNC_ONCE, NO_RESHARD])
+    restored.load_state_dict(search.state_dict())
+    assert restored.saves == search.saves and restored.relieve(restored.settled, "oom", 6) is None
+    # Every batch with it must peak below every batch without it: one batch without it as low (a routed model's
+    # peaks move with its routing) leaves it undoable; so does a batch whose peak was not told.
+    for lowest_off, told in ((73 * 2**30, True), (78 * 2**30, False)):
+        overlap = LayoutSearch(LayoutConfig.parse("auto", trial_batches=2), [GRAD_SYNC_ONCE])
+        while not overlap.needs_agreement:
+            layout, _ = overlap.layout_for_batch(True, lambda trade: None)
+            on = GRAD_SYNC_ONCE in layout
+            off_peak = lowest_off if len(overlap.trial.off) == 0 else 77 * 2**30
+            overlap.observe(layout, 1.0 if on else 2.0, (73 * 2**30 if on else off_peak) if told or on else 0)
+        assert overlap.decide(overlap.local_times()).kept and overlap.saves == {}
+        assert overlap.relieve(overlap.settled, "oom", 6) == GRAD_SYNC_ONCE
+    # Without peaks told (0), nothing is known to save memory: undone as before.
+    plain = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), [GRAD_SYNC_ONCE])
+    _run_trial(plain, 1.0, 2.0)
+    assert plain.saves == {} and plain.relieve(plain.settled, "oom", 6) == GRAD_SYNC_ONCE
+
+
 def test_pressure_in_a_trial_batch_without_the_trade_ends_the_trial_and_undoes_a_kept_one():
     search = LayoutSearch(LayoutConfig.parse("auto", trial_batches=1), [GRAD_SYNC_ONCE, NO_RESHARD])
     _run_trial(search, 1.0, 2.0)

@@ -367,11 +367,13 @@ class LayoutTrials:
         trial = None if self.engine is None else self.search.trial
         return trial is not None and trial.measure and not trial.on
 
-    def after_success(self, attempts: int, peaks_by_size: tuple[tuple[int, int], ...] = (), weight: float = 1.0) -> None:
+    def after_success(self, attempts: int, peaks_by_size: tuple[tuple[int, int], ...] = (), weight: float = 1.0,
+                      peak: int = 0) -> None:
         """The batch succeeded (and the optimizer stepped); `peaks_by_size`: its agreed microbatch
         peaks by size, where they were tracked; `weight`: its work against an average batch's (a
         variable-length batch: its real tokens over the average's), its time judged per average
-        batch. A batch that retried is not timed."""
+        batch; `peak`: its peak bytes, the max over ranks (each arm's highest is the trade's memory as measured). A
+        batch that retried is not timed."""
         if self.engine is None:
             return
         self.engine.reset()
@@ -380,7 +382,7 @@ class LayoutTrials:
         seconds = self._clock.stop()
         self._timing = False
         if attempts == 1:
-            self.search.observe(self.layout, self.timing(self.layout, seconds / (weight or 1.0)))
+            self.search.observe(self.layout, self.timing(self.layout, seconds / (weight or 1.0)), peak)
         trial = self.search.measuring
         if trial is not None:
             self._outcome = "measured"
@@ -412,6 +414,11 @@ class LayoutTrials:
             extended = (f" (over {sides} batches a side: at {self.config.trial_batches} its gain was under "
                         f"{CONCLUSIVE:g}x its spread)" if sides > self.config.trial_batches else "")
             self._info(result.line() + extended)
+            saved = self.search.saves.get(result.trade.split("+")[0]) if result.kept else None
+            if saved is not None:
+                self._info(f"layout trade {result.trade}: its batches peaked at {saved[0] / 2**30:.2f} GiB at most, those "
+                           f"without it at {saved[1] / 2**30:.2f} GiB at least: it saves memory here, so memory pressure "
+                           "does not undo it")
             if result.kept and result.size is not None:
                 self.adopted = result.size
             self._info(f"layout now: {describe(self.search.settled)}")

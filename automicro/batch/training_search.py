@@ -475,7 +475,7 @@ class TrainingSearch:
         # same run timing the retries (`benchmarks/RESULTS.md` 2026-12-07, the thrash in a trial). A trial's batch
         # counts as one without retries (`_after_success`): the streak starts again after the trial.
         in_trial = self.layout.trial_running
-        self.layout.after_success(step.attempts, peaks, weight=self.kind.batch_weight())
+        self.layout.after_success(step.attempts, peaks, weight=self.kind.batch_weight(), peak=verdict.peak_bytes)
         adopted = self.layout.take_adopted()
         if adopted is not None:
             self.runtime.info(self.policy.observe(search.Adopt(adopted)).event)

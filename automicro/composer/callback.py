@@ -70,7 +70,8 @@ class AutoMicrobatching(Callback):
     Args:
         stable_batches: Clean batches at one split before the sync hooks come off.
         thrash_batches: Batches with allocator retries in a row that count as an OOM (a layout trial's batches
-            are not counted: their retries are timed in its arms).
+            are not counted: their retries are timed in its arms). On a GPU the size below is then timed against
+            those batches, and the retrying size kept where it was faster (its retries accepted).
         search: ``bisect`` (the largest size that fits, between the bounds the attempts found) or
             ``halve`` (Composer's own policy, as a baseline).
         use_prediction: Predict the next size from the measured memory of the sizes tried.

@@ -46,7 +46,10 @@ rank's batch times are agreed (the max over ranks, one consensus round) and the 
 the median with it is below the median without it by more than both ``min_gain`` and the larger
 median absolute deviation of the two arms. Under memory pressure (an out-of-memory error or
 thrashing at the settled size) the trade on trial, else the last kept trade, is undone and the
-batch reruns at the same size: trades go before the microbatch shrinks. A trade that did not fit
+batch reruns at the same size: trades go before the microbatch shrinks. Not a kept trade whose trial's
+batches peaked lower with it than without it at the same size (`LayoutSearch.saves`: on one rank
+``grad_sync_once`` holds bf16 gradients unsharded where the plain layout reduces them into fp32 ones
+every microbatch): undoing it would raise the peak. A trade that did not fit
 (undone under pressure, or projected not to fit) is tried again only once the microbatch the
 size policy settles on is smaller than the one it did not fit at; a trade that was not faster is
 tried again only on top of a different layout (another trade kept or undone since: trades
@@ -258,6 +261,10 @@ class Trial:
     unit: str = "samples"
     # ``recompute_op`` tried up from no recompute (at a larger microbatch, against none), not down from a full recompute.
     up: bool = False
+    # The highest agreed peak of the batches with the trade, the lowest of those without (bytes; 0: none told): a trade
+    # kept whose batches all peaked lower than every batch without it saves memory there (`LayoutSearch.saves`).
+    peak_on: int = 0
+    peak_off: int = 0
 
     @property
     def trade(self) -> str:
@@ -391,6 +398,9 @@ class LayoutSearch:
             if t in self.candidates and (t != RECOMPUTE_OP or (RECOMPUTE in self.candidates and NO_RECOMPUTE not in self.candidates))
         )
         self.kept: list[str] = list(config.pinned)
+        # Kept trades whose trial's batches peaked lower with them than without, at the same size (bytes with, without):
+        # never undone under memory pressure (`relieve`).
+        self.saves: dict[str, tuple[int, int]] = {}
         self.rejected: dict[str, str] = {}
         # For a trade rejected for memory: the largest microbatch it did not fit at (undone under
         # pressure, or projected not to fit). Below that size it may be tried again.
@@ -941,16 +951,23 @@ class LayoutSearch:
             self.trial = self.trial.restarted()
         return self.current, lines
 
-    def observe(self, layout: Sequence[str], seconds: float) -> None:
-        """A batch that succeeded at `layout` took `seconds` on this rank."""
+    def observe(self, layout: Sequence[str], seconds: float, peak: int = 0) -> None:
+        """A batch that succeeded at `layout` took `seconds` on this rank; `peak`: its peak bytes, the max over ranks
+        (agreed; 0: not told)."""
         trial = self.trial
         if trial is None:
             return
         if trial.sized:  # the same layout in both arms: the batch ran the arm `next_on` chose
-            arm = trial.on if trial.next_on else trial.off
+            on = trial.next_on
         else:
-            arm = trial.on if set(trial.trades) <= set(layout) else trial.off
-        arm.append(float(seconds))
+            on = set(trial.trades) <= set(layout)
+        (trial.on if on else trial.off).append(float(seconds))
+        if not peak:
+            trial.peak_on = trial.peak_off = -1  # a batch not told: nothing known of the trade's memory
+        elif on and trial.peak_on >= 0:
+            trial.peak_on = max(trial.peak_on, int(peak))
+        elif not on and trial.peak_off >= 0:
+            trial.peak_off = int(peak) if not trial.peak_off else min(trial.peak_off, int(peak))
 
     @property
     def needs_agreement(self) -> bool:
@@ -1043,8 +1060,15 @@ class LayoutSearch:
                 self.kept.append(trade)
                 self.rejected.pop(trade, None)
                 self.too_big_at.pop(trade, None)
+                self.saves.pop(trade, None)
                 if trial.upsize and trade in self.upsize and capacity and from_size is not None:
                     self.kept_under[trade] = (int(capacity), int(from_size))
+            if trial.size is None and 0 < trial.peak_on < trial.peak_off:
+                # Its batches all peaked lower than those without it, at the same size: undoing it under pressure would
+                # raise the peak (one H100, Qwen3-MoE's blocks: grad_sync_once kept at 72.8 GiB against 77.2 without;
+                # undone for a thrash, the size then ran out at 6 and 4 and fell to 2, 2.2 -> 4.1 s a batch).
+                for trade in trial.trades:
+                    self.saves[trade] = (trial.peak_on, trial.peak_off)
         elif trial.size is None:
             self.slower_on.setdefault(trial.trade, []).append(self.settled)
             if len(trial.trades) == 1 and result.median_on < result.median_off:
@@ -1107,8 +1131,9 @@ class LayoutSearch:
         # A trade in UPSIZE or GROWS stays: the size it admitted would not fit without it (the size shrinks).
         # Nor the ladder's ``op`` (size 1 did not fit without it: `recompute_floor`; a full recompute asked for and
         # tried down to ``op`` goes back to full).
+        # Nor a trade whose trial's batches peaked lower with it (`saves`): undone, the peak would rise.
         floor_op = RECOMPUTE_OP if RECOMPUTE_OP in self.floor else None
-        undoable = [t for t in self.kept if t not in self.upsize and t not in GROWS and t != floor_op]
+        undoable = [t for t in self.kept if t not in self.upsize and t not in GROWS and t != floor_op and t not in self.saves]
         if undoable and self.config.mode == "auto":
             trade = undoable[-1]
             self.kept.remove(trade)
@@ -1136,6 +1161,7 @@ class LayoutSearch:
             **({"kept_under": {t: list(v) for t, v in self.kept_under.items()}} if self.kept_under else {}),
             **({"head_from": list(self.head_from)} if self.head_from else {}),
             **({"floor": list(self.floor)} if self.floor else {}),
+            **({"saves": {t: list(v) for t, v in self.saves.items()}} if self.saves else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -1145,6 +1171,7 @@ class LayoutSearch:
             self._apply_floor()
             return  # a pinned or fixed layout wins over what a checkpoint chose
         self.kept = [t for t in state.get("kept", []) if t in self.candidates]
+        self.saves = {t: (int(v[0]), int(v[1])) for t, v in state.get("saves", {}).items() if t in self.kept}
         self.rejected = {t: str(w) for t, w in state.get("rejected", {}).items() if t in TRADES}
         self.too_big_at = {
             t: int(n) for t, n in state.get("too_big_at", {}).items() if t in self.rejected and not isinstance(n, bool)

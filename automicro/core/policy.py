@@ -14,7 +14,8 @@ Phases:
   batches are counted. The split is the fewest microbatches, as even as possible.
 - ``STEADY``: hooks off. An OOM sends the policy back to ``SETTLING`` at the same split (the
   batch is rerun with the hooks on); a repeat of that OOM, or a thrash, sends it back to
-  ``SEARCHING`` (downward, keeping the sizes known to fit); a `Rearm` sends it back to ``SETTLING``.
+  ``SEARCHING`` (downward, keeping the sizes known to fit); a `Rearm` sends it back to ``SETTLING``. A thrash
+  timed faster than the size it shrank to (`Retried`) takes that size back, in the phase the policy is in.
 
 The floor rule, the same at every size, the smallest one included: an OOM at a size that already
 ran clean is a one-off until it repeats (a long sequence, fragmentation, memory left by an eval or

@@ -4,7 +4,8 @@ Near the memory limit the CUDA caching allocator frees its cache and retries (`n
 grows): the batch succeeds but runs slowly and is one step from an OOM. New retries on any rank
 in `thrash_batches` consecutive batches are treated like an OOM at the current size (Composer's
 FSDP1 rule, which uses 2). The training search feeds it no layout trial's batch: a trial times its
-retries in its arms (`automicro.batch.training_search`).
+retries in its arms (`automicro.batch.training_search`); nor a batch at a size whose retries were
+timed faster than the size below (`automicro.batch.thrash_timing`).
 
 Owns: the consecutive-retry counter. May not touch: the allocator (the figures come through
 the consensus verdict), the policy (the adapter turns a detection into `policy.Thrash`).
