@@ -73,7 +73,6 @@ class ThrashTiming:
         self._compiled: set[int] = set()  # batches agreed to have compiled a graph on some rank
         self.pending: Optional[_Pending] = None
         self.accepted: Optional[int] = None  # the size found whose retries count as no thrash
-        self.decisions = 0
         # Tests replace the clock's reading (`tests/automicro_cases.py`): (size found, seconds measured) -> seconds.
         self.timing: Callable[[int, float], float] = lambda size, seconds: seconds
 
@@ -90,8 +89,7 @@ class ThrashTiming:
         """Batch `batch` trained at `split` (the size found `found`, the sync hooks `hooks`); `clean`: in one attempt,
         held by no trial. Every rank alike (agreed figures only)."""
         self._batches[batch] = _Batch(found, tuple(split), hooks, clean)
-        for old in [b for b in self._batches if b < batch - KEPT]:
-            del self._batches[old]
+        self._batches.pop(batch - KEPT, None)  # batches come one by one (a resume starts a new record)
         if self.accepted is not None and found is not None and found != self.accepted:
             self.accepted = None  # the size moved: retries at a size found again are timed again
 
@@ -159,7 +157,6 @@ class ThrashTiming:
             self.stop("each retrying batch compiled a graph")
             return None
         self.pending = None
-        self.decisions += 1
         result = judge("retries", retrying, at_below, self.min_gain)
         on, off = statistics.median(retrying), statistics.median(at_below)
         words = (f"thrash at {pending.size} timed: median batch {on:.4f} s at {pending.size} with the allocator's "

@@ -261,8 +261,9 @@ class Trial:
     unit: str = "samples"
     # ``recompute_op`` tried up from no recompute (at a larger microbatch, against none), not down from a full recompute.
     up: bool = False
-    # The highest agreed peak of the batches with the trade, the lowest of those without (bytes; 0: none told): a trade
-    # kept whose batches all peaked lower than every batch without it saves memory there (`LayoutSearch.saves`).
+    # The highest agreed peak of the batches with the trade, the lowest of those without (bytes; 0: none yet; -1: a
+    # batch's peak was not told, nothing is known): a trade kept whose batches all peaked lower than every batch without
+    # it saves memory there (`LayoutSearch.saves`).
     peak_on: int = 0
     peak_off: int = 0
 
