@@ -1055,6 +1055,24 @@ def test_a_thrash_timed_leaves_out_a_batch_that_compiled_on_another_rank_and_kee
     assert not timing.accepts(8)
 
 
+def test_a_thrash_timing_that_finds_no_batch_to_time_stops_and_lets_the_trials_run():
+    """The size below's batches all had the sync hooks on where the retrying ones had them off (or each compiled a
+    graph): no arm, and the trial plan is held off meanwhile. Past `WAIT_BATCHES` the timing stops, with a line."""
+    from automicro.batch.thrash_timing import WAIT_BATCHES
+
+    lines, seconds = [], {}
+    timing = _thrash_timing(_TwoRanks(), lines)
+    _steady_thrash_at_8(timing, seconds)
+    last = 11 + WAIT_BATCHES + 1
+    for b in range(16, last + 1):
+        seconds[b - 1] = 2.0
+        timing.after_batch(b, 4, (4, 4), True, True)
+        assert timing.decide(b, 4, 40 * GiB, seconds, {}) is None
+        assert timing.holding == (b < last), b
+    assert lines == [f"thrash at 8: not timed against the size below (no 2 batches fit to time at the size below within "
+                     f"{WAIT_BATCHES} batches); the size below stays"]
+
+
 @pytest.mark.parametrize("why", ["capacity", "above", "another thrash"])
 def test_a_thrash_timing_stops_where_the_memory_moved_or_the_search_went_above(why):
     lines, seconds = [], {}

@@ -21,7 +21,8 @@ one-off rule, so a size that does run out still shrinks. Else the size below sta
 Not timed (the rule's shrink stands; where the timing had started, a line says why it stopped): a thrash while the
 size is searched, at the floor (the policy stays there), over tokens (a token budget's batches differ in their work),
 Composer's `halve` search; the timing stops where the capacity read moves, the search goes above the size that
-retried (memory came back), or another thrash comes first (that one is timed instead).
+retried (memory came back), another thrash comes first (that one is timed instead), or `WAIT_BATCHES` batches pass
+without the batches it needs (the trials it holds off then run).
 
 Owns: the two arms, their judgement and the size whose retries are accepted. May not touch: the policy's state (it
 returns the outcome to observe), torch (the times come from the plan, their agreement from the consensus).
@@ -39,6 +40,9 @@ from automicro.core.layout import judge
 from automicro.core.policy import Retried, capacity_moved
 
 KEPT = 64  # batches whose records are kept (the arms are the last few)
+# Batches after the thrash within which the size below must have given its arm (a settling's few, its steady ones):
+# past them the timing stops, and the trials it holds off get their batches (each batch there compiling a graph, say).
+WAIT_BATCHES = 16
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,9 @@ class ThrashTiming:
             return None
         if capacity_moved(pending.capacity, capacity) is not None:
             self.stop(f"the memory capacity moved, {pending.capacity / 2**20:.1f} -> {capacity / 2**20:.1f} MiB")
+            return None
+        if batch - pending.at > WAIT_BATCHES:
+            self.stop(f"no {len(pending.batches)} batches fit to time at the size below within {WAIT_BATCHES} batches")
             return None
         if found is None:
             return None  # still searching below
