@@ -1073,6 +1073,89 @@ def test_a_thrash_timing_that_finds_no_batch_to_time_stops_and_lets_the_trials_r
                      f"{WAIT_BATCHES} batches); the size below stays"]
 
 
+def _cascade(timing, seconds, at_4):
+    """The thrash at 8 (batches 10, 11), then 12 (4, 4) searched, 13 and 14 at 4 (settled, hooks on) retried: a thrash
+    at 4 in 14 while the one at 8 waits; 15 searched at 2, 16 settled at 3."""
+    for b in (10, 11):
+        timing.after_batch(b, 8, (8,), False, True)
+        seconds[b] = 1.0
+    timing.thrash(11, 8, 8, 1, 9, 40 * GiB, searching=False, samples=True)
+    timing.after_batch(12, None, (4, 4), True, True)
+    for b in (13, 14):
+        timing.after_batch(b, 4, (4, 4), True, True)
+    seconds.update({12: 5.0, 13: at_4, 14: at_4})
+    kept = timing.below_thrashed(14, 4)
+    timing.after_batch(15, None, (2, 2, 2, 2), True, True)
+    seconds[15] = 3.0
+    return kept
+
+
+@pytest.mark.parametrize("faster", [8, 4])
+def test_a_thrash_at_the_size_below_one_being_timed_gives_its_retrying_batches_as_the_other_arm(faster):
+    lines, consensus, seconds = [], _TwoRanks(), {}
+    timing = _thrash_timing(consensus, lines)
+    assert _cascade(timing, seconds, 2.0 if faster == 8 else 0.5) and timing.holding
+    # Still searching below (15): nothing to decide; 16 settled at 3: the retrying batches at 4 (12 was the first at its
+    # split) are the arm, the hooks on and all.
+    assert timing.decide(15, None, 40 * GiB, seconds, {}) is None and timing.holding
+    timing.after_batch(16, 3, (3, 3, 2), True, True)
+    got = timing.decide(16, 3, 40 * GiB, seconds, {})
+    assert not timing.holding and consensus.rounds == 1
+    if faster == 8:
+        assert got == P.Retried(8, 9) and timing.accepts(8)
+        assert lines == ["thrash at 8 timed: median batch 1.0000 s at 8 with the allocator's retries (batches 10, 11), "
+                         "2.0000 s at 4 with its retries too (batches 13, 14) (+50.0%; spread 0.0000 s): 8 again from "
+                         "batch 17, its retries accepted (no thrash counted there; an OOM there still shrinks the size)"]
+    else:
+        assert got is None and not timing.accepts(8)
+        assert lines == ["thrash at 8 timed: median batch 1.0000 s at 8 with the allocator's retries (batches 10, 11), "
+                         "0.5000 s at 4 with its retries too (batches 13, 14) (-100.0%; spread 0.0000 s): 3 kept, as "
+                         "the thrash rule had it"]
+
+
+def test_a_retrying_arm_below_that_compiled_on_another_rank_gives_way_to_the_settled_size_below():
+    lines, seconds = [], {}
+    rounds = []
+
+    def other(local):  # the other rank compiled a graph in 13 and 14 (of 10, 11, 13, 14) in the first round
+        rounds.append(local)
+        return [0] * 6 + ([10**6] * 2 if len(rounds) == 1 else [0, 0])
+
+    consensus = _TwoRanks(other)
+    timing = _thrash_timing(consensus, lines)
+    _cascade(timing, seconds, 2.0)
+    timing.after_batch(16, 3, (3, 3, 2), False, True)
+    assert timing.decide(16, 3, 40 * GiB, seconds, {}) is None and timing.holding and not lines
+    # Nothing is left of that arm: the settled size's batches are (16 the first at its split) 17 and 18.
+    for b in (17, 18, 19):
+        seconds[b - 1] = 0.9
+        timing.after_batch(b, 3, (3, 3, 2), False, True)
+        got = timing.decide(b, 3, 40 * GiB, seconds, {})
+    assert got is None and not timing.holding and consensus.rounds == 2
+    assert lines == ["thrash at 8 timed: median batch 1.0000 s at 8 with the allocator's retries (batches 10, 11), "
+                     "0.9000 s at 3 (batches 17, 18) (-11.1%; spread 0.0000 s): 3 kept, as the thrash rule had it"]
+
+
+@pytest.mark.parametrize("case", ["no batch fit", "not below"])
+def test_a_thrash_while_one_is_timed_stops_it_where_it_gives_no_arm_below(case):
+    lines = []
+    timing = _thrash_timing(_TwoRanks(), lines)
+    for b in (10, 11):
+        timing.after_batch(b, 8, (8,), False, True)
+    timing.thrash(11, 8, 8, 1, 9, 40 * GiB, searching=False, samples=True)
+    if case == "no batch fit":  # 12 the first at (4, 4), 13 the first at (7, 1)
+        timing.after_batch(12, None, (4, 4), True, True)
+        timing.after_batch(13, None, (7, 1), True, True)
+        assert not timing.below_thrashed(13, 7)
+    else:  # the search went back to 8 and it retried there
+        timing.after_batch(12, None, (8,), True, True)
+        timing.after_batch(13, None, (8,), True, True)
+        assert not timing.below_thrashed(13, 8)
+    assert not timing.holding
+    assert lines == ["thrash at 8: not timed against the size below (another thrash came first, at the size below); "
+                     "the size below stays"]
+
+
 @pytest.mark.parametrize("why", ["capacity", "above", "another thrash"])
 def test_a_thrash_timing_stops_where_the_memory_moved_or_the_search_went_above(why):
     lines, seconds = [], {}

@@ -18,11 +18,19 @@ the retrying batches were faster, the size found goes back up (`policy.Retried`)
 while it stays the size found (`accepts`): no thrash is counted at it again; an OOM there still goes through the
 one-off rule, so a size that does run out still shrinks. Else the size below stays, as the rule had it.
 
+Where the size below retries too, before it gives its arm (a thrash there: the same H100 run, a thrash at 6 with full
+recompute, then at 4, 3 and 2 as each new size's allocator pool settled, the run ended at 2, 3.4 s a batch against
+2.2 s at 6), the retries came with the run, not with the size: that thrash's retrying batches fit to time (the first at
+a split never is) are the other arm, and the faster of the two retrying sizes is judged. They ran with the sync hooks
+on where the thrash turned them on (0.2-3.7% of a batch on 2 H200s, `docs/design.md`): the error is toward the larger
+size, at most that much. The search meanwhile shrinks as the rule has it; where the larger size loses, the size below
+stays (that thrash is not timed apart).
+
 Not timed (the rule's shrink stands; where the timing had started, a line says why it stopped): a thrash while the
 size is searched, at the floor (the policy stays there), over tokens (a token budget's batches differ in their work),
 Composer's `halve` search; the timing stops where the capacity read moves, the search goes above the size that
-retried (memory came back), another thrash comes first (that one is timed instead), or `WAIT_BATCHES` batches pass
-without the batches it needs (the trials it holds off then run).
+retried (memory came back), another thrash comes first with no batch fit to time (that one is timed instead) or undoes
+a trade, or `WAIT_BATCHES` batches pass without the batches it needs (the trials it holds off then run).
 
 Owns: the two arms, their judgement and the size whose retries are accepted. May not touch: the policy's state (it
 returns the outcome to observe), torch (the times come from the plan, their agreement from the consensus).
@@ -30,6 +38,7 @@ returns the outcome to observe), torch (the times come from the plan, their agre
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -61,6 +70,11 @@ class _Pending:
     hooks: bool  # the sync hooks were on in them
     capacity: int  # the capacity read at the thrash
     at: int  # the thrash's batch
+    largest: int  # the retrying batches' largest microbatch
+    # Where the size below retried too (a thrash there while this one waits): its retrying batches fit to time, and
+    # that size. They are the other arm until the size the search settles on gives its own.
+    retried: tuple[int, ...] = ()
+    retried_size: int = 0
 
 
 class ThrashTiming:
@@ -107,7 +121,27 @@ class ThrashTiming:
         batches = tuple(range(batch - self.thrash_batches + 1, batch + 1))
         if any(b not in self._batches or self._batches[b].found != found for b in batches):
             return
-        self.pending = _Pending(found, bound, batches, self._batches[batch].hooks, capacity, batch)
+        self.pending = _Pending(found, bound, batches, self._batches[batch].hooks, capacity, batch, largest)
+
+    def below_thrashed(self, batch: int, largest: int) -> bool:
+        """Another thrash, at batch `batch` (its largest microbatch `largest`), while this one waits for the size
+        below: where it is below the size timed, its retrying batches fit to time (one attempt, no trial's, not the
+        first at their split) become the other arm: the size below retries too, so the retries came with the run, not
+        with the size, and the question is which of the two retrying sizes is faster. True: the timing goes on (this
+        thrash is not timed apart); False: it stopped, with its line."""
+        pending = self.pending
+        assert pending is not None
+        fit = []
+        for b in range(batch - self.thrash_batches + 1, batch + 1):
+            record, before = self._batches.get(b), self._batches.get(b - 1)
+            if (record is not None and before is not None and record.clean and record.split == before.split
+                    and max(record.split) == largest):
+                fit.append(b)
+        if largest >= pending.largest or not fit:
+            self.stop("another thrash came first, at the size below")
+            return False
+        self.pending = dataclasses.replace(pending, retried=tuple(fit), retried_size=largest)
+        return True
 
     def _arm_below(self, batch: int, found: int, hooks: bool) -> list[int]:
         assert self.pending is not None
@@ -147,9 +181,13 @@ class ThrashTiming:
             return None
         below = self._arm_below(batch, found, pending.hooks)
         need = len(pending.batches)
-        if len(below) < need:
+        size_below, retried = found, False
+        if len(below) >= need:
+            below = below[:need]
+        elif pending.retried and max(pending.retried) < batch:
+            below, size_below, retried = list(pending.retried), pending.retried_size, True
+        else:
             return None
-        below = below[:need]
         batches = list(pending.batches) + below
         local = [seconds.get(b, 0.0) for b in batches] + [float(bool(compiled.get(b))) for b in batches]
         agreed = agreed_times(self.consensus(), local)
@@ -157,9 +195,11 @@ class ThrashTiming:
         newly = {b for b, g in zip(batches, graphs) if g > 0}
         if newly & set(below):
             self._compiled |= newly & set(below)  # those batches compiled on some rank: the next ones instead
+            if retried:  # the size below's retrying batches left out: its settled ones are the arm
+                self.pending = dataclasses.replace(pending, retried=tuple(b for b in pending.retried if b not in newly))
             return None
         retrying = [self.timing(pending.size, t) for b, t in zip(batches, times) if b in pending.batches and b not in newly]
-        at_below = [self.timing(found, t) for b, t in zip(batches, times) if b in below]
+        at_below = [self.timing(size_below, t) for b, t in zip(batches, times) if b in below]
         if not retrying:
             self.stop("each retrying batch compiled a graph")
             return None
@@ -168,8 +208,8 @@ class ThrashTiming:
         on, off = statistics.median(retrying), statistics.median(at_below)
         words = (f"thrash at {pending.size} timed: median batch {on:.4f} s at {pending.size} with the allocator's "
                  f"retries (batches {', '.join(str(b) for b in pending.batches if b not in newly)}), {off:.4f} s at "
-                 f"{found} (batches {', '.join(str(b) for b in below)}) ({100.0 * (1.0 - on / off):+.1f}%; spread "
-                 f"{result.spread:.4f} s)")
+                 f"{size_below}{' with its retries too' if retried else ''} (batch{'es' if len(below) > 1 else ''} "
+                 f"{', '.join(str(b) for b in below)}) ({100.0 * (1.0 - on / off):+.1f}%; spread {result.spread:.4f} s)")
         if not result.kept:
             self.info(f"{words}: {found} kept, as the thrash rule had it")
             return None

@@ -830,9 +830,10 @@ class TrainingSearch:
                            self.batch_attempts == 1 and not in_layout_trial and not trial_batch and self._trial_plan().turn is None)
         if self.thrash.observe(retried_clean_batch):
             twin_ran = self._step is not None and self._step.twin is not None
-            if timing.holding:
-                timing.stop("another thrash came first, at the size below")
-            if self.sharding_choice is not None and self.sharding_choice.relieve("thrashing", rerun=False):
+            relieved = self.sharding_choice is not None and self.sharding_choice.relieve("thrashing", rerun=False)
+            if timing.holding and relieved:
+                timing.stop("another thrash came first, at the size below, and moved to FSDP2")
+            if relieved:
                 # Through the twin, or in any batch of its trial, as an OOM there: FSDP2 from the next batch, the size stays.
                 self.runtime.memory.empty_cache()
                 through = "through the unsharded model" if twin_ran else "in the unsharded model's trial"
@@ -841,14 +842,18 @@ class TrainingSearch:
                 return
             if self._relieved_by_layout(f"thrashing at size {max(sizes)}", max(sizes)) is not None:
                 assert self.layout is not None
+                if timing.holding:
+                    timing.stop("another thrash came first, at the size below, and undid a trade")
                 # The undone trade's shapes stay in the allocator's pool and the batches after it retry on (Qwen3-MoE's
                 # blocks on one H100: two more retrying batches after grad_sync_once's undo undid no_reshard too).
                 self.runtime.memory.empty_cache()
                 self._record(batch_index, sizes, "thrash", verdict, max(sizes), seconds, f"layout now {self.layout.describe()}")
                 return
             state = self.policy.state
-            timing.thrash(batch_index, state.found, max(sizes), self.policy.floor, state.first_failure, verdict.capacity_bytes,
-                          state.phase == search.Phase.SEARCHING, self.config.unit == "samples")
+            # A thrash at the size below one being timed: its retrying batches are that timing's other arm.
+            if not (timing.holding and timing.below_thrashed(batch_index, max(sizes))):
+                timing.thrash(batch_index, state.found, max(sizes), self.policy.floor, state.first_failure,
+                              verdict.capacity_bytes, state.phase == search.Phase.SEARCHING, self.config.unit == "samples")
             decision = self.policy.observe(search.Thrash(self.kind.outcome_size(self.policy, sizes, verdict, False)))
             self._record(batch_index, sizes, "thrash", verdict, decision.next_size, seconds, decision.event)
             self.apply_hooks(decision.hooks, decision.reason)
