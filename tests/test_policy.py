@@ -1173,6 +1173,19 @@ def test_a_thrash_timing_stops_where_the_memory_moved_or_the_search_went_above(w
     assert not timing.holding
 
 
+@pytest.mark.parametrize("split", [(8,), (7, 1)])
+def test_a_thrash_in_the_batches_right_after_the_search_converged_is_timed_where_they_ran_the_size_found(split):
+    """Batch 10 converged on 8 (the size found after it: None in its record), 11 at 8: both retried. At 8's split, 10
+    is 8's batch too (a new size's pool settling: on one H100 the thrashes at 4 and 3 retried in their converging
+    batch); converged in a batch of (7, 1) with 8's split (8,), it is not."""
+    lines = []
+    timing = _thrash_timing(_TwoRanks(), lines)
+    timing.after_batch(10, None, split, True, True)
+    timing.after_batch(11, 8, (8,), True, True)
+    timing.thrash(11, 8, 8, 1, None, 40 * GiB, searching=False, samples=True)
+    assert timing.holding == (split == (8,)) and not lines
+
+
 @pytest.mark.parametrize("case", ["floor", "searching", "tokens", "off", "mixed sizes"])
 def test_a_thrash_is_not_timed_at_the_floor_while_searching_over_tokens_or_off_a_gpu(case):
     lines = []

@@ -8,7 +8,7 @@ again), but so does a smaller microbatch, and the rule never asks which costs mo
 batch (`benchmarks/RESULTS.md`, 2026-12-07, routed models as sized).
 
 The thrash still shrinks the size (the batches after it must not run out of memory), and its own batches are the
-retrying size's arm. Once the search has settled below, the first batches there are the other arm: each trained in
+retrying size's arm (each at the size found, or the batch the search converged in, where it ran that size's split). Once the search has settled below, the first batches there are the other arm: each trained in
 one attempt, none a trial's or the batch profile's, none the first at its split or one that compiled a graph on any
 rank, the sync hooks as the retrying batches had them or off (off only makes the size below faster: the comparison
 errs toward the rule). The trial plan gives no trial a batch meanwhile (`holding`). Times are the plan's clock (start
@@ -119,7 +119,11 @@ class ThrashTiming:
         if not self.enabled or not samples or searching or found is None or largest <= floor:
             return
         batches = tuple(range(batch - self.thrash_batches + 1, batch + 1))
-        if any(b not in self._batches or self._batches[b].found != found for b in batches):
+        # Each at the size found, or the batch the search converged in at its split (found after it: a new size's pool
+        # settles with retries of its own; on one H100 the thrashes at 4 and at 3 retried in their converging batch).
+        split = self._batches[batch].split if batch in self._batches else None
+        if any(b not in self._batches or self._batches[b].found not in (None, found) or self._batches[b].split != split
+               for b in batches):
             return
         self.pending = _Pending(found, bound, batches, self._batches[batch].hooks, capacity, batch, largest)
 
