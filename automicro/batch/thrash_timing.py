@@ -8,15 +8,16 @@ again), but so does a smaller microbatch, and the rule never asks which costs mo
 batch (`benchmarks/RESULTS.md`, 2026-12-07, routed models as sized).
 
 The thrash still shrinks the size (the batches after it must not run out of memory), and its own batches are the
-retrying size's arm (each at the size found, or the batch the search converged in, where it ran that size's split). Once the search has settled below, the first batches there are the other arm: each trained in
-one attempt, none a trial's or the batch profile's, none the first at its split or one that compiled a graph on any
-rank, the sync hooks as the retrying batches had them or off (off only makes the size below faster: the comparison
-errs toward the rule). The trial plan gives no trial a batch meanwhile (`holding`). Times are the plan's clock (start
-to start, `automicro.batch.trial_plan`), the slowest rank's per batch (one consensus round), judged by the layout
-trials' rule (`automicro.core.layout.judge`: the median faster by more than `min_gain` and the larger spread). Where
-the retrying batches were faster, the size found goes back up (`policy.Retried`) and the retries there are accepted
-while it stays the size found (`accepts`): no thrash is counted at it again; an OOM there still goes through the
-one-off rule, so a size that does run out still shrinks. Else the size below stays, as the rule had it.
+retrying size's arm (each at the size found, or the batch the search converged in, where it ran that size's split).
+Once the search has settled below, the first batches there are the other arm: each trained in one attempt, none a
+trial's or the batch profile's, none the first at its split or one that compiled a graph on any rank, the sync hooks
+as the retrying batches had them or off (off only makes the size below faster: the comparison errs toward the rule).
+The trial plan gives no trial a batch meanwhile (`holding`). Times are the plan's clock (start to start,
+`automicro.batch.trial_plan`), the slowest rank's per batch (one consensus round), judged by the layout trials' rule
+(`automicro.core.layout.judge`: the median faster by more than `min_gain` and the larger spread). Where the retrying
+batches were faster, the size found goes back up (`policy.Retried`) and the retries there are accepted while it stays
+the size found (`accepts`): no thrash is counted at it again; an OOM there still goes through the one-off rule, so a
+size that does run out still shrinks. Else the size below stays, as the rule had it.
 
 Where the size below retries too, before it gives its arm (a thrash there: the same H100 run, a thrash at 6 with full
 recompute, then at 4, 3 and 2 as each new size's allocator pool settled, the run ended at 2, 3.4 s a batch against
@@ -142,7 +143,8 @@ class ThrashTiming:
                     and max(record.split) == largest):
                 fit.append(b)
         if largest >= pending.largest or not fit:
-            self.stop("another thrash came first, at the size below")
+            self.stop(f"another thrash came first, at {largest}" if largest >= pending.largest
+                      else "another thrash came first, at the size below, in no batch fit to time")
             return False
         self.pending = dataclasses.replace(pending, retried=tuple(fit), retried_size=largest)
         return True

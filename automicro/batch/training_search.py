@@ -832,7 +832,7 @@ class TrainingSearch:
             twin_ran = self._step is not None and self._step.twin is not None
             relieved = self.sharding_choice is not None and self.sharding_choice.relieve("thrashing", rerun=False)
             if timing.holding and relieved:
-                timing.stop("another thrash came first, at the size below, and moved to FSDP2")
+                timing.stop("another thrash came first and moved the model to FSDP2")
             if relieved:
                 # Through the twin, or in any batch of its trial, as an OOM there: FSDP2 from the next batch, the size stays.
                 self.runtime.memory.empty_cache()
@@ -843,7 +843,7 @@ class TrainingSearch:
             if self._relieved_by_layout(f"thrashing at size {max(sizes)}", max(sizes)) is not None:
                 assert self.layout is not None
                 if timing.holding:
-                    timing.stop("another thrash came first, at the size below, and undid a trade")
+                    timing.stop("another thrash came first and undid a trade")
                 # The undone trade's shapes stay in the allocator's pool and the batches after it retry on (Qwen3-MoE's
                 # blocks on one H100: two more retrying batches after grad_sync_once's undo undid no_reshard too).
                 self.runtime.memory.empty_cache()
