@@ -136,12 +136,8 @@ class ThrashTiming:
         thrash is not timed apart); False: it stopped, with its line."""
         pending = self.pending
         assert pending is not None
-        fit = []
-        for b in range(batch - self.thrash_batches + 1, batch + 1):
-            record, before = self._batches.get(b), self._batches.get(b - 1)
-            if (record is not None and before is not None and record.clean and record.split == before.split
-                    and max(record.split) == largest):
-                fit.append(b)
+        fit = [b for b in range(batch - self.thrash_batches + 1, batch + 1)
+               if self._fit(b) and max(self._batches[b].split) == largest]
         if largest >= pending.largest or not fit:
             self.stop(f"another thrash came first, at {largest}" if largest >= pending.largest
                       else "another thrash came first, at the size below, in no batch fit to time")
@@ -149,16 +145,17 @@ class ThrashTiming:
         self.pending = dataclasses.replace(pending, retried=tuple(fit), retried_size=largest)
         return True
 
+    def _fit(self, b: int) -> bool:
+        """Batch `b` is fit to time: trained in one attempt, no trial's or the profile's, not the first at its split."""
+        record, before = self._batches.get(b), self._batches.get(b - 1)
+        return record is not None and before is not None and record.clean and record.split == before.split
+
     def _arm_below(self, batch: int, found: int, hooks: bool) -> list[int]:
         assert self.pending is not None
-        arm = []
-        for b in range(self.pending.at + 1, batch):  # seconds are known up to the batch before this one
-            record, before = self._batches.get(b), self._batches.get(b - 1)
-            if (record is None or before is None or record.found != found or not record.clean
-                    or record.split != before.split or (record.hooks and not hooks) or b in self._compiled):
-                continue
-            arm.append(b)
-        return arm
+        # Seconds are known up to the batch before this one.
+        return [b for b in range(self.pending.at + 1, batch)
+                if self._fit(b) and self._batches[b].found == found and (hooks or not self._batches[b].hooks)
+                and b not in self._compiled]
 
     def stop(self, why: str) -> None:
         """The timing ends where it is: the size below stays (`why`, in words)."""
